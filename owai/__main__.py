@@ -1,0 +1,3 @@
+from owai.cli import main
+
+main()

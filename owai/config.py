@@ -1,0 +1,196 @@
+"""Typed configs: dataclass schemas, strict validation, layered overrides.
+
+Every method declares its parameters as a (nested) dataclass whose defaults are the thesis's
+settings. A resolved config is built from layers, each checked against that schema:
+
+    dataclass defaults <- recipe `params` <- recipe preset <- `--set a.b=value` overrides
+
+An unknown key, a wrong type or a bad `--set` path raises `OwaiError` naming the dotted path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from typing import Any, Literal, Union
+
+import yaml
+
+from owai.errors import OwaiError
+
+
+@dataclasses.dataclass
+class Runtime:
+    """Where and how a run executes; shared by every method."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    threads: int = 0  # torch intra-op threads; 0 = torch's default
+    deterministic: bool = True
+
+
+@dataclasses.dataclass
+class BaseConfig:
+    """Fields every method config has; method configs subclass this."""
+
+    seed: int = 0
+    runtime: Runtime = dataclasses.field(default_factory=Runtime)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    if origin is dict:
+        k, v = typing.get_args(tp)
+        return f"dict[{_type_name(k)}, {_type_name(v)}]"
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def coerce(tp: Any, value: Any, path: str) -> Any:
+    """Check `value` against type `tp` and return it (ints are accepted for floats)."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise OwaiError(f"{path}: expected a mapping, got {type(value).__name__} {_describe(value)}")
+        return build(tp, value, path)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise OwaiError(f"{path}: expected one of {_type_name(tp)}, got {_describe(value)}")
+        return value
+    if origin in (Union, types.UnionType):
+        for option in typing.get_args(tp):
+            if option is type(None) and value is None:
+                return None
+            if option is type(None):
+                continue
+            try:
+                return coerce(option, value, path)
+            except OwaiError:
+                continue
+        raise OwaiError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {_describe(value)}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise OwaiError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {_describe(value)}")
+        (item_tp,) = typing.get_args(tp)
+        return [coerce(item_tp, item, f"{path}[{i}]") for i, item in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise OwaiError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {_describe(value)}")
+        key_tp, val_tp = typing.get_args(tp)
+        return {coerce(key_tp, k, f"{path}"): coerce(val_tp, v, f"{path}.{k}") for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise OwaiError(f"{path}: expected float, got {type(value).__name__} {_describe(value)}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise OwaiError(f"{path}: expected int, got {type(value).__name__} {_describe(value)}")
+        return value
+    if tp in (bool, str):
+        if not isinstance(value, tp):
+            raise OwaiError(f"{path}: expected {tp.__name__}, got {type(value).__name__} {_describe(value)}")
+        return value
+    raise TypeError(f"unsupported config type {tp!r} at {path}")
+
+
+def build(cls: type, data: dict[str, Any], path: str = "params") -> Any:
+    """Instantiate dataclass `cls` from `data`, rejecting unknown keys and wrong types."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        raise OwaiError(f"{path}: unknown key {unknown[0]!r} (known: {', '.join(names)})")
+    kwargs = {name: coerce(hints[name], data[name], f"{path}.{name}") for name in names if name in data}
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise OwaiError(f"{path}: missing required key {missing[0]!r}")
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge: mappings merge key by key, anything else replaces."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+class _Loader(yaml.SafeLoader):
+    """yaml.SafeLoader that also reads `1e-3` (no dot) as a float, as YAML 1.2 does."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
+               r"|[0-9][0-9_]*[eE][-+]?[0-9]+|\.inf|\.Inf|\.INF|\.nan|\.NaN|\.NAN)$"),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(text: str) -> Any:
+    """Parse YAML safely (no object construction), reading 1e-3 as a float."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse `a.b.c=value`; the value is read as YAML (so 1e-3 is a float, [1,2] a list)."""
+    if "=" not in text:
+        raise OwaiError(f"--set {text!r}: expected KEY.PATH=VALUE")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if not key.strip() or any(not p for p in parts):
+        raise OwaiError(f"--set {text!r}: empty key in path")
+    try:
+        value = load_yaml(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def apply_overrides(cls: type, data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `--set` overrides to a params dict, checking each path exists in schema `cls`."""
+    out = dict(data)
+    for text in overrides:
+        parts, value = parse_override(text)
+        schema: Any = cls
+        for i, part in enumerate(parts):
+            if not dataclasses.is_dataclass(schema):
+                raise OwaiError(f"--set {text!r}: {'.'.join(parts[:i])} is not a section")
+            names = [f.name for f in dataclasses.fields(schema)]
+            if part not in names:
+                where = ".".join(parts[:i]) or "params"
+                raise OwaiError(f"--set {text!r}: unknown key {part!r} in {where} (known: {', '.join(names)})")
+            schema = typing.get_type_hints(schema)[part]
+        node = out
+        for part in parts[:-1]:
+            node[part] = dict(node.get(part) or {})
+            node = node[part]
+        node[parts[-1]] = value
+    return out

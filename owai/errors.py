@@ -1,0 +1,11 @@
+"""The one user-facing error type.
+
+Anything a user can get wrong (a recipe id, a YAML file, a --set path, a run directory, a
+checkpoint) raises `OwaiError` with a single-line message; the CLI prints it and exits non-zero.
+"""
+
+
+class OwaiError(Exception):
+    """A user-facing error: printed as one line, exit code 2, no traceback."""
+
+    exit_code = 2

@@ -1,0 +1,129 @@
+"""Execute a recipe: resolve its config, create or resume a run, call the method, write results.
+
+This is the one path from the CLI (`owai moons`, `owai recipes run`, sweep points) to a method.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+from owai import console
+from owai.checkpoint import latest_checkpoint, load_checkpoint
+from owai.config import apply_overrides, build, to_dict
+from owai.errors import OwaiError
+from owai.recipes import Recipe, load
+from owai.runs import Run, ensure_writable, environment
+
+
+def resolve(recipe: Recipe, preset: str | None, overrides: list[str]) -> tuple[Any, dict[str, Any]]:
+    """Build the typed config (defaults <- params <- preset <- --set) and its serialisable form."""
+    preset = preset or recipe.default_preset
+    schema = recipe.method_class().Config
+    params = apply_overrides(schema, recipe.params_for(preset), overrides)
+    cfg = build(schema, params, path="params")
+    resolved = {
+        "recipe": recipe.id,
+        "recipe_source": recipe.source,
+        "method": recipe.method,
+        "preset": preset,
+        "overrides": list(overrides),
+        "params": to_dict(cfg),
+    }
+    return cfg, resolved
+
+
+def command_line(recipe: Recipe, preset: str, overrides: list[str]) -> str:
+    cli = recipe.method_class().cli
+    return " ".join([cli, f"--preset {preset}", *(f"--set {o}" for o in overrides)])
+
+
+def verify_checkpoints(run: Run) -> None:
+    """Check every stage's newest checkpoint before a resume writes anything."""
+    root = run.path / "checkpoints"
+    for stage_dir in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
+        last = latest_checkpoint(stage_dir)
+        if last is not None:
+            load_checkpoint(last)
+
+
+def execute(
+    recipe_name: str | None = None,
+    preset: str | None = None,
+    overrides: list[str] | None = None,
+    out: Path = Path("runs"),
+    resume: Path | None = None,
+) -> tuple[Run, dict[str, Any]]:
+    """Run a recipe (or resume a run directory) to completion; returns (run, results)."""
+    overrides = list(overrides or [])
+    if resume is not None:
+        if overrides or preset:
+            raise OwaiError("--resume takes its config from the run directory; drop --preset/--set")
+        run = Run.open(resume)
+        resolved = run.read_config()
+        recipe = load(resolved.get("recipe_source") or resolved["recipe"])
+        cfg = build(recipe.method_class().Config, resolved["params"], path=f"{run.path}/config.yaml params")
+        if run.status() == "complete" and run.results() is not None:
+            console.info(f"[green]{run.path} is already complete[/green]")
+            return run, run.results()  # type: ignore[return-value]
+        verify_checkpoints(run)
+        console.info(f"resuming {run.path}")
+    else:
+        if recipe_name is None:
+            raise OwaiError("no recipe given")
+        recipe = load(recipe_name)
+        if not recipe.implemented:
+            raise OwaiError(f"recipe {recipe.id!r} needs method {recipe.method!r}, which is not implemented yet")
+        cfg, resolved = resolve(recipe, preset, overrides)
+        ensure_writable(out)
+        run = Run.create(out, recipe.id, resolved)
+        console.info(f"run directory: {run.path}")
+
+    from owai import runtime
+
+    run.device, run.dtype = runtime.setup(cfg.runtime, cfg.seed)
+    run.write_env(environment(str(run.device), cfg.runtime.dtype, cfg.seed))
+    method = recipe.method_class()()
+    try:
+        outcome = method.run(cfg, run)
+    except KeyboardInterrupt:
+        run.set_status("interrupted")
+        raise
+    except BaseException as e:
+        run.set_status("failed", error=f"{type(e).__name__}: {e}")
+        raise
+    results = assemble(recipe, resolved, outcome.measured, outcome.details, run)
+    run.write_results(results)
+    run.set_status("complete")
+    return run, results
+
+
+def assemble(
+    recipe: Recipe, resolved: dict[str, Any], measured: dict[str, Any], details: dict[str, Any], run: Run
+) -> dict[str, Any]:
+    """The one results format: measured numbers beside the thesis's, matched by metric name."""
+    names = list(measured) + [k for k in recipe.thesis if k not in measured]
+    rows = []
+    for name in names:
+        thesis = recipe.thesis.get(name)
+        rows.append(
+            {
+                "metric": name,
+                "measured": measured.get(name),
+                "thesis": thesis.value if thesis else None,
+                "thesis_claim": thesis.claim if thesis else "",
+                "ref": thesis.ref if thesis else "",
+            }
+        )
+    return {
+        "recipe": recipe.id,
+        "title": recipe.title,
+        "reproduces": recipe.references,
+        "preset": resolved["preset"],
+        "command": command_line(recipe, resolved["preset"], resolved["overrides"]),
+        "run_dir": str(run.path),
+        "finished": dt.datetime.now().isoformat(timespec="seconds"),
+        "rows": rows,
+        "details": details,
+    }

@@ -1,0 +1,53 @@
+"""The method registry: a recipe's `method` names one of these classes.
+
+Each method is a small class (DomainBed style) with a typed `Config` dataclass whose defaults are
+the thesis's settings, and a `run(cfg, run)` that trains/evaluates through the shared loop and
+returns the measured numbers. Entries are import paths so that listing recipes or printing
+`--help` does not import torch. Adding a method = one module + one line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from owai.errors import OwaiError
+
+if TYPE_CHECKING:
+    from owai.runs import Run
+
+REGISTRY: dict[str, str] = {
+    "three_moons": "owai.methods.three_moons:ThreeMoons",
+    "linear_disentanglement": "owai.methods.linear_disentanglement:LinearDisentanglement",
+}
+
+
+@dataclass
+class Outcome:
+    """What a method returns: named measured numbers (matched to the recipe's thesis numbers by
+    name) and free-form details (curves, matrices) that go into results.json as they are."""
+
+    measured: dict[str, Any]
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class Method:
+    """Base class: subclasses set `Config` and `cli`, and implement `run`."""
+
+    Config: ClassVar[type]
+    cli: ClassVar[str]  # the CLI command that runs it, e.g. "owai moons three-moons"
+
+    def run(self, cfg: Any, run: "Run") -> Outcome:
+        raise NotImplementedError
+
+
+def is_registered(name: str) -> bool:
+    return name in REGISTRY
+
+
+def method_class(name: str) -> type[Method]:
+    if name not in REGISTRY:
+        raise OwaiError(f"unknown method {name!r} (known: {', '.join(REGISTRY)})")
+    module, attr = REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), attr)

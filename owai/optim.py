@@ -1,0 +1,55 @@
+"""Optimizers that the references use and torch lacks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+class MLXAdamW(torch.optim.Optimizer):
+    """AdamW exactly as MLX 0.9 implements it (the Three Moons reference code).
+
+    Unlike torch.optim.AdamW there is no bias correction and eps sits outside the sqrt:
+        m <- b1 m + (1-b1) g ;  v <- b2 v + (1-b2) g^2 ;  p <- p (1 - lr wd) - lr m / (sqrt(v) + eps)
+    so the first updates are about 3x larger than torch's.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["m"] = torch.zeros_like(p)
+                    state["v"] = torch.zeros_like(p)
+                m, v = state["m"], state["v"]
+                m.mul_(b1).add_(p.grad, alpha=1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                if group["weight_decay"]:
+                    p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.addcdiv_(m, v.sqrt().add_(group["eps"]), value=-group["lr"])
+        return None
+
+
+def linear_schedule(start: float, end: float, steps: int):
+    """lr at update k (0-based) moves linearly from `start` towards `end` over `steps` updates (MLX's
+    `linear_schedule`): start + k (end - start) / steps, held at `end` afterwards."""
+
+    def lr_at(k: int) -> float:
+        return start + min(k, steps) * (end - start) / steps
+
+    return lr_at

@@ -1,0 +1,222 @@
+"""Run directories: the resolved config, environment facts, metrics, results, figures, checkpoints.
+
+    runs/<recipe>/<YYYYmmdd-HHMMSS>-<confighash>/
+        config.yaml       resolved config (recipe, preset, overrides, params)
+        env.json          owai version/commit, torch, device, seed, host, start time, resumes
+        status.json       running | complete | failed
+        metrics.jsonl     one JSON object per logged step: {"stage", "step", ...}
+        results.json      measured numbers beside the thesis's (the one results writer)
+        figures/*.png
+        checkpoints/<stage>/step-XXXXXX/
+
+A run directory is never reused for a different run: creation is exclusive.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from owai import __version__
+from owai.errors import OwaiError
+from owai.io import atomic_write_bytes, atomic_write_json, atomic_write_yaml
+
+CONFIG = "config.yaml"
+ENV = "env.json"
+STATUS = "status.json"
+METRICS = "metrics.jsonl"
+RESULTS = "results.json"
+
+
+def config_hash(resolved: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def git_commit() -> str | None:
+    """The owai source commit, when owai runs from a git checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def environment(device: str, dtype: str, seed: int) -> dict[str, Any]:
+    import numpy
+    import torch
+
+    facts: dict[str, Any] = {
+        "owai_version": __version__,
+        "owai_commit": git_commit(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "device": device,
+        "dtype": dtype,
+        "seed": seed,
+        "torch_threads": torch.get_num_threads(),
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "argv": sys.argv,
+        "started": dt.datetime.now().isoformat(timespec="seconds"),
+        "resumed": [],
+    }
+    if device.startswith("cuda"):
+        facts["cuda_device"] = torch.cuda.get_device_name()
+        facts["cuda_version"] = torch.version.cuda
+    return facts
+
+
+class Run:
+    """One run directory and the writers for everything in it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    # -- creation / opening -------------------------------------------------------------------
+    @classmethod
+    def create(cls, out: Path, recipe_id: str, resolved: dict[str, Any]) -> "Run":
+        """Make a fresh run directory under out/<recipe>/ (exclusive: never overwrites)."""
+        parent = Path(out) / recipe_id
+        stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        base = f"{stamp}-{config_hash(resolved)}"
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            for attempt in range(1000):
+                path = parent / (base if attempt == 0 else f"{base}-{attempt}")
+                try:
+                    path.mkdir()
+                    break
+                except FileExistsError:
+                    continue
+            else:
+                raise OwaiError(f"cannot create a new run directory under {parent}")
+            run = cls(path)
+            (path / "figures").mkdir()
+            (path / "checkpoints").mkdir()
+            atomic_write_yaml(path / CONFIG, resolved)
+        except OSError as e:
+            raise OwaiError(f"cannot create run directory under {parent}: {e.strerror or e}") from None
+        run.set_status("running")
+        return run
+
+    @classmethod
+    def open(cls, path: Path) -> "Run":
+        """Open an existing run directory (for --resume and report)."""
+        path = Path(path)
+        if not path.is_dir():
+            raise OwaiError(f"run directory {path} does not exist")
+        if not (path / CONFIG).is_file():
+            raise OwaiError(f"{path} is not a run directory: {CONFIG} is missing")
+        return cls(path)
+
+    # -- files --------------------------------------------------------------------------------
+    @property
+    def figures(self) -> Path:
+        return self.path / "figures"
+
+    def checkpoints(self, stage: str) -> Path:
+        return self.path / "checkpoints" / stage
+
+    def read_config(self) -> dict[str, Any]:
+        from owai.config import load_yaml
+
+        try:
+            data = load_yaml((self.path / CONFIG).read_text())
+        except Exception as e:  # noqa: BLE001 - any parse failure is a corrupt run dir
+            raise OwaiError(f"{self.path / CONFIG} is corrupt: {type(e).__name__}") from None
+        if not isinstance(data, dict) or "recipe" not in data or "params" not in data:
+            raise OwaiError(f"{self.path / CONFIG} is not a resolved owai config")
+        return data
+
+    def write_env(self, facts: dict[str, Any]) -> None:
+        env_path = self.path / ENV
+        if env_path.exists():  # a resume: keep the original facts, record this start
+            old = json.loads(env_path.read_text())
+            old.setdefault("resumed", []).append({k: facts[k] for k in ("started", "host", "device", "argv")})
+            facts = old
+        atomic_write_json(env_path, facts)
+
+    def set_status(self, status: str, **extra: Any) -> None:
+        atomic_write_json(self.path / STATUS, {"status": status, "time": dt.datetime.now().isoformat(timespec="seconds"), **extra})
+
+    def status(self) -> str:
+        try:
+            return json.loads((self.path / STATUS).read_text())["status"]
+        except (OSError, ValueError, KeyError):
+            return "unknown"
+
+    # -- metrics ------------------------------------------------------------------------------
+    def log(self, stage: str, step: int, **values: Any) -> None:
+        """Append one metrics line (flushed; a resume trims lines past the checkpoint)."""
+        line = json.dumps({"stage": stage, "step": step, **values}, default=float)
+        with open(self.path / METRICS, "a") as f:
+            f.write(line + "\n")
+
+    def metrics(self) -> list[dict[str, Any]]:
+        path = self.path / METRICS
+        if not path.exists():
+            return []
+        rows = []
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:  # a line cut by a kill
+                continue
+        return rows
+
+    def trim_metrics(self, stage: str, step: int) -> None:
+        """Drop the metrics a killed run logged for `stage` after its last checkpoint `step`."""
+        rows = [r for r in self.metrics() if not (r.get("stage") == stage and r.get("step", 0) > step)]
+        atomic_write_bytes(self.path / METRICS, "".join(json.dumps(r) + "\n" for r in rows).encode())
+
+    # -- figures and results ------------------------------------------------------------------
+    def save_figure(self, fig: Any, name: str) -> Path:
+        """Save a matplotlib figure to figures/<name>.png atomically and close it."""
+        import io
+
+        import matplotlib.pyplot as plt
+
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        path = self.figures / f"{name}.png"
+        atomic_write_bytes(path, buf.getvalue())
+        return path
+
+    def write_results(self, results: dict[str, Any]) -> Path:
+        path = self.path / RESULTS
+        atomic_write_json(path, results)
+        return path
+
+    def results(self) -> dict[str, Any] | None:
+        path = self.path / RESULTS
+        if not path.exists():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except ValueError:
+            raise OwaiError(f"{path} is corrupt") from None
+
+
+def ensure_writable(out: Path) -> None:
+    """Fail early, before any work, if run directories cannot be created under `out`."""
+    out = Path(out)
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise OwaiError(f"cannot create run directory under {out}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise OwaiError(f"cannot create run directory under {out}: {probe} is not writable")

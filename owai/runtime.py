@@ -1,0 +1,67 @@
+"""Seeding, determinism, device and dtype selection: written once, used by every method."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+
+import numpy as np
+import torch
+
+from owai.config import Runtime
+from owai.errors import OwaiError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def derive_seed(*parts: object) -> int:
+    """A stable 63-bit seed from any parts, e.g. derive_seed(seed, "batch", step).
+
+    Data sampling is keyed by (seed, purpose, step) rather than by a running RNG stream, so a
+    resumed run draws exactly the batches an uninterrupted run would.
+    """
+    digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def generator(*parts: object, device: str | torch.device = "cpu") -> torch.Generator:
+    """A torch.Generator seeded with derive_seed(*parts)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(derive_seed(*parts))
+    return gen
+
+
+def setup(runtime: Runtime, seed: int) -> tuple[torch.device, torch.dtype]:
+    """Apply a Runtime config: threads, determinism, seed. Returns (device, dtype)."""
+    if runtime.threads < 0:
+        raise OwaiError(f"runtime.threads must be >= 0, got {runtime.threads}")
+    if runtime.threads:
+        torch.set_num_threads(runtime.threads)
+    if runtime.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    seed_everything(seed)
+    return select_device(runtime.device), DTYPES[runtime.dtype]
+
+
+def select_device(name: str) -> torch.device:
+    """'auto' picks CUDA when available; asking for CUDA without it is a user error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise OwaiError("runtime.device is 'cuda' but no CUDA device is available")
+    return torch.device(name)
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> torch.autocast:
+    """Mixed precision context: bf16 autocast when asked for, a no-op for float32."""
+    return torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32)
