@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
-import click
 import typer
 from rich.markup import escape
 
@@ -117,12 +116,22 @@ def report(
     markdown: Annotated[bool, typer.Option("--markdown", help="Print a Markdown table instead.")] = False,
     as_json: Json = False,
 ) -> None:
-    """Print a run's measured numbers beside the thesis's."""
+    """Print a run's measured numbers beside the thesis's (a sweep's: mean ± std over seeds)."""
+    from owai import sweep
     from owai.report import markdown as to_markdown
     from owai.report import table
     from owai.runs import Run
 
     console.configure(False, as_json)
+    if sweep.is_sweep_dir(run_dir):
+        summary = sweep.summarise(sweep.open_sweep(run_dir))
+        if as_json:
+            console.emit_json(summary)
+        elif markdown:
+            sys.stdout.write(sweep.markdown(summary))
+        else:
+            console.stdout.print(sweep.table(summary))
+        return
     results = Run.open(run_dir).results()
     if results is None:
         raise OwaiError(f"{run_dir} has no results.json yet (status: {Run(run_dir).status()}); resume it with --resume")
@@ -146,20 +155,15 @@ _register_commands()
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """Console entry point: user errors become one line and exit code 2, never a traceback."""
+    """Console entry point: user errors become one line and exit code 2, never a traceback.
+
+    Typer's standalone mode handles usage errors (exit 2), --help and Ctrl-C itself.
+    """
     try:
-        app(args=argv, standalone_mode=False)
+        app(args=argv)
     except OwaiError as e:
         console.stderr.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
-    except click.exceptions.Exit as e:
-        sys.exit(e.exit_code)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):
-        console.stderr.print("interrupted: a run directory can be continued with --resume", soft_wrap=True)
-        sys.exit(130)
     except Exception as e:  # noqa: BLE001 - the last line of defence against tracebacks
         if os.environ.get("OWAI_DEBUG"):
             raise

@@ -54,8 +54,12 @@ def execute(
     overrides: list[str] | None = None,
     out: Path = Path("runs"),
     resume: Path | None = None,
+    run_dir: Path | None = None,
 ) -> tuple[Run, dict[str, Any]]:
-    """Run a recipe (or resume a run directory) to completion; returns (run, results)."""
+    """Run a recipe (or resume a run directory) to completion; returns (run, results).
+
+    `run_dir` puts a new run at exactly that (not yet existing) directory instead of
+    out/<recipe>/<time>-<hash>/ (sweep points use it)."""
     overrides = list(overrides or [])
     if resume is not None:
         if overrides or preset:
@@ -76,8 +80,8 @@ def execute(
         if not recipe.implemented:
             raise OwaiError(f"recipe {recipe.id!r} needs method {recipe.method!r}, which is not implemented yet")
         cfg, resolved = resolve(recipe, preset, overrides)
-        ensure_writable(out)
-        run = Run.create(out, recipe.id, resolved)
+        ensure_writable(out if run_dir is None else Path(run_dir).parent)
+        run = Run.create(out, recipe.id, resolved) if run_dir is None else Run.create_at(run_dir, resolved)
         console.info(f"run directory: {run.path}")
 
     from owai import runtime

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -27,7 +28,8 @@ def _thesis(row: dict[str, Any]) -> str:
 
 
 def table(results: dict[str, Any]) -> Table:
-    t = Table(title=f"{results['recipe']}: {results.get('reproduces', '')} [{results.get('preset', '')}]", show_lines=False)
+    title = f"{results['recipe']}: {results.get('reproduces', '')} [{results.get('preset', '')}]"
+    t = Table(title=escape(title))
     t.add_column("metric", style="bold")
     t.add_column("measured", justify="right")
     t.add_column("thesis")

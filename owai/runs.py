@@ -102,12 +102,33 @@ class Run:
                     continue
             else:
                 raise OwaiError(f"cannot create a new run directory under {parent}")
-            run = cls(path)
-            (path / "figures").mkdir()
-            (path / "checkpoints").mkdir()
-            atomic_write_yaml(path / CONFIG, resolved)
+            return cls._populate(path, resolved)
         except OSError as e:
             raise OwaiError(f"cannot create run directory under {parent}: {e.strerror or e}") from None
+
+    @classmethod
+    def create_at(cls, path: Path, resolved: dict[str, Any]) -> "Run":
+        """Make a fresh run directory at exactly `path` (a sweep point); exclusive like create()."""
+        path = Path(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.mkdir()
+        except FileExistsError:
+            raise OwaiError(f"run directory {path} already exists; continue it with --resume") from None
+        except OSError as e:
+            raise OwaiError(f"cannot create run directory {path}: {e.strerror or e}") from None
+        try:
+            return cls._populate(path, resolved)
+        except OSError as e:
+            raise OwaiError(f"cannot create run directory {path}: {e.strerror or e}") from None
+
+    @classmethod
+    def _populate(cls, path: Path, resolved: dict[str, Any]) -> "Run":
+        """Fill a just-created (empty) run directory: layout, config.yaml, status running."""
+        run = cls(path)
+        (path / "figures").mkdir()
+        (path / "checkpoints").mkdir()
+        atomic_write_yaml(path / CONFIG, resolved)
         run.set_status("running")
         return run
 

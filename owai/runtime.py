@@ -49,6 +49,7 @@ def setup(runtime: Runtime, seed: int) -> tuple[torch.device, torch.dtype]:
         torch.use_deterministic_algorithms(True, warn_only=True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.benchmark = False
+    torch.set_flush_denormal(runtime.flush_denormal)
     seed_everything(seed)
     return select_device(runtime.device), DTYPES[runtime.dtype]
 

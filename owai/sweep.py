@@ -1,0 +1,597 @@
+"""Sweeps: a grid over recipe parameters crossed with seeds, every point an ordinary run directory.
+
+    OUT/<recipe>/sweep-<YYYYmmdd-HHMMSS>-<hash>/
+        sweep.json          the plan: recipe, preset, base --sets, grid, seeds, points (id, overrides)
+        points/<point-id>/  one normal run directory per point (config.yaml, results.json, ...)
+        summary.json        per grid cell, mean ± std over seeds of every numeric metric
+        slurm/              submitit's job files (--executor slurm / submitit-debug)
+
+A point is its base `--set`s, then its grid values, then `seed=S`, run through the one recipe path
+(`owai.experiment.execute`). It is complete once its results.json exists; a point directory with a
+config.yaml but no results is resumed from its checkpoints; anything else starts fresh. So running
+a sweep again (`owai sweep --resume SWEEP_DIR`) only does the unfinished work.
+
+Executors: `local` runs points in this process (workers=1) or in spawned worker processes;
+`slurm` submits one job array through submitit; `submitit-debug` is submitit's in-process cluster
+(the same code path as slurm, testable without a cluster).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from owai import console
+from owai.config import apply_overrides, load_yaml, parse_override
+from owai.errors import OwaiError
+from owai.io import atomic_write_json
+from owai.recipes import Recipe, load
+from owai.runs import CONFIG, RESULTS, Run, config_hash, ensure_writable
+
+SWEEP = "sweep.json"
+SUMMARY = "summary.json"
+POINTS = "points"
+EXECUTORS = ("local", "slurm", "submitit-debug")
+STD = "sample standard deviation over seeds (n - 1 denominator); null when n < 2"
+SLURM_TIMEOUT_MIN = 240  # submitit's own default (5 minutes) kills real runs
+
+
+@dataclasses.dataclass
+class Point:
+    """One run of a sweep: its grid values, its seed and the `--set` overrides that make it."""
+
+    id: str  # directory name under points/: readable key=value text plus a hash of the overrides
+    label: str  # e.g. "train.lr=0.01 seed=1"
+    grid: dict[str, Any]
+    seed: int
+    overrides: list[str]
+
+
+@dataclasses.dataclass
+class Sweep:
+    path: Path
+    recipe: str
+    recipe_source: str
+    preset: str
+    sets: list[str]
+    grid: dict[str, list[Any]]
+    seeds: list[int]
+    points: list[Point]
+    created: str = ""
+
+    def point_dir(self, point: Point) -> Path:
+        return self.path / POINTS / point.id
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data.pop("path")
+        return {"kind": "owai-sweep", "version": 1, **data}
+
+
+@dataclasses.dataclass
+class SlurmOptions:
+    """submitit parameters for --executor slurm (None = the cluster's default)."""
+
+    partition: str | None = None
+    gpus_per_node: int | None = None
+    cpus_per_task: int | None = None
+    timeout_min: int | None = None
+    mem_gb: float | None = None
+    array_parallelism: int | None = None  # None: every point at once
+
+
+# --- parsing the CLI's --grid and --seeds -------------------------------------------------------
+
+
+def value_text(value: Any) -> str:
+    """A value as `--set` text that parses back to the same value (JSON is YAML)."""
+    return json.dumps(value)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, str) and re.fullmatch(r"[\w.+-]+", value):
+        return value
+    return json.dumps(value, separators=(",", ":"))
+
+
+def parse_grid(texts: list[str]) -> dict[str, list[Any]]:
+    """`--grid key.path=v1,v2,...` -> {key.path: [v1, v2, ...]}; values read like `--set` values
+    (YAML: 1e-3 is a float, [1,3] a list, so `model.heads=[1],[3]` is two values)."""
+    grid: dict[str, list[Any]] = {}
+    for text in texts:
+        if "=" not in text:
+            raise OwaiError(f"--grid {text!r}: expected KEY.PATH=V1,V2,...")
+        key, raw = (s.strip() for s in text.split("=", 1))
+        if not key or any(not p for p in key.split(".")):
+            raise OwaiError(f"--grid {text!r}: empty key in path")
+        if not raw:
+            raise OwaiError(f"--grid {text!r}: no values")
+        try:
+            values = load_yaml(f"[{raw}]")
+        except yaml.YAMLError:
+            values = [parse_override(f"{key}={v}")[1] for v in raw.split(",")]
+        if not isinstance(values, list) or not values:
+            raise OwaiError(f"--grid {text!r}: expected comma-separated values")
+        if key in grid:
+            raise OwaiError(f"--grid {key} is given twice; list all its values in one --grid")
+        grid[key] = values
+    return grid
+
+
+def parse_seeds(text: str) -> list[int]:
+    """`--seeds 0,1,2` -> [0, 1, 2]."""
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise OwaiError(f"--seeds {text!r}: expected comma-separated integers, e.g. 0,1,2") from None
+    if not seeds:
+        raise OwaiError(f"--seeds {text!r}: no seeds")
+    if len(set(seeds)) != len(seeds):
+        raise OwaiError(f"--seeds {text!r}: a seed is repeated")
+    return seeds
+
+
+# --- planning -----------------------------------------------------------------------------------
+
+
+def _is_seed(text: str) -> bool:
+    return parse_override(text)[0] == ["seed"]
+
+
+def _design(
+    recipe: Recipe, preset: str | None, sets: list[str], grid_overrides: list[str] | dict[str, list[Any]],
+    seeds: list[int] | None,
+) -> tuple[str, dict[str, list[Any]], list[int], list[Point]]:
+    """(preset, grid, seeds, points), every point validated against the method schema."""
+    from owai.experiment import resolve
+
+    if not recipe.implemented:
+        raise OwaiError(f"recipe {recipe.id!r} needs method {recipe.method!r}, which is not implemented yet")
+    if any(_is_seed(s) for s in sets):
+        raise OwaiError("a sweep sets the seed itself: choose seeds with --seeds, not --set seed=...")
+    cfg, resolved = resolve(recipe, preset, sets)  # the base --sets, checked once
+    spec = recipe.sweep
+    grid = {k: list(v) for k, v in (spec.grid if spec else {}).items()}
+    grid.update(grid_overrides if isinstance(grid_overrides, dict) else parse_grid(grid_overrides))
+    schema = recipe.method_class().Config
+    for key, values in grid.items():
+        if key == "seed":
+            raise OwaiError("--grid seed=...: choose seeds with --seeds")
+        try:
+            apply_overrides(schema, {}, [f"{key}=0"])  # the path must exist
+        except OwaiError as e:
+            raise OwaiError(f"--grid {key}: {str(e).split(': ', 1)[-1]}") from None
+        if not values:
+            raise OwaiError(f"--grid {key}: no values")
+        texts = [value_text(v) for v in values]
+        if len(set(texts)) != len(texts):
+            raise OwaiError(f"--grid {key}: a value is repeated")
+        for v, t in zip(values, texts):
+            if parse_override(f"{key}={t}")[1] != v:
+                raise OwaiError(f"--grid {key}: value {v!r} cannot be written as a --set value")
+    seeds = list(seeds) if seeds is not None else (list(spec.seeds) if spec else [cfg.seed])
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise OwaiError(f"sweep seeds must be distinct and non-empty, got {seeds}")
+
+    cells: list[dict[str, Any]] = [{}]
+    for key, values in grid.items():
+        cells = [{**c, key: v} for c in cells for v in values]
+    points = []
+    for cell in cells:
+        for seed in seeds:
+            own = [f"{k}={value_text(v)}" for k, v in cell.items()] + [f"seed={seed}"]
+            label = " ".join([*(f"{k}={_short(v)}" for k, v in cell.items()), f"seed={seed}"])
+            slug = "_".join([*(f"{k.rsplit('.', 1)[-1]}={_short(v)}" for k, v in cell.items()), f"seed={seed}"])
+            slug = re.sub(r"_+", "_", re.sub(r"[^A-Za-z0-9.=+-]", "_", slug)).strip("_")[:60]
+            digest = hashlib.sha256(json.dumps(own).encode()).hexdigest()[:8]
+            point = Point(id=f"{slug}-{digest}", label=label, grid=cell, seed=seed, overrides=[*sets, *own])
+            try:
+                resolve(recipe, preset, point.overrides)
+            except OwaiError as e:
+                raise OwaiError(f"sweep point {label}: {e}") from None
+            points.append(point)
+    return resolved["preset"], grid, seeds, points
+
+
+def plan(
+    recipe: Recipe | str, preset: str | None = None, sets: list[str] | None = None,
+    grid_overrides: list[str] | dict[str, list[Any]] | None = None, seeds: list[int] | None = None,
+) -> list[Point]:
+    """The sweep's points: the recipe's sweep grid updated by `--grid`, crossed with the seeds
+    (`--seeds`, else the recipe's sweep seeds, else its configured seed). Raises OwaiError, before
+    anything runs, if any point's overrides do not fit the method's schema."""
+    recipe = load(recipe) if isinstance(recipe, str) else recipe
+    return _design(recipe, preset, list(sets or []), grid_overrides or [], seeds)[3]
+
+
+def create(
+    recipe_name: str, preset: str | None = None, sets: list[str] | None = None,
+    grid_overrides: list[str] | dict[str, list[Any]] | None = None, seeds: list[int] | None = None,
+    out: Path = Path("runs"),
+) -> Sweep:
+    """Plan a sweep, then make its directory and write sweep.json (nothing is created on error)."""
+    recipe = load(recipe_name)
+    sets = list(sets or [])
+    preset_name, grid, seeds, points = _design(recipe, preset, sets, grid_overrides or [], seeds)
+    ensure_writable(out)
+    parent = Path(out) / recipe.id
+    spec = {"recipe": recipe.id, "preset": preset_name, "sets": sets, "grid": grid, "seeds": seeds}
+    base = f"sweep-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-{config_hash(spec)}"
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        for attempt in range(1000):
+            path = parent / (base if attempt == 0 else f"{base}-{attempt}")
+            try:
+                path.mkdir()  # exclusive: a sweep directory is never reused
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise OwaiError(f"cannot create a new sweep directory under {parent}")
+        (path / POINTS).mkdir()
+        sweep = Sweep(path, recipe.id, recipe.source, preset_name, sets, grid, seeds, points,
+                      created=dt.datetime.now().isoformat(timespec="seconds"))
+        atomic_write_json(path / SWEEP, sweep.to_json())
+    except OSError as e:
+        raise OwaiError(f"cannot create sweep directory under {parent}: {e.strerror or e}") from None
+    return sweep
+
+
+def is_sweep_dir(path: Path) -> bool:
+    return (Path(path) / SWEEP).is_file()
+
+
+def open_sweep(path: Path) -> Sweep:
+    """Load a sweep directory's plan (for --resume and report)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise OwaiError(f"sweep directory {path} does not exist")
+    if not is_sweep_dir(path):
+        raise OwaiError(f"{path} is not a sweep directory: {SWEEP} is missing")
+    try:
+        data = json.loads((path / SWEEP).read_text())
+        return Sweep(
+            path=path, recipe=data["recipe"], recipe_source=data.get("recipe_source", ""), preset=data["preset"],
+            sets=list(data["sets"]), grid=dict(data["grid"]), seeds=list(data["seeds"]),
+            points=[Point(**p) for p in data["points"]], created=data.get("created", ""),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        raise OwaiError(f"{path / SWEEP} is corrupt") from None
+
+
+# --- running ------------------------------------------------------------------------------------
+
+
+def point_status(sweep: Sweep, point: Point) -> str:
+    """complete (results.json exists) | pending (no run yet) | the run's own status (running,
+    failed, interrupted, ...; `incomplete` if it says complete but its results.json is gone)."""
+    path = sweep.point_dir(point)
+    if (path / RESULTS).is_file():
+        return "complete"
+    if not (path / CONFIG).is_file():
+        return "pending"
+    status = Run(path).status()
+    return "incomplete" if status == "complete" else status
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _task(sweep: Sweep, point: Point, threads: int = 0) -> dict[str, Any]:
+    """What a worker needs to run one point (plain data: it crosses process boundaries)."""
+    source = sweep.recipe_source if sweep.recipe_source and Path(sweep.recipe_source).is_file() else sweep.recipe
+    return {"id": point.id, "dir": str(sweep.point_dir(point)), "recipe": source, "preset": sweep.preset,
+            "overrides": list(point.overrides), "threads": threads}
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e) if isinstance(e, OwaiError) else f"{type(e).__name__}: {e}"
+    return (text.strip().splitlines() or [type(e).__name__])[0]
+
+
+def run_point(task: dict[str, Any]) -> dict[str, Any]:
+    """Run (or resume) one point quietly; never raises for a failed run, returns its outcome.
+
+    This is the function local workers and submitit jobs execute."""
+    from owai.experiment import execute
+
+    saved = (console.state.quiet, console.state.json)
+    console.configure(quiet=True)
+    started = time.time()
+    outcome: dict[str, Any] = {"id": task["id"], "status": "failed", "error": None}
+    try:
+        if task.get("threads"):
+            import torch
+
+            torch.set_num_threads(task["threads"])  # runtime.threads, when set, still wins
+        path = Path(task["dir"])
+        if (path / RESULTS).is_file():
+            pass
+        elif (path / CONFIG).is_file():
+            execute(resume=path)
+        else:
+            if path.exists():  # made, but killed before its config was written: nothing to keep
+                if any(p.is_file() for p in path.rglob("*")):
+                    raise OwaiError(f"{path} holds files but no {CONFIG}; remove it to rerun this point")
+                shutil.rmtree(path)
+            execute(task["recipe"], task["preset"], task["overrides"], run_dir=path)
+        outcome["status"] = "complete"
+    except Exception as e:  # noqa: BLE001 - a failed point is recorded; the sweep goes on
+        outcome["error"] = _one_line(e)
+    finally:
+        console.configure(*saved)
+    outcome["seconds"] = round(time.time() - started, 2)
+    return outcome
+
+
+def check_executor(executor: str, workers: int = 1) -> None:
+    """Fail before a sweep directory is made if the executor cannot run here."""
+    if executor not in EXECUTORS:
+        raise OwaiError(f"unknown executor {executor!r} (known: {', '.join(EXECUTORS)})")
+    if workers < 1:
+        raise OwaiError(f"--workers must be >= 1, got {workers}")
+    if workers > 1 and executor != "local":
+        raise OwaiError("--workers is for --executor local; SLURM jobs run side by side (--array-parallelism)")
+    if executor == "slurm" and shutil.which("sbatch") is None:
+        raise OwaiError("--executor slurm needs SLURM, but sbatch is not on PATH (use --executor local)")
+
+
+def run(
+    sweep: Sweep, executor: str = "local", workers: int = 1, slurm: SlurmOptions | None = None
+) -> list[dict[str, Any]]:
+    """Run every unfinished point; returns this invocation's outcomes [{id, status, error, seconds}]."""
+    check_executor(executor, workers)
+    todo = [p for p in sweep.points if point_status(sweep, p) != "complete"]
+    done = len(sweep.points) - len(todo)
+    if done:
+        console.info(f"{done} of {len(sweep.points)} points already complete; running the other {len(todo)}")
+    if not todo:
+        return []
+    if executor == "local":
+        return _run_local(sweep, todo, workers)
+    return _run_submitit(sweep, todo, executor, slurm or SlurmOptions())
+
+
+def _run_local(sweep: Sweep, todo: list[Point], workers: int) -> list[dict[str, Any]]:
+    description = f"sweep {sweep.recipe}"
+    if workers == 1:
+        return [run_point(_task(sweep, p)) for p in console.track(todo, total=len(todo), description=description)]
+
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    threads = max(1, _cpus() // workers)
+    pool = ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=multiprocessing.get_context("spawn"))
+    outcomes = []
+    try:
+        futures = {pool.submit(run_point, _task(sweep, p, threads)): p for p in todo}
+        for future in console.track(as_completed(futures), total=len(futures), description=description):
+            try:
+                outcomes.append(future.result())
+            except Exception as e:  # noqa: BLE001 - the worker process itself died
+                outcomes.append({"id": futures[future].id, "status": "failed", "error": f"worker: {_one_line(e)}"})
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    return outcomes
+
+
+def _run_submitit(sweep: Sweep, todo: list[Point], executor: str, opts: SlurmOptions) -> list[dict[str, Any]]:
+    import submitit
+
+    cluster = "slurm" if executor == "slurm" else "debug"
+    try:
+        ex = submitit.AutoExecutor(folder=sweep.path / "slurm", cluster=cluster)
+    except RuntimeError as e:  # e.g. no srun: not a SLURM node
+        raise OwaiError(f"--executor {executor}: {_one_line(e)}") from None
+    params = {
+        "name": f"owai-{sweep.recipe}",
+        "timeout_min": opts.timeout_min or SLURM_TIMEOUT_MIN,
+        "cpus_per_task": opts.cpus_per_task,
+        "gpus_per_node": opts.gpus_per_node,
+        "mem_gb": opts.mem_gb,
+        "slurm_partition": opts.partition,
+    }
+    ex.update_parameters(**{k: v for k, v in params.items() if v is not None})
+    ex.update_parameters(slurm_array_parallelism=opts.array_parallelism or len(todo))
+    threads = (opts.cpus_per_task or 0) if cluster == "slurm" else 0  # debug runs in this process
+    try:
+        jobs = ex.map_array(run_point, [_task(sweep, p, threads) for p in todo])
+    except Exception as e:  # noqa: BLE001 - sbatch refused: a user-facing problem
+        raise OwaiError(f"submitting {len(todo)} jobs failed: {_one_line(e)}") from None
+    if cluster == "slurm":
+        console.info(f"submitted job array {jobs[0].job_id.split('_')[0]} ({len(jobs)} points); waiting")
+    point_of = {id(job): p for job, p in zip(jobs, todo)}
+    outcomes = []
+    try:
+        completed = submitit.helpers.as_completed(jobs, poll_frequency=10 if cluster == "slurm" else 0.1)
+        for job in console.track(completed, total=len(jobs), description=f"sweep {sweep.recipe}"):
+            try:
+                outcomes.append(job.result())
+            except Exception as e:  # noqa: BLE001 - the job died (timeout, preemption, node failure)
+                error = f"job {job.job_id}: {_one_line(e)}"
+                outcomes.append({"id": point_of[id(job)].id, "status": "failed", "error": error})
+    except KeyboardInterrupt:
+        for job in jobs:  # no job should keep writing a point that a later --resume reruns
+            job.cancel(check=False)
+        raise
+    return outcomes
+
+
+# --- summary ------------------------------------------------------------------------------------
+
+
+def _numeric(value: Any) -> float | None:
+    """Numbers count (booleans as 0/1, so their mean is a fraction); lists, text and null do not."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _cell_label(grid: dict[str, Any]) -> str:
+    return " ".join(f"{k}={_short(v)}" for k, v in grid.items()) or "all"
+
+
+def _stored_errors(sweep: Sweep) -> dict[str, str]:
+    try:
+        data = json.loads((sweep.path / SUMMARY).read_text())
+        return {p["id"]: p["error"] for p in data["points"] if p.get("error")}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def summarise(sweep: Sweep, outcomes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Group points by grid cell (seeds pooled); per numeric metric: mean, sample std, n."""
+    stored = _stored_errors(sweep)  # errors of points that never got a run directory
+    errors = {o["id"]: o["error"] for o in outcomes or [] if o.get("error")}
+    points, cells = [], {}
+    for p in sweep.points:
+        path = sweep.point_dir(p)
+        status, error, results = point_status(sweep, p), None, None
+        if status == "complete":
+            try:
+                results = Run(path).results()
+            except OwaiError as e:
+                status, error = "corrupt", str(e)
+        elif status != "pending":
+            try:
+                error = json.loads((path / "status.json").read_text()).get("error")
+            except (OSError, ValueError, AttributeError):
+                pass
+        if status != "complete":
+            error = errors.get(p.id) or error or (stored.get(p.id) if status == "pending" else None)
+            if error and status in ("pending", "running", "unknown"):
+                status = "failed"
+        points.append({"id": p.id, "label": p.label, "grid": p.grid, "seed": p.seed, "status": status,
+                       "error": error, "run_dir": str(path)})
+        key = json.dumps([p.grid.get(k) for k in sweep.grid])
+        cell = cells.setdefault(key, {"grid": p.grid, "label": _cell_label(p.grid), "points": 0, "seeds": [],
+                                      "values": {}, "rows": {}})
+        cell["points"] += 1
+        if results is None:
+            continue
+        cell["seeds"].append(p.seed)
+        for row in results.get("rows", []):
+            value = _numeric(row.get("measured"))
+            if value is not None:
+                cell["values"].setdefault(row["metric"], []).append(value)
+                cell["rows"].setdefault(row["metric"], row)
+    groups = []
+    for cell in cells.values():
+        metrics = []
+        for name, values in cell["values"].items():
+            row = cell["rows"][name]
+            metrics.append({
+                "metric": name,
+                "mean": statistics.fmean(values),
+                "std": statistics.stdev(values) if len(values) > 1 else None,
+                "n": len(values),
+                "values": values,
+                "thesis": row.get("thesis"),
+                "thesis_claim": row.get("thesis_claim") or "",
+                "ref": row.get("ref") or "",
+            })
+        groups.append({"grid": cell["grid"], "label": cell["label"], "points": cell["points"],
+                       "complete": len(cell["seeds"]), "seeds": cell["seeds"], "metrics": metrics})
+    counts: dict[str, int] = {"points": len(points)}
+    for p in points:
+        counts[p["status"]] = counts.get(p["status"], 0) + 1
+    return {
+        "sweep_dir": str(sweep.path),
+        "recipe": sweep.recipe,
+        "preset": sweep.preset,
+        "sets": sweep.sets,
+        "grid": sweep.grid,
+        "seeds": sweep.seeds,
+        "std": STD,
+        "counts": counts,
+        "groups": groups,
+        "points": points,
+    }
+
+
+def write_summary(sweep: Sweep, outcomes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    summary = summarise(sweep, outcomes)
+    atomic_write_json(sweep.path / SUMMARY, summary)
+    return summary
+
+
+def failures(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Points that ran and did not finish (pending and still-running points are not failures)."""
+    return [p for p in summary["points"] if p["status"] not in ("complete", "pending", "running")]
+
+
+def _mean_std(m: dict[str, Any]) -> str:
+    from owai.report import fmt
+
+    return fmt(m["mean"]) if m["std"] is None else f"{fmt(m['mean'])} ± {fmt(m['std'])}"
+
+
+def _title(summary: dict[str, Any]) -> str:
+    c = summary["counts"]
+    return (f"{summary['recipe']} sweep [{summary['preset']}]: {c.get('complete', 0)}/{c['points']} points complete, "
+            f"mean ± sample std over seeds")
+
+
+def table(summary: dict[str, Any]) -> Any:
+    """The summary as a Rich table: one section per grid cell, headed by its grid values."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from owai.report import fmt
+
+    has_grid = bool(summary["grid"])
+    t = Table(title=escape(_title(summary)))
+    t.add_column("grid cell / metric" if has_grid else "metric", no_wrap=True)
+    t.add_column("mean ± std", justify="right", no_wrap=True)
+    t.add_column("n", justify="right")
+    t.add_column("thesis", justify="right", no_wrap=True)
+    t.add_column("ref")
+    for i, group in enumerate(summary["groups"]):
+        if i:
+            t.add_section()
+        if has_grid:
+            t.add_row(f"[bold]{escape(group['label'])}[/bold]", "", "", "", "")
+        if not group["metrics"]:
+            t.add_row("  (no complete points)", "-", "0", "-", "")
+        for m in group["metrics"]:
+            name = f"  {m['metric']}" if has_grid else f"[bold]{escape(m['metric'])}[/bold]"
+            t.add_row(name if not has_grid else escape(name), escape(_mean_std(m)), str(m["n"]), fmt(m["thesis"]),
+                      escape(m["ref"]))
+    failed = failures(summary)
+    if failed:
+        t.caption = escape("failed: " + "; ".join(f"{p['label']}: {p['error'] or p['status']}" for p in failed))
+    return t
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    from owai.report import fmt
+
+    lines = [f"### {_title(summary)}", "", f"Sweep: `{summary['sweep_dir']}`  ",
+             f"Std: {summary['std']}", "", "| grid | metric | mean ± std | n | thesis | ref |", "|---|---|---|---|---|---|"]
+    for group in summary["groups"]:
+        for m in group["metrics"]:
+            lines.append(f"| {group['label']} | {m['metric']} | {_mean_std(m)} | {m['n']} | {fmt(m['thesis'])} | {m['ref']} |")
+    failed = failures(summary)
+    if failed:
+        lines += ["", "Failed points:", ""] + [f"- `{p['label']}`: {p['error'] or p['status']}" for p in failed]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,37 @@
+"""Shared test helpers: a tiny three-moons config and a CLI runner in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Three moons shrunk to seconds; still the full code path (train loop, checkpoints, eval, figures).
+TINY_MOONS = [
+    "train.steps=6",
+    "train.batch_size=2",
+    "train.checkpoint_every=2",
+    "train.selection_sequences=2",
+    "data.block_size=60",
+    "eval.n_sequences=2",
+    "eval.n_gen=3",
+    "eval.tau_stride=10",
+    "model.heads=[3]",
+]
+
+
+def run_owai(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the real `owai` entry point in a subprocess (what a user runs)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("OWAI_DEBUG", None)
+    return subprocess.run(
+        [sys.executable, "-m", "owai", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env
+    )
+
+
+@pytest.fixture
+def tiny_moons() -> list[str]:
+    return list(TINY_MOONS)

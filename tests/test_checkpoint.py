@@ -1,0 +1,82 @@
+"""The checkpoint format: round trip, atomic commit, checksum verification, retention."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from owai.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from owai.errors import OwaiError
+from owai.models.moon_memory import MoonMemory, MoonMemoryConfig
+from owai.optim import MLXAdamW
+
+
+def trained_state():
+    torch.manual_seed(0)
+    model = MoonMemory(MoonMemoryConfig(n_heads=3))
+    opt = MLXAdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(2, 10, 6)
+    model(x).square().mean().backward()
+    opt.step()
+    return model, opt
+
+
+def test_round_trip_restores_model_optimizer_and_rng(tmp_path):
+    model, opt = trained_state()
+    rng = torch.get_rng_state()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "torch_rng": rng, "recent": [0.5, 0.25]}
+    path = save_checkpoint(tmp_path, 7, state)
+    step, loaded = load_checkpoint(path)
+    assert step == 7 and loaded["recent"] == [0.5, 0.25]
+    model2, opt2 = MoonMemory(MoonMemoryConfig(n_heads=3)), None
+    model2.load_state_dict(loaded["model"])
+    opt2 = MLXAdamW(model2.parameters(), lr=1.0)
+    opt2.load_state_dict(loaded["optimizer"])
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    assert opt2.param_groups[0]["lr"] == 1e-2
+    for p1, p2 in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(opt.state[p1]["m"], opt2.state[p2]["m"])
+    assert torch.equal(loaded["torch_rng"], rng)
+    assert (path / "tensors.safetensors").is_file() and (path / "state.json").is_file()
+
+
+def test_retention_and_latest(tmp_path):
+    for step in (1, 2, 3, 4):
+        save_checkpoint(tmp_path, step, {"x": torch.tensor([step])}, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000003", "step-000004"]
+    assert latest_checkpoint(tmp_path).name == "step-000004"
+
+
+def test_uncommitted_temporary_checkpoint_is_ignored(tmp_path):
+    save_checkpoint(tmp_path, 5, {"x": torch.zeros(2)})
+    (tmp_path / ".tmp-step-000010-abc").mkdir()  # what a kill during a save leaves behind
+    assert latest_checkpoint(tmp_path).name == "step-000005"
+
+
+def test_corrupted_tensors_fail_checksum(tmp_path):
+    path = save_checkpoint(tmp_path, 1, {"x": torch.arange(100.0)})
+    blob = bytearray((path / "tensors.safetensors").read_bytes())
+    blob[-5] ^= 0xFF
+    (path / "tensors.safetensors").write_bytes(bytes(blob))
+    with pytest.raises(OwaiError, match="corrupt: tensors.safetensors does not match its sha256"):
+        load_checkpoint(path)
+
+
+def test_corrupted_or_missing_state_json(tmp_path):
+    path = save_checkpoint(tmp_path, 1, {"x": torch.zeros(1)})
+    (path / "state.json").write_text("{not json")
+    with pytest.raises(OwaiError, match="state.json is not valid JSON"):
+        load_checkpoint(path)
+    (path / "state.json").unlink()
+    with pytest.raises(OwaiError, match="incomplete"):
+        load_checkpoint(path)
+
+
+def test_foreign_file_is_rejected(tmp_path):
+    path = save_checkpoint(tmp_path, 1, {"x": torch.zeros(1)})
+    (path / "state.json").write_text(json.dumps({"format": "other"}))
+    with pytest.raises(OwaiError, match="not an owai-checkpoint-v1"):
+        load_checkpoint(path)

@@ -1,0 +1,115 @@
+"""Bad input: one line on stderr naming the problem, non-zero exit, no traceback, no half run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from conftest import TINY_MOONS, run_owai
+from owai import recipes
+
+
+def assert_one_line_error(proc, *fragments: str) -> None:
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    err = proc.stderr.strip()
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("error:"), err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def no_runs(out: Path) -> bool:
+    return not out.exists() or not any(out.rglob("config.yaml"))
+
+
+def test_unknown_recipe_id(tmp_path):
+    proc = run_owai("recipes", "run", "fig9.9", "--out", str(tmp_path / "runs"))
+    assert_one_line_error(proc, "unknown recipe 'fig9.9'")
+    assert no_runs(tmp_path / "runs")
+
+
+def test_malformed_yaml(tmp_path):
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("id: broken\nparams: {seed: 1\n")
+    proc = run_owai("recipes", "run", str(bad), "--out", str(tmp_path / "runs"))
+    assert_one_line_error(proc, "not valid YAML", "line")
+    assert no_runs(tmp_path / "runs")
+
+
+def _recipe_variant(tmp_path: Path, edit) -> Path:
+    data = yaml.safe_load((recipes.recipe_dir() / "three-moons.yaml").read_text())
+    edit(data)
+    path = tmp_path / "three-moons.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_unknown_key_in_recipe(tmp_path):
+    path = _recipe_variant(tmp_path, lambda d: d["params"].update(sed=1))
+    proc = run_owai("recipes", "run", str(path), "--out", str(tmp_path / "runs"))
+    assert_one_line_error(proc, "unknown key 'sed'")
+    assert no_runs(tmp_path / "runs")
+
+
+def test_wrong_type_in_recipe(tmp_path):
+    path = _recipe_variant(tmp_path, lambda d: d["presets"]["cpu"]["train"].update(steps="two"))
+    proc = run_owai("recipes", "run", str(path), "--out", str(tmp_path / "runs"))
+    assert_one_line_error(proc, "train.steps: expected int, got str")
+    assert no_runs(tmp_path / "runs")
+
+
+def test_bad_set_path(tmp_path):
+    proc = run_owai("moons", "--set", "train.warmup=10", "--out", str(tmp_path / "runs"))
+    assert_one_line_error(proc, "--set 'train.warmup=10'", "unknown key 'warmup' in train")
+    assert no_runs(tmp_path / "runs")
+
+
+def test_impossible_size(tmp_path):
+    proc = run_owai("moons", *sum((["--set", s] for s in TINY_MOONS), []), "--set", "eval.n_sequences=0",
+                    "--out", str(tmp_path / "runs"))
+    assert_one_line_error(proc, "eval.n_sequences must be >= 1")
+
+
+def test_unwritable_run_dir(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    proc = run_owai("moons", "--out", str(blocker / "runs"))
+    assert_one_line_error(proc, "cannot create run directory", "is not a directory")
+    assert blocker.read_text() == "not a directory"
+
+
+def test_corrupt_checkpoint_given_to_resume(tmp_path):
+    out = tmp_path / "runs"
+    sets = sum((["--set", s] for s in TINY_MOONS), [])
+    proc = run_owai("moons", *sets, "--quiet", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    run_dir = next(out.glob("three-moons/*"))
+    # make it look killed mid-way, then corrupt its newest checkpoint
+    (run_dir / "results.json").unlink()
+    ckpt = sorted((run_dir / "checkpoints" / "heads3-r0").glob("step-*"))[-1]
+    tensors = ckpt / "tensors.safetensors"
+    tensors.write_bytes(tensors.read_bytes()[:-7] + b"garbage")
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
+    proc = run_owai("moons", "--resume", str(run_dir))
+    assert_one_line_error(proc, "is corrupt", "sha256")
+    after = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
+    assert before == after  # nothing was written
+    assert not (run_dir / "results.json").exists()
+
+
+def test_resume_of_a_non_run_directory(tmp_path):
+    proc = run_owai("moons", "--resume", str(tmp_path))
+    assert_one_line_error(proc, "is not a run directory")
+
+
+def test_report_without_results(tmp_path):
+    proc = run_owai("report", str(tmp_path / "missing"))
+    assert_one_line_error(proc, "does not exist")
+
+
+def test_unknown_option_is_a_usage_error_not_a_traceback():
+    proc = run_owai("moons", "--bogus")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "No such option" in proc.stderr

@@ -1,0 +1,102 @@
+"""Run directories, results, report, --json/--quiet, and SIGKILL + --resume equality."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import TINY_MOONS, run_owai
+
+SETS = sum((["--set", s] for s in TINY_MOONS), [])
+
+
+def test_moons_run_directory_layout_and_report(tmp_path):
+    out = tmp_path / "runs"
+    proc = run_owai("moons", *SETS, "--json", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(proc.stdout)  # --json: stdout is exactly one JSON document
+    run_dir = Path(results["run_dir"])
+    assert run_dir.parent == out / "three-moons"
+    for name in ("config.yaml", "env.json", "metrics.jsonl", "results.json", "status.json"):
+        assert (run_dir / name).is_file(), name
+    for fig in ("fig3.6-three-heads", "figB.1-matrices"):
+        assert (run_dir / "figures" / f"{fig}.png").stat().st_size > 1000
+    env = json.loads((run_dir / "env.json").read_text())
+    assert env["seed"] == 100 and env["device"] == "cpu" and env["torch"].startswith("2.")
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "complete"
+    rows = {r["metric"]: r for r in results["rows"]}
+    assert rows["heads3.val.accurate_from"]["thesis"] == 133.3
+    assert "heads3.disentanglement" in rows and rows["heads3.disentanglement"]["measured"] is not None
+    steps = [m["step"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    assert steps == sorted(steps) and steps[-1] == 6
+
+    md = run_owai("report", str(run_dir), "--markdown")
+    assert md.returncode == 0 and "| heads3.val.accurate_from |" in md.stdout and "133.3" in md.stdout
+    table = run_owai("report", str(run_dir))
+    assert table.returncode == 0 and "heads3.disentanglement" in table.stdout
+
+
+def test_runs_never_overwrite(tmp_path):
+    out = tmp_path / "runs"
+    for _ in range(2):
+        assert run_owai("moons", *SETS, "--quiet", "--out", str(out)).returncode == 0
+    assert len(list((out / "three-moons").iterdir())) == 2
+
+
+def test_quiet_prints_nothing_on_success(tmp_path):
+    proc = run_owai("moons", *SETS, "--quiet", "--out", str(tmp_path))
+    assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == ""
+
+
+def _results_without_times(run_dir: Path) -> dict:
+    res = json.loads((run_dir / "results.json").read_text())
+    for key in ("run_dir", "finished"):
+        res.pop(key)
+    return res
+
+
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
+    """Kill a training run with SIGKILL mid-way; --resume must end with the same numbers."""
+    sets = [
+        "train.steps=120", "train.batch_size=16", "train.checkpoint_every=10", "train.selection_sequences=4",
+        "data.block_size=400", "eval.n_sequences=4", "eval.n_gen=5", "eval.tau_stride=20", "model.heads=[3]",
+    ]
+    args = sum((["--set", s] for s in sets), [])
+    reference = run_owai("moons", *args, "--quiet", "--out", str(tmp_path / "full"))
+    assert reference.returncode == 0, reference.stderr
+    full_dir = next((tmp_path / "full" / "three-moons").iterdir())
+
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "owai", "moons", *args, "--quiet", "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    ckpts: list[Path] = []
+    while time.time() < deadline:
+        ckpts = list(out.glob("three-moons/*/checkpoints/heads3-r0/step-*"))
+        if any(int(p.name[5:]) >= 30 for p in ckpts):
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    run_dir = next((out / "three-moons").iterdir())
+    steps = [int(p.name[5:]) for p in (run_dir / "checkpoints" / "heads3-r0").glob("step-*")]
+    assert steps and max(steps) < 120, "the run finished before it could be killed"
+    assert not (run_dir / "results.json").exists()
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "running"
+
+    resumed = run_owai("moons", "--resume", str(run_dir), "--quiet")
+    assert resumed.returncode == 0, resumed.stderr
+    assert _results_without_times(run_dir) == _results_without_times(full_dir)
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    reference_log = [json.loads(line) for line in (full_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged == reference_log  # metrics past the checkpoint were trimmed, then re-logged identically
+    env = json.loads((run_dir / "env.json").read_text())
+    assert len(env["resumed"]) == 1
+
+    again = run_owai("moons", "--resume", str(run_dir))
+    assert again.returncode == 0 and "already complete" in again.stdout

@@ -1,0 +1,258 @@
+"""owai sweep: grids x seeds as run directories, resume, executors, the mean ± std summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+
+from owai import sweep as sweeps
+from owai.cli import main
+from owai.errors import OwaiError
+from owai.runs import Run
+
+TINY = [
+    "train.steps=4", "train.batch_size=2", "train.checkpoint_every=2",
+    "train.selection_sequences=2", "data.block_size=60", "eval.n_sequences=2", "eval.n_gen=3",
+    "eval.tau_stride=10", "model.heads=[3]",
+]
+
+
+def sets(*extra: str) -> list[str]:
+    return [arg for s in [*TINY, *extra] for arg in ("--set", s)]
+
+
+def cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def sweep_dirs(out: Path) -> list[Path]:
+    return sorted((out / "three-moons").glob("sweep-*"))
+
+
+@pytest.fixture(scope="module")
+def grid_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2 (train.lr) x 2 (seeds) sweep, run in-process (workers=1)."""
+    out = tmp_path_factory.mktemp("sweep")
+    main_args = ["sweep", "three-moons", *sets(), "--grid", "train.lr=0.01,0.02", "--seeds", "1,2", "--out", str(out), "-q"]
+    try:
+        main(main_args)
+    except SystemExit as e:
+        assert not e.code, e
+    (path,) = sweep_dirs(out)
+    return path
+
+
+def test_grid_sweep_makes_run_dirs_and_summary(grid_sweep: Path) -> None:
+    plan = json.loads((grid_sweep / "sweep.json").read_text())
+    assert plan["recipe"] == "three-moons" and plan["grid"] == {"train.lr": [0.01, 0.02]} and plan["seeds"] == [1, 2]
+    assert len(plan["points"]) == 4
+    for p in plan["points"]:
+        run = Run.open(grid_sweep / "points" / p["id"])  # a normal run directory
+        assert run.status() == "complete" and run.results() is not None
+        params = run.read_config()["params"]
+        assert params["seed"] == p["seed"] and params["train"]["lr"] == p["grid"]["train.lr"]
+        assert params["train"]["steps"] == 4 and p["overrides"][: len(TINY)] == TINY
+
+    summary = json.loads((grid_sweep / "summary.json").read_text())
+    assert summary["counts"] == {"points": 4, "complete": 4}
+    assert [g["grid"] for g in summary["groups"]] == [{"train.lr": 0.01}, {"train.lr": 0.02}]
+    for group in summary["groups"]:
+        # expected from the points' own results.json
+        values: dict[str, list[float]] = {}
+        for p in plan["points"]:
+            if p["grid"] == group["grid"]:
+                for row in Run(grid_sweep / "points" / p["id"]).results()["rows"]:
+                    if isinstance(row["measured"], (int, float)):
+                        values.setdefault(row["metric"], []).append(float(row["measured"]))
+        assert group["complete"] == 2 and sorted(group["seeds"]) == [1, 2]
+        got = {m["metric"]: m for m in group["metrics"]}
+        assert set(got) == set(values) and "heads3.disentanglement" in got
+        assert "heads3.train.transitions" not in got  # lists are not summarised
+        for name, vals in values.items():
+            assert got[name]["n"] == 2
+            assert got[name]["mean"] == pytest.approx(statistics.fmean(vals))
+            assert got[name]["std"] == pytest.approx(abs(vals[0] - vals[1]) / math.sqrt(2))  # sample std, n=2
+        assert got["heads3.disentanglement"]["thesis"] == 1.0
+
+
+def test_summary_statistics_by_hand(tmp_path: Path) -> None:
+    """mean ± sample std per grid cell, booleans as fractions, n and thesis carried."""
+    plan = sweeps.create("three-moons", None, TINY, ["train.lr=0.01,0.02"], [1, 2, 3], tmp_path)
+    measured = {0.01: [1.0, 3.0, 5.0], 0.02: [2.0, 2.0, 2.0]}
+    for p in plan.points:
+        run = Run.create_at(plan.point_dir(p), {"recipe": "three-moons", "params": {}})
+        value = measured[p.grid["train.lr"]][p.seed - 1]
+        run.write_results({"rows": [
+            {"metric": "m", "measured": value, "thesis": 2.5, "thesis_claim": "", "ref": "Fig X"},
+            {"metric": "ok", "measured": value > 2, "thesis": None, "thesis_claim": "", "ref": ""},
+            {"metric": "curve", "measured": [1, 2], "thesis": None, "thesis_claim": "", "ref": ""},
+        ]})
+    summary = sweeps.summarise(plan)
+    first, second = ({m["metric"]: m for m in g["metrics"]} for g in summary["groups"])
+    assert (first["m"]["mean"], first["m"]["std"], first["m"]["n"]) == (3.0, 2.0, 3)  # sqrt((4+0+4)/2)
+    assert first["m"]["thesis"] == 2.5 and first["m"]["ref"] == "Fig X"
+    assert first["ok"]["mean"] == pytest.approx(2 / 3)
+    assert (second["m"]["mean"], second["m"]["std"]) == (2.0, 0.0)
+    assert "curve" not in first
+    assert "± 2" in sweeps.markdown(summary)
+
+
+def test_resume_runs_only_unfinished_points(grid_sweep: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    path = tmp_path / "copy"
+    shutil.copytree(grid_sweep, path)
+    ids = [p["id"] for p in json.loads((path / "sweep.json").read_text())["points"]]
+    gone, partial, kept = ids[0], ids[1], ids[2:]
+    shutil.rmtree(path / "points" / gone)  # never started
+    (path / "points" / partial / "results.json").unlink()  # killed after training: resume it
+    before = {i: (path / "points" / i / "results.json").stat().st_mtime_ns for i in kept}
+
+    calls: list[str] = []
+    real = sweeps.run_point
+    monkeypatch.setattr(sweeps, "run_point", lambda task: calls.append(task["id"]) or real(task))
+    code, out, err = cli(["sweep", "--resume", str(path), "--json"], capsys)
+    assert code == 0, err
+    assert sorted(calls) == sorted([gone, partial])
+    assert {i: (path / "points" / i / "results.json").stat().st_mtime_ns for i in kept} == before
+    assert json.loads(out)["counts"] == {"points": 4, "complete": 4}
+    env = json.loads((path / "points" / partial / "env.json").read_text())
+    assert len(env["resumed"]) == 1  # continued, not restarted
+
+    calls.clear()  # nothing left to do
+    assert cli(["sweep", "--resume", str(path), "-q"], capsys)[0] == 0 and calls == []
+    code, _, err = cli(["sweep", "three-moons", "--resume", str(path)], capsys)
+    assert code == 2 and "--resume" in err
+
+
+def test_report_renders_a_sweep(grid_sweep: Path, capsys) -> None:
+    code, out, _ = cli(["report", str(grid_sweep)], capsys)
+    assert code == 0 and "train.lr=0.01" in out and "±" in out and "heads3.disentanglement" in out
+    code, out, _ = cli(["report", str(grid_sweep), "--markdown"], capsys)
+    assert code == 0 and out.startswith("### three-moons sweep [cpu]") and "| train.lr=0.02 | heads3" in out
+    code, out, _ = cli(["report", str(grid_sweep), "--json"], capsys)
+    assert code == 0 and len(json.loads(out)["groups"]) == 2
+
+
+def test_bad_grid_fails_before_anything_is_created(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "runs"
+    code, _, err = cli(["sweep", "three-moons", *sets(), "--grid", "train.nope=1,2", "--out", str(out)], capsys)
+    assert code == 2 and "train.nope" in err and "unknown key 'nope'" in err and len(err.strip().splitlines()) == 1
+    code, _, err = cli(["sweep", "three-moons", *sets(), "--grid", "train.lr=fast,slow", "--out", str(out)], capsys)
+    assert code == 2 and "expected float" in err
+    assert not out.exists()
+    with pytest.raises(OwaiError, match="--seeds"):
+        sweeps.plan("three-moons", None, [*TINY, "seed=3"])
+    with pytest.raises(OwaiError, match="given twice"):
+        sweeps.parse_grid(["train.lr=1,2", "train.lr=3"])
+
+
+def test_plan_parses_grid_and_seeds() -> None:
+    assert sweeps.parse_grid(["model.heads=[1],[3]", "train.lr=1e-3,1e-2"]) == {
+        "model.heads": [[1], [3]], "train.lr": [0.001, 0.01]}
+    assert sweeps.parse_seeds("0, 1,2") == [0, 1, 2]
+    with pytest.raises(OwaiError):
+        sweeps.parse_seeds("1,x")
+    points = sweeps.plan("three-moons", None, TINY, ["model.heads=[1],[3]"], None)
+    assert len(points) == 2 * 5  # the recipe's sweep seeds
+    assert points[0].overrides[-2:] == ["model.heads=[1]", "seed=100"]
+    assert len({p.id for p in points}) == 10
+    assert [p.id for p in points] == [p.id for p in sweeps.plan("three-moons", None, TINY, ["model.heads=[1],[3]"])]
+
+
+def test_failed_point_is_recorded_and_sweep_goes_on(tmp_path: Path, capsys) -> None:
+    # eval.n_gen=100 does not fit data.block_size=60: that point fails inside the method
+    code, _, err = cli(["sweep", "three-moons", *sets(), "--grid", "eval.n_gen=3,100", "--seeds", "1",
+                        "--out", str(tmp_path), "-q"], capsys)
+    assert code == 2 and "1 of 2 sweep points failed" in err
+    summary = json.loads((sweep_dirs(tmp_path)[0] / "summary.json").read_text())
+    assert summary["counts"] == {"points": 2, "complete": 1, "failed": 1}
+    failed = [p for p in summary["points"] if p["status"] == "failed"]
+    assert "too short for eval.n_gen=100" in failed[0]["error"]
+
+
+def test_local_workers(tmp_path: Path, capsys) -> None:
+    code, out, err = cli(["sweep", "three-moons", *sets(), "--seeds", "1,2", "--workers", "2",
+                          "--out", str(tmp_path), "--json"], capsys)
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["counts"] == {"points": 2, "complete": 2}
+    expected = max(1, sweeps._cpus() // 2)
+    for p in summary["points"]:
+        assert json.loads((Path(p["run_dir"]) / "env.json").read_text())["torch_threads"] == expected
+
+
+def test_submitit_debug_executor(tmp_path: Path, capsys) -> None:
+    code, out, err = cli(["sweep", "three-moons", *sets(), "--seeds", "1,2", "--executor", "submitit-debug",
+                          "--out", str(tmp_path), "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["counts"] == {"points": 2, "complete": 2}
+    (path,) = sweep_dirs(tmp_path)
+    assert any((path / "slurm").iterdir())  # submitit's job logs
+    code, _, err = cli(["sweep", "three-moons", "--partition", "gpu", "--out", str(tmp_path)], capsys)
+    assert code == 2 and "--executor slurm" in err
+
+
+def test_create_at_is_exclusive(tmp_path: Path) -> None:
+    Run.create_at(tmp_path / "a" / "b", {"recipe": "x", "params": {}})
+    assert (tmp_path / "a" / "b" / "config.yaml").is_file()
+    with pytest.raises(OwaiError, match="already exists"):
+        Run.create_at(tmp_path / "a" / "b", {"recipe": "x", "params": {}})
+
+
+def test_slurm_executor_wiring(tmp_path: Path, capsys, monkeypatch) -> None:
+    """--executor slurm: submitit parameters from the CLI, one array job per unfinished point; a job
+    that dies (e.g. a timeout) is a failed point. (A fake AutoExecutor: there is no SLURM here.)"""
+    import submitit
+
+    made: list = []
+
+    class FakeJob:
+        def __init__(self, fn, task, i: int) -> None:
+            self.job_id, self.task, self.fn = f"4242_{i}", task, fn
+
+        def done(self) -> bool:
+            return True
+
+        def result(self):
+            if self.task["id"].startswith("seed=2"):
+                raise submitit.core.utils.UncompletedJobError("Job 4242_1 timed out")
+            return self.fn(self.task)
+
+        def cancel(self, check: bool = True) -> None:
+            pass
+
+    class FakeExecutor:
+        def __init__(self, folder, cluster=None) -> None:
+            self.folder, self.cluster, self.params, self.tasks = Path(folder), cluster, {}, []
+            made.append(self)
+
+        def update_parameters(self, **params) -> None:
+            self.params.update(params)
+
+        def map_array(self, fn, tasks):
+            self.tasks = list(tasks)
+            return [FakeJob(fn, t, i) for i, t in enumerate(self.tasks)]
+
+    monkeypatch.setattr(submitit, "AutoExecutor", FakeExecutor)
+    monkeypatch.setattr(sweeps.shutil, "which", lambda name: f"/usr/bin/{name}")
+    code, out, err = cli(["sweep", "three-moons", *sets(), "--seeds", "1,2", "--executor", "slurm", "--partition", "gpu",
+                          "--gpus-per-node", "1", "--cpus-per-task", "1", "--timeout-min", "30", "--mem-gb", "2",
+                          "--out", str(tmp_path), "--json"], capsys)
+    assert code == 2 and "1 of 2 sweep points failed" in err and "timed out" in err
+    (ex,) = made
+    (path,) = sweep_dirs(tmp_path)
+    assert ex.cluster == "slurm" and ex.folder == path / "slurm"
+    assert ex.params == {"name": "owai-three-moons", "timeout_min": 30, "cpus_per_task": 1, "gpus_per_node": 1,
+                         "mem_gb": 2.0, "slurm_partition": "gpu", "slurm_array_parallelism": 2}
+    assert [t["threads"] for t in ex.tasks] == [1, 1]
+    assert json.loads(out)["counts"] == {"points": 2, "complete": 1, "failed": 1}
