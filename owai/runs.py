@@ -87,22 +87,10 @@ class Run:
     # -- creation / opening -------------------------------------------------------------------
     @classmethod
     def create(cls, out: Path, recipe_id: str, resolved: dict[str, Any]) -> "Run":
-        """Make a fresh run directory under out/<recipe>/ (exclusive: never overwrites)."""
+        """Make a fresh run directory out/<recipe>/<time>-<hash>/ (exclusive: never overwrites)."""
         parent = Path(out) / recipe_id
-        stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        base = f"{stamp}-{config_hash(resolved)}"
         try:
-            parent.mkdir(parents=True, exist_ok=True)
-            for attempt in range(1000):
-                path = parent / (base if attempt == 0 else f"{base}-{attempt}")
-                try:
-                    path.mkdir()
-                    break
-                except FileExistsError:
-                    continue
-            else:
-                raise OwaiError(f"cannot create a new run directory under {parent}")
-            return cls._populate(path, resolved)
+            return cls._populate(new_unique_dir(parent, f"{timestamp()}-{config_hash(resolved)}"), resolved)
         except OSError as e:
             raise OwaiError(f"cannot create run directory under {parent}: {e.strerror or e}") from None
 
@@ -113,12 +101,9 @@ class Run:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.mkdir()
+            return cls._populate(path, resolved)
         except FileExistsError:
             raise OwaiError(f"run directory {path} already exists; continue it with --resume") from None
-        except OSError as e:
-            raise OwaiError(f"cannot create run directory {path}: {e.strerror or e}") from None
-        try:
-            return cls._populate(path, resolved)
         except OSError as e:
             raise OwaiError(f"cannot create run directory {path}: {e.strerror or e}") from None
 
@@ -229,6 +214,23 @@ class Run:
             return json.loads(path.read_text())
         except ValueError:
             raise OwaiError(f"{path} is corrupt") from None
+
+
+def timestamp() -> str:
+    return dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def new_unique_dir(parent: Path, base: str) -> Path:
+    """Create and return parent/base, or parent/base-1, -2, ... : never an existing directory."""
+    parent.mkdir(parents=True, exist_ok=True)
+    for attempt in range(1000):
+        path = parent / (base if attempt == 0 else f"{base}-{attempt}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise OwaiError(f"cannot create a new directory under {parent}: {base}-* all exist")
 
 
 def ensure_writable(out: Path) -> None:

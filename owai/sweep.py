@@ -38,7 +38,7 @@ from owai.config import apply_overrides, load_yaml, parse_override
 from owai.errors import OwaiError
 from owai.io import atomic_write_json
 from owai.recipes import Recipe, load
-from owai.runs import CONFIG, RESULTS, Run, config_hash, ensure_writable
+from owai.runs import CONFIG, RESULTS, Run, config_hash, ensure_writable, new_unique_dir, timestamp
 
 SWEEP = "sweep.json"
 SUMMARY = "summary.json"
@@ -228,18 +228,8 @@ def create(
     ensure_writable(out)
     parent = Path(out) / recipe.id
     spec = {"recipe": recipe.id, "preset": preset_name, "sets": sets, "grid": grid, "seeds": seeds}
-    base = f"sweep-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-{config_hash(spec)}"
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        for attempt in range(1000):
-            path = parent / (base if attempt == 0 else f"{base}-{attempt}")
-            try:
-                path.mkdir()  # exclusive: a sweep directory is never reused
-                break
-            except FileExistsError:
-                continue
-        else:
-            raise OwaiError(f"cannot create a new sweep directory under {parent}")
+        path = new_unique_dir(parent, f"sweep-{timestamp()}-{config_hash(spec)}")  # never reused
         (path / POINTS).mkdir()
         sweep = Sweep(path, recipe.id, recipe.source, preset_name, sets, grid, seeds, points,
                       created=dt.datetime.now().isoformat(timespec="seconds"))

@@ -80,3 +80,24 @@ def test_foreign_file_is_rejected(tmp_path):
     (path / "state.json").write_text(json.dumps({"format": "other"}))
     with pytest.raises(OwaiError, match="not an owai-checkpoint-v1"):
         load_checkpoint(path)
+
+
+def test_runtime_device_dtype_and_seeds():
+    from owai import runtime
+    from owai.config import Runtime
+
+    assert runtime.derive_seed(1, "train", 5) == runtime.derive_seed(1, "train", 5)
+    assert runtime.derive_seed(1, "train", 5) != runtime.derive_seed(1, "train", 6)
+    a = torch.rand(3, generator=runtime.generator(7, "x"))
+    assert torch.equal(a, torch.rand(3, generator=runtime.generator(7, "x")))
+    device, dtype = runtime.setup(Runtime(device="cpu", dtype="bfloat16"), seed=3)
+    assert device.type == "cpu" and dtype is torch.bfloat16
+    with runtime.autocast(device, dtype):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype is torch.bfloat16
+    with runtime.autocast(device, torch.float32):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype is torch.float32
+    if not torch.cuda.is_available():
+        with pytest.raises(OwaiError, match="no CUDA device"):
+            runtime.select_device("cuda")
+    with pytest.raises(OwaiError, match="threads"):
+        runtime.setup(Runtime(threads=-1), seed=0)

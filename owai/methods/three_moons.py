@@ -351,6 +351,8 @@ def plot_matrices(run: Run, variants: dict[str, Any]) -> None:
             ax.set_title(f"{variant}: |{name}|")
             ax.set_xticks(range(mod.shape[1]))
             ax.set_yticks(range(mod.shape[0]))
+            ax.set_xlabel("memory coordinate" if name == "W_z" else "moon")
+            ax.set_ylabel("moon" if name == "W_z" else "memory coordinate")
         fig.colorbar(im, ax=list(axes[row]), shrink=0.8)
     fig.suptitle("Learned complex matrices (modulus); one moon per head = permutation")
     run.save_figure(fig, "figB.1-matrices")

@@ -1,0 +1,95 @@
+"""Three-moons measurements: transition detection, permutation score, and the thesis's analytic
+solution (W = I) showing the transitions the figures claim."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from owai.data.moons import CANDIDATE_RATIOS, TRAIN_PERIODS, VAL_PERIODS, lcm_periods, sample_sequences, time_step
+from owai.methods.three_moons import (
+    ThreeMoonsConfig,
+    accurate_from,
+    disentanglement,
+    evaluate,
+    identity_check,
+    permutation_score,
+    transition_points,
+)
+
+DT = 0.0225
+
+
+def test_period_split_is_the_reference_one():
+    import itertools
+
+    triples = list(itertools.combinations(CANDIDATE_RATIOS, 3))
+    assert len(triples) == 35
+    smallest = sorted(lcm_periods(t) for t in triples)[:9]
+    chosen = sorted(lcm_periods(t) for t in TRAIN_PERIODS + VAL_PERIODS)
+    assert chosen == smallest  # the 9 triples with the smallest lcm (ties broken as the reference)
+    assert not set(TRAIN_PERIODS) & set(VAL_PERIODS)
+    assert lcm_periods((0.5, 1.0, 2.5)) == 5.0 and lcm_periods((1.0, 1.5, 2.0)) == 6.0
+    assert time_step(TRAIN_PERIODS + VAL_PERIODS, 800, 3) == pytest.approx(DT)  # 800 steps = 3 x lcm 6
+
+
+def test_observations_are_unit_complex_numbers_with_the_right_period():
+    seq = sample_sequences([(1.0, 2.0, 3.0)], 2, 300, DT, torch.Generator().manual_seed(0))
+    z = torch.complex(seq[..., 0::2], seq[..., 1::2])
+    torch.testing.assert_close(z.abs(), torch.ones_like(z.abs()))
+    # moon 1 (period 1.0 = 44.4 steps) advances 2 pi dt / 1.0 rad per step
+    step = torch.angle(z[:, 1:, 0] * z[:, :-1, 0].conj())
+    torch.testing.assert_close(step, torch.full_like(step, -2 * np.pi * DT), atol=1e-4, rtol=0)
+
+
+def test_transition_points_find_steps_of_a_staircase():
+    tau = list(range(1, 401))
+    err = [0.6 if t < 50 else 0.4 if t < 120 else 0.2 for t in tau]
+    points = transition_points(tau, err)
+    assert [round(p["tau"]) for p in points] == [49, 119]
+    assert accurate_from(tau, err) == 120
+    assert transition_points(tau, [0.5] * 400) == []
+
+
+def test_permutation_score():
+    perm = np.array([[0, 2j, 0], [0, 0, -1], [1.5, 0, 0]])
+    score, pi = permutation_score(perm)
+    assert score == pytest.approx(1.0) and pi == [1, 2, 0]
+    assert permutation_score(np.ones((3, 3)))[0] == pytest.approx(1 / 3)
+
+
+def test_identity_weights_are_a_consistent_permutation():
+    d = disentanglement(identity_check(3))
+    assert d["score"] == pytest.approx(1.0) and d["consistent"] and d["permutation"] == [0, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def identity_curves():
+    """The analytic solution W = I on the held-out period set, exact metric, every context length."""
+    cfg = ThreeMoonsConfig()
+    cfg.eval.n_sequences, cfg.eval.chunk, cfg.eval.metrics = 6, 6, ["exact"]
+    panels = {"val": VAL_PERIODS[0]}
+    return {h: evaluate(cfg, identity_check(h), panels, DT, torch.device("cpu")) for h in (1, 3)}
+
+
+def test_one_memory_needs_the_full_lcm(identity_curves):
+    curves = identity_curves[1]
+    lcm = lcm_periods(VAL_PERIODS[0]) / DT  # 266.7 observations
+    points = [p["tau"] for p in transition_points(curves["tau"], curves["val"]["exact"])]
+    assert points and abs(points[0] - lcm) <= 6  # the first drop is at the lcm ...
+    assert all(p > 0.9 * lcm for p in points)  # ... and nothing drops before it
+    assert accurate_from(curves["tau"], curves["val"]["exact"], fraction=0.75) == pytest.approx(lcm, abs=6)
+
+
+def test_three_memories_drop_at_each_period(identity_curves):
+    err1, err3 = identity_curves[1]["val"]["exact"], identity_curves[3]["val"]["exact"]
+    tau = identity_curves[3]["tau"]
+    periods = [p / DT for p in VAL_PERIODS[0]]  # 44.4, 88.9, 133.3
+    points = [p["tau"] for p in transition_points(tau, err3)]
+    assert len(points) >= 3
+    for found, period in zip(points[:3], periods):  # one drop per memorised orbit, in order
+        assert abs(found - period) <= 6
+    # after the slowest period (and long before the lcm) three memories predict far better than one
+    after = tau.index(round(max(periods)) + 12)
+    assert err3[after] < 0.5 * err1[after]
