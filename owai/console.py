@@ -85,8 +85,13 @@ class Bar:
         if self._progress is not None:
             self._progress.stop()
 
-    def update(self, advance: int = 1, status: str = "") -> None:
-        if self._progress is not None:
+    def update(self, advance: int = 1, status: str | None = None) -> None:
+        """Advance the bar; `status` (e.g. the latest loss) stays until replaced."""
+        if self._progress is None:
+            return
+        if status is None:
+            self._progress.update(self._task, advance=advance)
+        else:
             self._progress.update(self._task, advance=advance, status=status)
 
 

@@ -23,6 +23,7 @@ def resolve(recipe: Recipe, preset: str | None, overrides: list[str]) -> tuple[A
     schema = recipe.method_class().Config
     params = apply_overrides(schema, recipe.params_for(preset), overrides)
     cfg = build(schema, params, path="params")
+    recipe.method_class().validate(cfg)
     resolved = {
         "recipe": recipe.id,
         "recipe_source": recipe.source,

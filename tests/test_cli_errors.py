@@ -70,6 +70,7 @@ def test_impossible_size(tmp_path):
     proc = run_owai("moons", *sum((["--set", s] for s in TINY_MOONS), []), "--set", "eval.n_sequences=0",
                     "--out", str(tmp_path / "runs"))
     assert_one_line_error(proc, "eval.n_sequences must be >= 1")
+    assert no_runs(tmp_path / "runs")
 
 
 def test_unwritable_run_dir(tmp_path):

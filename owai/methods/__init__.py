@@ -38,6 +38,11 @@ class Method:
     Config: ClassVar[type]
     cli: ClassVar[str]  # the CLI command that runs it, e.g. "owai moons three-moons"
 
+    @staticmethod
+    def validate(cfg: Any) -> None:
+        """Reject impossible settings (sizes, ranges) with an OwaiError; called before any run
+        directory is created, so bad input never leaves a half-written run."""
+
     def run(self, cfg: Any, run: "Run") -> Outcome:
         raise NotImplementedError
 

@@ -83,8 +83,11 @@ class LinearDisentanglement(Method):
     Config = LinearDisentanglementConfig
     cli = "owai moons linear"
 
-    def run(self, cfg: LinearDisentanglementConfig, run: Run) -> Outcome:
+    @staticmethod
+    def validate(cfg: LinearDisentanglementConfig) -> None:
         check(cfg)
+
+    def run(self, cfg: LinearDisentanglementConfig, run: Run) -> Outcome:
         per_size = collect(cfg, run)
         curves = aggregate(cfg, per_size)
         target = cfg.eval.target_accuracy

@@ -83,8 +83,11 @@ class ThreeMoons(Method):
     Config = ThreeMoonsConfig
     cli = "owai moons three-moons"
 
-    def run(self, cfg: ThreeMoonsConfig, run: Run) -> Outcome:
+    @staticmethod
+    def validate(cfg: ThreeMoonsConfig) -> None:
         check(cfg)
+
+    def run(self, cfg: ThreeMoonsConfig, run: Run) -> Outcome:
         device = run.device
         train_sets = [tuple(p) for p in cfg.data.train_periods]
         val_sets = [tuple(p) for p in cfg.data.val_periods]

@@ -1,0 +1,182 @@
+"""MNIST from a local IDX directory or from the Hugging Face hub (`ylecun/mnist`).
+
+Local layout: a directory holding `{prefix}-images-idx3-ubyte[.gz]` and
+`{prefix}-labels-idx1-ubyte[.gz]` with prefix `train` (60 000 images) or `t10k` (the 10 000-image
+test split). Every file is validated before use: the IDX magic number (2051 for images, 2049 for
+labels), the header's dimensions (28x28 images), the payload size against the header, matching
+image/label counts and labels in 0..9. A missing, truncated or corrupt file raises `OwaiError` with a
+one-line message naming the file. `check_md5=True` additionally compares a `.gz` file with the
+published digest of the official distribution (a re-compressed mirror can differ while its content
+is fine, hence off by default).
+
+Offline, the only MNIST on these machines is the real test split in `<repo>/../shared/data/mnist/`
+(`/work/shared/data/mnist`); the 60k training images are not available. `default_mnist_dir()`
+finds a directory: `$OWAI_MNIST_DIR` first, then `<repo>/../shared/data/mnist` when present. Callers
+pass the path they got (or one from the user) as `root`.
+
+The hub path (`load_mnist(split, hub_id="ylecun/mnist")`) goes through `datasets.load_dataset`; it
+needs network access or a populated Hugging Face cache and is not exercised by the tests.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from owai.errors import OwaiError
+
+ENV_VAR = "OWAI_MNIST_DIR"
+HUB_ID = "ylecun/mnist"
+IMAGES_MAGIC = 2051  # 0x00000803: unsigned byte, 3 dimensions
+LABELS_MAGIC = 2049  # 0x00000801: unsigned byte, 1 dimension
+SPLITS = {"train": ("train", 60_000), "test": ("t10k", 10_000)}
+# md5 of the official gzip files (yann.lecun.com distribution, as mirrored by torchvision et al.)
+OFFICIAL_MD5 = {
+    "train-images-idx3-ubyte.gz": "f68b3c2dcbeaaa9fbdd348bbdeb94873",
+    "train-labels-idx1-ubyte.gz": "d53e105ee54ea40749a09fcbcd1e9432",
+    "t10k-images-idx3-ubyte.gz": "9fb629c4189551a2d022fa330f9573f3",
+    "t10k-labels-idx1-ubyte.gz": "ec29112dd5afa0611ce80d1b7f02629c",
+}
+
+
+@dataclass(frozen=True)
+class MNIST:
+    """One MNIST split: `images` uint8 (N, 28, 28), `labels` int64 (N,) in 0..9."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    split: str
+    source: str
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+
+def repo_root() -> Path:
+    """The repository (or installation) directory holding the `owai` package."""
+    return Path(__file__).resolve().parents[2]
+
+
+def default_mnist_dir() -> Path | None:
+    """`$OWAI_MNIST_DIR` if set, else `<repo>/../shared/data/mnist` if it exists, else None."""
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return Path(env).expanduser()
+    shared = repo_root().parent / "shared" / "data" / "mnist"
+    return shared if shared.is_dir() else None
+
+
+def _read_bytes(path: Path, check_md5: bool) -> bytes:
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise OwaiError(f"cannot read MNIST file {path}: {exc.strerror or exc}") from None
+    if check_md5 and path.name in OFFICIAL_MD5:
+        digest = hashlib.md5(raw).hexdigest()  # noqa: S324 - a published checksum, not security
+        if digest != OFFICIAL_MD5[path.name]:
+            raise OwaiError(f"MNIST file {path} has md5 {digest}, expected {OFFICIAL_MD5[path.name]}")
+    if path.suffix == ".gz":
+        try:
+            return gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise OwaiError(f"MNIST file {path} is not a valid gzip file ({exc})") from None
+    return raw
+
+
+def read_idx(path: str | Path, magic: int, check_md5: bool = False) -> np.ndarray:
+    """Read one IDX file (raw or .gz) of unsigned bytes, checking magic number and size."""
+    path = Path(path)
+    data = _read_bytes(path, check_md5)
+    ndim = magic & 0xFF
+    header = 4 + 4 * ndim
+    if len(data) < 4:
+        raise OwaiError(f"MNIST file {path} is truncated ({len(data)} bytes)")
+    found = int.from_bytes(data[:4], "big")
+    if found != magic:
+        raise OwaiError(f"MNIST file {path} has IDX magic {found:#010x}, expected {magic:#010x}")
+    if len(data) < header:
+        raise OwaiError(f"MNIST file {path} is truncated inside its header ({len(data)} bytes)")
+    dims = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    expected = header + int(np.prod(dims, dtype=np.int64))
+    if len(data) != expected:
+        raise OwaiError(
+            f"MNIST file {path} has {len(data)} bytes, its header {dims} needs {expected}"
+            + (" (truncated)" if len(data) < expected else " (trailing data)")
+        )
+    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(dims)
+
+
+def _find(root: Path, prefix: str, kind: str) -> Path:
+    stem = f"{prefix}-{kind}"
+    candidates = [root / f"{stem}.gz", root / stem, root / f"{stem.replace('-idx', '.idx')}.gz",
+                  root / stem.replace("-idx", ".idx")]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise OwaiError(f"MNIST file {root / stem}[.gz] not found")
+
+
+def load_mnist_idx(root: str | Path, split: str = "test", check_md5: bool = False) -> MNIST:
+    """Read split 'train' (60k) or 'test' (t10k, 10k) from an IDX directory."""
+    if split not in SPLITS:
+        raise OwaiError(f"unknown MNIST split {split!r} (known: {', '.join(SPLITS)})")
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        raise OwaiError(f"MNIST directory {root} does not exist")
+    prefix, _ = SPLITS[split]
+    img_path = _find(root, prefix, "images-idx3-ubyte")
+    lab_path = _find(root, prefix, "labels-idx1-ubyte")
+    images = read_idx(img_path, IMAGES_MAGIC, check_md5)
+    labels = read_idx(lab_path, LABELS_MAGIC, check_md5)
+    if images.shape[1:] != (28, 28):
+        raise OwaiError(f"MNIST file {img_path} holds {images.shape[1]}x{images.shape[2]} images, expected 28x28")
+    if images.shape[0] != labels.shape[0]:
+        raise OwaiError(f"MNIST file {img_path} has {images.shape[0]} images but {lab_path} {labels.shape[0]} labels")
+    if labels.size and labels.max() > 9:
+        raise OwaiError(f"MNIST file {lab_path} has a label {int(labels.max())} outside 0..9")
+    return MNIST(
+        images=torch.from_numpy(images.copy()),
+        labels=torch.from_numpy(labels.astype(np.int64)),
+        split=split,
+        source=str(root),
+    )
+
+
+def load_mnist_hub(split: str = "train", hub_id: str = HUB_ID) -> MNIST:
+    """Read a split of `ylecun/mnist` (columns `image`, `label`) through `datasets`."""
+    if split not in SPLITS:
+        raise OwaiError(f"unknown MNIST split {split!r} (known: {', '.join(SPLITS)})")
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(hub_id, split=split)
+    except Exception as exc:  # noqa: BLE001 - any hub/cache failure is a user-facing error
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise OwaiError(f"cannot load MNIST {hub_id!r} split {split!r} from the Hugging Face hub: {first}") from None
+    images = np.stack([np.asarray(im, dtype=np.uint8) for im in ds["image"]])
+    labels = np.asarray(ds["label"], dtype=np.int64)
+    if images.shape[1:] != (28, 28) or images.shape[0] != labels.shape[0]:
+        raise OwaiError(f"MNIST {hub_id!r} split {split!r} has unexpected shape {images.shape}")
+    return MNIST(torch.from_numpy(images), torch.from_numpy(labels), split=split, source=f"hf:{hub_id}")
+
+
+def load_mnist(split: str = "test", root: str | Path | None = None, hub_id: str | None = None,
+               check_md5: bool = False) -> MNIST:
+    """MNIST `split` from `hub_id` if given, else from the IDX directory `root`, else from
+    `default_mnist_dir()`; no directory at all is a user error."""
+    if hub_id:
+        return load_mnist_hub(split, hub_id)
+    if root is None:
+        root = default_mnist_dir()
+        if root is None:
+            raise OwaiError(
+                f"no MNIST directory: set ${ENV_VAR}, pass a directory of IDX files, or use hub id {HUB_ID!r}"
+            )
+    return load_mnist_idx(root, split, check_md5)
