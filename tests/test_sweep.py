@@ -169,15 +169,32 @@ def test_plan_parses_grid_and_seeds() -> None:
     assert [p.id for p in points] == [p.id for p in sweeps.plan("three-moons", None, TINY, ["model.heads=[1],[3]"])]
 
 
-def test_failed_point_is_recorded_and_sweep_goes_on(tmp_path: Path, capsys) -> None:
-    # eval.n_gen=100 does not fit data.block_size=60: that point fails inside the method
+def test_impossible_grid_value_fails_before_anything_runs(tmp_path: Path, capsys) -> None:
+    # eval.n_gen=100 does not fit data.block_size=60: rejected while planning, nothing created
     code, _, err = cli(["sweep", "three-moons", *sets(), "--grid", "eval.n_gen=3,100", "--seeds", "1",
+                        "--out", str(tmp_path), "-q"], capsys)
+    assert code == 2 and "too short for eval.n_gen=100" in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_failed_point_is_recorded_and_sweep_goes_on(tmp_path: Path, capsys, monkeypatch) -> None:
+    from owai.methods.three_moons import ThreeMoons
+
+    original = ThreeMoons.run
+
+    def flaky(self, cfg, run):  # a point that fails at run time (workers=1 runs in this process)
+        if cfg.eval.n_gen == 4:
+            raise RuntimeError("simulated crash")
+        return original(self, cfg, run)
+
+    monkeypatch.setattr(ThreeMoons, "run", flaky)
+    code, _, err = cli(["sweep", "three-moons", *sets(), "--grid", "eval.n_gen=3,4", "--seeds", "1",
                         "--out", str(tmp_path), "-q"], capsys)
     assert code == 2 and "1 of 2 sweep points failed" in err
     summary = json.loads((sweep_dirs(tmp_path)[0] / "summary.json").read_text())
     assert summary["counts"] == {"points": 2, "complete": 1, "failed": 1}
     failed = [p for p in summary["points"] if p["status"] == "failed"]
-    assert "too short for eval.n_gen=100" in failed[0]["error"]
+    assert "simulated crash" in failed[0]["error"]
 
 
 def test_local_workers(tmp_path: Path, capsys) -> None:
