@@ -13,7 +13,7 @@ from owai import console
 from owai.checkpoint import latest_checkpoint, load_checkpoint
 from owai.config import apply_overrides, build, to_dict
 from owai.errors import OwaiError
-from owai.recipes import Recipe, load
+from owai.recipes import Recipe, load, recorded_name
 from owai.runs import Run, ensure_writable, environment
 
 
@@ -67,7 +67,7 @@ def execute(
             raise OwaiError("--resume takes its config from the run directory; drop --preset/--set")
         run = Run.open(resume)
         resolved = run.read_config()
-        recipe = load(resolved.get("recipe_source") or resolved["recipe"])
+        recipe = load(recorded_name(resolved["recipe"], resolved.get("recipe_source")))
         cfg = build(recipe.method_class().Config, resolved["params"], path=f"{run.path}/config.yaml params")
         if run.status() == "complete" and run.results() is not None:
             console.info(f"[green]{run.path} is already complete[/green]")

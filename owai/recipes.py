@@ -110,6 +110,12 @@ def load(name: str) -> Recipe:
     return recipe
 
 
+def recorded_name(recipe_id: str, source: str | None) -> str:
+    """What to load for a recipe recorded in a run/sweep: its file if it still exists (a user's own
+    recipe), else its id (packaged recipes move with the installation)."""
+    return source if source and Path(source).is_file() else recipe_id
+
+
 def parse(text: str, source: str) -> Recipe:
     try:
         data = load_yaml(text)

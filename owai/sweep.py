@@ -37,7 +37,7 @@ from owai import console
 from owai.config import apply_overrides, load_yaml, parse_override
 from owai.errors import OwaiError
 from owai.io import atomic_write_json
-from owai.recipes import Recipe, load
+from owai.recipes import Recipe, load, recorded_name
 from owai.runs import CONFIG, RESULTS, Run, config_hash, ensure_writable, new_unique_dir, timestamp
 
 SWEEP = "sweep.json"
@@ -285,7 +285,7 @@ def _cpus() -> int:
 
 def _task(sweep: Sweep, point: Point, threads: int = 0) -> dict[str, Any]:
     """What a worker needs to run one point (plain data: it crosses process boundaries)."""
-    source = sweep.recipe_source if sweep.recipe_source and Path(sweep.recipe_source).is_file() else sweep.recipe
+    source = recorded_name(sweep.recipe, sweep.recipe_source)
     return {"id": point.id, "dir": str(sweep.point_dir(point)), "recipe": source, "preset": sweep.preset,
             "overrides": list(point.overrides), "threads": threads}
 

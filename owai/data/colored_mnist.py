@@ -158,10 +158,12 @@ def make_environment(
     small = images[:, ::2, ::2]
     y = (digits < 5).long() ^ (torch.rand(n, generator=gen) < label_noise).long()
     color = y ^ (torch.rand(n, generator=gen) < color_flip).long()
-    x = torch.stack([small, small], dim=1).float().div_(255.0)
-    if not grayscale:
-        keep = torch.stack([color == 0, color == 1], dim=1).to(x.dtype)  # channel `color` keeps the digit
-        x = x * keep[:, :, None, None]
+    gray = small.to(torch.float32).div_(255.0).unsqueeze(1)  # (n, 1, 14, 14)
+    if grayscale:
+        x = gray.expand(n, 2, 14, 14)
+    else:
+        keep = torch.stack([color == 0, color == 1], dim=1).to(torch.float32)  # channel `color` keeps the digit
+        x = gray * keep[:, :, None, None]
     return Environment(
         name=name, x=x.contiguous(), y=y.float(), digit=digits.long().clone(), color=color,
         label_noise=label_noise, color_flip=color_flip,
