@@ -128,6 +128,33 @@ def test_missing_directory_and_files(tmp_path, monkeypatch):
     assert "elsewhere" in one_line_error(exc)
 
 
+def test_hub_path_without_network(monkeypatch):
+    """The `ylecun/mnist` path, with `datasets.load_dataset` replaced (no network in tests)."""
+    import datasets
+    from PIL import Image
+
+    calls = []
+
+    def fake_load(hub_id, split):
+        calls.append((hub_id, split))
+        imgs = [Image.fromarray(torch.full((28, 28), 10 * k, dtype=torch.uint8).numpy()) for k in range(3)]
+        return {"image": imgs, "label": [3, 1, 4]}
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    got = mn.load_mnist("train", hub_id="ylecun/mnist")
+    assert calls == [("ylecun/mnist", "train")]
+    assert got.images.shape == (3, 28, 28) and got.images.dtype == torch.uint8
+    assert got.images[2, 5, 5].item() == 20 and got.labels.tolist() == [3, 1, 4] and got.source == "hf:ylecun/mnist"
+
+    def offline(hub_id, split):
+        raise ConnectionError("Couldn't reach 'ylecun/mnist' on the Hub\n(LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(OwaiError) as exc:
+        mn.load_mnist("test", hub_id="ylecun/mnist")
+    assert "Couldn't reach" in one_line_error(exc)
+
+
 @needs_mnist
 def test_default_dir_is_repo_sibling_shared(monkeypatch):
     monkeypatch.delenv(mn.ENV_VAR, raising=False)

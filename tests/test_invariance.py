@@ -64,7 +64,8 @@ def batches(xs, ys, w, b):
 
 def test_registry_names_aliases_and_errors():
     assert set(inv.REGISTRY) == {
-        "erm", "irm", "vrex", "sd", "iga", "fish", "fishr", "clove", "rerm", "groupdro", "mmd", "coral"
+        "erm", "irm", "vrex", "sd", "iga", "fish", "fishr", "clove", "rerm", "groupdro", "mmd", "coral",
+        "rsc", "lff", "pi",
     }
     for name, cls in inv.REGISTRY.items():
         assert issubclass(cls, inv.Penalty) and cls.name == name
@@ -75,7 +76,7 @@ def test_registry_names_aliases_and_errors():
     assert isinstance(inv.make_penalty("dro"), inv.RERM)
     with pytest.raises(OwaiError, match="unknown invariance method 'rsc2'"):
         inv.make_penalty("rsc2")
-    for bad in ("1e4", True, None.__class__, float("nan"), -1.0):
+    for bad in ("1e4", True, [1e4], float("nan"), -1.0):
         with pytest.raises(OwaiError, match="penalty weight"):
             inv.make_penalty("irm", weight=bad)
     with pytest.raises(OwaiError, match="anneal_iters"):
@@ -447,29 +448,155 @@ def test_coral_mean_and_covariance():
     assert got == pytest.approx(sum(pairs) / len(pairs), rel=1e-10)
 
 
+# --- RSC, LfF, PI -------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    """numpy's default (linear interpolation) percentile, written out."""
+    s = sorted(values)
+    pos = q / 100 * (len(s) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def test_rsc_masks_and_loss():
+    gen = torch.Generator().manual_seed(10)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(5, 2).to(DT)
+    zs = [torch.randn(5 + e, 5, generator=gen, dtype=DT).requires_grad_() for e in range(2)]
+    ys = [torch.randint(0, 2, (5 + e,), generator=gen) for e in range(2)]
+    envs = [EnvBatch(head(z), y, z) for z, y in zip(zs, ys)]
+    f, b = 0.75, 0.5  # both percentiles land exactly on a value: checks the strict `<`
+    pen = inv.make_penalty("rsc", f=f, b=b, anneal_iters=3)
+    # before annealing: plain cross-entropy over the concatenated environments
+    z_all, y_all = torch.cat(zs), torch.cat(ys)
+    ce = F.cross_entropy(head(z_all), y_all)
+    assert pen.objective(envs, 2, head=head).loss.item() == pytest.approx(ce.item(), rel=1e-12)
+
+    got = pen.objective(envs, 3, head=head).loss
+    W = head.weight.detach()
+    rows = []
+    changes = []
+    for i in range(len(y_all)):
+        g = W[y_all[i]].tolist()  # d(logit_y)/dz for a linear head
+        thr = percentile(g, (1 - f) * 100)
+        mask_f = [1.0 if gk < thr else 0.0 for gk in g]
+        z = z_all[i].detach()
+        p = torch.softmax(head(z), 0)[y_all[i]]
+        p_muted = torch.softmax(head(z * torch.tensor(mask_f, dtype=DT)), 0)[y_all[i]]
+        rows.append(mask_f)
+        changes.append((p - p_muted).item())
+    thr_b = percentile(changes, (1 - b) * 100)
+    ref = 0
+    n_kept_all = 0
+    for i in range(len(y_all)):
+        keep_all = changes[i] < thr_b
+        n_kept_all += keep_all
+        mask = torch.tensor([1.0 if (m or keep_all) else 0.0 for m in rows[i]], dtype=DT)
+        ref = ref - torch.log_softmax(head(z_all[i] * mask), 0)[y_all[i]]
+    ref = ref / len(y_all)
+    assert 0 < n_kept_all < len(y_all) and 0 < sum(map(sum, rows)) < 5 * len(y_all)  # non-trivial masks
+    assert got.item() == pytest.approx(ref.item(), rel=1e-12)
+    wrt = [*zs, head.weight]
+    for a, c in zip(torch.autograd.grad(got, wrt), torch.autograd.grad(ref, wrt)):
+        assert torch.allclose(a, c)
+
+
+def test_lff_ema_weights_and_gce():
+    gen = torch.Generator().manual_seed(11)
+    q, alpha = 0.3, 0.7
+    pen = inv.make_penalty("lff", weight=q, anneal_iters=1)
+    y = [torch.randint(0, 2, (4 + e,), generator=gen) for e in range(2)]
+    y_all = torch.cat(y)
+    n = len(y_all)
+    d0 = [torch.randn(4 + e, 2, generator=gen, dtype=DT) for e in range(2)]
+    pre = pen.objective([EnvBatch(d, t) for d, t in zip(d0, y)], step=0)
+    assert pre.loss.item() == pytest.approx(F.cross_entropy(torch.cat(d0), y_all).item(), rel=1e-12)
+
+    def ce(logits, i):
+        return -torch.log_softmax(logits[i], 0)[y_all[i]]
+
+    ema_b, ema_d = [0.0] * n, [0.0] * n
+    for step in (1, 2):
+        lb_env = [torch.randn(4 + e, 2, generator=gen, dtype=DT).requires_grad_() for e in range(2)]
+        ld_env = [torch.randn(4 + e, 2, generator=gen, dtype=DT).requires_grad_() for e in range(2)]
+        got = pen.objective([EnvBatch(d, t) for d, t in zip(ld_env, y)], step,
+                            biased=[EnvBatch(bb, t) for bb, t in zip(lb_env, y)]).loss
+        lb, ld = torch.cat(lb_env), torch.cat(ld_env)
+        for i in range(n):
+            if step == 1:  # the first update takes the raw loss
+                ema_b[i], ema_d[i] = ce(lb, i).item(), ce(ld, i).item()
+            else:
+                ema_b[i] = alpha * ema_b[i] + (1 - alpha) * ce(lb, i).item()
+                ema_d[i] = alpha * ema_d[i] + (1 - alpha) * ce(ld, i).item()
+        ref = 0
+        for i in range(n):
+            same = [k for k in range(n) if y_all[k] == y_all[i]]
+            nb = ema_b[i] / max(ema_b[k] for k in same)
+            nd = ema_d[i] / max(ema_d[k] for k in same)
+            w = nb / (nb + nd + 1e-8)
+            p_y = torch.softmax(lb[i], 0)[y_all[i]].item()
+            ref = ref + ce(lb, i) * (p_y**q * q) / n + w * ce(ld, i) / n
+        assert got.item() == pytest.approx(ref.item(), rel=1e-12)
+        wrt = [*lb_env, *ld_env]
+        for a, c in zip(torch.autograd.grad(got, wrt), torch.autograd.grad(ref, wrt)):
+            assert torch.allclose(a, c)
+    state = pen.state_dict()
+    assert state["ema_b"].tolist() == pytest.approx(ema_b)
+
+
+def test_pi_groups_own_and_cross():
+    ys = [torch.tensor([1, 0, 1, 1]), torch.tensor([0, 0, 1])]
+    preds = [[torch.tensor([1, 1, 1, 1]), torch.tensor([0, 0, 1])],   # model 1 on env 1, env 2
+             [torch.tensor([0, 0, 0, 0]), torch.tensor([1, 0, 0])]]   # model 2 on env 1, env 2
+    own = inv.pi_groups(ys, preds)
+    assert [(name, e, m.tolist()) for name, e, m in own] == [
+        ("model1-env1-correct", 0, [True, False, True, True]),
+        ("model1-env1-incorrect", 0, [False, True, False, False]),
+        ("model2-env2-correct", 1, [False, True, False]),
+        ("model2-env2-incorrect", 1, [True, False, True]),
+    ]
+    cross = inv.make_penalty("pi", cross=True).groups(ys, preds)
+    # model 1 is right on all of env 2: its empty "incorrect" group is dropped
+    assert [(name, e, m.tolist()) for name, e, m in cross] == [
+        ("model1-env2-correct", 1, [True, True, True]),
+        ("model2-env1-correct", 0, [False, True, False, False]),
+        ("model2-env1-incorrect", 0, [True, False, True, True]),
+    ]
+    pen = inv.make_penalty("pi")
+    assert isinstance(pen, inv.RERM) and pen.steps1 == 51 and pen.steps3 == 701 and not pen.cross
+
+
 # --- every method through a training step of the ColoredMNIST model shape -------------------------
 
 
 @pytest.mark.parametrize("name", sorted(inv.REGISTRY))
 @pytest.mark.parametrize("frozen", [False, True])
 def test_one_adam_step_per_method(name, frozen):
+    import copy
+
     torch.manual_seed(0)
+    two_logits = name in ("rsc", "lff")
     featurizer = torch.nn.Sequential(torch.nn.Linear(392, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU())
-    head = torch.nn.Linear(16, 1)
+    head = torch.nn.Linear(16, 2 if two_logits else 1)
+    biased = copy.deepcopy(torch.nn.Sequential(featurizer, head))
     if frozen:
         featurizer.requires_grad_(False)
     trainable = [p for p in [*featurizer.parameters(), *head.parameters()] if p.requires_grad]
-    opt = torch.optim.Adam(trainable, lr=5e-4)
+    opt = torch.optim.Adam(trainable + list(biased.parameters()), lr=5e-4)
     gen = torch.Generator().manual_seed(1)
     xs = [torch.rand(32, 392, generator=gen) for _ in range(2)]
     ys = [(torch.rand(32, generator=gen) < 0.5).float() for _ in range(2)]
+    if two_logits:
+        ys = [y.long() for y in ys]
     pen = inv.make_penalty(name, anneal_iters=1)
     before = [p.detach().clone() for p in featurizer.parameters()]
     for step in range(2):
         zs = [featurizer(x) for x in xs]
         envs = [EnvBatch(head(z), y, z) for z, y in zip(zs, ys)]
         out = pen.objective(envs, step, params=trainable,
-                            l2=pen.l2(0.0011, featurizer.parameters(), head.parameters()))
+                            l2=pen.l2(0.0011, featurizer.parameters(), head.parameters()),
+                            head=head, biased=[EnvBatch(biased(x), y) for x, y in zip(xs, ys)])
         opt.zero_grad()
         out.loss.backward()
         assert math.isfinite(out.loss.item()) and all(torch.isfinite(p.grad).all() for p in trainable)

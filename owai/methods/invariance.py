@@ -23,7 +23,8 @@ or cross-entropy on C >= 2 logits (integer labels). `P` is only computed while `
 reported as 0 otherwise), which keeps the ERM phase of `fish` (anneal_val 0) cheap.
 
 Schedule fields of every penalty: `weight` (lambda), `anneal_iters`, `anneal_val` (the weight before
-annealing; class default 1, 0 for `fish`), `divide_by_weight` (default True), `reset_optimizer`
+annealing; class default 1, 0 for `fish` and `lff`, and for the methods without a
+penalty), `divide_by_weight` (default True), `reset_optimizer`
 (default False: RFC ColoredMNIST keeps the Adam state when the penalty switches on; DomainBed, WILDS
 and RFC-Camelyon reset it, so the trainer re-creates its optimizer when `reset_optimizer_at(step)`),
 `l2_scope` ("all" parameters, "featurizer" only for Fishr, "none" for CLOvE) and `minibatch` (512
@@ -45,9 +46,14 @@ Registry (`REGISTRY`; `ALIASES` maps the reference's names):
 | `groupdro` | no penalty; risk = sum_g q_g nll_g with q <- q exp(eta nll) normalised (2.10)     |
 | `mmd`      | mean over env pairs of Gaussian-kernel MMD of the features (2.12)                |
 | `coral`    | mean over env pairs of mean (mu diff)^2 + mean (cov diff)^2 (2.12)               |
+| `rsc`      | no penalty; CE of the head on self-challenged (masked) features (2.8; `head=`)   |
+| `lff`      | GCE_q of the biased model + EMA-weighted CE of the debiased one (2.9; `biased=`) |
+| `pi`       | RERM over `pi_groups` (correct/incorrect per environment model, 2.11)            |
 
-Not implemented here: RSC (2.8), LfF (2.9), PI (2.11) and DomainBed's first-order Fish (2.5, a
-meta-update procedure rather than a penalty).
+RSC, LfF and PI use two logits (cross-entropy, integer labels) on the concatenated environments and
+replace the whole objective; PI's stage-1 models are trained by the trainer, which passes their
+predictions to `pi_groups`. Not implemented here: DomainBed's first-order Fish (2.5, a meta-update
+procedure on a cloned network rather than a penalty).
 
 Decisions from the spec's appendix table (thesis vs code):
 
@@ -61,12 +67,15 @@ Decisions from the spec's appendix table (thesis vs code):
   mean gradient (Rame et al.; population variance, no EMA).
 * #5 Fish: the thesis's Fish is RFC's gradient-inner-product penalty `gm` (`fish`); RFC's `gm_train`
   reads a global `flags` (appendix #16): here everything comes from the arguments. DomainBed's
-  first-order Fish is not implemented in this module.
+  first-order Fish (the table says "implement both") is not implemented yet.
+* #6 PI splitting: RFC's own-environment split by default, PI0's cross-environment split with
+  `cross=True`.
 * #7 CLOvE with C >= 2 logits uses the intended MMCE (confidence = max softmax probability,
   correctness = argmax == label), not RFC-Camelyon's buggy flattening.
 * #8 RFC-Camelyon's weight 0 before annealing with an optimizer reset is `anneal_val=0,
   reset_optimizer=True` (a recipe setting; the ColoredMNIST default stays 1 and no reset).
-* #16 the reference's run-breaking bugs are not ported: this is a re-implementation from the spec.
+* #16 the reference's run-breaking bugs are not ported: this is a re-implementation from the spec
+  (LfF works with a trainable featurizer, unlike RFC's inverted freeze check).
 """
 
 from __future__ import annotations
@@ -74,8 +83,9 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterable, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -216,13 +226,13 @@ class Penalty:
         step: int,
         params: Sequence[torch.Tensor] | None = None,
         l2: torch.Tensor | float = 0.0,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        biased: Sequence[EnvBatch] | None = None,
     ) -> Objective:
-        """The full loss at `step`: (risk + l2 + w_t P) / divisor_at(step)."""
-        if not envs:
-            raise OwaiError(f"{self.name}: no environment to train on")
-        for i, env in enumerate(envs):
-            if env.logits.shape[0] == 0:
-                raise OwaiError(f"{self.name}: environment {i} is empty")
+        """The full loss at `step`: (risk + l2 + w_t P) / divisor_at(step). `head` (the classifier
+        on `features`, for RSC) and `biased` (the biased model's batches, for LfF) are ignored by
+        the other methods."""
+        self._check(envs)
         nlls = [nll(env.logits, env.y) for env in envs]
         risk = self.risk(nlls)
         w = self.weight_at(step)
@@ -230,6 +240,13 @@ class Penalty:
         divisor = self.divisor_at(step)
         loss = (risk + l2 + w * pen) / divisor
         return Objective(loss=loss, risk=risk, penalty=pen.detach(), weight=w, divisor=divisor, nlls=nlls)
+
+    def _check(self, envs: Sequence[EnvBatch]) -> None:
+        if not envs:
+            raise OwaiError(f"{self.name}: no environment to train on")
+        for i, env in enumerate(envs):
+            if env.logits.shape[0] == 0:
+                raise OwaiError(f"{self.name}: environment {i} is empty")
 
     def state_dict(self) -> dict[str, Any]:
         """Mutable state to checkpoint (GroupDRO's weights); empty for stateless penalties."""
@@ -514,8 +531,198 @@ class CORAL(_PairwiseFeaturePenalty):
         return (x.mean(0) - y.mean(0)).pow(2).mean() + (cov(x) - cov(y)).pow(2).mean()
 
 
+def _concat(envs: Sequence[EnvBatch], what: str) -> torch.Tensor:
+    parts = [getattr(env, what) for env in envs]
+    if any(t is None for t in parts):
+        raise ValueError(f"EnvBatch.{what} is needed")
+    return torch.cat([t.reshape(t.shape[0], -1) if what == "logits" else t for t in parts])
+
+
+def _require_multiclass(name: str, logits: torch.Tensor) -> None:
+    if not _multiclass(logits):
+        raise ValueError(f"{name} needs C >= 2 logits with integer labels (spec §0: 2 logits, cross-entropy)")
+
+
+class RSC(Penalty):
+    """Representation self-challenging, DomainBed semantics (spec §2.8); 2 logits, cross-entropy on
+    the concatenated environments, no L2. Plain CE before `anneal_iters`; afterwards, with
+    g = d(sum logits * onehot)/dz, each example keeps the features whose g is strictly below the
+    per-example `(1 - f) * 100`-th percentile (numpy, linear interpolation); examples whose drop in
+    true-class probability under that mask is strictly below the batch `(1 - b) * 100`-th percentile
+    keep all features; loss = CE(head(z * mask), y). Needs `features` and the `head` callable.
+    `weight` is unused: the method's knobs are (f, b)."""
+
+    name = "rsc"
+    default_weight = 0.0
+    default_anneal_val = 0.0
+    l2_scope = "none"
+    needs_features = True
+
+    def __init__(self, *args: Any, f: float = 0.995, b: float = 0.98, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.f = _check_number("rsc f", f)
+        self.b = _check_number("rsc b", b)
+        if self.f > 1 or self.b > 1:
+            raise OwaiError(f"rsc f and b must be in [0, 1], got f={f!r}, b={b!r}")
+
+    def masks(self, z: torch.Tensor, y: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The final (n, d) 0/1 mask of spec §2.8 (no gradient flows through it)."""
+        z_ = z.detach().requires_grad_(True)
+        with torch.enable_grad():
+            logits = head(z_)
+            onehot = F.one_hot(y, logits.shape[1]).to(logits.dtype)
+            (g,) = torch.autograd.grad((logits * onehot).sum(), z_)
+        with torch.no_grad():
+            thr = np.percentile(g.cpu().numpy(), (1 - self.f) * 100, axis=1)
+            mask_f = g < torch.as_tensor(thr, dtype=g.dtype, device=g.device)[:, None]
+            p_true = (logits.softmax(1) * onehot).sum(1)
+            p_muted = (head(z.detach() * mask_f).softmax(1) * onehot).sum(1)
+            change = p_true - p_muted
+            thr_b = float(np.percentile(change.cpu().numpy(), (1 - self.b) * 100))
+            mask_b = change < thr_b
+            return (mask_f | mask_b[:, None]).to(z.dtype)
+
+    def objective(self, envs, step, params=None, l2=0.0, head=None, biased=None):
+        self._check(envs)
+        y = _concat(envs, "y").reshape(-1).long()
+        if step < self.anneal_iters:
+            logits = _concat(envs, "logits")
+            _require_multiclass(self.name, logits)
+            risk = F.cross_entropy(logits, y)
+        else:
+            if head is None:
+                raise ValueError("rsc needs the head (objective(..., head=classifier))")
+            z = _concat(envs, "features")
+            _require_multiclass(self.name, envs[0].logits)
+            risk = F.cross_entropy(head(z * self.masks(z, y, head)), y)
+        return Objective(loss=risk + l2, risk=risk, penalty=risk.new_zeros(()), weight=0.0, divisor=1.0)
+
+
+class LfF(Penalty):
+    """Learning from failure (spec §2.9); 2 logits. Before `anneal_iters`: plain CE of the model
+    (ERM pre-training). Afterwards the trainer holds a biased copy b and the debiased model d (both
+    with Adam at lr * `lr_factor` and coupled `weight_decay=l2`, hence `l2_scope = "none"`) and passes
+    b's batches as `biased`. Per-example CE losses of b and d go into EMAs (alpha 0.7,
+    v <- alpha v + (1 - alpha * updated) loss, so the first update takes the raw loss), normalised
+    per class by the class's max EMA; w = l_b / (l_b + l_d + 1e-8) (detached);
+    loss = mean GCE_q(b) + mean(w * CE(d)), GCE_q = CE * (p_y^q q) with the factor detached, q =
+    `weight`. Full batch: example i of the concatenated environments has EMA slot i (or pass `index`
+    via `set_index` for minibatches). d is the model to evaluate."""
+
+    name = "lff"
+    default_weight = 0.1  # q; the thesis's grid is {0.1, 0.2, 0.3, 0.4, 0.5}
+    default_anneal_val = 0.0
+    l2_scope = "none"
+    lr_factor = 0.01
+
+    def __init__(self, *args: Any, alpha: float = 0.7, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.alpha = _check_number("lff alpha", alpha)
+        self.ema_b: torch.Tensor | None = None
+        self.ema_d: torch.Tensor | None = None
+        self.updated: torch.Tensor | None = None
+        self.labels: torch.Tensor | None = None
+        self.index: torch.Tensor | None = None
+
+    def set_index(self, index: torch.Tensor | None) -> None:
+        """Dataset positions of the next batch's examples (None = the full batch, in order)."""
+        self.index = index
+
+    def _ema(self, ema: torch.Tensor, loss: torch.Tensor, idx: torch.Tensor, upd: torch.Tensor) -> torch.Tensor:
+        ema[idx] = self.alpha * ema[idx] + (1 - self.alpha * upd) * loss
+        return ema
+
+    def objective(self, envs, step, params=None, l2=0.0, head=None, biased=None):
+        self._check(envs)
+        y = _concat(envs, "y").reshape(-1).long()
+        logits_d = _concat(envs, "logits")
+        _require_multiclass(self.name, logits_d)
+        if step < self.anneal_iters:
+            risk = F.cross_entropy(logits_d, y)
+            return Objective(loss=risk + l2, risk=risk, penalty=risk.new_zeros(()), weight=0.0, divisor=1.0)
+        if biased is None:
+            raise ValueError("lff needs the biased model's batches (objective(..., biased=...))")
+        logits_b = _concat(biased, "logits")
+        ce_b = F.cross_entropy(logits_b, y, reduction="none")
+        ce_d = F.cross_entropy(logits_d, y, reduction="none")
+        idx = torch.arange(len(y), device=y.device) if self.index is None else self.index.to(y.device)
+        with torch.no_grad():
+            size = int(idx.max()) + 1
+            if self.ema_b is None or self.ema_b.shape[0] < size:
+                self.ema_b = ce_b.new_zeros(size)
+                self.ema_d = ce_b.new_zeros(size)
+                self.updated = ce_b.new_zeros(size)
+                self.labels = y.new_full((size,), -1)
+            self.labels[idx] = y
+            upd = self.updated[idx]
+            self._ema(self.ema_b, ce_b.detach(), idx, upd)
+            self._ema(self.ema_d, ce_d.detach(), idx, upd)
+            self.updated[idx] = 1.0
+            lb, ld = self.ema_b[idx].clone(), self.ema_d[idx].clone()
+            for c in y.unique():
+                in_c = self.labels == c
+                lb[y == c] /= self.ema_b[in_c].max()
+                ld[y == c] /= self.ema_d[in_c].max()
+            w = lb / (lb + ld + 1e-8)
+            q = self.weight
+            p_true = logits_b.softmax(1).gather(1, y[:, None]).squeeze(1)
+            gce_factor = p_true.pow(q) * q
+        gce = (ce_b * gce_factor).mean()
+        weighted = (w * ce_d).mean()
+        loss = gce + weighted + l2
+        return Objective(loss=loss, risk=weighted, penalty=gce.detach(), weight=q, divisor=1.0)
+
+    def state_dict(self):
+        if self.ema_b is None:
+            return {}
+        return {k: getattr(self, k).clone() for k in ("ema_b", "ema_d", "updated", "labels")}
+
+    def load_state_dict(self, state):
+        for k in ("ema_b", "ema_d", "updated", "labels"):
+            setattr(self, k, state[k].clone() if k in state else None)
+
+
+class PI(RERM):
+    """Predict-then-interpolate (spec §2.11): per training environment a model is trained by ERM on
+    a random 90 % of it (`steps1` steps: 51 ColoredMNIST, 151 Inverse); `pi_groups` splits examples
+    into correct/incorrect by those models (RFC: model i on its own environment i; `cross=True`:
+    PI0, model i on every other environment j); a fresh model then minimises the hard max over the
+    groups (+ L2) for `steps3` = 701 steps. The training of the stage models is the trainer's."""
+
+    name = "pi"
+
+    def __init__(self, *args: Any, cross: bool = False, steps1: int = 51, steps3: int = 701,
+                 holdout: float = 0.1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cross = bool(cross)
+        self.steps1, self.steps3 = int(steps1), int(steps3)
+        self.holdout = _check_number("pi holdout", holdout)
+
+    def groups(self, ys: Sequence[torch.Tensor], preds: Sequence[Sequence[torch.Tensor]]) -> list[tuple[str, int, torch.Tensor]]:
+        return pi_groups(ys, preds, self.cross)
+
+
+def pi_groups(
+    ys: Sequence[torch.Tensor], preds: Sequence[Sequence[torch.Tensor]], cross: bool = False
+) -> list[tuple[str, int, torch.Tensor]]:
+    """PI's groups as (name, environment, boolean mask): `preds[i][e]` are model i's predicted
+    labels on environment e. Own (RFC): model e splits environment e into correct/incorrect
+    (2 groups per environment); cross (PI0): model i splits every environment j != i. Empty
+    groups are dropped (their mean loss is undefined)."""
+    out = []
+    n = len(ys)
+    pairs = [(i, j) for i in range(n) for j in range(n) if i != j] if cross else [(e, e) for e in range(n)]
+    for i, j in pairs:
+        correct = preds[i][j].reshape(-1).long() == ys[j].reshape(-1).long()
+        for tag, mask in (("correct", correct), ("incorrect", ~correct)):
+            if bool(mask.any()):
+                out.append((f"model{i + 1}-env{j + 1}-{tag}", j, mask))
+    return out
+
+
 REGISTRY: dict[str, type[Penalty]] = {
-    cls.name: cls for cls in (ERM, IRMv1, VREx, SD, IGA, Fish, Fishr, CLOvE, RERM, GroupDRO, MMD, CORAL)
+    cls.name: cls
+    for cls in (ERM, IRMv1, VREx, SD, IGA, Fish, Fishr, CLOvE, RERM, GroupDRO, MMD, CORAL, RSC, LfF, PI)
 }
 ALIASES = {"irmv1": "irm", "rex": "vrex", "gm": "fish", "dro": "rerm", "mmce": "clove"}
 
