@@ -122,14 +122,26 @@ def check(cfg: ThreeMoonsConfig) -> None:
         raise OwaiError("data.val_periods must be disjoint from data.train_periods")
     if not 0 <= e.train_panel < len(d.train_periods):
         raise OwaiError(f"eval.train_panel={e.train_panel} is not an index of data.train_periods")
-    for name, value in [
-        ("data.block_size", d.block_size), ("train.batch_size", cfg.train.batch_size),
-        ("train.restarts", min(cfg.train.restarts.values(), default=1)), ("eval.n_sequences", e.n_sequences), ("eval.n_gen", e.n_gen),
-        ("eval.tau_stride", e.tau_stride), ("eval.chunk", e.chunk), ("train.checkpoint_every", cfg.train.checkpoint_every),
-        ("train.log_every", cfg.train.log_every), ("train.selection_sequences", cfg.train.selection_sequences),
-    ]:
+    t = cfg.train
+    positive = {
+        "data.block_size": d.block_size,
+        "data.min_periods_in_block": d.min_periods_in_block,
+        "train.steps": t.steps,
+        "train.batch_size": t.batch_size,
+        "train.restarts": min(t.restarts.values(), default=1),
+        "train.selection_sequences": t.selection_sequences,
+        "train.checkpoint_every": t.checkpoint_every,
+        "train.log_every": t.log_every,
+        "eval.n_sequences": e.n_sequences,
+        "eval.n_gen": e.n_gen,
+        "eval.tau_stride": e.tau_stride,
+        "eval.chunk": e.chunk,
+    }
+    for name, value in positive.items():
         if value < 1:
             raise OwaiError(f"{name} must be >= 1, got {value}")
+    if cfg.model.beta <= 0:
+        raise OwaiError(f"model.beta must be > 0, got {cfg.model.beta}")
     if d.block_size < 2 * e.n_gen:
         raise OwaiError(f"data.block_size={d.block_size} is too short for eval.n_gen={e.n_gen}")
     if not e.metrics:
