@@ -38,8 +38,17 @@ def train_loop(
     loss_at: Callable[[int], torch.Tensor],
     loop: LoopConfig,
     lr_at: Callable[[int], float] | None = None,
+    reset_optimizer_at: Callable[[int], bool] | None = None,
+    after_step: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Train `model` for `loop.steps` updates under `run`, resuming from the stage's checkpoint.
+
+    Optional hooks, both keyed by the step so that a resumed run replays them exactly:
+    `reset_optimizer_at(step)` -> True clears the optimizer's state before update `step` (a fresh
+    Adam with the same hyper-parameters, e.g. when a penalty switches on); `after_step(done)` runs
+    after update `done` (1-based) is applied and logged and before its checkpoint is written, with
+    the model in train mode (evaluations it logs with `run.log(stage, done, ...)` are trimmed on
+    resume like the loss).
 
     Returns a summary {"final_loss", "steps"}; a stage that already finished is loaded from its
     final checkpoint without training.
@@ -68,6 +77,8 @@ def train_loop(
             if lr_at is not None:
                 for group in optimizer.param_groups:
                     group["lr"] = lr_at(step)
+            if reset_optimizer_at is not None and reset_optimizer_at(step):
+                optimizer.state.clear()
             loss = loss_at(step)
             if not torch.isfinite(loss):
                 raise OwaiError(f"{stage}: loss became {loss.item()} at step {step}; lower the learning rate")
@@ -81,6 +92,9 @@ def train_loop(
             if done % loop.log_every == 0 or done == loop.steps:
                 run.log(stage, done, loss=_mean(recent), lr=optimizer.param_groups[0]["lr"])
                 bar.update(0, status=f"loss {_mean(recent):.4g}")
+            if after_step is not None:
+                after_step(done)
+                model.train()
             if done % loop.checkpoint_every == 0 or done == loop.steps:
                 save_checkpoint(
                     ckpt_dir,

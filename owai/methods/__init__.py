@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 REGISTRY: dict[str, str] = {
     "three_moons": "owai.methods.three_moons:ThreeMoons",
     "linear_disentanglement": "owai.methods.linear_disentanglement:LinearDisentanglement",
+    "coloredmnist": "owai.methods.coloredmnist:ColoredMNISTInvariance",
 }
 
 
