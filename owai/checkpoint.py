@@ -24,6 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from owai.errors import OwaiError
+from owai.io import umask
 
 FORMAT = "owai-checkpoint-v1"
 TENSORS = "tensors.safetensors"
@@ -73,10 +74,12 @@ def save_checkpoint(directory: Path, step: int, state: dict[str, Any], keep: int
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"step-{step:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:06d}-", dir=directory))
+    os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700 directories
     try:
         tensors: dict[str, torch.Tensor] = {}
         skeleton = _split(state, "state", tensors)
         save_file(tensors, str(tmp / TENSORS))
+        os.chmod(tmp / TENSORS, 0o666 & ~umask())
         meta = {"format": FORMAT, "step": step, "sha256": _sha256(tmp / TENSORS), "state": skeleton}
         with open(tmp / STATE, "w") as f:
             json.dump(meta, f)

@@ -101,3 +101,16 @@ def test_runtime_device_dtype_and_seeds():
             runtime.select_device("cuda")
     with pytest.raises(OwaiError, match="threads"):
         runtime.setup(Runtime(threads=-1), seed=0)
+
+
+def test_checkpoint_files_are_readable_by_others(tmp_path):
+    import os
+    import stat
+
+    from owai.io import umask
+
+    path = save_checkpoint(tmp_path, 1, {"x": torch.zeros(1)})
+    expected = 0o666 & ~umask()
+    for f in (path / "state.json", path / "tensors.safetensors"):
+        assert stat.S_IMODE(os.stat(f).st_mode) == expected
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o777 & ~umask()
