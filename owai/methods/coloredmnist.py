@@ -18,7 +18,12 @@ Training (spec §0), through `owai.train.train_loop` (stage `train`):
   reference's code; the thesis's "penalty off" is `penalty.anneal_val=0`). The Adam state is kept
   when the penalty switches on (RFC ColoredMNIST); `penalty.reset_optimizer=true` clears it
   (DomainBed/WILDS), through the loop's `reset_optimizer_at` hook.
-* `init: bonsai | bonsai-cf` (the Bonsai representation, §3.1) is not implemented yet.
+* `init: bonsai | bonsai-cf` (spec §3.1): the Bonsai representation is built first in stages
+  `bonsai.round<k>` and `bonsai.synthesis` (`owai.methods.bonsai`, settings under `bonsai.*`;
+  reloaded from those stages on resume); the downstream MLP starts from its featurizer and the
+  average of the synthesis heads, and the penalty runs from step 0 (anneal 0, as the reference).
+  `bonsai` trains everything; `bonsai-cf` freezes the featurizer (no gradient, not in the
+  optimizer, not in the L2 term) and trains the head alone on features computed once (cached).
 
 Evaluation: every `train.eval_every` steps (the thesis's early-stopping grid, Table A.12: 20 i for
 most methods) and at the last step, the training accuracy (both environments pooled) and the three
@@ -49,6 +54,7 @@ from owai.config import BaseConfig
 from owai.data.colored_mnist import ColoredMNIST, accuracy, load_colored_mnist
 from owai.errors import OwaiError
 from owai.methods import Method, Outcome
+from owai.methods.bonsai import BonsaiConfig, build_representation, check_config, init_from
 from owai.methods.invariance import ALIASES, L2, REGISTRY, EnvBatch, Penalty, make_penalty
 from owai.models.mlp import ColoredMNISTMLP, MLPConfig
 from owai.runs import Run
@@ -58,7 +64,7 @@ from owai.train import LoopConfig, train_loop
 Dataset = Literal["coloredmnist", "coloredmnist-gray", "inverse-coloredmnist", "inverse-coloredmnist-gray", "camelyon17"]
 Init = Literal["rand", "erm", "bonsai", "bonsai-cf"]
 SUPPORTED = ("erm", "irm", "vrex", "sd", "iga", "fish", "fishr", "clove", "rerm", "mmd", "coral")
-NOT_YET = {"bonsai": "init 'bonsai'", "bonsai-cf": "init 'bonsai-cf'", "camelyon17": "dataset 'camelyon17'"}
+NOT_YET = {"camelyon17": "dataset 'camelyon17'"}
 TABLE_DATASET = "coloredmnist"  # Table 2.4's rows are named <method>.<init>.worst_test_acc on it
 
 
@@ -107,6 +113,7 @@ class ColoredMNISTConfig(BaseConfig):
     penalty: PenaltyConfig = field(default_factory=PenaltyConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    bonsai: BonsaiConfig = field(default_factory=BonsaiConfig)  # init=bonsai|bonsai-cf only
 
 
 class ColoredMNISTInvariance(Method):
@@ -121,13 +128,29 @@ class ColoredMNISTInvariance(Method):
         data = load_data(cfg)
         device = run.device
         pen = build_penalty(cfg)
-        torch.manual_seed(derive_seed(cfg.seed, "init"))
-        model = ColoredMNISTMLP(MLPConfig(hidden=cfg.model.hidden)).to(device)
-        params = model.trainable_parameters()
-        optimizer = torch.optim.Adam(params, lr=cfg.train.lr)
         l2 = l2_coefficient(cfg)
         train = [(e.x.to(device), e.y.to(device)) for e in data.train]
         test = [(e.x.to(device), e.y.to(device)) for e in data.test]
+        rep = None
+        if cfg.init in ("bonsai", "bonsai-cf"):
+            t = cfg.train
+            rep = build_representation(run, data, cfg.dataset, cfg.bonsai, seed=cfg.seed, hidden=cfg.model.hidden,
+                                       lr=t.lr, l2=l2, device=device, checkpoint_every=t.checkpoint_every,
+                                       log_every=t.log_every)
+        torch.manual_seed(derive_seed(cfg.seed, "init"))
+        model = ColoredMNISTMLP(MLPConfig(hidden=cfg.model.hidden)).to(device)
+        frozen = cfg.init == "bonsai-cf"
+        if rep is not None:
+            init_from(model, rep)
+        if frozen:
+            model.freeze_featurizer()
+            with torch.no_grad():  # the cache: the head's inputs, computed once
+                train = [(model.featurizer(x), y) for x, y in train]
+                test = [(model.featurizer(x), y) for x, y in test]
+        params = model.trainable_parameters()
+        optimizer = torch.optim.Adam(params, lr=cfg.train.lr)
+        featurize = (lambda z: z) if frozen else model.featurizer
+        predict = model.head if frozen else model
         stage = "train"
 
         def loss_at(step: int) -> torch.Tensor:
@@ -137,19 +160,19 @@ class ColoredMNISTInvariance(Method):
                     idx = torch.randperm(len(y), generator=generator(cfg.seed, "minibatch", stage, step, k))
                     idx = idx[: pen.minibatch].to(device)
                     x, y = x[idx], y[idx]
-                z, logits = model.features_and_logits(x)
-                batches.append(EnvBatch(logits, y, z))
-            reg = pen.l2(l2, model.featurizer.parameters(), model.head.parameters())
+                z = featurize(x)
+                batches.append(EnvBatch(model.head(z), y, z))
+            reg = pen.l2(l2, [] if frozen else model.featurizer.parameters(), model.head.parameters())
             return pen.objective(batches, step, params=params, l2=reg).loss
 
         def after_step(done: int) -> None:
             if done % cfg.train.eval_every == 0 or done == cfg.train.steps:
-                run.log(stage, done, **evaluate(model, train, test))
+                run.log(stage, done, **evaluate(predict, train, test))
 
         loop = LoopConfig(cfg.train.steps, checkpoint_every=cfg.train.checkpoint_every, log_every=cfg.train.log_every)
         summary = train_loop(run, stage, model, optimizer, loss_at, loop,
                              reset_optimizer_at=pen.reset_optimizer_at, after_step=after_step)
-        final = evaluate(model, train, test)
+        final = evaluate(predict, train, test)
         curve = [
             {"step": r["step"], "train_acc": r["train_acc"], "worst_test_acc": r["worst_test_acc"]}
             for r in run.metrics()
@@ -163,6 +186,7 @@ class ColoredMNISTInvariance(Method):
             "data": {"split": data.split, "source": data.source, "train_sizes": [len(e) for e in data.train],
                      "test_sizes": [len(e) for e in data.test]},
             "curve": curve,
+            **({"bonsai": rep.details, "frozen_featurizer": frozen} if rep is not None else {}),
         })
 
 
@@ -170,7 +194,7 @@ def check(cfg: ColoredMNISTConfig) -> None:
     """Reject impossible or not-yet-implemented settings before any run directory exists."""
     for value in (cfg.init, cfg.dataset):
         if value in NOT_YET:
-            raise OwaiError(f"{NOT_YET[value]} is not implemented yet (issue #4: Bonsai and Camelyon17 come next)")
+            raise OwaiError(f"{NOT_YET[value]} is not implemented yet (issue #4: Camelyon17 comes next)")
     key = ALIASES.get(cfg.method, cfg.method)
     if key not in REGISTRY:
         raise OwaiError(f"unknown invariance method {cfg.method!r} (known: {', '.join(SUPPORTED)})")
@@ -195,6 +219,7 @@ def check(cfg: ColoredMNISTConfig) -> None:
 
         if not cfg.data.root and default_mnist_dir() is None:
             raise OwaiError("no offline MNIST directory: set data.root or $OWAI_MNIST_DIR")
+    check_config(cfg.bonsai)
     build_penalty(cfg)  # bad weights / options are one-line errors now
 
 
@@ -234,8 +259,9 @@ def load_data(cfg: ColoredMNISTConfig) -> ColoredMNIST:
 
 
 @torch.no_grad()
-def evaluate(model: ColoredMNISTMLP, train: list, test: list) -> dict[str, float]:
-    """Pooled training accuracy, each test environment's accuracy and the worst of them."""
+def evaluate(model: torch.nn.Module, train: list, test: list) -> dict[str, float]:
+    """Pooled training accuracy, each test environment's accuracy and the worst of them (`model`
+    maps the lists' inputs to logits: the MLP on images, or the head on cached features)."""
     model.eval()
     correct = sum(accuracy(model(x), y) * len(y) for x, y in train)
     out = {"train_acc": correct / sum(len(y) for _, y in train)}

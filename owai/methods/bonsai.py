@@ -1,0 +1,191 @@
+"""Bonsai (= RFC) rich representation for ColoredMNIST (thesis §2.3, Alg. 1-2; spec §3.1).
+
+The pipeline, as RFC's `coloredmnist_rfc.sh` runs it, on the *pooled* training set (environment 1
+then environment 2; the environments themselves are discarded):
+
+1. **Round 0 (ERM)**, stage `bonsai.round0`: a fresh MLP+head trained by ERM on the pooled set,
+   full batch, for `erm_steps` (51 ColoredMNIST, 151 Inverse). Afterwards
+   `correct_0 = 1[pred = y]` and `pseudo_0 = pred`.
+2. **Round k >= 1 (RERM)**, stage `bonsai.round<k>`: a fresh MLP+head trained with the `rerm`
+   penalty (hard max over groups) on the 2k groups {incorrect_j, correct_j} of every earlier round
+   j < k (`round_groups`; an example belongs to k of them), for `rerm_steps` (501 / 401). Then
+   `correct_k`, `pseudo_k` as above.
+3. **Synthesis**, stage `bonsai.synthesis`: the agreement mask A = all rounds right or all wrong
+   (`agreement_mask`); the balance trick draws N/2 examples with replacement from A and N/2 from
+   not-A (`balanced_indices`) into one fixed training set of N; a fresh MLP with a K-output head is
+   trained for `synthesis_steps` (501) on `(1/K) sum_k BCE(head_k, pseudo_k) + l2 ||theta||^2`
+   (the `erm` penalty with one batch per head and `risk_reduction="mean"`).
+4. The representation is the synthesis featurizer; the downstream head is **the average of the K
+   heads** (`average_heads`).
+
+Every phase is a stage of `owai.train.train_loop` with Adam(lr) and the explicit L2 of spec §0, so a
+killed run resumes inside the phase it was in, and a finished phase is reloaded from its final
+checkpoint (its predictions are recomputed from the reloaded weights, which is deterministic).
+Every model starts from the same seed (`derive_seed(seed, "init")`, the downstream model's), so,
+as in the reference, the rounds, the synthesis model and a `rand` run share their initial
+featurizer weights for one restart. The resampling uses `generator(seed, "bonsai", "balance")`
+instead of the reference's numpy state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from owai.data.colored_mnist import ColoredMNIST
+from owai.errors import OwaiError
+from owai.methods.invariance import EnvBatch, make_penalty
+from owai.models.mlp import ColoredMNISTMLP, MLPConfig
+from owai.runs import Run
+from owai.runtime import derive_seed, generator
+from owai.train import LoopConfig, train_loop
+
+# spec §3.1 step counts: (round 0 ERM, rounds >= 1 RERM, synthesis)
+STEPS = {"coloredmnist": (51, 501, 501), "inverse-coloredmnist": (151, 401, 501)}
+
+
+@dataclass
+class BonsaiConfig:
+    rounds: int = 2  # discovery rounds: round 0 = ERM, rounds 1.. = RERM (the thesis's 2-Bonsai)
+    erm_steps: int | None = None  # None = 51 (ColoredMNIST) / 151 (Inverse)
+    rerm_steps: int | None = None  # None = 501 / 401
+    synthesis_steps: int | None = None  # None = 501
+
+
+@dataclass
+class Representation:
+    """What the synthesis leaves: the featurizer's state and the averaged head."""
+
+    featurizer: dict[str, torch.Tensor]
+    head_weight: torch.Tensor  # (1, hidden) = mean of the K heads' weights
+    head_bias: torch.Tensor  # (1,)
+    heads_weight: torch.Tensor  # (K, hidden), the synthesis heads
+    heads_bias: torch.Tensor  # (K,)
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def steps_for(dataset: str, cfg: BonsaiConfig) -> tuple[int, int, int]:
+    erm, rerm, syn = STEPS["inverse-coloredmnist" if dataset.startswith("inverse") else "coloredmnist"]
+    return (cfg.erm_steps if cfg.erm_steps is not None else erm,
+            cfg.rerm_steps if cfg.rerm_steps is not None else rerm,
+            cfg.synthesis_steps if cfg.synthesis_steps is not None else syn)
+
+
+def check_config(cfg: BonsaiConfig) -> None:
+    if cfg.rounds < 1:
+        raise OwaiError(f"bonsai.rounds must be >= 1, got {cfg.rounds}")
+    for name in ("erm_steps", "rerm_steps", "synthesis_steps"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise OwaiError(f"bonsai.{name} must be >= 1, got {value}")
+
+
+# --- the pieces -------------------------------------------------------------------------------------
+def round_groups(corrects: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The 2k RERM groups of round k from the correctness vectors of rounds 0..k-1: for each earlier
+    round j, [incorrect_j, correct_j] as boolean masks over the pooled training set."""
+    groups = []
+    for correct in corrects:
+        correct = correct.bool()
+        groups += [~correct, correct]
+    return groups
+
+
+def agreement_mask(corrects: list[torch.Tensor]) -> torch.Tensor:
+    """A = every round right or every round wrong (<=> every round predicts the same label)."""
+    n_right = torch.stack([c.bool() for c in corrects]).sum(0)
+    return (n_right == len(corrects)) | (n_right == 0)
+
+
+def balanced_indices(agree: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """The balance trick: N/2 indices drawn with replacement from A, N - N/2 from not-A (N = len).
+    If one side is empty, all N are drawn from the other (nothing to balance)."""
+    n = len(agree)
+    sides = [torch.nonzero(agree).reshape(-1), torch.nonzero(~agree).reshape(-1)]
+    sides = [s for s in sides if len(s)]
+    counts = [n // 2, n - n // 2] if len(sides) == 2 else [n]
+    return torch.cat([s[torch.randint(len(s), (c,), generator=gen)] for s, c in zip(sides, counts)])
+
+
+def average_heads(weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The downstream head: w = mean_k w_k (1, d), b = mean_k b_k (1,)."""
+    return weight.mean(0, keepdim=True), bias.mean(0, keepdim=True)
+
+
+# --- the pipeline -----------------------------------------------------------------------------------
+def _fresh(seed: int, hidden: int, n_targets: int, device: str) -> ColoredMNISTMLP:
+    torch.manual_seed(derive_seed(seed, "init"))
+    return ColoredMNISTMLP(MLPConfig(hidden=hidden, n_targets=n_targets)).to(device)
+
+
+def _train(run: Run, stage: str, model: ColoredMNISTMLP, steps: int, lr: float, l2: float, pen: Any,
+           batches: Any, checkpoint_every: int, log_every: int) -> None:
+    params = model.trainable_parameters()
+    optimizer = torch.optim.Adam(params, lr=lr)
+
+    def loss_at(step: int) -> torch.Tensor:
+        reg = pen.l2(l2, model.featurizer.parameters(), model.head.parameters())
+        return pen.objective(batches(), step, params=params, l2=reg).loss
+
+    loop = LoopConfig(steps, checkpoint_every=min(checkpoint_every, steps), log_every=min(log_every, steps))
+    train_loop(run, stage, model, optimizer, loss_at, loop)
+
+
+def build_representation(run: Run, data: ColoredMNIST, dataset: str, cfg: BonsaiConfig, *, seed: int,
+                         hidden: int, lr: float, l2: float, device: str, checkpoint_every: int = 100,
+                         log_every: int = 10) -> Representation:
+    """Run (or reload from the run's stages) the discovery rounds and the synthesis."""
+    erm_steps, rerm_steps, syn_steps = steps_for(dataset, cfg)
+    x = torch.cat([e.x for e in data.train]).to(device)
+    y = torch.cat([e.y for e in data.train]).to(device)
+    corrects, pseudos, rounds = [], [], []
+    for k in range(cfg.rounds):
+        model = _fresh(seed, hidden, 1, device)
+        if k == 0:
+            pen, steps = make_penalty("erm"), erm_steps
+
+            def batches(model=model):
+                return [EnvBatch(model(x), y)]
+        else:
+            pen, steps = make_penalty("rerm"), rerm_steps
+            masks = [m for m in round_groups(corrects) if m.any()]  # an empty group has no loss
+
+            def batches(model=model, masks=masks):
+                logits = model(x)
+                return [EnvBatch(logits[m], y[m]) for m in masks]
+        _train(run, f"bonsai.round{k}", model, steps, lr, l2, pen, batches, checkpoint_every, log_every)
+        with torch.no_grad():
+            pred = (model(x).reshape(-1) > 0).to(y.dtype)
+        corrects.append(pred == y)
+        pseudos.append(pred)
+        rounds.append({"round": k, "steps": steps, "train_acc": round(float(corrects[-1].float().mean()), 4)})
+
+    agree = agreement_mask(corrects)
+    idx = balanced_indices(agree, generator(seed, "bonsai", "balance")).to(device)
+    xs, targets = x[idx], torch.stack(pseudos, 1)[idx]
+    K = cfg.rounds
+    model = _fresh(seed, hidden, K, device)
+
+    def syn_batches():
+        logits = model(xs)
+        return [EnvBatch(logits[:, k], targets[:, k]) for k in range(K)]
+
+    _train(run, "bonsai.synthesis", model, syn_steps, lr, l2, make_penalty("erm", risk_reduction="mean"),
+           syn_batches, checkpoint_every, log_every)
+    w, b = model.head.weight.detach().clone(), model.head.bias.detach().clone()
+    hw, hb = average_heads(w, b)
+    return Representation(
+        featurizer={k: v.detach().clone() for k, v in model.featurizer.state_dict().items()},
+        head_weight=hw, head_bias=hb, heads_weight=w, heads_bias=b,
+        details={"rounds": rounds, "synthesis_steps": syn_steps, "agree_fraction": round(float(agree.float().mean()), 4)},
+    )
+
+
+def init_from(model: ColoredMNISTMLP, rep: Representation) -> None:
+    """Load the Bonsai featurizer and the averaged head into a one-logit downstream model."""
+    model.featurizer.load_state_dict(rep.featurizer)
+    with torch.no_grad():
+        model.head.weight.copy_(rep.head_weight)
+        model.head.bias.copy_(rep.head_bias)

@@ -1,0 +1,114 @@
+"""Bonsai for ColoredMNIST (owai/methods/bonsai.py, spec §3.1): the RERM groups of every earlier
+round, the agree/disagree balance trick, head averaging, the frozen featurizer staying bit-identical
+through `init=bonsai-cf` training, and a tiny end-to-end run."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import torch
+
+from owai.checkpoint import latest_checkpoint, load_checkpoint
+from owai.experiment import execute
+from owai.methods.bonsai import (BonsaiConfig, agreement_mask, average_heads, balanced_indices,
+                                 build_representation, init_from, round_groups)
+from owai.models.mlp import ColoredMNISTMLP, MLPConfig
+from owai.runs import Run
+
+RECIPE = "table2.4-coloredmnist"
+TINY = ["method=erm", "init=bonsai-cf", "model.hidden=16", "train.steps=6", "train.eval_every=3",
+        "train.checkpoint_every=3", "train.log_every=3", "bonsai.erm_steps=4", "bonsai.rerm_steps=4",
+        "bonsai.synthesis_steps=4"]
+
+
+def test_round_groups_for_two_rounds():
+    c0 = torch.tensor([1, 1, 0, 0, 1, 0], dtype=torch.bool)
+    c1 = torch.tensor([1, 0, 1, 0, 0, 0], dtype=torch.bool)
+    groups = round_groups([c0, c1])
+    assert len(groups) == 4
+    members = [torch.nonzero(g).reshape(-1).tolist() for g in groups]
+    assert members == [[2, 3, 5], [0, 1, 4], [1, 3, 4, 5], [0, 2]]  # incorrect_0, correct_0, incorrect_1, correct_1
+    # each example lies in exactly one group per round (k = 2 of them)
+    assert torch.stack(groups).sum(0).tolist() == [2] * 6
+
+
+def test_agreement_mask_and_balance_trick():
+    c0 = torch.tensor([1, 1, 0, 0, 1, 1, 1, 1, 1, 1], dtype=torch.bool)
+    c1 = torch.tensor([1, 0, 0, 1, 1, 1, 1, 1, 1, 1], dtype=torch.bool)
+    agree = agreement_mask([c0, c1])
+    assert agree.tolist() == [True, False, True, False] + [True] * 6  # 8 agree, 2 disagree
+    idx = balanced_indices(agree, torch.Generator().manual_seed(0))
+    assert len(idx) == len(agree)
+    picked = agree[idx]
+    assert int(picked.sum()) == int((~picked).sum()) == 5  # equal weight to A and not-A
+    assert set(idx[~picked].tolist()) <= {1, 3} and set(idx[picked].tolist()) <= {0, 2, 4, 5, 6, 7, 8, 9}
+    # nothing to balance: all from the one side
+    assert len(balanced_indices(torch.ones(5, dtype=torch.bool), torch.Generator().manual_seed(0))) == 5
+
+
+def test_head_averaging_on_a_toy_and_through_the_pipeline(tmp_path):
+    w = torch.tensor([[1.0, 2.0, 3.0], [3.0, 0.0, -1.0]])
+    b = torch.tensor([0.5, -1.5])
+    hw, hb = average_heads(w, b)
+    assert torch.equal(hw, torch.tensor([[2.0, 1.0, 1.0]])) and torch.equal(hb, torch.tensor([-0.5]))
+
+    gen = torch.Generator().manual_seed(0)
+    envs = [SimpleNamespace(x=torch.rand(40, 2, 14, 14, generator=gen), y=(torch.rand(40, generator=gen) > 0.5).float())
+            for _ in range(2)]
+    run = Run(tmp_path)
+    rep = build_representation(run, SimpleNamespace(train=envs), "coloredmnist",
+                               BonsaiConfig(rounds=2, erm_steps=3, rerm_steps=3, synthesis_steps=3),
+                               seed=0, hidden=8, lr=5e-4, l2=0.0011, device="cpu", checkpoint_every=3, log_every=1)
+    _, state = load_checkpoint(latest_checkpoint(run.path / "checkpoints" / "bonsai.synthesis"))
+    heads_w, heads_b = state["model"]["head.weight"], state["model"]["head.bias"]
+    assert heads_w.shape == (2, 8)  # K = 2 heads of one logit
+    torch.testing.assert_close(rep.head_weight, heads_w.mean(0, keepdim=True), rtol=0, atol=0)
+    torch.testing.assert_close(rep.head_bias, heads_b.mean(0, keepdim=True), rtol=0, atol=0)
+    model = ColoredMNISTMLP(MLPConfig(hidden=8))
+    init_from(model, rep)
+    assert torch.equal(model.head.weight, heads_w.mean(0, keepdim=True)) and torch.equal(model.head.bias, heads_b.mean(0, keepdim=True))
+    for k, v in model.featurizer.state_dict().items():
+        assert torch.equal(v, state["model"][f"featurizer.{k}"]), k
+    assert [r["round"] for r in rep.details["rounds"]] == [0, 1]
+    # a second call reloads the finished stages and gives the same representation
+    again = build_representation(run, SimpleNamespace(train=envs), "coloredmnist",
+                                 BonsaiConfig(rounds=2, erm_steps=3, rerm_steps=3, synthesis_steps=3),
+                                 seed=0, hidden=8, lr=5e-4, l2=0.0011, device="cpu", checkpoint_every=3, log_every=1)
+    assert torch.equal(again.head_weight, rep.head_weight) and torch.equal(again.featurizer["lin1.weight"], rep.featurizer["lin1.weight"])
+
+
+def test_bonsai_cf_end_to_end_keeps_the_featurizer_bit_identical(tmp_path):
+    run, results = execute(RECIPE, "cpu", TINY, out=tmp_path / "runs")
+    saved = json.loads((run.path / "results.json").read_text())
+    rows = {r["metric"]: r for r in saved["rows"]}
+    assert rows["erm.bonsai-cf.worst_test_acc"]["measured"] is not None
+    assert rows["erm.bonsai-cf.worst_test_acc"]["thesis"] == 0.356
+    assert saved["details"]["frozen_featurizer"] is True
+    assert [r["round"] for r in saved["details"]["bonsai"]["rounds"]] == [0, 1]
+    ckpts = run.path / "checkpoints"
+    for stage in ("bonsai.round0", "bonsai.round1", "bonsai.synthesis", "train"):
+        assert latest_checkpoint(ckpts / stage) is not None, stage
+    _, syn = load_checkpoint(latest_checkpoint(ckpts / "bonsai.synthesis"))
+    _, down = load_checkpoint(latest_checkpoint(ckpts / "train"))
+    feat = [k for k in down["model"] if k.startswith("featurizer.")]
+    assert feat
+    for k in feat:
+        assert torch.equal(down["model"][k], syn["model"][k]), k  # bit-identical after head training
+    head_init = syn["model"]["head.weight"].mean(0, keepdim=True)
+    assert not torch.equal(down["model"]["head.weight"], head_init)  # the head did train
+    assert len(down["optimizer"]["state"]) == 2  # Adam saw only the head's weight and bias
+
+
+def test_bonsai_fine_tunes_the_featurizer_and_resumes_identically(tmp_path):
+    overrides = [o.replace("init=bonsai-cf", "init=bonsai") for o in TINY]
+    run, results = execute(RECIPE, "cpu", overrides, out=tmp_path / "runs")
+    ckpts = run.path / "checkpoints"
+    _, syn = load_checkpoint(latest_checkpoint(ckpts / "bonsai.synthesis"))
+    _, down = load_checkpoint(latest_checkpoint(ckpts / "train"))
+    assert not torch.equal(down["model"]["featurizer.lin1.weight"], syn["model"]["featurizer.lin1.weight"])
+    assert results["details"]["frozen_featurizer"] is False
+    (run.path / "results.json").unlink()
+    _, again = execute(resume=run.path)  # every stage reloaded from its final checkpoint
+    strip = lambda r: {k: v for k, v in r.items() if k not in ("run_dir", "finished")}  # noqa: E731
+    assert strip(again) == strip(results)
