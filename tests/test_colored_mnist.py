@@ -155,10 +155,20 @@ def test_hub_path_without_network(monkeypatch):
     assert "Couldn't reach" in one_line_error(exc)
 
 
-@needs_mnist
-def test_default_dir_is_repo_sibling_shared(monkeypatch):
+def test_default_dir_is_shared_else_the_packaged_copy(monkeypatch):
     monkeypatch.delenv(mn.ENV_VAR, raising=False)
-    assert mn.default_mnist_dir() == mn.repo_root().parent / "shared" / "data" / "mnist"
+    shared = mn.repo_root().parent / "shared" / "data" / "mnist"
+    assert mn.default_mnist_dir() == (shared if shared.is_dir() else mn.PACKAGED_DIR)
+
+
+def test_packaged_copy_is_the_official_test_split():
+    import hashlib
+
+    for name in ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"):
+        digest = hashlib.md5((mn.PACKAGED_DIR / name).read_bytes()).hexdigest()  # noqa: S324
+        assert digest == mn.OFFICIAL_MD5[name]
+    data = mn.load_mnist("test", root=mn.PACKAGED_DIR)
+    assert len(data) == 10_000 and tuple(data.images.shape[1:]) == (28, 28)
 
 
 # --- ColoredMNIST on the offline t10k split -------------------------------------------------------

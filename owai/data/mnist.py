@@ -64,13 +64,19 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
+PACKAGED_DIR = Path(__file__).resolve().parent / "mnist_t10k"  # the test split, shipped with owai
+
+
 def default_mnist_dir() -> Path | None:
-    """`$OWAI_MNIST_DIR` if set, else `<repo>/../shared/data/mnist` if it exists, else None."""
+    """`$OWAI_MNIST_DIR` if set, else `<repo>/../shared/data/mnist` if it exists, else the copy of
+    the MNIST test split that ships inside the package (so offline presets work anywhere)."""
     env = os.environ.get(ENV_VAR)
     if env:
         return Path(env).expanduser()
     shared = repo_root().parent / "shared" / "data" / "mnist"
-    return shared if shared.is_dir() else None
+    if shared.is_dir():
+        return shared
+    return PACKAGED_DIR if PACKAGED_DIR.is_dir() else None
 
 
 def _read_bytes(path: Path, check_md5: bool) -> bytes:

@@ -73,7 +73,7 @@ class DataConfig:
     # offline: the documented t10k rule (4 000 + 4 000 training, 3 x 2 000 test images; a deviation
     # from the paper); paper: the thesis's 50k/10k split of the 60k MNIST training set.
     split: Literal["offline", "paper"] = "offline"
-    root: str = ""  # MNIST IDX directory; "" = $OWAI_MNIST_DIR or ../shared/data/mnist
+    root: str = ""  # MNIST IDX directory; "" = $OWAI_MNIST_DIR, ../shared/data/mnist, or the packaged test split
     hub_id: str = ""  # paper split from the Hugging Face hub (e.g. ylecun/mnist) when root is ""
     rng: Literal["owai", "rfc"] = "owai"
     grayscale: bool = False
