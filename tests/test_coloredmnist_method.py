@@ -159,7 +159,7 @@ def test_impossible_settings_fail_before_a_run_exists(tmp_path, overrides, fragm
 
 
 def test_cli_camelyon17_is_a_one_line_error(tmp_path):
-    for args, fragment in [(["--dataset", "camelyon17"], "--dataset camelyon17 is not implemented yet")]:
+    for args, fragment in [(["--dataset", "camelyon17"], "dataset 'camelyon17' is not implemented yet")]:
         proc = run_owai("bonsai", *args, "--out", str(tmp_path / "runs"))
         assert proc.returncode == 2, proc.stdout + proc.stderr
         err = proc.stderr.strip()

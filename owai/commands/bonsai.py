@@ -6,7 +6,8 @@
 
 `--dataset/--method/--init` are `--set dataset=/method=/init=` overrides of the recipe
 `table2.4-coloredmnist`. `--init bonsai|bonsai-cf` builds the Bonsai representation first
-(`owai.methods.bonsai`, spec §3.1). Camelyon17 is not implemented yet and says so.
+(`owai.methods.bonsai`, spec §3.1). Camelyon17 is not implemented yet: the method's validation
+says so before any run directory exists.
 """
 
 from __future__ import annotations
@@ -36,9 +37,6 @@ class Init(str, Enum):
     bonsai_cf = "bonsai-cf"
 
 
-NOT_IMPLEMENTED = {Dataset.camelyon17: "--dataset camelyon17"}
-
-
 def bonsai(
     dataset: Annotated[Optional[Dataset], typer.Option("--dataset", "-d", help="coloredmnist (Table 2.4) or inverse-coloredmnist (Table 2.5).")] = None,
     method: Annotated[Optional[str], typer.Option("--method", "-m", help="erm, irm, vrex, sd, iga, fish, fishr, clove, rerm, mmd, coral.")] = None,
@@ -51,8 +49,6 @@ def bonsai(
     as_json: Json = False,
 ) -> None:
     """Invariant learning on ColoredMNIST (sec 2.3.3): one penalty method, from random, ERM or Bonsai init."""
-    if dataset in NOT_IMPLEMENTED:
-        raise OwaiError(f"{NOT_IMPLEMENTED[dataset]} is not implemented yet (issue #4: Camelyon17 comes next)")
     chosen = [f"dataset={dataset.value}" if dataset else None, f"method={method}" if method else None,
               f"init={init.value}" if init else None]
     overrides = [c for c in chosen if c] + list(sets or [])
