@@ -192,9 +192,8 @@ class ColoredMNISTInvariance(Method):
 
 def check(cfg: ColoredMNISTConfig) -> None:
     """Reject impossible or not-yet-implemented settings before any run directory exists."""
-    for value in (cfg.init, cfg.dataset):
-        if value in NOT_YET:
-            raise OwaiError(f"{NOT_YET[value]} is not implemented yet (issue #4: Camelyon17 comes next)")
+    if cfg.dataset in NOT_YET:
+        raise OwaiError(f"{NOT_YET[cfg.dataset]} is not implemented yet (issue #4: Camelyon17 comes next)")
     key = ALIASES.get(cfg.method, cfg.method)
     if key not in REGISTRY:
         raise OwaiError(f"unknown invariance method {cfg.method!r} (known: {', '.join(SUPPORTED)})")
@@ -248,13 +247,8 @@ def l2_coefficient(cfg: ColoredMNISTConfig) -> float:
 
 
 def load_data(cfg: ColoredMNISTConfig) -> ColoredMNIST:
-    d = cfg.data
-    root = d.root or None
-    if d.split == "offline":
-        from owai.data.mnist import default_mnist_dir
-
-        root = root or default_mnist_dir()
-    return load_colored_mnist(cfg.dataset, cfg.seed, "test" if d.split == "offline" else "train", root=root,
+    d = cfg.data  # no root: load_mnist falls back to default_mnist_dir()
+    return load_colored_mnist(cfg.dataset, cfg.seed, "test" if d.split == "offline" else "train", root=d.root or None,
                               hub_id=d.hub_id or None, rng=d.rng, grayscale=d.grayscale)
 
 
