@@ -9,7 +9,7 @@ import datetime as dt
 from pathlib import Path
 from typing import Any
 
-from owai import console
+from owai import console, distributed
 from owai.checkpoint import latest_checkpoint, load_checkpoint
 from owai.config import apply_overrides, build, to_dict
 from owai.errors import OwaiError
@@ -62,32 +62,70 @@ def execute(
     `run_dir` puts a new run at exactly that (not yet existing) directory instead of
     out/<recipe>/<time>-<hash>/ (sweep points use it)."""
     overrides = list(overrides or [])
+    if distributed.launched_by_torchrun():
+        run = _agree_on_run(recipe_name, preset, overrides, out, resume, run_dir)
+    else:
+        run = _prepare(recipe_name, preset, overrides, out, resume, run_dir)
+    run.writes = distributed.is_main()
+    resolved = run.read_config()
+    recipe = load(recorded_name(resolved["recipe"], resolved.get("recipe_source")))
+    cfg = build(recipe.method_class().Config, resolved["params"], path=f"{run.path}/config.yaml params")
+    if resume is not None:
+        if run.status() == "complete" and run.results() is not None:
+            console.info(f"[green]{run.path} is already complete[/green]")
+            return run, run.results()  # type: ignore[return-value]
+        console.info(f"resuming {run.path}")
+    return _run_method(recipe, cfg, resolved, run)
+
+
+def _prepare(
+    recipe_name: str | None, preset: str | None, overrides: list[str], out: Path, resume: Path | None, run_dir: Path | None
+) -> Run:
+    """Create the run directory of a new run (everything validated first), or open and verify the
+    one being resumed. The method then reads its config back from config.yaml either way."""
     if resume is not None:
         if overrides or preset:
             raise OwaiError("--resume takes its config from the run directory; drop --preset/--set")
         run = Run.open(resume)
-        resolved = run.read_config()
-        recipe = load(recorded_name(resolved["recipe"], resolved.get("recipe_source")))
-        cfg = build(recipe.method_class().Config, resolved["params"], path=f"{run.path}/config.yaml params")
-        if run.status() == "complete" and run.results() is not None:
-            console.info(f"[green]{run.path} is already complete[/green]")
-            return run, run.results()  # type: ignore[return-value]
-        verify_checkpoints(run)
-        console.info(f"resuming {run.path}")
-    else:
-        if recipe_name is None:
-            raise OwaiError("no recipe given")
-        recipe = load(recipe_name)
-        if not recipe.implemented:
-            raise OwaiError(f"recipe {recipe.id!r} needs method {recipe.method!r}, which is not implemented yet")
-        cfg, resolved = resolve(recipe, preset, overrides)
-        ensure_writable(out if run_dir is None else Path(run_dir).parent)
-        run = Run.create(out, recipe.id, resolved) if run_dir is None else Run.create_at(run_dir, resolved)
-        console.info(f"run directory: {run.path}")
+        if not (run.status() == "complete" and run.results() is not None):
+            verify_checkpoints(run)
+        return run
+    if recipe_name is None:
+        raise OwaiError("no recipe given")
+    recipe = load(recipe_name)
+    if not recipe.implemented:
+        raise OwaiError(f"recipe {recipe.id!r} needs method {recipe.method!r}, which is not implemented yet")
+    _, resolved = resolve(recipe, preset, overrides)
+    ensure_writable(out if run_dir is None else Path(run_dir).parent)
+    run = Run.create(out, recipe.id, resolved) if run_dir is None else Run.create_at(run_dir, resolved)
+    console.info(f"run directory: {run.path}")
+    return run
 
+
+def _agree_on_run(
+    recipe_name: str | None, preset: str | None, overrides: list[str], out: Path, resume: Path | None, run_dir: Path | None
+) -> Run:
+    """Under torchrun: rank 0 creates (or opens) the run directory and tells the other ranks where
+    it is, or the one-line error that stopped it; every rank then runs the method."""
+    distributed.init()
+    message: tuple[str | None, str | None] | None = None
+    if distributed.is_main():
+        try:
+            message = (str(_prepare(recipe_name, preset, overrides, out, resume, run_dir).path), None)
+        except OwaiError as e:
+            message = (None, str(e))
+    path, error = distributed.broadcast_object(message)
+    if error is not None:
+        raise OwaiError(error)
+    return Run.open(Path(path))
+
+
+def _run_method(recipe: Recipe, cfg: Any, resolved: dict[str, Any], run: Run) -> tuple[Run, dict[str, Any]]:
+    """Set up the runtime, run the method, write results.json and the final status."""
     from owai import runtime
 
-    run.device, run.dtype = runtime.setup(cfg.runtime, cfg.seed)
+    device, run.dtype = runtime.setup(cfg.runtime, cfg.seed + distributed.world().rank)
+    run.device = distributed.device_for(device)
     run.write_env(environment(str(run.device), cfg.runtime.dtype, cfg.seed))
     method = recipe.method_class()()
     try:

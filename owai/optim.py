@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -51,5 +52,21 @@ def linear_schedule(start: float, end: float, steps: int):
 
     def lr_at(k: int) -> float:
         return start + min(k, steps) * (end - start) / steps
+
+    return lr_at
+
+
+def warmup_cosine_schedule(peak: float, warmup: int, decay_steps: int, min_lr: float):
+    """The nanoGPT/Memory Mosaics schedule (`get_cosine_lr`): linear warmup from 0 over `warmup`
+    updates (update 0 has lr 0), cosine from `peak` to `min_lr` at update `decay_steps`, then
+    `min_lr`."""
+
+    def lr_at(k: int) -> float:
+        if k < warmup:
+            return peak * k / warmup
+        if k > decay_steps:
+            return min_lr
+        ratio = (k - warmup) / max(decay_steps - warmup, 1)
+        return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (peak - min_lr)
 
     return lr_at

@@ -83,6 +83,9 @@ class Run:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
+        # False on the non-zero ranks of a torchrun job: they read the run directory, only rank 0
+        # writes to it (metrics, status, figures, results; train_loop does the same for checkpoints).
+        self.writes = True
 
     # -- creation / opening -------------------------------------------------------------------
     @classmethod
@@ -147,6 +150,8 @@ class Run:
         return data
 
     def write_env(self, facts: dict[str, Any]) -> None:
+        if not self.writes:
+            return
         env_path = self.path / ENV
         if env_path.exists():  # a resume: keep the original facts, record this start
             old = json.loads(env_path.read_text())
@@ -155,6 +160,8 @@ class Run:
         atomic_write_json(env_path, facts)
 
     def set_status(self, status: str, **extra: Any) -> None:
+        if not self.writes:
+            return
         atomic_write_json(self.path / STATUS, {"status": status, "time": dt.datetime.now().isoformat(timespec="seconds"), **extra})
 
     def status(self) -> str:
@@ -166,6 +173,8 @@ class Run:
     # -- metrics ------------------------------------------------------------------------------
     def log(self, stage: str, step: int, **values: Any) -> None:
         """Append one metrics line (flushed; a resume trims lines past the checkpoint)."""
+        if not self.writes:
+            return
         line = json.dumps({"stage": stage, "step": step, **values}, default=float)
         with open(self.path / METRICS, "a") as f:
             f.write(line + "\n")
@@ -184,6 +193,8 @@ class Run:
 
     def trim_metrics(self, stage: str, step: int) -> None:
         """Drop the metrics a killed run logged for `stage` after its last checkpoint `step`."""
+        if not self.writes:
+            return
         rows = [r for r in self.metrics() if not (r.get("stage") == stage and r.get("step", 0) > step)]
         atomic_write_bytes(self.path / METRICS, "".join(json.dumps(r) + "\n" for r in rows).encode())
 
@@ -194,6 +205,10 @@ class Run:
 
         import matplotlib.pyplot as plt
 
+        if not self.writes:
+            plt.close(fig)
+            return self.figures / f"{name}.png"
+
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
         plt.close(fig)
@@ -203,6 +218,8 @@ class Run:
 
     def write_results(self, results: dict[str, Any]) -> Path:
         path = self.path / RESULTS
+        if not self.writes:
+            return path
         atomic_write_json(path, results)
         return path
 

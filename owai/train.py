@@ -1,24 +1,39 @@
 """The one training loop: schedule, optimisation, metrics, progress, checkpoints and resume.
 
-The caller supplies `loss_at(step)`, which draws the batch for `step` deterministically (from
-`runtime.derive_seed(seed, stage, step)`) and returns the loss. Because batches are a function of
-the step, a run resumed from its last checkpoint replays exactly the updates that an
-uninterrupted run would have made.
+The caller supplies `loss_at(step, micro)`, which draws micro-batch `micro` of update `step`
+deterministically (from `runtime.derive_seed(seed, stage, step, micro)`) and returns its loss.
+Because batches are a function of the step, a run resumed from its last checkpoint replays exactly
+the updates that an uninterrupted run would have made.
+
+The same loop serves the small exact experiments (one micro-batch, float32, one process) and the
+language models (gradient accumulation, bf16/fp16 autocast, DDP/FSDP under torchrun through an
+`owai.distributed.Parallel`): only the `LoopConfig` changes. Under torchrun every rank runs the loop;
+only rank 0 writes metrics and checkpoints.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import resource
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from owai import distributed
 from owai.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from owai.console import Bar
 from owai.errors import OwaiError
 from owai.runs import Run
+
+if TYPE_CHECKING:
+    from owai.distributed import Parallel
+
+PRECISIONS = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -28,6 +43,9 @@ class LoopConfig:
     log_every: int = 10
     grad_clip: float = 0.0  # 0 = no clipping
     keep_checkpoints: int = 2
+    accumulate: int = 1  # micro-batches per update (gradient accumulation)
+    precision: str = "float32"  # autocast dtype; float16 adds a GradScaler
+    tokens_per_step: int = 0  # global tokens per update, for the tokens/s metric (0 = not logged)
 
 
 def train_loop(
@@ -35,11 +53,12 @@ def train_loop(
     stage: str,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    loss_at: Callable[[int], torch.Tensor],
+    loss_at: Callable[[int, int], torch.Tensor],
     loop: LoopConfig,
     lr_at: Callable[[int], float] | None = None,
     reset_optimizer_at: Callable[[int], bool] | None = None,
     after_step: Callable[[int], None] | None = None,
+    parallel: "Parallel | None" = None,
 ) -> dict[str, Any]:
     """Train `model` for `loop.steps` updates under `run`, resuming from the stage's checkpoint.
 
@@ -50,28 +69,52 @@ def train_loop(
     the model in train mode (evaluations it logs with `run.log(stage, done, ...)` are trimmed on
     resume like the loss).
 
+    With `parallel`, the loss function calls `parallel.forward_module`, checkpoints hold the full
+    state gathered from all ranks, and the logged loss is the mean over ranks.
+
     Returns a summary {"final_loss", "steps"}; a stage that already finished is loaded from its
     final checkpoint without training.
     """
     if loop.steps <= 0:
         raise OwaiError(f"{stage}: train.steps must be > 0, got {loop.steps}")
+    if loop.accumulate < 1:
+        raise OwaiError(f"{stage}: train.accumulate must be >= 1, got {loop.accumulate}")
+    if loop.precision not in PRECISIONS:
+        raise OwaiError(f"{stage}: precision must be one of {', '.join(PRECISIONS)}, got {loop.precision!r}")
+    device = next(model.parameters()).device
+    main = distributed.is_main()
+    scaler = torch.amp.GradScaler(device.type, enabled=loop.precision == "float16")
+    amp_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(loop.precision)
+
+    def get_state() -> tuple[dict[str, Any], dict[str, Any]]:
+        if parallel is None:
+            return model.state_dict(), optimizer.state_dict()
+        return parallel.state_dict(optimizer)
+
     ckpt_dir = run.checkpoints(stage)
     start, recent = 0, []
     last = latest_checkpoint(ckpt_dir)
     if last is not None:
         start, state = load_checkpoint(last)
         try:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
+            if parallel is None:
+                model.load_state_dict(state["model"])
+                optimizer.load_state_dict(state["optimizer"])
+            else:
+                parallel.load_state_dict(optimizer, state["model"], state["optimizer"])
+            if "scaler" in state:
+                scaler.load_state_dict(state["scaler"])
         except (KeyError, RuntimeError, ValueError) as e:
             raise OwaiError(f"checkpoint {last} does not fit this model: {str(e).splitlines()[0]}") from None
         torch.set_rng_state(state["torch_rng"])
         recent = list(state["recent_losses"])
-        run.trim_metrics(stage, start)
+        if main:
+            run.trim_metrics(stage, start)
         if start >= loop.steps:
             return {"final_loss": _mean(recent), "steps": start}
 
     model.train()
+    clock, clock_step = time.perf_counter(), start
     with Bar(f"train {stage}", total=loop.steps, completed=start) as bar:
         for step in range(start, loop.steps):
             if lr_at is not None:
@@ -79,37 +122,71 @@ def train_loop(
                     group["lr"] = lr_at(step)
             if reset_optimizer_at is not None and reset_optimizer_at(step):
                 optimizer.state.clear()
-            loss = loss_at(step)
-            if not torch.isfinite(loss):
-                raise OwaiError(f"{stage}: loss became {loss.item()} at step {step}; lower the learning rate")
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            step_loss = 0.0
+            for micro in range(loop.accumulate):
+                skip_sync = micro < loop.accumulate - 1
+                with parallel.no_sync(skip_sync) if parallel is not None else contextlib.nullcontext():
+                    with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                        loss = loss_at(step, micro)
+                    if not torch.isfinite(loss):
+                        raise OwaiError(f"{stage}: loss became {loss.item()} at step {step}; lower the learning rate")
+                    scaler.scale(loss / loop.accumulate).backward()
+                step_loss += loss.item() / loop.accumulate
             if loop.grad_clip > 0:
+                scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), loop.grad_clip)
-            optimizer.step()
+            scaler.step(optimizer)
+            scaler.update()
             done = step + 1
-            recent = (recent + [loss.item()])[-loop.log_every :]
+            recent = (recent + [step_loss])[-loop.log_every :]
             if done % loop.log_every == 0 or done == loop.steps:
-                run.log(stage, done, loss=_mean(recent), lr=optimizer.param_groups[0]["lr"])
-                bar.update(0, status=f"loss {_mean(recent):.4g}")
+                mean_loss = distributed.mean_across_ranks(_mean(recent), device)
+                elapsed, clock = time.perf_counter() - clock, time.perf_counter()
+                speed = _speed(loop, done - clock_step, elapsed, device)
+                clock_step = done
+                if main:
+                    run.log(stage, done, loss=mean_loss, lr=optimizer.param_groups[0]["lr"], **speed)
+                bar.update(0, status=f"loss {mean_loss:.4g}")
             if after_step is not None:
                 after_step(done)
                 model.train()
             if done % loop.checkpoint_every == 0 or done == loop.steps:
-                save_checkpoint(
-                    ckpt_dir,
-                    done,
-                    {
-                        "model": model.state_dict(),
-                        "optimizer": optimizer.state_dict(),
+                model_state, optim_state = get_state()
+                if main:
+                    state = {
+                        "model": model_state,
+                        "optimizer": optim_state,
                         "torch_rng": torch.get_rng_state(),
                         "recent_losses": recent,
-                    },
-                    keep=loop.keep_checkpoints,
-                )
+                    }
+                    if scaler.is_enabled():
+                        state["scaler"] = scaler.state_dict()
+                    save_checkpoint(ckpt_dir, done, state, keep=loop.keep_checkpoints)
+                distributed.barrier()
             bar.update()
     model.eval()
     return {"final_loss": _mean(recent), "steps": loop.steps}
+
+
+def _speed(loop: LoopConfig, steps: int, seconds: float, device: torch.device) -> dict[str, float]:
+    """Throughput and peak memory since the last log line, for loops that count tokens (timings
+    differ between runs, so the exact small experiments leave them out of metrics.jsonl)."""
+    if not loop.tokens_per_step:
+        return {}
+    return {
+        "step_s": seconds / max(steps, 1),
+        "tokens_per_s": loop.tokens_per_step * steps / max(seconds, 1e-9),
+        "peak_mem_gb": peak_memory_gb(device),
+    }
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocator peak on GPU, else the peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 def _mean(values: list[float]) -> float:

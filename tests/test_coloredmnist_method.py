@@ -64,7 +64,7 @@ def test_train_loop_hooks_reset_optimizer_and_after_step(tmp_path):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     seen, steps_at_reset = [], []
 
-    def loss_at(step: int) -> torch.Tensor:
+    def loss_at(step: int, micro: int = 0) -> torch.Tensor:
         if step == 3:  # the hook ran just before this update: Adam starts afresh
             steps_at_reset.extend(int(opt.state[p]["step"]) if opt.state[p] else 0 for p in model.parameters())
         x = torch.randn(4, 3, generator=torch.Generator().manual_seed(step))

@@ -24,7 +24,9 @@ def write_variant(tmp_path: Path, edit) -> Path:
     return path
 
 
-def test_every_packaged_recipe_validates_with_cpu_and_paper_presets():
+def test_every_packaged_recipe_validates_with_cpu_and_paper_presets(monkeypatch, tmp_path):
+    monkeypatch.setenv("OWAI_BABISTORIES", str(tmp_path))  # paper presets name the BabiStories release
+    (tmp_path / "traindataset.txt").write_text('"Once upon a time."\n')
     found = recipes.available()
     assert {"three-moons", "linear-disentanglement"} <= set(found)
     for name in found:
@@ -32,6 +34,10 @@ def test_every_packaged_recipe_validates_with_cpu_and_paper_presets():
         assert r.id == name and r.implemented and {"cpu", "paper"} <= set(r.presets)
         assert r.thesis, f"{name} carries no thesis numbers or claims"
         for preset in r.presets:
+            if r.method == "lm_eval":  # evaluates the user's models: validation asks for them
+                with pytest.raises(OwaiError, match="no model given"):
+                    resolve(r, preset, [])
+                continue
             cfg, resolved = resolve(r, preset, [])
             assert resolved["preset"] == preset
 

@@ -21,6 +21,8 @@ REGISTRY: dict[str, str] = {
     "three_moons": "owai.methods.three_moons:ThreeMoons",
     "linear_disentanglement": "owai.methods.linear_disentanglement:LinearDisentanglement",
     "coloredmnist": "owai.methods.coloredmnist:ColoredMNISTInvariance",
+    "lm_pretrain": "owai.methods.language_model:LanguageModelPretraining",
+    "lm_eval": "owai.methods.language_model:LanguageModelEvaluation",
 }
 
 

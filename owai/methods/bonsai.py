@@ -125,7 +125,7 @@ def _train(run: Run, stage: str, model: ColoredMNISTMLP, steps: int, lr: float, 
     params = model.trainable_parameters()
     optimizer = torch.optim.Adam(params, lr=lr)
 
-    def loss_at(step: int) -> torch.Tensor:
+    def loss_at(step: int, micro: int = 0) -> torch.Tensor:
         reg = pen.l2(l2, model.featurizer.parameters(), model.head.parameters())
         return pen.objective(batches(), step, params=params, l2=reg).loss
 

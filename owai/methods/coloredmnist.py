@@ -153,7 +153,7 @@ class ColoredMNISTInvariance(Method):
         predict = model.head if frozen else model
         stage = "train"
 
-        def loss_at(step: int) -> torch.Tensor:
+        def loss_at(step: int, micro: int = 0) -> torch.Tensor:
             batches = []
             for k, (x, y) in enumerate(train):
                 if pen.minibatch is not None and pen.minibatch < len(y):

@@ -168,7 +168,7 @@ def train_variant(
         model = MoonMemory(MoonMemoryConfig(n_heads=heads, beta=cfg.model.beta)).to(device)
         optimizer = MLXAdamW(model.parameters(), lr=t.lr)
 
-        def loss_at(step: int, model: MoonMemory = model, stage: str = stage) -> torch.Tensor:
+        def loss_at(step: int, micro: int = 0, model: MoonMemory = model, stage: str = stage) -> torch.Tensor:
             x = batch("train", t.batch_size, stage, step)
             return clipped_mse(model(x[:, :-1]), x[:, 1:], t.clip)
 

@@ -1,0 +1,131 @@
+"""Benchmark: Memory Mosaics v1 against the GPT2 baseline at equal parameter counts.
+
+    python benchmarks/lm_throughput.py                    # CPU: train tokens/s at T=512 and 2048, memory vs T, decode tokens/s
+    python benchmarks/lm_throughput.py --device cuda      # the same on a GPU (bf16 autocast)
+    python benchmarks/lm_throughput.py --size small       # the thesis's 12 x 768 models (GPU)
+
+Prints figures, asserts nothing. Issue #3's targets on the 2-core CPU: MM train tokens/s at least
+0.9x the GPT's at T=512, and peak memory growing about linearly from T=512 to T=4096.
+
+Each measurement runs in a fresh subprocess so that peak memory (CUDA allocator peak, or the peak
+resident set size on CPU, minus the process's size after building the model) belongs to one
+configuration only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+SIZES = {
+    # n_layer, n_embd, n_head: "cpu" is small enough for a 2-core machine; "small" is GPT2-small.
+    "cpu": dict(n_layer=4, n_embd=256, n_head=4),
+    "small": dict(n_layer=12, n_embd=768, n_head=12),
+}
+
+
+def rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def measure(arch: str, size: str, T: int, batch: int, steps: int, device: str, mode: str) -> dict:
+    """One configuration, in this process: 'train' (forward+backward+AdamW) or 'decode' (generate)."""
+    import torch
+
+    from owai.models.lm import build_lm, decay_param_groups
+
+    torch.manual_seed(0)
+    kw = dict(SIZES[size], vocab_size=50304, dropout=0.0) if arch == "gpt" else dict(SIZES[size], vocab_size=50304, ic_dropout=0.0, hd_dropout=0.0)
+    if arch == "gpt":
+        kw["block_size"] = max(T, 512)
+    model = build_lm(arch, **kw).to(device)
+    params = model.num_parameters()
+    amp = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() / 2**30 if device == "cuda" else rss_gb()
+    x = torch.randint(0, 50257, (batch, T), device=device)
+    if mode == "train":
+        opt = torch.optim.AdamW(decay_param_groups(model, 0.1), lr=1e-4)
+
+        def step() -> None:
+            with amp:
+                logits = model(input_ids=x).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()  # warm-up (allocations, kernels)
+        sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync()
+        seconds = time.perf_counter() - start
+        tokens = batch * T * steps
+    else:
+        model.eval()
+        prompt = x[:, :T]
+        new = 64
+        with torch.no_grad(), amp:
+            model.generate(prompt[:, :16], max_new_tokens=4, do_sample=False)
+            sync()
+            start = time.perf_counter()
+            model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, use_cache=True)
+            sync()
+        seconds = time.perf_counter() - start
+        tokens = batch * new
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else rss_gb()
+    return {"arch": arch, "T": T, "batch": batch, "params": params, "tokens_per_s": tokens / seconds, "peak_gb": peak - base, "mode": mode}
+
+
+def run_one(args: argparse.Namespace, arch: str, T: int, batch: int, mode: str) -> dict:
+    cmd = [sys.executable, __file__, "--one", json.dumps([arch, T, batch, mode]), "--device", args.device, "--size", args.size, "--steps", str(args.steps)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--size", default="cpu", choices=sorted(SIZES))
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        arch, T, batch, mode = json.loads(args.one)
+        print(json.dumps(measure(arch, args.size, T, batch, args.steps, args.device, mode)))
+        return 0
+
+    print(f"device {args.device}, size {args.size} {SIZES[args.size]}, vocab 50304")
+    print("\ntrain step (forward + backward + AdamW), batch x T = 8192 tokens")
+    ratios = {}
+    for T in (512, 2048):
+        rows = {arch: run_one(args, arch, T, 8192 // T, "train") for arch in ("mm", "gpt")}
+        ratios[T] = rows["mm"]["tokens_per_s"] / rows["gpt"]["tokens_per_s"]
+        for arch, r in rows.items():
+            print(f"  T={T:5d} {arch:4s} params {r['params']:>12,}  {r['tokens_per_s']:9.0f} tokens/s  peak +{r['peak_gb']:.2f} GiB")
+        print(f"  T={T:5d} MM / GPT tokens/s = {ratios[T]:.2f}" + ("   (target >= 0.9)" if T == 512 else ""))
+
+    print("\npeak memory of one training step vs context length (batch 1)")
+    for arch in ("mm", "gpt"):
+        peaks = {T: run_one(args, arch, T, 1, "train")["peak_gb"] for T in (512, 1024, 2048, 4096)}
+        growth = ", ".join(f"T={T}: +{p:.3f} GiB" for T, p in peaks.items())
+        per_token = (peaks[4096] - peaks[512]) / (4096 - 512) * 2**20
+        print(f"  {arch:4s} {growth}   slope 512->4096: {per_token:.1f} KiB/token, ratio 4096/512 = {peaks[4096] / max(peaks[512], 1e-9):.1f}x")
+
+    print("\ninference with the cache: 64 new tokens after a 512-token prompt, batch 1")
+    for arch in ("mm", "gpt"):
+        r = run_one(args, arch, 512, 1, "decode")
+        print(f"  {arch:4s} {r['tokens_per_s']:8.1f} tokens/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""`owai mosaic-train` / `owai mosaic-eval`: Memory Mosaics v1 against GPT2 language models (sec 3.5, App. B).
+
+    owai mosaic-train                                  MM and GPT, depth 1, embedded stories (cpu preset of fig3.8-depth)
+    owai mosaic-train --depth 4 --arch mm,gpt          another depth (Figs 3.8/B.4)
+    owai mosaic-train --recipe fig3.9-posloss -p paper 12-block models, per-position loss on Simple Wikipedia
+    torchrun --nproc_per_node 8 -m owai mosaic-train -p paper     the thesis scale, data-parallel
+    owai mosaic-eval runs/fig3.8-depth/<run>           evaluate the run's saved models again
+    owai mosaic-eval MODEL_DIR --dataset wikipedia --config-name 20220301.simple
+
+The options are `--set` overrides of the recipe (`--depth` = model.n_layer, `--arch` = archs,
+`--dataset` = data.source, `--tokenizer` = data.tokenizer, `--context` = data.block_size).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from owai.commands._common import Json, Out, Preset, Quiet, Resume, Sets, run_recipe
+from owai.errors import OwaiError
+
+TRAIN_RECIPE = "fig3.8-depth"
+EVAL_RECIPE = "mosaic-eval"
+
+Dataset = Annotated[Optional[str], typer.Option("--dataset", "-d", help="owai-stories (embedded), a Hugging Face dataset id, or a local txt/jsonl/parquet/7z file or directory.")]
+Tokenizer = Annotated[Optional[str], typer.Option("--tokenizer", help="gpt2 (hub), bytes, bpe-N (trained locally), or a tokenizer directory.")]
+Context = Annotated[Optional[int], typer.Option("--context", help="Context length in tokens (data.block_size).")]
+
+
+def _flow_list(text: str) -> str:
+    return "[" + ", ".join(p.strip() for p in text.split(",") if p.strip()) + "]"
+
+
+def mosaic_train(
+    recipe: Annotated[str, typer.Option("--recipe", "-r", help="fig3.8-depth, tableB.2-gpt-search, fig3.9-posloss, figB.5-attention or tableB.4-continuations.")] = TRAIN_RECIPE,
+    arch: Annotated[Optional[str], typer.Option("--arch", "-a", help="Comma-separated: mm, gpt, gpt-rope, gpt-alibi.")] = None,
+    depth: Annotated[Optional[int], typer.Option("--depth", help="Number of blocks Nb (model.n_layer).")] = None,
+    dataset: Dataset = None,
+    tokenizer: Tokenizer = None,
+    context: Context = None,
+    preset: Preset = None,
+    sets: Sets = None,
+    out: Out = Path("runs"),
+    resume: Resume = None,
+    quiet: Quiet = False,
+    as_json: Json = False,
+) -> None:
+    """Pre-train Memory Mosaics and GPT2 on the same batches, then evaluate them (sec 3.5, App. B.2-B.4)."""
+    chosen = [
+        f"archs={_flow_list(arch)}" if arch else None,
+        f"model.n_layer={depth}" if depth is not None else None,
+        f"data.source={dataset}" if dataset else None,
+        f"data.tokenizer={tokenizer}" if tokenizer else None,
+        f"data.block_size={context}" if context is not None else None,
+    ]
+    overrides = [c for c in chosen if c] + list(sets or [])
+    if resume is not None and any(c for c in chosen):
+        raise OwaiError("--resume takes its config from the run directory; drop --arch/--depth/--dataset/--tokenizer/--context")
+    run_recipe(None if resume is not None else recipe, preset, overrides or None, out, resume, quiet, as_json)
+
+
+def mosaic_eval(
+    models: Annotated[list[Path], typer.Argument(help="Model directories (save_pretrained) or mosaic-train run directories.")],
+    dataset: Dataset = None,
+    config_name: Annotated[Optional[str], typer.Option("--config-name", help="Hub dataset configuration of --dataset, e.g. 20220301.simple.")] = None,
+    context: Context = None,
+    posloss_only: Annotated[bool, typer.Option("--posloss-only", help="Only the validation and per-position losses (Fig 3.9).")] = False,
+    preset: Preset = None,
+    sets: Sets = None,
+    out: Out = Path("runs"),
+    quiet: Quiet = False,
+    as_json: Json = False,
+) -> None:
+    """Evaluate saved language models: validation and per-position loss, attention plots, continuations."""
+    run_recipe(EVAL_RECIPE, preset, eval_overrides(models, dataset, config_name, context, posloss_only) + list(sets or []), out, None, quiet, as_json)
+
+
+def eval_overrides(models: list[Path], dataset: str | None, config_name: str | None, context: int | None, posloss_only: bool) -> list[str]:
+    """The `--set` overrides of the mosaic-eval recipe for these command-line choices."""
+    overrides = ["models=" + _flow_list(",".join(str(m.resolve()) for m in models))]
+    if dataset:
+        overrides.append(f"eval.source={dataset}")
+    if config_name:
+        overrides.append(f"eval.config_name={config_name}")
+    if context is not None:
+        overrides.append(f"data.block_size={context}")
+    if posloss_only:
+        overrides += ["eval.attention_multiples=[]", "eval.continuations=false"]
+    return overrides
+
+
+def register(app: typer.Typer) -> None:
+    app.command("mosaic-train")(mosaic_train)
+    app.command("mosaic-eval")(mosaic_eval)

@@ -1,0 +1,816 @@
+"""Text sources and tokenizers for the language-model experiments (thesis §3.5, App. B.2/B.3).
+
+Sources (`open_source` / `load_texts`), each giving a `train` and a `val` split of documents:
+
+* `"babistories"`: the official BabiStories release, found through $OWAI_BABISTORIES (the
+  `BabiStories/data` directory of a MemoryMosaics clone, 7z parts).
+* `"owai-stories"`: the embedded seeded corpus (`owai.data.stories`, 20k/500 stories);
+  `"owai-stories:N"` uses N training stories and max(1, N // 40) validation stories.
+* A Hugging Face dataset id, optionally `id:config` (`roneneldan/TinyStories`,
+  `wikipedia:20220301.simple`); `hf:` forces the hub. Read with `datasets.load_dataset`
+  (streaming by default); needs network access or a populated Hugging Face cache.
+* A local path: a file or a directory (searched recursively, hidden names skipped).
+  - `.txt`: plain text. Documents are separated by lines holding only `<|endoftext|>` when the
+    first 64 KiB contain such a line (TinyStoriesV2 files), otherwise by blank lines; newlines
+    inside a document are kept. A `.txt` whose first five non-empty lines are each a complete
+    JSON string (BabiStories `traindataset.txt`) is read as JSON lines instead.
+  - `.jsonl` / `.json`: one JSON value per line (a string is the document itself, as in
+    BabiStories; an object gives `obj[text_field]`); a `.json` file starting with `[` is one
+    array of such values.
+  - `.parquet`: the `text_field` column, streamed in record batches with pyarrow.
+  - `.7z` / `.7z.001` (+ `.002` ...): a 7-Zip archive (BabiStories `data/traindataset.txt.7z`),
+    extracted once with py7zr into the cache (`<cache>/extracted/`), members read as above. An
+    archive is skipped when the extracted file sits beside it.
+  - `.gz` after any of the text suffixes is decompressed on the fly.
+  Directory files are assigned to splits by name: a name part (split on `-_. `) starting with
+  `train` is training data, one starting with `val` (val, valid, validation, valdataset) is
+  validation data, else one starting with `test` serves as validation data.
+
+Validation split: the source's own when it has one; otherwise every 100th document of the single
+stream (0-based index i with i % 100 == 99) is held out, in the source's own order, and the other
+99% form `train` (deterministic, needs no shuffling or counting).
+
+Tokenizers (`load_tokenizer`): `"gpt2"` (or any hub id / local tokenizer directory /
+tokenizer.json) through `transformers`, `"bytes"` (256 byte ids + eot 256), and `"bpe-N"`, a
+byte-level BPE trained with `tokenizers` on the corpus and cached by (corpus fingerprint, N).
+Every tokenizer encodes text the way tiktoken's `encode_ordinary` does: a literal
+`<|endoftext|>` in a document is ordinary text, never the eot id.
+
+Every user error is an `OwaiError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+from owai.data import stories
+from owai.errors import OwaiError
+from owai.io import atomic_write_text
+
+CACHE_ENV = "OWAI_CACHE"
+SPLITS = ("train", "val")
+SPLIT_ALIASES = {"train": "train", "val": "val", "valid": "val", "validation": "val"}
+HELD_OUT_EVERY = 100  # without a validation split, document i goes to val iff i % 100 == 99
+HUB_VAL_SPLITS = ("validation", "valid", "val", "test")
+EOT_TEXT = "<|endoftext|>"
+TEXT_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+BPE_TRAIN_MAX_CHARS = 50_000_000  # bpe-N learns its merges from the first 50M characters of train
+SOURCE_FORMAT = 1  # bump when reading rules change (keys caches)
+
+
+# --- small helpers ---------------------------------------------------------------------------
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """Cache root: `cache_dir` if given, else `$OWAI_CACHE`, else `~/.cache/owai`."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "owai"
+
+
+def one_line(exc: BaseException, limit: int = 240) -> str:
+    """An exception as a single short line (`Type: first line of the message`)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def digest(*parts: Any) -> str:
+    """A short stable hash of JSON-serialisable parts (cache keys)."""
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def slug(text: str) -> str:
+    """A filesystem-safe short name for `text` (cache directory names)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._")[-48:] or "x"
+
+
+def canonical_split(split: str) -> str:
+    """`train` or `val` (accepting `valid`/`validation`); anything else is a user error."""
+    if split not in SPLIT_ALIASES:
+        raise OwaiError(f"unknown split {split!r} (expected train or val)")
+    return SPLIT_ALIASES[split]
+
+
+def held_out(texts: Iterable[str], split: str) -> Iterator[str]:
+    """The documented held-out rule: every HELD_OUT_EVERY-th document is validation."""
+    want_val = split == "val"
+    for i, text in enumerate(texts):
+        if (i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1) == want_val:
+            yield text
+
+
+# --- sources ---------------------------------------------------------------------------------
+
+
+class TextSource:
+    """A corpus with `train` and `val` document streams, a content fingerprint and a val rule."""
+
+    name: str
+    fingerprint: str
+    val_rule: str
+
+    def texts(self, split: str) -> Iterator[str]:
+        """Stream the documents of `split` (train or val), in a fixed order."""
+        raise NotImplementedError
+
+
+class StorySource(TextSource):
+    """The embedded seeded corpus (`owai.data.stories`)."""
+
+    def __init__(self, name: str, n_train: int, n_val: int) -> None:
+        self.name, self.n_train, self.n_val = name, n_train, n_val
+        self.fingerprint = digest("owai-stories", stories.GENERATOR_VERSION, n_train, n_val,
+                                  stories.TRAIN_SEED, stories.VAL_SEED)
+        self.val_rule = f"generated: {n_val} stories from seed {stories.VAL_SEED}"
+
+    def texts(self, split: str) -> Iterator[str]:
+        if canonical_split(split) == "train":
+            return stories.iter_stories(self.n_train, stories.TRAIN_SEED)
+        return stories.iter_stories(self.n_val, stories.VAL_SEED)
+
+
+class HubSource(TextSource):
+    """A Hugging Face dataset, read with `datasets.load_dataset` (streaming by default)."""
+
+    def __init__(self, hub_id: str, config: str | None, text_field: str, revision: str | None = None,
+                 streaming: bool = True) -> None:
+        self.hub_id, self.config, self.text_field = hub_id, config, text_field
+        self.revision, self.streaming = revision, streaming
+        self.name = hub_id + (f":{config}" if config else "")
+        self.fingerprint = digest("hf", hub_id, config, revision, text_field, SOURCE_FORMAT)
+        self.val_rule = "the dataset's validation split (else every 100th train document)"
+        self._splits: dict[str, Any] | None = None
+
+    def _load(self) -> dict[str, Any]:
+        """All splits of the dataset (a network call the first time); errors become OwaiError."""
+        if self._splits is None:
+            try:
+                import datasets
+
+                loaded = datasets.load_dataset(self.hub_id, self.config, revision=self.revision,
+                                               streaming=self.streaming)
+            except Exception as exc:  # offline, unknown id, missing config, script datasets...
+                raise OwaiError(
+                    f"cannot load Hugging Face dataset {self.name!r} ({one_line(exc)}); it is not a local "
+                    "path either: check the id/config and network access, or use owai-stories or a local path"
+                ) from None
+            self._splits = dict(loaded)
+        return self._splits
+
+    def _pick(self, split: str) -> tuple[Any, bool]:
+        """(hub split, whether to apply the held-out rule to it) for our `split`."""
+        splits = self._load()
+        if "train" not in splits:
+            raise OwaiError(f"Hugging Face dataset {self.name!r} has no train split (it has {sorted(splits)})")
+        if split == "val":
+            for name in HUB_VAL_SPLITS:
+                if name in splits:
+                    self.val_rule = f"the dataset's {name!r} split"
+                    return splits[name], False
+        hold_out = all(name not in splits for name in HUB_VAL_SPLITS)
+        if hold_out:
+            self.val_rule = f"held out: every {HELD_OUT_EVERY}th train document (no validation split)"
+        return splits["train"], hold_out
+
+    def texts(self, split: str) -> Iterator[str]:
+        split = canonical_split(split)
+        data, hold_out = self._pick(split)
+        docs = self._records(data)
+        return held_out(docs, split) if hold_out else docs
+
+    def _records(self, data: Iterable[dict[str, Any]]) -> Iterator[str]:
+        try:
+            for record in data:
+                if self.text_field not in record:
+                    raise OwaiError(f"Hugging Face dataset {self.name!r} has no field {self.text_field!r} "
+                                    f"(fields: {', '.join(sorted(record))}); set text_field")
+                yield _as_text(record[self.text_field], f"Hugging Face dataset {self.name!r}")
+        except OwaiError:
+            raise
+        except Exception as exc:
+            raise OwaiError(f"reading Hugging Face dataset {self.name!r} failed ({one_line(exc)})") from None
+
+
+class LocalSource(TextSource):
+    """Files on disk: one file, or a directory of split files (see the module docstring)."""
+
+    def __init__(self, path: Path, text_field: str, cache_dir: str | Path | None) -> None:
+        self.path, self.text_field, self.cache_dir = path, text_field, cache_dir
+        self.name = str(path)
+        self.files = _split_files(path)
+        stats = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in _all_parts(self.files)]
+        self.fingerprint = digest("local", str(path.resolve()), text_field, stats, SOURCE_FORMAT)
+        if self.files["val"]:
+            self.val_rule = "validation files: " + ", ".join(f.name for f in self.files["val"])
+        else:
+            self.val_rule = f"held out: every {HELD_OUT_EVERY}th document (index % {HELD_OUT_EVERY} == {HELD_OUT_EVERY - 1})"
+
+    def texts(self, split: str) -> Iterator[str]:
+        split = canonical_split(split)
+        if self.files["val"]:
+            return self._read(self.files[split])
+        return held_out(self._read(self.files["train"]), split)
+
+    def _read(self, files: list[Path]) -> Iterator[str]:
+        for file in files:
+            yield from read_file(file, self.text_field, self.cache_dir)
+
+
+def open_source(source: str | os.PathLike[str] | TextSource, text_field: str = "text",
+                cache_dir: str | Path | None = None, *, config_name: str | None = None,
+                revision: str | None = None, streaming: bool = True) -> TextSource:
+    """Resolve a source (see the module docstring) to a `TextSource`; path errors are raised here.
+
+    `config_name` is the hub dataset config (same as writing `id:config`); `revision` and
+    `streaming` go to `datasets.load_dataset`."""
+    if isinstance(source, TextSource):
+        return source
+    if isinstance(source, os.PathLike):
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise OwaiError(f"dataset path not found: {path}")
+        return LocalSource(path, text_field, cache_dir)
+    if source == "owai-stories" or source.startswith("owai-stories:"):
+        return _story_source(source)
+    if source == "babistories":
+        return _babistories(text_field, cache_dir)
+    if source.startswith("hf:"):
+        return _hub_source(source[3:], text_field, config_name, revision, streaming)
+    path = Path(source).expanduser()
+    if path.exists():
+        return LocalSource(path, text_field, cache_dir)
+    if _looks_like_hub_id(source):
+        return _hub_source(source, text_field, config_name, revision, streaming)
+    raise OwaiError(f"dataset path not found: {source}")
+
+
+def load_texts(source: str | os.PathLike[str] | TextSource, split: str, text_field: str = "text",
+               cache_dir: str | Path | None = None, **kwargs: Any) -> Iterator[str]:
+    """Stream the documents of `split` ("train" or "val") of `source`; resolution errors raise now."""
+    return open_source(source, text_field, cache_dir, **kwargs).texts(canonical_split(split))
+
+
+def lazy_texts(src: TextSource, split: str) -> Iterator[str]:
+    """`src.texts(split)`, opened on first use (a cached run never touches the hub or the files)."""
+    yield from src.texts(split)
+
+
+BABISTORIES_ENV = "OWAI_BABISTORIES"
+
+
+def _babistories(text_field: str, cache_dir: str | Path | None) -> TextSource:
+    """The official BabiStories release: the `BabiStories/data` directory of a clone of
+    github.com/facebookresearch/MemoryMosaics (7z parts of traindataset.txt / valdataset.txt),
+    located by $OWAI_BABISTORIES."""
+    where = os.environ.get(BABISTORIES_ENV)
+    if not where:
+        raise OwaiError(
+            "source babistories: set OWAI_BABISTORIES to the BabiStories/data directory of a clone of "
+            "https://github.com/facebookresearch/MemoryMosaics (or pass its path as data.source)"
+        )
+    path = Path(where).expanduser()
+    if not path.exists():
+        raise OwaiError(f"dataset path not found: {path} (from ${BABISTORIES_ENV})")
+    return LocalSource(path, text_field, cache_dir)
+
+
+def _story_source(source: str) -> StorySource:
+    if source == "owai-stories":
+        return StorySource(source, stories.DEFAULT_TRAIN_STORIES, stories.DEFAULT_VAL_STORIES)
+    size = source.split(":", 1)[1]
+    if not size.isdigit() or int(size) < 1:
+        raise OwaiError(f"bad source {source!r}: expected owai-stories or owai-stories:N with N >= 1")
+    return StorySource(source, int(size), max(1, int(size) // 40))
+
+
+def _hub_source(spec: str, text_field: str, config_name: str | None, revision: str | None,
+                streaming: bool) -> HubSource:
+    hub_id, _, config = spec.partition(":")
+    if not hub_id:
+        raise OwaiError(f"bad Hugging Face dataset id {spec!r}")
+    return HubSource(hub_id, config_name or config or None, text_field, revision, streaming)
+
+
+def _looks_like_hub_id(source: str) -> bool:
+    """`name`, `owner/name` or either with `:config`, and no file suffix or path prefix."""
+    if source.startswith((".", "/", "~")) or _suffix(Path(source.partition(":")[0])):
+        return False
+    return re.fullmatch(r"[\w.-]+(/[\w.-]+)?(:[\w.+-]+)?", source) is not None
+
+
+# --- local files -----------------------------------------------------------------------------
+
+SPLIT_WORDS = (("train", "train"), ("val", "val"), ("test", "test"))
+
+
+def _suffix(path: Path) -> str:
+    """The format suffix that matters: .txt/.jsonl/.json/.parquet/.7z (through .gz and .7z.NNN)."""
+    name = path.name.lower()
+    if re.search(r"\.7z(\.\d+)?$", name):
+        return ".7z"
+    if name.endswith(".gz"):
+        name = name[:-3]
+    return next((s for s in TEXT_SUFFIXES if name.endswith(s)), "")
+
+
+def _split_of(path: Path) -> str | None:
+    """train / val / test from the file name's parts, or None."""
+    parts = re.split(r"[-_. ]+", path.name.lower())
+    for word, split in SPLIT_WORDS:
+        if any(part.startswith(word) for part in parts):
+            return split
+    return None
+
+
+def _data_files(directory: Path) -> list[Path]:
+    """Readable data files under `directory` (recursive, sorted; hidden names, extra 7z parts and
+    archives already extracted beside themselves are skipped)."""
+    found = []
+    for path in sorted(directory.rglob("*")):
+        rel = path.relative_to(directory)
+        if any(part.startswith(".") for part in rel.parts) or not path.is_file() or not _suffix(path):
+            continue
+        if _suffix(path) == ".7z":
+            if not re.search(r"\.7z(\.0*1)?$", path.name.lower()):
+                continue  # .7z.002 and later parts are read through the first one
+            if (path.parent / re.sub(r"\.7z(\.\d+)?$", "", path.name, flags=re.I)).is_file():
+                continue  # the extracted file sits beside the archive: read that instead
+        found.append(path)
+    return found
+
+
+def _split_files(path: Path) -> dict[str, list[Path]]:
+    """{"train": [...], "val": [...]}; val is empty when the held-out rule applies."""
+    if path.is_file():
+        if not _suffix(path):
+            raise OwaiError(f"unsupported dataset file {path} (expected .txt, .jsonl, .json, .parquet or .7z)")
+        return {"train": [path], "val": []}
+    files = _data_files(path)
+    if not files:
+        raise OwaiError(f"no dataset files in {path} (expected .txt, .jsonl, .json, .parquet or .7z files)")
+    by_split: dict[str | None, list[Path]] = {"train": [], "val": [], "test": [], None: []}
+    for file in files:
+        by_split[_split_of(file)].append(file)
+    if not by_split["train"] and not by_split["val"] and not by_split["test"]:
+        return {"train": files, "val": []}  # one unsplit corpus: held-out rule
+    if not by_split["train"]:
+        raise OwaiError(f"no training files in {path}: found {', '.join(f.name for f in files)} "
+                        "(name files train*/val*, e.g. train.jsonl and val.jsonl)")
+    return {"train": by_split["train"], "val": by_split["val"] or by_split["test"]}
+
+
+def _all_parts(files: dict[str, list[Path]]) -> list[Path]:
+    """Every file a source reads, 7z volumes included (for the fingerprint)."""
+    out = []
+    for path in files["train"] + files["val"]:
+        out.extend(_volumes(path) if _suffix(path) == ".7z" else [path])
+    return out
+
+
+def read_file(path: Path, text_field: str = "text", cache_dir: str | Path | None = None) -> Iterator[str]:
+    """Stream the documents of one data file (format from its suffix; see the module docstring)."""
+    kind = _suffix(path)
+    if kind == ".parquet":
+        return _read_parquet(path, text_field)
+    if kind == ".7z":
+        return _read_7z(path, text_field, cache_dir)
+    if kind in (".jsonl", ".json"):
+        return _read_json(path, text_field)
+    return _read_txt(path, text_field)
+
+
+def _open_text(path: Path) -> TextIO:
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    return opener(path, "rt", encoding="utf-8")  # type: ignore[operator]
+
+
+def _guard(path: Path, read: Callable[[], Iterator[str]]) -> Iterator[str]:
+    """Turn decoding/IO failures while streaming `path` into one-line OwaiErrors naming it."""
+    try:
+        yield from read()
+    except OwaiError:
+        raise
+    except UnicodeDecodeError:
+        raise OwaiError(f"{path}: not UTF-8 text (wrong file format?)") from None
+    except (OSError, EOFError, ValueError) as exc:
+        raise OwaiError(f"{path}: cannot read ({one_line(exc)})") from None
+
+
+def _as_text(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise OwaiError(f"{where}: expected a text string, got {type(value).__name__}")
+    return value
+
+
+def _json_doc(value: Any, text_field: str, where: str) -> str:
+    """A document from one JSON value: the string itself, or `value[text_field]`."""
+    if isinstance(value, dict):
+        if text_field not in value:
+            raise OwaiError(f"{where}: no field {text_field!r} (fields: {', '.join(sorted(value))[:120]}); set text_field")
+        return _as_text(value[text_field], where)
+    return _as_text(value, where)
+
+
+def _read_json(path: Path, text_field: str) -> Iterator[str]:
+    def read() -> Iterator[str]:
+        with _open_text(path) as f:
+            head = f.read(4096).lstrip()
+            f.seek(0)
+            if head.startswith("["):
+                yield from _json_array(path, f, text_field)
+            else:
+                yield from _json_lines(path, f, text_field)
+    return _guard(path, read)
+
+
+def _json_array(path: Path, f: TextIO, text_field: str) -> Iterator[str]:
+    try:
+        values = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise OwaiError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    for i, value in enumerate(values):
+        yield _json_doc(value, text_field, f"{path}[{i}]")
+
+
+def _json_lines(path: Path, lines: Iterable[str], text_field: str) -> Iterator[str]:
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise OwaiError(f"{path}:{lineno}: not a JSON line ({exc.msg}); expected one JSON string or "
+                            "object per line") from None
+        yield _json_doc(value, text_field, f"{path}:{lineno}")
+
+
+def _txt_mode(path: Path) -> str:
+    """"json" (BabiStories lines), "eot" (<|endoftext|> separators) or "blank" (blank lines)."""
+    with _open_text(path) as f:
+        head = f.read(1 << 16)
+    lines = head.splitlines()
+    if len(head) == 1 << 16:
+        lines = lines[:-1]  # the last one may be cut
+    first = [ln for ln in lines if ln.strip()][:5]
+    if first and all(_is_json_string(ln) for ln in first):
+        return "json"
+    return "eot" if any(ln.strip() == EOT_TEXT for ln in lines) else "blank"
+
+
+def _is_json_string(line: str) -> bool:
+    line = line.strip()
+    if not (line.startswith('"') and line.endswith('"')):
+        return False
+    try:
+        return isinstance(json.loads(line), str)
+    except json.JSONDecodeError:
+        return False
+
+
+def _read_txt(path: Path, text_field: str) -> Iterator[str]:
+    def read() -> Iterator[str]:
+        mode = _txt_mode(path)
+        with _open_text(path) as f:
+            if mode == "json":
+                yield from _json_lines(path, f, text_field)
+                return
+            yield from _txt_documents(f, mode)
+    return _guard(path, read)
+
+
+def _txt_documents(f: TextIO, mode: str) -> Iterator[str]:
+    """Split plain text into documents at `<|endoftext|>` lines or at blank lines."""
+    doc: list[str] = []
+    for line in f:
+        line = line.rstrip("\n")
+        boundary = line.strip() == EOT_TEXT if mode == "eot" else not line.strip()
+        if boundary:
+            text = "\n".join(doc).strip("\n")
+            if text.strip():
+                yield text
+            doc = []
+        else:
+            doc.append(line)
+    text = "\n".join(doc).strip("\n")
+    if text.strip():
+        yield text
+
+
+def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
+    def read() -> Iterator[str]:
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.ParquetFile(path)
+        except Exception as exc:  # pyarrow.ArrowInvalid for a non-parquet file
+            raise OwaiError(f"{path}: not a parquet file ({one_line(exc)})") from None
+        names = table.schema_arrow.names
+        if text_field not in names:
+            raise OwaiError(f"{path}: no column {text_field!r} (columns: {', '.join(names)}); set text_field")
+        for batch in table.iter_batches(batch_size=1024, columns=[text_field]):
+            for value in batch.column(0).to_pylist():
+                yield _as_text(value, f"{path} column {text_field!r}")
+    return _guard(path, read)
+
+
+# --- 7z archives (BabiStories) ----------------------------------------------------------------
+
+
+def _volumes(archive: Path) -> list[Path]:
+    """The archive's files: itself, or all `name.7z.NNN` parts in order."""
+    match = re.search(r"\.7z\.(\d+)$", archive.name, flags=re.I)
+    if not match:
+        return [archive]
+    stem = archive.name[: match.start(1) - 1]  # "name.7z"
+    parts = [p for p in archive.parent.iterdir() if re.fullmatch(re.escape(stem) + r"\.\d+", p.name)]
+    return sorted(parts, key=lambda p: int(p.name.rsplit(".", 1)[1]))
+
+
+class _Concatenated(io.RawIOBase):
+    """Read-only, seekable view of several files one after the other (multi-volume 7z)."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self._files = [open(p, "rb") for p in paths]  # noqa: SIM115 (closed in close())
+        self._starts = [0]
+        for p in paths:
+            self._starts.append(self._starts[-1] + p.stat().st_size)
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._starts[-1]}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        done = 0
+        while done < len(view) and self._pos < self._starts[-1]:
+            i = max(k for k in range(len(self._files)) if self._starts[k] <= self._pos)
+            self._files[i].seek(self._pos - self._starts[i])
+            n = self._files[i].readinto(view[done: done + min(len(view) - done, self._starts[i + 1] - self._pos)])
+            if not n:
+                break
+            done += n
+            self._pos += n
+        return done
+
+    def close(self) -> None:
+        for f in self._files:
+            f.close()
+        super().close()
+
+
+def extract_7z(archive: Path, cache_dir: str | Path | None = None) -> Path:
+    """Extract a (multi-volume) 7z archive once into `<cache>/extracted/`; returns the directory."""
+    volumes = _volumes(archive)
+    key = digest([[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in volumes])
+    final = cache_root(cache_dir) / "extracted" / f"{slug(archive.name)}-{key}"
+    if final.is_dir():
+        return final
+    try:
+        import py7zr
+    except ImportError:
+        raise OwaiError(f"reading {archive} needs py7zr: pip install py7zr") from None
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        with _Concatenated(volumes) as raw, py7zr.SevenZipFile(io.BufferedReader(raw), mode="r") as z:
+            z.extractall(path=tmp)
+        _publish_dir(tmp, final)
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OwaiError(f"{archive}: cannot extract 7z archive ({one_line(exc)})") from None
+    return final
+
+
+def _publish_dir(tmp: Path, final: Path) -> None:
+    """Rename a finished temporary directory into place; if another process won the race, keep theirs."""
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not final.is_dir():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _read_7z(archive: Path, text_field: str, cache_dir: str | Path | None) -> Iterator[str]:
+    """Documents of every member of the archive (members without a known suffix read as .txt)."""
+    def read() -> Iterator[str]:
+        root = extract_7z(archive, cache_dir)
+        for member in sorted(p for p in root.rglob("*") if p.is_file()):
+            yield from read_file(member, text_field, cache_dir)
+    return read()
+
+
+# --- tokenizers ------------------------------------------------------------------------------
+
+
+class Tokenizer:
+    """What the data layer needs from a tokenizer; `fingerprint` identifies its exact mapping."""
+
+    name: str
+    vocab_size: int
+    eot_id: int
+    fingerprint: str
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (no eot, no special-token parsing: like tiktoken encode_ordinary)."""
+        raise NotImplementedError
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` over a list (parallel where the backend allows)."""
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`; the eot id renders as `<|endoftext|>`."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids 0..255 and eot 256 (vocab 257): no training, no download."""
+
+    name = "bytes"
+    vocab_size = 257
+    eot_id = 256
+    fingerprint = "bytes-v1"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        out, chunk = [], bytearray()
+        for i in ids:
+            if int(i) == self.eot_id:
+                out.append(chunk.decode("utf-8", errors="replace") + EOT_TEXT)
+                chunk = bytearray()
+            else:
+                chunk.append(int(i))
+        return "".join(out) + chunk.decode("utf-8", errors="replace")
+
+
+class HFTokenizer(Tokenizer):
+    """A `tokenizers.Tokenizer` (GPT-2 from the hub, a local tokenizer, or a trained bpe-N)."""
+
+    def __init__(self, name: str, backend: Any, eot_id: int) -> None:
+        self.name, self.backend, self.eot_id = name, backend, int(eot_id)
+        backend.encode_special_tokens = True  # "<|endoftext|>" inside a document is plain text
+        self.vocab_size = int(backend.get_vocab_size(with_added_tokens=True))
+        self.fingerprint = hashlib.sha256(backend.to_str().encode()).hexdigest()[:16]
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"name": self.name, "json": self.backend.to_str(), "eot_id": self.eot_id}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        from tokenizers import Tokenizer as Backend
+
+        self.__init__(state["name"], Backend.from_str(state["json"]), state["eot_id"])  # type: ignore[misc]
+
+
+def load_tokenizer(name: str, cache_dir: str | Path | None = None, training_texts: Iterable[str] | None = None,
+                   *, corpus_fingerprint: str | None = None, source: str | os.PathLike[str] | TextSource | None = None,
+                   text_field: str = "text", **source_kwargs: Any) -> Tokenizer:
+    """`bytes`, `bpe-N` (trained on `training_texts`, cached by corpus fingerprint and N), or a hub
+    id / local tokenizer directory / tokenizer.json for `transformers` (e.g. `gpt2`).
+
+    For bpe-N, `source=` (with `text_field`, `config_name`, ...) instead of `training_texts` trains on
+    that source's train split and keys the cache by its fingerprint, as `prepare_tokens` does."""
+    if name == "bytes":
+        return ByteTokenizer()
+    match = re.fullmatch(r"bpe-(\d+)", name)
+    if match:
+        if source is not None and training_texts is None:
+            src = open_source(source, text_field, cache_dir, **source_kwargs)
+            training_texts, corpus_fingerprint = lazy_texts(src, "train"), corpus_fingerprint or src.fingerprint
+        return _bpe(int(match.group(1)), cache_root(cache_dir), training_texts, corpus_fingerprint)
+    path = Path(name).expanduser()
+    if path.is_file():
+        return _from_tokenizer_json(name, path)
+    return _from_transformers(name, path)
+
+
+def _from_tokenizer_json(name: str, path: Path) -> HFTokenizer:
+    from tokenizers import Tokenizer as Backend
+
+    try:
+        backend = Backend.from_file(str(path))
+    except Exception as exc:
+        raise OwaiError(f"{path}: not a tokenizer.json file ({one_line(exc)})") from None
+    eot = backend.token_to_id(EOT_TEXT)
+    if eot is None:
+        raise OwaiError(f"{path}: the tokenizer has no {EOT_TEXT} token to separate documents")
+    return HFTokenizer(name, backend, eot)
+
+
+def _from_transformers(name: str, path: Path) -> HFTokenizer:
+    """AutoTokenizer.from_pretrained(name): a local directory, the HF cache or the hub."""
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else name)
+    except Exception as exc:
+        where = f"local directory {path}" if path.is_dir() else "the Hugging Face hub"
+        raise OwaiError(f"cannot fetch tokenizer {name!r} from {where} ({one_line(exc)}); "
+                        "use tokenizer=bytes or bpe-N offline") from None
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        raise OwaiError(f"tokenizer {name!r} has no fast (tokenizers) backend; use a fast tokenizer, bytes or bpe-N")
+    eot = tok.eos_token_id if tok.eos_token_id is not None else backend.token_to_id(EOT_TEXT)
+    if eot is None:
+        raise OwaiError(f"tokenizer {name!r} has no end-of-text token to separate documents")
+    return HFTokenizer(name, backend, eot)
+
+
+def _bpe(vocab: int, root: Path, texts: Iterable[str] | None, fingerprint: str | None) -> HFTokenizer:
+    """Load the cached bpe-N for this corpus, or train and cache it (tokenizer.json, atomic)."""
+    from tokenizers import Tokenizer as Backend
+
+    if not 258 <= vocab <= 1 << 20:
+        raise OwaiError(f"bpe-{vocab}: vocabulary size must be between 258 and {1 << 20}")
+    capped = None
+    if fingerprint is None:
+        if texts is None:
+            raise OwaiError(f"tokenizer bpe-{vocab} is trained on the corpus: pass training texts")
+        capped = _cap_chars(texts, BPE_TRAIN_MAX_CHARS)
+        fingerprint = digest(capped)
+    path = root / "tokenizers" / f"bpe-{vocab}-{digest(fingerprint, vocab, BPE_TRAIN_MAX_CHARS)}" / "tokenizer.json"
+    if path.is_file():
+        backend = Backend.from_file(str(path))
+        return HFTokenizer(f"bpe-{vocab}", backend, backend.token_to_id(EOT_TEXT))
+    if capped is None:
+        if texts is None:
+            raise OwaiError(f"tokenizer bpe-{vocab} for this corpus is not cached yet: pass training texts")
+        capped = _cap_chars(texts, BPE_TRAIN_MAX_CHARS)
+    backend = train_bpe(capped, vocab)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, backend.to_str())
+    return HFTokenizer(f"bpe-{vocab}", backend, backend.token_to_id(EOT_TEXT))
+
+
+def _cap_chars(texts: Iterable[str], max_chars: int) -> list[str]:
+    """The leading documents of `texts` up to `max_chars` characters in total (at least one)."""
+    out, total = [], 0
+    for text in texts:
+        if out and total + len(text) > max_chars:
+            break
+        out.append(text)
+        total += len(text)
+    return out
+
+
+def train_bpe(texts: list[str], vocab_size: int) -> Any:
+    """A byte-level BPE (GPT-2 style pre-tokenisation) with `<|endoftext|>` as id 0; deterministic."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if not any(texts):
+        raise OwaiError(f"cannot train bpe-{vocab_size}: the training split is empty")
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT_TEXT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    return backend
+
+
+def __getattr__(name: str) -> Any:
+    """Lazy re-exports of `owai.data.tokens` (shards and windows), which imports this module."""
+    if name in ("prepare_tokens", "PreparedTokens", "TokenWindows", "token_dtype"):
+        from owai.data import tokens
+
+        return getattr(tokens, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""Evaluations shared by methods and `owai eval`: language-model losses, attention, continuations."""

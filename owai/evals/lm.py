@@ -1,0 +1,128 @@
+"""Language-model evaluations of sec 3.5 / App. B.4, for any model of the LM zoo.
+
+    validation_loss         mean next-token loss on fixed windows (Fig 3.8 curves, Table B.2)
+    per_position_loss       loss at each position of a window, averaged over windows (Fig 3.9)
+    attention_profile       the last token's attention over the window, per layer and head,
+                            averaged over sequences, at the training context and beyond (Figs B.5-B.7)
+    continuations           greedy and beam-2 continuations of Eldan & Li's 24 prompts (Tables B.4/B.5)
+
+Models are called as Hugging Face causal LMs (`model(input_ids=x).logits`, `model.generate`) and
+expose `last_token_attention(x) -> (n_layer, B, H, T)`. Windows come from `TokenWindows`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from importlib import resources
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+PROMPTS_FILE = "eldan_li_prompts.txt"
+
+
+def eldan_li_prompts() -> list[str]:
+    """The 24 prompts of Eldan & Li (2023) as the thesis's Table B.4 lists them."""
+    text = resources.files("owai.evals").joinpath(PROMPTS_FILE).read_text(encoding="utf-8")
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def token_losses(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy (B, T) of predicting y from x, in float32."""
+    logits = model(input_ids=x).logits  # (B, T, V)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y)
+
+
+@torch.no_grad()
+def validation_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
+    """Mean next-token loss over the given (x, y) batches."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for x, y in batches:
+        losses = token_losses(model, x.to(device), y.to(device))
+        total += losses.sum().item()
+        count += losses.numel()
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+@torch.no_grad()
+def per_position_loss(
+    model: torch.nn.Module, windows: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+) -> tuple[list[float], int]:
+    """Loss at each position of the window averaged over all windows: (curve of length T, windows)."""
+    model.eval()
+    total: torch.Tensor | None = None
+    n = 0
+    for x, y in windows:
+        losses = token_losses(model, x.to(device), y.to(device)).sum(0).double().cpu()  # (T,)
+        total = losses if total is None else total + losses
+        n += x.shape[0]
+    if total is None:
+        return [], 0
+    return (total / n).tolist(), n
+
+
+@torch.no_grad()
+def attention_profile(model: torch.nn.Module, windows: Iterable[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
+    """The last position's attention weights averaged over sequences: ((n_layer, H, T), sequences)."""
+    model.eval()
+    total: torch.Tensor | None = None
+    n = 0
+    for x in windows:
+        att = model.last_token_attention(x.to(device)).double().sum(1).cpu()  # (L, H, T)
+        total = att if total is None else total + att
+        n += x.shape[0]
+    if total is None:
+        raise ValueError("attention_profile needs at least one window")
+    return total / n, n
+
+
+@torch.no_grad()
+def continuations(
+    model: torch.nn.Module, tokenizer: Any, prompts: list[str], device: torch.device, max_new_tokens: int = 48, beams: tuple[int, ...] = (1, 2)
+) -> list[dict[str, str]]:
+    """Continue each prompt greedily (beams=1) and with beam search; stops at end-of-text.
+
+    A model with a learned position table (`context_limit`) sees only the prompt's last
+    `limit - max_new_tokens` tokens, as the reference crops its context to block_size."""
+    from owai.models.lm import context_limit
+
+    model.eval()
+    limit = context_limit(model)
+    if limit is not None:
+        max_new_tokens = min(max_new_tokens, limit // 2)
+    rows = []
+    for prompt in prompts:
+        ids = torch.tensor([tokenizer.encode(prompt)], device=device)
+        if limit is not None:
+            ids = ids[:, -(limit - max_new_tokens) :]
+        row = {"prompt": prompt}
+        for beam in beams:
+            out = model.generate(
+                ids,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                num_beams=beam,
+                eos_token_id=tokenizer.eot_id,
+                pad_token_id=tokenizer.eot_id,
+            )
+            new = [t for t in out[0, ids.shape[1] :].tolist()]
+            if tokenizer.eot_id in new:
+                new = new[: new.index(tokenizer.eot_id)]
+            row["greedy" if beam == 1 else f"beam{beam}"] = tokenizer.decode(new)
+        rows.append(row)
+    return rows
+
+
+def only_inputs(windows: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[torch.Tensor]:
+    for x, _ in windows:
+        yield x
+
+
+def mean_over(curve: list[float], start: int, stop: int | None = None) -> float:
+    """Mean of curve[start:stop] (e.g. loss after the first 50 tokens)."""
+    part = curve[start:stop]
+    return sum(part) / len(part) if part else float("nan")

@@ -1,0 +1,126 @@
+"""The language-model zoo: one entry point for the trainer and the evaluations.
+
+    model = build_lm("gpt", n_layer=12, position="learned")     # or "mm" (Memory Mosaics)
+    optimizer = torch.optim.AdamW(decay_param_groups(model, 0.1), lr=5e-3, betas=(0.9, 0.95))
+
+Every architecture is a Hugging Face `PreTrainedModel` causal LM (forward with labels,
+`generate`, `save_pretrained`). Importing this module imports the model modules, which register
+their `model_type` with `AutoConfig` / `AutoModelForCausalLM`, so a saved run directory loads with
+`AutoModelForCausalLM.from_pretrained(path)` and no `trust_remote_code`.
+Adding a sequence model is one line in `ARCHITECTURES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import inspect
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+
+import owai.models.gpt  # noqa: F401  (registers owai_gpt with the Auto classes)
+from owai.errors import OwaiError
+
+try:  # registers owai_memory_mosaics with the Auto classes
+    import owai.models.memory_mosaics  # noqa: F401
+except ModuleNotFoundError as err:  # only a missing module is tolerated, never an error inside it
+    if err.name != "owai.models.memory_mosaics":
+        raise
+
+# arch name -> (module, config class, causal-LM class)
+ARCHITECTURES: dict[str, tuple[str, str, str]] = {
+    "mm": ("owai.models.memory_mosaics", "MemoryMosaicsConfig", "MemoryMosaicsForCausalLM"),
+    "gpt": ("owai.models.gpt", "GPTConfig", "GPTForCausalLM"),
+}
+
+
+def _classes(arch: str) -> tuple[type[PretrainedConfig], type[PreTrainedModel]]:
+    if arch not in ARCHITECTURES:
+        raise OwaiError(f"unknown language model {arch!r}; known: {', '.join(sorted(ARCHITECTURES))}")
+    module_name, config_name, model_name = ARCHITECTURES[arch]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name != module_name:
+            raise
+        raise OwaiError(f"language model {arch!r} is not available: module {module_name} is missing") from None
+    return getattr(module, config_name), getattr(module, model_name)
+
+
+def config_keys(config_class: type[PretrainedConfig]) -> set[str]:
+    """The constructor arguments of a config class (dataclass fields in transformers 5, else `__init__`)."""
+    keys = {f.name for f in dataclasses.fields(config_class)} if dataclasses.is_dataclass(config_class) else set()
+    params = inspect.signature(config_class.__init__).parameters.values()
+    keys |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
+    return keys
+
+
+def lm_config(arch: str, **config_kwargs) -> PretrainedConfig:
+    """The config of `arch` with `config_kwargs` overriding its defaults; unknown keys raise OwaiError."""
+    config_class, _ = _classes(arch)
+    known = config_keys(config_class)
+    for key in config_kwargs:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise OwaiError(f"unknown {arch} model setting {key!r}{hint}")
+    return config_class(**config_kwargs)
+
+
+def build_lm(arch: str, **config_kwargs) -> PreTrainedModel:
+    """A freshly initialised causal LM: `build_lm("gpt", n_layer=4)`, `build_lm("mm", ...)`."""
+    _, model_class = _classes(arch)
+    return model_class(lm_config(arch, **config_kwargs))
+
+
+def decay_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW parameter groups: weight decay on tensors with >= 2 dims, none on the rest.
+
+    Decayed: matrices, embeddings (tied lm_head included, counted once) and Memory Mosaics'
+    3-D persistent-memory slots. Not decayed: LayerNorm weights, biases, per-head scalars.
+    Frozen parameters (requires_grad False) are left out.
+    """
+    decay, no_decay = [], []
+    for _, param in model.named_parameters():  # named_parameters yields a shared (tied) tensor once
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def context_limit(model: PreTrainedModel) -> int | None:
+    """The longest context the model accepts: block_size for a learned-position GPT, else None (any length)."""
+    config = model.config
+    if getattr(config, "model_type", None) == "owai_gpt" and config.position == "learned":
+        return int(config.block_size)
+    return None
+
+
+def check_vocab(model: PreTrainedModel, tokenizer_vocab_size: int) -> None:
+    """OwaiError unless every token id of the tokenizer has a row in the model's embedding."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    if tokenizer_vocab_size > rows:
+        raise OwaiError(
+            f"the tokenizer has {tokenizer_vocab_size} tokens but the model's embedding has only {rows} rows "
+            f"(set vocab_size >= {tokenizer_vocab_size})"
+        )
+
+
+def load_pretrained(path) -> PreTrainedModel:
+    """A saved model directory (save_pretrained) back as its owai class, through the Auto classes."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as err:
+        raise OwaiError(f"cannot load the model in {path}: {str(err).splitlines()[0]}") from None
+
+
+def blocks(model: PreTrainedModel) -> list[torch.nn.Module]:
+    """The repeated blocks (the model's `_no_split_modules` classes): FSDP shards each one."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]

@@ -1,0 +1,173 @@
+"""`owai mosaic-train` / `owai mosaic-eval` end to end on tiny models: training, evaluations,
+saved models, resume, torchrun (2 gloo processes, DDP and FSDP) and the one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_owai
+
+TINY_LM = [
+    "data.source=owai-stories:1500",
+    "data.tokenizer=bpe-512",
+    "data.block_size=32",
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.dropout=0.0",
+    "train.steps=30",
+    "train.batch_size=8",
+    "train.warmup=5",
+    "train.eval_every=10",
+    "train.eval_batches=2",
+    "train.checkpoint_every=10",
+    "eval.posloss_windows=8",
+    "eval.val_batches=2",
+    "eval.attention_sequences=4",
+    "eval.max_new_tokens=4",
+]
+
+
+def sets(*pairs: str) -> list[str]:
+    return [arg for pair in pairs for arg in ("--set", pair)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lm_cache(tmp_path_factory: pytest.TempPathFactory):
+    """One token/tokenizer cache for the module (the bpe-512 tokenizer is trained once)."""
+    old = os.environ.get("OWAI_CACHE")
+    os.environ["OWAI_CACHE"] = str(tmp_path_factory.mktemp("owai-cache"))
+    yield
+    if old is None:
+        os.environ.pop("OWAI_CACHE", None)
+    else:
+        os.environ["OWAI_CACHE"] = old
+
+
+def only_run(root: Path) -> Path:
+    runs = [p for p in root.glob("*/*") if p.is_dir()]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def losses(run: Path, stage: str) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if r["stage"] == stage and "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("lm-runs")
+    proc = run_owai("mosaic-train", "-q", "-o", str(out), *sets(*TINY_LM))
+    assert proc.returncode == 0, proc.stderr
+    return only_run(out)
+
+
+def test_mosaic_train_trains_both_and_writes_everything(trained: Path):
+    results = json.loads((trained / "results.json").read_text())
+    rows = {r["metric"]: r for r in results["rows"]}
+    for arch in ("mm", "gpt"):
+        assert rows[f"{arch}.val_loss"]["measured"] > 0
+        assert (trained / "models" / arch / "config.json").is_file()
+        assert (trained / "models" / arch / "model.safetensors").is_file()
+        assert (trained / "models" / arch / "tokenizer.json").is_file()
+        assert (trained / f"continuations_{arch}.md").read_text().count("\n|") >= 24
+        metrics = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
+        val = [r["val_loss"] for r in metrics if r["stage"] == arch and "val_loss" in r]
+        assert len(val) == 3 and val[-1] < val[0], val  # validation loss decreases
+        speed = [r for r in metrics if r["stage"] == arch and "tokens_per_s" in r]
+        assert speed and all(r["tokens_per_s"] > 0 and r["peak_mem_gb"] > 0 for r in speed)
+        assert len(results["details"][f"{arch}.posloss"]) == 32
+    assert rows["val_loss_gpt_minus_mm"]["measured"] == pytest.approx(rows["gpt.val_loss"]["measured"] - rows["mm.val_loss"]["measured"])
+    figures = {p.name for p in (trained / "figures").iterdir()}
+    assert {"training_curves.png", "posloss.png", "attention_mm_32.png", "attention_mm_96.png", "attention_gpt_32.png"} <= figures
+    assert "attention_gpt_96.png" not in figures  # learned positions stop at block_size
+    assert not list(trained.rglob("*.tmp"))
+
+
+def test_mosaic_eval_reads_the_saved_models_back(trained: Path, tmp_path: Path):
+    proc = run_owai("mosaic-eval", str(trained), "-q", "--json", "-o", str(tmp_path), *sets(*[s for s in TINY_LM if s.startswith(("data.", "eval."))]))
+    assert proc.returncode == 0, proc.stderr
+    evaluated = {r["metric"]: r["measured"] for r in json.loads(proc.stdout)["rows"]}
+    original = {r["metric"]: r["measured"] for r in json.loads((trained / "results.json").read_text())["rows"]}
+    for arch in ("mm", "gpt"):  # same weights, same tokenizer, same evaluation windows
+        assert evaluated[f"{arch}.val_loss"] == pytest.approx(original[f"{arch}.val_loss"], rel=1e-5)
+
+
+def test_resume_replays_the_killed_steps_exactly(trained: Path, tmp_path: Path):
+    """Drop the last checkpoint and everything after it (as a kill would), resume, compare."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    before = losses(trained, "gpt")
+    shutil.rmtree(run / "checkpoints" / "gpt" / "step-000030")
+    shutil.rmtree(run / "models")
+    (run / "results.json").unlink()
+    (run / "status.json").write_text(json.dumps({"status": "running"}))
+    proc = run_owai("mosaic-train", "-q", "--resume", str(run))
+    assert proc.returncode == 0, proc.stderr
+    assert losses(run, "gpt") == before
+
+
+def torchrun(nproc: int, out: Path, extra: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "owai", "mosaic-train", "-q", "-o", str(out), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_torchrun_two_gloo_processes_match_one(strategy: str, tmp_path: Path):
+    """2 processes x 4 sequences see the same global batches as 1 process x 8; only rank 0 writes."""
+    common = TINY_LM + ["archs=[gpt]", "train.steps=12", "train.log_every=2", "train.eval_every=12", "train.checkpoint_every=6",
+                        "eval.continuations=false", "eval.attention_multiples=[]", f"train.parallel={strategy}"]
+    single = run_owai("mosaic-train", "-q", "-o", str(tmp_path / "one"), *sets(*common))
+    assert single.returncode == 0, single.stderr
+    double = torchrun(2, tmp_path / "two", sets(*[c for c in common if not c.startswith("train.batch_size")], "train.batch_size=4"))
+    assert double.returncode == 0, double.stderr[-2000:]
+    one, two = only_run(tmp_path / "one"), only_run(tmp_path / "two")
+    l1, l2 = losses(one, "gpt"), losses(two, "gpt")
+    assert l1.keys() == l2.keys() and len(l1) == 6
+    for step in l1:
+        assert l2[step] == pytest.approx(l1[step], abs=2e-4), (step, l1, l2)
+    # rank 0 wrote one copy of everything: one metrics line per logged step, one results file
+    rows = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in rows if "loss" in r]) == 6
+    assert json.loads((two / "status.json").read_text())["status"] == "complete"
+    assert sorted(p.name for p in (two / "checkpoints" / "gpt").iterdir()) == ["step-000006", "step-000012"]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--dataset", "/nonexistent/stories.jsonl"], "dataset path not found"),
+        (["--set", "model.vocab_size=64"], "tokenizer has"),
+        (["--arch", "mm,lstm9"], "unknown architecture"),
+        (["--preset", "nope"], "has no preset"),
+        (["--set", "model.n_embd=30", "--set", "model.n_head=4"], "multiple of n_head"),
+    ],
+)
+def test_bad_input_is_one_line(extra: list[str], message: str, tmp_path: Path):
+    tiny = [s for s in TINY_LM if not (extra[0] == "--dataset" and s.startswith("data.source="))]
+    proc = run_owai("mosaic-train", "-o", str(tmp_path), *sets(*tiny), *extra)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_eval_context_longer_than_learned_positions_is_one_line(trained: Path, tmp_path: Path):
+    proc = run_owai("mosaic-eval", str(trained), "--context", "64", "-o", str(tmp_path))
+    assert proc.returncode == 2 and "learned position table" in proc.stderr, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0
+    assert not any(tmp_path.iterdir())  # rejected before any run directory exists
+
+
+def test_eval_missing_model_is_one_line(tmp_path: Path):
+    proc = run_owai("mosaic-eval", str(tmp_path / "nothing"), "-o", str(tmp_path))
+    assert proc.returncode == 2 and "model path not found" in proc.stderr
