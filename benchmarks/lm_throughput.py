@@ -39,9 +39,10 @@ def measure(arch: str, size: str, T: int, batch: int, steps: int, device: str, m
     from owai.models.lm import build_lm, decay_param_groups
 
     torch.manual_seed(0)
+    torch.set_flush_denormal(True)  # as owai's runtime does for every run
     kw = dict(SIZES[size], vocab_size=50304, dropout=0.0) if arch == "gpt" else dict(SIZES[size], vocab_size=50304, ic_dropout=0.0, hd_dropout=0.0)
     if arch == "gpt":
-        kw["block_size"] = max(T, 512)
+        kw["block_size"] = max(T, 512) + 128  # room for the decode benchmark's new tokens
     model = build_lm(arch, **kw).to(device)
     params = model.num_parameters()
     amp = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")

@@ -85,6 +85,8 @@ def test_mosaic_train_trains_both_and_writes_everything(trained: Path):
         speed = [r for r in metrics if r["stage"] == arch and "tokens_per_s" in r]
         assert speed and all(r["tokens_per_s"] > 0 and r["peak_mem_gb"] > 0 for r in speed)
         assert len(results["details"][f"{arch}.posloss"]) == 32
+    lambdas = results["details"]["mm.leaky_lambda"]  # Fig B.7: one coefficient per layer and head
+    assert len(lambdas) == 1 and len(lambdas[0]) == 2 and all(0 < v < 1 for v in lambdas[0])
     assert rows["val_loss_gpt_minus_mm"]["measured"] == pytest.approx(rows["gpt.val_loss"]["measured"] - rows["mm.val_loss"]["measured"])
     figures = {p.name for p in (trained / "figures").iterdir()}
     assert {"training_curves.png", "posloss.png", "attention_mm_32.png", "attention_mm_96.png", "attention_gpt_32.png"} <= figures
@@ -171,3 +173,12 @@ def test_eval_context_longer_than_learned_positions_is_one_line(trained: Path, t
 def test_eval_missing_model_is_one_line(tmp_path: Path):
     proc = run_owai("mosaic-eval", str(tmp_path / "nothing"), "-o", str(tmp_path))
     assert proc.returncode == 2 and "model path not found" in proc.stderr
+
+
+def test_eval_posloss_subcommand(trained: Path, tmp_path: Path):
+    proc = run_owai("eval", "posloss", str(trained), "-q", "--json", "-o", str(tmp_path),
+                    *sets(*[s for s in TINY_LM if s.startswith(("data.", "eval."))]))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert len(result["details"]["gpt.posloss"]) == 32 and "gpt.continuations" not in result["details"]
+    assert not list(Path(result["run_dir"]).glob("continuations_*.md"))

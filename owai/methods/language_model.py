@@ -374,8 +374,11 @@ def evaluate_model(ev: EvalConfig, run: Run, label: str, model: torch.nn.Module,
         profile, n_seq = lme.attention_profile(model, lme.only_inputs(windows), device)
         profiles[length] = profile
         details[f"attention_{length}"] = {"sequences": n_seq, "mean_over_heads": profile.mean(1).tolist()}
+    lambdas = model.leaky_lambdas().tolist() if hasattr(model, "leaky_lambdas") else None
+    if lambdas is not None:
+        details["leaky_lambda"] = lambdas  # Fig B.7: per layer and head
     if distributed.is_main() and profiles:
-        plot_attention(run, label, profiles, block)
+        plot_attention(run, label, profiles, block, lambdas)
     if ev.continuations:
         rows = lme.continuations(model, data.tokenizer, lme.eldan_li_prompts(), device, ev.max_new_tokens)
         details["continuations"] = rows
@@ -424,9 +427,9 @@ def plot_posloss(run: Run, curves: dict[str, list[float] | None], block: int) ->
     run.save_figure(fig, "posloss")
 
 
-def plot_attention(run: Run, label: str, profiles: dict[int, torch.Tensor], block: int) -> None:
+def plot_attention(run: Run, label: str, profiles: dict[int, torch.Tensor], block: int, lambdas: list[list[float]] | None = None) -> None:
     """Figs B.5/B.6 style: the last token's attention per head (solid) and head mean (dotted), per
-    layer, at each context length."""
+    layer, at each context length; Mosaic heads are labelled with their leaky coefficient (B.7)."""
     import matplotlib.pyplot as plt
 
     for length, profile in profiles.items():
@@ -435,7 +438,8 @@ def plot_attention(run: Run, label: str, profiles: dict[int, torch.Tensor], bloc
         for layer in range(n_layer):
             ax = axes[0, layer]
             for head in range(profile.shape[1]):
-                ax.plot(profile[layer, head].numpy(), linewidth=0.8)
+                name = f"head {head}" + (f", λ={lambdas[layer][head]:.2f}" if lambdas else "")
+                ax.plot(profile[layer, head].numpy(), linewidth=0.8, label=name if lambdas else None)
             ax.plot(profile[layer].mean(0).numpy(), "k:", linewidth=1.5, label="mean over heads")
             if length > block:
                 ax.axvline(length - block, color="grey", linewidth=0.5)
@@ -443,7 +447,7 @@ def plot_attention(run: Run, label: str, profiles: dict[int, torch.Tensor], bloc
             ax.set_xlabel("position")
             ax.set_yscale("log")
         axes[0, 0].set_ylabel("attention of the last token")
-        axes[0, 0].legend()
+        axes[0, 0].legend(fontsize=7)
         run.save_figure(fig, f"attention_{label}_{length}")
 
 

@@ -485,10 +485,11 @@ class MemoryMosaicsForCausalLM(PreTrainedModel, GenerationMixin):
     # -- forward -------------------------------------------------------------------------------
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        logits = _wide(self.lm_head(x))  # (B, T, V), at least fp32
+        """(B, T, C) -> logits (B, T, V), at least fp32. The Library's 1/sqrt(C) logit scale is
+        applied to the (B, T, C) input of the head, the same product at a V/C smaller cost."""
         if self.config.logit_scale == "inv_sqrt_dim":
-            logits = logits * (1.0 / math.sqrt(self.config.n_embd))
-        return logits
+            x = x * (1.0 / math.sqrt(self.config.n_embd))
+        return _wide(self.lm_head(x))
 
     def forward(
         self,
@@ -539,6 +540,12 @@ class MemoryMosaicsForCausalLM(PreTrainedModel, GenerationMixin):
         if return_dict is False:
             return tuple(v for v in (loss, logits, out_cache) if v is not None)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out_cache)
+
+    def leaky_lambdas(self) -> torch.Tensor:
+        """(n_layer, H) leaky-average coefficients lambda = exp(-10 |p_h|) of the contextual keys
+        (Fig B.7 relates each head's attention width to it)."""
+        cfg = self.config
+        return torch.stack([(-cfg.scalar_scale * b.ctx.key.leak.detach().float().abs()).exp() for b in self.model.h])
 
     @torch.no_grad()
     def last_token_attention(self, input_ids: torch.LongTensor) -> torch.Tensor:

@@ -1,0 +1,37 @@
+"""`owai eval`: evaluations of trained models, one subcommand per benchmark.
+
+    owai eval posloss MODEL_DIR... [--dataset wikipedia --config-name 20220301.simple]
+        per-position loss (Fig 3.9) and validation loss; the same as `owai mosaic-eval --posloss-only`
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from owai.commands._common import Json, Out, Preset, Quiet, Sets, run_recipe
+from owai.commands.mosaic import EVAL_RECIPE, Context, Dataset, eval_overrides
+
+eval_app = typer.Typer(help="Evaluate trained models: per-position loss (posloss).", no_args_is_help=True)
+
+
+@eval_app.command("posloss")
+def posloss(
+    models: Annotated[list[Path], typer.Argument(help="Model directories (save_pretrained) or mosaic-train run directories.")],
+    dataset: Dataset = None,
+    config_name: Annotated[Optional[str], typer.Option("--config-name", help="Hub dataset configuration of --dataset, e.g. 20220301.simple.")] = None,
+    context: Context = None,
+    preset: Preset = None,
+    sets: Sets = None,
+    out: Out = Path("runs"),
+    quiet: Quiet = False,
+    as_json: Json = False,
+) -> None:
+    """Average loss at each position of the context window (Fig 3.9), for saved language models."""
+    run_recipe(EVAL_RECIPE, preset, eval_overrides(models, dataset, config_name, context, True) + list(sets or []), out, None, quiet, as_json)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(eval_app, name="eval")
