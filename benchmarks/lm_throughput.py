@@ -7,7 +7,8 @@
 Prints figures, asserts nothing. Issue #3's targets on the 2-core CPU: MM train tokens/s at least
 0.9x the GPT's at T=512, and peak memory growing about linearly from T=512 to T=4096.
 
-Each measurement runs in a fresh subprocess so that peak memory (CUDA allocator peak, or the peak
+Training speed is the median over `--steps` steps after a warm-up step. Each measurement runs in a
+fresh subprocess so that peak memory (CUDA allocator peak, or the peak
 resident set size on CPU, minus the process's size after building the model) belongs to one
 configuration only.
 """
@@ -63,13 +64,15 @@ def measure(arch: str, size: str, T: int, batch: int, steps: int, device: str, m
             opt.zero_grad(set_to_none=True)
 
         step()  # warm-up (allocations, kernels)
-        sync()
-        start = time.perf_counter()
+        times = []
         for _ in range(steps):
+            sync()
+            start = time.perf_counter()
             step()
-        sync()
-        seconds = time.perf_counter() - start
-        tokens = batch * T * steps
+            sync()
+            times.append(time.perf_counter() - start)
+        seconds = sorted(times)[len(times) // 2]  # the median step: this VM's speed drifts
+        tokens = batch * T
     else:
         model.eval()
         prompt = x[:, :T]
