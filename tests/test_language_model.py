@@ -182,3 +182,19 @@ def test_eval_posloss_subcommand(trained: Path, tmp_path: Path):
     result = json.loads(proc.stdout)
     assert len(result["details"]["gpt.posloss"]) == 32 and "gpt.continuations" not in result["details"]
     assert not list(Path(result["run_dir"]).glob("continuations_*.md"))
+
+
+@pytest.mark.parametrize("recipe", ["tableB.2-gpt-search", "fig3.9-posloss", "figB.5-attention", "tableB.4-continuations"])
+def test_every_lm_recipe_runs_its_cpu_preset_shrunk(recipe: str, tmp_path: Path):
+    """Each recipe's own cpu preset, shrunk by TINY_LM: RoPE/ALiBi GPTs included (Fig B.6)."""
+    tiny = [s for s in TINY_LM if not s.startswith(("eval.attention", "eval.max_new"))] + ["train.steps=6", "train.eval_every=3", "train.checkpoint_every=3"]
+    proc = run_owai("mosaic-train", "--recipe", recipe, "-q", "--json", "-o", str(tmp_path), *sets(*tiny))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    run = Path(result["run_dir"])
+    for row in result["rows"]:
+        if row["metric"].endswith("val_loss"):
+            assert row["measured"] is not None and row["measured"] > 0
+    if recipe == "figB.5-attention":
+        figures = {p.name for p in (run / "figures").iterdir()}
+        assert {"attention_gpt-rope_96.png", "attention_gpt-alibi_96.png", "attention_mm_96.png"} <= figures
