@@ -322,15 +322,19 @@ class PersistentMemory(nn.Module):
         if cache is not None:
             cache["pmem_state"] = state
         dropout = cfg.ic_dropout if self.training else 0.0
+        # The slots are shared by the whole batch and there is no mask, so the batch folds into the
+        # query length: one (B*T) x P attention per head, no slots copied per sequence (the
+        # Library's expand to B) and no per-sequence slot gradients to reduce.
+        H, hs = cfg.n_head, cfg.head_size
+        queries = keys.transpose(0, 1).reshape(1, H, B * T, hs)  # (1, H, B*T, hs)
         y = 0.0
         for i in range(cfg.pmem_count):
-            mk = self.mem_k[i].to(keys.dtype).expand(B, -1, -1, -1)  # (B, H, P, hs)
-            mv = self.mem_v[i].to(keys.dtype).expand(B, -1, -1, -1)
-            y = y + F.scaled_dot_product_attention(keys, mk, mv, dropout_p=dropout, scale=1.0)  # (B, H, T, hs)
+            mk, mv = self.mem_k[i : i + 1].to(keys.dtype), self.mem_v[i : i + 1].to(keys.dtype)  # (1, H, P, hs)
+            y = y + F.scaled_dot_product_attention(queries, mk, mv, dropout_p=dropout, scale=1.0)  # (1, H, B*T, hs)
         wide = torch.promote_types(keys.dtype, torch.float32)
-        scale = (cfg.scalar_scale * self.out_scale.to(wide)).exp().view(1, -1, 1, 1).to(keys.dtype)
-        y = y / cfg.pmem_count * scale
-        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))
+        scale = (cfg.scalar_scale * self.out_scale.to(wide)).exp().view(H, 1, 1, 1).to(keys.dtype)
+        y = y.view(H, B, T, hs) / cfg.pmem_count * scale  # (H, B, T, hs)
+        return self.resid_dropout(self.c_proj(y.permute(1, 2, 0, 3).reshape(B, T, C)))
 
 
 class MemoryMosaicsBlock(nn.Module):
