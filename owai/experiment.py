@@ -108,6 +108,8 @@ def _agree_on_run(
     """Under torchrun: rank 0 creates (or opens) the run directory and tells the other ranks where
     it is, or the one-line error that stopped it; every rank then runs the method."""
     distributed.init()
+    if not distributed.is_main():
+        console.configure(quiet=True)  # one progress display and one report: rank 0's
     message: tuple[str | None, str | None] | None = None
     if distributed.is_main():
         try:

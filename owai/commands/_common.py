@@ -26,6 +26,8 @@ def run_recipe(
 
     console.configure(quiet, as_json)
     run, results = execute(recipe, preset, sets or [], out, resume)
+    if not run.writes:  # a non-zero torchrun rank: rank 0 reports
+        return
     if as_json:
         console.emit_json(results)
     elif not quiet:
