@@ -198,3 +198,11 @@ def test_every_lm_recipe_runs_its_cpu_preset_shrunk(recipe: str, tmp_path: Path)
     if recipe == "figB.5-attention":
         figures = {p.name for p in (run / "figures").iterdir()}
         assert {"attention_gpt-rope_96.png", "attention_gpt-alibi_96.png", "attention_mm_96.png"} <= figures
+
+
+def test_unique_labels_name_models_of_several_runs():
+    from owai.methods.language_model import unique_labels
+
+    found = [("mm", Path("/r/a/models/mm")), ("gpt", Path("/r/a/models/gpt")), ("mm", Path("/r/b/models/mm")), ("mm", Path("/r/b/models/mm"))]
+    labels = [label for label, _ in unique_labels(found)]
+    assert labels == ["a-mm", "gpt", "b-mm", "b-mm-3"]

@@ -486,26 +486,36 @@ class LanguageModelEvaluation(Method):
         _validate_common(cfg)
 
     def run(self, cfg: EvalOnlyConfig, run: Run) -> Outcome:
-        from owai.models.lm import load_pretrained
+        from owai.models.lm import check_vocab, load_pretrained
 
         measured: dict[str, Any] = {}
         details: dict[str, Any] = {}
         posloss: dict[str, Any] = {}
-        for root in cfg.models:
-            for label, path in model_dirs(Path(root)):
-                data_cfg = DataConfig(**{**cfg.data.__dict__, "tokenizer": tokenizer_for(path, cfg.data.tokenizer)})
-                data = prepare_data(data_cfg, cfg.eval)
-                model = load_pretrained(path).to(run.device)
-                from owai.models.lm import check_vocab
-
-                check_vocab(model, data.tokenizer.vocab_size)
-                ev = evaluate_model(cfg.eval, run, label, model, data, run.device)
-                measured.update({f"{label}.{k}": v for k, v in ev.measured.items()})
-                details.update({f"{label}.{k}": v for k, v in ev.details.items()})
-                posloss[label] = ev.details.get("posloss")
+        for label, path in unique_labels([pair for root in cfg.models for pair in model_dirs(Path(root))]):
+            data_cfg = DataConfig(**{**cfg.data.__dict__, "tokenizer": tokenizer_for(path, cfg.data.tokenizer)})
+            data = prepare_data(data_cfg, cfg.eval)
+            model = load_pretrained(path).to(run.device)
+            check_vocab(model, data.tokenizer.vocab_size)
+            ev = evaluate_model(cfg.eval, run, label, model, data, run.device)
+            measured.update({f"{label}.{k}": v for k, v in ev.measured.items()})
+            details.update({f"{label}.{k}": v for k, v in ev.details.items()})
+            posloss[label] = ev.details.get("posloss")
         if distributed.is_main():
             plot_posloss(run, posloss, cfg.data.block_size)
         return Outcome(measured, details)
+
+
+def unique_labels(found: list[tuple[str, Path]]) -> list[tuple[str, Path]]:
+    """Labels of the models to evaluate, made unique (the "mm" of two runs: "<run>-mm", "<run>-mm")."""
+    names = [label for label, _ in found]
+    out: list[tuple[str, Path]] = []
+    for i, (label, path) in enumerate(found):
+        if names.count(label) > 1:
+            label = f"{path.parent.parent.name}-{label}" if path.parent.name == "models" else label
+        if label in {taken for taken, _ in out}:
+            label = f"{label}-{i}"
+        out.append((label, path))
+    return out
 
 
 def model_dirs(path: Path) -> list[tuple[str, Path]]:
