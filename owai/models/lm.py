@@ -21,13 +21,8 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 import owai.models.gpt  # noqa: F401  (registers owai_gpt with the Auto classes)
+import owai.models.memory_mosaics  # noqa: F401  (registers owai_memory_mosaics with the Auto classes)
 from owai.errors import OwaiError
-
-try:  # registers owai_memory_mosaics with the Auto classes
-    import owai.models.memory_mosaics  # noqa: F401
-except ModuleNotFoundError as err:  # only a missing module is tolerated, never an error inside it
-    if err.name != "owai.models.memory_mosaics":
-        raise
 
 # arch name -> (module, config class, causal-LM class)
 ARCHITECTURES: dict[str, tuple[str, str, str]] = {
@@ -40,12 +35,7 @@ def _classes(arch: str) -> tuple[type[PretrainedConfig], type[PreTrainedModel]]:
     if arch not in ARCHITECTURES:
         raise OwaiError(f"unknown language model {arch!r}; known: {', '.join(sorted(ARCHITECTURES))}")
     module_name, config_name, model_name = ARCHITECTURES[arch]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name != module_name:
-            raise
-        raise OwaiError(f"language model {arch!r} is not available: module {module_name} is missing") from None
+    module = importlib.import_module(module_name)
     return getattr(module, config_name), getattr(module, model_name)
 
 
