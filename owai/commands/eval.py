@@ -7,21 +7,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
-
 import typer
 
 from owai.commands._common import Json, Out, Preset, Quiet, Sets, run_recipe
-from owai.commands.mosaic import EVAL_RECIPE, Context, Dataset, eval_overrides
+from owai.commands.mosaic import EVAL_RECIPE, ConfigName, Context, Dataset, Models, eval_overrides
 
 eval_app = typer.Typer(help="Evaluate trained models: per-position loss (posloss).", no_args_is_help=True)
 
 
 @eval_app.command("posloss")
 def posloss(
-    models: Annotated[list[Path], typer.Argument(help="Model directories (save_pretrained) or mosaic-train run directories.")],
+    models: Models,
     dataset: Dataset = None,
-    config_name: Annotated[Optional[str], typer.Option("--config-name", help="Hub dataset configuration of --dataset, e.g. 20220301.simple.")] = None,
+    config_name: ConfigName = None,
     context: Context = None,
     preset: Preset = None,
     sets: Sets = None,

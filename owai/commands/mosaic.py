@@ -27,6 +27,8 @@ EVAL_RECIPE = "mosaic-eval"
 Dataset = Annotated[Optional[str], typer.Option("--dataset", "-d", help="owai-stories (embedded), a Hugging Face dataset id, or a local txt/jsonl/parquet/7z file or directory.")]
 Tokenizer = Annotated[Optional[str], typer.Option("--tokenizer", help="gpt2 (hub), bytes, bpe-N (trained locally), or a tokenizer directory.")]
 Context = Annotated[Optional[int], typer.Option("--context", help="Context length in tokens (data.block_size).")]
+Models = Annotated[list[Path], typer.Argument(help="Model directories (save_pretrained) or mosaic-train run directories.")]
+ConfigName = Annotated[Optional[str], typer.Option("--config-name", help="Hub dataset configuration of --dataset, e.g. 20220301.simple.")]
 
 
 def _flow_list(text: str) -> str:
@@ -62,9 +64,9 @@ def mosaic_train(
 
 
 def mosaic_eval(
-    models: Annotated[list[Path], typer.Argument(help="Model directories (save_pretrained) or mosaic-train run directories.")],
+    models: Models,
     dataset: Dataset = None,
-    config_name: Annotated[Optional[str], typer.Option("--config-name", help="Hub dataset configuration of --dataset, e.g. 20220301.simple.")] = None,
+    config_name: ConfigName = None,
     context: Context = None,
     posloss_only: Annotated[bool, typer.Option("--posloss-only", help="Only the validation and per-position losses (Fig 3.9).")] = False,
     preset: Preset = None,

@@ -109,7 +109,7 @@ def continuations(
                 eos_token_id=tokenizer.eot_id,
                 pad_token_id=tokenizer.eot_id,
             )
-            new = [t for t in out[0, ids.shape[1] :].tolist()]
+            new = out[0, ids.shape[1] :].tolist()
             if tokenizer.eot_id in new:
                 new = new[: new.index(tokenizer.eot_id)]
             row["greedy" if beam == 1 else f"beam{beam}"] = tokenizer.decode(new)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -310,14 +311,10 @@ def save_model(run: Run, arch: str, model: torch.nn.Module, data: LMData) -> Pat
         hf_logging.disable_progress_bar()
         tmp = target.with_name(f".{arch}.tmp")
         if tmp.exists():
-            import shutil
-
             shutil.rmtree(tmp)
         model.save_pretrained(tmp, safe_serialization=True)
         save_tokenizer(data.tokenizer, tmp)
         if target.exists():
-            import shutil
-
             shutil.rmtree(target)
         tmp.rename(target)
     distributed.barrier()
