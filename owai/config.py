@@ -63,6 +63,13 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def _same_shape(tp: Any, value: Any) -> bool:
+    """Whether `value` is the container `tp` asks for (a mapping for dataclasses and dicts, a list)."""
+    if dataclasses.is_dataclass(tp) or typing.get_origin(tp) is dict:
+        return isinstance(value, dict)
+    return typing.get_origin(tp) is list and isinstance(value, list)
+
+
 def coerce(tp: Any, value: Any, path: str) -> Any:
     """Check `value` against type `tp` and return it (ints are accepted for floats)."""
     origin = typing.get_origin(tp)
@@ -75,6 +82,7 @@ def coerce(tp: Any, value: Any, path: str) -> Any:
             raise OwaiError(f"{path}: expected one of {_type_name(tp)}, got {_describe(value)}")
         return value
     if origin in (Union, types.UnionType):
+        shaped: OwaiError | None = None  # the error of the first option of the value's shape
         for option in typing.get_args(tp):
             if option is type(None) and value is None:
                 return None
@@ -82,8 +90,10 @@ def coerce(tp: Any, value: Any, path: str) -> Any:
                 continue
             try:
                 return coerce(option, value, path)
-            except OwaiError:
-                continue
+            except OwaiError as e:
+                shaped = shaped or (e if _same_shape(option, value) else None)
+        if shaped is not None:  # e.g. a mapping with a bad entry: name the entry, not the union
+            raise shaped
         raise OwaiError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {_describe(value)}")
     if origin is list:
         if not isinstance(value, list):

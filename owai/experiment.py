@@ -13,7 +13,7 @@ from owai import console, distributed
 from owai.checkpoint import latest_checkpoint, load_checkpoint
 from owai.config import apply_overrides, build, to_dict
 from owai.errors import OwaiError
-from owai.recipes import Recipe, load, recorded_name
+from owai.recipes import Recipe, load, recorded_name, thesis_for
 from owai.runs import Run, ensure_writable, environment
 
 
@@ -147,11 +147,13 @@ def _run_method(recipe: Recipe, cfg: Any, resolved: dict[str, Any], run: Run) ->
 def assemble(
     recipe: Recipe, resolved: dict[str, Any], measured: dict[str, Any], details: dict[str, Any], run: Run
 ) -> dict[str, Any]:
-    """The one results format: measured numbers beside the thesis's, matched by metric name."""
-    names = list(measured) + [k for k in recipe.thesis if k not in measured]
+    """The one results format: measured numbers beside the thesis's, matched by metric name (and,
+    for a number the thesis reports per setting, by the run's params; see `thesis_for`)."""
+    numbers = {name: thesis_for(recipe, name, resolved["params"]) for name in recipe.thesis}
+    names = list(measured) + [k for k, n in numbers.items() if n is not None and k not in measured]
     rows = []
     for name in names:
-        thesis = recipe.thesis.get(name)
+        thesis = numbers.get(name)
         rows.append(
             {
                 "metric": name,

@@ -56,17 +56,24 @@ def linear_schedule(start: float, end: float, steps: int):
     return lr_at
 
 
-def warmup_cosine_schedule(peak: float, warmup: int, decay_steps: int, min_lr: float):
-    """The nanoGPT/Memory Mosaics schedule (`get_cosine_lr`): linear warmup from 0 over `warmup`
-    updates (update 0 has lr 0), cosine from `peak` to `min_lr` at update `decay_steps`, then
-    `min_lr`."""
+def warmup_cosine_schedule(
+    peak: float, warmup: int, decay_steps: int, min_lr: float, start_lr: float = 0.0, cosine_after_warmup: bool = True
+):
+    """Linear warmup from `start_lr` over `warmup` updates, cosine from `peak` to `min_lr` at
+    update `decay_steps`, then `min_lr`.
+
+    Defaults: the nanoGPT/Memory Mosaics schedule (`get_cosine_lr`; update 0 has lr 0, the cosine
+    starts after the warmup). `start_lr=1e-6, cosine_after_warmup=False` is timm's
+    `CosineLRScheduler` with `warmup_prefix=False`, which seq_icl (RegBench) uses: the cosine is a
+    function of the update count from 0, so it resumes below `peak` after the warmup.
+    """
 
     def lr_at(k: int) -> float:
         if k < warmup:
-            return peak * k / warmup
+            return start_lr + (peak - start_lr) * k / warmup
         if k > decay_steps:
             return min_lr
-        ratio = (k - warmup) / max(decay_steps - warmup, 1)
+        ratio = (k - warmup) / max(decay_steps - warmup, 1) if cosine_after_warmup else k / max(decay_steps, 1)
         return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (peak - min_lr)
 
     return lr_at

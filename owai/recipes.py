@@ -2,7 +2,8 @@
 
 A recipe names what it reproduces, the method that runs it, the method's parameters, scale
 presets (at least `cpu`, the default, and `paper`, the thesis's own settings), the thesis's
-reported numbers, and optionally a sweep (grid and seeds). Recipes ship inside the package
+reported numbers (optionally per setting, `when`), and optionally a sweep (grid, seeds, per-preset
+grids and seeds, and a selection of the best grid cell per group). Recipes ship inside the package
 (`owai.recipe_files`, the repository's `recipes/` folder); a path to any YAML file works too.
 """
 
@@ -11,15 +12,18 @@ from __future__ import annotations
 import dataclasses
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
-from owai.config import build, load_yaml, merge
+from owai.config import apply_overrides, build, load_yaml, merge
 from owai.errors import OwaiError
 from owai.methods import Method, is_registered, method_class
 
 REQUIRED_PRESETS = ("cpu", "paper")
+
+# A sweep grid: one cartesian product {path: values}, or a list of them (the union of their products).
+Grid = dict[str, list[Any]] | list[dict[str, list[Any]]]
 
 
 @dataclasses.dataclass
@@ -37,14 +41,53 @@ class ThesisNumber:
     ref: str
     value: float | None = None
     claim: str = ""
+    # dotted param path -> value: the number holds only for runs with these settings (empty: any run)
+    when: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class SweepPreset:
+    """One preset's own sweep grid and/or seeds (None: the sweep's defaults)."""
+
+    grid: Grid | None = None
+    seeds: list[int] | None = None
+
+
+@dataclasses.dataclass
+class Selection:
+    """Pick the best grid cell per group: the groups are the `per` keys' values, the other grid
+    keys are searched, and a cell's score is the mean over its seeds of a measured metric."""
+
+    metric: str  # a name in the method's Outcome.measured, e.g. "val_loss"
+    mode: Literal["min", "max"] = "min"
+    per: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
 class SweepSpec:
-    """A grid over dotted parameter paths, crossed with seeds."""
+    """A grid over dotted parameter paths (a dict, or a list of dicts for a union), crossed with
+    seeds; a preset may bring its own grid and seeds."""
 
-    grid: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    grid: Grid = dataclasses.field(default_factory=dict)
     seeds: list[int] = dataclasses.field(default_factory=lambda: [0])
+    presets: dict[str, SweepPreset] = dataclasses.field(default_factory=dict)
+    select: Selection | None = None
+
+    def grid_for(self, preset: str) -> Grid:
+        """The grid a sweep at `preset` starts from, as written (dict or list)."""
+        own = self.presets.get(preset)
+        return own.grid if own is not None and own.grid is not None else self.grid
+
+    def for_preset(self, name: str) -> tuple[list[dict[str, list[Any]]], list[int]]:
+        """(sub-grids, seeds) of a sweep at preset `name`: its own entries, else the defaults."""
+        own = self.presets.get(name)
+        seeds = own.seeds if own is not None and own.seeds is not None else self.seeds
+        return sub_grids(self.grid_for(name)), list(seeds)
+
+
+def sub_grids(grid: Grid) -> list[dict[str, list[Any]]]:
+    """A grid as a list of cartesian products (a dict is a list of one); copies, safe to edit."""
+    return [{k: list(v) for k, v in g.items()} for g in ([grid] if isinstance(grid, dict) else grid)]
 
 
 @dataclasses.dataclass
@@ -57,7 +100,7 @@ class Recipe:
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
     presets: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     default_preset: str = "cpu"
-    thesis: dict[str, ThesisNumber] = dataclasses.field(default_factory=dict)
+    thesis: dict[str, ThesisNumber | list[ThesisNumber]] = dataclasses.field(default_factory=dict)
     sweep: SweepSpec | None = None
     source: str = ""  # where the recipe was loaded from (filled by the loader)
 
@@ -78,6 +121,25 @@ class Recipe:
         if name not in self.presets:
             raise OwaiError(f"recipe {self.id!r} has no preset {name!r} (presets: {', '.join(self.presets)})")
         return merge(self.params, self.presets[name] or {})
+
+
+def _lookup(params: dict[str, Any], path: str) -> tuple[bool, Any]:
+    node: Any = params
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def thesis_for(recipe: Recipe, metric: str, params: dict[str, Any]) -> ThesisNumber | None:
+    """The thesis number for `metric` in a run with resolved (nested) `params`: the first
+    alternative whose `when` settings all match; None if none does."""
+    entry = recipe.thesis.get(metric)
+    for number in entry if isinstance(entry, list) else [entry] if entry is not None else []:
+        if all(_lookup(params, path) == (True, value) for path, value in number.when.items()):
+            return number
+    return None
 
 
 def recipe_dir() -> Path:
@@ -142,19 +204,66 @@ def validate(recipe: Recipe) -> None:
             raise OwaiError(f"{where}: missing required preset {name!r}")
     if recipe.default_preset not in recipe.presets:
         raise OwaiError(f"{where}: default_preset {recipe.default_preset!r} is not a preset")
+    for metric, entry in recipe.thesis.items():
+        if entry == []:
+            raise OwaiError(f"{where}: thesis {metric!r} is an empty list")
+    if recipe.sweep is not None:
+        _validate_sweep(recipe, where)
     if not recipe.implemented:
         return
     schema = recipe.method_class().Config
     build(schema, recipe.params, path=f"{where} params")
     for name in recipe.presets:
         build(schema, recipe.params_for(name), path=f"{where} preset {name}")
+    for metric, entry in recipe.thesis.items():
+        for number in entry if isinstance(entry, list) else [entry]:
+            for key in number.when:
+                _check_path(schema, key, f"{where}: thesis {metric} when {key}")
     if recipe.sweep is not None:
-        from owai.config import apply_overrides
+        spec = recipe.sweep
+        grids = [spec.grid] + [p.grid for p in spec.presets.values() if p.grid is not None]
+        for key in dict.fromkeys(k for g in grids for sub in sub_grids(g) for k in sub):
+            _check_path(schema, key, f"{where}: sweep grid {key}")
 
-        for key, values in recipe.sweep.grid.items():
-            if not values:
-                raise OwaiError(f"{where}: sweep grid {key!r} has no values")
-            apply_overrides(schema, {}, [f"{key}=0"])  # the path must exist
+
+def _check_path(schema: type, key: str, where: str) -> None:
+    """A dotted path must name a parameter of the method's schema."""
+    try:
+        apply_overrides(schema, {}, [f"{key}=0"])
+    except OwaiError as e:
+        raise OwaiError(f"{where}: {str(e).split(': ', 1)[-1]}") from None
+
+
+def _validate_sweep(recipe: Recipe, where: str) -> None:
+    """Preset names, empty grids and value lists, and the selection's group keys."""
+    spec = recipe.sweep
+    assert spec is not None
+    for name, own in spec.presets.items():
+        if name not in recipe.presets:
+            raise OwaiError(f"{where}: sweep preset {name!r} is not a preset (presets: {', '.join(recipe.presets)})")
+        if own.seeds is not None and not own.seeds:
+            raise OwaiError(f"{where}: sweep preset {name} has no seeds")
+    if not spec.seeds:
+        raise OwaiError(f"{where}: sweep has no seeds")
+    labelled = [("sweep grid", spec.grid)] + [(f"sweep preset {n} grid", p.grid) for n, p in spec.presets.items()
+                                              if p.grid is not None]
+    for label, grid in labelled:
+        if grid == []:
+            raise OwaiError(f"{where}: {label} is an empty list (no points)")
+        for sub in sub_grids(grid):
+            for key, values in sub.items():
+                if not values:
+                    raise OwaiError(f"{where}: {label} {key!r} has no values")
+    if spec.select is not None:
+        per = spec.select.per
+        if len(set(per)) != len(per):
+            raise OwaiError(f"{where}: sweep select.per repeats a key")
+        for name in recipe.presets:
+            for sub in spec.for_preset(name)[0]:
+                missing = [k for k in per if k not in sub]
+                if missing:
+                    raise OwaiError(f"{where}: sweep select.per key {missing[0]!r} is missing from a sub-grid of the "
+                                    f"{name} preset's sweep grid")
 
 
 def dump(recipe: Recipe) -> str:

@@ -1,10 +1,16 @@
 """Sweeps: a grid over recipe parameters crossed with seeds, every point an ordinary run directory.
 
     OUT/<recipe>/sweep-<YYYYmmdd-HHMMSS>-<hash>/
-        sweep.json          the plan: recipe, preset, base --sets, grid, seeds, points (id, overrides)
+        sweep.json          the plan: recipe, preset, base --sets, grid, seeds, select, points (id, overrides)
         points/<point-id>/  one normal run directory per point (config.yaml, results.json, ...)
-        summary.json        per grid cell, mean ± std over seeds of every numeric metric
+        summary.json        per grid cell, mean ± std over seeds of every numeric metric; with a
+                            selection, the best cell per group
         slurm/              submitit's job files (--executor slurm / submitit-debug)
+
+A grid is a dict {path: values} (one cartesian product) or a list of such dicts (the union of their
+products, like sklearn's ParameterGrid); a recipe preset may bring its own grid and seeds. A
+selection (`select: {metric, mode, per}`) picks, per group of the `per` keys' values, the cell whose
+mean metric over seeds is best (ties: the first cell in grid order).
 
 A point is its base `--set`s, then its grid values, then `seed=S`, run through the one recipe path
 (`owai.experiment.execute`). It is complete once its results.json exists; a point directory with a
@@ -34,10 +40,10 @@ from typing import Any
 import yaml
 
 from owai import console
-from owai.config import apply_overrides, load_yaml, parse_override
+from owai.config import apply_overrides, build, coerce, load_yaml, parse_override
 from owai.errors import OwaiError
 from owai.io import atomic_write_json
-from owai.recipes import Recipe, load, recorded_name
+from owai.recipes import Grid, Recipe, Selection, load, recorded_name, sub_grids
 from owai.runs import CONFIG, RESULTS, Run, config_hash, ensure_writable, new_unique_dir, timestamp
 
 SWEEP = "sweep.json"
@@ -66,10 +72,11 @@ class Sweep:
     recipe_source: str
     preset: str
     sets: list[str]
-    grid: dict[str, list[Any]]
+    grid: Grid  # as written: a dict, or a list of dicts (a union)
     seeds: list[int]
     points: list[Point]
     created: str = ""
+    select: Selection | None = None
 
     def point_dir(self, point: Point) -> Path:
         return self.path / POINTS / point.id
@@ -150,11 +157,56 @@ def _is_seed(text: str) -> bool:
     return parse_override(text)[0] == ["seed"]
 
 
+def _apply_grid_overrides(subs: list[dict[str, list[Any]]], overrides: dict[str, list[Any]]) -> None:
+    """`--grid key=...` replaces the key's values in every sub-grid that has it; a key that no
+    sub-grid has is added to every one (for a dict grid: replace or add, as dict.update)."""
+    for key, values in overrides.items():
+        has = [s for s in subs if key in s] or subs
+        for sub in has:
+            sub[key] = list(values)
+
+
+def _check_grid_key(schema: type, key: str, values: list[Any]) -> None:
+    """A grid key is a schema path (not the seed) with distinct values that survive `--set` text."""
+    if key == "seed":
+        raise OwaiError("--grid seed=...: choose seeds with --seeds")
+    try:
+        apply_overrides(schema, {}, [f"{key}=0"])  # the path must exist
+    except OwaiError as e:
+        raise OwaiError(f"--grid {key}: {str(e).split(': ', 1)[-1]}") from None
+    if not values:
+        raise OwaiError(f"--grid {key}: no values")
+    texts = [value_text(v) for v in values]
+    if len(set(texts)) != len(texts):
+        raise OwaiError(f"--grid {key}: a value is repeated")
+    for v, t in zip(values, texts):
+        if parse_override(f"{key}={t}")[1] != v:
+            raise OwaiError(f"--grid {key}: value {v!r} cannot be written as a --set value")
+
+
+def _selection(select: Selection | dict[str, Any] | None, recipe: Recipe) -> Selection | None:
+    if select is None:
+        return recipe.sweep.select if recipe.sweep else None
+    return select if isinstance(select, Selection) else build(Selection, select, path="select")
+
+
+@dataclasses.dataclass
+class _Design:
+    """What planning decided: the preset, the grid (as written), seeds, points and selection."""
+
+    preset: str
+    grid: Grid  # as written
+    seeds: list[int]
+    points: list[Point]
+    select: Selection | None
+
+
 def _design(
     recipe: Recipe, preset: str | None, sets: list[str], grid_overrides: list[str] | dict[str, list[Any]],
-    seeds: list[int] | None,
-) -> tuple[str, dict[str, list[Any]], list[int], list[Point]]:
-    """(preset, grid, seeds, points), every point validated against the method schema."""
+    seeds: list[int] | None, grid: Grid | None = None, select: Selection | dict[str, Any] | None = None,
+) -> _Design:
+    """The sweep's preset, grid, seeds, points and selection, every point validated against the
+    method schema."""
     from owai.experiment import resolve
 
     if not recipe.implemented:
@@ -162,77 +214,84 @@ def _design(
     if any(_is_seed(s) for s in sets):
         raise OwaiError("a sweep sets the seed itself: choose seeds with --seeds, not --set seed=...")
     cfg, resolved = resolve(recipe, preset, sets)  # the base --sets, checked once
+    preset_name = resolved["preset"]
     spec = recipe.sweep
-    grid = {k: list(v) for k, v in (spec.grid if spec else {}).items()}
-    grid.update(grid_overrides if isinstance(grid_overrides, dict) else parse_grid(grid_overrides))
+    written = coerce(Grid, grid, "grid") if grid is not None else (spec.grid_for(preset_name) if spec else {})
+    if written == []:
+        raise OwaiError("the sweep grid is an empty list: it has no points")
+    subs = sub_grids(written)
+    _apply_grid_overrides(subs, grid_overrides if isinstance(grid_overrides, dict) else parse_grid(grid_overrides))
     schema = recipe.method_class().Config
-    for key, values in grid.items():
-        if key == "seed":
-            raise OwaiError("--grid seed=...: choose seeds with --seeds")
-        try:
-            apply_overrides(schema, {}, [f"{key}=0"])  # the path must exist
-        except OwaiError as e:
-            raise OwaiError(f"--grid {key}: {str(e).split(': ', 1)[-1]}") from None
-        if not values:
-            raise OwaiError(f"--grid {key}: no values")
-        texts = [value_text(v) for v in values]
-        if len(set(texts)) != len(texts):
-            raise OwaiError(f"--grid {key}: a value is repeated")
-        for v, t in zip(values, texts):
-            if parse_override(f"{key}={t}")[1] != v:
-                raise OwaiError(f"--grid {key}: value {v!r} cannot be written as a --set value")
-    seeds = list(seeds) if seeds is not None else (list(spec.seeds) if spec else [cfg.seed])
+    for sub in subs:
+        for key, values in sub.items():
+            _check_grid_key(schema, key, values)
+    seeds = list(seeds) if seeds is not None else (spec.for_preset(preset_name)[1] if spec else [cfg.seed])
     if not seeds or len(set(seeds)) != len(seeds):
         raise OwaiError(f"sweep seeds must be distinct and non-empty, got {seeds}")
+    selection = _selection(select, recipe)
+    for key in selection.per if selection else []:
+        if any(key not in sub for sub in subs):
+            raise OwaiError(f"select.per {key!r} is not a key of every sub-grid of the sweep grid")
 
-    cells: list[dict[str, Any]] = [{}]
-    for key, values in grid.items():
-        cells = [{**c, key: v} for c in cells for v in values]
-    points = []
-    for cell in cells:
-        for seed in seeds:
-            own = [f"{k}={value_text(v)}" for k, v in cell.items()] + [f"seed={seed}"]
-            label = " ".join([*(f"{k}={_short(v)}" for k, v in cell.items()), f"seed={seed}"])
-            slug = "_".join([*(f"{k.rsplit('.', 1)[-1]}={_short(v)}" for k, v in cell.items()), f"seed={seed}"])
-            slug = re.sub(r"_+", "_", re.sub(r"[^A-Za-z0-9.=+-]", "_", slug)).strip("_")[:60]
-            digest = hashlib.sha256(json.dumps(own).encode()).hexdigest()[:8]
-            point = Point(id=f"{slug}-{digest}", label=label, grid=cell, seed=seed, overrides=[*sets, *own])
-            try:
-                resolve(recipe, preset, point.overrides)
-            except OwaiError as e:
-                raise OwaiError(f"sweep point {label}: {e}") from None
-            points.append(point)
-    return resolved["preset"], grid, seeds, points
+    points, seen = [], set()
+    for sub in subs:
+        cells: list[dict[str, Any]] = [{}]
+        for key, values in sub.items():
+            cells = [{**c, key: v} for c in cells for v in values]
+        for cell in cells:
+            for seed in seeds:
+                own = [f"{k}={value_text(v)}" for k, v in cell.items()] + [f"seed={seed}"]
+                label = " ".join([*(f"{k}={_short(v)}" for k, v in cell.items()), f"seed={seed}"])
+                same = json.dumps(sorted(own))  # one point, whatever the sub-grid's key order
+                if same in seen:
+                    raise OwaiError(f"sweep point {label} is in the grid twice (two sub-grids reach it)")
+                seen.add(same)
+                slug = "_".join([*(f"{k.rsplit('.', 1)[-1]}={_short(v)}" for k, v in cell.items()), f"seed={seed}"])
+                slug = re.sub(r"_+", "_", re.sub(r"[^A-Za-z0-9.=+-]", "_", slug)).strip("_")[:60]
+                digest = hashlib.sha256(json.dumps(own).encode()).hexdigest()[:8]
+                point = Point(id=f"{slug}-{digest}", label=label, grid=cell, seed=seed, overrides=[*sets, *own])
+                try:
+                    resolve(recipe, preset, point.overrides)
+                except OwaiError as e:
+                    raise OwaiError(f"sweep point {label}: {e}") from None
+                points.append(point)
+    final: Grid = subs[0] if isinstance(written, dict) else subs
+    return _Design(preset_name, final, seeds, points, selection)
 
 
 def plan(
     recipe: Recipe | str, preset: str | None = None, sets: list[str] | None = None,
     grid_overrides: list[str] | dict[str, list[Any]] | None = None, seeds: list[int] | None = None,
+    grid: Grid | None = None, select: Selection | dict[str, Any] | None = None,
 ) -> list[Point]:
-    """The sweep's points: the recipe's sweep grid updated by `--grid`, crossed with the seeds
-    (`--seeds`, else the recipe's sweep seeds, else its configured seed). Raises OwaiError, before
-    anything runs, if any point's overrides do not fit the method's schema."""
+    """The sweep's points: the grid (`grid`, else the preset's sweep grid, else the recipe's)
+    updated by `--grid`, crossed with the seeds (`--seeds`, else the preset's or recipe's sweep
+    seeds, else its configured seed). Raises OwaiError, before anything runs, if any point's
+    overrides do not fit the method's schema (or `select`'s group keys are not grid keys)."""
     recipe = load(recipe) if isinstance(recipe, str) else recipe
-    return _design(recipe, preset, list(sets or []), grid_overrides or [], seeds)[3]
+    return _design(recipe, preset, list(sets or []), grid_overrides or [], seeds, grid, select).points
 
 
 def create(
     recipe_name: str, preset: str | None = None, sets: list[str] | None = None,
     grid_overrides: list[str] | dict[str, list[Any]] | None = None, seeds: list[int] | None = None,
-    out: Path = Path("runs"),
+    out: Path = Path("runs"), grid: Grid | None = None, select: Selection | dict[str, Any] | None = None,
 ) -> Sweep:
-    """Plan a sweep, then make its directory and write sweep.json (nothing is created on error)."""
+    """Plan a sweep, then make its directory and write sweep.json (nothing is created on error).
+    `grid` and `select` replace the recipe's (preset's) sweep grid and selection."""
     recipe = load(recipe_name)
     sets = list(sets or [])
-    preset_name, grid, seeds, points = _design(recipe, preset, sets, grid_overrides or [], seeds)
+    d = _design(recipe, preset, sets, grid_overrides or [], seeds, grid, select)
     ensure_writable(out)
     parent = Path(out) / recipe.id
-    spec = {"recipe": recipe.id, "preset": preset_name, "sets": sets, "grid": grid, "seeds": seeds}
+    spec = {"recipe": recipe.id, "preset": d.preset, "sets": sets, "grid": d.grid, "seeds": d.seeds}
+    if d.select is not None:  # sweeps without a selection keep the hash they always had
+        spec["select"] = dataclasses.asdict(d.select)
     try:
         path = new_unique_dir(parent, f"sweep-{timestamp()}-{config_hash(spec)}")  # never reused
         (path / POINTS).mkdir()
-        sweep = Sweep(path, recipe.id, recipe.source, preset_name, sets, grid, seeds, points,
-                      created=dt.datetime.now().isoformat(timespec="seconds"))
+        sweep = Sweep(path, recipe.id, recipe.source, d.preset, sets, d.grid, d.seeds, d.points,
+                      created=dt.datetime.now().isoformat(timespec="seconds"), select=d.select)
         atomic_write_json(path / SWEEP, sweep.to_json())
     except OSError as e:
         raise OwaiError(f"cannot create sweep directory under {parent}: {e.strerror or e}") from None
@@ -252,10 +311,12 @@ def open_sweep(path: Path) -> Sweep:
         raise OwaiError(f"{path} is not a sweep directory: {SWEEP} is missing")
     try:
         data = json.loads((path / SWEEP).read_text())
+        grid = data["grid"]
         return Sweep(
             path=path, recipe=data["recipe"], recipe_source=data.get("recipe_source", ""), preset=data["preset"],
-            sets=list(data["sets"]), grid=dict(data["grid"]), seeds=list(data["seeds"]),
-            points=[Point(**p) for p in data["points"]], created=data.get("created", ""),
+            sets=list(data["sets"]), grid=dict(grid) if isinstance(grid, dict) else [dict(g) for g in grid],
+            seeds=list(data["seeds"]), points=[Point(**p) for p in data["points"]], created=data.get("created", ""),
+            select=Selection(**data["select"]) if data.get("select") else None,  # older sweeps: no key
         )
     except (OSError, ValueError, KeyError, TypeError):
         raise OwaiError(f"{path / SWEEP} is corrupt") from None
@@ -450,7 +511,8 @@ def _stored_errors(sweep: Sweep) -> dict[str, str]:
 
 
 def summarise(sweep: Sweep, outcomes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Group points by grid cell (seeds pooled); per numeric metric: mean, sample std, n."""
+    """Group points by grid cell (seeds pooled); per numeric metric: mean, sample std, n; and,
+    when the sweep has a selection, the best cell per group (`select_cells`)."""
     stored = _stored_errors(sweep)  # errors of points that never got a run directory
     errors = {o["id"]: o["error"] for o in outcomes or [] if o.get("error")}
     points, cells = [], {}
@@ -473,7 +535,7 @@ def summarise(sweep: Sweep, outcomes: list[dict[str, Any]] | None = None) -> dic
                 status = "failed"
         points.append({"id": p.id, "label": p.label, "grid": p.grid, "seed": p.seed, "status": status,
                        "error": error, "run_dir": str(path)})
-        key = json.dumps([p.grid.get(k) for k in sweep.grid])
+        key = json.dumps(sorted(p.grid.items()))  # the point's own cell, from whichever sub-grid
         cell = cells.setdefault(key, {"grid": p.grid, "label": _cell_label(p.grid), "points": 0, "seeds": [],
                                       "values": {}, "rows": {}})
         cell["points"] += 1
@@ -515,8 +577,30 @@ def summarise(sweep: Sweep, outcomes: list[dict[str, Any]] | None = None) -> dic
         "std": STD,
         "counts": counts,
         "groups": groups,
+        "selection": select_cells(groups, sweep.select) if sweep.select else None,
         "points": points,
     }
+
+
+def select_cells(groups: list[dict[str, Any]], select: Selection) -> dict[str, Any]:
+    """The best cell per group of `select.per` values (groups in order of their first cell).
+
+    A cell is a candidate when some complete point measured a finite value of the metric; its score
+    is the mean over those seeds; the best score wins (min or max), ties go to the first cell."""
+    chosen: dict[str, dict[str, Any]] = {}
+    for cell in groups:
+        key = {k: cell["grid"].get(k) for k in select.per}
+        group = chosen.setdefault(json.dumps(list(key.values())), {
+            "key": key, "label": _cell_label(key), "cell": None, "grid": None, "score": None, "candidates": 0,
+            "metrics": []})
+        metric = next((m for m in cell["metrics"] if m["metric"] == select.metric), None)
+        if metric is None:
+            continue
+        group["candidates"] += 1
+        score, best = metric["mean"], group["score"]
+        if best is None or (score < best if select.mode == "min" else score > best):
+            group.update(cell=cell["label"], grid=cell["grid"], score=score, metrics=cell["metrics"])
+    return {"metric": select.metric, "mode": select.mode, "per": list(select.per), "groups": list(chosen.values())}
 
 
 def write_summary(sweep: Sweep, outcomes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -542,14 +626,29 @@ def _title(summary: dict[str, Any]) -> str:
             f"mean ± sample std over seeds")
 
 
+def _selection_title(selection: dict[str, Any]) -> str:
+    per = ", ".join(selection["per"]) or "the whole grid"
+    return f"selected cells: best {selection['metric']} ({selection['mode']}, mean over seeds) per {per}"
+
+
+def _searched(selection: dict[str, Any], group: dict[str, Any]) -> str:
+    """The chosen cell's values of the searched keys (the group's own keys are its label)."""
+    if group["grid"] is None:
+        return "(no candidates)"
+    searched = {k: v for k, v in group["grid"].items() if k not in selection["per"]}
+    return _cell_label(searched) if searched else "(single cell)"
+
+
 def table(summary: dict[str, Any]) -> Any:
-    """The summary as a Rich table: one section per grid cell, headed by its grid values."""
+    """The summary as a Rich table: one section per grid cell, headed by its grid values; with a
+    selection, a second table (the chosen cell per group) is rendered below it."""
+    from rich.console import Group
     from rich.markup import escape
     from rich.table import Table
 
     from owai.report import fmt
 
-    has_grid = bool(summary["grid"])
+    has_grid = any(sub_grids(summary["grid"]))
     t = Table(title=escape(_title(summary)))
     t.add_column("grid cell / metric" if has_grid else "metric", no_wrap=True)
     t.add_column("mean ± std", justify="right", no_wrap=True)
@@ -570,7 +669,23 @@ def table(summary: dict[str, Any]) -> Any:
     failed = failures(summary)
     if failed:
         t.caption = escape("failed: " + "; ".join(f"{p['label']}: {p['error'] or p['status']}" for p in failed))
-    return t
+    selection = summary.get("selection")
+    if not selection:
+        return t
+    s = Table(title=escape(_selection_title(selection)))
+    s.add_column("group / chosen cell / metric", no_wrap=True)
+    s.add_column("mean ± std", justify="right", no_wrap=True)
+    s.add_column("n", justify="right")
+    s.add_column("thesis", justify="right", no_wrap=True)
+    for i, group in enumerate(selection["groups"]):
+        if i:
+            s.add_section()
+        s.add_row(f"[bold]{escape(group['label'])}[/bold]", "", "", "")
+        score = f", {selection['metric']} {fmt(group['score'])} (best of {group['candidates']})" if group["grid"] else ""
+        s.add_row(escape(f"  → {_searched(selection, group)}{score}"), "", "", "")
+        for m in group["metrics"]:
+            s.add_row(escape(f"    {m['metric']}"), escape(_mean_std(m)), str(m["n"]), fmt(m["thesis"]))
+    return Group(t, s)
 
 
 def markdown(summary: dict[str, Any]) -> str:
@@ -581,6 +696,17 @@ def markdown(summary: dict[str, Any]) -> str:
     for group in summary["groups"]:
         for m in group["metrics"]:
             lines.append(f"| {group['label']} | {m['metric']} | {_mean_std(m)} | {m['n']} | {fmt(m['thesis'])} | {m['ref']} |")
+    selection = summary.get("selection")
+    if selection:
+        lines += ["", f"#### {_selection_title(selection)}", "",
+                  "| group | chosen cell | score | candidates | metric | mean ± std | n | thesis |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for group in selection["groups"]:
+            head = f"| {group['label']} | {_searched(selection, group)} | {fmt(group['score'])} | {group['candidates']}"
+            for i, m in enumerate(group["metrics"] or [None]):
+                head = head if i == 0 else "| | | |"  # the group's values once, on its first row
+                lines.append(f"{head} | - | - | 0 | - |" if m is None else
+                             f"{head} | {m['metric']} | {_mean_std(m)} | {m['n']} | {fmt(m['thesis'])} |")
     failed = failures(summary)
     if failed:
         lines += ["", "Failed points:", ""] + [f"- `{p['label']}`: {p['error'] or p['status']}" for p in failed]

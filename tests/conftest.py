@@ -1,4 +1,5 @@
-"""Shared test helpers: a tiny three-moons config and a CLI runner in a subprocess."""
+"""Shared test helpers: a tiny three-moons config, `--set` lists, and CLI runners (in a subprocess,
+or in this process with pytest's captured output)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,24 @@ def run_owai(*args: str, cwd: Path | None = None, timeout: float = 300) -> subpr
     return subprocess.run(
         [sys.executable, "-m", "owai", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env
     )
+
+
+def as_sets(settings: list[str]) -> list[str]:
+    """["a=1", "b=2"] -> ["--set", "a=1", "--set", "b=2"]."""
+    return [arg for s in settings for arg in ("--set", s)]
+
+
+def cli_in_process(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """Run `owai ARGS` in this process: (exit code, stdout, stderr)."""
+    from owai.cli import main
+
+    try:
+        main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 @pytest.fixture

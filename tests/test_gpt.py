@@ -196,7 +196,7 @@ def test_decay_param_groups_memory_mosaics():
 
 
 def test_build_lm_errors():
-    with pytest.raises(OwaiError, match=r"unknown language model 'llama'; known: gpt, mm"):
+    with pytest.raises(OwaiError, match=r"unknown language model 'llama'; known: gpt, lstm, mm"):
         build_lm("llama")
     with pytest.raises(OwaiError, match=r"unknown gpt model setting 'n_layers' \(did you mean 'n_layer'\?\)"):
         build_lm("gpt", n_layers=2)

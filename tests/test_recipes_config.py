@@ -106,6 +106,25 @@ def test_malformed_yaml(tmp_path):
         (lambda d: d.update(reproduces="Figure 3.5"), "reproduces: expected list"),
         (lambda d: d["thesis"]["heads3.disentanglement"].update(value="one"), "value: expected float | NoneType"),
         (lambda d: d.update(sweep={"grid": {"train.nope": [1]}}), "unknown key 'nope' in train"),
+        (lambda d: d.update(sweep={"grid": {"train.lr": 0.1}}), "sweep.grid.train.lr: expected list[Any], got float"),
+        (lambda d: d.update(sweep={"grid": [{"train.lr": [0.1]}, {"model.nope": [1]}]}),
+         "sweep grid model.nope: unknown key 'nope' in model"),
+        (lambda d: d.update(sweep={"grid": [{"train.lr": [0.1]}, {"train.clip": []}]}), "'train.clip' has no values"),
+        (lambda d: d.update(sweep={"grid": []}), "sweep grid is an empty list"),
+        (lambda d: d.update(sweep={"presets": {"gpu": {"seeds": [1]}}}), "sweep preset 'gpu' is not a preset"),
+        (lambda d: d.update(sweep={"presets": {"cpu": {"grid": [{"train.nope": [1]}]}}}), "unknown key 'nope' in train"),
+        (lambda d: d.update(sweep={"presets": {"cpu": {"seeds": []}}}), "sweep preset cpu has no seeds"),
+        (lambda d: d.update(sweep={"grid": [{"train.lr": [0.1]}, {"model.beta": [1.0]}],
+                                   "select": {"metric": "loss", "per": ["train.lr"]}}),
+         "select.per key 'train.lr' is missing from a sub-grid of the cpu preset's sweep grid"),
+        (lambda d: d.update(sweep={"grid": {"train.lr": [0.1]}, "presets": {"paper": {"grid": {"model.beta": [1.0]}}},
+                                   "select": {"metric": "loss", "per": ["train.lr"]}}),
+         "'train.lr' is missing from a sub-grid of the paper preset's"),
+        (lambda d: d.update(sweep={"select": {"metric": "loss", "mode": "median"}}), "expected one of 'min' | 'max'"),
+        (lambda d: d["thesis"]["heads3.disentanglement"].update(when={"model.nope": 1}),
+         "thesis heads3.disentanglement when model.nope: unknown key 'nope' in model"),
+        (lambda d: d["thesis"].update(x=[{"ref": "F", "value": "one"}]), "thesis.x[0].value: expected float | NoneType"),
+        (lambda d: d["thesis"].update(x=[]), "thesis 'x' is an empty list"),
     ],
 )
 def test_recipe_validation_errors(tmp_path, edit, message):
@@ -141,3 +160,49 @@ def test_build_rejects_bool_for_int_and_accepts_int_for_float():
     with pytest.raises(OwaiError, match="runtime.device"):
         build(C, {"runtime": {"device": "tpu"}})
     assert apply_overrides(C, {}, ["runtime.threads=2"]) == {"runtime": {"threads": 2}}
+
+
+def test_thesis_numbers_that_depend_on_the_settings(tmp_path):
+    """`when`: the first alternative whose settings all match the run's params; none: no thesis."""
+    from owai.experiment import assemble
+    from owai.runs import Run
+
+    def edit(d):
+        d["thesis"]["heads3.disentanglement"] = [
+            {"ref": "F1", "value": 0.5, "when": {"model.beta": 40.0}},
+            {"ref": "F2", "value": 0.7, "when": {"model.beta": 50.0, "train.lr": 0.01}},
+            {"ref": "F3", "value": 0.9},
+        ]
+        d["thesis"]["only.beta40"] = [{"ref": "F4", "value": 1.0, "when": {"model.beta": 40.0}}]
+
+    r = recipes.load(str(write_variant(tmp_path, edit)))
+
+    def rows(overrides, measured):
+        _, resolved = resolve(r, None, overrides)
+        return {row["metric"]: row for row in assemble(r, resolved, measured, {}, Run(tmp_path))["rows"]}
+
+    beta40 = rows(["model.beta=40.0"], {"heads3.disentanglement": 0.6})
+    assert (beta40["heads3.disentanglement"]["thesis"], beta40["heads3.disentanglement"]["ref"]) == (0.5, "F1")
+    assert beta40["only.beta40"]["measured"] is None and beta40["only.beta40"]["thesis"] == 1.0  # unmeasured row
+    assert beta40["heads3.val.accurate_from"]["thesis"] == 133.3  # single entries as before
+    assert rows(["model.beta=50.0"], {})["heads3.disentanglement"]["ref"] == "F2"  # lr 1e-2 is the default
+    other = rows(["model.beta=50.0", "train.lr=0.02"], {"only.beta40": 0.3})
+    assert other["heads3.disentanglement"]["ref"] == "F3"
+    assert (other["only.beta40"]["thesis"], other["only.beta40"]["ref"]) == (None, "")
+    assert "only.beta40" not in rows(["model.beta=50.0"], {})  # no number for this run: no unmeasured row
+    assert recipes.thesis_for(r, "only.beta40", {"model": {"beta": 40.0}}).ref == "F4"
+    assert recipes.thesis_for(r, "only.beta40", {"model": {}}) is None
+    assert recipes.thesis_for(r, "nope", {}) is None
+
+
+def test_build_reads_a_grid_or_a_list_of_grids():
+    spec = build(recipes.SweepSpec, {"grid": [{"a.b": [1, 2]}, {"c": ["x"]}], "presets": {"cpu": {"grid": {"a": [1]}}}})
+    assert spec.grid == [{"a.b": [1, 2]}, {"c": ["x"]}] and spec.presets["cpu"].grid == {"a": [1]}
+    assert spec.for_preset("cpu") == ([{"a": [1]}], [0]) and spec.for_preset("paper")[0] == spec.grid
+    assert build(recipes.SweepSpec, {"grid": {"a": [1]}}).grid == {"a": [1]}
+    with pytest.raises(OwaiError, match=r"^s.grid\[1\].c: expected list\[Any\], got str 'x'$"):
+        build(recipes.SweepSpec, {"grid": [{"a": [1]}, {"c": "x"}]}, path="s")
+    with pytest.raises(OwaiError, match=r"^s.grid: expected dict\[str, list\[Any\]\] \| list\[dict"):
+        build(recipes.SweepSpec, {"grid": 3}, path="s")
+    with pytest.raises(OwaiError, match=r"^s.select: unknown key 'min'"):  # a mapping's own error, not the union's
+        build(recipes.SweepSpec, {"select": {"metric": "m", "min": True}}, path="s")

@@ -14,6 +14,8 @@ from owai import sweep as sweeps
 from owai.cli import main
 from owai.errors import OwaiError
 from owai.runs import Run
+from tests.conftest import as_sets
+from tests.conftest import cli_in_process as cli
 
 TINY = [
     "train.steps=4", "train.batch_size=2", "train.checkpoint_every=2",
@@ -23,17 +25,8 @@ TINY = [
 
 
 def sets(*extra: str) -> list[str]:
-    return [arg for s in [*TINY, *extra] for arg in ("--set", s)]
+    return as_sets([*TINY, *extra])
 
-
-def cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        main(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def sweep_dirs(out: Path) -> list[Path]:
@@ -273,3 +266,182 @@ def test_slurm_executor_wiring(tmp_path: Path, capsys, monkeypatch) -> None:
                          "mem_gb": 2.0, "slurm_partition": "gpu", "slurm_array_parallelism": 2}
     assert [t["threads"] for t in ex.tasks] == [1, 1]
     assert json.loads(out)["counts"] == {"points": 2, "complete": 1, "failed": 1}
+
+
+# --- union grids, per-preset grids and seeds, selection -------------------------------------------
+
+
+def moons_recipe(tmp_path: Path, sweep: dict) -> str:
+    """three-moons with its own `sweep:` section, as a recipe file (its id is its file stem)."""
+    import yaml
+
+    from owai import recipes
+
+    data = yaml.safe_load((recipes.recipe_dir() / "three-moons.yaml").read_text())
+    data["sweep"] = sweep
+    path = tmp_path / "three-moons.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return str(path)
+
+
+UNION = [{"train.lr": [0.01, 0.02], "eval.n_gen": [3]}, {"model.beta": [40.0]}]
+
+
+def test_union_grid_is_the_union_of_its_products(tmp_path: Path) -> None:
+    recipe = moons_recipe(tmp_path, {"grid": UNION, "seeds": [1]})
+    points = sweeps.plan(recipe, None, TINY)
+    assert [p.grid for p in points] == [{"train.lr": 0.01, "eval.n_gen": 3}, {"train.lr": 0.02, "eval.n_gen": 3},
+                                        {"model.beta": 40.0}]
+    assert [p.label for p in points] == ["train.lr=0.01 eval.n_gen=3 seed=1", "train.lr=0.02 eval.n_gen=3 seed=1",
+                                         "model.beta=40.0 seed=1"]
+    assert points[2].overrides == [*TINY, "model.beta=40.0", "seed=1"] and len({p.id for p in points}) == 3
+
+    plan = sweeps.create(recipe, None, TINY, out=tmp_path / "runs")
+    assert json.loads((plan.path / "sweep.json").read_text())["grid"] == UNION  # stored as written
+    again = sweeps.open_sweep(plan.path)
+    assert again.grid == UNION and again.select is None and [p.grid for p in again.points] == [p.grid for p in points]
+    assert sweeps.sub_grids({"a": [1]}) == [{"a": [1]}] and sweeps.sub_grids(UNION) == UNION
+
+
+def test_union_grid_point_reached_twice_is_an_error(tmp_path: Path) -> None:
+    recipe = moons_recipe(tmp_path, {"grid": [{"train.lr": [0.01, 0.02]}, {"train.lr": [0.02]}], "seeds": [1]})
+    with pytest.raises(OwaiError, match=r"sweep point train.lr=0.02 seed=1 is in the grid twice"):
+        sweeps.plan(recipe, None, TINY)
+    reordered = [{"train.lr": [0.01], "eval.n_gen": [3]}, {"eval.n_gen": [3], "train.lr": [0.01]}]
+    with pytest.raises(OwaiError, match="twice"):
+        sweeps.plan("three-moons", None, TINY, grid=reordered, seeds=[1])
+    # a point a sub-grid makes but the method rejects: the usual one-line point error
+    with pytest.raises(OwaiError, match=r"^sweep point eval.n_gen=100 seed=1: .*too short"):
+        sweeps.plan("three-moons", None, TINY, grid=[{"train.lr": [0.01]}, {"eval.n_gen": [100]}], seeds=[1])
+
+
+def test_grid_overrides_on_a_union_replace_or_add(tmp_path: Path) -> None:
+    recipe = moons_recipe(tmp_path, {"grid": UNION, "seeds": [1]})
+    replaced = sweeps.plan(recipe, None, TINY, ["train.lr=0.05"])  # only the sub-grid that has the key
+    assert [p.grid for p in replaced] == [{"train.lr": 0.05, "eval.n_gen": 3}, {"model.beta": 40.0}]
+    added = sweeps.plan(recipe, None, TINY, ["train.clip=0.5,0.25"])  # no sub-grid has it: added to every one
+    assert [p.grid for p in added] == [
+        {"train.lr": 0.01, "eval.n_gen": 3, "train.clip": 0.5}, {"train.lr": 0.01, "eval.n_gen": 3, "train.clip": 0.25},
+        {"train.lr": 0.02, "eval.n_gen": 3, "train.clip": 0.5}, {"train.lr": 0.02, "eval.n_gen": 3, "train.clip": 0.25},
+        {"model.beta": 40.0, "train.clip": 0.5}, {"model.beta": 40.0, "train.clip": 0.25}]
+    # `grid=` replaces the recipe's grid before --grid applies; the stored grid keeps its form
+    plan = sweeps.create(recipe, None, TINY, ["model.beta=30.0"], out=tmp_path / "runs", grid={"model.beta": [40.0]})
+    assert plan.grid == {"model.beta": [30.0]} and [p.grid for p in plan.points] == [{"model.beta": 30.0}]
+    for bad, message in [(["train.lr=1,1"], "a value is repeated"), (["seed=1,2"], "choose seeds with --seeds"),
+                         (["train.nope=1"], "unknown key 'nope' in train")]:
+        with pytest.raises(OwaiError, match=message):
+            sweeps.plan(recipe, None, TINY, bad)
+    with pytest.raises(OwaiError, match=r"^grid\[0\].train.lr: expected list\[Any\], got float 0.01$"):
+        sweeps.plan(recipe, None, TINY, grid=[{"train.lr": 0.01}])
+
+
+def test_preset_grid_and_seeds(tmp_path: Path) -> None:
+    recipe = moons_recipe(tmp_path, {
+        "grid": {"train.lr": [0.01, 0.02]}, "seeds": [1, 2],
+        "presets": {"cpu": {"grid": [{"model.beta": [40.0]}, {"eval.n_gen": [3]}], "seeds": [7]}}})
+    cpu = sweeps.plan(recipe, "cpu", TINY)
+    assert [(p.grid, p.seed) for p in cpu] == [({"model.beta": 40.0}, 7), ({"eval.n_gen": 3}, 7)]
+    paper = sweeps.plan(recipe, "paper", TINY)
+    assert [(p.grid, p.seed) for p in paper] == [({"train.lr": lr}, s) for lr in (0.01, 0.02) for s in (1, 2)]
+    assert [p.seed for p in sweeps.plan(recipe, "cpu", TINY, seeds=[3])] == [3, 3]  # --seeds still wins
+    assert sweeps.plan(recipe, None, TINY)[0].grid == {"model.beta": 40.0}  # default preset: cpu
+
+    from owai.recipes import load
+
+    spec = load(recipe).sweep
+    assert spec.for_preset("cpu") == ([{"model.beta": [40.0]}, {"eval.n_gen": [3]}], [7])
+    assert spec.for_preset("paper") == ([{"train.lr": [0.01, 0.02]}], [1, 2])
+    seeds_only = moons_recipe(tmp_path, {"grid": {"train.lr": [0.01]}, "seeds": [1], "presets": {"paper": {"seeds": [5]}}})
+    assert load(seeds_only).sweep.for_preset("paper") == ([{"train.lr": [0.01]}], [5])
+
+
+SELECT_GRID = {"model.beta": [40.0, 50.0, 60.0], "train.lr": [0.01, 0.02, 0.03]}
+VAL_LOSS = {  # (beta, lr) -> val_loss per seed 1, 2; absent: the metric is not measured; "todo": no results yet
+    (40.0, 0.01): [3.0, 1.0], (40.0, 0.02): [1.0, 3.0], (40.0, 0.03): [5.0, 7.0],  # min: a tie, the first wins
+    (50.0, 0.02): [4.0, float("nan")], (50.0, 0.03): [1.0, "todo"],  # non-finite / incomplete seeds are left out
+}
+
+
+def faked_selection_sweep(tmp_path: Path, select: dict | None) -> sweeps.Sweep:
+    recipe = moons_recipe(tmp_path, {"grid": SELECT_GRID, "seeds": [1, 2],
+                                     **({"select": select} if select else {})})
+    plan = sweeps.create(recipe, None, TINY, out=tmp_path / "runs")
+    for p in plan.points:
+        value = VAL_LOSS.get((p.grid["model.beta"], p.grid["train.lr"]), [None, None])[p.seed - 1]
+        if value == "todo":
+            continue
+        rows = [{"metric": "acc", "measured": p.grid["train.lr"], "thesis": 0.9, "thesis_claim": "", "ref": "Fig X"}]
+        if value is not None:
+            rows.append({"metric": "val_loss", "measured": value, "thesis": None, "thesis_claim": "", "ref": ""})
+        Run.create_at(plan.point_dir(p), {"recipe": "three-moons", "params": {}}).write_results({"rows": rows})
+    return plan
+
+
+def test_selection_picks_the_best_cell_per_group(tmp_path: Path) -> None:
+    import dataclasses
+
+    plan = faked_selection_sweep(tmp_path, {"metric": "val_loss", "per": ["model.beta"]})
+    assert json.loads((plan.path / "sweep.json").read_text())["select"] == {
+        "metric": "val_loss", "mode": "min", "per": ["model.beta"]}
+    selection = sweeps.summarise(sweeps.open_sweep(plan.path))["selection"]
+    assert (selection["metric"], selection["mode"], selection["per"]) == ("val_loss", "min", ["model.beta"])
+    g40, g50, g60 = selection["groups"]
+    assert g40["key"] == {"model.beta": 40.0} and g40["label"] == "model.beta=40.0"
+    assert (g40["cell"], g40["grid"], g40["score"], g40["candidates"]) == (
+        "model.beta=40.0 train.lr=0.01", {"model.beta": 40.0, "train.lr": 0.01}, 2.0, 3)
+    metrics = {m["metric"]: m for m in g40["metrics"]}
+    assert metrics["val_loss"]["values"] == [3.0, 1.0] and metrics["acc"]["mean"] == 0.01
+    assert metrics["acc"]["thesis"] == 0.9 and metrics["val_loss"]["std"] == pytest.approx(math.sqrt(2))
+    assert (g50["cell"], g50["score"], g50["candidates"]) == ("model.beta=50.0 train.lr=0.03", 1.0, 2)
+    assert (g60["cell"], g60["grid"], g60["score"], g60["candidates"], g60["metrics"]) == (None, None, None, 0, [])
+
+    best = sweeps.summarise(dataclasses.replace(plan, select=sweeps.Selection("val_loss", "max", ["model.beta"])))
+    g40, g50, g60 = best["selection"]["groups"]
+    assert (g40["cell"], g40["score"]) == ("model.beta=40.0 train.lr=0.03", 6.0)
+    assert (g50["cell"], g50["score"]) == ("model.beta=50.0 train.lr=0.02", 4.0)  # nan seed left out
+    overall = sweeps.summarise(dataclasses.replace(plan, select=sweeps.Selection("val_loss", "min", [])))
+    (whole,) = overall["selection"]["groups"]
+    assert (whole["key"], whole["label"], whole["cell"], whole["candidates"]) == (
+        {}, "all", "model.beta=50.0 train.lr=0.03", 5)  # one group: the whole grid
+
+    summary = sweeps.summarise(plan)
+    text = sweeps.markdown(summary)
+    assert "#### selected cells: best val_loss (min, mean over seeds) per model.beta" in text
+    assert "| model.beta=40.0 | train.lr=0.01 | 2 | 3 | acc | 0.01 ± 0 | 2 | 0.9 |\n| | | | | val_loss | 2 ± 1.414 | 2 | - |" in text
+    assert "| model.beta=60.0 | (no candidates) | - | 0 | - | - | 0 | - |" in text
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(sweeps.table(summary))
+    shown = console.export_text()
+    assert "→ train.lr=0.01, val_loss 2 (best of 3)" in shown and "→ (no candidates)" in shown
+
+
+def test_selection_from_create_and_old_sweep_files(tmp_path: Path) -> None:
+    plan = faked_selection_sweep(tmp_path, None)
+    assert sweeps.summarise(plan)["selection"] is None and "selected" not in sweeps.markdown(sweeps.summarise(plan))
+    data = json.loads((plan.path / "sweep.json").read_text())
+    del data["select"]  # a sweep.json written before selections existed
+    (plan.path / "sweep.json").write_text(json.dumps(data))
+    assert sweeps.open_sweep(plan.path).select is None
+    chosen = sweeps.create(moons_recipe(tmp_path, {"grid": SELECT_GRID, "seeds": [1]}), None, TINY, out=tmp_path / "b",
+                           select={"metric": "val_loss", "mode": "max", "per": ["train.lr"]})
+    assert sweeps.open_sweep(chosen.path).select == sweeps.Selection("val_loss", "max", ["train.lr"])
+    with pytest.raises(OwaiError, match="select.per 'train.clip' is not a key of every sub-grid"):
+        sweeps.plan("three-moons", None, TINY, grid=SELECT_GRID, select={"metric": "m", "per": ["train.clip"]})
+    with pytest.raises(OwaiError, match="select.mode: expected one of 'min' | 'max'"):
+        sweeps.plan("three-moons", None, TINY, grid=SELECT_GRID, select={"metric": "m", "mode": "best"})
+
+
+def test_union_sweep_with_selection_on_the_cli(tmp_path: Path, capsys) -> None:
+    recipe = moons_recipe(tmp_path, {"grid": [{"train.lr": [0.01, 0.02]}, {"model.beta": [40.0]}], "seeds": [1],
+                                     "select": {"metric": "heads3.disentanglement", "mode": "max"}})
+    code, out, err = cli(["sweep", recipe, *sets(), "--out", str(tmp_path / "runs")], capsys)
+    assert code == 0, err
+    assert "train.lr=0.02" in out and "model.beta=40.0" in out and "selected cells: best heads3.disentanglement" in out
+    summary = json.loads(next((tmp_path / "runs" / "three-moons").glob("sweep-*/summary.json")).read_text())
+    assert [g["grid"] for g in summary["groups"]] == [{"train.lr": 0.01}, {"train.lr": 0.02}, {"model.beta": 40.0}]
+    (group,) = summary["selection"]["groups"]
+    scores = [next(m["mean"] for m in g["metrics"] if m["metric"] == "heads3.disentanglement") for g in summary["groups"]]
+    assert group["candidates"] == 3 and group["score"] == max(scores)
+    assert group["grid"] == summary["groups"][scores.index(max(scores))]["grid"]

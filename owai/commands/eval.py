@@ -1,18 +1,28 @@
-"""`owai eval`: evaluations of trained models, one subcommand per benchmark.
+"""`owai eval`: evaluations of trained models and benchmarks, one subcommand each.
 
     owai eval posloss MODEL_DIR... [--dataset wikipedia --config-name 20220301.simple]
         per-position loss (Fig 3.9) and validation loss; the same as `owai mosaic-eval --posloss-only`
+    owai eval regbench [--model mm,transformer] [--train-size 100,500] [--positions all|last-string]
+        RegBench (Fig 3.10, Table B.3): the recipe's grid search as a sweep, the cell with the lowest
+        validation loss per model and size, its test accuracy and "TVD" beside the thesis's, the figure
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Any, Optional
+
 import typer
 
+from owai import console
 from owai.commands._common import Json, Out, Preset, Quiet, Sets, run_recipe
 from owai.commands.mosaic import EVAL_RECIPE, ConfigName, Context, Dataset, Models, eval_overrides
+from owai.errors import OwaiError
 
-eval_app = typer.Typer(help="Evaluate trained models: per-position loss (posloss).", no_args_is_help=True)
+eval_app = typer.Typer(help="Evaluate models: per-position loss (posloss), RegBench in-context language learning (regbench).",
+                       no_args_is_help=True)
+
+REGBENCH_RECIPE = "fig3.10-regbench"
 
 
 @eval_app.command("posloss")
@@ -29,6 +39,118 @@ def posloss(
 ) -> None:
     """Average loss at each position of the context window (Fig 3.9), for saved language models."""
     run_recipe(EVAL_RECIPE, preset, eval_overrides(models, dataset, config_name, context, True) + list(sets or []), out, None, quiet, as_json)
+
+
+def _csv(text: str, option: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items or len(set(items)) != len(items):
+        raise OwaiError(f"{option} {text!r}: give distinct comma-separated values")
+    return items
+
+
+def _train_sizes(text: str) -> list[int]:
+    sizes = []
+    for item in _csv(text, "--train-size"):
+        try:
+            size = int(item)
+        except ValueError:
+            raise OwaiError(f"--train-size {item!r}: expected a number of training automata") from None
+        if size < 1:
+            raise OwaiError(f"--train-size {size}: the number of training automata must be >= 1")
+        sizes.append(size)
+    return sizes
+
+
+def regbench_grid(sub_grids: list[dict[str, list[Any]]], default_arch: str, models: list[str] | None,
+                  sizes: list[int] | None) -> list[dict[str, list[Any]]]:
+    """The recipe's sub-grids restricted to `models` (a model the recipe does not search gets one
+    cell at its defaults) with `data.num_examples` set to `sizes`."""
+    grids = []
+    for grid in sub_grids:
+        archs = grid.get("arch", [default_arch])
+        keep = [a for a in archs if models is None or a in models]
+        if keep:
+            grids.append({**grid, "arch": keep})
+    covered = {a for g in grids for a in g["arch"]}
+    recipe_sizes = list(dict.fromkeys(n for g in sub_grids for n in g.get("data.num_examples", [])))
+    for model in models or []:
+        if model not in covered:  # at the recipe's training sizes
+            grids.append({"arch": [model], **({"data.num_examples": recipe_sizes} if recipe_sizes else {})})
+    if sizes is not None:
+        grids = [{**g, "data.num_examples": list(sizes)} for g in grids]
+    return grids
+
+
+@eval_app.command("regbench")
+def regbench(
+    model: Annotated[Optional[str], typer.Option(
+        "--model", "-m", help="Comma-separated models: mm, transformer, lstm, ngram (default: the recipe's).")] = None,
+    train_size: Annotated[Optional[str], typer.Option(
+        "--train-size", "-n", help="Comma-separated numbers of training automata, e.g. 100,500 (default: the recipe's).")] = None,
+    positions: Annotated[Optional[str], typer.Option(
+        "--positions", help="Test positions: all (the published figures) or last-string (the thesis's wording).")] = None,
+    recipe: Annotated[str, typer.Option("--recipe", "-r", help="fig3.10-regbench, tableB.3-regbench-iid, or a RegBench recipe file.")] = REGBENCH_RECIPE,
+    preset: Preset = None,
+    sets: Sets = None,
+    grid: Annotated[Optional[list[str]], typer.Option(
+        "--grid", "-g", help="Replace a searched parameter's values: --grid train.weight_decay=0.01,0.1 (repeatable).")] = None,
+    seeds: Annotated[Optional[str], typer.Option("--seeds", help="Comma-separated training seeds (default: the recipe's).")] = None,
+    workers: Annotated[int, typer.Option("--workers", "-w", min=1, help="Local worker processes for the grid points.")] = 1,
+    out: Out = Path("runs"),
+    resume: Annotated[Optional[Path], typer.Option("--resume", help="Continue a RegBench sweep directory (skips finished points).")] = None,
+    quiet: Quiet = False,
+    as_json: Json = False,
+) -> None:
+    """RegBench (Fig 3.10, Table B.3): train each model over the recipe's grid, select by validation loss, test on held-out automata."""
+    from owai import sweep as sweeps
+    from owai.evals.regbench import POSITIONS
+    from owai.methods.regbench import sequence_model, study_table, write_study
+    from owai.recipes import load, recorded_name
+
+    console.configure(quiet, as_json)
+    if resume is not None:
+        if any(v is not None for v in (model, train_size, positions, preset, sets, grid, seeds)) or recipe != REGBENCH_RECIPE:
+            raise OwaiError("--resume takes its plan from SWEEP_DIR/sweep.json; drop the other options")
+        plan = sweeps.open_sweep(resume)
+        if load(recorded_name(plan.recipe, plan.recipe_source)).method != "regbench":
+            raise OwaiError(f"{resume} is a sweep of {plan.recipe}, not a RegBench study")
+    else:
+        rec = load(recipe)
+        if rec.method != "regbench":
+            raise OwaiError(f"recipe {rec.id!r} runs method {rec.method!r}, not regbench")
+        if positions is not None and positions not in POSITIONS:
+            raise OwaiError(f"--positions {positions!r}: choose one of {', '.join(POSITIONS)}")
+        models = _csv(model, "--model") if model is not None else None
+        for m in models or []:
+            sequence_model(m)
+        preset_name = preset or rec.default_preset
+        if preset_name not in rec.presets:
+            raise OwaiError(f"recipe {rec.id!r} has no preset {preset_name!r} (presets: {', '.join(rec.presets)})")
+        base = rec.sweep.for_preset(preset_name)[0] if rec.sweep else [{}]
+        default_arch = rec.params_for(preset_name).get("arch", "mm")
+        sizes = _train_sizes(train_size) if train_size is not None else None
+        study = regbench_grid(base, default_arch, models, sizes)
+        per = list(rec.sweep.select.per) if rec.sweep and rec.sweep.select else ["arch"]
+        if sizes is not None and "data.num_examples" not in per:
+            per.append("data.num_examples")  # never select across training sizes
+        extra = [f"eval.positions={positions}"] if positions is not None else []
+        plan = sweeps.create(recipe, preset, [*(sets or []), *extra], grid or [],
+                             sweeps.parse_seeds(seeds) if seeds else None, out, grid=study,
+                             select={"metric": "val_loss", "mode": "min", "per": per})
+    console.info(f"sweep directory: {plan.path} ({len(plan.points)} points)")
+    outcomes = sweeps.run(plan, "local", workers)
+    summary = sweeps.write_summary(plan, outcomes)
+    failed = sweeps.failures(summary)
+    rows, info = write_study(plan, summary)
+    if as_json:
+        console.emit_json({"rows": rows, **info, "sweep_dir": str(plan.path), "failed": [p["label"] for p in failed]})
+    elif not quiet:
+        console.stdout.print(study_table(rows, info["title"]))
+        console.stdout.print(f"table: {plan.path / 'regbench.md'}\nfigure: {info['figure']}")
+    if failed:
+        for p in failed:
+            console.stderr.print(f"failed: {p['label']}: {p['error'] or p['status']}", markup=False, soft_wrap=True)
+        raise OwaiError(f"{len(failed)} of {len(summary['points'])} points failed; rerun them with owai eval regbench --resume {plan.path}")
 
 
 def register(app: typer.Typer) -> None:

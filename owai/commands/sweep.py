@@ -32,8 +32,9 @@ def sweep(
     preset: Preset = None,
     sets: Sets = None,
     grid: Annotated[Optional[list[str]], typer.Option(
-        "--grid", "-g", help="Sweep a parameter: --grid train.lr=1e-2,3e-3 (repeatable; replaces the recipe's grid for that key).")] = None,
-    seeds: Annotated[Optional[str], typer.Option("--seeds", help="Comma-separated seeds, e.g. 0,1,2 (default: the recipe's sweep seeds).")] = None,
+        "--grid", "-g", help="Sweep a parameter: --grid train.lr=1e-2,3e-3 (repeatable; replaces that key's values in every "
+        "sub-grid of the recipe's grid that has it, else adds the key to every sub-grid).")] = None,
+    seeds: Annotated[Optional[str], typer.Option("--seeds", help="Comma-separated seeds, e.g. 0,1,2 (default: the preset's, else the recipe's sweep seeds).")] = None,
     workers: Annotated[int, typer.Option("--workers", "-w", min=1, help="Local worker processes (1: run points one by one in this process).")] = 1,
     executor: Annotated[Executor, typer.Option("--executor", "-e", help="local, slurm (via submitit), or submitit-debug (submitit in-process).")] = Executor.local,
     partition: Annotated[Optional[str], typer.Option("--partition", help="SLURM partition.", rich_help_panel=SLURM)] = None,
@@ -47,7 +48,8 @@ def sweep(
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
-    """Run a recipe over a parameter grid x seeds; every point is a normal run directory. Prints mean ± std over seeds."""
+    """Run a recipe over a parameter grid x seeds; every point is a normal run directory. Prints mean ± std over
+    seeds (and, when the recipe's sweep has a `select`, the best grid cell per group)."""
     from owai import sweep as sweeps
 
     console.configure(quiet, as_json)

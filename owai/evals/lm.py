@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 PROMPTS_FILE = "eldan_li_prompts.txt"
+IGNORE_INDEX = -100  # cross-entropy's default ignore_index
 
 
 def eldan_li_prompts() -> list[str]:
@@ -36,14 +37,16 @@ def token_losses(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> to
 
 @torch.no_grad()
 def validation_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
-    """Mean next-token loss over the given (x, y) batches."""
+    """Mean next-token loss over the given (x, y) batches; targets equal to -100 (padding, masked
+    separators) are not counted."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     for x, y in batches:
-        losses = token_losses(model, x.to(device), y.to(device))
+        y = y.to(device)
+        losses = token_losses(model, x.to(device), y)
         total += losses.sum().item()
-        count += losses.numel()
+        count += int((y != IGNORE_INDEX).sum())
     model.train(was_training)
     return total / max(count, 1)
 

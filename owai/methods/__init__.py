@@ -23,6 +23,7 @@ REGISTRY: dict[str, str] = {
     "coloredmnist": "owai.methods.coloredmnist:ColoredMNISTInvariance",
     "lm_pretrain": "owai.methods.language_model:LanguageModelPretraining",
     "lm_eval": "owai.methods.language_model:LanguageModelEvaluation",
+    "regbench": "owai.methods.regbench:RegBench",
 }
 
 

@@ -21,6 +21,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 import owai.models.gpt  # noqa: F401  (registers owai_gpt with the Auto classes)
+import owai.models.lstm  # noqa: F401  (registers owai_lstm with the Auto classes)
 import owai.models.memory_mosaics  # noqa: F401  (registers owai_memory_mosaics with the Auto classes)
 from owai.errors import OwaiError
 
@@ -28,6 +29,7 @@ from owai.errors import OwaiError
 ARCHITECTURES: dict[str, tuple[str, str, str]] = {
     "mm": ("owai.models.memory_mosaics", "MemoryMosaicsConfig", "MemoryMosaicsForCausalLM"),
     "gpt": ("owai.models.gpt", "GPTConfig", "GPTForCausalLM"),
+    "lstm": ("owai.models.lstm", "LSTMConfig", "LSTMForCausalLM"),
 }
 
 
