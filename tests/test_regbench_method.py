@@ -178,3 +178,9 @@ def test_lstm_is_a_zoo_causal_lm_that_saves_and_loads(tmp_path: Path):
     assert torch.equal(model(input_ids=x[:, :5]).logits, out.logits[:, :5])  # causal
     model.save_pretrained(tmp_path)
     assert torch.equal(load_pretrained(tmp_path).eval()(input_ids=x).logits, out.logits)
+
+
+def test_torchrun_is_refused_with_a_pointer_to_sweeps(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(OwaiError, match="not torchrun"):
+        resolve(load(RECIPE), "cpu", [])

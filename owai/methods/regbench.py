@@ -149,6 +149,11 @@ class RegBench(Method):
 
     @staticmethod
     def validate(cfg: Config) -> None:
+        from owai import distributed
+
+        if distributed.launched_by_torchrun():
+            raise OwaiError("a RegBench run is one small model on one device; run grid points side by side with "
+                            "owai sweep --workers N or --executor slurm, not torchrun")
         spec = sequence_model(cfg.arch)
         for key in ("n_layer", "n_head", "n_embd", "dropout", "init", "logit_scale"):
             if getattr(cfg.model, key) is not None and key not in spec.settings:
