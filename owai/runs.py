@@ -27,7 +27,7 @@ from typing import Any
 
 from owai import __version__
 from owai.errors import OwaiError
-from owai.io import atomic_write_bytes, atomic_write_json, atomic_write_yaml
+from owai.io import atomic_write_bytes, atomic_write_figure, atomic_write_json, atomic_write_yaml
 
 CONFIG = "config.yaml"
 ENV = "env.json"
@@ -201,19 +201,13 @@ class Run:
     # -- figures and results ------------------------------------------------------------------
     def save_figure(self, fig: Any, name: str) -> Path:
         """Save a matplotlib figure to figures/<name>.png atomically and close it."""
-        import io
-
         import matplotlib.pyplot as plt
 
+        path = self.figures / f"{name}.png"
         if not self.writes:
             plt.close(fig)
-            return self.figures / f"{name}.png"
-
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        path = self.figures / f"{name}.png"
-        atomic_write_bytes(path, buf.getvalue())
+        else:
+            atomic_write_figure(path, fig)
         return path
 
     def write_results(self, results: dict[str, Any]) -> Path:

@@ -614,6 +614,16 @@ def failures(summary: dict[str, Any]) -> list[dict[str, Any]]:
     return [p for p in summary["points"] if p["status"] not in ("complete", "pending", "running")]
 
 
+def raise_on_failures(summary: dict[str, Any], rerun: str) -> None:
+    """Print one stderr line per failed point, then raise one OwaiError that says how to rerun them."""
+    failed = failures(summary)
+    if not failed:
+        return
+    for p in failed:
+        console.stderr.print(f"failed: {p['label']}: {p['error'] or p['status']}", markup=False, soft_wrap=True)
+    raise OwaiError(f"{len(failed)} of {len(summary['points'])} sweep points failed; rerun them with {rerun}")
+
+
 def _mean_std(m: dict[str, Any]) -> str:
     from owai.report import fmt
 

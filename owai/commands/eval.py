@@ -147,10 +147,7 @@ def regbench(
     elif not quiet:
         console.stdout.print(study_table(rows, info["title"]))
         console.stdout.print(f"table: {plan.path / 'regbench.md'}\nfigure: {info['figure']}")
-    if failed:
-        for p in failed:
-            console.stderr.print(f"failed: {p['label']}: {p['error'] or p['status']}", markup=False, soft_wrap=True)
-        raise OwaiError(f"{len(failed)} of {len(summary['points'])} points failed; rerun them with owai eval regbench --resume {plan.path}")
+    sweeps.raise_on_failures(summary, f"owai eval regbench --resume {plan.path}")
 
 
 def register(app: typer.Typer) -> None:

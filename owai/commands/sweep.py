@@ -73,11 +73,7 @@ def sweep(
     elif not quiet:
         console.stdout.print(sweeps.table(summary))
         console.stdout.print(f"summary: {plan.path / sweeps.SUMMARY}")
-    failed = sweeps.failures(summary)
-    if failed:
-        for p in failed:
-            console.stderr.print(f"failed: {p['label']}: {p['error'] or p['status']}", markup=False, soft_wrap=True)
-        raise OwaiError(f"{len(failed)} of {len(summary['points'])} sweep points failed; rerun them with --resume {plan.path}")
+    sweeps.raise_on_failures(summary, f"--resume {plan.path}")
 
 
 def register(app: typer.Typer) -> None:

@@ -269,8 +269,7 @@ def train(cfg: Config, run: Run, model: torch.nn.Module, data: RegBenchData, dev
         logits = model(input_ids=x.to(device)).logits
         return F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(), ignore_index=IGNORE_INDEX)
 
-    val_batches = [data.val.torch_batch(range(i, min(i + cfg.eval.batch_size, len(data.val))))[:2]
-                   for i in range(0, len(data.val), cfg.eval.batch_size)]
+    val_batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y, _ in _batches(data.val, cfg.eval.batch_size)]
     best_dir = run.checkpoints("best")
     last = latest_checkpoint(best_dir)
     best: dict[str, Any] = {"val_loss": math.inf, "epoch": 0}
@@ -459,11 +458,7 @@ def plot_study(rows: list[dict[str, Any]], title: str) -> Any:
 
 def write_study(sweep: Any, summary: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """regbench.json, regbench.md and figures/regbench.png in the sweep directory (atomically)."""
-    import io
-
-    import matplotlib.pyplot as plt
-
-    from owai.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+    from owai.io import atomic_write_figure, atomic_write_json, atomic_write_text
 
     rows = study_rows(summary)
     title = f"{sweep.recipe} [{sweep.preset}]: cell selected by min validation loss per model and size"
@@ -471,10 +466,7 @@ def write_study(sweep: Any, summary: dict[str, Any]) -> tuple[list[dict[str, Any
     atomic_write_json(sweep.path / STUDY_JSON, {"recipe": sweep.recipe, "preset": sweep.preset, "title": title,
                                                  "sweep_dir": str(sweep.path), "rows": rows})
     atomic_write_text(sweep.path / STUDY_MD, study_markdown(rows, title, command))
-    fig = plot_study(rows, f"{sweep.recipe} [{sweep.preset}]")
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    (sweep.path / "figures").mkdir(exist_ok=True)
-    atomic_write_bytes(sweep.path / "figures" / f"{STUDY_FIGURE}.png", buf.getvalue())
-    return rows, {"title": title, "figure": str(sweep.path / "figures" / f"{STUDY_FIGURE}.png")}
+    figure = sweep.path / "figures" / f"{STUDY_FIGURE}.png"
+    figure.parent.mkdir(exist_ok=True)
+    atomic_write_figure(figure, plot_study(rows, f"{sweep.recipe} [{sweep.preset}]"))
+    return rows, {"title": title, "figure": str(figure)}
