@@ -218,15 +218,15 @@ def validate(recipe: Recipe) -> None:
     for metric, entry in recipe.thesis.items():
         for number in entry if isinstance(entry, list) else [entry]:
             for key in number.when:
-                _check_path(schema, key, f"{where}: thesis {metric} when {key}")
+                check_path(schema, key, f"{where}: thesis {metric} when {key}")
     if recipe.sweep is not None:
         spec = recipe.sweep
         grids = [spec.grid] + [p.grid for p in spec.presets.values() if p.grid is not None]
         for key in dict.fromkeys(k for g in grids for sub in sub_grids(g) for k in sub):
-            _check_path(schema, key, f"{where}: sweep grid {key}")
+            check_path(schema, key, f"{where}: sweep grid {key}")
 
 
-def _check_path(schema: type, key: str, where: str) -> None:
+def check_path(schema: type, key: str, where: str) -> None:
     """A dotted path must name a parameter of the method's schema."""
     try:
         apply_overrides(schema, {}, [f"{key}=0"])

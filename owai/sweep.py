@@ -40,10 +40,10 @@ from typing import Any
 import yaml
 
 from owai import console
-from owai.config import apply_overrides, build, coerce, load_yaml, parse_override
+from owai.config import build, coerce, load_yaml, parse_override
 from owai.errors import OwaiError
 from owai.io import atomic_write_json
-from owai.recipes import Grid, Recipe, Selection, load, recorded_name, sub_grids
+from owai.recipes import Grid, Recipe, Selection, check_path, load, recorded_name, sub_grids
 from owai.runs import CONFIG, RESULTS, Run, config_hash, ensure_writable, new_unique_dir, timestamp
 
 SWEEP = "sweep.json"
@@ -170,10 +170,7 @@ def _check_grid_key(schema: type, key: str, values: list[Any]) -> None:
     """A grid key is a schema path (not the seed) with distinct values that survive `--set` text."""
     if key == "seed":
         raise OwaiError("--grid seed=...: choose seeds with --seeds")
-    try:
-        apply_overrides(schema, {}, [f"{key}=0"])  # the path must exist
-    except OwaiError as e:
-        raise OwaiError(f"--grid {key}: {str(e).split(': ', 1)[-1]}") from None
+    check_path(schema, key, f"--grid {key}")
     if not values:
         raise OwaiError(f"--grid {key}: no values")
     texts = [value_text(v) for v in values]
