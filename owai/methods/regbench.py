@@ -22,6 +22,7 @@ sweep (`owai eval regbench`, `owai sweep fig3.10-regbench`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -155,7 +156,7 @@ class RegBench(Method):
             raise OwaiError("a RegBench run is one small model on one device; run grid points side by side with "
                             "owai sweep --workers N or --executor slurm, not torchrun")
         spec = sequence_model(cfg.arch)
-        for key in ("n_layer", "n_head", "n_embd", "dropout", "init", "logit_scale"):
+        for key in (f.name for f in dataclasses.fields(ModelConfig)):
             if getattr(cfg.model, key) is not None and key not in spec.settings:
                 has = ", ".join(spec.settings) or "none: it has no hyper-parameters"
                 raise OwaiError(f"model.{key}: the {cfg.arch} model has no setting {key!r} (its settings: {has})")
