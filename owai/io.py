@@ -1,4 +1,4 @@
-"""Atomic file writes: a reader sees the old file or the new one, never half of one."""
+"""Atomic file writes (a reader sees the old file or the new one, never half of one) and the cache root."""
 
 from __future__ import annotations
 
@@ -65,3 +65,15 @@ def atomic_write_figure(path: Path, fig: Any) -> None:
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     atomic_write_bytes(path, buf.getvalue())
+
+
+CACHE_ENV = "OWAI_CACHE"
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """Cache root (token shards, extracted archives, downloaded and pre-trained weights): `cache_dir`
+    if given, else `$OWAI_CACHE`, else `~/.cache/owai`."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "owai"

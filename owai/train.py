@@ -117,9 +117,9 @@ def train_loop(
     clock, clock_step = time.perf_counter(), start
     with Bar(f"train {stage}", total=loop.steps, completed=start) as bar:
         for step in range(start, loop.steps):
-            if lr_at is not None:
+            if lr_at is not None:  # a group's "lr_scale" (e.g. a 10x last-layer lr) multiplies the schedule
                 for group in optimizer.param_groups:
-                    group["lr"] = lr_at(step)
+                    group["lr"] = lr_at(step) * group.get("lr_scale", 1.0)
             if reset_optimizer_at is not None and reset_optimizer_at(step):
                 optimizer.state.clear()
             optimizer.zero_grad(set_to_none=True)

@@ -55,9 +55,9 @@ from typing import Any, TextIO
 
 from owai.data import stories
 from owai.errors import OwaiError
+from owai.io import cache_root  # noqa: F401 - re-exported: tokens.py and the tests use text.cache_root
 from owai.io import atomic_write_text
 
-CACHE_ENV = "OWAI_CACHE"
 SPLITS = ("train", "val")
 SPLIT_ALIASES = {"train": "train", "val": "val", "valid": "val", "validation": "val"}
 HELD_OUT_EVERY = 100  # without a validation split, document i goes to val iff i % 100 == 99
@@ -69,14 +69,6 @@ SOURCE_FORMAT = 1  # bump when reading rules change (keys caches)
 
 
 # --- small helpers ---------------------------------------------------------------------------
-
-
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """Cache root: `cache_dir` if given, else `$OWAI_CACHE`, else `~/.cache/owai`."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "owai"
 
 
 def one_line(exc: BaseException, limit: int = 240) -> str:

@@ -24,6 +24,7 @@ REGISTRY: dict[str, str] = {
     "lm_pretrain": "owai.methods.language_model:LanguageModelPretraining",
     "lm_eval": "owai.methods.language_model:LanguageModelEvaluation",
     "regbench": "owai.methods.regbench:RegBench",
+    "dropout_ft": "owai.methods.dropout_ft:DropoutFineTuning",
 }
 
 

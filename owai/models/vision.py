@@ -454,3 +454,90 @@ def load_torchvision_weights(model: nn.Module, path: str | Path) -> None:
     if bad:
         raise OwaiError(f"{path}: shape mismatch for {len(bad)} tensors, e.g. {'; '.join(bad[:3])}")
     model.load_state_dict(state, strict=True)
+
+
+def resolve_weights(backbone: str, weights: str) -> Path | None:
+    """The local file for `weights`: "" = none (random initialisation); a torchvision weights name
+    of `backbone` (e.g. IMAGENET1K_V2, the thesis's "ResNet #2") = `<cache>/weights/<file>`,
+    downloaded from the official URL the first time; anything else = a path to a .pth/.safetensors file."""
+    from owai.io import cache_root
+
+    if not weights:
+        return None
+    known = WEIGHTS.get(backbone, {})
+    if weights in known:
+        url = known[weights]
+        path = cache_root() / "weights" / url.rsplit("/", 1)[-1]
+        if not path.is_file():
+            _download(url, path)
+        return path
+    path = Path(weights).expanduser()
+    if not path.is_file():
+        names = ", ".join(known) or "none"
+        raise OwaiError(f"weights {weights!r}: no such file, and not a weights name of {backbone} (known: {names})")
+    return path
+
+
+def _download(url: str, path: Path) -> None:
+    """Fetch `url` to `path` atomically (a partial download never looks like a weights file)."""
+    import os
+    import tempfile
+
+    from torch.hub import download_url_to_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        os.close(fd)
+        download_url_to_file(url, tmp, progress=False)
+        os.replace(tmp, path)
+    except Exception as e:  # noqa: BLE001 - no network, HTTP errors, disk full: one line for the user
+        Path(tmp).unlink(missing_ok=True)
+        raise OwaiError(f"cannot download {url} ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}); "
+                        f"put the file at {path}") from None
+
+
+def _remove_head(backbone: nn.Module) -> None:
+    """Replace the backbone's ImageNet head by Identity: its weights are neither trained nor decayed."""
+    model = _check(backbone)
+    if isinstance(model, ResNet):
+        model.fc = nn.Identity()
+    elif isinstance(model, DenseNet):
+        model.classifier = nn.Identity()
+    else:
+        model.heads = nn.Sequential()
+
+
+class FineTuneClassifier(nn.Module):
+    """A pre-trained backbone with a fresh head: features -> Dropout(p) -> Linear (thesis §2.4).
+
+    The dropout acts only on the penultimate representation (2048-d for ResNet-50, the class token
+    for ViT) and only in training mode; PyTorch's inverted dropout scales kept units by 1/(1-p).
+    With `freeze_bn`, every BatchNorm2d of the backbone stays in eval mode whatever `.train()` is
+    called with, so its running statistics never change (its affine parameters still train).
+    """
+
+    def __init__(self, backbone: nn.Module, num_classes: int, dropout: float = 0.0, freeze_bn: bool = True) -> None:
+        super().__init__()
+        if not 0.0 <= dropout < 1.0:
+            raise OwaiError(f"dropout must be in [0, 1), got {dropout}")
+        dim = feature_dim(backbone)
+        _remove_head(backbone)
+        self.backbone = backbone
+        self.classifier = nn.Sequential(nn.Dropout(dropout), nn.Linear(dim, num_classes))
+        self.freeze_bn = freeze_bn
+        self.train()
+
+    def train(self, mode: bool = True) -> "FineTuneClassifier":
+        super().train(mode)
+        if self.freeze_bn:
+            for m in self.backbone.modules():
+                if isinstance(m, nn.BatchNorm2d):
+                    m.eval()
+        return self
+
+    def features(self, x: Tensor) -> Tensor:
+        return self.backbone.forward_features(x)  # (B, feature_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(self.features(x))  # (B, num_classes)

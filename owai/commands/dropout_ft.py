@@ -1,0 +1,100 @@
+"""`owai dropout-ft`: very-large dropout fine-tuning against ensembles and weight averaging (thesis §2.4).
+
+    owai dropout-ft                                          Table 2.8's cpu preset (RotatedMNIST domains)
+    owai dropout-ft -p paper --dataset pacs --root ~/data/domainbed
+    owai dropout-ft --recipe table2.11-dropout-rate --test-domain 0,1 --workers 2
+    owai dropout-ft --resume runs/table2.8-dropout/sweep-...   finish a killed study (finished points are skipped)
+
+The recipe's grid (test domains x dropout x lr x weight decay x seeds) runs through the sweep
+facility; then the study selects hyper-parameters by IID validation per test domain and variant,
+combines the final networks of the grid's runs (Ens-multi, WA-multi) and writes dropout_ft.md,
+dropout_ft.json and figures/dropout_ft.png into the sweep directory. For SLURM, run the grid with
+`owai sweep RECIPE --executor slurm ...`, then `owai dropout-ft --resume SWEEP_DIR` for the study.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from owai import console
+from owai.commands._common import Json, Out, Preset, Quiet, Sets
+from owai.errors import OwaiError
+
+RECIPE = "table2.8-dropout"
+
+
+def _csv(text: str, option: str) -> str:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values:
+        raise OwaiError(f"{option}: give at least one value")
+    return ",".join(values)
+
+
+def dropout_ft(
+    recipe: Annotated[str, typer.Option("--recipe", "-r", help="A dropout-ft recipe id (table2.8-dropout, table2.9-last-lr, ...) or file.")] = RECIPE,
+    dataset: Annotated[Optional[str], typer.Option(
+        "--dataset", "-d", help="pacs, vlcs, office_home, terra_incognita, imagefolder or rotated-mnist (comma-separated: several).")] = None,
+    root: Annotated[Optional[str], typer.Option("--root", help="DomainBed data root (or image-folder root).")] = None,
+    test_domain: Annotated[Optional[str], typer.Option("--test-domain", "-t", help="Comma-separated held-out domain indices.")] = None,
+    dropout: Annotated[Optional[str], typer.Option("--dropout", help="Comma-separated dropout rates on the penultimate features.")] = None,
+    backbone: Annotated[Optional[str], typer.Option("--backbone", help="resnet50, vit_l_16, resnet18, ...")] = None,
+    weights: Annotated[Optional[str], typer.Option("--weights", help="IMAGENET1K_V1 (ResNet #1), IMAGENET1K_V2 (ResNet #2), a file, or '' (scratch).")] = None,
+    preset: Preset = None,
+    sets: Sets = None,
+    grid: Annotated[Optional[list[str]], typer.Option("--grid", "-g", help="Replace a grid key's values: --grid train.lr=1e-3,5e-4 (repeatable).")] = None,
+    seeds: Annotated[Optional[str], typer.Option("--seeds", help="Comma-separated seeds (default: the recipe's).")] = None,
+    workers: Annotated[int, typer.Option("--workers", "-w", min=1, help="Local worker processes for the grid points.")] = 1,
+    out: Out = Path("runs"),
+    resume: Annotated[Optional[Path], typer.Option("--resume", help="Continue a dropout-ft sweep directory (skips finished points).")] = None,
+    quiet: Quiet = False,
+    as_json: Json = False,
+) -> None:
+    """Very-large dropout fine-tuning (Tables 2.8-2.12, Fig 2.10/2.11): DomainBed grid, IID selection, ensembles and weight averages."""
+    from owai import sweep as sweeps
+    from owai.methods.dropout_ft import study_table, write_study
+    from owai.recipes import load, recorded_name
+    from owai.runtime import select_device
+
+    console.configure(quiet, as_json)
+    if resume is not None:
+        if any(v is not None for v in (dataset, root, test_domain, dropout, backbone, weights, preset, sets, grid, seeds)) \
+                or recipe != RECIPE:
+            raise OwaiError("--resume takes its plan from SWEEP_DIR/sweep.json; drop the other options")
+        plan = sweeps.open_sweep(resume)
+        if load(recorded_name(plan.recipe, plan.recipe_source)).method != "dropout_ft":
+            raise OwaiError(f"{resume} is a sweep of {plan.recipe}, not a dropout-ft study")
+    else:
+        rec = load(recipe)
+        if rec.method != "dropout_ft":
+            raise OwaiError(f"recipe {rec.id!r} runs method {rec.method!r}, not dropout_ft")
+        extra_sets = [*(sets or [])]
+        if root is not None:
+            extra_sets.append(f"data.root={root}")
+        if backbone is not None:
+            extra_sets.append(f"model.backbone={backbone}")
+        if weights is not None:
+            extra_sets.append(f"model.weights='{weights}'")
+        extra_grid = [*(grid or [])]
+        for key, text, option in (("data.dataset", dataset, "--dataset"), ("data.test_domain", test_domain, "--test-domain"),
+                                  ("model.dropout", dropout, "--dropout")):
+            if text is not None:
+                extra_grid.append(f"{key}={_csv(text, option)}")
+        plan = sweeps.create(recipe, preset, extra_sets, extra_grid, sweeps.parse_seeds(seeds) if seeds else None, out)
+    console.info(f"sweep directory: {plan.path} ({len(plan.points)} points)")
+    outcomes = sweeps.run(plan, "local", workers)
+    summary = sweeps.write_summary(plan, outcomes)
+    failed = sweeps.failures(summary)
+    rows, info = write_study(plan, summary, select_device("auto"))
+    if as_json:
+        console.emit_json({"rows": rows, **info, "sweep_dir": str(plan.path), "failed": [p["label"] for p in failed]})
+    elif not quiet:
+        console.stdout.print(study_table(rows, info["title"]))
+        console.stdout.print(f"table: {plan.path / 'dropout_ft.md'}\nfigure: {info['figure']}")
+    sweeps.raise_on_failures(summary, f"owai dropout-ft --resume {plan.path}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("dropout-ft")(dropout_ft)

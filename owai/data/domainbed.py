@@ -1,0 +1,492 @@
+"""Multi-domain image datasets, splits, transforms and step-keyed batches (DomainBed protocol).
+
+The data layer of "very-large dropout fine-tuning": DomainBed's image-folder datasets (PACS, VLCS,
+OfficeHome, TerraIncognita) and its RotatedMNIST, the in/out split of every domain
+(`misc.split_dataset`), its training and evaluation transforms, and minibatches that hold the same
+number of examples from every training domain. torchvision is not a dependency: the transforms are
+written with PIL, NumPy and torch and follow torchvision's algorithms (noted per function).
+
+Layout: `<root>/<domain>/<class>/<image>`, DomainBed's `MultipleEnvironmentImageFolder`. Domains are
+the sorted sub-directories of `root` (or a given list), classes the sorted sub-directories of a domain
+and must be the same in every domain; class `k` is the k-th sorted class name. Images are the files
+below a class folder (recursively) whose extension is in `IMAGE_EXTENSIONS` (case-insensitive), in
+sorted path order, so example indices are deterministic. Hidden entries (names starting with ".")
+are ignored at every level.
+
+Corrupt-image rule: at indexing every image file is opened with PIL and `verify()`ed; a file PIL
+cannot identify or verify is skipped and counted in `skipped` (the caller reports the count). A domain
+left without images is an error. `verify()` checks headers (and PNG checksums) without decoding, so a
+file can pass indexing and still fail to decode: `image()` then raises `OwaiError` naming the file
+rather than silently substituting another example.
+
+Randomness is keyed, never streamed (`owai.runtime.generator`): the in/out split of domain `d` by
+`(trial_seed, "split", d)`, the examples of training step `t` from domain `d` by
+`(seed, "batch", t, d)` and the augmentation of its j-th example by `(seed, "augment", t, d, j)`.
+A batch is therefore a function of the step: a resumed run, or one with any number of loader
+workers, sees exactly the batches of an uninterrupted single-process run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageEnhance
+from torch.utils.data import DataLoader, Dataset
+
+from owai.errors import OwaiError
+from owai.runtime import generator
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+DOMAINBED = {  # DomainBed's domain folder names per dataset, sorted as DomainBed sorts them
+    "pacs": ("art_painting", "cartoon", "photo", "sketch"),
+    "vlcs": ("Caltech101", "LabelMe", "SUN09", "VOC2007"),
+    "office_home": ("Art", "Clipart", "Product", "Real World"),
+    "terra_incognita": ("location_100", "location_38", "location_43", "location_46"),
+}
+DATASET_DIRS = {"pacs": "PACS", "vlcs": "VLCS", "office_home": "office_home", "terra_incognita": "terra_incognita"}
+
+BILINEAR = Image.Resampling.BILINEAR
+CROP_SCALE = (0.7, 1.0)
+CROP_RATIO = (3 / 4, 4 / 3)
+JITTER = 0.3  # brightness, contrast, saturation and hue of DomainBed's ColorJitter
+GRAYSCALE_P = 0.1
+FLIP_P = 0.5
+
+
+class MultiDomainDataset:
+    """Images grouped by domain: domain `d` holds `size(d)` examples with `labels(d)` (int64) over
+    the shared, sorted `classes`; `image(d, i)` is example i as an RGB PIL image."""
+
+    name: str = ""
+    domains: list[str]
+    classes: list[str]
+    skipped: int = 0
+
+    def size(self, domain: int) -> int:
+        return int(self.labels(domain).shape[0])
+
+    def labels(self, domain: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def image(self, domain: int, index: int) -> Image.Image:
+        raise NotImplementedError
+
+
+def _visible_dirs(path: Path) -> list[str]:
+    return sorted(e.name for e in os.scandir(path) if e.is_dir() and not e.name.startswith("."))
+
+
+def _image_files(class_dir: Path) -> list[Path]:
+    """Files below `class_dir` (recursively) with an image extension, in sorted path order."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(class_dir, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        found += [Path(dirpath) / f for f in filenames
+                  if not f.startswith(".") and f.lower().endswith(IMAGE_EXTENSIONS)]
+    return sorted(found)
+
+
+def _verifies(path: Path) -> bool:
+    try:
+        with Image.open(path) as im:
+            im.verify()
+    except Exception:  # noqa: BLE001 - PIL raises many types for a bad file; all mean "skip it"
+        return False
+    return True
+
+
+class ImageFolderDomains(MultiDomainDataset):
+    """`root/<domain>/<class>/<file>` (DomainBed's MultipleEnvironmentImageFolder); see the module
+    docstring for the listing order and the corrupt-image rule."""
+
+    def __init__(self, root: str | Path, name: str = "imagefolder", domains: list[str] | None = None):
+        root = Path(root).expanduser()
+        if not root.exists():
+            raise OwaiError(f"dataset root {root} does not exist")
+        if not root.is_dir():
+            raise OwaiError(f"dataset root {root} is not a directory")
+        if domains is None:
+            domains = _visible_dirs(root)
+        else:
+            domains = list(domains)
+            missing = [d for d in domains if not (root / d).is_dir()]
+            if missing:
+                raise OwaiError(f"domain folder(s) missing in {root}: {', '.join(missing)}")
+            if len(set(domains)) != len(domains):
+                raise OwaiError(f"domain list {domains} for {root} has duplicates")
+        if len(domains) < 2:
+            raise OwaiError(f"dataset root {root} has {len(domains)} domain folder(s), need at least 2")
+        classes = _visible_dirs(root / domains[0])
+        if not classes:
+            raise OwaiError(f"domain {domains[0]!r} in {root} has no class folders")
+        for domain in domains[1:]:
+            other = _visible_dirs(root / domain)
+            if other != classes:
+                missing, extra = sorted(set(classes) - set(other)), sorted(set(other) - set(classes))
+                raise OwaiError(
+                    f"domain {domain!r} in {root} has different class folders than {domains[0]!r}: "
+                    f"missing {missing}, extra {extra}"
+                )
+        self.name, self.root, self.domains, self.classes = name, root, domains, classes
+        self.skipped = 0
+        self._files: list[list[str]] = []  # paths relative to root (small to pickle)
+        self._labels: list[torch.Tensor] = []
+        for domain in domains:
+            files, labels, skipped = [], [], 0
+            for label, cls in enumerate(classes):
+                for path in _image_files(root / domain / cls):
+                    if _verifies(path):
+                        files.append(str(path.relative_to(root)))
+                        labels.append(label)
+                    else:
+                        skipped += 1
+            if not files:
+                raise OwaiError(
+                    f"domain {domain!r} in {root} has no readable images"
+                    + (f" ({skipped} unreadable file(s) skipped)" if skipped else "")
+                )
+            self.skipped += skipped
+            self._files.append(files)
+            self._labels.append(torch.tensor(labels, dtype=torch.int64))
+
+    def labels(self, domain: int) -> torch.Tensor:
+        return self._labels[domain]
+
+    def path(self, domain: int, index: int) -> Path:
+        """The file of example `index` of `domain`."""
+        return self.root / self._files[domain][index]
+
+    def image(self, domain: int, index: int) -> Image.Image:
+        path = self.path(domain, index)
+        try:
+            with Image.open(path) as im:
+                return im.convert("RGB")
+        except Exception as exc:  # noqa: BLE001 - any decode failure of a user's file
+            raise OwaiError(f"cannot decode image {path}: {exc}") from None
+
+
+def domainbed_dataset(name: str, root: str | Path) -> ImageFolderDomains:
+    """DomainBed dataset `name` (a key of `DOMAINBED`) from `root/DATASET_DIRS[name]`, or from `root`
+    itself when it already holds the domain folders."""
+    if name not in DOMAINBED:
+        raise OwaiError(f"unknown DomainBed dataset {name!r} (known: {', '.join(DOMAINBED)})")
+    root = Path(root).expanduser()
+    expected = DOMAINBED[name]
+    folder = root / DATASET_DIRS[name]
+    if not folder.is_dir() and any((root / d).is_dir() for d in expected):
+        folder = root
+    if not folder.is_dir():
+        raise OwaiError(f"{name} folder {folder} does not exist (expected <root>/{DATASET_DIRS[name]}/<domain>/...)")
+    missing = [d for d in expected if not (folder / d).is_dir()]
+    if missing:
+        raise OwaiError(f"{name} folder {folder} lacks domain folder(s): {', '.join(missing)}")
+    return ImageFolderDomains(folder, name=name, domains=list(expected))
+
+
+class TensorDomains(MultiDomainDataset):
+    """Grayscale uint8 images held in memory, one tensor (n, H, W) per domain; `image()` returns
+    them as RGB (gray replicated to 3 channels)."""
+
+    def __init__(self, name: str, domains: list[str], classes: list[str], images: list[torch.Tensor],
+                 labels: list[torch.Tensor]):
+        self.name, self.domains, self.classes, self.skipped = name, list(domains), list(classes), 0
+        self._images = [im.to(torch.uint8).contiguous() for im in images]
+        self._labels = [lab.to(torch.int64) for lab in labels]
+
+    def labels(self, domain: int) -> torch.Tensor:
+        return self._labels[domain]
+
+    def images(self, domain: int) -> torch.Tensor:
+        """All images of `domain`, uint8 (n, H, W)."""
+        return self._images[domain]
+
+    def image(self, domain: int, index: int) -> Image.Image:
+        return Image.fromarray(self._images[domain][index].numpy()).convert("RGB")
+
+
+def _rotate(images: torch.Tensor, angle: float) -> torch.Tensor:
+    """Rotate uint8 (n, H, W) images `angle` degrees counter-clockwise (PIL bilinear, fill 0)."""
+    out = [np.asarray(Image.fromarray(im).rotate(angle, resample=BILINEAR, fillcolor=0))
+           for im in images.numpy()]
+    return torch.from_numpy(np.stack(out)) if out else images.clone()
+
+
+class RotatedMNIST(TensorDomains):
+    """DomainBed's RotatedMNIST on one MNIST split (object with `.images` uint8 (N, 28, 28) and
+    `.labels`): a fixed permutation of the images; its first `pool` images are an upright pretraining
+    pool, the rest are dealt round-robin to the domains (`order[pool + i :: len(angles)]`), the first
+    `per_domain` of each kept, and domain i rotated by `angles[i]` degrees. `source_indices[i]` are
+    the MNIST indices of domain i, `pool_indices` those of the pool."""
+
+    def __init__(self, mnist, angles: list[float], per_domain: int, pool: int = 0, seed: int = 0):
+        angles = [float(a) for a in angles]
+        n = int(mnist.labels.shape[0])
+        if per_domain < 1:
+            raise OwaiError(f"RotatedMNIST per_domain must be >= 1, got {per_domain}")
+        if len(angles) < 2:
+            raise OwaiError(f"RotatedMNIST needs at least 2 angles (domains), got {len(angles)}")
+        if pool < 0:
+            raise OwaiError(f"RotatedMNIST pool must be >= 0, got {pool}")
+        needed = pool + per_domain * len(angles)
+        if needed > n:
+            raise OwaiError(
+                f"RotatedMNIST needs {needed} images (pool {pool} + {len(angles)} domains x {per_domain}), "
+                f"the MNIST split has {n}"
+            )
+        order = torch.randperm(n, generator=generator(seed, "rotated-mnist", "order"))
+        self.angles, self.seed = angles, seed
+        self.pool_indices = order[:pool]
+        self.source_indices = [order[pool + i :: len(angles)][:per_domain] for i in range(len(angles))]
+        super().__init__(
+            name="rotated_mnist",
+            domains=[f"rot{a:g}" for a in angles],
+            classes=[str(c) for c in range(10)],
+            images=[_rotate(mnist.images[idx], a) for idx, a in zip(self.source_indices, angles)],
+            labels=[mnist.labels[idx] for idx in self.source_indices],
+        )
+        self._pool = (mnist.images[self.pool_indices].clone(), mnist.labels[self.pool_indices].clone())
+
+    def pretraining_pool(self) -> TensorDomains:
+        """The `pool` upright images as a one-domain dataset ("upright")."""
+        if len(self.pool_indices) == 0:
+            raise OwaiError("RotatedMNIST was built with pool=0: there is no pretraining pool")
+        images, labels = self._pool
+        return TensorDomains("rotated_mnist_pool", ["upright"], self.classes, [images], [labels])
+
+
+def split_domain(n: int, holdout_fraction: float, trial_seed: int, domain: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DomainBed's `misc.split_dataset` of one domain of `n` examples: (in_idx, out_idx), where `out`
+    is the first `int(holdout_fraction * n)` entries of a permutation keyed by (trial_seed, domain)."""
+    if not 0.0 <= holdout_fraction < 1.0:
+        raise OwaiError(f"holdout_fraction must be in [0, 1), got {holdout_fraction}")
+    if n < 0:
+        raise OwaiError(f"cannot split a domain of {n} examples")
+    perm = torch.randperm(n, generator=generator(trial_seed, "split", domain))
+    k = int(holdout_fraction * n)
+    return perm[k:].clone(), perm[:k].clone()
+
+
+# ---------------------------------------------------------------------------------------- transforms
+
+_MEAN = np.asarray(IMAGENET_MEAN, dtype=np.float32)
+_STD = np.asarray(IMAGENET_STD, dtype=np.float32)
+
+
+def to_tensor(image: Image.Image) -> torch.Tensor:
+    """RGB PIL image -> float32 (3, H, W), ImageNet-normalised. Computed in NumPy: per-image torch ops
+    would go through intra-op thread pools, which cost far more than the arithmetic at this size."""
+    x = (np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0 - _MEAN) / _STD
+    return torch.from_numpy(np.ascontiguousarray(x.transpose(2, 0, 1)))
+
+
+def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.stack of CPU tensors through NumPy (single-threaded; see `to_tensor`)."""
+    return torch.from_numpy(np.stack([t.numpy() for t in tensors]))
+
+
+def _uniform(lo: float, hi: float, gen: torch.Generator) -> float:
+    return float(torch.empty(1).uniform_(lo, hi, generator=gen))
+
+
+def random_resized_crop_params(width: int, height: int, gen: torch.Generator,
+                               scale: tuple[float, float] = CROP_SCALE,
+                               ratio: tuple[float, float] = CROP_RATIO) -> tuple[int, int, int, int]:
+    """(top, left, h, w) of torchvision's RandomResizedCrop: 10 tries of a uniform area fraction in
+    `scale` and a log-uniform aspect ratio in `ratio`, then the central crop with the nearest
+    admissible ratio (the whole image if its ratio is admissible)."""
+    area = width * height
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for _ in range(10):
+        target = area * _uniform(scale[0], scale[1], gen)
+        aspect = math.exp(_uniform(log_lo, log_hi, gen))
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(torch.randint(0, height - h + 1, (1,), generator=gen))
+            left = int(torch.randint(0, width - w + 1, (1,), generator=gen))
+            return top, left, h, w
+    in_ratio = width / height
+    if in_ratio < min(ratio):
+        w, h = width, round(width / min(ratio))
+    elif in_ratio > max(ratio):
+        w, h = round(height * max(ratio)), height
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def _adjust_hue(image: Image.Image, shift: float) -> Image.Image:
+    """torchvision's PIL adjust_hue: shift H (uint8 in HSV mode) by `shift` of the hue circle."""
+    h, s, v = image.convert("HSV").split()
+    np_h = (np.asarray(h, dtype=np.int16) + int(shift * 255)) % 256
+    return Image.merge("HSV", (Image.fromarray(np_h.astype(np.uint8)), s, v)).convert("RGB")
+
+
+def color_jitter(image: Image.Image, gen: torch.Generator, strength: float = JITTER) -> Image.Image:
+    """torchvision's ColorJitter(strength, strength, strength, strength): the four ops in a random
+    order, factors uniform in [1 - strength, 1 + strength], hue shift uniform in [-strength, strength]."""
+    order = torch.randperm(4, generator=gen).tolist()
+    lo = max(0.0, 1.0 - strength)
+    b, c, s = (_uniform(lo, 1.0 + strength, gen) for _ in range(3))
+    hue = _uniform(-strength, strength, gen)
+    for op in order:
+        if op == 0:
+            image = ImageEnhance.Brightness(image).enhance(b)
+        elif op == 1:
+            image = ImageEnhance.Contrast(image).enhance(c)
+        elif op == 2:
+            image = ImageEnhance.Color(image).enhance(s)
+        else:
+            image = _adjust_hue(image, hue)
+    return image
+
+
+def eval_transform(image: Image.Image, size: int) -> torch.Tensor:
+    """DomainBed's eval transform: Resize((size, size)) bilinear, to tensor, normalise."""
+    image = image.convert("RGB")
+    if image.size != (size, size):
+        image = image.resize((size, size), BILINEAR)
+    return to_tensor(image)
+
+
+def train_transform(image: Image.Image, size: int, augment: bool, gen: torch.Generator) -> torch.Tensor:
+    """float32 (3, size, size). augment=False: `eval_transform`. augment=True: DomainBed's training
+    transform, RandomResizedCrop(size, (0.7, 1)), RandomHorizontalFlip, ColorJitter(0.3 x 4),
+    RandomGrayscale(0.1), to tensor, normalise; every random draw comes from `gen`."""
+    if not augment:
+        return eval_transform(image, size)
+    image = image.convert("RGB")
+    top, left, h, w = random_resized_crop_params(image.width, image.height, gen)
+    image = image.crop((left, top, left + w, top + h)).resize((size, size), BILINEAR)
+    if float(torch.rand(1, generator=gen)) < FLIP_P:
+        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    image = color_jitter(image, gen)
+    if float(torch.rand(1, generator=gen)) < GRAYSCALE_P:
+        image = image.convert("L").convert("RGB")
+    return to_tensor(image)
+
+
+# ------------------------------------------------------------------------------------------ batches
+
+class StepBatches(Dataset):
+    """Item `step` = the whole minibatch of training step `step`: `batch_per_domain` examples from
+    each training domain, drawn with replacement (DomainBed's InfiniteDataLoader samples with
+    RandomSampler(replacement=True)) by generator(seed, "batch", step, domain), each augmented with
+    generator(seed, "augment", step, domain, j). A function of the step, so a resumed run replays the
+    same batches. Returns x float32 (D*B, 3, size, size), y int64, d int64 (the position k of the
+    example's domain in `domains`), domain by domain."""
+
+    def __init__(self, data: MultiDomainDataset, domains: list[int], indices: list[torch.Tensor],
+                 batch_per_domain: int, size: int, augment: bool, seed: int, steps: int):
+        domains = [int(d) for d in domains]
+        if not domains:
+            raise OwaiError("StepBatches needs at least one training domain")
+        if len(indices) != len(domains):
+            raise OwaiError(f"StepBatches got {len(domains)} domains but {len(indices)} index sets")
+        if batch_per_domain < 1 or size < 1 or steps < 0:
+            raise OwaiError(f"StepBatches needs batch_per_domain >= 1, size >= 1, steps >= 0 "
+                            f"(got {batch_per_domain}, {size}, {steps})")
+        self.indices = []
+        for d, idx in zip(domains, indices):
+            if not 0 <= d < len(data.domains):
+                raise OwaiError(f"{data.name} has no domain {d} (it has {len(data.domains)})")
+            idx = torch.as_tensor(idx, dtype=torch.int64)
+            if idx.numel() == 0:
+                raise OwaiError(f"{data.name} domain {data.domains[d]!r} has no training examples")
+            if int(idx.min()) < 0 or int(idx.max()) >= data.size(d):
+                raise OwaiError(f"{data.name} domain {data.domains[d]!r}: an index is outside 0..{data.size(d) - 1}")
+            self.indices.append(idx)
+        self.data, self.domains, self.batch_per_domain = data, domains, batch_per_domain
+        self.size, self.augment, self.seed, self.steps = size, augment, seed, steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        step = int(step)
+        if not 0 <= step < self.steps:
+            raise IndexError(f"step {step} outside 0..{self.steps - 1}")
+        xs, ys = [], []
+        for domain, idx in zip(self.domains, self.indices):
+            gen = generator(self.seed, "batch", step, domain)
+            picks = torch.randint(len(idx), (self.batch_per_domain,), generator=gen)
+            chosen = idx[picks]
+            for j, i in enumerate(chosen.tolist()):
+                gen = generator(self.seed, "augment", step, domain, j)
+                xs.append(train_transform(self.data.image(domain, i), self.size, self.augment, gen))
+            ys.append(self.data.labels(domain)[chosen])
+        d = torch.arange(len(self.domains)).repeat_interleave(self.batch_per_domain)
+        return _stack(xs), torch.cat(ys), d
+
+
+def _loader(dataset: Dataset, workers: int, pin_memory: bool, **kwargs) -> DataLoader:
+    if workers < 0:
+        raise OwaiError(f"data loader workers must be >= 0, got {workers}")
+    return DataLoader(dataset, num_workers=workers, pin_memory=pin_memory, persistent_workers=False,
+                      prefetch_factor=4 if workers else None, **kwargs)
+
+
+def step_loader(batches: StepBatches, start: int, workers: int = 0,
+                pin_memory: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The batches of steps start, start + 1, ..., len(batches) - 1; workers build whole steps."""
+    if not 0 <= start <= len(batches):
+        raise OwaiError(f"start step {start} outside 0..{len(batches)}")
+    return iter(_loader(batches, workers, pin_memory, batch_size=None, sampler=range(start, len(batches))))
+
+
+class _EvalItems(Dataset):
+    def __init__(self, data: MultiDomainDataset, domain: int, indices: torch.Tensor, size: int):
+        self.data, self.domain, self.size = data, domain, size
+        self.indices = torch.as_tensor(indices, dtype=torch.int64)
+        self.labels = data.labels(domain)
+
+    def __len__(self) -> int:
+        return int(self.indices.numel())
+
+    def __getitem__(self, k: int) -> tuple[torch.Tensor, int]:
+        i = int(self.indices[k])
+        return eval_transform(self.data.image(self.domain, i), self.size), int(self.labels[i])
+
+
+def _collate_eval(items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    return _stack([x for x, _ in items]), torch.tensor([y for _, y in items], dtype=torch.int64)
+
+
+def eval_batches(data: MultiDomainDataset, domain: int, indices: torch.Tensor, size: int, batch_size: int = 256,
+                 workers: int = 0, pin_memory: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(x, y) batches of the examples `indices` of `domain`, in order, eval transform."""
+    if batch_size < 1:
+        raise OwaiError(f"eval batch_size must be >= 1, got {batch_size}")
+    items = _EvalItems(data, domain, indices, size)
+    return iter(_loader(items, workers, pin_memory, batch_size=batch_size, shuffle=False,
+                        collate_fn=_collate_eval))
+
+
+class CachedEval:
+    """Eval-transformed tensors of one (domain, indices) computed once and kept in memory
+    (x float32 (n, 3, size, size), y int64 (n,)), for small datasets evaluated many times (CPU presets)."""
+
+    def __init__(self, data: MultiDomainDataset, domain: int, indices: torch.Tensor, size: int,
+                 batch_size: int = 256):
+        parts = list(eval_batches(data, domain, indices, size, batch_size))
+        self.batch_size = batch_size
+        if parts:
+            self.x = torch.from_numpy(np.concatenate([x.numpy() for x, _ in parts]))
+            self.y = torch.cat([y for _, y in parts])
+        else:
+            self.x, self.y = torch.empty(0, 3, size, size), torch.empty(0, dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+    def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for k in range(0, len(self), self.batch_size):
+            yield self.x[k : k + self.batch_size], self.y[k : k + self.batch_size]
+

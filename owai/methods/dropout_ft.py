@@ -1,0 +1,832 @@
+"""Very-large dropout fine-tuning on DomainBed (thesis §2.4, Tables 2.8-2.12, Figures 2.10-2.11; spec §5).
+
+One run = one (dataset, test domain, hyper-parameters, seed) point of the DomainBed protocol:
+
+* data (`owai.data.domainbed`): leave-one-domain-out; every domain split by `split_domain` into `in`
+  (80 %) and `out` (20 %, the IID validation hold-out), the same split for every seed
+  (`data.trial_seed`, DomainBed's convention); training draws `batch_per_domain` (32) examples from
+  the `in` split of each training domain per step, augmented as DomainBed does;
+* model (`owai.models.vision.FineTuneClassifier`): the pre-trained backbone, `Dropout(model.dropout)`
+  on its penultimate representation, a fresh linear head; BatchNorm2d frozen in eval mode;
+* optimisation: SGD with momentum 0.9 and coupled weight decay, the featurizer at `train.lr` and the
+  head at `train.lr x train.last_lr_factor`, the lr x `gamma` at each milestone (10 001 steps, x0.1 at
+  5 000), through the shared `owai.train.train_loop` (resumable);
+* evaluation after update 0, every `eval_every` (300) updates and after the last: `iid_acc` = mean
+  accuracy on the training domains' `out` splits, `ood_acc` = accuracy on the test domain's `in`
+  split (DomainBed's convention), `ood_out_acc` on its `out` split.
+
+Three tracks are evaluated along the run, each selected at its best-IID evaluation:
+
+* `model`: the network itself (ERM when dropout = 0, VL-dropout when 0.9);
+* `ens` (Ens-single): from update `average_start` (300) on, the logits of the network at every
+  evaluation are summed, and the running sum predicts;
+* `swa` (WA-single): a uniform running average of the weights (float buffers included), updated
+  after every update from `average_start` on (`average_every: step`, the reference code) or at
+  every evaluation (`average_every: eval`, the thesis's wording).
+
+Multi-run ensembles and weight averages (Ens-multi, WA-multi) combine the final weights of the grid's
+runs; they are computed by the study (`study_rows`) after the sweep. Offline CPU presets use
+`data.dataset: rotated-mnist` (DomainBed's RotatedMNIST built from the packaged MNIST split) with a
+`pretrain` stage standing in for ImageNet pre-training (see docs/decisions.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from owai import console
+from owai.config import BaseConfig
+from owai.errors import OwaiError
+from owai.methods import Method, Outcome
+from owai.runs import Run
+
+TRACKS = ("model", "swa", "ens")
+MULTI = ("wa_multi", "ens_multi")
+DOMAINBED_NAMES = ("pacs", "vlcs", "office_home", "terra_incognita")
+DATASETS = (*DOMAINBED_NAMES, "imagefolder", "rotated-mnist")
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "vlcs"  # pacs | vlcs | office_home | terra_incognita | imagefolder | rotated-mnist
+    root: str = ""  # DomainBed data root, or an image-folder root; rotated-mnist: an MNIST IDX dir ("" = packaged)
+    test_domain: int = 0  # index into the sorted domains: leave-one-domain-out
+    holdout_fraction: float = 0.2
+    trial_seed: int = 0  # DomainBed: the split is the same for every seed
+    image_size: int = 224
+    augment: bool = True
+    batch_per_domain: int = 32
+    workers: int = 4  # loader processes (0 = in the training process)
+    eval_batch_size: int = 128
+    cache_eval: bool = False  # keep the eval tensors in memory (small datasets evaluated often)
+    angles: list[float] = field(default_factory=lambda: [0.0, 15.0, 30.0, 45.0, 60.0, 75.0])  # rotated-mnist
+    per_domain: int = 1000  # rotated-mnist: images per domain
+    pool: int = 0  # rotated-mnist: upright images held out for the `pretrain` stage
+
+
+@dataclass
+class ModelConfig:
+    backbone: str = "resnet50"
+    weights: str = "IMAGENET1K_V2"  # "" = random init, a torchvision weights name, or a file path
+    dropout: float = 0.0  # on the penultimate representation only
+    freeze_bn: bool = True
+    channels_last: bool = True  # on CUDA
+
+
+@dataclass
+class PretrainConfig:
+    """A stand-in for ImageNet pre-training on offline data: ERM on the upright `data.pool` images.
+    The result is cached by its settings (`<cache>/pretrained/`), so every run of a grid starts from
+    the same backbone, as runs starting from one ImageNet checkpoint do."""
+
+    steps: int = 0  # 0 = no pre-training stage
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    batch_size: int = 128
+    seed: int = 0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 10001
+    lr: float = 1e-3
+    weight_decay: float = 1e-4
+    momentum: float = 0.9
+    last_lr_factor: float = 1.0  # the head's lr = lr x last_lr_factor (Table 2.9: 10)
+    milestones: list[int] = field(default_factory=lambda: [5000, 10000])
+    gamma: float = 0.1
+    eval_every: int = 300
+    average_start: int = 300  # first update in the single-run ensemble / weight average
+    average_every: Literal["step", "eval"] = "step"
+    checkpoint_every: int = 300
+    log_every: int = 50
+    precision: Literal["auto", "float32", "bfloat16"] = "auto"  # auto = bfloat16 autocast on CUDA
+
+
+@dataclass
+class Config(BaseConfig):
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+class DropoutFineTuning(Method):
+    Config = Config
+    cli = "owai dropout-ft"
+
+    @staticmethod
+    def validate(cfg: Config) -> None:
+        from owai.models.vision import BACKBONES
+
+        d, m, p, t = cfg.data, cfg.model, cfg.pretrain, cfg.train
+        if d.dataset not in DATASETS:
+            raise OwaiError(f"data.dataset {d.dataset!r}: choose one of {', '.join(DATASETS)}")
+        if d.dataset != "rotated-mnist" and not d.root:
+            raise OwaiError(f"data.root: the directory holding the {d.dataset} images is required (--set data.root=DIR)")
+        if not 0 < d.holdout_fraction < 1:
+            raise OwaiError(f"data.holdout_fraction must be in (0, 1), got {d.holdout_fraction}")
+        for name in ("image_size", "batch_per_domain", "eval_batch_size"):
+            if getattr(d, name) < 1:
+                raise OwaiError(f"data.{name} must be >= 1, got {getattr(d, name)}")
+        if d.workers < 0 or d.test_domain < 0:
+            raise OwaiError("data.workers and data.test_domain must be >= 0")
+        if m.backbone not in BACKBONES:
+            raise OwaiError(f"unknown backbone {m.backbone!r}; known: {', '.join(sorted(BACKBONES))}")
+        if not 0 <= m.dropout < 1:
+            raise OwaiError(f"model.dropout must be in [0, 1), got {m.dropout}")
+        if p.steps < 0 or (p.steps and (d.dataset != "rotated-mnist" or d.pool < 1)):
+            raise OwaiError("pretrain.steps > 0 needs data.dataset=rotated-mnist with data.pool > 0 upright images")
+        if p.steps and m.weights:
+            raise OwaiError(f"pretrain.steps > 0 builds the initial weights; set model.weights='' (got {m.weights!r})")
+        for name in ("steps", "eval_every", "checkpoint_every", "log_every"):
+            if getattr(t, name) < 1:
+                raise OwaiError(f"train.{name} must be >= 1, got {getattr(t, name)}")
+        if not (t.lr > 0 and t.weight_decay >= 0 and 0 <= t.momentum < 1 and t.last_lr_factor > 0 and t.gamma > 0):
+            raise OwaiError("train: need lr > 0, weight_decay >= 0, 0 <= momentum < 1, last_lr_factor > 0, gamma > 0")
+        if t.average_start < 0:
+            raise OwaiError(f"train.average_start must be >= 0, got {t.average_start}")
+
+    def run(self, cfg: Config, run: Run) -> Outcome:
+        device = run.device
+        data = load_data(cfg)
+        console.info(f"{data.name}: domains {', '.join(data.domains)}; test domain {data.domains[cfg.data.test_domain]}; "
+                     f"{len(data.classes)} classes" + (f"; {data.skipped} unreadable files skipped" if data.skipped else ""))
+        weights = initial_weights(cfg, run, device)
+        model = build_model(cfg, len(data.classes), weights, device)
+        sets = eval_sets(cfg, data)
+        tracks = train(cfg, run, model, data, sets, device)
+        measured: dict[str, Any] = {}
+        for track in TRACKS:
+            best = tracks.best.get(track)
+            for key in ("iid_acc", "ood_acc", "ood_out_acc", "step"):
+                measured[f"{track}.{key}"] = best[key] if best else None
+        measured.update({f"final.{k}": v for k, v in tracks.final.items()})
+        details = {"domains": data.domains, "test_domain": data.domains[cfg.data.test_domain],
+                   "classes": data.classes, "skipped_files": data.skipped,
+                   "split_sizes": {s.name: s.size for s in sets}}
+        return Outcome(measured, details)
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+
+def load_data(cfg: Config) -> Any:
+    """The multi-domain dataset of `cfg.data`; checks the test domain exists."""
+    from owai.data import domainbed
+    from owai.data.mnist import load_mnist
+
+    d = cfg.data
+    if d.dataset == "rotated-mnist":
+        data = domainbed.RotatedMNIST(load_mnist("test", root=d.root or None), d.angles, d.per_domain, d.pool,
+                                      seed=d.trial_seed)
+    elif d.dataset == "imagefolder":
+        data = domainbed.ImageFolderDomains(d.root)
+    else:
+        data = domainbed.domainbed_dataset(d.dataset, d.root)
+    if d.test_domain >= len(data.domains):
+        raise OwaiError(f"data.test_domain {d.test_domain}: {data.name} has {len(data.domains)} domains "
+                        f"({', '.join(data.domains)})")
+    return data
+
+
+def splits(cfg: Config, data: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(in, out) indices of every domain (DomainBed's split_dataset, keyed by the trial seed)."""
+    from owai.data.domainbed import split_domain
+
+    return [split_domain(data.size(i), cfg.data.holdout_fraction, cfg.data.trial_seed, i) for i in range(len(data.domains))]
+
+
+def train_domains(cfg: Config, data: Any) -> list[int]:
+    return [i for i in range(len(data.domains)) if i != cfg.data.test_domain]
+
+
+@dataclass
+class EvalSet:
+    """One evaluated split of one domain: `group` is val (IID), test (OOD, `in` split) or test_out."""
+
+    group: str
+    domain: str
+    labels: torch.Tensor
+    batches: Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor]]]
+
+    @property
+    def name(self) -> str:
+        return f"{self.group}.{self.domain}"
+
+    @property
+    def size(self) -> int:
+        return int(self.labels.numel())
+
+
+def eval_sets(cfg: Config, data: Any) -> list[EvalSet]:
+    """The training domains' `out` splits (val), the test domain's `in` (test) and `out` (test_out) splits."""
+    from owai.data.domainbed import CachedEval, eval_batches
+
+    d = cfg.data
+    parts = splits(cfg, data)
+    wanted = [("val", i, parts[i][1]) for i in train_domains(cfg, data)]
+    wanted += [("test", d.test_domain, parts[d.test_domain][0]), ("test_out", d.test_domain, parts[d.test_domain][1])]
+    sets = []
+    for group, i, idx in wanted:
+        labels = data.labels(i)[idx]
+        if d.cache_eval:
+            cached = CachedEval(data, i, idx, d.image_size, d.eval_batch_size)
+            batches = cached.batches
+        else:
+            def batches(i: int = i, idx: torch.Tensor = idx) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                return eval_batches(data, i, idx, d.image_size, d.eval_batch_size, d.workers, torch.cuda.is_available())
+        sets.append(EvalSet(group, data.domains[i], labels, batches))
+    return sets
+
+
+# -- model --------------------------------------------------------------------------------------
+
+
+def build_model(cfg: Config, num_classes: int, weights: Path | dict[str, torch.Tensor] | None,
+                device: torch.device) -> torch.nn.Module:
+    """Backbone (+ its initial weights) -> FineTuneClassifier; the head's init is keyed by the seed,
+    so the runs of one seed share their initialisation (what multi-run weight averaging assumes)."""
+    from owai.models.vision import FineTuneClassifier, build_backbone, load_torchvision_weights
+    from owai.runtime import derive_seed
+
+    m = cfg.model
+    rng = torch.get_rng_state()
+    torch.manual_seed(derive_seed(cfg.seed, "init", m.backbone))
+    if isinstance(weights, dict):  # the pretrain stage's backbone, with its own (pool-class) head
+        head = next(v.shape[0] for k, v in weights.items() if k in ("fc.weight", "classifier.weight", "heads.head.weight"))
+        backbone = build_backbone(m.backbone, num_classes=head)
+        backbone.load_state_dict(weights)
+    else:
+        backbone = build_backbone(m.backbone, num_classes=1000)
+        if weights is not None:
+            load_torchvision_weights(backbone, weights)
+    model = FineTuneClassifier(backbone, num_classes, m.dropout, m.freeze_bn)
+    torch.set_rng_state(rng)
+    model = model.to(device)
+    if device.type == "cuda" and m.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def initial_weights(cfg: Config, run: Run, device: torch.device) -> Path | dict[str, torch.Tensor] | None:
+    """The backbone's starting point: a weights file, nothing (from scratch), or the pretrain stage's result."""
+    from owai.models.vision import resolve_weights
+
+    if cfg.pretrain.steps == 0:
+        return resolve_weights(cfg.model.backbone, cfg.model.weights)
+    return pretrained_backbone(cfg, run, device)
+
+
+def pretrain_key(cfg: Config) -> str:
+    import hashlib
+
+    from owai.config import to_dict
+
+    d = cfg.data
+    what = {"backbone": cfg.model.backbone, "pretrain": to_dict(cfg.pretrain), "root": d.root, "pool": d.pool,
+            "trial_seed": d.trial_seed, "image_size": d.image_size, "augment": d.augment, "version": 1}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def pretrained_backbone(cfg: Config, run: Run, device: torch.device) -> dict[str, torch.Tensor]:
+    """ERM on the upright pool (stage `pretrain`, resumable), cached under <cache>/pretrained/<key>."""
+    from safetensors.torch import load_file, save_file
+
+    from owai.data.domainbed import StepBatches, step_loader
+    from owai.data.mnist import load_mnist
+    from owai.io import atomic_write_bytes, cache_root
+    from owai.models.vision import build_backbone
+    from owai.runtime import derive_seed
+    from owai.train import LoopConfig, train_loop
+
+    path = cache_root() / "pretrained" / f"{cfg.model.backbone}-{pretrain_key(cfg)}.safetensors"
+    if path.is_file():
+        try:
+            return load_file(str(path))
+        except Exception:  # noqa: BLE001 - a corrupt cache entry is rebuilt
+            console.info(f"rebuilding the corrupt cache entry {path}")
+    from owai.data.domainbed import RotatedMNIST
+
+    d, p = cfg.data, cfg.pretrain
+    pool = RotatedMNIST(load_mnist("test", root=d.root or None), d.angles, d.per_domain, d.pool,
+                        seed=d.trial_seed).pretraining_pool()
+    rng = torch.get_rng_state()
+    torch.manual_seed(derive_seed(p.seed, "pretrain-init", cfg.model.backbone))
+    net = build_backbone(cfg.model.backbone, num_classes=len(pool.classes)).to(device)
+    torch.set_rng_state(rng)
+    batches = StepBatches(pool, [0], [torch.arange(pool.size(0))], p.batch_size, d.image_size, d.augment, p.seed, p.steps)
+    stream = _StepStream(batches, d.workers, device)
+    optimizer = torch.optim.SGD(net.parameters(), lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay)
+
+    def loss_at(step: int, micro: int) -> torch.Tensor:
+        x, y = stream.at(step)
+        return F.cross_entropy(net(x), y)
+
+    decay_at = (2 * p.steps) // 3
+    loop = LoopConfig(steps=p.steps, checkpoint_every=max(1, min(cfg.train.checkpoint_every, p.steps)),
+                      log_every=max(1, min(cfg.train.log_every, p.steps)), precision=_precision(cfg, device))
+    train_loop(run, "pretrain", net, optimizer, loss_at, loop, lr_at=lambda s: p.lr * (0.1 if s >= decay_at else 1.0))
+    state = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp-write")
+    save_file(state, str(tmp))
+    atomic_write_bytes(path, tmp.read_bytes())
+    tmp.unlink(missing_ok=True)
+    return state
+
+
+def _precision(cfg: Config, device: torch.device) -> str:
+    if cfg.train.precision == "auto":
+        return "bfloat16" if device.type == "cuda" else "float32"
+    return cfg.train.precision
+
+
+class _StepStream:
+    """Training batches by step through worker processes; restarts the loader when a step is not the next one."""
+
+    def __init__(self, batches: Any, workers: int, device: torch.device, channels_last: bool = False) -> None:
+        self.batches, self.workers, self.device, self.channels_last = batches, workers, device, channels_last
+        self.next_step, self.iterator = -1, None
+
+    def at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from owai.data.domainbed import step_loader
+
+        if step != self.next_step or self.iterator is None:
+            self.iterator = iter(step_loader(self.batches, step, self.workers, self.device.type == "cuda"))
+        x, y, _ = next(self.iterator)
+        self.next_step = step + 1
+        x = x.to(self.device, non_blocking=True)
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x, y.to(self.device, non_blocking=True)
+
+
+# -- evaluation and tracks ----------------------------------------------------------------------
+
+
+@torch.no_grad()
+def predict(model: torch.nn.Module, sets: list[EvalSet], device: torch.device, precision: str) -> dict[str, torch.Tensor]:
+    """Logits (float32, CPU) of `model` in eval mode on every set."""
+    was_training = model.training
+    model.eval()
+    amp = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(precision)
+    out = {}
+    for s in sets:
+        chunks = []
+        for x, _ in s.batches():
+            x = x.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+                chunks.append(model(x).float().cpu())
+        out[s.name] = torch.cat(chunks) if chunks else torch.zeros(0)
+    model.train(was_training)
+    return out
+
+
+def accuracies(logits: dict[str, torch.Tensor], sets: list[EvalSet]) -> dict[str, float]:
+    """iid_acc (mean over the training domains' out splits, DomainBed's get_score), ood_acc, ood_out_acc."""
+    acc = {s.name: float((logits[s.name].argmax(1) == s.labels).float().mean()) for s in sets}
+    val = [acc[s.name] for s in sets if s.group == "val"]
+    test = next(s for s in sets if s.group == "test")
+    test_out = next(s for s in sets if s.group == "test_out")
+    return {"iid_acc": statistics.fmean(val), "ood_acc": acc[test.name], "ood_out_acc": acc[test_out.name],
+            **{f"acc.{k}": v for k, v in acc.items()}}
+
+
+def average_into(avg: dict[str, torch.Tensor], state: dict[str, torch.Tensor], n: int) -> None:
+    """avg <- (avg * n + state) / (n + 1) for floating-point entries; others take the newest value."""
+    for k, v in state.items():
+        if v.is_floating_point():
+            avg[k].mul_(n / (n + 1)).add_(v.detach().to(avg[k].dtype), alpha=1 / (n + 1))
+        else:
+            avg[k].copy_(v)
+
+
+def average_states(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Uniform average of state dicts (weight averaging across runs)."""
+    avg = {k: v.detach().clone().float() if v.is_floating_point() else v.clone() for k, v in states[0].items()}
+    for n, state in enumerate(states[1:], start=1):
+        average_into(avg, state, n)
+    return {k: v.to(states[0][k].dtype) for k, v in avg.items()}
+
+
+@dataclass
+class Tracks:
+    """The run's ensemble / weight-average companions and the best-IID evaluation of each track."""
+
+    swa: dict[str, torch.Tensor] | None = None
+    swa_n: int = 0
+    ens: dict[str, torch.Tensor] | None = None
+    ens_n: int = 0
+    best: dict[str, dict[str, float]] = field(default_factory=dict)
+    final: dict[str, float] = field(default_factory=dict)
+
+    def state(self) -> dict[str, Any]:
+        return {"swa": self.swa or {}, "swa_n": self.swa_n, "ens": self.ens or {}, "ens_n": self.ens_n,
+                "best": json.dumps(self.best), "final": json.dumps(self.final)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], device: torch.device) -> "Tracks":
+        return cls(swa={k: v.to(device) for k, v in state["swa"].items()} or None, swa_n=int(state["swa_n"]),
+                   ens=dict(state["ens"]) or None, ens_n=int(state["ens_n"]), best=json.loads(state["best"]),
+                   final=json.loads(state["final"]))
+
+    def record(self, track: str, step: int, acc: dict[str, float]) -> None:
+        """Keep the first evaluation with the highest IID accuracy (DomainBed's selection)."""
+        if track not in self.best or acc["iid_acc"] > self.best[track]["iid_acc"]:
+            self.best[track] = {"step": step, **{k: acc[k] for k in ("iid_acc", "ood_acc", "ood_out_acc")}}
+
+
+def lr_schedule(t: TrainConfig) -> Callable[[int], float]:
+    """MultiStepLR: lr x gamma^(number of milestones <= update index)."""
+    return lambda step: t.lr * t.gamma ** sum(step >= m for m in t.milestones)
+
+
+def train(cfg: Config, run: Run, model: torch.nn.Module, data: Any, sets: list[EvalSet], device: torch.device) -> Tracks:
+    """Fine-tune through the shared loop, evaluating the three tracks; resumable (tracks are
+    checkpointed in stage `tracks` at the loop's checkpoint steps)."""
+    from owai.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+    from owai.data.domainbed import StepBatches
+    from owai.train import LoopConfig, train_loop
+
+    t, d = cfg.train, cfg.data
+    precision = _precision(cfg, device)
+    parts = splits(cfg, data)
+    domains = train_domains(cfg, data)
+    batches = StepBatches(data, domains, [parts[i][0] for i in domains], d.batch_per_domain, d.image_size,
+                          d.augment, cfg.seed, t.steps)
+    stream = _StepStream(batches, d.workers, device, channels_last=device.type == "cuda" and cfg.model.channels_last)
+    head = list(model.classifier.parameters())
+    head_ids = {id(p) for p in head}
+    groups = [{"params": [p for p in model.parameters() if id(p) not in head_ids], "lr_scale": 1.0},
+              {"params": head, "lr_scale": t.last_lr_factor}]
+    optimizer = torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+
+    tracks_dir = run.checkpoints("tracks")
+    tracks = Tracks()
+    last = latest_checkpoint(run.checkpoints("train"))
+    if last is not None:
+        start = int(last.name[5:])
+        match = [c for c in list_checkpoints(tracks_dir) if int(c.name[5:]) == start]
+        if not match:
+            raise OwaiError(f"{run.path}: no ensemble/average state for step {start}; the run cannot resume exactly")
+        tracks = Tracks.from_state(load_checkpoint(match[0])[1], device)
+        if start >= t.steps:
+            return tracks
+    averaged = _copy_model(model)
+
+    def loss_at(step: int, micro: int) -> torch.Tensor:
+        x, y = stream.at(step)
+        return F.cross_entropy(model(x), y)
+
+    def evaluate(update: int, done: int) -> None:
+        logits = predict(model, sets, device, precision)
+        acc = accuracies(logits, sets)
+        tracks.record("model", update, acc)
+        values = {"update": update, **{f"model.{k}": v for k, v in acc.items() if not k.startswith("acc.")}}
+        if update >= t.average_start:
+            tracks.ens = {k: v.clone() for k, v in logits.items()} if tracks.ens is None else {
+                k: tracks.ens[k] + logits[k] for k in logits}
+            tracks.ens_n += 1
+            ens_acc = accuracies(tracks.ens, sets)
+            tracks.record("ens", update, ens_acc)
+            if t.average_every == "eval":
+                _update_average(tracks, model)
+            averaged.load_state_dict(tracks.swa)
+            swa_acc = accuracies(predict(averaged, sets, device, precision), sets)
+            tracks.record("swa", update, swa_acc)
+            values.update({f"ens.{k}": v for k, v in ens_acc.items() if not k.startswith("acc.")})
+            values.update({f"swa.{k}": v for k, v in swa_acc.items() if not k.startswith("acc.")})
+        if done == t.steps:
+            tracks.final = {k: acc[k] for k in ("iid_acc", "ood_acc", "ood_out_acc")}
+        run.log("train", done, **values)
+        console.info(f"update {update}: iid {acc['iid_acc']:.4f} ood {acc['ood_acc']:.4f}")
+
+    def after_step(done: int) -> None:
+        update = done - 1
+        if t.average_every == "step" and update >= t.average_start:
+            _update_average(tracks, model)
+        if update % t.eval_every == 0 or done == t.steps:
+            evaluate(update, done)
+        if done % loop.checkpoint_every == 0 or done == t.steps:
+            save_checkpoint(tracks_dir, done, tracks.state(), keep=loop.keep_checkpoints)
+
+    loop = LoopConfig(steps=t.steps, checkpoint_every=min(t.checkpoint_every, t.steps), log_every=min(t.log_every, t.steps),
+                      precision=precision)
+    train_loop(run, "train", model, optimizer, loss_at, loop, lr_at=lr_schedule(t), after_step=after_step)
+    return tracks
+
+
+def _copy_model(model: torch.nn.Module) -> torch.nn.Module:
+    import copy
+
+    clone = copy.deepcopy(model)
+    clone.eval()
+    return clone
+
+
+def _update_average(tracks: Tracks, model: torch.nn.Module) -> None:
+    state = model.state_dict()
+    if tracks.swa is None:
+        tracks.swa = {k: v.detach().clone() for k, v in state.items()}
+        tracks.swa_n = 1
+    else:
+        average_into(tracks.swa, state, tracks.swa_n)
+        tracks.swa_n += 1
+
+
+def final_model(run_dir: Path, device: torch.device) -> tuple[Config, Any, torch.nn.Module]:
+    """(config, data, network with its final weights) of a finished run, for the multi-run combinations."""
+    from owai.checkpoint import latest_checkpoint, load_checkpoint
+    from owai.config import build
+
+    run = Run.open(run_dir)
+    cfg = build(Config, run.read_config()["params"])
+    last = latest_checkpoint(run.checkpoints("train"))
+    if last is None:
+        raise OwaiError(f"{run_dir} has no final checkpoint")
+    step, state = load_checkpoint(last)
+    if step != cfg.train.steps:
+        raise OwaiError(f"{run_dir} stopped at step {step} of {cfg.train.steps}")
+    data = load_data(cfg)
+    model = build_model(cfg, len(data.classes), None, device)
+    model.load_state_dict(state["model"])
+    model.eval()
+    return cfg, data, model
+
+
+# -- the study: selection over the grid, multi-run combinations, tables and figures --------------
+
+HP_KEYS = ("train.lr", "train.weight_decay")  # searched per (dataset, test domain, variant), averaged over seeds
+STUDY_JSON, STUDY_MD, STUDY_FIGURE, MULTI_JSON = "dropout_ft.json", "dropout_ft.md", "dropout_ft", "multi_run.json"
+TRACK_LABELS = {"model": "", "swa": "+WA-single", "ens": "+Ens-single", "wa_multi": "+WA-multi", "ens_multi": "+Ens-multi"}
+
+
+def _grid_keys(summary: dict[str, Any]) -> list[str]:
+    from owai.recipes import sub_grids
+
+    keys: list[str] = []
+    for g in sub_grids(summary["grid"]):
+        keys += [k for k in g if k not in keys]
+    return keys
+
+
+def variant_label(key: dict[str, Any]) -> str:
+    """A readable name for a grid cell's non-searched settings other than dataset and test domain."""
+    names = {"model.dropout": "dropout", "train.last_lr_factor": "last-lr x", "model.weights": "weights",
+             "model.backbone": "backbone"}
+    parts = [f"{names.get(k, k)} {v if v != '' else 'none'}" for k, v in key.items()
+             if k not in ("data.dataset", "data.test_domain")]
+    return ", ".join(parts) or "default"
+
+
+def _nested(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for path, value in flat.items():
+        node = out
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def multi_run(sweep: Any, summary: dict[str, Any], per: list[str], device: torch.device) -> dict[str, dict[str, Any]]:
+    """Ens-multi and WA-multi per (group of `per` values, seed): the final networks of the group's
+    grid runs, their logits averaged, or their weights averaged (DiWA). Cached in multi_run.json."""
+    from owai.io import atomic_write_json
+
+    cache_path = sweep.path / MULTI_JSON
+    try:
+        cache = json.loads(cache_path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    runs: dict[str, list[str]] = {}
+    for p in summary["points"]:
+        if p["status"] == "complete":
+            key = json.dumps([[k, p["grid"].get(k)] for k in per] + [["seed", p["seed"]]])
+            runs.setdefault(key, []).append(p["run_dir"])
+    out = {}
+    for key, dirs in runs.items():
+        signature = sorted(dirs)
+        if key in cache and cache[key]["runs"] == signature:
+            out[key] = cache[key]
+            continue
+        loaded = [final_model(Path(d), device) for d in signature]
+        cfg, data, _ = loaded[0]
+        sets = eval_sets(cfg, data)
+        precision = _precision(cfg, device)
+        logits = [predict(model, sets, device, precision) for _, _, model in loaded]
+        ens = {k: sum(lg[k] for lg in logits) for k in logits[0]}
+        averaged = loaded[0][2]
+        averaged.load_state_dict(average_states([m.state_dict() for _, _, m in loaded]))
+        wa = predict(averaged, sets, device, precision)
+        out[key] = {"runs": signature, "ens_multi": accuracies(ens, sets), "wa_multi": accuracies(wa, sets)}
+        cache[key] = out[key]
+        atomic_write_json(cache_path, cache)
+    return out
+
+
+def study_rows(sweep: Any, summary: dict[str, Any], device: torch.device | None = None) -> list[dict[str, Any]]:
+    """One row per (dataset, variant, track): OOD accuracy per test domain of the cell selected by
+    IID validation (mean over seeds), their average, and the thesis's average."""
+    from owai.recipes import Selection, load, recorded_name, thesis_for
+    from owai.sweep import select_cells
+
+    from owai.config import merge
+
+    recipe = load(recorded_name(sweep.recipe, sweep.recipe_source))
+    keys = _grid_keys(summary)
+    per = [k for k in keys if k not in HP_KEYS]
+    base = _finished_params(summary)
+    names = _domain_names(summary)
+    table: dict[str, dict[str, Any]] = {}
+
+    def cell(key: dict[str, Any], track: str) -> dict[str, Any]:
+        variant = {k: v for k, v in key.items() if k != "data.test_domain"}
+        dataset = variant.pop("data.dataset", None) or base.get("data", {}).get("dataset")
+        label = f"{dataset}|{variant_label(variant)}|{track}"
+        if label not in table:
+            params = merge(base, _nested({**variant, "data.dataset": dataset}))
+            thesis = thesis_for(recipe, f"avg_ood_acc.{track}", params)
+            table[label] = {"dataset": dataset, "variant": variant_label(variant), "track": track,
+                            "label": variant_label(variant) + TRACK_LABELS[track], "ood": {}, "iid": {},
+                            "selected": {}, "seeds": {}, "thesis_avg": thesis.value if thesis else None,
+                            "thesis_ref": thesis.ref if thesis else ""}
+        return table[label]
+
+    def domain_of(key: dict[str, Any]) -> str:
+        index = key.get("data.test_domain", base.get("data", {}).get("test_domain"))
+        return names.get(index, str(index))
+
+    for track in TRACKS:
+        selection = select_cells(summary["groups"], Selection(f"{track}.iid_acc", "max", per))
+        for group in selection["groups"]:
+            metrics = {m["metric"]: m for m in group["metrics"]}
+            if f"{track}.ood_acc" not in metrics:
+                continue
+            row = cell(group["key"], track)
+            domain = domain_of(group["key"])
+            row["ood"][domain] = metrics[f"{track}.ood_acc"]["mean"]
+            row["iid"][domain] = metrics[f"{track}.iid_acc"]["mean"]
+            row["seeds"][domain] = metrics[f"{track}.ood_acc"]["n"]
+            row["selected"][domain] = " ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in (group["grid"] or {}).items()
+                                               if k in HP_KEYS)
+    if device is not None:
+        pooled: dict[str, dict[str, list[dict[str, float]]]] = {}
+        for key, result in multi_run(sweep, summary, per, device).items():
+            pairs = json.loads(key)
+            group_key = {k: v for k, v in pairs if k != "seed"}
+            for track in MULTI:
+                pooled.setdefault(json.dumps([track, sorted(group_key.items())]), {"key": group_key, "track": track,
+                                                                                   "acc": []})["acc"].append(result[track])
+        for entry in pooled.values():
+            row = cell(entry["key"], entry["track"])
+            domain = domain_of(entry["key"])
+            row["ood"][domain] = statistics.fmean(a["ood_acc"] for a in entry["acc"])
+            row["iid"][domain] = statistics.fmean(a["iid_acc"] for a in entry["acc"])
+            row["seeds"][domain] = len(entry["acc"])
+            row["selected"][domain] = "all grid runs"
+    rows = list(table.values())
+    for row in rows:
+        row["avg"] = statistics.fmean(row["ood"].values()) if row["ood"] else None
+    order = {t: i for i, t in enumerate((*TRACKS, *MULTI))}
+    rows.sort(key=lambda r: (r["dataset"], r["variant"], order[r["track"]]))
+    return rows
+
+
+def _finished_params(summary: dict[str, Any]) -> dict[str, Any]:
+    """The resolved params of a finished point (the settings that are not in the grid)."""
+    for p in summary["points"]:
+        if p["status"] == "complete":
+            return Run(Path(p["run_dir"])).read_config()["params"]
+    return {}
+
+
+def _domain_names(summary: dict[str, Any]) -> dict[int, str]:
+    """test-domain index -> name, from the finished runs' results."""
+    names: dict[int, str] = {}
+    for p in summary["points"]:
+        if p["status"] != "complete":
+            continue
+        results = Run(Path(p["run_dir"])).results() or {}
+        details = results.get("details", {})
+        params = Run(Path(p["run_dir"])).read_config()["params"]
+        if "test_domain" in details:
+            names.setdefault(int(params["data"]["test_domain"]), details["test_domain"])
+    return names
+
+
+def _pct(value: Any) -> str:
+    return "-" if value is None else f"{100 * value:.1f}"
+
+
+def study_markdown(rows: list[dict[str, Any]], title: str, command: str) -> str:
+    lines = [f"# {title}", "", f"Command: `{command}`", "",
+             "OOD accuracy (%) on each held-out domain (its `in` split), hyper-parameters selected by IID "
+             "validation (mean over seeds); `avg` = mean over test domains; thesis = the thesis's average.", ""]
+    for dataset in dict.fromkeys(r["dataset"] for r in rows):
+        subset = [r for r in rows if r["dataset"] == dataset]
+        domains = list(dict.fromkeys(d for r in subset for d in r["ood"]))
+        lines += [f"## {dataset}", "", "| method | " + " | ".join(domains) + " | avg | thesis avg | seeds | selected |",
+                  "|---|" + "---|" * (len(domains) + 4)]
+        for r in subset:
+            seeds = ",".join(str(r["seeds"].get(d, 0)) for d in domains)
+            chosen = "; ".join(f"{d}: {r['selected'].get(d, '')}" for d in domains)
+            lines.append(f"| {r['label']} | " + " | ".join(_pct(r["ood"].get(d)) for d in domains)
+                         + f" | {_pct(r['avg'])} | {_pct(r['thesis_avg'])} | {seeds} | {chosen} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def study_table(rows: list[dict[str, Any]], title: str) -> Any:
+    from rich.table import Table
+
+    domains = list(dict.fromkeys(d for r in rows for d in r["ood"]))
+    table = Table(title=title)
+    for col in ("dataset", "method", *domains, "avg", "thesis"):
+        table.add_column(col, justify="left" if col in ("dataset", "method") else "right")
+    for r in rows:
+        table.add_row(r["dataset"], r["label"], *(_pct(r["ood"].get(d)) for d in domains), _pct(r["avg"]),
+                      _pct(r["thesis_avg"]))
+    return table
+
+
+def plot_study(summary: dict[str, Any], rows: list[dict[str, Any]], title: str) -> Any:
+    """Fig 2.10's box plots (each run's selected OOD accuracy over the hyper-parameter grid and seeds,
+    per test domain and variant); with three or more dropout rates, Fig 2.11's average OOD accuracy
+    against the rate, per track."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = _domain_names(summary)
+    keys = [k for k in _grid_keys(summary) if k not in HP_KEYS and k != "data.test_domain"]
+    boxes: dict[tuple[str, str], list[float]] = {}
+    for group in summary["groups"]:
+        metric = next((m for m in group["metrics"] if m["metric"] == "model.ood_acc"), None)
+        if metric is None:
+            continue
+        domain = names.get(group["grid"].get("data.test_domain", -1), "all")
+        variant = variant_label({k: group["grid"].get(k) for k in keys})
+        boxes.setdefault((domain, variant), []).extend(100 * v for v in metric["values"])
+    rates = sorted({r for r in (_rate(row["variant"]) for row in rows) if r is not None})
+    panels = 2 if len(rates) >= 3 else 1
+    fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 4), squeeze=False)
+    ax = axes[0][0]
+    labels = [f"{d}\n{v}" for d, v in boxes]
+    if boxes:
+        ax.boxplot(list(boxes.values()))
+        ax.set_xticks(range(1, len(labels) + 1), labels)
+    ax.set_ylabel("OOD accuracy (%)")
+    ax.set_title("runs over the hyper-parameter grid")
+    ax.tick_params(axis="x", labelsize=7)
+    if panels == 2:
+        ax = axes[0][1]
+        for track in (*TRACKS, *MULTI):
+            points = sorted((_rate(r["variant"]), 100 * r["avg"]) for r in rows if r["track"] == track and r["avg"] is not None)
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=track)
+        ax.set_xlabel("dropout rate")
+        ax.set_ylabel("average OOD accuracy (%)")
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def _rate(variant: str) -> float | None:
+    for part in variant.split(", "):
+        if part.startswith("dropout "):
+            try:
+                return float(part.split(" ", 1)[1])
+            except ValueError:
+                return None
+    return None
+
+
+def write_study(sweep: Any, summary: dict[str, Any], device: torch.device) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """dropout_ft.json, dropout_ft.md and figures/dropout_ft.png in the sweep directory (atomically)."""
+    from owai.io import atomic_write_figure, atomic_write_json, atomic_write_text
+
+    rows = study_rows(sweep, summary, device)
+    title = f"{sweep.recipe} [{sweep.preset}]: OOD accuracy, IID model selection"
+    command = f"owai dropout-ft --resume {sweep.path}"
+    atomic_write_json(sweep.path / STUDY_JSON, {"recipe": sweep.recipe, "preset": sweep.preset, "title": title,
+                                                 "sweep_dir": str(sweep.path), "rows": rows})
+    atomic_write_text(sweep.path / STUDY_MD, study_markdown(rows, title, command))
+    figure = sweep.path / "figures" / f"{STUDY_FIGURE}.png"
+    figure.parent.mkdir(exist_ok=True)
+    atomic_write_figure(figure, plot_study(summary, rows, f"{sweep.recipe} [{sweep.preset}]"))
+    return rows, {"title": title, "figure": str(figure)}
