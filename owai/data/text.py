@@ -55,8 +55,7 @@ from typing import Any, TextIO
 
 from owai.data import stories
 from owai.errors import OwaiError
-from owai.io import cache_root  # noqa: F401 - re-exported: tokens.py and the tests use text.cache_root
-from owai.io import atomic_write_text
+from owai.io import atomic_write_text, cache_root  # cache_root: tokens.py uses it from here
 
 SPLITS = ("train", "val")
 SPLIT_ALIASES = {"train": "train", "val": "val", "valid": "val", "validation": "val"}

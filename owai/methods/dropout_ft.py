@@ -33,7 +33,6 @@ runs; they are computed by the study (`study_rows`) after the sweep. Offline CPU
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -257,7 +256,11 @@ def build_model(cfg: Config, num_classes: int, weights: Path | dict[str, torch.T
                 device: torch.device) -> torch.nn.Module:
     """Backbone (+ its initial weights) -> FineTuneClassifier; the head's init is keyed by the seed,
     so the runs of one seed share their initialisation (what multi-run weight averaging assumes)."""
-    from owai.models.vision import FineTuneClassifier, build_backbone, load_torchvision_weights
+    from owai.models.vision import (
+        FineTuneClassifier,
+        build_backbone,
+        load_torchvision_weights,
+    )
     from owai.runtime import derive_seed
 
     m = cfg.model
@@ -303,7 +306,7 @@ def pretrained_backbone(cfg: Config, run: Run, device: torch.device) -> dict[str
     """ERM on the upright pool (stage `pretrain`, resumable), cached under <cache>/pretrained/<key>."""
     from safetensors.torch import load_file, save_file
 
-    from owai.data.domainbed import StepBatches, step_loader
+    from owai.data.domainbed import StepBatches
     from owai.data.mnist import load_mnist
     from owai.io import atomic_write_bytes, cache_root
     from owai.models.vision import build_backbone
@@ -436,7 +439,7 @@ class Tracks:
                 "best": json.dumps(self.best), "final": json.dumps(self.final)}
 
     @classmethod
-    def from_state(cls, state: dict[str, Any], device: torch.device) -> "Tracks":
+    def from_state(cls, state: dict[str, Any], device: torch.device) -> Tracks:
         return cls(swa={k: v.to(device) for k, v in state["swa"].items()} or None, swa_n=int(state["swa_n"]),
                    ens=dict(state["ens"]) or None, ens_n=int(state["ens_n"]), best=json.loads(state["best"]),
                    final=json.loads(state["final"]))
@@ -455,7 +458,12 @@ def lr_schedule(t: TrainConfig) -> Callable[[int], float]:
 def train(cfg: Config, run: Run, model: torch.nn.Module, data: Any, sets: list[EvalSet], device: torch.device) -> Tracks:
     """Fine-tune through the shared loop, evaluating the three tracks; resumable (tracks are
     checkpointed in stage `tracks` at the loop's checkpoint steps)."""
-    from owai.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+    from owai.checkpoint import (
+        latest_checkpoint,
+        list_checkpoints,
+        load_checkpoint,
+        save_checkpoint,
+    )
     from owai.data.domainbed import StepBatches
     from owai.train import LoopConfig, train_loop
 
@@ -640,10 +648,9 @@ def multi_run(sweep: Any, summary: dict[str, Any], per: list[str], device: torch
 def study_rows(sweep: Any, summary: dict[str, Any], device: torch.device | None = None) -> list[dict[str, Any]]:
     """One row per (dataset, variant, track): OOD accuracy per test domain of the cell selected by
     IID validation (mean over seeds), their average, and the thesis's average."""
+    from owai.config import merge
     from owai.recipes import Selection, load, recorded_name, thesis_for
     from owai.sweep import select_cells
-
-    from owai.config import merge
 
     recipe = load(recorded_name(sweep.recipe, sweep.recipe_source))
     keys = _grid_keys(summary)

@@ -1,0 +1,230 @@
+"""Very-large dropout fine-tuning (owai.methods.dropout_ft, `owai dropout-ft`): the model's dropout
+and frozen BatchNorm, the ensemble / weight-average arithmetic, IID selection on a generated
+DomainBed-style tree, resume, and the one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from owai.methods.dropout_ft import (
+    EvalSet,
+    Tracks,
+    TrainConfig,
+    accuracies,
+    average_states,
+    lr_schedule,
+)
+from owai.models.vision import FineTuneClassifier, build_backbone
+from tests.conftest import as_sets, cli_in_process
+from tests.domainbed_tree import make_tree
+
+# A miniature fine-tuning run on the generated tree: ResNet-18 at 16 px, 6 updates, evaluation every 2.
+TINY = [
+    "data.dataset=imagefolder", "data.image_size=16", "data.batch_per_domain=4", "data.workers=0",
+    "data.eval_batch_size=16", "model.backbone=resnet18", "model.weights=''", "pretrain.steps=0",
+    "train.steps=6", "train.eval_every=2", "train.average_start=2", "train.checkpoint_every=2",
+    "train.log_every=2", "train.milestones=[4]", "train.lr=0.01",
+]
+
+
+def _net(p: float, freeze_bn: bool = True) -> FineTuneClassifier:
+    torch.manual_seed(0)
+    return FineTuneClassifier(build_backbone("resnet18", 1000), num_classes=5, dropout=p, freeze_bn=freeze_bn)
+
+
+def test_dropout_acts_only_on_the_penultimate_features_and_only_in_training() -> None:
+    net = _net(0.9)
+    x = torch.randn(4, 3, 32, 32)
+    seen = []
+    net.classifier[1].register_forward_hook(lambda mod, inp, out: seen.append(inp[0].detach()))
+    net.train()
+    feats_a, feats_b = net.features(x), net.features(x)
+    assert torch.equal(feats_a, feats_b), "the backbone itself is deterministic in training mode (frozen BN, no dropout)"
+    net(x)
+    ratio = seen[-1][feats_a != 0] / feats_a[feats_a != 0]
+    kept = torch.isclose(ratio, torch.tensor(10.0))
+    assert bool((kept | (ratio == 0)).all()), "head inputs are the features dropped (0) or scaled by 1/(1-p)"
+    assert 0.03 < kept.float().mean() < 0.2, "about 10% of the units are kept at p = 0.9"
+    net.eval()
+    out = net(x)
+    assert torch.equal(seen[-1], net.features(x)), "eval mode: the head reads the features unchanged"
+    assert torch.equal(out, net(x))
+
+
+def test_frozen_batchnorm_keeps_running_statistics_while_affine_parameters_train() -> None:
+    for freeze in (True, False):
+        net = _net(0.0, freeze_bn=freeze)
+        bn = {k: v.clone() for k, v in net.state_dict().items() if "running_" in k}
+        affine = net.backbone.bn1.weight.detach().clone()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for _ in range(2):
+            net.train()
+            loss = torch.nn.functional.cross_entropy(net(torch.randn(8, 3, 32, 32) * 3 + 1), torch.randint(0, 5, (8,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        same = all(torch.equal(v, net.state_dict()[k]) for k, v in bn.items())
+        assert same == freeze, f"freeze_bn={freeze}: running statistics {'changed' if not same else 'stayed'}"
+        assert not torch.equal(affine, net.backbone.bn1.weight), "BatchNorm's affine parameters still train"
+
+
+def test_weight_average_and_ensemble_of_identical_models_equal_the_model() -> None:
+    net = _net(0.9)
+    state = net.state_dict()
+    avg = average_states([state, state, state])
+    assert set(avg) == set(state)
+    for k, v in state.items():
+        assert avg[k].dtype == v.dtype
+        assert torch.allclose(avg[k].float(), v.float(), atol=1e-6), k
+    labels = torch.tensor([0, 1, 2, 3, 4, 0])
+    logits = torch.randn(6, 5)
+    sets = [EvalSet("val", "a", labels, lambda: iter(())), EvalSet("test", "b", labels, lambda: iter(())),
+            EvalSet("test_out", "b", labels, lambda: iter(()))]
+    one = accuracies({s.name: logits for s in sets}, sets)
+    three = accuracies({s.name: logits + logits + logits for s in sets}, sets)
+    assert one == three
+
+
+def test_weight_average_is_the_uniform_mean() -> None:
+    a = {"w": torch.tensor([1.0, 2.0]), "n": torch.tensor(3)}
+    b = {"w": torch.tensor([3.0, 6.0]), "n": torch.tensor(5)}
+    avg = average_states([a, b])
+    assert torch.allclose(avg["w"], torch.tensor([2.0, 4.0]))
+    assert int(avg["n"]) == 5, "integer buffers take the newest value"
+
+
+def test_selection_keeps_the_first_best_iid_evaluation() -> None:
+    tracks = Tracks()
+    for step, iid, ood in [(0, 0.5, 0.1), (300, 0.8, 0.2), (600, 0.8, 0.9), (900, 0.7, 0.95)]:
+        tracks.record("model", step, {"iid_acc": iid, "ood_acc": ood, "ood_out_acc": ood})
+    assert tracks.best["model"] == {"step": 300, "iid_acc": 0.8, "ood_acc": 0.2, "ood_out_acc": 0.2}
+
+
+def test_multistep_schedule_and_last_layer_factor() -> None:
+    lr = lr_schedule(TrainConfig(lr=1e-3, milestones=[5000, 10000], gamma=0.1))
+    assert lr(0) == pytest.approx(1e-3) and lr(4999) == pytest.approx(1e-3)
+    assert lr(5000) == pytest.approx(1e-4) and lr(10000) == pytest.approx(1e-5)
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One `owai dropout-ft` study on a generated 3-domain tree: test domain 0, dropout 0 and 0.9, two lrs."""
+    import os
+
+    from owai.cli import main
+
+    tmp = tmp_path_factory.mktemp("dft")
+    root = make_tree(tmp / "tree", domains=("d0", "d1", "d2"), classes=("a", "b"), per_class=10, size=16, corrupt=1)
+    saved = os.environ.get("OWAI_CACHE")
+    os.environ["OWAI_CACHE"] = str(tmp / "cache")
+    args = ["dropout-ft", "--root", str(root), "--test-domain", "0", "--dropout", "0.0,0.9",
+            "--grid", "train.lr=0.01,0.003", "--out", str(tmp / "runs"), "-q", *as_sets(TINY)]
+    try:
+        main(args)
+    except SystemExit as e:
+        assert not e.code, f"owai dropout-ft failed with {e.code}"
+    finally:
+        if saved is None:
+            os.environ.pop("OWAI_CACHE", None)
+        else:
+            os.environ["OWAI_CACHE"] = saved
+    sweep = next((tmp / "runs" / "table2.8-dropout").glob("sweep-*"))
+    return {"sweep": sweep, "rows": json.loads((sweep / "dropout_ft.json").read_text())["rows"],
+            "summary": json.loads((sweep / "summary.json").read_text())}
+
+
+def test_study_on_the_miniature_tree_writes_every_track(study: dict) -> None:
+    rows = study["rows"]
+    tracks = {(r["variant"], r["track"]) for r in rows}
+    for p in ("dropout 0.0", "dropout 0.9"):
+        for t in ("model", "swa", "ens", "wa_multi", "ens_multi"):
+            assert (p, t) in tracks
+    for r in rows:
+        assert set(r["ood"]) == {"d0"} and 0.0 <= r["avg"] <= 1.0
+    assert (study["sweep"] / "figures" / "dropout_ft.png").stat().st_size > 0
+    assert "| dropout 0.9+Ens-multi |" in (study["sweep"] / "dropout_ft.md").read_text()
+
+
+def test_study_selects_the_cell_and_checkpoint_with_the_best_iid_accuracy(study: dict) -> None:
+    points = [p for p in study["summary"]["points"] if p["grid"]["model.dropout"] == 0.9]
+    results = {}
+    for p in points:
+        run = Path(p["run_dir"])
+        measured = {r["metric"]: r["measured"] for r in json.loads((run / "results.json").read_text())["rows"]}
+        evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        evals = [e for e in evals if "model.iid_acc" in e]
+        assert [e["update"] for e in evals] == [0, 2, 4, 5]
+        best = max(evals, key=lambda e: e["model.iid_acc"])  # max() keeps the first of ties
+        assert measured["model.step"] == best["update"] and measured["model.ood_acc"] == best["model.ood_acc"]
+        results[p["grid"]["train.lr"]] = measured
+    chosen = max(results.values(), key=lambda m: m["model.iid_acc"])
+    row = next(r for r in study["rows"] if r["variant"] == "dropout 0.9" and r["track"] == "model")
+    assert row["ood"]["d0"] == pytest.approx(chosen["model.ood_acc"])
+
+
+def test_corrupt_files_are_skipped_and_counted(study: dict) -> None:
+    run = Path(study["summary"]["points"][0]["run_dir"])
+    assert json.loads((run / "results.json").read_text())["details"]["skipped_files"] == 1
+
+
+def test_resumed_run_equals_uninterrupted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    import owai.methods.dropout_ft as dft
+
+    root = make_tree(tmp_path / "tree", per_class=6, size=16)
+    monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
+    sets = as_sets([*TINY, f"data.root={root}", "model.dropout=0.9"])
+    code, _, err = cli_in_process(["recipes", "run", "table2.8-dropout", *sets, "-o", str(tmp_path / "a"), "-q"], capsys)
+    assert code == 0, err
+    whole = json.loads(next((tmp_path / "a").rglob("results.json")).read_text())["rows"]
+
+    original = dft._update_average
+    calls = {"n": 0}
+
+    def dying(tracks, model):  # the process dies after update 3 (its checkpoint at update 2 is kept)
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        original(tracks, model)
+
+    monkeypatch.setattr(dft, "_update_average", dying)
+    with pytest.raises((KeyboardInterrupt, SystemExit)):
+        from owai.cli import main
+
+        main(["recipes", "run", "table2.8-dropout", *sets, "-o", str(tmp_path / "b"), "-q"])
+    monkeypatch.setattr(dft, "_update_average", original)
+    run_dir = next((tmp_path / "b" / "table2.8-dropout").iterdir())
+    code, _, err = cli_in_process(["recipes", "run", "table2.8-dropout", "--resume", str(run_dir), "-q"], capsys)
+    assert code == 0, err
+    resumed = json.loads((run_dir / "results.json").read_text())["rows"]
+    assert {r["metric"]: r["measured"] for r in resumed} == {r["metric"]: r["measured"] for r in whole}
+
+
+@pytest.mark.parametrize("make, sets, message", [
+    (lambda t: make_tree(t / "one", domains=("only",)), [], "domain"),
+    (lambda t: make_tree(t / "tree"), ["model.backbone=resnet7"], "unknown backbone"),
+    (lambda t: make_tree(t / "tree"), ["data.test_domain=5"], "test_domain"),
+    (lambda t: make_tree(t / "tree"), ["data.dataset=officehome"], "data.dataset"),
+])
+def test_bad_input_is_one_line(tmp_path: Path, capsys, make, sets, message) -> None:
+    root = make(tmp_path)
+    code, _, err = cli_in_process(["recipes", "run", "table2.8-dropout", *as_sets([*TINY, f"data.root={root}", *sets]),
+                                   "-o", str(tmp_path / "runs")], capsys)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+
+
+def test_weight_file_with_wrong_keys_is_one_line(tmp_path: Path, capsys) -> None:
+    from safetensors.torch import save_file
+
+    root = make_tree(tmp_path / "tree")
+    bad = tmp_path / "bad.safetensors"
+    save_file({"conv1.weight": torch.zeros(64, 3, 7, 7), "nonsense": torch.zeros(2)}, str(bad))
+    code, _, err = cli_in_process(["recipes", "run", "table2.8-dropout",
+                                   *as_sets([*TINY, f"data.root={root}", f"model.weights={bad}"]),
+                                   "-o", str(tmp_path / "runs")], capsys)
+    assert code == 2 and "does not match ResNet" in err and "unexpected keys" in err, err
+    assert len(err.strip().splitlines()) == 1
