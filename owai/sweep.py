@@ -606,6 +606,21 @@ def write_summary(sweep: Sweep, outcomes: list[dict[str, Any]] | None = None) ->
     return summary
 
 
+def write_study_files(sweep: Sweep, stem: str, title: str, rows: list[dict[str, Any]], markdown: str,
+                      figure: Any) -> Path:
+    """A study's outputs in the sweep directory, atomically: <stem>.json (the rows), <stem>.md and
+    figures/<stem>.png; returns the figure's path."""
+    from owai.io import atomic_write_figure, atomic_write_text
+
+    atomic_write_json(sweep.path / f"{stem}.json", {"recipe": sweep.recipe, "preset": sweep.preset, "title": title,
+                                                    "sweep_dir": str(sweep.path), "rows": rows})
+    atomic_write_text(sweep.path / f"{stem}.md", markdown)
+    path = sweep.path / "figures" / f"{stem}.png"
+    path.parent.mkdir(exist_ok=True)
+    atomic_write_figure(path, figure)
+    return path
+
+
 def failures(summary: dict[str, Any]) -> list[dict[str, Any]]:
     """Points that ran and did not finish (pending and still-running points are not failures)."""
     return [p for p in summary["points"] if p["status"] not in ("complete", "pending", "running")]

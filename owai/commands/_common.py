@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from collections.abc import Callable
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -33,3 +34,35 @@ def run_recipe(
     elif not quiet:
         console.stdout.print(table(results))
         console.stdout.print(f"results: {run.path / 'results.json'}")
+
+
+def open_study(resume: Path, method: str, what: str) -> Any:
+    """The sweep directory a study command resumes; it must be a sweep of `method`."""
+    from owai import sweep as sweeps
+    from owai.errors import OwaiError
+    from owai.recipes import load, recorded_name
+
+    plan = sweeps.open_sweep(resume)
+    if load(recorded_name(plan.recipe, plan.recipe_source)).method != method:
+        raise OwaiError(f"{resume} is a sweep of {plan.recipe}, not {what}")
+    return plan
+
+
+def run_study(plan: Any, workers: int, write_study: Callable[[Any, dict[str, Any]], tuple[list[dict[str, Any]], dict[str, Any]]],
+              study_table: Callable[[list[dict[str, Any]], str], Any], table_name: str, rerun: str,
+              quiet: bool, as_json: bool) -> None:
+    """Run a study's sweep (unfinished points only), summarise it, write the study's files, print
+    its table (or JSON), then report failed points with how to rerun them."""
+    from owai import sweep as sweeps
+
+    console.info(f"sweep directory: {plan.path} ({len(plan.points)} points)")
+    outcomes = sweeps.run(plan, "local", workers)
+    summary = sweeps.write_summary(plan, outcomes)
+    failed = sweeps.failures(summary)
+    rows, info = write_study(plan, summary)
+    if as_json:
+        console.emit_json({"rows": rows, **info, "sweep_dir": str(plan.path), "failed": [p["label"] for p in failed]})
+    elif not quiet:
+        console.stdout.print(study_table(rows, info["title"]))
+        console.stdout.print(f"table: {plan.path / table_name}\nfigure: {info['figure']}")
+    sweeps.raise_on_failures(summary, rerun)

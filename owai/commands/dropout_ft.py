@@ -20,7 +20,7 @@ from typing import Annotated, Optional
 import typer
 
 from owai import console
-from owai.commands._common import Json, Out, Preset, Quiet, Sets
+from owai.commands._common import Json, Out, Preset, Quiet, Sets, open_study, run_study
 from owai.errors import OwaiError
 
 RECIPE = "table2.8-dropout"
@@ -55,7 +55,7 @@ def dropout_ft(
     """Very-large dropout fine-tuning (Tables 2.8-2.12, Fig 2.10/2.11): DomainBed grid, IID selection, ensembles and weight averages."""
     from owai import sweep as sweeps
     from owai.methods.dropout_ft import study_table, write_study
-    from owai.recipes import load, recorded_name
+    from owai.recipes import load
     from owai.runtime import select_device
 
     console.configure(quiet, as_json)
@@ -63,9 +63,7 @@ def dropout_ft(
         if any(v is not None for v in (dataset, root, test_domain, dropout, backbone, weights, preset, sets, grid, seeds)) \
                 or recipe != RECIPE:
             raise OwaiError("--resume takes its plan from SWEEP_DIR/sweep.json; drop the other options")
-        plan = sweeps.open_sweep(resume)
-        if load(recorded_name(plan.recipe, plan.recipe_source)).method != "dropout_ft":
-            raise OwaiError(f"{resume} is a sweep of {plan.recipe}, not a dropout-ft study")
+        plan = open_study(resume, "dropout_ft", "a dropout-ft study")
     else:
         rec = load(recipe)
         if rec.method != "dropout_ft":
@@ -83,17 +81,9 @@ def dropout_ft(
             if text is not None:
                 extra_grid.append(f"{key}={_csv(text, option)}")
         plan = sweeps.create(recipe, preset, extra_sets, extra_grid, sweeps.parse_seeds(seeds) if seeds else None, out)
-    console.info(f"sweep directory: {plan.path} ({len(plan.points)} points)")
-    outcomes = sweeps.run(plan, "local", workers)
-    summary = sweeps.write_summary(plan, outcomes)
-    failed = sweeps.failures(summary)
-    rows, info = write_study(plan, summary, select_device("auto"))
-    if as_json:
-        console.emit_json({"rows": rows, **info, "sweep_dir": str(plan.path), "failed": [p["label"] for p in failed]})
-    elif not quiet:
-        console.stdout.print(study_table(rows, info["title"]))
-        console.stdout.print(f"table: {plan.path / 'dropout_ft.md'}\nfigure: {info['figure']}")
-    sweeps.raise_on_failures(summary, f"owai dropout-ft --resume {plan.path}")
+    device = select_device("auto")
+    run_study(plan, workers, lambda sweep, summary: write_study(sweep, summary, device), study_table, "dropout_ft.md",
+              f"owai dropout-ft --resume {plan.path}", quiet, as_json)
 
 
 def register(app: typer.Typer) -> None:

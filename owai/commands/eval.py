@@ -15,7 +15,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from owai import console
-from owai.commands._common import Json, Out, Preset, Quiet, Sets, run_recipe
+from owai.commands._common import Json, Out, Preset, Quiet, Sets, open_study, run_recipe, run_study
 from owai.commands.mosaic import EVAL_RECIPE, ConfigName, Context, Dataset, Models, eval_overrides
 from owai.errors import OwaiError
 
@@ -105,15 +105,13 @@ def regbench(
     from owai import sweep as sweeps
     from owai.evals.regbench import POSITIONS
     from owai.methods.regbench import sequence_model, study_table, write_study
-    from owai.recipes import load, recorded_name
+    from owai.recipes import load
 
     console.configure(quiet, as_json)
     if resume is not None:
         if any(v is not None for v in (model, train_size, positions, preset, sets, grid, seeds)) or recipe != REGBENCH_RECIPE:
             raise OwaiError("--resume takes its plan from SWEEP_DIR/sweep.json; drop the other options")
-        plan = sweeps.open_sweep(resume)
-        if load(recorded_name(plan.recipe, plan.recipe_source)).method != "regbench":
-            raise OwaiError(f"{resume} is a sweep of {plan.recipe}, not a RegBench study")
+        plan = open_study(resume, "regbench", "a RegBench study")
     else:
         rec = load(recipe)
         if rec.method != "regbench":
@@ -135,17 +133,8 @@ def regbench(
         plan = sweeps.create(recipe, preset, [*(sets or []), *extra], grid or [],
                              sweeps.parse_seeds(seeds) if seeds else None, out, grid=study,
                              select={"metric": "val_loss", "mode": "min", "per": per})
-    console.info(f"sweep directory: {plan.path} ({len(plan.points)} points)")
-    outcomes = sweeps.run(plan, "local", workers)
-    summary = sweeps.write_summary(plan, outcomes)
-    failed = sweeps.failures(summary)
-    rows, info = write_study(plan, summary)
-    if as_json:
-        console.emit_json({"rows": rows, **info, "sweep_dir": str(plan.path), "failed": [p["label"] for p in failed]})
-    elif not quiet:
-        console.stdout.print(study_table(rows, info["title"]))
-        console.stdout.print(f"table: {plan.path / 'regbench.md'}\nfigure: {info['figure']}")
-    sweeps.raise_on_failures(summary, f"owai eval regbench --resume {plan.path}")
+    run_study(plan, workers, write_study, study_table, "regbench.md", f"owai eval regbench --resume {plan.path}",
+              quiet, as_json)
 
 
 def register(app: typer.Typer) -> None:

@@ -576,7 +576,7 @@ def final_model(run_dir: Path, device: torch.device) -> tuple[Config, Any, torch
 # -- the study: selection over the grid, multi-run combinations, tables and figures --------------
 
 HP_KEYS = ("train.lr", "train.weight_decay")  # searched per (dataset, test domain, variant), averaged over seeds
-STUDY_JSON, STUDY_MD, STUDY_FIGURE, MULTI_JSON = "dropout_ft.json", "dropout_ft.md", "dropout_ft", "multi_run.json"
+STUDY_NAME, MULTI_JSON = "dropout_ft", "multi_run.json"  # dropout_ft.json/.md, figures/dropout_ft.png
 TRACK_LABELS = {"model": "", "swa": "+WA-single", "ens": "+Ens-single", "wa_multi": "+WA-multi", "ens_multi": "+Ens-multi"}
 
 
@@ -825,15 +825,11 @@ def _rate(variant: str) -> float | None:
 
 def write_study(sweep: Any, summary: dict[str, Any], device: torch.device) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """dropout_ft.json, dropout_ft.md and figures/dropout_ft.png in the sweep directory (atomically)."""
-    from owai.io import atomic_write_figure, atomic_write_json, atomic_write_text
+    from owai.sweep import write_study_files
 
     rows = study_rows(sweep, summary, device)
     title = f"{sweep.recipe} [{sweep.preset}]: OOD accuracy, IID model selection"
     command = f"owai dropout-ft --resume {sweep.path}"
-    atomic_write_json(sweep.path / STUDY_JSON, {"recipe": sweep.recipe, "preset": sweep.preset, "title": title,
-                                                 "sweep_dir": str(sweep.path), "rows": rows})
-    atomic_write_text(sweep.path / STUDY_MD, study_markdown(rows, title, command))
-    figure = sweep.path / "figures" / f"{STUDY_FIGURE}.png"
-    figure.parent.mkdir(exist_ok=True)
-    atomic_write_figure(figure, plot_study(summary, rows, f"{sweep.recipe} [{sweep.preset}]"))
+    figure = write_study_files(sweep, STUDY_NAME, title, rows, study_markdown(rows, title, command),
+                               plot_study(summary, rows, f"{sweep.recipe} [{sweep.preset}]"))
     return rows, {"title": title, "figure": str(figure)}

@@ -343,7 +343,7 @@ def split_loss(predict, split: RegBenchSplit, batch_size: int) -> float:
 
 # -- the study: selected cells of a sweep, the thesis's numbers beside them, Fig 3.10 -------------
 
-STUDY_JSON, STUDY_MD, STUDY_FIGURE = "regbench.json", "regbench.md", "regbench"
+STUDY_NAME = "regbench"  # regbench.json, regbench.md, figures/regbench.png
 STUDY_METRICS = ("accuracy", "tvd", "tvd_half", "val_loss", "selected_epoch", "parameters")
 
 
@@ -459,15 +459,11 @@ def plot_study(rows: list[dict[str, Any]], title: str) -> Any:
 
 def write_study(sweep: Any, summary: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """regbench.json, regbench.md and figures/regbench.png in the sweep directory (atomically)."""
-    from owai.io import atomic_write_figure, atomic_write_json, atomic_write_text
+    from owai.sweep import write_study_files
 
     rows = study_rows(summary)
     title = f"{sweep.recipe} [{sweep.preset}]: cell selected by min validation loss per model and size"
     command = f"owai eval regbench --resume {sweep.path}"
-    atomic_write_json(sweep.path / STUDY_JSON, {"recipe": sweep.recipe, "preset": sweep.preset, "title": title,
-                                                 "sweep_dir": str(sweep.path), "rows": rows})
-    atomic_write_text(sweep.path / STUDY_MD, study_markdown(rows, title, command))
-    figure = sweep.path / "figures" / f"{STUDY_FIGURE}.png"
-    figure.parent.mkdir(exist_ok=True)
-    atomic_write_figure(figure, plot_study(rows, f"{sweep.recipe} [{sweep.preset}]"))
+    figure = write_study_files(sweep, STUDY_NAME, title, rows, study_markdown(rows, title, command),
+                               plot_study(rows, f"{sweep.recipe} [{sweep.preset}]"))
     return rows, {"title": title, "figure": str(figure)}
