@@ -36,6 +36,16 @@ def run_recipe(
         console.stdout.print(f"results: {run.path / 'results.json'}")
 
 
+def csv_values(text: str, option: str) -> list[str]:
+    """The distinct values of a comma-separated option; none or a repeat is a user error."""
+    from owai.errors import OwaiError
+
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items or len(set(items)) != len(items):
+        raise OwaiError(f"{option} {text!r}: give distinct comma-separated values")
+    return items
+
+
 def open_study(resume: Path, method: str, what: str) -> Any:
     """The sweep directory a study command resumes; it must be a sweep of `method`."""
     from owai import sweep as sweeps

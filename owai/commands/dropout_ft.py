@@ -20,17 +20,10 @@ from typing import Annotated, Optional
 import typer
 
 from owai import console
-from owai.commands._common import Json, Out, Preset, Quiet, Sets, open_study, run_study
+from owai.commands._common import Json, Out, Preset, Quiet, Sets, csv_values, open_study, run_study
 from owai.errors import OwaiError
 
 RECIPE = "table2.8-dropout"
-
-
-def _csv(text: str, option: str) -> str:
-    values = [v.strip() for v in text.split(",") if v.strip()]
-    if not values:
-        raise OwaiError(f"{option}: give at least one value")
-    return ",".join(values)
 
 
 def dropout_ft(
@@ -79,7 +72,7 @@ def dropout_ft(
         for key, text, option in (("data.dataset", dataset, "--dataset"), ("data.test_domain", test_domain, "--test-domain"),
                                   ("model.dropout", dropout, "--dropout")):
             if text is not None:
-                extra_grid.append(f"{key}={_csv(text, option)}")
+                extra_grid.append(f"{key}={','.join(csv_values(text, option))}")
         plan = sweeps.create(recipe, preset, extra_sets, extra_grid, sweeps.parse_seeds(seeds) if seeds else None, out)
     device = select_device("auto")
     run_study(plan, workers, lambda sweep, summary: write_study(sweep, summary, device), study_table, "dropout_ft.md",

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from owai import console
-from owai.commands._common import Json, Out, Preset, Quiet, Sets, open_study, run_recipe, run_study
+from owai.commands._common import Json, Out, Preset, Quiet, Sets, csv_values, open_study, run_recipe, run_study
 from owai.commands.mosaic import EVAL_RECIPE, ConfigName, Context, Dataset, Models, eval_overrides
 from owai.errors import OwaiError
 
@@ -41,16 +41,9 @@ def posloss(
     run_recipe(EVAL_RECIPE, preset, eval_overrides(models, dataset, config_name, context, True) + list(sets or []), out, None, quiet, as_json)
 
 
-def _csv(text: str, option: str) -> list[str]:
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items or len(set(items)) != len(items):
-        raise OwaiError(f"{option} {text!r}: give distinct comma-separated values")
-    return items
-
-
 def _train_sizes(text: str) -> list[int]:
     sizes = []
-    for item in _csv(text, "--train-size"):
+    for item in csv_values(text, "--train-size"):
         try:
             size = int(item)
         except ValueError:
@@ -118,7 +111,7 @@ def regbench(
             raise OwaiError(f"recipe {rec.id!r} runs method {rec.method!r}, not regbench")
         if positions is not None and positions not in POSITIONS:
             raise OwaiError(f"--positions {positions!r}: choose one of {', '.join(POSITIONS)}")
-        models = _csv(model, "--model") if model is not None else None
+        models = csv_values(model, "--model") if model is not None else None
         for m in models or []:
             sequence_model(m)
         preset_name = preset or rec.default_preset

@@ -161,7 +161,7 @@ class DropoutFineTuning(Method):
         data = load_data(cfg)
         console.info(f"{data.name}: domains {', '.join(data.domains)}; test domain {data.domains[cfg.data.test_domain]}; "
                      f"{len(data.classes)} classes" + (f"; {data.skipped} unreadable files skipped" if data.skipped else ""))
-        weights = initial_weights(cfg, run, device)
+        weights = initial_weights(cfg, run, data, device)
         model = build_model(cfg, len(data.classes), weights, device)
         sets = eval_sets(cfg, data)
         tracks = train(cfg, run, model, data, sets, device)
@@ -282,13 +282,14 @@ def build_model(cfg: Config, num_classes: int, weights: Path | dict[str, torch.T
     return model
 
 
-def initial_weights(cfg: Config, run: Run, device: torch.device) -> Path | dict[str, torch.Tensor] | None:
-    """The backbone's starting point: a weights file, nothing (from scratch), or the pretrain stage's result."""
+def initial_weights(cfg: Config, run: Run, data: Any, device: torch.device) -> Path | dict[str, torch.Tensor] | None:
+    """The backbone's starting point: a weights file, nothing (from scratch), or the pretrain stage's
+    result (on `data`'s upright pool)."""
     from owai.models.vision import resolve_weights
 
     if cfg.pretrain.steps == 0:
         return resolve_weights(cfg.model.backbone, cfg.model.weights)
-    return pretrained_backbone(cfg, run, device)
+    return pretrained_backbone(cfg, run, data.pretraining_pool(), device)
 
 
 def pretrain_key(cfg: Config) -> str:
@@ -302,12 +303,11 @@ def pretrain_key(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def pretrained_backbone(cfg: Config, run: Run, device: torch.device) -> dict[str, torch.Tensor]:
-    """ERM on the upright pool (stage `pretrain`, resumable), cached under <cache>/pretrained/<key>."""
-    from safetensors.torch import load_file, save_file
+def pretrained_backbone(cfg: Config, run: Run, pool: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    """ERM on the upright `pool` (stage `pretrain`, resumable), cached under <cache>/pretrained/<key>."""
+    from safetensors.torch import load_file, save
 
     from owai.data.domainbed import StepBatches
-    from owai.data.mnist import load_mnist
     from owai.io import atomic_write_bytes, cache_root
     from owai.models.vision import build_backbone
     from owai.runtime import derive_seed
@@ -319,11 +319,7 @@ def pretrained_backbone(cfg: Config, run: Run, device: torch.device) -> dict[str
             return load_file(str(path))
         except Exception:  # noqa: BLE001 - a corrupt cache entry is rebuilt
             console.info(f"rebuilding the corrupt cache entry {path}")
-    from owai.data.domainbed import RotatedMNIST
-
     d, p = cfg.data, cfg.pretrain
-    pool = RotatedMNIST(load_mnist("test", root=d.root or None), d.angles, d.per_domain, d.pool,
-                        seed=d.trial_seed).pretraining_pool()
     rng = torch.get_rng_state()
     torch.manual_seed(derive_seed(p.seed, "pretrain-init", cfg.model.backbone))
     net = build_backbone(cfg.model.backbone, num_classes=len(pool.classes)).to(device)
@@ -342,10 +338,7 @@ def pretrained_backbone(cfg: Config, run: Run, device: torch.device) -> dict[str
     train_loop(run, "pretrain", net, optimizer, loss_at, loop, lr_at=lambda s: p.lr * (0.1 if s >= decay_at else 1.0))
     state = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp-write")
-    save_file(state, str(tmp))
-    atomic_write_bytes(path, tmp.read_bytes())
-    tmp.unlink(missing_ok=True)
+    atomic_write_bytes(path, save(state))
     return state
 
 
@@ -553,8 +546,8 @@ def _update_average(tracks: Tracks, model: torch.nn.Module) -> None:
         tracks.swa_n += 1
 
 
-def final_model(run_dir: Path, device: torch.device) -> tuple[Config, Any, torch.nn.Module]:
-    """(config, data, network with its final weights) of a finished run, for the multi-run combinations."""
+def final_state(run_dir: Path) -> tuple[Config, dict[str, torch.Tensor]]:
+    """(config, final network weights) of a finished run, for the multi-run combinations."""
     from owai.checkpoint import latest_checkpoint, load_checkpoint
     from owai.config import build
 
@@ -566,11 +559,7 @@ def final_model(run_dir: Path, device: torch.device) -> tuple[Config, Any, torch
     step, state = load_checkpoint(last)
     if step != cfg.train.steps:
         raise OwaiError(f"{run_dir} stopped at step {step} of {cfg.train.steps}")
-    data = load_data(cfg)
-    model = build_model(cfg, len(data.classes), None, device)
-    model.load_state_dict(state["model"])
-    model.eval()
-    return cfg, data, model
+    return cfg, state["model"]
 
 
 # -- the study: selection over the grid, multi-run combinations, tables and figures --------------
@@ -630,15 +619,19 @@ def multi_run(sweep: Any, summary: dict[str, Any], per: list[str], device: torch
         if key in cache and cache[key]["runs"] == signature:
             out[key] = cache[key]
             continue
-        loaded = [final_model(Path(d), device) for d in signature]
-        cfg, data, _ = loaded[0]
+        finals = [final_state(Path(d)) for d in signature]
+        cfg = finals[0][0]  # the group's runs differ only in lr / weight decay: one dataset serves all
+        data = load_data(cfg)
         sets = eval_sets(cfg, data)
         precision = _precision(cfg, device)
-        logits = [predict(model, sets, device, precision) for _, _, model in loaded]
+        model = build_model(cfg, len(data.classes), None, device)
+        logits = []
+        for _, state in finals:
+            model.load_state_dict(state)
+            logits.append(predict(model, sets, device, precision))
         ens = {k: sum(lg[k] for lg in logits) for k in logits[0]}
-        averaged = loaded[0][2]
-        averaged.load_state_dict(average_states([m.state_dict() for _, _, m in loaded]))
-        wa = predict(averaged, sets, device, precision)
+        model.load_state_dict(average_states([state for _, state in finals]))
+        wa = predict(model, sets, device, precision)
         out[key] = {"runs": signature, "ens_multi": accuracies(ens, sets), "wa_multi": accuracies(wa, sets)}
         cache[key] = out[key]
         atomic_write_json(cache_path, cache)
