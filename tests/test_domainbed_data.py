@@ -292,6 +292,20 @@ def test_step_loader_workers_and_resume(tmp_path: Path) -> None:
     assert not torch.equal(serial[0][0], serial[1][0])
 
 
+def test_loaders_leave_the_global_random_stream_alone(tmp_path: Path) -> None:
+    """Starting a loader (an evaluation, a resume) must not shift the training's dropout masks."""
+    make_tree(tmp_path, per_class=4, size=24)
+    ds = ImageFolderDomains(tmp_path)
+    idx = [split_domain(ds.size(d), 0.2, 0, d)[0] for d in (0, 1)]
+    batches = StepBatches(ds, [0, 1], idx, 2, 16, False, seed=0, steps=2)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    next(iter(step_loader(batches, 0)))
+    next(iter(eval_batches(ds, 0, idx[0], 16, batch_size=4)))
+    assert torch.equal(torch.rand(3), expected)
+
+
 def test_augmentation_is_keyed_by_step_domain_and_slot(tmp_path: Path) -> None:
     make_tree(tmp_path, per_class=2, size=24)
     ds = ImageFolderDomains(tmp_path)

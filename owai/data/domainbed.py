@@ -427,10 +427,14 @@ class StepBatches(Dataset):
 
 
 def _loader(dataset: Dataset, workers: int, pin_memory: bool, **kwargs) -> DataLoader:
+    """A DataLoader with its own generator: every iterator a DataLoader starts draws a worker base
+    seed from its generator, which by default is torch's global one, so starting loaders (for an
+    evaluation, or on resume) would shift the training's dropout masks. The batches themselves are
+    keyed by step and do not use this seed."""
     if workers < 0:
         raise OwaiError(f"data loader workers must be >= 0, got {workers}")
     return DataLoader(dataset, num_workers=workers, pin_memory=pin_memory, persistent_workers=False,
-                      prefetch_factor=4 if workers else None, **kwargs)
+                      prefetch_factor=4 if workers else None, generator=torch.Generator().manual_seed(0), **kwargs)
 
 
 def step_loader(batches: StepBatches, start: int, workers: int = 0,
