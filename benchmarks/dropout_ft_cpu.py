@@ -11,37 +11,18 @@ for ERM, VL-dropout and the ensembles / weight averages. The sweep directory is 
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
-import time
-from pathlib import Path
+
+from _study import timed_study
 
 TARGET_S = 30 * 60
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="where the sweep directory goes (default: a temporary one)")
-    parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--recipe", default="table2.8-dropout")
-    args = parser.parse_args()
-    out = args.out or Path(tempfile.mkdtemp(prefix="owai-dropout-ft-"))
-    env = {**os.environ, "OWAI_CACHE": str(out / "cache")}
-    command = [sys.executable, "-m", "owai", "dropout-ft", "--recipe", args.recipe, "--preset", "cpu",
-               "--workers", str(args.workers), "--out", str(out), "--json"]
-    start = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True, env=env)
-    seconds = time.perf_counter() - start
-    if proc.returncode != 0:
-        print(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}")
+    done = timed_study(__doc__.splitlines()[0], ["dropout-ft"], "table2.8-dropout", TARGET_S, empty_cache=True)
+    if done is None:
         return 1
-    report = json.loads(proc.stdout)
-    print(f"{args.recipe} cpu preset: {seconds:7.1f} s   target <= {TARGET_S} s   {'ok' if seconds <= TARGET_S else 'MISSED'}")
-    print(f"sweep: {report['sweep_dir']}")
+    _, seconds, report = done
     domains = list(dict.fromkeys(d for r in report["rows"] for d in r["ood"]))
     print(f"{'method':28s} " + " ".join(f"{d:>7s}" for d in domains) + f" {'avg':>7s}   (OOD accuracy %, IID selection)")
     for r in report["rows"]:

@@ -10,35 +10,18 @@ temporary directory), so a killed benchmark can be finished with `owai eval regb
 
 from __future__ import annotations
 
-import argparse
-import json
-import subprocess
 import sys
-import tempfile
-import time
-from pathlib import Path
+
+from _study import timed_study
 
 TARGET_S = 30 * 60
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="where the sweep directory goes (default: a temporary one)")
-    parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--recipe", default="fig3.10-regbench")
-    args = parser.parse_args()
-    out = args.out or Path(tempfile.mkdtemp(prefix="owai-regbench-"))
-    command = [sys.executable, "-m", "owai", "eval", "regbench", "--recipe", args.recipe, "--preset", "cpu",
-               "--workers", str(args.workers), "--out", str(out), "--json"]
-    start = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    if proc.returncode != 0:
-        print(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}")
+    done = timed_study(__doc__.splitlines()[0], ["eval", "regbench"], "fig3.10-regbench", TARGET_S)
+    if done is None:
         return 1
-    report = json.loads(proc.stdout)
-    print(f"{args.recipe} cpu preset: {seconds:7.1f} s   target <= {TARGET_S} s   {'ok' if seconds <= TARGET_S else 'MISSED'}")
-    print(f"sweep: {report['sweep_dir']}")
+    _, seconds, report = done
     print(f"{'model':14s} {'automata':>8s} {'accuracy':>9s} {'thesis':>7s} {'L1':>7s} {'thesis':>7s} {'L1/2':>7s} {'val loss':>8s}  selected")
 
     def num(v: float | None) -> str:

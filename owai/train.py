@@ -59,6 +59,7 @@ def train_loop(
     reset_optimizer_at: Callable[[int], bool] | None = None,
     after_step: Callable[[int], None] | None = None,
     parallel: "Parallel | None" = None,
+    companion: Any | None = None,
 ) -> dict[str, Any]:
     """Train `model` for `loop.steps` updates under `run`, resuming from the stage's checkpoint.
 
@@ -68,6 +69,10 @@ def train_loop(
     after update `done` (1-based) is applied and logged and before its checkpoint is written, with
     the model in train mode (evaluations it logs with `run.log(stage, done, ...)` are trimmed on
     resume like the loss).
+
+    `companion` (an object with `state_dict()` / `load_state_dict(state)`) holds training state
+    outside the model and optimizer that the loss depends on (GroupDRO's group weights, LfF's loss
+    averages); it is saved in every checkpoint and restored on resume.
 
     With `parallel`, the loss function calls `parallel.forward_module`, checkpoints hold the full
     state gathered from all ranks, and the logged loss is the mean over ranks.
@@ -104,6 +109,8 @@ def train_loop(
                 parallel.load_state_dict(optimizer, state["model"], state["optimizer"])
             if "scaler" in state:
                 scaler.load_state_dict(state["scaler"])
+            if companion is not None:
+                companion.load_state_dict(state.get("companion", {}))
         except (KeyError, RuntimeError, ValueError) as e:
             raise OwaiError(f"checkpoint {last} does not fit this model: {str(e).splitlines()[0]}") from None
         torch.set_rng_state(state["torch_rng"])
@@ -162,6 +169,8 @@ def train_loop(
                     }
                     if scaler.is_enabled():
                         state["scaler"] = scaler.state_dict()
+                    if companion is not None:
+                        state["companion"] = companion.state_dict()
                     save_checkpoint(ckpt_dir, done, state, keep=loop.keep_checkpoints)
                 distributed.barrier()
             bar.update()

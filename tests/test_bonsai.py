@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from owai.checkpoint import latest_checkpoint, load_checkpoint
@@ -17,6 +18,12 @@ from owai.models.mlp import ColoredMNISTMLP, MLPConfig
 from owai.runs import Run
 
 RECIPE = "table2.4-coloredmnist"
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Each test its own Bonsai cache (the cache would otherwise skip the stages under test)."""
+    monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
 TINY = ["method=erm", "init=bonsai-cf", "model.hidden=16", "train.steps=6", "train.eval_every=3",
         "train.checkpoint_every=3", "train.log_every=3", "bonsai.erm_steps=4", "bonsai.rerm_steps=4",
         "bonsai.synthesis_steps=4"]
@@ -112,3 +119,23 @@ def test_bonsai_fine_tunes_the_featurizer_and_resumes_identically(tmp_path):
     _, again = execute(resume=run.path)  # every stage reloaded from its final checkpoint
     strip = lambda r: {k: v for k, v in r.items() if k not in ("run_dir", "finished")}  # noqa: E731
     assert strip(again) == strip(results)
+
+
+def test_a_second_run_of_the_seed_loads_the_cached_representation(tmp_path):
+    first, r1 = execute(RECIPE, "cpu", TINY, out=tmp_path / "runs")
+    assert (first.path / "checkpoints" / "bonsai.round0").is_dir()  # built here
+    cached = list((tmp_path / "cache" / "bonsai").glob("coloredmnist-seed0-*.safetensors"))
+    assert len(cached) == 1
+    second, r2 = execute(RECIPE, "cpu", [o.replace("method=erm", "method=vrex") for o in TINY], out=tmp_path / "runs")
+    assert r2["details"]["bonsai"]["cache"] == str(cached[0])
+    assert not (second.path / "checkpoints" / "bonsai.round0").exists()  # nothing rebuilt
+    assert r2["details"]["bonsai"]["rounds"] == r1["details"]["bonsai"]["rounds"]
+    # the same downstream run from the cache equals the one that built it
+    third, r3 = execute(RECIPE, "cpu", TINY, out=tmp_path / "runs")
+    assert r3["rows"] == r1["rows"]
+    # another seed is another representation
+    execute(RECIPE, "cpu", TINY + ["seed=1"], out=tmp_path / "runs")
+    assert len(list((tmp_path / "cache" / "bonsai").glob("*.safetensors"))) == 2
+    cached[0].write_bytes(b"garbage")
+    with pytest.raises(Exception, match="corrupt"):
+        execute(RECIPE, "cpu", TINY, out=tmp_path / "runs")

@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 
-from conftest import run_owai
-from owai.checkpoint import latest_checkpoint
+from conftest import cli_in_process
+from owai.checkpoint import latest_checkpoint, load_checkpoint
 from owai.errors import OwaiError
 from owai.experiment import execute
 from owai.models.mlp import ColoredMNISTMLP, MLPConfig, n_parameters
@@ -102,7 +102,7 @@ def test_end_to_end_results_hold_the_test_environments(erm_run):
     assert rows["oracle.worst_test_acc"]["measured"] is None and rows["oracle.worst_test_acc"]["thesis"] == 0.721
     details = saved["details"]
     assert details["data"]["train_sizes"] == [4000, 4000] and details["data"]["test_sizes"] == [2000] * 3
-    assert [c["step"] for c in details["curve"]] == [4, 8, 12]
+    assert [c["step"] for c in details["curve"]] == [1, 5, 9, 12]  # after update 1 + 4 i (the reference's step 4 i), and the last
     assert saved["command"].startswith("owai bonsai --preset cpu")
 
 
@@ -133,7 +133,7 @@ def test_resume_reproduces_identical_results(erm_run):
     _, replayed = execute(resume=run.path)
     assert _without_times(replayed) == _without_times(results)
     curve_steps = [r["step"] for r in again_run.metrics() if "worst_test_acc" in r]
-    assert curve_steps == [4, 8, 12]  # no duplicated evaluation rows after the resumes
+    assert curve_steps == [1, 5, 9, 12]  # no duplicated evaluation rows after the resumes
 
 
 @pytest.mark.parametrize(
@@ -141,8 +141,11 @@ def test_resume_reproduces_identical_results(erm_run):
     [
         (["init=bonsai", "bonsai.rounds=0"], "bonsai.rounds must be >= 1"),
         (["init=bonsai-cf", "bonsai.rerm_steps=0"], "bonsai.rerm_steps must be >= 1"),
-        (["dataset=camelyon17"], "dataset 'camelyon17' is not implemented yet"),
-        (["method=rsc"], "not supported by the ColoredMNIST trainer"),
+        (["dataset=camelyon17"], "dataset"),
+        (["method=rsc", "init=bonsai"], "method 'rsc' runs with init rand or erm, not 'bonsai'"),
+        (["method=pi", "init=erm"], "method 'pi' runs with init rand, not 'erm'"),
+        (["method=pi", "penalty.options={steps1: 0}"], "pi steps1 must be an int >= 1"),
+        (["perfect.steps=0", "init=perfect"], "perfect.steps must be >= 1"),
         (["method=nope"], "unknown invariance method 'nope'"),
         (["init=erm", "penalty.anneal_iters=0"], "init=erm needs penalty.anneal_iters"),
         (["init=erm", "penalty.anneal_iters=500", "train.steps=100"], "leaves no penalty step"),
@@ -158,11 +161,56 @@ def test_impossible_settings_fail_before_a_run_exists(tmp_path, overrides, fragm
     assert not (tmp_path / "runs").exists()
 
 
-def test_cli_camelyon17_is_a_one_line_error(tmp_path):
-    for args, fragment in [(["--dataset", "camelyon17"], "dataset 'camelyon17' is not implemented yet")]:
-        proc = run_owai("bonsai", *args, "--out", str(tmp_path / "runs"))
-        assert proc.returncode == 2, proc.stdout + proc.stderr
-        err = proc.stderr.strip()
-        assert len(err.splitlines()) == 1 and err.startswith("error:") and fragment in err, err
-        assert "Traceback" not in proc.stderr
+@pytest.mark.parametrize("args, fragment", [
+    (["--dataset", "mnist"], "--dataset 'mnist': choose from"),
+    (["--init", "warm"], "--init 'warm': choose from"),
+    (["--method", "irm,vrex"], "one value per run (several need --study)"),
+    (["--grid", "penalty.weight=1,2"], "--grid/--seeds/--workers need --study"),
+    (["--method", "nope"], "unknown invariance method 'nope'"),
+    (["--method", "irm", "--resume", "somewhere"], "--resume takes its config from the run or sweep directory"),
+    (["--recipe", "three-moons"], "owai bonsai runs coloredmnist, camelyon17, twobits"),
+    (["--method", "irm", "--set", "penalty.weight=high"], "penalty.weight"),
+])
+def test_cli_bad_options_are_one_line_errors(tmp_path, capsys, args, fragment):
+    code, out, err = cli_in_process(["bonsai", *args, "--out", str(tmp_path / "runs")], capsys)
+    assert code == 2, out + err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error:") and fragment in err, err
     assert not (tmp_path / "runs").exists()
+
+
+SMALL = ["model.hidden=16", "train.steps=12", "train.eval_every=4", "train.checkpoint_every=4", "train.log_every=4"]
+
+
+@pytest.mark.parametrize("sets", [
+    ["method=groupdro"],  # group weights q: companion state
+    ["method=lff", "init=erm", "penalty.anneal_iters=4"],  # biased copy + loss averages
+    ["method=rsc", "init=erm", "penalty.anneal_iters=4"],
+    ["method=pi", "penalty.options={steps1: 3}"],  # stage models, then RERM over their groups
+    ["method=irm", "init=perfect", "perfect.steps=3"],
+])
+def test_the_other_trainers_run_and_resume_bit_exactly(tmp_path, monkeypatch, sets):
+    """RSC, LfF, GroupDRO, PI and the perfect initialisation train end to end; a run killed after
+    step 8 resumes to the same weights as the uninterrupted run (companion state included)."""
+    monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
+    run, results = execute(RECIPE, "cpu", sets + SMALL, out=tmp_path / "runs")
+    method, init = sets[0].split("=")[1], next((s.split("=")[1] for s in sets if s.startswith("init=")), "rand")
+    rows = {r["metric"]: r["measured"] for r in results["rows"]}
+    assert rows[f"{method}.{init}.worst_test_acc"] is not None
+    ckpts = run.path / "checkpoints" / "train"
+    _, full = load_checkpoint(latest_checkpoint(ckpts))
+    if method in ("groupdro", "lff"):
+        assert full["companion"], "the penalty's state is checkpointed"
+    if method == "lff":
+        assert any(k.startswith("biased.") for k in full["model"])
+        assert full["optimizer"]["param_groups"][0]["lr"] == pytest.approx(5e-4 * 0.01)
+    if method == "pi":
+        assert set(results["details"]["pi"]["groups"]) <= {"model1-env1-correct", "model1-env1-incorrect",
+                                                           "model2-env2-correct", "model2-env2-incorrect"}
+        assert (run.path / "checkpoints" / "pi.env1").is_dir() and (run.path / "checkpoints" / "pi.env2").is_dir()
+    shutil.rmtree(latest_checkpoint(ckpts))
+    (run.path / "results.json").unlink()
+    _, again = execute(resume=run.path)
+    _, resumed = load_checkpoint(latest_checkpoint(ckpts))
+    for k, v in full["model"].items():
+        assert torch.equal(resumed["model"][k], v), k
+    assert _without_times(again) == _without_times(results)

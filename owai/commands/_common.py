@@ -74,5 +74,5 @@ def run_study(plan: Any, workers: int, write_study: Callable[[Any, dict[str, Any
         console.emit_json({"rows": rows, **info, "sweep_dir": str(plan.path), "failed": [p["label"] for p in failed]})
     elif not quiet:
         console.stdout.print(study_table(rows, info["title"]))
-        console.stdout.print(f"table: {plan.path / table_name}\nfigure: {info['figure']}")
+        console.stdout.print(f"table: {info.get('table') or plan.path / table_name}\nfigure: {info['figure']}")
     sweeps.raise_on_failures(summary, rerun)

@@ -1,33 +1,39 @@
-"""`owai bonsai`: invariant learning on ColoredMNIST (thesis §2.3.3, Table 2.4).
+"""`owai bonsai`: invariant learning and Bonsai rich representations (thesis §2.3, App. A.8).
 
-    owai bonsai                                        IRMv1 from random init on ColoredMNIST (cpu preset)
+    owai bonsai                                        IRMv1 from random init on ColoredMNIST (one run, cpu preset)
     owai bonsai --method vrex --init erm               vREx after the ERM-init (anneal) phase
-    owai bonsai --dataset inverse-coloredmnist --method erm
+    owai bonsai --dataset inverse-coloredmnist --method pi
+    owai bonsai --study                                Table 2.4: the recipe's grid x seeds, cross-seed selection
+    owai bonsai --study --method irm,vrex --init rand,bonsai-cf --seeds 0,1
+    owai bonsai --recipe fig2.7-anneal --study         any bonsai recipe (fig2.8-init, table2.5-pi, figA.2-twobits, ...)
+    owai bonsai --dataset camelyon17 --study --set data.root=~/data/wilds
+    owai bonsai --resume runs/table2.4-coloredmnist/sweep-...   finish a killed study (finished points are skipped)
 
-`--dataset/--method/--init` are `--set dataset=/method=/init=` overrides of the recipe
-`table2.4-coloredmnist`. `--init bonsai|bonsai-cf` builds the Bonsai representation first
-(`owai.methods.bonsai`, spec §3.1). Camelyon17 is not implemented yet: the method's validation
-says so before any run directory exists.
+Without `--study` one run executes (one restart of one method/init); `--dataset/--method/--init` are
+`--set` overrides of the recipe. With `--study` the recipe's sweep runs through the sweep facility
+(comma-separated `--method/--init/--dataset` replace those grid keys), then the method's study
+selects hyper-parameters and epochs across seeds as the thesis does and writes <stem>.md,
+<stem>.json and figures/<stem>.png into the sweep directory. The default recipe follows the
+dataset: table2.4-coloredmnist, table2.5-pi (inverse-coloredmnist), table2.6-camelyon17.
 """
 
 from __future__ import annotations
 
+import importlib
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from owai.commands._common import Json, Out, Preset, Quiet, Resume, Sets, run_recipe
+from owai import console
+from owai.commands._common import Json, Out, Preset, Quiet, Sets, csv_values, run_recipe, run_study
 from owai.errors import OwaiError
 
-RECIPE = "table2.4-coloredmnist"
-
-
-class Dataset(str, Enum):
-    coloredmnist = "coloredmnist"
-    inverse = "inverse-coloredmnist"
-    camelyon17 = "camelyon17"
+METHODS = ("coloredmnist", "camelyon17", "twobits")  # the methods `owai bonsai` runs
+RECIPE_FOR = {"coloredmnist": "table2.4-coloredmnist", "coloredmnist-gray": "table2.4-coloredmnist",
+              "inverse-coloredmnist": "table2.5-pi", "inverse-coloredmnist-gray": "table2.5-pi",
+              "camelyon17": "table2.6-camelyon17"}
 
 
 class Init(str, Enum):
@@ -37,24 +43,88 @@ class Init(str, Enum):
     bonsai_cf = "bonsai-cf"
 
 
+def _study_functions(method: str):
+    """(write_study, study_table) of a method module that has a study."""
+    from owai.methods import REGISTRY
+
+    module = importlib.import_module(REGISTRY[method].split(":")[0])
+    if not hasattr(module, "write_study"):
+        raise OwaiError(f"method {method!r} has no study; run it without --study")
+    return module.write_study, module.study_table
+
+
 def bonsai(
-    dataset: Annotated[Optional[Dataset], typer.Option("--dataset", "-d", help="coloredmnist (Table 2.4) or inverse-coloredmnist (Table 2.5).")] = None,
-    method: Annotated[Optional[str], typer.Option("--method", "-m", help="erm, irm, vrex, sd, iga, fish, fishr, clove, rerm, mmd, coral.")] = None,
-    init: Annotated[Optional[Init], typer.Option("--init", "-i", help="rand (penalty from step 0), erm (after penalty.anneal_iters ERM steps), bonsai (from the Bonsai representation) or bonsai-cf (Bonsai, featurizer frozen).")] = None,
+    recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="A bonsai recipe id (table2.4-coloredmnist, table2.5-pi, fig2.7-anneal, fig2.8-init, table2.6-camelyon17, figA.2-twobits, ...) or file.")] = None,
+    dataset: Annotated[Optional[str], typer.Option("--dataset", "-d", help="coloredmnist (Table 2.4), inverse-coloredmnist (Table 2.5), their -gray oracles, or camelyon17 (Table 2.6); comma-separated with --study.")] = None,
+    method: Annotated[Optional[str], typer.Option("--method", "-m", help="erm, irm, vrex, sd, iga, fish, fishr, clove, rsc, lff, groupdro, pi, rerm, mmd, coral; comma-separated with --study.")] = None,
+    init: Annotated[Optional[str], typer.Option("--init", "-i", help="rand (penalty from step 0), erm (after penalty.anneal_iters ERM steps), bonsai, bonsai-cf (Bonsai, featurizer frozen); comma-separated with --study.")] = None,
+    study: Annotated[bool, typer.Option("--study", help="Run the recipe's grid x seeds and write the selected table and figure.")] = False,
+    grid: Annotated[Optional[list[str]], typer.Option("--grid", "-g", help="With --study: replace a grid key's values, --grid penalty.weight=1e3,1e4 (repeatable).")] = None,
+    seeds: Annotated[Optional[str], typer.Option("--seeds", help="With --study: comma-separated seeds (default: the recipe's).")] = None,
+    workers: Annotated[int, typer.Option("--workers", "-w", min=1, help="With --study: local worker processes.")] = 1,
     preset: Preset = None,
     sets: Sets = None,
     out: Out = Path("runs"),
-    resume: Resume = None,
+    resume: Annotated[Optional[Path], typer.Option("--resume", help="Continue a killed run directory, or a study's sweep directory.")] = None,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
-    """Invariant learning on ColoredMNIST (sec 2.3.3): one penalty method, from random, ERM or Bonsai init."""
-    chosen = [f"dataset={dataset.value}" if dataset else None, f"method={method}" if method else None,
-              f"init={init.value}" if init else None]
-    overrides = [c for c in chosen if c] + list(sets or [])
-    if resume is not None and (dataset or method or init):
-        raise OwaiError("--resume takes its config from the run directory; drop --dataset/--method/--init")
-    run_recipe(None if resume is not None else RECIPE, preset, overrides or None, out, resume, quiet, as_json)
+    """Invariant learning and Bonsai (sec 2.3): one run, or with --study a thesis table with its selection protocol."""
+    from owai import sweep as sweeps
+
+    console.configure(quiet, as_json)
+    chosen = {"dataset": dataset, "method": method, "init": init}
+    if resume is not None:
+        if recipe or any(chosen.values()) or grid or seeds or preset or sets:
+            raise OwaiError("--resume takes its config from the run or sweep directory; drop the other options")
+        if sweeps.is_sweep_dir(resume):
+            plan = sweeps.open_sweep(resume)
+            write, table = _study_functions(_recipe_method(plan.recipe, plan.recipe_source))
+            run_study(plan, workers, write, table, f"{plan.recipe}.md", f"owai bonsai --resume {plan.path}", quiet, as_json)
+        else:
+            run_recipe(None, None, None, out, resume, quiet, as_json)
+        return
+    if init is not None:
+        for value in csv_values(init, "--init"):
+            if value not in {i.value for i in Init}:
+                raise OwaiError(f"--init {value!r}: choose from {', '.join(i.value for i in Init)}")
+    first_dataset = csv_values(dataset, "--dataset")[0] if dataset else None
+    if recipe is None:
+        if first_dataset is not None and first_dataset not in RECIPE_FOR:
+            raise OwaiError(f"--dataset {first_dataset!r}: choose from {', '.join(RECIPE_FOR)}")
+        recipe = RECIPE_FOR[first_dataset or "coloredmnist"]
+    rec_method = _recipe_method(recipe)
+    if rec_method != "coloredmnist" and dataset is not None and rec_method != first_dataset:
+        raise OwaiError(f"--dataset {dataset!r} does not apply to recipe {recipe!r} (method {rec_method})")
+    if rec_method == "camelyon17":
+        chosen["dataset"] = None  # the recipe names its dataset
+    if not study:
+        if grid or seeds or workers != 1:
+            raise OwaiError("--grid/--seeds/--workers need --study")
+        overrides = []
+        for key, value in chosen.items():
+            if value is not None:
+                if len(csv_values(value, f"--{key}")) > 1:
+                    raise OwaiError(f"--{key} {value!r}: one value per run (several need --study)")
+                overrides.append(f"{key}={value}")
+        run_recipe(recipe, preset, overrides + list(sets or []) or None, out, None, quiet, as_json)
+        return
+    extra_grid = list(grid or [])
+    for key, value in chosen.items():
+        if value is not None:
+            extra_grid.append(f"{key}={','.join(csv_values(value, f'--{key}'))}")
+    write, table = _study_functions(rec_method)
+    plan = sweeps.create(recipe, preset, list(sets or []), extra_grid, sweeps.parse_seeds(seeds) if seeds else None, out)
+    run_study(plan, workers, write, table, f"{plan.recipe}.md", f"owai bonsai --resume {plan.path}", quiet, as_json)
+
+
+def _recipe_method(name: str, source: str | None = None) -> str:
+    from owai.recipes import load, recorded_name
+
+    rec = load(recorded_name(name, source) if source is not None else name)
+    if rec.method not in METHODS:
+        raise OwaiError(f"recipe {rec.id!r} runs method {rec.method!r}; owai bonsai runs {', '.join(METHODS)}")
+    return rec.method
 
 
 def register(app: typer.Typer) -> None:

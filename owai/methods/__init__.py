@@ -25,6 +25,8 @@ REGISTRY: dict[str, str] = {
     "lm_eval": "owai.methods.language_model:LanguageModelEvaluation",
     "regbench": "owai.methods.regbench:RegBench",
     "dropout_ft": "owai.methods.dropout_ft:DropoutFineTuning",
+    "camelyon17": "owai.methods.camelyon17:Camelyon17Bonsai",
+    "twobits": "owai.methods.twobits:TwoBitsLandscape",
 }
 
 

@@ -18,6 +18,11 @@ then environment 2; the environments themselves are discarded):
 4. The representation is the synthesis featurizer; the downstream head is **the average of the K
    heads** (`average_heads`).
 
+The representation is expensive (about a thousand full-batch steps) and the same for every downstream
+method of one restart, so `cached_representation` keeps it in `<cache>/bonsai/<key>.safetensors`
+(`owai.io.cache_root()`; the key hashes every setting it depends on: dataset, seed, data settings,
+steps, width, lr, l2); a study's Bonsai and Bonsai-cf points of one seed build it once.
+
 Every phase is a stage of `owai.train.train_loop` with Adam(lr) and the explicit L2 of spec §0, so a
 killed run resumes inside the phase it was in, and a finished phase is reloaded from its final
 checkpoint (its predictions are recomputed from the reloaded weights, which is deterministic).
@@ -29,6 +34,8 @@ instead of the reference's numpy state.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,3 +196,47 @@ def init_from(model: ColoredMNISTMLP, rep: Representation) -> None:
     with torch.no_grad():
         model.head.weight.copy_(rep.head_weight)
         model.head.bias.copy_(rep.head_bias)
+
+
+def representation_key(dataset: str, cfg: BonsaiConfig, **settings: Any) -> str:
+    """A hash of everything the representation depends on (cache file name)."""
+    erm, rerm, syn = steps_for(dataset, cfg)
+    spec = {"dataset": dataset, "rounds": cfg.rounds, "steps": [erm, rerm, syn], **settings, "format": 1}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def cached_representation(run: Run, data: ColoredMNIST, dataset: str, cfg: BonsaiConfig, *, seed: int, hidden: int,
+                          lr: float, l2: float, device: str, checkpoint_every: int = 100, log_every: int = 10,
+                          data_key: dict[str, Any] | None = None) -> Representation:
+    """`build_representation`, through the cache: a hit loads the tensors, a miss builds the
+    representation in the run's stages and writes the cache file atomically."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import save
+
+    from owai.io import atomic_write_bytes, cache_root
+
+    key = representation_key(dataset, cfg, seed=seed, hidden=hidden, lr=lr, l2=l2, data=data_key or {})
+    path = cache_root() / "bonsai" / f"{dataset}-seed{seed}-{key}.safetensors"
+    if path.is_file():
+        try:
+            with safe_open(str(path), "pt") as f:
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+                meta = f.metadata() or {}
+            rep = Representation(
+                featurizer={k.removeprefix("featurizer."): v.to(device) for k, v in tensors.items() if k.startswith("featurizer.")},
+                head_weight=tensors["head_weight"].to(device), head_bias=tensors["head_bias"].to(device),
+                heads_weight=tensors["heads_weight"].to(device), heads_bias=tensors["heads_bias"].to(device),
+                details=json.loads(meta["details"]))
+            rep.details["cache"] = str(path)
+            return rep
+        except (OSError, KeyError, ValueError, SafetensorError) as e:
+            raise OwaiError(f"Bonsai cache file {path} is corrupt ({e}); delete it to rebuild") from None
+    rep = build_representation(run, data, dataset, cfg, seed=seed, hidden=hidden, lr=lr, l2=l2, device=device,
+                               checkpoint_every=checkpoint_every, log_every=log_every)
+    tensors = {f"featurizer.{k}": v.cpu().contiguous() for k, v in rep.featurizer.items()}
+    tensors.update(head_weight=rep.head_weight.cpu().contiguous(), head_bias=rep.head_bias.cpu().contiguous(),
+                   heads_weight=rep.heads_weight.cpu().contiguous(), heads_bias=rep.heads_bias.cpu().contiguous())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, save(tensors, metadata={"details": json.dumps(rep.details)}))
+    rep.details["cache"] = str(path)
+    return rep

@@ -25,47 +25,69 @@ Training (spec §0), through `owai.train.train_loop` (stage `train`):
   `bonsai` trains everything; `bonsai-cf` freezes the featurizer (no gradient, not in the
   optimizer, not in the L2 term) and trains the head alone on features computed once (cached).
 
-Evaluation: every `train.eval_every` steps (the thesis's early-stopping grid, Table A.12: 20 i for
-most methods) and at the last step, the training accuracy (both environments pooled) and the three
+Evaluation: after update 1 + `train.eval_every` * i (the reference's step index 20 i: it logs step `s`
+after update s + 1; the thesis's early-stopping grid, Table A.12: 20 i for most methods) and after the
+last update, the training accuracy (both environments pooled) and the three
 test environments' accuracies (colour flips 0.9, 0.1, 0.5) are logged to metrics.jsonl. Reported:
 
 * `train_acc`, `test_acc.flip0.9|0.1|0.5` and `worst_test_acc` (their minimum, the thesis's metric) at
   the last step;
 * `peek.worst_test_acc` / `peek.step`: the best worst-test accuracy over the evaluation grid ("peeking
   at test", TH A.9). The thesis picks one (configuration, epoch) for the *mean over 10 restarts*; the
-  per-restart peek is an upper bound of that choice, and the cross-seed selection belongs to the sweep
-  summary (not implemented yet);
-* `<method>.<init>.worst_test_acc` (= the peek value) on `coloredmnist`, and `oracle.worst_test_acc`
-  for ERM on `coloredmnist-gray`: the names of the recipe's Table 2.4 rows.
+  per-restart peek is an upper bound of that choice. The cross-restart selection is the study's
+  (`owai bonsai --study`, `write_study` below): per (dataset, method, init) the searched setting and
+  evaluation step with the best mean over restarts, reported as mean ± std at that point;
+* `<method>.<init>.worst_test_acc` (= the peek value; `inverse.` in front on InverseColoredMNIST) and
+  `[inverse.]oracle.worst_test_acc` for ERM from rand on a gray variant (`table_metric`): the names of
+  the recipes' table rows.
 
-Methods: every penalty of the registry that trains one logit on the environments' batches (erm, irm,
-vrex, sd, iga, fish, fishr, clove, rerm, mmd, coral). RSC and LfF (two logits, extra models),
-GroupDRO (state across steps) and PI (stage models) need their own trainers and are rejected.
+Methods: every penalty of the registry.
+
+* one logit, the environments' batches (erm, irm, vrex, sd, iga, fish, fishr, clove, rerm, mmd,
+  coral) and `groupdro` (its group weights q persist across steps and are checkpointed with the
+  model through the loop's `companion`);
+* `rsc` and `lff` (the anneal study, Fig 2.7; 2 logits, cross-entropy): RSC masks the head's input
+  (the `head` goes to the objective); LfF trains a biased copy beside the model, both with Adam's
+  coupled weight decay l2, at lr x 0.01 and with a fresh Adam state from `anneal_iters` on, the
+  copy taken from the ERM-pretrained model at that step; its loss averages are the companion state;
+* `pi` (Table 2.5; spec §2.11, init rand only): per training environment a model trained by ERM
+  on 90 % of it (stages `pi.env<k>`, 51 steps, 151 on Inverse), whose predictions split the
+  environments into correct/incorrect groups; the run's model then minimises the hard max over
+  those groups for `train.steps` (701 in the paper preset).
+
+`init: perfect` (Fig 2.8 top): the model is first trained by ERM on the dataset's gray variant for
+`perfect.steps` (80) steps (stage `perfect`), then the penalty runs from step 0.
 """
 
 from __future__ import annotations
 
+import copy
+import json
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+from torch import nn
 
 from owai.config import BaseConfig
 from owai.data.colored_mnist import ColoredMNIST, accuracy, load_colored_mnist
 from owai.errors import OwaiError
 from owai.methods import Method, Outcome
-from owai.methods.bonsai import BonsaiConfig, build_representation, check_config, init_from
-from owai.methods.invariance import ALIASES, L2, REGISTRY, EnvBatch, Penalty, make_penalty
+from owai.methods.bonsai import BonsaiConfig, cached_representation, check_config, init_from
+from owai.methods.invariance import ALIASES, L2, PI, REGISTRY, EnvBatch, LfF, Penalty, make_penalty
 from owai.models.mlp import ColoredMNISTMLP, MLPConfig
 from owai.runs import Run
 from owai.runtime import derive_seed, generator
 from owai.train import LoopConfig, train_loop
 
-Dataset = Literal["coloredmnist", "coloredmnist-gray", "inverse-coloredmnist", "inverse-coloredmnist-gray", "camelyon17"]
-Init = Literal["rand", "erm", "bonsai", "bonsai-cf"]
-SUPPORTED = ("erm", "irm", "vrex", "sd", "iga", "fish", "fishr", "clove", "rerm", "mmd", "coral")
-NOT_YET = {"camelyon17": "dataset 'camelyon17'"}
-TABLE_DATASET = "coloredmnist"  # Table 2.4's rows are named <method>.<init>.worst_test_acc on it
+Dataset = Literal["coloredmnist", "coloredmnist-gray", "inverse-coloredmnist", "inverse-coloredmnist-gray"]
+Init = Literal["rand", "erm", "bonsai", "bonsai-cf", "perfect"]
+SUPPORTED = tuple(REGISTRY)
+INITS_OF = {"rsc": ("rand", "erm"), "lff": ("rand", "erm"), "pi": ("rand",)}  # methods with fewer inits
+PI_STEPS1 = {"coloredmnist": 51, "inverse": 151}  # PI's stage-1 steps (spec §2.11)
+# table rows are named <prefix><method>.<init>.worst_test_acc; the gray variants give the oracle rows
+TABLE_PREFIX = {"coloredmnist": "", "inverse-coloredmnist": "inverse."}
 
 
 @dataclass
@@ -105,6 +127,12 @@ class TrainConfig:
 
 
 @dataclass
+class PerfectInitConfig:
+    steps: int = 80  # ERM steps on the gray variant (the reference script's effective --steps)
+    l2: float | None = None  # None = train.l2's value (0.0011 ColoredMNIST)
+
+
+@dataclass
 class ColoredMNISTConfig(BaseConfig):
     dataset: Dataset = "coloredmnist"
     method: str = "irm"
@@ -114,6 +142,7 @@ class ColoredMNISTConfig(BaseConfig):
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     bonsai: BonsaiConfig = field(default_factory=BonsaiConfig)  # init=bonsai|bonsai-cf only
+    perfect: PerfectInitConfig = field(default_factory=PerfectInitConfig)  # init=perfect only
 
 
 class ColoredMNISTInvariance(Method):
@@ -129,55 +158,80 @@ class ColoredMNISTInvariance(Method):
         device = run.device
         pen = build_penalty(cfg)
         l2 = l2_coefficient(cfg)
-        train = [(e.x.to(device), e.y.to(device)) for e in data.train]
-        test = [(e.x.to(device), e.y.to(device)) for e in data.test]
+        two_logits = pen.n_logits == 2
+        train = [(e.x.to(device), (e.y_long if two_logits else e.y).to(device)) for e in data.train]
+        test = [(e.x.to(device), (e.y_long if two_logits else e.y).to(device)) for e in data.test]
+        details: dict[str, Any] = {}
+        t = cfg.train
         rep = None
         if cfg.init in ("bonsai", "bonsai-cf"):
-            t = cfg.train
-            rep = build_representation(run, data, cfg.dataset, cfg.bonsai, seed=cfg.seed, hidden=cfg.model.hidden,
-                                       lr=t.lr, l2=l2, device=device, checkpoint_every=t.checkpoint_every,
-                                       log_every=t.log_every)
+            rep = cached_representation(run, data, cfg.dataset, cfg.bonsai, seed=cfg.seed, hidden=cfg.model.hidden,
+                                        lr=t.lr, l2=l2, device=device, checkpoint_every=t.checkpoint_every,
+                                        log_every=t.log_every, data_key=dataclasses.asdict(cfg.data))
+            details.update(bonsai=rep.details, frozen_featurizer=cfg.init == "bonsai-cf")
         torch.manual_seed(derive_seed(cfg.seed, "init"))
-        model = ColoredMNISTMLP(MLPConfig(hidden=cfg.model.hidden)).to(device)
-        frozen = cfg.init == "bonsai-cf"
+        model = ColoredMNISTMLP(MLPConfig(hidden=cfg.model.hidden, n_targets=pen.n_logits)).to(device)
         if rep is not None:
             init_from(model, rep)
+        if cfg.init == "perfect":
+            details["perfect"] = perfect_init(cfg, run, model, l2, device)
+        loss_groups = train
+        if isinstance(pen, PI):
+            loss_groups, details["pi"] = pi_groups_for(cfg, run, pen, train, l2, device)
+            torch.manual_seed(derive_seed(cfg.seed, "init"))  # the final model's init, as every other run
+            model = ColoredMNISTMLP(MLPConfig(hidden=cfg.model.hidden)).to(device)
+        frozen = cfg.init == "bonsai-cf"
         if frozen:
             model.freeze_featurizer()
             with torch.no_grad():  # the cache: the head's inputs, computed once
                 train = [(model.featurizer(x), y) for x, y in train]
                 test = [(model.featurizer(x), y) for x, y in test]
-        params = model.trainable_parameters()
-        optimizer = torch.optim.Adam(params, lr=cfg.train.lr)
-        featurize = (lambda z: z) if frozen else model.featurizer
-        predict = model.head if frozen else model
+                loss_groups = train
         stage = "train"
+        featurize = (lambda z: z) if frozen else model.featurizer
+        trained: nn.Module = model
+        predict = model.head if frozen else model
+        lr_at = reset_at = None
+        companion = pen if type(pen).state_dict is not Penalty.state_dict else None
+        if isinstance(pen, LfF):  # a biased copy trained beside the model (spec §2.9)
+            trained = nn.ModuleDict({"debiased": model, "biased": copy.deepcopy(model)})
+            optimizer = torch.optim.Adam(trained.parameters(), lr=t.lr, weight_decay=l2)
+            lr_at = lambda step: t.lr * (pen.lr_factor if step >= pen.anneal_iters else 1.0)  # noqa: E731
+            reset_at = lambda step: step == pen.anneal_iters  # noqa: E731  (both models: fresh Adam at lr/100)
+        else:
+            optimizer = torch.optim.Adam(model.trainable_parameters(), lr=t.lr)
+            reset_at = pen.reset_optimizer_at
+        params = model.trainable_parameters()
 
-        def loss_at(step: int, micro: int = 0) -> torch.Tensor:
-            batches = []
-            for k, (x, y) in enumerate(train):
+        def batches(net: nn.Module, step: int) -> list[EnvBatch]:
+            out = []
+            for k, (x, y) in enumerate(loss_groups):
                 if pen.minibatch is not None and pen.minibatch < len(y):
                     idx = torch.randperm(len(y), generator=generator(cfg.seed, "minibatch", stage, step, k))
                     idx = idx[: pen.minibatch].to(device)
                     x, y = x[idx], y[idx]
-                z = featurize(x)
-                batches.append(EnvBatch(model.head(z), y, z))
+                z = featurize(x) if net is model else net.featurizer(x)
+                out.append(EnvBatch(net.head(z), y, z))
+            return out
+
+        def loss_at(step: int, micro: int = 0) -> torch.Tensor:
+            biased = None
+            if isinstance(pen, LfF) and step >= pen.anneal_iters:
+                if step == pen.anneal_iters:  # the biased model starts as the ERM-pretrained one
+                    trained["biased"].load_state_dict(model.state_dict())
+                biased = batches(trained["biased"], step)
             reg = pen.l2(l2, [] if frozen else model.featurizer.parameters(), model.head.parameters())
-            return pen.objective(batches, step, params=params, l2=reg).loss
+            return pen.objective(batches(model, step), step, params=params, l2=reg, head=model.head, biased=biased).loss
 
         def after_step(done: int) -> None:
-            if done % cfg.train.eval_every == 0 or done == cfg.train.steps:
+            if (done - 1) % t.eval_every == 0 or done == t.steps:  # the reference's step index (done - 1) = 20 i
                 run.log(stage, done, **evaluate(predict, train, test))
 
-        loop = LoopConfig(cfg.train.steps, checkpoint_every=cfg.train.checkpoint_every, log_every=cfg.train.log_every)
-        summary = train_loop(run, stage, model, optimizer, loss_at, loop,
-                             reset_optimizer_at=pen.reset_optimizer_at, after_step=after_step)
+        loop = LoopConfig(t.steps, checkpoint_every=t.checkpoint_every, log_every=t.log_every)
+        summary = train_loop(run, stage, trained, optimizer, loss_at, loop, lr_at=lr_at, reset_optimizer_at=reset_at,
+                             after_step=after_step, companion=companion)
         final = evaluate(predict, train, test)
-        curve = [
-            {"step": r["step"], "train_acc": r["train_acc"], "worst_test_acc": r["worst_test_acc"]}
-            for r in run.metrics()
-            if r.get("stage") == stage and "worst_test_acc" in r
-        ]
+        curve = evaluation_curve(run, stage)
         return Outcome(measured=headline(cfg, final, curve), details={
             "final_loss": summary["final_loss"],
             "penalty": {"name": pen.name, "weight": pen.weight, "anneal_iters": pen.anneal_iters,
@@ -186,19 +240,80 @@ class ColoredMNISTInvariance(Method):
             "data": {"split": data.split, "source": data.source, "train_sizes": [len(e) for e in data.train],
                      "test_sizes": [len(e) for e in data.test]},
             "curve": curve,
-            **({"bonsai": rep.details, "frozen_featurizer": frozen} if rep is not None else {}),
+            **details,
         })
+
+
+def evaluation_curve(run: Run, stage: str) -> list[dict[str, Any]]:
+    """The stage's evaluations in step order, one per step."""
+    by_step = {r["step"]: r for r in run.metrics() if r.get("stage") == stage and "worst_test_acc" in r}
+    return [{"step": s, "train_acc": r["train_acc"], "worst_test_acc": r["worst_test_acc"]}
+            for s, r in sorted(by_step.items())]
+
+
+def _fresh_model(seed_parts: tuple, hidden: int, device: str) -> ColoredMNISTMLP:
+    torch.manual_seed(derive_seed(*seed_parts))
+    return ColoredMNISTMLP(MLPConfig(hidden=hidden)).to(device)
+
+
+def _train_erm(run: Run, stage: str, model: ColoredMNISTMLP, data: list, steps: int, lr: float, l2: float,
+               cfg: ColoredMNISTConfig, risk: str = "erm") -> None:
+    """Full-batch ERM (or RERM over `data`'s groups) with explicit L2: the stage models of PI and
+    the perfect initialisation."""
+    pen = make_penalty(risk)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+
+    def loss_at(step: int, micro: int = 0) -> torch.Tensor:
+        reg = pen.l2(l2, model.featurizer.parameters(), model.head.parameters())
+        return pen.objective([EnvBatch(model(x), y) for x, y in data], step, l2=reg).loss
+
+    t = cfg.train
+    train_loop(run, stage, model, optimizer, loss_at,
+               LoopConfig(steps, checkpoint_every=min(t.checkpoint_every, steps), log_every=min(t.log_every, steps)))
+
+
+def perfect_init(cfg: ColoredMNISTConfig, run: Run, model: ColoredMNISTMLP, l2: float, device: str) -> dict[str, Any]:
+    """Fig 2.8 (top): the "perfect initialisation", ERM on the dataset's gray variant (colour carries
+    no label information) for `perfect.steps` steps (80, the reference script's effective value),
+    trained in stage `perfect` on the downstream model itself."""
+    gray = load_colored_mnist(f"{cfg.dataset.removesuffix('-gray')}-gray", cfg.seed,
+                              "test" if cfg.data.split == "offline" else "train", root=cfg.data.root or None,
+                              hub_id=cfg.data.hub_id or None, rng=cfg.data.rng, grayscale=cfg.data.grayscale)
+    pooled = [(torch.cat([e.x for e in gray.train]).to(device), torch.cat([e.y for e in gray.train]).to(device))]
+    _train_erm(run, "perfect", model, pooled, cfg.perfect.steps, cfg.train.lr, cfg.perfect.l2 if cfg.perfect.l2 is not None else l2, cfg)
+    return {"steps": cfg.perfect.steps, "dataset": gray.variant.name}
+
+
+def pi_groups_for(cfg: ColoredMNISTConfig, run: Run, pen: PI, train: list, l2: float,
+                  device: str) -> tuple[list, dict[str, Any]]:
+    """PI's stages 1-2 (spec §2.11): per training environment i a fresh model trained by ERM on a
+    random 90 % of environment i for `steps1` steps (stage `pi.env<i>`); their predictions split the
+    environments into correct/incorrect groups (`pi_groups`: own environment, or cross with
+    `cross: true`). Returns the groups as (x, y) batches for the RERM stage, and what they were."""
+    steps1 = pen.steps1 if pen.steps1 else PI_STEPS1["inverse" if cfg.dataset.startswith("inverse") else "coloredmnist"]
+    preds = []
+    for i, (x, y) in enumerate(train):
+        keep = torch.randperm(len(y), generator=generator(cfg.seed, "pi", "holdout", i))
+        keep = keep[: len(y) - int(round(pen.holdout * len(y)))].to(device)
+        model = _fresh_model((cfg.seed, "pi", i), cfg.model.hidden, device)
+        _train_erm(run, f"pi.env{i + 1}", model, [(x[keep], y[keep])], steps1, cfg.train.lr, l2, cfg)
+        with torch.no_grad():
+            preds.append([(model(xj).reshape(-1) > 0).long() for xj, _ in train])
+    groups = pen.groups([y for _, y in train], preds)
+    batches = [(train[j][0][mask], train[j][1][mask]) for _, j, mask in groups]
+    info = {"steps1": steps1, "cross": pen.cross, "groups": {name: int(mask.sum()) for name, _, mask in groups}}
+    return batches, info
 
 
 def check(cfg: ColoredMNISTConfig) -> None:
     """Reject impossible or not-yet-implemented settings before any run directory exists."""
-    if cfg.dataset in NOT_YET:
-        raise OwaiError(f"{NOT_YET[cfg.dataset]} is not implemented yet (issue #4: Camelyon17 comes next)")
     key = ALIASES.get(cfg.method, cfg.method)
     if key not in REGISTRY:
         raise OwaiError(f"unknown invariance method {cfg.method!r} (known: {', '.join(SUPPORTED)})")
-    if key not in SUPPORTED:
-        raise OwaiError(f"method {key!r} is not supported by the ColoredMNIST trainer yet (supported: {', '.join(SUPPORTED)})")
+    if cfg.init not in INITS_OF.get(key, (cfg.init,)):
+        raise OwaiError(f"method {key!r} runs with init {' or '.join(INITS_OF[key])}, not {cfg.init!r}")
+    if cfg.perfect.steps < 1:
+        raise OwaiError(f"perfect.steps must be >= 1, got {cfg.perfect.steps}")
     t, p = cfg.train, cfg.penalty
     for name, value in [("train.steps", t.steps), ("train.eval_every", t.eval_every), ("model.hidden", cfg.model.hidden),
                         ("train.checkpoint_every", t.checkpoint_every), ("train.log_every", t.log_every)]:
@@ -271,9 +386,207 @@ def headline(cfg: ColoredMNISTConfig, final: dict[str, float], curve: list[dict[
     best = max(curve, key=lambda r: r["worst_test_acc"]) if curve else {"step": cfg.train.steps, **final}
     measured["peek.worst_test_acc"] = round(best["worst_test_acc"], 4)
     measured["peek.step"] = best["step"]
-    method = ALIASES.get(cfg.method, cfg.method)
-    if cfg.dataset == TABLE_DATASET:
-        measured[f"{method}.{cfg.init}.worst_test_acc"] = measured["peek.worst_test_acc"]
-    if cfg.dataset == f"{TABLE_DATASET}-gray" and method == "erm":
-        measured["oracle.worst_test_acc"] = measured["peek.worst_test_acc"]
+    measured[table_metric(cfg.dataset, ALIASES.get(cfg.method, cfg.method), cfg.init)] = measured["peek.worst_test_acc"]
     return measured
+
+
+def table_metric(dataset: str, method: str, init: str) -> str:
+    """The name of a (dataset, method, init) row beside the thesis: `<method>.<init>.worst_test_acc`
+    on ColoredMNIST, `inverse.` in front on InverseColoredMNIST, `[inverse.]oracle.worst_test_acc`
+    for ERM on a gray variant (other runs on gray data: `<dataset>.<method>.<init>...`)."""
+    base = dataset.removesuffix("-gray")
+    prefix = TABLE_PREFIX[base]
+    if dataset.endswith("-gray"):
+        return f"{prefix}oracle.worst_test_acc" if (method, init) == ("erm", "rand") else f"{dataset}.{method}.{init}.worst_test_acc"
+    return f"{prefix}{method}.{init}.worst_test_acc"
+
+
+# --- the study: the thesis's selection across restarts (TH A.9) --------------------------------------
+STUDY_NAME = "bonsai"
+GROUP_KEYS = ("dataset", "method", "init")  # a table cell; every other grid key is searched
+
+
+def _point_records(sweep: Any) -> list[dict[str, Any]]:
+    """Every finished point: its (dataset, method, init), searched settings, seed and curve."""
+    from owai.sweep import point_status
+
+    records = []
+    for p in sweep.points:
+        if point_status(sweep, p) != "complete":
+            continue
+        run = Run(sweep.point_dir(p))
+        params = run.read_config()["params"]
+        results = run.results() or {}
+        curve = results.get("details", {}).get("curve") or []
+        searched = {k: v for k, v in sorted(p.grid.items()) if k not in GROUP_KEYS and k != "seed"}
+        records.append({"dataset": params["dataset"], "method": ALIASES.get(params["method"], params["method"]),
+                        "init": params["init"], "searched": searched, "seed": p.seed, "params": params,
+                        "curve": {c["step"]: c["worst_test_acc"] for c in curve}})
+    return records
+
+
+def select_across_restarts(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """TH A.9's protocol: for every searched setting and every evaluated step, the mean over restarts of
+    the worst-test accuracy; the best (setting, step) wins (ties: the earlier); reported as mean ± std
+    (numpy's population std, as the reference prints) over the restarts at that point."""
+    import numpy as np
+
+    by_setting: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by_setting.setdefault(json.dumps(r["searched"], sort_keys=True, default=str), []).append(r)
+    best = None
+    for key, runs in by_setting.items():
+        steps = sorted(set.intersection(*(set(r["curve"]) for r in runs)))
+        for step in steps:
+            values = [r["curve"][step] for r in runs]
+            mean = float(np.mean(values))
+            if best is None or mean > best["mean"]:
+                best = {"mean": mean, "std": float(np.std(values)), "n": len(values), "step": step,
+                        "searched": json.loads(key), "values": values, "seeds": [r["seed"] for r in runs]}
+    return best
+
+
+def study_rows(sweep: Any) -> list[dict[str, Any]]:
+    """One row per (dataset, method, init[, anneal]): the selected mean ± std and the thesis's number.
+    Rows with `anneal` set are Fig 2.7's per-pre-training-length selections (only when the grid varies
+    penalty.anneal_iters for init erm)."""
+    from owai.recipes import load, recorded_name, thesis_for
+
+    recipe = load(recorded_name(sweep.recipe, sweep.recipe_source))
+    records = _point_records(sweep)
+    cells: dict[tuple, list[dict[str, Any]]] = {}
+    for r in records:
+        cells.setdefault((r["dataset"], r["method"], r["init"]), []).append(r)
+    rows = []
+    for (dataset, method, init), runs in cells.items():
+        metric = table_metric(dataset, method, init)
+        thesis = thesis_for(recipe, metric, runs[0]["params"])
+        chosen = select_across_restarts(runs)
+        if chosen is None:
+            continue
+        rows.append({"dataset": dataset, "method": method, "init": init, "anneal": None, "metric": metric,
+                     **chosen, "thesis": thesis.value if thesis else None, "ref": thesis.ref if thesis else ""})
+        anneals = sorted({r["searched"].get("penalty.anneal_iters") for r in runs} - {None})
+        if init == "erm" and len(anneals) > 1:
+            for a in anneals:
+                sub = select_across_restarts([r for r in runs if r["searched"].get("penalty.anneal_iters") == a])
+                if sub is not None:
+                    rows.append({"dataset": dataset, "method": method, "init": init, "anneal": a, "metric": metric,
+                                 **sub, "thesis": None, "ref": ""})
+    return rows
+
+
+def _cell(row: dict[str, Any] | None) -> str:
+    if row is None:
+        return "-"
+    text = f"{100 * row['mean']:.1f} ± {100 * row['std']:.1f}"
+    return text + (f" ({100 * row['thesis']:.1f})" if row.get("thesis") is not None else "")
+
+
+def study_markdown(rows: list[dict[str, Any]], title: str, command: str) -> str:
+    """Methods x initialisations per dataset: measured mean ± std over restarts (thesis), then the
+    chosen settings and step of every cell."""
+    lines = [f"### {title}", "", f"Command: `{command}`", "",
+             "Worst-of-three test accuracy (%), mean ± population std over restarts at the (setting, step) with "
+             "the best mean (test peeking, TH A.9); the thesis's number in brackets.", ""]
+    table = [r for r in rows if r["anneal"] is None]
+    for dataset in dict.fromkeys(r["dataset"] for r in table):
+        inits = list(dict.fromkeys(r["init"] for r in table if r["dataset"] == dataset))
+        lines += [f"**{dataset}**", "", "| method | " + " | ".join(inits) + " |", "|---" * (len(inits) + 1) + "|"]
+        for method in dict.fromkeys(r["method"] for r in table if r["dataset"] == dataset):
+            cells = {r["init"]: r for r in table if r["dataset"] == dataset and r["method"] == method}
+            lines.append(f"| {method} | " + " | ".join(_cell(cells.get(i)) for i in inits) + " |")
+        lines.append("")
+    lines += ["| dataset | method | init | anneal | chosen settings | step | n |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        settings = ", ".join(f"{k}={v}" for k, v in r["searched"].items()) or "-"
+        lines.append(f"| {r['dataset']} | {r['method']} | {r['init']} | {'' if r['anneal'] is None else r['anneal']} | "
+                     f"{settings} | {r['step']} | {r['n']} |")
+    return "\n".join(lines) + "\n"
+
+
+def study_table(rows: list[dict[str, Any]], title: str) -> Any:
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = Table(title=escape(title))
+    for col in ("dataset", "method", "init", "worst test acc % (thesis)", "chosen", "n"):
+        t.add_column(col)
+    for r in rows:
+        if r["anneal"] is not None:
+            continue
+        settings = ", ".join(f"{k}={v}" for k, v in r["searched"].items())
+        t.add_row(r["dataset"], r["method"], r["init"], _cell(r), escape(f"{settings} step {r['step']}".strip()), str(r["n"]))
+    return t
+
+
+def plot_study(sweep: Any, rows: list[dict[str, Any]], label: str) -> Any:
+    """Fig 2.7 when the grid varies the ERM pre-training length (selected accuracy per length and
+    method); Fig 2.8 when the initialisations are `perfect` / `bonsai-cf` (mean test curve of the
+    selected setting per method); otherwise the table as grouped bars with the thesis's numbers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    table = [r for r in rows if r["anneal"] is None]
+    inits = list(dict.fromkeys(r["init"] for r in table))
+    if any(r["anneal"] is not None for r in rows):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for method in dict.fromkeys(r["method"] for r in rows if r["anneal"] is not None):
+            pts = [(r["anneal"], r["mean"]) for r in rows if r["method"] == method and r["anneal"] is not None]
+            pts += [(0, r["mean"]) for r in table if r["method"] == method and r["init"] == "rand"]
+            pts.sort()
+            ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=method)
+        ax.set_xlabel("ERM pre-training steps (epochs)")
+        ax.set_ylabel("worst test accuracy (%), selected")
+        ax.set_title(f"Fig 2.7: {label}")
+        ax.legend(fontsize=8, ncol=3)
+    elif inits and set(inits) <= {"perfect", "bonsai-cf", "bonsai"}:
+        records = _point_records(sweep)
+        fig, axes = plt.subplots(1, len(inits), figsize=(6 * len(inits), 4.5), squeeze=False)
+        for ax, init in zip(axes[0], inits):
+            for r in (r for r in table if r["init"] == init):
+                runs = [x for x in records if (x["dataset"], x["method"], x["init"]) == (r["dataset"], r["method"], init)
+                        and x["searched"] == r["searched"]]
+                steps = sorted(set.intersection(*(set(x["curve"]) for x in runs)))
+                ax.plot(steps, [100 * np.mean([x["curve"][s] for x in runs]) for s in steps], label=r["method"])
+                if init == "perfect" and steps:
+                    ax.plot([steps[0]], [100 * np.mean([x["curve"][steps[0]] for x in runs])], "b*", markersize=12)
+            ax.set_xlabel("training steps (epochs)")
+            ax.set_ylabel("worst test accuracy (%)")
+            ax.set_title(f"Fig 2.8: from {'a perfect initialisation' if init == 'perfect' else 'frozen Bonsai' if init == 'bonsai-cf' else 'Bonsai'}")
+            ax.legend(fontsize=8)
+        fig.suptitle(label)
+    else:
+        methods = list(dict.fromkeys(r["method"] for r in table))
+        fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(methods)), 4.5))
+        width = 0.8 / max(len(inits) * len({r['dataset'] for r in table}), 1)
+        series = list(dict.fromkeys((r["dataset"], r["init"]) for r in table))
+        for i, (dataset, init) in enumerate(series):
+            cells = {r["method"]: r for r in table if (r["dataset"], r["init"]) == (dataset, init)}
+            xs = [m + i * width for m in range(len(methods))]
+            means = [100 * cells[m]["mean"] if m in cells else np.nan for m in methods]
+            stds = [100 * cells[m]["std"] if m in cells else 0 for m in methods]
+            ax.bar(xs, means, width, yerr=stds, label=f"{dataset} {init}" if len(series) > len(inits) else init)
+            thesis = [100 * cells[m]["thesis"] if m in cells and cells[m]["thesis"] is not None else np.nan for m in methods]
+            ax.plot(xs, thesis, "k_", markersize=12)
+        ax.set_xticks([m + width * (len(series) - 1) / 2 for m in range(len(methods))], methods)
+        ax.set_ylabel("worst test accuracy (%); black: thesis")
+        ax.set_title(label)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def write_study(sweep: Any, summary: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """bonsai.json, bonsai.md and figures/bonsai.png in the sweep directory (atomically)."""
+    from owai.sweep import write_study_files
+
+    rows = study_rows(sweep)
+    title = f"{sweep.recipe} [{sweep.preset}]: worst test accuracy, selected across restarts"
+    command = f"owai bonsai --resume {sweep.path}"
+    figure = write_study_files(sweep, STUDY_NAME, title, rows, study_markdown(rows, title, command),
+                               plot_study(sweep, rows, f"{sweep.recipe} [{sweep.preset}]"))
+    return rows, {"title": title, "figure": str(figure), "table": str(sweep.path / f"{STUDY_NAME}.md")}

@@ -160,6 +160,7 @@ class Penalty:
     minibatch: ClassVar[int | None] = None  # examples per environment and step; None = full batch
     needs_params: ClassVar[bool] = False
     needs_features: ClassVar[bool] = False
+    n_logits: ClassVar[int] = 1  # outputs of the head the method trains (2: cross-entropy, integer labels)
 
     def __init__(
         self,
@@ -557,6 +558,7 @@ class RSC(Penalty):
     default_anneal_val = 0.0
     l2_scope = "none"
     needs_features = True
+    n_logits = 2
 
     def __init__(self, *args: Any, f: float = 0.995, b: float = 0.98, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -614,6 +616,7 @@ class LfF(Penalty):
     default_anneal_val = 0.0
     l2_scope = "none"
     lr_factor = 0.01
+    n_logits = 2
 
     def __init__(self, *args: Any, alpha: float = 0.7, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -687,16 +690,21 @@ class PI(RERM):
     a random 90 % of it (`steps1` steps: 51 ColoredMNIST, 151 Inverse); `pi_groups` splits examples
     into correct/incorrect by those models (RFC: model i on its own environment i; `cross=True`:
     PI0, model i on every other environment j); a fresh model then minimises the hard max over the
-    groups (+ L2) for `steps3` = 701 steps. The training of the stage models is the trainer's."""
+    groups (+ L2) for 701 steps (the trainer's `train.steps`). The training of the stage models is
+    the trainer's."""
 
     name = "pi"
 
-    def __init__(self, *args: Any, cross: bool = False, steps1: int = 51, steps3: int = 701,
-                 holdout: float = 0.1, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, cross: bool = False, steps1: int | None = None, holdout: float = 0.1,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.cross = bool(cross)
-        self.steps1, self.steps3 = int(steps1), int(steps3)
+        if steps1 is not None and (isinstance(steps1, bool) or not isinstance(steps1, int) or steps1 < 1):
+            raise OwaiError(f"pi steps1 must be an int >= 1, got {steps1!r}")
+        self.steps1 = steps1  # None: the trainer's per-dataset default (51 ColoredMNIST, 151 Inverse)
         self.holdout = _check_number("pi holdout", holdout)
+        if self.holdout >= 1:
+            raise OwaiError(f"pi holdout must be < 1, got {holdout!r}")
 
     def groups(self, ys: Sequence[torch.Tensor], preds: Sequence[Sequence[torch.Tensor]]) -> list[tuple[str, int, torch.Tensor]]:
         return pi_groups(ys, preds, self.cross)

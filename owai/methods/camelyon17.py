@@ -1,0 +1,884 @@
+"""Camelyon17-WILDS: ERM, IRMv1, vREx and CLOvE from random, ERM and Bonsai initialisations
+(thesis §2.3.4, Tables 2.6/2.7, Figure 2.9; spec §3.2 and §4).
+
+One run = one seed's pipeline for one downstream point (`init`, `method`, `rounds`, penalty weight):
+
+1. **Discovery rounds** (shared by every downstream point of a seed, cached by their settings):
+   round 0 = WILDS ERM (DenseNet-121 from scratch, SGD lr 1e-3, momentum 0.9, wd 0.01, batch 32, 10
+   epochs, standard loader); round k >= 1 = soft GroupDRO (the registry's `groupdro`, step 0.01) on
+   the training set replicated once per earlier round j, example i's copy j in group
+   `(pred_j[i] != y[i]) + 2j` (`round_groups`), batches drawn uniformly over the groups. Each round is
+   evaluated every epoch on id_val/val/test; its epoch is chosen by id_val accuracy, and that epoch's
+   predictions on every split are the round's pseudo-labels.
+2. **Synthesis** (mtERM, cached): DenseNet-121 with a Linear(1024, 2K) head, loss = sum_k
+   CE(head_k, pseudo_k) (the registry's `erm` with one batch per head), two groups (`old`: all rounds
+   correct vs the rest, the 2-Bonsai scripts; `balance`: rounds agree vs disagree), 16 + 16 batches
+   from the group loader, SGD lr 1e-3 momentum 0.9 wd 1e-6, 20 epochs; the epoch is chosen by the
+   heads' id_val accuracy against the pseudo-labels. Convert: the downstream head is the average of
+   the K two-class heads (`average_heads`), or a random head.
+3. **Downstream** (stage `downstream`, 10 epochs, evaluation every epoch): `init` rand (from scratch),
+   erm (round 0's network), erm-cf (round 0's featurizer frozen), bonsai (the synthesis network,
+   wd 1e-6), bonsai-cf (frozen, wd 0.01); `method` erm/irm/vrex/clove through the penalty registry on
+   2 logits with the group loader (2 hospitals x 16): IRMv1 with the unbiased even/odd estimate
+   (WILDS), vREx with RFC-Camelyon's division by the number of groups, CLOvE with kernel width 0.1;
+   the penalty weight is 0 before `penalty.anneal_iters` and SGD's state is reset there (spec
+   appendix #8). `init: rand` with `method: erm` is round 0 itself (WILDS ERM), reused. `init: none`
+   runs the discovery rounds only (Table 2.7).
+
+Frozen featurizer (spec §3.2): the reference freezes the parameters but leaves BatchNorm in train
+mode, so its features move with the batch statistics and cannot be cached. Default here
+(`downstream.frozen_bn: eval`): the frozen featurizer is evaluated once in eval mode and its features
+cached (`<cache>/camelyon17/.../features-*.safetensors`); only the head trains, and the featurizer
+(parameters and buffers) stays bit-identical. `frozen_bn: train` reproduces the reference (full
+forward passes, BN batch statistics, running statistics updated).
+
+Measured: `test_acc.iid` / `test_acc.ood` (test acc_avg at the downstream epoch chosen by id_val / by
+val accuracy), `id_val_acc.iid`, `val_acc.ood`, `test_acc_wg.*` (worst slide), and per discovery
+round `round<k>.test_acc` (its epoch chosen by id_val; Table 2.7's round k+1), plus the synthesis's
+pseudo-label accuracies (Table A.14). The study (`write_study`) selects penalty weight and anneal per
+(init, rounds, method) by the mean over seeds of id_val (IID tune) or val (OOD tune) accuracy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from owai import console
+from owai.config import BaseConfig
+from owai.errors import OwaiError
+from owai.methods import Method, Outcome
+from owai.runs import Run
+
+INITS = ("none", "rand", "erm", "erm-cf", "bonsai", "bonsai-cf")
+METHODS = ("erm", "irm", "vrex", "clove")
+EVAL_SPLITS = ("id_val", "val", "test")
+CACHE_VERSION = 1
+
+
+@dataclass
+class DataConfig:
+    root: str = ""  # the WILDS data folder holding camelyon17_v1.0/ (or that folder itself)
+    fraction: float = 1.0  # WILDS --frac: a keyed fraction of every split
+    fraction_seed: int = 0
+    image_size: int = 96  # 96 = the patches' size (no resize)
+    batch_size: int = 32
+    n_groups_per_batch: int = 2  # group loader: 2 hospitals x 16
+    eval_batch_size: int = 256
+    workers: int = 4  # loader processes (0 = in the training process)
+    cache_images: bool = False  # keep decoded patches in memory (small fractions only)
+
+
+@dataclass
+class ModelConfig:
+    arch: Literal["densenet121", "densenet-tiny"] = "densenet121"  # tiny: tests and the cpu preset
+
+
+@dataclass
+class TrainConfig:
+    """Round 0 (WILDS ERM), the GroupDRO rounds and the downstream stage."""
+
+    epochs: int = 10
+    lr: float = 1e-3
+    momentum: float = 0.9
+    weight_decay: float = 0.01  # WILDS default; the unfrozen Bonsai downstream uses downstream.weight_decay
+    checkpoint_every: int = 1000
+    log_every: int = 50
+
+
+@dataclass
+class BonsaiConfig:
+    dro_eta: float = 0.01  # WILDS group_dro_step_size
+    synthesis_epochs: int = 20
+    synthesis_lr: float = 1e-3
+    synthesis_weight_decay: float = 1e-6  # TH A.10: 1e-2 destroys the synthesis (Table A.13/A.14)
+    group_method: Literal["old", "balance"] = "old"  # old: all correct vs rest (2-Bonsai); balance: agree vs disagree
+    head: Literal["average", "random"] = "average"  # Table A.15
+
+
+@dataclass
+class PenaltyConfig:
+    weight: float = 0.0  # lambda
+    anneal_iters: int = 0  # weight 0 before, optimizer reset at (RFC-Camelyon)
+    clove_width: float = 0.1  # 0.2 for the ERM-initialised CLOvE baseline (TH A.10)
+    divide_by_weight: bool = True  # loss / lambda when lambda > 1 (spec pitfall 2); WILDS: False
+
+
+@dataclass
+class DownstreamConfig:
+    weight_decay: float | None = None  # None: 1e-6 for init bonsai, else train.weight_decay (0.01)
+    frozen_bn: Literal["eval", "train"] = "eval"  # eval: cached eval-mode features; train: the reference quirk
+
+
+@dataclass
+class Config(BaseConfig):
+    init: Literal["none", "rand", "erm", "erm-cf", "bonsai", "bonsai-cf"] = "bonsai-cf"
+    method: Literal["erm", "irm", "vrex", "clove"] = "erm"
+    rounds: int = 2  # discovery rounds synthesised (2-Bonsai, 3-Bonsai); init none: rounds trained
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    bonsai: BonsaiConfig = field(default_factory=BonsaiConfig)
+    penalty: PenaltyConfig = field(default_factory=PenaltyConfig)
+    downstream: DownstreamConfig = field(default_factory=DownstreamConfig)
+
+
+class Camelyon17Bonsai(Method):
+    Config = Config
+    cli = "owai bonsai --dataset camelyon17"
+
+    @staticmethod
+    def validate(cfg: Config) -> None:
+        d, t, b, p = cfg.data, cfg.train, cfg.bonsai, cfg.penalty
+        if not d.root:
+            raise OwaiError("data.root: the directory holding camelyon17_v1.0/ is required (--set data.root=DIR)")
+        if not 0 < d.fraction <= 1:
+            raise OwaiError(f"data.fraction must be in (0, 1], got {d.fraction}")
+        for name in ("image_size", "batch_size", "n_groups_per_batch", "eval_batch_size"):
+            if getattr(d, name) < 1:
+                raise OwaiError(f"data.{name} must be >= 1, got {getattr(d, name)}")
+        if d.batch_size % d.n_groups_per_batch:
+            raise OwaiError(f"data.batch_size {d.batch_size} must be a multiple of data.n_groups_per_batch {d.n_groups_per_batch}")
+        if d.workers < 0:
+            raise OwaiError(f"data.workers must be >= 0, got {d.workers}")
+        if cfg.rounds < 1 or (cfg.init in ("bonsai", "bonsai-cf") and cfg.rounds < 2):
+            raise OwaiError(f"rounds must be >= 1 (>= 2 for a Bonsai init), got {cfg.rounds}")
+        for name in ("epochs", "checkpoint_every", "log_every"):
+            if getattr(t, name) < 1:
+                raise OwaiError(f"train.{name} must be >= 1, got {getattr(t, name)}")
+        if b.synthesis_epochs < 1:
+            raise OwaiError(f"bonsai.synthesis_epochs must be >= 1, got {b.synthesis_epochs}")
+        if not (t.lr > 0 and b.synthesis_lr > 0 and t.weight_decay >= 0 and b.synthesis_weight_decay >= 0
+                and 0 <= t.momentum < 1 and b.dro_eta >= 0):
+            raise OwaiError("need lr > 0, weight decays >= 0, 0 <= momentum < 1, bonsai.dro_eta >= 0")
+        if p.weight < 0 or p.anneal_iters < 0 or p.clove_width <= 0:
+            raise OwaiError("penalty: need weight >= 0, anneal_iters >= 0, clove_width > 0")
+        if cfg.downstream.weight_decay is not None and cfg.downstream.weight_decay < 0:
+            raise OwaiError(f"downstream.weight_decay must be >= 0, got {cfg.downstream.weight_decay}")
+
+    def run(self, cfg: Config, run: Run) -> Outcome:
+        from owai.data.camelyon17 import Camelyon17
+
+        d = cfg.data
+        data = Camelyon17(d.root, d.fraction, d.fraction_seed, d.image_size, d.cache_images)
+        sizes = {s: int(data.split(s).numel()) for s in ("train", *EVAL_SPLITS)}
+        console.info(f"Camelyon17 {data.dir}: " + ", ".join(f"{k} {v}" for k, v in sizes.items()))
+        ctx = Context(cfg, run, data, run.device)
+        measured: dict[str, Any] = {}
+        details: dict[str, Any] = {"split_sizes": sizes, "caches": {}, "rounds": {}}
+        needed = cfg.rounds if cfg.init in ("none", "bonsai", "bonsai-cf") else 1
+        rounds: list[RoundResult] = []
+        if cfg.init != "rand" or cfg.method == "erm":
+            for k in range(needed):
+                rounds.append(discovery_round(ctx, k, rounds))
+                r = rounds[-1]
+                details["caches"][f"round{k}"] = str(r.cache)
+                details["rounds"][f"round{k}"] = {"epoch": r.epoch, "curves": r.curves}
+                best = r.curves[r.epoch - 1]
+                measured[f"round{k}.test_acc"] = best["test.acc"]
+                measured[f"round{k}.id_val_acc"] = best["id_val.acc"]
+        if cfg.init == "none":
+            return Outcome(measured, details)
+        if cfg.init == "rand" and cfg.method == "erm":  # WILDS ERM from scratch = round 0
+            curves = rounds[0].curves
+            details["downstream"] = {"reused": "round0", "curves": curves}
+        else:
+            start = initial_network(ctx, rounds, details, measured)
+            curves, _ = downstream(ctx, start, details)
+            details["downstream"] = {"curves": curves}
+        measured.update(selected_metrics(curves))
+        return Outcome(measured, details)
+
+
+# -- context, model, evaluation -----------------------------------------------------------------
+
+
+@dataclass
+class Context:
+    cfg: Config
+    run: Run
+    data: Any  # owai.data.camelyon17.Camelyon17
+    device: torch.device
+
+    @property
+    def seed(self) -> int:
+        return self.cfg.seed
+
+
+def build_network(cfg: Config, outputs: int, *key: object) -> nn.Module:
+    """A DenseNet with an `outputs`-way head, initialised from derive_seed(seed, *key) without
+    touching torch's global RNG stream."""
+    from owai.models.vision import DenseNet, densenet121
+    from owai.runtime import derive_seed
+
+    rng = torch.get_rng_state()
+    torch.manual_seed(derive_seed(cfg.seed, "camelyon17-init", *key))
+    if cfg.model.arch == "densenet121":
+        net = densenet121(num_classes=outputs)
+    else:  # two narrow dense blocks: 16 + 2x4x8 -> 40 -> 20 + 2x8 = 36 features
+        net = DenseNet(growth_rate=8, block_config=(2, 2), num_init_features=16, bn_size=2, num_classes=outputs)
+    torch.set_rng_state(rng)
+    return net
+
+
+def head_of(net: nn.Module) -> nn.Linear:
+    return net.classifier  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def forward_split(ctx: Context, net: nn.Module, split: str, what: Literal["logits", "features"] = "logits") -> torch.Tensor:
+    """Logits (n, C) or features (n, d) of `net` in eval mode on every example of `split` (float32, CPU)."""
+    from owai.data.camelyon17 import eval_batches
+    from owai.models.vision import features
+
+    was_training = net.training
+    net.eval()
+    out = []
+    for x in eval_batches(ctx.data, ctx.data.split(split), ctx.cfg.data.eval_batch_size, ctx.cfg.data.workers):
+        x = x.to(ctx.device)
+        out.append((net(x) if what == "logits" else features(net, x)).float().cpu())
+    net.train(was_training)
+    return torch.cat(out)
+
+
+def split_metrics(ctx: Context, logits: dict[str, torch.Tensor]) -> dict[str, float]:
+    """{"<split>.acc", "<split>.acc_wg"} from each split's 2-class logits."""
+    from owai.data.camelyon17 import evaluate
+
+    out = {}
+    for split, lg in logits.items():
+        idx = ctx.data.split(split)
+        m = evaluate(lg.argmax(1), ctx.data.labels[idx], ctx.data.slides[idx])
+        out[f"{split}.acc"], out[f"{split}.acc_wg"] = m.acc, m.acc_wg
+    return out
+
+
+# -- one training stage: epochs, per-epoch evaluation, best epoch, resume -----------------------
+
+
+@dataclass
+class StageResult:
+    curves: list[dict[str, float]]  # one entry per epoch, {"epoch", metrics...}
+    epoch: int  # 1-based epoch with the highest `select` value (first of ties)
+    best_state: dict[str, torch.Tensor]
+
+
+def train_stage(ctx: Context, stage: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+                loss_at: Callable[[int, int], torch.Tensor], epochs: int, steps_per_epoch: int,
+                evaluate: Callable[[], dict[str, float]], select: str,
+                reset_optimizer_at: Callable[[int], bool] | None = None, penalty: Any = None) -> StageResult:
+    """Train `model` for `epochs` x `steps_per_epoch` updates through `owai.train.train_loop`,
+    evaluating after every epoch and keeping the weights of the best `select` epoch. The curves,
+    best weights and the penalty's state (GroupDRO's q) are checkpointed in `<stage>.tracks` at the
+    loop's checkpoint steps, so a killed stage resumes exactly; a finished stage reloads."""
+    from owai.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+    from owai.train import LoopConfig, train_loop
+
+    t = ctx.cfg.train
+    steps = epochs * steps_per_epoch
+    loop = LoopConfig(steps=steps, checkpoint_every=min(t.checkpoint_every, steps), log_every=min(t.log_every, steps))
+    tracks_dir = ctx.run.checkpoints(f"{stage}.tracks")
+    curves: list[dict[str, float]] = []
+    best: dict[str, Any] = {"value": None, "epoch": 0, "state": {}}
+    last = latest_checkpoint(ctx.run.checkpoints(stage))
+    if last is not None:
+        start = int(last.name[5:])
+        match = [c for c in list_checkpoints(tracks_dir) if int(c.name[5:]) == start]
+        if not match:
+            raise OwaiError(f"{ctx.run.path}: no evaluation state for {stage} step {start}; the stage cannot resume exactly")
+        state = load_checkpoint(match[0])[1]
+        curves = json.loads(state["curves"])
+        best = {"value": state["best_value"], "epoch": int(state["best_epoch"]), "state": dict(state["best_state"])}
+        if penalty is not None:
+            penalty.load_state_dict(dict(state["penalty"]))
+
+    def after_step(done: int) -> None:
+        if done % steps_per_epoch == 0:
+            epoch = done // steps_per_epoch
+            values = evaluate()
+            curves.append({"epoch": epoch, **values})
+            ctx.run.log(stage, done, epoch=epoch, **values)
+            if best["value"] is None or values[select] > best["value"]:
+                best.update(value=values[select], epoch=epoch,
+                            state={k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
+            console.info(f"{stage} epoch {epoch}: " + " ".join(f"{k} {v:.4f}" for k, v in values.items()))
+        if done % loop.checkpoint_every == 0 or done == steps:
+            save_checkpoint(tracks_dir, done, {"curves": json.dumps(curves), "best_value": best["value"],
+                                               "best_epoch": best["epoch"], "best_state": best["state"],
+                                               "penalty": penalty.state_dict() if penalty is not None else {}},
+                            keep=loop.keep_checkpoints)
+
+    train_loop(ctx.run, stage, model, optimizer, loss_at, loop, reset_optimizer_at=reset_optimizer_at,
+               after_step=after_step)
+    return StageResult(curves, best["epoch"], best["state"])
+
+
+def steps_per_epoch(ctx: Context) -> int:
+    """WILDS: len(train) // batch_size batches per epoch (also for the replicated GroupDRO data)."""
+    return max(1, int(ctx.data.split("train").numel()) // ctx.cfg.data.batch_size)
+
+
+# -- caching ------------------------------------------------------------------------------------
+
+
+def _hash(what: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def discovery_key(ctx: Context) -> dict[str, Any]:
+    """What the discovery rounds depend on (round k also on rounds < k, which share these settings)."""
+    from owai.config import to_dict
+
+    d = ctx.cfg.data
+    return {"data": str(ctx.data.dir.resolve()), "fraction": d.fraction, "fraction_seed": d.fraction_seed,
+            "image_size": d.image_size, "batch_size": d.batch_size, "arch": ctx.cfg.model.arch, "seed": ctx.seed,
+            "train": {k: v for k, v in to_dict(ctx.cfg.train).items() if k not in ("checkpoint_every", "log_every")},
+            "dro_eta": ctx.cfg.bonsai.dro_eta, "version": CACHE_VERSION}
+
+
+def cache_dir(ctx: Context) -> Path:
+    from owai.io import cache_root
+
+    return cache_root() / "camelyon17" / _hash(discovery_key(ctx))
+
+
+def synthesis_key(ctx: Context, rounds: int) -> str:
+    from owai.config import to_dict
+
+    b = to_dict(ctx.cfg.bonsai)
+    return _hash({"rounds": rounds, **{k: b[k] for k in ("synthesis_epochs", "synthesis_lr", "synthesis_weight_decay",
+                                                          "group_method")}, "n_groups": ctx.cfg.data.n_groups_per_batch})
+
+
+def save_entry(path: Path, tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> None:
+    """A cache entry: safetensors with the JSON `info` in its metadata, written atomically."""
+    from safetensors.torch import save
+
+    from owai.io import atomic_write_bytes
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    flat = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    atomic_write_bytes(path, save(flat, metadata={"info": json.dumps(info)}))
+
+
+def load_entry(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    """(tensors, info) of a cache entry, None when absent or unreadable (then it is rebuilt)."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            info = json.loads((f.metadata() or {})["info"])
+            return {k: f.get_tensor(k) for k in f.keys()}, info
+    except Exception:  # noqa: BLE001 - a corrupt cache entry is rebuilt
+        console.info(f"rebuilding the unreadable cache entry {path}")
+        return None
+
+
+def _prefixed(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {f"{prefix}{k}": v for k, v in state.items()}
+
+
+def _unprefixed(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+# -- discovery rounds ---------------------------------------------------------------------------
+
+
+@dataclass
+class RoundResult:
+    state: dict[str, torch.Tensor]  # the network at the chosen epoch
+    preds: dict[str, torch.Tensor]  # int64 predictions of that network on every split
+    curves: list[dict[str, float]]
+    epoch: int
+    cache: Path
+
+
+def round_groups(preds: list[torch.Tensor], y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RFC's replicated GroupDRO data for round len(preds): copy j of example i has group
+    (pred_j[i] != y[i]) + 2j. Returns (example index (J*n,), group (J*n,)), copy by copy."""
+    n = y.numel()
+    examples = torch.arange(n).repeat(len(preds))
+    groups = torch.cat([(p.reshape(-1) != y.reshape(-1)).long() + 2 * j for j, p in enumerate(preds)])
+    return examples, groups
+
+
+def discovery_round(ctx: Context, k: int, earlier: list[RoundResult]) -> RoundResult:
+    """Round k (0: ERM, >= 1: GroupDRO over the earlier rounds' groups), from the cache when present."""
+    from owai.data.camelyon17 import ImageBatches, StandardSampler, StepStream, UniformGroupSampler
+    from owai.methods.invariance import make_penalty
+
+    path = cache_dir(ctx) / f"round{k}.safetensors"
+    entry = load_entry(path)
+    if entry is not None:
+        tensors, info = entry
+        console.info(f"round {k}: cached {path}")
+        return RoundResult(_unprefixed(tensors, "state."), _unprefixed(tensors, "pred."), info["curves"], info["epoch"], path)
+    cfg, data, t = ctx.cfg, ctx.data, ctx.cfg.train
+    train_idx = data.split("train")
+    y = data.labels[train_idx]
+    net = build_network(cfg, 2, "round", k).to(ctx.device)
+    optimizer = torch.optim.SGD(net.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+    spe = steps_per_epoch(ctx)
+    stage = f"round{k}"
+    if k == 0:
+        examples = train_idx
+        sampler: Any = StandardSampler(train_idx.numel(), cfg.data.batch_size, ctx.seed, stage)
+        groups = None
+        penalty = None
+    else:
+        copies, groups = round_groups([r.preds["train"] for r in earlier], y)
+        examples = train_idx[copies]
+        sampler = UniformGroupSampler(groups, cfg.data.batch_size, ctx.seed, stage, steps_per_epoch=spe)
+        penalty = make_penalty("groupdro", eta=cfg.bonsai.dro_eta)
+        present = groups.unique()  # WILDS: q is uniform over the groups present in train
+    stream = StepStream(ImageBatches(data, examples, sampler, spe * t.epochs), cfg.data.workers)
+    labels = data.labels[examples]
+
+    def loss_at(step: int, micro: int) -> torch.Tensor:
+        x, pos = stream.at(step)
+        logits = net(x.to(ctx.device))  # (B, 2)
+        target = labels[pos].to(ctx.device)
+        if penalty is None:
+            return F.cross_entropy(logits, target)
+        losses = F.cross_entropy(logits, target, reduction="none")
+        g = groups[pos].to(ctx.device)
+        per_group = [losses[g == grp].mean() if bool((g == grp).any()) else losses.new_zeros(()) for grp in present.tolist()]
+        return penalty.risk(per_group)  # absent groups: loss 0, q unchanged before normalisation (WILDS)
+
+    def evaluate() -> dict[str, float]:
+        return split_metrics(ctx, {s: forward_split(ctx, net, s) for s in EVAL_SPLITS})
+
+    result = train_stage(ctx, stage, net, optimizer, loss_at, t.epochs, spe, evaluate, "id_val.acc", penalty=penalty)
+    net.load_state_dict(result.best_state)
+    preds = {s: forward_split(ctx, net, s).argmax(1) for s in ("train", *EVAL_SPLITS)}
+    save_entry(path, {**_prefixed(result.best_state, "state."), **_prefixed(preds, "pred.")},
+               {"curves": result.curves, "epoch": result.epoch, "key": discovery_key(ctx), "round": k})
+    return RoundResult(result.best_state, preds, result.curves, result.epoch, path)
+
+
+# -- synthesis ----------------------------------------------------------------------------------
+
+
+def synthesis_groups(pseudo: torch.Tensor, y: torch.Tensor, method: str) -> torch.Tensor:
+    """Group of every example from the K rounds' predictions `pseudo` (K, n): `old` = 1 where every
+    round is correct, 0 otherwise (RFC's 2-Bonsai); `balance` = 1 where the rounds agree (all correct
+    or all wrong), 0 where they disagree (TH A.5)."""
+    correct = pseudo == y.reshape(1, -1)  # (K, n)
+    if method == "old":
+        return correct.all(0).long()
+    return (correct.all(0) | (~correct).all(0)).long()
+
+
+def average_heads(weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K two-class heads of a Linear(d, 2K) averaged into one Linear(d, 2):
+    weight (2K, d) -> (K, 2, d) -> mean over K; bias (2K,) -> (K, 2) -> mean (spec pitfall 15)."""
+    k = weight.shape[0] // 2
+    return weight.reshape(k, 2, -1).mean(0), bias.reshape(k, 2).mean(0)
+
+
+@dataclass
+class Synthesis:
+    state: dict[str, torch.Tensor]  # the 2K-head network at the chosen epoch
+    curves: list[dict[str, float]]
+    epoch: int
+    pseudo_acc: dict[str, float]  # heads vs pseudo-labels at that epoch (train, id_val)
+    cache: Path
+
+
+def synthesis(ctx: Context, rounds: list[RoundResult]) -> Synthesis:
+    """mtERM over the K rounds' pseudo-labels (cached by the discovery and synthesis settings)."""
+    from owai.data.camelyon17 import GroupSampler, ImageBatches, StepStream
+    from owai.methods.invariance import EnvBatch, make_penalty
+
+    cfg, data, b = ctx.cfg, ctx.data, ctx.cfg.bonsai
+    K = len(rounds)
+    path = cache_dir(ctx) / f"synthesis-{K}-{synthesis_key(ctx, K)}.safetensors"
+    entry = load_entry(path)
+    if entry is not None:
+        tensors, info = entry
+        console.info(f"synthesis: cached {path}")
+        return Synthesis(_unprefixed(tensors, "state."), info["curves"], info["epoch"], info["pseudo_acc"], path)
+    train_idx = data.split("train")
+    pseudo = {s: torch.stack([r.preds[s] for r in rounds]) for s in ("train", "id_val")}  # (K, n_s)
+    groups = synthesis_groups(pseudo["train"], data.labels[train_idx], b.group_method)
+    n_groups = min(cfg.data.n_groups_per_batch, int(groups.unique().numel()))
+    if n_groups < cfg.data.n_groups_per_batch:
+        console.info(f"synthesis: only {n_groups} {b.group_method!r} group(s) present; batches draw from it alone")
+    spe = steps_per_epoch(ctx)
+    per_batch = cfg.data.batch_size - cfg.data.batch_size % n_groups
+    sampler = GroupSampler(groups, per_batch, n_groups, ctx.seed, "synthesis", steps_per_epoch=spe)
+    stream = StepStream(ImageBatches(data, train_idx, sampler, spe * b.synthesis_epochs), cfg.data.workers)
+    net = build_network(cfg, 2 * K, "synthesis").to(ctx.device)
+    optimizer = torch.optim.SGD(net.parameters(), lr=b.synthesis_lr, momentum=cfg.train.momentum,
+                                weight_decay=b.synthesis_weight_decay)
+    objective = make_penalty("erm", risk_reduction="sum")  # sum_k CE(head_k, pseudo_k)
+
+    def loss_at(step: int, micro: int) -> torch.Tensor:
+        x, pos = stream.at(step)
+        logits = net(x.to(ctx.device))  # (B, 2K)
+        target = pseudo["train"][:, pos].to(ctx.device)  # (K, B)
+        heads = [EnvBatch(logits[:, 2 * k : 2 * k + 2], target[k]) for k in range(K)]
+        return objective.objective(heads, step).loss
+
+    def pseudo_accuracy(split: str) -> float:
+        logits = forward_split(ctx, net, split)  # (n, 2K)
+        pred = logits.reshape(logits.shape[0], K, 2).argmax(2).T  # (K, n)
+        return float((pred == pseudo[split]).float().mean())
+
+    def evaluate() -> dict[str, float]:
+        return {"id_val.pseudo_acc": pseudo_accuracy("id_val")}
+
+    result = train_stage(ctx, "synthesis", net, optimizer, loss_at, b.synthesis_epochs, spe, evaluate, "id_val.pseudo_acc")
+    net.load_state_dict(result.best_state)
+    accs = {"train": pseudo_accuracy("train"), "id_val": result.curves[result.epoch - 1]["id_val.pseudo_acc"]}
+    save_entry(path, _prefixed(result.best_state, "state."),
+               {"curves": result.curves, "epoch": result.epoch, "pseudo_acc": accs, "rounds": K,
+                "key": discovery_key(ctx), "bonsai": synthesis_key(ctx, K)})
+    return Synthesis(result.best_state, result.curves, result.epoch, accs, path)
+
+
+def convert(ctx: Context, syn: Synthesis, rounds: int) -> dict[str, torch.Tensor]:
+    """The synthesis network as a 2-class network: its featurizer with the averaged (or a random) head."""
+    state = dict(syn.state)
+    if ctx.cfg.bonsai.head == "average":
+        state["classifier.weight"], state["classifier.bias"] = average_heads(state["classifier.weight"],
+                                                                            state["classifier.bias"])
+    else:
+        fresh = head_of(build_network(ctx.cfg, 2, "random-head"))
+        state["classifier.weight"], state["classifier.bias"] = fresh.weight.detach().clone(), fresh.bias.detach().clone()
+    return state
+
+
+# -- downstream ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Start:
+    state: dict[str, torch.Tensor] | None  # None = from scratch (round 0's initialisation)
+    frozen: bool
+    features_key: str  # what the cached features are of
+
+
+def initial_network(ctx: Context, rounds: list[RoundResult], details: dict[str, Any], measured: dict[str, Any]) -> Start:
+    init = ctx.cfg.init
+    if init == "rand":
+        return Start(None, False, "")
+    if init in ("erm", "erm-cf"):
+        return Start(rounds[0].state, init == "erm-cf", "round0")
+    syn = synthesis(ctx, rounds)
+    details["caches"]["synthesis"] = str(syn.cache)
+    details["synthesis"] = {"epoch": syn.epoch, "curves": syn.curves, "pseudo_acc": syn.pseudo_acc}
+    measured["synthesis.pseudo_acc.train"] = syn.pseudo_acc["train"]
+    measured["synthesis.pseudo_acc.id_val"] = syn.pseudo_acc["id_val"]
+    return Start(convert(ctx, syn, len(rounds)), init == "bonsai-cf",
+                 f"synthesis-{len(rounds)}-{synthesis_key(ctx, len(rounds))}")
+
+
+def make_downstream_penalty(cfg: Config) -> Any:
+    """The registry penalty of `cfg.method` with RFC-Camelyon's schedule and WILDS's options."""
+    from owai.methods.invariance import make_penalty
+
+    p = cfg.penalty
+    if cfg.method == "erm":
+        return make_penalty("erm", risk_reduction="mean")
+    extra = {"irm": {"unbiased": True}, "vrex": {"divide_by_groups": True}, "clove": {"width": p.clove_width}}[cfg.method]
+    return make_penalty(cfg.method, weight=p.weight, anneal_iters=p.anneal_iters, anneal_val=0.0, reset_optimizer=True,
+                        risk_reduction="mean", divide_by_weight=p.divide_by_weight, **extra)
+
+
+def cached_features(ctx: Context, net: nn.Module, key: str) -> dict[str, torch.Tensor]:
+    """Eval-mode features (n, d) of the frozen featurizer on every split, cached beside the rounds."""
+    path = cache_dir(ctx) / f"features-{key}.safetensors"
+    entry = load_entry(path)
+    if entry is not None:
+        return entry[0]
+    feats = {s: forward_split(ctx, net, s, "features") for s in ("train", *EVAL_SPLITS)}
+    save_entry(path, feats, {"of": key})
+    return feats
+
+
+def downstream(ctx: Context, start: Start, details: dict[str, Any]) -> tuple[list[dict[str, float]], nn.Module]:
+    """Train the downstream point (stage `downstream`); returns its per-epoch curves and the network
+    (for a cached frozen featurizer: the untouched featurizer with the trained head)."""
+    from owai.data.camelyon17 import GroupSampler, ImageBatches, StepStream
+    from owai.methods.invariance import EnvBatch
+
+    cfg, data, t = ctx.cfg, ctx.data, ctx.cfg.train
+    net = build_network(cfg, 2, "round", 0)
+    if start.state is not None:
+        net.load_state_dict(start.state)
+    net = net.to(ctx.device)
+    wd = cfg.downstream.weight_decay
+    if wd is None:
+        wd = 1e-6 if cfg.init == "bonsai" else t.weight_decay
+    train_idx = data.split("train")
+    hospitals = data.centers[train_idx]
+    spe = steps_per_epoch(ctx)
+    sampler = GroupSampler(hospitals, cfg.data.batch_size, cfg.data.n_groups_per_batch, ctx.seed, "downstream",
+                           steps_per_epoch=spe)
+    labels = data.labels[train_idx]
+    penalty = make_downstream_penalty(cfg)
+    cached = start.frozen and cfg.downstream.frozen_bn == "eval"
+    details["downstream_setup"] = {"weight_decay": wd, "frozen": start.frozen, "cached_features": cached,
+                                   "penalty": cfg.method}
+    if cached:
+        feats = cached_features(ctx, net, start.features_key)
+        details["caches"]["features"] = str(cache_dir(ctx) / f"features-{start.features_key}.safetensors")
+        head = head_of(net)
+        trained: nn.Module = head
+        params = list(head.parameters())
+
+        def batch_logits(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            pos = sampler.positions(step)
+            return head(feats["train"][pos].to(ctx.device)), pos
+
+        def evaluate() -> dict[str, float]:
+            with torch.no_grad():
+                return split_metrics(ctx, {s: head(feats[s].to(ctx.device)).cpu() for s in EVAL_SPLITS})
+    else:
+        stream = StepStream(ImageBatches(data, train_idx, sampler, spe * t.epochs), cfg.data.workers)
+        if start.frozen:  # the reference: parameters frozen, BatchNorm still in train mode
+            for p in net.parameters():
+                p.requires_grad_(False)
+            for p in head_of(net).parameters():
+                p.requires_grad_(True)
+        trained = net
+        params = [p for p in net.parameters() if p.requires_grad]
+
+        def batch_logits(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            x, pos = stream.at(step)
+            return net(x.to(ctx.device)), pos
+
+        def evaluate() -> dict[str, float]:
+            return split_metrics(ctx, {s: forward_split(ctx, net, s) for s in EVAL_SPLITS})
+
+    optimizer = torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=wd)
+
+    def loss_at(step: int, micro: int) -> torch.Tensor:
+        logits, pos = batch_logits(step)  # (B, 2); positions grouped hospital by hospital
+        y = labels[pos].to(ctx.device)
+        g = hospitals[pos]
+        envs = [EnvBatch(logits[(g == h).to(logits.device)], y[(g == h).to(y.device)]) for h in g.unique_consecutive().tolist()]
+        return penalty.objective(envs, step).loss
+
+    result = train_stage(ctx, "downstream", trained, optimizer, loss_at, t.epochs, spe, evaluate, "id_val.acc",
+                         reset_optimizer_at=penalty.reset_optimizer_at, penalty=penalty)
+    return result.curves, net
+
+
+def selected_metrics(curves: list[dict[str, float]]) -> dict[str, float]:
+    """The run's numbers at its epoch chosen by id_val (IID tune) and by val (OOD tune)."""
+    iid = max(curves, key=lambda c: (c["id_val.acc"], -c["epoch"]))
+    ood = max(curves, key=lambda c: (c["val.acc"], -c["epoch"]))
+    return {"test_acc.iid": iid["test.acc"], "test_acc.ood": ood["test.acc"], "id_val_acc.iid": iid["id_val.acc"],
+            "val_acc.ood": ood["val.acc"], "test_acc_wg.iid": iid["test.acc_wg"], "test_acc_wg.ood": ood["test.acc_wg"],
+            "epoch.iid": iid["epoch"], "epoch.ood": ood["epoch"]}
+
+
+# -- the study: IID / OOD tuning across seeds, per-round table, Figure 2.9 -----------------------
+
+HP_KEYS = ("penalty.weight", "penalty.anneal_iters")  # searched per (init, rounds, method)
+STUDY_NAME = "camelyon17"
+TUNES = {"iid": "id_val_acc.iid", "ood": "val_acc.ood"}  # tuning -> the validation metric it maximises
+METHOD_LABELS = {"erm": "ERM", "irm": "IRMv1", "vrex": "vREx", "clove": "CLOvE"}
+
+
+def init_label(init: str, rounds: Any) -> str:
+    return {"rand": "-", "erm": "ERM", "erm-cf": "ERM-cf", "bonsai": f"{rounds}-Bonsai",
+            "bonsai-cf": f"{rounds}-Bonsai-cf", "none": "rounds"}.get(init, str(init))
+
+
+def _point_params(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """run_dir -> resolved params of every complete point."""
+    out = {}
+    for p in summary["points"]:
+        if p["status"] == "complete":
+            out[p["run_dir"]] = Run(Path(p["run_dir"])).read_config()["params"]
+    return out
+
+
+def _stat(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.pstdev(values) if len(values) > 1 else 0.0)
+
+
+def study_rows(sweep: Any, summary: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(Table 2.6 rows, Table 2.7 rows). A Table 2.6 row per (init, rounds, method): for each tuning,
+    the grid cell (penalty weight, anneal) with the best mean over seeds of the validation metric,
+    and the mean +- std (population, over seeds) of its test accuracy; with the thesis's numbers."""
+    from owai.recipes import Selection, load, recorded_name, thesis_for
+    from owai.sweep import select_cells
+
+    recipe = load(recorded_name(sweep.recipe, sweep.recipe_source))
+    params = _point_params(summary)
+    base = next(iter(params.values()), {})
+    keys: list[str] = []
+    for group in summary["groups"]:
+        keys += [k for k in group["grid"] if k not in keys]
+    per = [k for k in keys if k not in HP_KEYS]
+    rows: dict[str, dict[str, Any]] = {}
+    for tune, metric in TUNES.items():
+        selection = select_cells(summary["groups"], Selection(metric, "max", per))
+        for group in selection["groups"]:
+            if group["grid"] is None:
+                continue
+            measured = {m["metric"]: m for m in group["metrics"]}
+            test = measured.get(f"test_acc.{tune}")
+            if test is None:
+                continue
+            cell = {**base, **{k: v for k, v in group["grid"].items() if "." not in k}}
+            for k, v in group["grid"].items():
+                if "." in k:
+                    section, leaf = k.split(".", 1)
+                    cell[section] = {**cell.get(section, {}), leaf: v}
+            init, rounds, method = cell.get("init"), cell.get("rounds"), cell.get("method")
+            label = f"{init}|{rounds if init in ('bonsai', 'bonsai-cf') else ''}|{method}"
+            row = rows.setdefault(label, {"kind": "table2.6", "init": init, "rounds": rounds, "method": method,
+                                          "label": f"{init_label(init, rounds)} / {METHOD_LABELS.get(method, method)}"})
+            values = test["values"]
+            mean, std = _stat(values)
+            thesis = thesis_for(recipe, f"test_acc.{tune}", cell)
+            row[tune] = {"mean": mean, "std": std, "seeds": len(values), "validation": group["score"],
+                         "selected": {k: v for k, v in group["grid"].items() if k in HP_KEYS},
+                         "thesis": thesis.value if thesis else None}
+    rounds_rows = round_rows(summary, params)
+    order = {i: n for n, i in enumerate(INITS)}
+    table = sorted(rows.values(), key=lambda r: (order.get(r["init"], 99), r["rounds"] or 0, METHODS.index(r["method"])
+                                                 if r["method"] in METHODS else 99))
+    return table, rounds_rows
+
+
+def round_rows(summary: dict[str, Any], params: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Table 2.7: each discovery round alone (its epoch chosen by id_val), mean +- std over seeds.
+    The rounds of a seed are shared by all its points, so each seed counts once."""
+    per_round: dict[int, dict[int, float]] = {}
+    for p in summary["points"]:
+        if p["status"] != "complete":
+            continue
+        results = Run(Path(p["run_dir"])).results() or {}
+        for row in results.get("rows", []):
+            name = row["metric"]
+            if name.startswith("round") and name.endswith(".test_acc") and row.get("measured") is not None:
+                k = int(name[len("round"):-len(".test_acc")])
+                per_round.setdefault(k, {})[p["seed"]] = float(row["measured"])
+    out = []
+    for k in sorted(per_round):
+        mean, std = _stat(list(per_round[k].values()))
+        out.append({"kind": "table2.7", "round": k, "label": f"round {k + 1}" + (" (ERM)" if k == 0 else " (GroupDRO)"),
+                    "mean": mean, "std": std, "seeds": len(per_round[k])})
+    return out
+
+
+def _pm(entry: dict[str, Any] | None) -> str:
+    if not entry or entry.get("mean") is None:
+        return "-"
+    return f"{100 * entry['mean']:.1f} ± {100 * (entry.get('std') or 0):.1f}"
+
+
+def _pct(value: Any) -> str:
+    return "-" if value is None else f"{100 * value:.1f}"
+
+
+def study_markdown(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], title: str, command: str) -> str:
+    lines = [f"# {title}", "", f"Command: `{command}`", "",
+             "Test accuracy (%) mean ± std over seeds. IID tune: penalty weight and anneal chosen by the mean "
+             "id_val accuracy over seeds (each run at its best id_val epoch); OOD tune: by the val (centre 1) "
+             "accuracy.", "",
+             "| init / method | IID tune | thesis | OOD tune | thesis | seeds | selected (IID; OOD) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        iid, ood = r.get("iid") or {}, r.get("ood") or {}
+        chosen = "; ".join(" ".join(f"{k.split('.')[-1]}={v}" for k, v in (e.get("selected") or {}).items()) or "-"
+                           for e in (iid, ood))
+        lines.append(f"| {r['label']} | {_pm(iid)} | {_pct(iid.get('thesis'))} | {_pm(ood)} | {_pct(ood.get('thesis'))} "
+                     f"| {iid.get('seeds', ood.get('seeds', 0))} | {chosen} |")
+    if rounds:
+        lines += ["", "## Each discovery round alone (Table 2.7)", "", "| round | test acc | seeds |", "|---|---|---|"]
+        lines += [f"| {r['label']} | {_pm(r)} | {r['seeds']} |" for r in rounds]
+    return "\n".join(lines) + "\n"
+
+
+def study_table(rows: list[dict[str, Any]], title: str) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("init / method", "IID tune", "thesis", "OOD tune", "thesis", "seeds"):
+        table.add_column(col, justify="left" if col == "init / method" else "right")
+    for r in rows:
+        iid, ood = r.get("iid") or {}, r.get("ood") or {}
+        table.add_row(r["label"], _pm(iid), _pct(iid.get("thesis")), _pm(ood), _pct(ood.get("thesis")),
+                      str(iid.get("seeds", ood.get("seeds", 0))))
+    return table
+
+
+def plot_study(summary: dict[str, Any], title: str) -> Any:
+    """Figure 2.9. Left: OOD test accuracy against the penalty weight for IRMv1/vREx/CLOvE, under
+    IID and OOD tuning (the anneal chosen per weight), one line per init. Right: each run's test
+    accuracy against its validation accuracy (id_val at the IID epoch, val at the OOD epoch)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    lines: dict[tuple[str, str, str], dict[float, tuple[float, float]]] = {}
+    for group in summary["groups"]:
+        grid = group["grid"]
+        method = grid.get("method")
+        if method not in ("irm", "vrex", "clove") or "penalty.weight" not in grid:
+            continue
+        m = {x["metric"]: x for x in group["metrics"]}
+        init = init_label(grid.get("init", ""), grid.get("rounds", ""))
+        for tune, metric in TUNES.items():
+            if metric not in m or f"test_acc.{tune}" not in m:
+                continue
+            key = (METHOD_LABELS[method], init, tune.upper())
+            weight = float(grid["penalty.weight"])
+            score, test = m[metric]["mean"], m[f"test_acc.{tune}"]["mean"]
+            if weight not in lines.setdefault(key, {}) or score > lines[key][weight][0]:
+                lines[key][weight] = (score, test)
+    for (method, init, tune), points in sorted(lines.items()):
+        xs = sorted(points)
+        left.plot(xs, [100 * points[x][1] for x in xs], marker="o", linestyle="-" if tune == "IID" else "--",
+                  label=f"{method}, {init}, {tune} tune")
+    left.set_xscale("log")
+    left.set_xlabel("penalty weight")
+    left.set_ylabel("test accuracy (%)")
+    if lines:
+        left.legend(fontsize=6)
+    for group in summary["groups"]:
+        m = {x["metric"]: x for x in group["metrics"]}
+        for tune, metric, marker in (("iid", "id_val_acc.iid", "o"), ("ood", "val_acc.ood", "^")):
+            if metric in m and f"test_acc.{tune}" in m:
+                right.scatter([100 * v for v in m[metric]["values"]], [100 * v for v in m[f"test_acc.{tune}"]["values"]],
+                              marker=marker, s=12, alpha=0.6)
+    right.set_xlabel("validation accuracy (%) (o: id_val, ^: val)")
+    right.set_ylabel("test accuracy (%)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def write_study(sweep: Any, summary: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """camelyon17.json / .md and figures/camelyon17.png in the sweep directory (atomically)."""
+    from owai.sweep import write_study_files
+
+    rows, rounds = study_rows(sweep, summary)
+    title = f"{sweep.recipe} [{sweep.preset}]: Camelyon17 test accuracy, IID and OOD tuning"
+    command = f"owai bonsai --resume {sweep.path}"
+    figure = write_study_files(sweep, STUDY_NAME, title, rows + rounds,
+                               study_markdown(rows, rounds, title, command), plot_study(summary, title))
+    return rows, {"title": title, "figure": str(figure), "rounds": rounds}

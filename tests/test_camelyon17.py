@@ -1,0 +1,189 @@
+"""Camelyon17-WILDS reader and the 2-/3-Bonsai pipeline (owai.data.camelyon17, owai.methods.camelyon17)
+on a miniature WILDS tree (tests/camelyon_tree.py)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from camelyon_tree import make_camelyon
+from conftest import as_sets, cli_in_process
+from owai.data.camelyon17 import Camelyon17, GroupSampler, StandardSampler, UniformGroupSampler, evaluate
+from owai.errors import OwaiError
+from owai.methods.camelyon17 import average_heads, round_groups, synthesis_groups
+
+
+def tiny(root: Path) -> list[str]:
+    """Settings that shrink the pipeline to seconds (the miniature is 16x16 pixels)."""
+    return [f"data.root={root}", "data.fraction=1.0", "data.image_size=16", "data.batch_size=8", "data.workers=0",
+            "data.cache_images=true", "data.eval_batch_size=64", "model.arch=densenet-tiny", "train.epochs=2",
+            "bonsai.synthesis_epochs=2", "train.lr=0.05", "bonsai.synthesis_lr=0.05", "runtime.threads=2"]
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    return make_camelyon(tmp_path_factory.mktemp("camelyon"))
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
+
+
+def test_splits_centres_and_labels(tree):
+    data = Camelyon17(tree, image_size=16)
+    assert {s: data.split(s).numel() for s in ("train", "id_val", "val", "test")} == {
+        "train": 48, "id_val": 12, "val": 12, "test": 12}
+    assert set(data.centers[data.split("train")].tolist()) == {0, 3, 4}
+    assert set(data.centers[data.split("id_val")].tolist()) == {0, 3, 4}
+    assert set(data.centers[data.split("val")].tolist()) == {1}
+    assert set(data.centers[data.split("test")].tolist()) == {2}
+    rows = list(csv.DictReader(open(tree / "camelyon17_v1.0" / "metadata.csv")))
+    assert data.labels.tolist() == [int(r["tumor"]) for r in rows]
+    assert data.files[0] == "patient_000_node_0/patch_patient_000_node_0_x_0_y_0.png"
+    x = data.tensor(int(data.split("test")[0]))
+    assert x.shape == (3, 16, 16) and x.dtype == torch.float32
+    m = evaluate(torch.tensor([1, 1, 0, 0]), torch.tensor([1, 0, 0, 0]), torch.tensor([0, 0, 1, 1]))
+    assert m.acc == 0.75 and m.acc_wg == 0.5
+    half = Camelyon17(tree, fraction=0.5)
+    assert half.split("train").numel() == 24 and set(half.split("train").tolist()) <= set(data.split("train").tolist())
+
+
+def test_group_loader_composition_and_determinism():
+    hospitals = torch.tensor([0] * 10 + [3] * 7 + [4] * 20)
+    sampler = GroupSampler(hospitals, 32, 2, seed=5, stage="downstream")
+    seen = set()
+    for step in range(30):
+        pos = sampler.positions(step)
+        g = hospitals[pos]
+        assert pos.numel() == 32 and g[:16].unique().numel() == 1 and g[16:].unique().numel() == 1
+        assert g[0] != g[16]
+        seen.add(tuple(sorted((int(g[0]), int(g[16])))))
+        if int(g[0]) == 4:  # a group larger than the half-batch: no repeats inside the batch
+            assert pos[:16].unique().numel() == 16
+        assert torch.equal(pos, GroupSampler(hospitals, 32, 2, seed=5, stage="downstream").positions(step))
+    assert seen == {(0, 3), (0, 4), (3, 4)}  # uniform over hospital pairs
+    assert not torch.equal(sampler.positions(0), GroupSampler(hospitals, 32, 2, seed=6, stage="downstream").positions(0))
+    std = StandardSampler(37, 8, seed=0, stage="round0")
+    epoch = torch.cat([std.positions(s) for s in range(std.steps_per_epoch)])
+    assert epoch.unique().numel() == epoch.numel() == 32  # a permutation, 4 full batches
+    groups = torch.tensor([0] * 95 + [1] * 5)
+    drawn = torch.cat([UniformGroupSampler(groups, 32, 0, "round1").positions(s) for s in range(20)])
+    assert 0.35 < float((groups[drawn] == 1).float().mean()) < 0.65  # groups sampled uniformly, not by size
+    with pytest.raises(OwaiError, match="1 group"):
+        GroupSampler(torch.zeros(5, dtype=torch.long), 4, 2, 0, "x")
+
+
+def test_pseudo_label_groups_and_replication():
+    y = torch.tensor([0, 1, 1, 0])
+    pred0, pred1 = torch.tensor([0, 0, 1, 1]), torch.tensor([1, 1, 1, 0])
+    examples, groups = round_groups([pred0, pred1], y)
+    assert examples.tolist() == [0, 1, 2, 3, 0, 1, 2, 3]  # the dataset once per earlier round
+    assert groups.tolist() == [0, 1, 0, 1, 3, 2, 2, 2]  # (pred_j XOR y) + 2j
+    pseudo = torch.stack([pred0, pred1])
+    assert synthesis_groups(pseudo, y, "old").tolist() == [0, 0, 1, 0]  # all rounds correct vs rest
+    assert synthesis_groups(pseudo, y, "balance").tolist() == [0, 0, 1, 0]
+    assert synthesis_groups(torch.stack([pred0, pred0]), y, "balance").tolist() == [1, 1, 1, 1]
+
+
+def test_head_averaging():
+    weight = torch.arange(3 * 2 * 4, dtype=torch.float32).reshape(6, 4)  # K = 3 heads of Linear(4, 2)
+    bias = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    w, b = average_heads(weight, bias)
+    assert w.shape == (2, 4) and b.tolist() == [3.0, 4.0]
+    assert torch.equal(w[0], (weight[0] + weight[2] + weight[4]) / 3)
+    assert torch.equal(w[1], (weight[1] + weight[3] + weight[5]) / 3)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no-metadata", "has no metadata.csv"),
+    ("missing-patch", "is missing"),
+    ("empty-split", "split 'test' is empty"),
+    ("bad-column", "lacks column(s) tumor"),
+])
+def test_bad_input_is_one_line_error(case, message, tmp_path, capsys):
+    root = make_camelyon(tmp_path / "data", train_per_center=2, id_val_per_center=1, eval_per_center=2)
+    base = root / "camelyon17_v1.0"
+    if case == "no-metadata":
+        (base / "metadata.csv").unlink()
+    elif case == "missing-patch":
+        next((base / "patches").rglob("*.png")).unlink()
+    else:
+        lines = (base / "metadata.csv").read_text().splitlines()
+        if case == "empty-split":
+            lines = [lines[0]] + [l for l in lines[1:] if l.split(",")[7] != "2"]
+        else:
+            lines = [l.replace("tumor", "tumour") if i == 0 else l for i, l in enumerate(lines)]
+        (base / "metadata.csv").write_text("\n".join(lines) + "\n")
+    code, out, err = cli_in_process(["bonsai", "--dataset", "camelyon17", "--out", str(tmp_path / "runs"),
+                                     *as_sets(tiny(root))], capsys)
+    assert code != 0 and message in err and "Traceback" not in err + out
+    assert len([l for l in err.splitlines() if l.strip()]) == 1
+
+
+def _final_state(run_dir: Path, stage: str) -> dict[str, torch.Tensor]:
+    from owai.checkpoint import latest_checkpoint, load_checkpoint
+
+    return load_checkpoint(latest_checkpoint(run_dir / "checkpoints" / stage))[1]["model"]
+
+
+def test_pipeline_end_to_end_with_the_study(tree, tmp_path):
+    """ERM round, GroupDRO round, synthesis, frozen downstream (cached and reference BN), then the
+    IID/OOD selection of the study over two seeds."""
+    from safetensors.torch import load_file
+
+    from owai import sweep as sweeps
+    from owai.experiment import execute
+    from owai.methods.camelyon17 import study_table, write_study
+
+    sets = tiny(tree)
+    run, results = execute("table2.6-camelyon17", "cpu", sets + ["init=bonsai-cf", "method=irm", "penalty.weight=10.0"],
+                           out=tmp_path / "runs")
+    measured = {r["metric"]: r["measured"] for r in results["rows"]}
+    for key in ("round0.test_acc", "round1.test_acc", "test_acc.iid", "test_acc.ood", "id_val_acc.iid", "val_acc.ood",
+                "synthesis.pseudo_acc.train"):
+        assert 0.0 <= measured[key] <= 1.0, key
+    assert measured["round0.test_acc"] > 0.7  # colour is learnable
+    details = results["details"]
+    assert len(details["downstream"]["curves"]) == 2 and details["downstream_setup"]["cached_features"]
+    caches = details["caches"]
+    assert {"round0", "round1", "synthesis", "features"} <= set(caches) and all(Path(p).is_file() for p in caches.values())
+    for stage in ("round0", "round1", "synthesis", "downstream"):
+        assert (run.path / "checkpoints" / stage).is_dir()
+    assert set(_final_state(run.path, "downstream")) == {"weight", "bias"}  # cached features: only the head trains
+
+    # the reference's frozen featurizer (BN in train mode): parameters bit-identical, running stats move
+    run2, results2 = execute("table2.6-camelyon17", "cpu", sets + ["init=bonsai-cf", "downstream.frozen_bn=train"],
+                             out=tmp_path / "runs")
+    assert not (run2.path / "checkpoints" / "round0").exists()  # the rounds came from the cache
+    synthesis = {k[len("state."):]: v for k, v in load_file(caches["synthesis"]).items()}
+    trained = _final_state(run2.path, "downstream")
+    feats = [k for k in trained if k.startswith("features.")]
+    assert all(torch.equal(trained[k], synthesis[k]) for k in feats if "running" not in k and "num_batches" not in k)
+    assert any(not torch.equal(trained[k], synthesis[k]) for k in feats if "running_mean" in k)
+    assert not torch.equal(trained["classifier.weight"], average_heads(synthesis["classifier.weight"],
+                                                                       synthesis["classifier.bias"])[0])
+
+    grid = [{"init": ["rand"], "method": ["erm"]},
+            {"init": ["bonsai-cf"], "rounds": [2], "method": ["irm"], "penalty.weight": [1.0, 100.0]}]
+    plan = sweeps.create("table2.6-camelyon17", "cpu", sets, seeds=[0, 1], out=tmp_path / "study", grid=grid)
+    summary = sweeps.write_summary(plan, sweeps.run(plan, "local", 1))
+    assert summary["counts"].get("complete") == 6
+    rows, info = write_study(plan, summary)
+    by_label = {r["label"]: r for r in rows}
+    assert set(by_label) == {"- / ERM", "2-Bonsai-cf / IRMv1"}
+    irm = by_label["2-Bonsai-cf / IRMv1"]
+    cells = {json.dumps(g["grid"].get("penalty.weight")): {m["metric"]: m["mean"] for m in g["metrics"]}
+             for g in summary["groups"] if g["grid"].get("method") == "irm"}
+    best_iid = max(cells.values(), key=lambda m: m["id_val_acc.iid"])
+    assert irm["iid"]["mean"] == pytest.approx(best_iid["test_acc.iid"]) and irm["iid"]["seeds"] == 2
+    assert irm["iid"]["thesis"] == pytest.approx(0.780) and irm["ood"]["thesis"] == pytest.approx(0.791)
+    assert by_label["- / ERM"]["iid"]["thesis"] == pytest.approx(0.666)
+    assert [r["round"] for r in info["rounds"]] == [0, 1] and info["rounds"][0]["seeds"] == 2
+    assert Path(info["figure"]).is_file() and (plan.path / "camelyon17.md").is_file()
+    assert "2-Bonsai-cf / IRMv1" in (plan.path / "camelyon17.md").read_text()
+    assert study_table(rows, info["title"]).row_count == 2
