@@ -139,3 +139,55 @@ def test_a_second_run_of_the_seed_loads_the_cached_representation(tmp_path):
     cached[0].write_bytes(b"garbage")
     with pytest.raises(Exception, match="corrupt"):
         execute(RECIPE, "cpu", TINY, out=tmp_path / "runs")
+
+
+def test_selection_across_restarts_is_the_best_mean_over_restarts():
+    from owai.methods.coloredmnist import select_across_restarts
+
+    def rec(weight, seed, curve):
+        return {"searched": {"penalty.weight": weight}, "seed": seed, "curve": curve}
+
+    records = [rec(1.0, 0, {1: 0.50, 21: 0.70}), rec(1.0, 1, {1: 0.60, 21: 0.50}),  # means 0.55, 0.60
+               rec(2.0, 0, {1: 0.90, 21: 0.20}), rec(2.0, 1, {1: 0.40, 21: 0.30, 41: 0.99})]  # 0.65, 0.25
+    best = select_across_restarts(records)
+    assert best["searched"] == {"penalty.weight": 2.0} and best["step"] == 1  # step 41 is not in every restart
+    assert best["mean"] == pytest.approx(0.65) and best["std"] == pytest.approx(0.25)  # population std
+    assert best["values"] == [0.90, 0.40] and best["n"] == 2
+    # a single per-restart peak (0.90) does not win over a better mean
+    assert select_across_restarts([rec(1.0, 0, {1: 0.5}), rec(1.0, 1, {1: 0.5})])["std"] == 0.0
+
+
+def test_study_restricts_the_grid_and_writes_table_and_figure(tmp_path, capsys):
+    from conftest import cli_in_process
+    from owai.commands.bonsai import restricted_grid
+
+    grid = restricted_grid(RECIPE, "cpu", {"method": ["erm", "irm"], "init": ["rand", "bonsai-cf"]})
+    assert {"method": ["irm"], "init": ["rand"]} in grid and {"dataset": ["coloredmnist-gray"], "method": ["erm"], "init": ["rand"]} in grid
+    assert all(set(g["init"]) <= {"rand", "bonsai-cf"} for g in grid)
+    tiny = [a for s in TINY[2:] + ["penalty.anneal_iters=2"] for a in ("--set", s)]
+    short = ["--grid", "train.steps=6", "--grid", "train.eval_every=3"]  # the grid's own head lengths are 1001/3001
+    code, out, err = cli_in_process(["bonsai", "--study", "--method", "erm,irm", "--init", "rand,bonsai-cf", "--seeds", "0,1",
+                                     *tiny, *short, "--out", str(tmp_path / "runs"), "-q", "--json"], capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    cells = {(r["dataset"], r["method"], r["init"]) for r in report["rows"]}
+    assert cells == {("coloredmnist", m, i) for m in ("erm", "irm") for i in ("rand", "bonsai-cf")} | {("coloredmnist-gray", "erm", "rand")}
+    sweep_dir = tmp_path / "runs" / RECIPE
+    (study,) = list(sweep_dir.glob("sweep-*"))
+    assert (study / "bonsai.md").is_file() and (study / "figures" / "bonsai.png").is_file()
+    saved = json.loads((study / "bonsai.json").read_text())
+    assert saved["rows"] == report["rows"]
+    row = next(r for r in report["rows"] if (r["method"], r["init"]) == ("irm", "rand"))
+    assert row["n"] == 2 and row["thesis"] == 0.540 and row["metric"] == "irm.rand.worst_test_acc"
+    # the chosen step's mean is the best mean over the two restarts' common evaluation steps
+    curves = []
+    for point in (study / "points").iterdir():
+        if "method=irm_init=rand" in point.name:
+            curves.append({c["step"]: c["worst_test_acc"] for c in json.loads((point / "results.json").read_text())["details"]["curve"]})
+    means = {s: (curves[0][s] + curves[1][s]) / 2 for s in curves[0]}
+    assert row["mean"] == pytest.approx(max(means.values())) and means[row["step"]] == pytest.approx(row["mean"])
+    assert len(list((tmp_path / "cache" / "bonsai").glob("*.safetensors"))) == 2  # one representation per seed
+    # --resume of the finished study reruns nothing and rewrites the same table
+    code, out2, err = cli_in_process(["bonsai", "--resume", str(study), "-q", "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out2)["rows"] == report["rows"]

@@ -214,3 +214,24 @@ def test_the_other_trainers_run_and_resume_bit_exactly(tmp_path, monkeypatch, se
     for k, v in full["model"].items():
         assert torch.equal(resumed["model"][k], v), k
     assert _without_times(again) == _without_times(results)
+
+
+def test_cli_bad_mnist_directories_are_one_line_errors(tmp_path, capsys):
+    """A missing MNIST directory and an images file with the labels' IDX magic: exit 2, one line,
+    and no half-written run (the data are read before training)."""
+    import gzip
+
+    from owai.data.mnist import PACKAGED_DIR
+
+    bad = tmp_path / "mnist"
+    bad.mkdir()
+    for f in PACKAGED_DIR.glob("t10k-*.gz"):
+        (bad / f.name).write_bytes(f.read_bytes())
+    images = bad / "t10k-images-idx3-ubyte.gz"
+    payload = gzip.decompress(images.read_bytes())
+    images.write_bytes(gzip.compress(b"\x00\x00\x08\x01" + payload[4:], compresslevel=1))
+    for root, fragment in [(tmp_path / "nowhere", "nowhere"), (bad, "magic")]:
+        code, out, err = cli_in_process(["bonsai", "--set", f"data.root={root}", "--out", str(tmp_path / "runs")], capsys)
+        assert code == 2, out + err
+        assert len(err.strip().splitlines()) == 1 and err.startswith("error:") and fragment in err, err
+        assert not list((tmp_path / "runs").rglob("results.json"))

@@ -109,13 +109,29 @@ def bonsai(
                 overrides.append(f"{key}={value}")
         run_recipe(recipe, preset, overrides + list(sets or []) or None, out, None, quiet, as_json)
         return
-    extra_grid = list(grid or [])
-    for key, value in chosen.items():
-        if value is not None:
-            extra_grid.append(f"{key}={','.join(csv_values(value, f'--{key}'))}")
+    wanted = {key: csv_values(value, f"--{key}") for key, value in chosen.items() if value is not None}
     write, table = _study_functions(rec_method)
-    plan = sweeps.create(recipe, preset, list(sets or []), extra_grid, sweeps.parse_seeds(seeds) if seeds else None, out)
+    plan = sweeps.create(recipe, preset, list(sets or []), list(grid or []), sweeps.parse_seeds(seeds) if seeds else None,
+                         out, grid=restricted_grid(recipe, preset, wanted) if wanted else None)
     run_study(plan, workers, write, table, f"{plan.recipe}.md", f"owai bonsai --resume {plan.path}", quiet, as_json)
+
+
+def restricted_grid(recipe: str, preset: str | None, wanted: dict[str, list[str]]) -> list[dict[str, list]]:
+    """The recipe's (preset's) sweep grid cut to the wanted datasets/methods/inits: a sub-grid keeps
+    the wanted values it has and is dropped when none is left; a sub-grid without the key takes the
+    wanted values. (`--grid` would instead set the key in every sub-grid, repeating points.)"""
+    from owai.recipes import load, sub_grids
+
+    rec = load(recipe)
+    kept = []
+    for sub in sub_grids(rec.sweep.grid_for(preset or rec.default_preset)) if rec.sweep else [{}]:
+        for key, values in wanted.items():
+            sub[key] = [v for v in sub[key] if str(v) in values] if key in sub else list(values)
+        if all(sub.values()) and sub not in kept:
+            kept.append(sub)
+    if not kept:
+        raise OwaiError(f"recipe {rec.id!r} has no sweep point with " + " ".join(f"--{k} {','.join(v)}" for k, v in wanted.items()))
+    return kept
 
 
 def _recipe_method(name: str, source: str | None = None) -> str:

@@ -141,6 +141,9 @@ class Camelyon17Bonsai(Method):
         d, t, b, p = cfg.data, cfg.train, cfg.bonsai, cfg.penalty
         if not d.root:
             raise OwaiError("data.root: the directory holding camelyon17_v1.0/ is required (--set data.root=DIR)")
+        from owai.data.camelyon17 import data_dir
+
+        data_dir(d.root)  # a root without metadata.csv fails before a run directory exists
         if not 0 < d.fraction <= 1:
             raise OwaiError(f"data.fraction must be in (0, 1], got {d.fraction}")
         for name in ("image_size", "batch_size", "n_groups_per_batch", "eval_batch_size"):
