@@ -281,28 +281,28 @@ def train_stage(ctx: Context, stage: str, model: nn.Module, optimizer: torch.opt
                 reset_optimizer_at: Callable[[int], bool] | None = None, penalty: Any = None) -> StageResult:
     """Train `model` for `epochs` x `steps_per_epoch` updates through `owai.train.train_loop`,
     evaluating after every epoch and keeping the weights of the best `select` epoch. The curves,
-    best weights and the penalty's state (GroupDRO's q) are checkpointed in `<stage>.tracks` at the
-    loop's checkpoint steps, so a killed stage resumes exactly; a finished stage reloads."""
-    from owai.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+    best weights and the penalty's state (GroupDRO's q) are the loop's companion state, saved in
+    every checkpoint, so a killed stage resumes exactly; a finished stage reloads."""
     from owai.train import LoopConfig, train_loop
 
     t = ctx.cfg.train
     steps = epochs * steps_per_epoch
     loop = LoopConfig(steps=steps, checkpoint_every=min(t.checkpoint_every, steps), log_every=min(t.log_every, steps))
-    tracks_dir = ctx.run.checkpoints(f"{stage}.tracks")
     curves: list[dict[str, float]] = []
     best: dict[str, Any] = {"value": None, "epoch": 0, "state": {}}
-    last = latest_checkpoint(ctx.run.checkpoints(stage))
-    if last is not None:
-        start = int(last.name[5:])
-        match = [c for c in list_checkpoints(tracks_dir) if int(c.name[5:]) == start]
-        if not match:
-            raise OwaiError(f"{ctx.run.path}: no evaluation state for {stage} step {start}; the stage cannot resume exactly")
-        state = load_checkpoint(match[0])[1]
-        curves = json.loads(state["curves"])
-        best = {"value": state["best_value"], "epoch": int(state["best_epoch"]), "state": dict(state["best_state"])}
-        if penalty is not None:
-            penalty.load_state_dict(dict(state["penalty"]))
+
+    class Tracks:
+        """The stage's evaluation state beside the model (train_loop's companion)."""
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"curves": json.dumps(curves), "best_value": best["value"], "best_epoch": best["epoch"],
+                    "best_state": best["state"], "penalty": penalty.state_dict() if penalty is not None else {}}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            curves[:] = json.loads(state["curves"])
+            best.update(value=state["best_value"], epoch=int(state["best_epoch"]), state=dict(state["best_state"]))
+            if penalty is not None:
+                penalty.load_state_dict(dict(state["penalty"]))
 
     def after_step(done: int) -> None:
         if done % steps_per_epoch == 0:
@@ -314,14 +314,9 @@ def train_stage(ctx: Context, stage: str, model: nn.Module, optimizer: torch.opt
                 best.update(value=values[select], epoch=epoch,
                             state={k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
             console.info(f"{stage} epoch {epoch}: " + " ".join(f"{k} {v:.4f}" for k, v in values.items()))
-        if done % loop.checkpoint_every == 0 or done == steps:
-            save_checkpoint(tracks_dir, done, {"curves": json.dumps(curves), "best_value": best["value"],
-                                               "best_epoch": best["epoch"], "best_state": best["state"],
-                                               "penalty": penalty.state_dict() if penalty is not None else {}},
-                            keep=loop.keep_checkpoints)
 
     train_loop(ctx.run, stage, model, optimizer, loss_at, loop, reset_optimizer_at=reset_optimizer_at,
-               after_step=after_step)
+               after_step=after_step, companion=Tracks())
     return StageResult(curves, best["epoch"], best["state"])
 
 

@@ -427,15 +427,17 @@ class Tracks:
     best: dict[str, dict[str, float]] = field(default_factory=dict)
     final: dict[str, float] = field(default_factory=dict)
 
-    def state(self) -> dict[str, Any]:
+    device: torch.device | None = None  # where the running average lives (the model's device)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Saved with every training checkpoint (`train_loop`'s companion), so a resume is exact."""
         return {"swa": self.swa or {}, "swa_n": self.swa_n, "ens": self.ens or {}, "ens_n": self.ens_n,
                 "best": json.dumps(self.best), "final": json.dumps(self.final)}
 
-    @classmethod
-    def from_state(cls, state: dict[str, Any], device: torch.device) -> Tracks:
-        return cls(swa={k: v.to(device) for k, v in state["swa"].items()} or None, swa_n=int(state["swa_n"]),
-                   ens=dict(state["ens"]) or None, ens_n=int(state["ens_n"]), best=json.loads(state["best"]),
-                   final=json.loads(state["final"]))
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.swa = {k: v.to(self.device) for k, v in state["swa"].items()} or None
+        self.swa_n, self.ens, self.ens_n = int(state["swa_n"]), dict(state["ens"]) or None, int(state["ens_n"])
+        self.best, self.final = json.loads(state["best"]), json.loads(state["final"])
 
     def record(self, track: str, step: int, acc: dict[str, float]) -> None:
         """Keep the first evaluation with the highest IID accuracy (DomainBed's selection)."""
@@ -449,14 +451,8 @@ def lr_schedule(t: TrainConfig) -> Callable[[int], float]:
 
 
 def train(cfg: Config, run: Run, model: torch.nn.Module, data: Any, sets: list[EvalSet], device: torch.device) -> Tracks:
-    """Fine-tune through the shared loop, evaluating the three tracks; resumable (tracks are
-    checkpointed in stage `tracks` at the loop's checkpoint steps)."""
-    from owai.checkpoint import (
-        latest_checkpoint,
-        list_checkpoints,
-        load_checkpoint,
-        save_checkpoint,
-    )
+    """Fine-tune through the shared loop, evaluating the three tracks; resumable (the tracks are the
+    loop's companion state, saved in every checkpoint)."""
     from owai.data.domainbed import StepBatches
     from owai.train import LoopConfig, train_loop
 
@@ -473,17 +469,7 @@ def train(cfg: Config, run: Run, model: torch.nn.Module, data: Any, sets: list[E
               {"params": head, "lr_scale": t.last_lr_factor}]
     optimizer = torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
 
-    tracks_dir = run.checkpoints("tracks")
-    tracks = Tracks()
-    last = latest_checkpoint(run.checkpoints("train"))
-    if last is not None:
-        start = int(last.name[5:])
-        match = [c for c in list_checkpoints(tracks_dir) if int(c.name[5:]) == start]
-        if not match:
-            raise OwaiError(f"{run.path}: no ensemble/average state for step {start}; the run cannot resume exactly")
-        tracks = Tracks.from_state(load_checkpoint(match[0])[1], device)
-        if start >= t.steps:
-            return tracks
+    tracks = Tracks(device=device)
     averaged = _copy_model(model)
 
     def loss_at(step: int, micro: int) -> torch.Tensor:
@@ -519,12 +505,10 @@ def train(cfg: Config, run: Run, model: torch.nn.Module, data: Any, sets: list[E
             _update_average(tracks, model)
         if update % t.eval_every == 0 or done == t.steps:
             evaluate(update, done)
-        if done % loop.checkpoint_every == 0 or done == t.steps:
-            save_checkpoint(tracks_dir, done, tracks.state(), keep=loop.keep_checkpoints)
 
     loop = LoopConfig(steps=t.steps, checkpoint_every=min(t.checkpoint_every, t.steps), log_every=min(t.log_every, t.steps),
                       precision=precision)
-    train_loop(run, "train", model, optimizer, loss_at, loop, lr_at=lr_schedule(t), after_step=after_step)
+    train_loop(run, "train", model, optimizer, loss_at, loop, lr_at=lr_schedule(t), after_step=after_step, companion=tracks)
     return tracks
 
 
