@@ -191,3 +191,39 @@ def test_study_restricts_the_grid_and_writes_table_and_figure(tmp_path, capsys):
     code, out2, err = cli_in_process(["bonsai", "--resume", str(study), "-q", "--json"], capsys)
     assert code == 0, err
     assert json.loads(out2)["rows"] == report["rows"]
+
+
+def test_validation_stopping_keeps_each_phase_best_validated_weights(tmp_path):
+    """bonsai.stopping=validation: a keyed hold-out scores every phase every val_every steps; the
+    phase ends with its best-scoring weights (the logged maximum), the hold-out is not trained on,
+    and a second call reloads the same representation."""
+    from owai.data.colored_mnist import load_colored_mnist
+
+    data = load_colored_mnist("coloredmnist", 0, "test")
+    run = Run.create(tmp_path / "runs", "t", {"x": 1})
+    cfg = BonsaiConfig(rounds=2, erm_steps=6, rerm_steps=6, synthesis_steps=6, stopping="validation", val_every=2)
+    rep = build_representation(run, data, "coloredmnist", cfg, seed=0, hidden=8, lr=5e-3, l2=0.0011, device="cpu",
+                               checkpoint_every=3, log_every=3)
+    scores = {}
+    for r in run.metrics():
+        if "val_score" in r:
+            scores.setdefault(r["stage"], {})[r["step"]] = r["val_score"]
+    phases = rep.details["rounds"] + [dict(rep.details["synthesis"], round="synthesis")]
+    for stage, phase in zip(("bonsai.round0", "bonsai.round1", "bonsai.synthesis"), phases):
+        assert sorted(scores[stage]) == [2, 4, 6]
+        best = max(scores[stage].values())
+        assert phase["val_score"] == pytest.approx(best, abs=1e-4)
+        assert phase["best_step"] == min(s for s, v in scores[stage].items() if v == best)  # ties: the earlier
+    again = build_representation(run, data, "coloredmnist", cfg, seed=0, hidden=8, lr=5e-3, l2=0.0011, device="cpu",
+                                 checkpoint_every=3, log_every=3)
+    assert torch.equal(again.featurizer["lin1.weight"], rep.featurizer["lin1.weight"]) and again.details == rep.details
+
+
+def test_validation_stopping_changes_the_cache_key_and_validates_settings(tmp_path):
+    from owai.methods.bonsai import representation_key
+
+    fixed, val = BonsaiConfig(), BonsaiConfig(stopping="validation")
+    assert representation_key("coloredmnist", fixed, seed=0) != representation_key("coloredmnist", val, seed=0)
+    with pytest.raises(Exception, match="val_fraction"):
+        execute(RECIPE, "cpu", TINY + ["bonsai.stopping=validation", "bonsai.val_fraction=1.5"], out=tmp_path / "runs")
+    assert not (tmp_path / "runs").exists()

@@ -18,6 +18,14 @@ then environment 2; the environments themselves are discarded):
 4. The representation is the synthesis featurizer; the downstream head is **the average of the K
    heads** (`average_heads`).
 
+Stopping (`bonsai.stopping`): "fixed" runs every phase for its step count, as the reference's
+scripts do. "validation" holds out a keyed 10 % of the pooled set (never trained on), scores each
+phase on it every `val_every` steps and keeps the phase's best weights: round 0 by accuracy, RERM
+rounds by their worst group's accuracy (the earlier rounds' groups restricted to the hold-out), the
+synthesis by the heads' mean pseudo-label accuracy. TH A.9.2 says the reference's step counts were
+chosen "to maximise IID validation performance in each round"; this applies that rule per restart.
+The best weights so far are the phase's `train_loop` companion, so a resumed phase keeps its choice.
+
 The representation is expensive (about a thousand full-batch steps) and the same for every downstream
 method of one restart, so `cached_representation` keeps it in `<cache>/bonsai/<key>.safetensors`
 (`owai.io.cache_root()`; the key hashes every setting it depends on: dataset, seed, data settings,
@@ -37,7 +45,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -59,6 +67,14 @@ class BonsaiConfig:
     erm_steps: int | None = None  # None = 51 (ColoredMNIST) / 151 (Inverse)
     rerm_steps: int | None = None  # None = 501 / 401
     synthesis_steps: int | None = None  # None = 501
+    # "fixed": every phase runs its step count (the reference's scripts). "validation": a keyed
+    # `val_fraction` of the pooled training set is held out, each phase is evaluated on it every
+    # `val_every` steps and keeps its best weights (TH A.9.2: the step counts were "chosen to maximise
+    # IID validation performance in each round"): round 0 by accuracy, RERM rounds by worst-group
+    # accuracy over the earlier rounds' groups, the synthesis by the heads' mean pseudo-label accuracy.
+    stopping: Literal["fixed", "validation"] = "fixed"
+    val_fraction: float = 0.1
+    val_every: int = 10
 
 
 @dataclass
@@ -87,6 +103,10 @@ def check_config(cfg: BonsaiConfig) -> None:
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise OwaiError(f"bonsai.{name} must be >= 1, got {value}")
+    if not 0 < cfg.val_fraction < 1:
+        raise OwaiError(f"bonsai.val_fraction must be in (0, 1), got {cfg.val_fraction}")
+    if cfg.val_every < 1:
+        raise OwaiError(f"bonsai.val_every must be >= 1, got {cfg.val_every}")
 
 
 # --- the pieces -------------------------------------------------------------------------------------
@@ -127,17 +147,53 @@ def _fresh(seed: int, hidden: int, n_targets: int, device: str) -> ColoredMNISTM
     return ColoredMNISTMLP(MLPConfig(hidden=hidden, n_targets=n_targets)).to(device)
 
 
+class BestWeights:
+    """The best validated weights of a phase so far (`train_loop`'s companion: saved with every
+    checkpoint, so a resumed phase keeps the same choice)."""
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+        self.step = 0
+        self.state: dict[str, torch.Tensor] = {}
+
+    def offer(self, value: float, step: int, model: torch.nn.Module) -> None:
+        if self.value is None or value > self.value:  # ties keep the earlier step
+            self.value, self.step = value, step
+            self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value, "step": self.step, "state": self.state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value, self.step, self.state = state["value"], int(state["step"]), dict(state["state"])
+
+
 def _train(run: Run, stage: str, model: ColoredMNISTMLP, steps: int, lr: float, l2: float, pen: Any,
-           batches: Any, checkpoint_every: int, log_every: int) -> None:
+           batches: Any, checkpoint_every: int, log_every: int,
+           validate: Any = None, val_every: int = 10) -> dict[str, Any]:
+    """One phase through the shared loop. With `validate` (model -> score), the phase is scored every
+    `val_every` steps and at its end, and finishes with its best-scoring weights."""
     params = model.trainable_parameters()
     optimizer = torch.optim.Adam(params, lr=lr)
+    best = BestWeights() if validate is not None else None
 
     def loss_at(step: int, micro: int = 0) -> torch.Tensor:
         reg = pen.l2(l2, model.featurizer.parameters(), model.head.parameters())
         return pen.objective(batches(), step, params=params, l2=reg).loss
 
+    def after_step(done: int) -> None:
+        if done % val_every == 0 or done == steps:
+            with torch.no_grad():
+                score = float(validate(model))
+            run.log(stage, done, val_score=score)
+            best.offer(score, done, model)
+
     loop = LoopConfig(steps, checkpoint_every=min(checkpoint_every, steps), log_every=min(log_every, steps))
-    train_loop(run, stage, model, optimizer, loss_at, loop)
+    train_loop(run, stage, model, optimizer, loss_at, loop, after_step=after_step if best else None, companion=best)
+    if best is None:
+        return {"steps": steps}
+    model.load_state_dict(best.state)
+    return {"steps": steps, "best_step": best.step, "val_score": round(best.value, 4)}
 
 
 def build_representation(run: Run, data: ColoredMNIST, dataset: str, cfg: BonsaiConfig, *, seed: int,
@@ -147,31 +203,51 @@ def build_representation(run: Run, data: ColoredMNIST, dataset: str, cfg: Bonsai
     erm_steps, rerm_steps, syn_steps = steps_for(dataset, cfg)
     x = torch.cat([e.x for e in data.train]).to(device)
     y = torch.cat([e.y for e in data.train]).to(device)
+    n = len(y)
+    fit = torch.ones(n, dtype=torch.bool, device=device)  # the examples the phases train on
+    if cfg.stopping == "validation":  # a keyed hold-out of the pooled set scores every phase
+        held = torch.randperm(n, generator=generator(seed, "bonsai", "validation"))[: max(1, round(cfg.val_fraction * n))]
+        fit[held.to(device)] = False
+    val = ~fit
+
+    def accuracy_on(model: ColoredMNISTMLP, mask: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((model(x[mask]).reshape(-1) > 0).to(y.dtype) == target[mask]).float().mean()
+
     corrects, pseudos, rounds = [], [], []
     for k in range(cfg.rounds):
         model = _fresh(seed, hidden, 1, device)
         if k == 0:
             pen, steps = make_penalty("erm"), erm_steps
+            masks = [fit]
 
-            def batches(model=model):
-                return [EnvBatch(model(x), y)]
+            def score(model: ColoredMNISTMLP) -> torch.Tensor:
+                return accuracy_on(model, val, y)
         else:
             pen, steps = make_penalty("rerm"), rerm_steps
-            masks = [m for m in round_groups(corrects) if m.any()]  # an empty group has no loss
+            groups = round_groups(corrects)
+            masks = [m & fit for m in groups if (m & fit).any()]  # an empty group has no loss
+            val_groups = [m & val for m in groups if (m & val).any()]
 
-            def batches(model=model, masks=masks):
-                logits = model(x)
-                return [EnvBatch(logits[m], y[m]) for m in masks]
-        _train(run, f"bonsai.round{k}", model, steps, lr, l2, pen, batches, checkpoint_every, log_every)
+            def score(model: ColoredMNISTMLP, val_groups=val_groups) -> torch.Tensor:  # worst-group accuracy
+                return torch.stack([accuracy_on(model, m, y) for m in val_groups]).min()
+
+        def batches(model=model, masks=masks):
+            logits = model(x)
+            return [EnvBatch(logits[m], y[m]) for m in masks]
+
+        phase = _train(run, f"bonsai.round{k}", model, steps, lr, l2, pen, batches, checkpoint_every, log_every,
+                       validate=score if cfg.stopping == "validation" else None, val_every=cfg.val_every)
         with torch.no_grad():
             pred = (model(x).reshape(-1) > 0).to(y.dtype)
         corrects.append(pred == y)
         pseudos.append(pred)
-        rounds.append({"round": k, "steps": steps, "train_acc": round(float(corrects[-1].float().mean()), 4)})
+        rounds.append({"round": k, **phase, "train_acc": round(float(corrects[-1][fit].float().mean()), 4)})
 
     agree = agreement_mask(corrects)
-    idx = balanced_indices(agree, generator(seed, "bonsai", "balance")).to(device)
-    xs, targets = x[idx], torch.stack(pseudos, 1)[idx]
+    fit_idx = torch.nonzero(fit).reshape(-1)
+    idx = fit_idx[balanced_indices(agree[fit], generator(seed, "bonsai", "balance")).to(device)]
+    targets_all = torch.stack(pseudos, 1)  # (n, K)
+    xs, targets = x[idx], targets_all[idx]
     K = cfg.rounds
     model = _fresh(seed, hidden, K, device)
 
@@ -179,14 +255,19 @@ def build_representation(run: Run, data: ColoredMNIST, dataset: str, cfg: Bonsai
         logits = model(xs)
         return [EnvBatch(logits[:, k], targets[:, k]) for k in range(K)]
 
-    _train(run, "bonsai.synthesis", model, syn_steps, lr, l2, make_penalty("erm", risk_reduction="mean"),
-           syn_batches, checkpoint_every, log_every)
+    def syn_score(model: ColoredMNISTMLP) -> torch.Tensor:  # the heads' mean pseudo-label accuracy
+        return ((model(x[val]) > 0).to(y.dtype) == targets_all[val]).float().mean()
+
+    phase = _train(run, "bonsai.synthesis", model, syn_steps, lr, l2, make_penalty("erm", risk_reduction="mean"),
+                   syn_batches, checkpoint_every, log_every,
+                   validate=syn_score if cfg.stopping == "validation" else None, val_every=cfg.val_every)
     w, b = model.head.weight.detach().clone(), model.head.bias.detach().clone()
     hw, hb = average_heads(w, b)
+    details = {"rounds": rounds, "synthesis": phase, "synthesis_steps": syn_steps, "stopping": cfg.stopping,
+               "agree_fraction": round(float(agree[fit].float().mean()), 4)}
     return Representation(
         featurizer={k: v.detach().clone() for k, v in model.featurizer.state_dict().items()},
-        head_weight=hw, head_bias=hb, heads_weight=w, heads_bias=b,
-        details={"rounds": rounds, "synthesis_steps": syn_steps, "agree_fraction": round(float(agree.float().mean()), 4)},
+        head_weight=hw, head_bias=hb, heads_weight=w, heads_bias=b, details=details,
     )
 
 
@@ -202,6 +283,8 @@ def representation_key(dataset: str, cfg: BonsaiConfig, **settings: Any) -> str:
     """A hash of everything the representation depends on (cache file name)."""
     erm, rerm, syn = steps_for(dataset, cfg)
     spec = {"dataset": dataset, "rounds": cfg.rounds, "steps": [erm, rerm, syn], **settings, "format": 1}
+    if cfg.stopping != "fixed":  # (fixed-step representations keep the keys they always had)
+        spec["stopping"] = {"rule": cfg.stopping, "val_fraction": cfg.val_fraction, "val_every": cfg.val_every}
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
