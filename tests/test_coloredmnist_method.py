@@ -163,7 +163,8 @@ def test_impossible_settings_fail_before_a_run_exists(tmp_path, overrides, fragm
 
 @pytest.mark.parametrize("args, fragment", [
     (["--dataset", "mnist"], "--dataset 'mnist': choose from"),
-    (["--init", "warm"], "--init 'warm': choose from"),
+    (["--init", "warm"], "params.init: expected one of 'rand' | 'erm' | 'bonsai' | 'bonsai-cf' | 'perfect', got 'warm'"),
+    (["--study", "--init", "warm"], "has no sweep point with --init warm"),
     (["--method", "irm,vrex"], "one value per run (several need --study)"),
     (["--grid", "penalty.weight=1,2"], "--grid/--seeds/--workers need --study"),
     (["--method", "nope"], "unknown invariance method 'nope'"),

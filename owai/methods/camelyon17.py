@@ -879,4 +879,4 @@ def write_study(sweep: Any, summary: dict[str, Any]) -> tuple[list[dict[str, Any
     command = f"owai bonsai --resume {sweep.path}"
     figure = write_study_files(sweep, STUDY_NAME, title, rows + rounds,
                                study_markdown(rows, rounds, title, command), plot_study(summary, title))
-    return rows, {"title": title, "figure": str(figure), "rounds": rounds}
+    return rows, {"title": title, "figure": str(figure), "table": str(sweep.path / f"{STUDY_NAME}.md"), "rounds": rounds}
