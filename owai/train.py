@@ -178,6 +178,28 @@ def train_loop(
     return {"final_loss": _mean(recent), "steps": loop.steps}
 
 
+class BestWeights:
+    """The best-scoring weights of a training stage so far, with their score and step (or epoch).
+    Usable as `train_loop`'s companion (or inside one), so a resumed stage keeps the same choice.
+    The copy lives on the CPU; ties keep the earlier step."""
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+        self.step = 0
+        self.state: dict[str, torch.Tensor] = {}
+
+    def offer(self, value: float, step: int, model: torch.nn.Module) -> None:
+        if self.value is None or value > self.value:  # ties keep the earlier step
+            self.value, self.step = value, step
+            self.state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value, "step": self.step, "state": self.state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value, self.step, self.state = state["value"], int(state["step"]), dict(state["state"])
+
+
 def _speed(loop: LoopConfig, steps: int, seconds: float, device: torch.device) -> dict[str, float]:
     """Throughput and peak memory since the last log line, for loops that count tokens (timings
     differ between runs, so the exact small experiments leave them out of metrics.jsonl)."""

@@ -55,7 +55,7 @@ from owai.methods.invariance import EnvBatch, make_penalty
 from owai.models.mlp import ColoredMNISTMLP, MLPConfig
 from owai.runs import Run
 from owai.runtime import derive_seed, generator
-from owai.train import LoopConfig, train_loop
+from owai.train import BestWeights, LoopConfig, train_loop
 
 # spec §3.1 step counts: (round 0 ERM, rounds >= 1 RERM, synthesis)
 STEPS = {"coloredmnist": (51, 501, 501), "inverse-coloredmnist": (151, 401, 501)}
@@ -145,27 +145,6 @@ def average_heads(weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tenso
 def _fresh(seed: int, hidden: int, n_targets: int, device: str) -> ColoredMNISTMLP:
     torch.manual_seed(derive_seed(seed, "init"))
     return ColoredMNISTMLP(MLPConfig(hidden=hidden, n_targets=n_targets)).to(device)
-
-
-class BestWeights:
-    """The best validated weights of a phase so far (`train_loop`'s companion: saved with every
-    checkpoint, so a resumed phase keeps the same choice)."""
-
-    def __init__(self) -> None:
-        self.value: float | None = None
-        self.step = 0
-        self.state: dict[str, torch.Tensor] = {}
-
-    def offer(self, value: float, step: int, model: torch.nn.Module) -> None:
-        if self.value is None or value > self.value:  # ties keep the earlier step
-            self.value, self.step = value, step
-            self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"value": self.value, "step": self.step, "state": self.state}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.value, self.step, self.state = state["value"], int(state["step"]), dict(state["state"])
 
 
 def _train(run: Run, stage: str, model: ColoredMNISTMLP, steps: int, lr: float, l2: float, pen: Any,

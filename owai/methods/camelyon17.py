@@ -283,24 +283,24 @@ def train_stage(ctx: Context, stage: str, model: nn.Module, optimizer: torch.opt
     evaluating after every epoch and keeping the weights of the best `select` epoch. The curves,
     best weights and the penalty's state (GroupDRO's q) are the loop's companion state, saved in
     every checkpoint, so a killed stage resumes exactly; a finished stage reloads."""
-    from owai.train import LoopConfig, train_loop
+    from owai.train import BestWeights, LoopConfig, train_loop
 
     t = ctx.cfg.train
     steps = epochs * steps_per_epoch
     loop = LoopConfig(steps=steps, checkpoint_every=min(t.checkpoint_every, steps), log_every=min(t.log_every, steps))
     curves: list[dict[str, float]] = []
-    best: dict[str, Any] = {"value": None, "epoch": 0, "state": {}}
+    best = BestWeights()  # its `step` is the epoch
 
     class Tracks:
         """The stage's evaluation state beside the model (train_loop's companion)."""
 
         def state_dict(self) -> dict[str, Any]:
-            return {"curves": json.dumps(curves), "best_value": best["value"], "best_epoch": best["epoch"],
-                    "best_state": best["state"], "penalty": penalty.state_dict() if penalty is not None else {}}
+            return {"curves": json.dumps(curves), "best": best.state_dict(),
+                    "penalty": penalty.state_dict() if penalty is not None else {}}
 
         def load_state_dict(self, state: dict[str, Any]) -> None:
             curves[:] = json.loads(state["curves"])
-            best.update(value=state["best_value"], epoch=int(state["best_epoch"]), state=dict(state["best_state"]))
+            best.load_state_dict(dict(state["best"]))
             if penalty is not None:
                 penalty.load_state_dict(dict(state["penalty"]))
 
@@ -310,14 +310,12 @@ def train_stage(ctx: Context, stage: str, model: nn.Module, optimizer: torch.opt
             values = evaluate()
             curves.append({"epoch": epoch, **values})
             ctx.run.log(stage, done, epoch=epoch, **values)
-            if best["value"] is None or values[select] > best["value"]:
-                best.update(value=values[select], epoch=epoch,
-                            state={k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
+            best.offer(values[select], epoch, model)
             console.info(f"{stage} epoch {epoch}: " + " ".join(f"{k} {v:.4f}" for k, v in values.items()))
 
     train_loop(ctx.run, stage, model, optimizer, loss_at, loop, reset_optimizer_at=reset_optimizer_at,
                after_step=after_step, companion=Tracks())
-    return StageResult(curves, best["epoch"], best["state"])
+    return StageResult(curves, best.step, best.state)
 
 
 def steps_per_epoch(ctx: Context) -> int:
