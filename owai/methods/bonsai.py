@@ -142,15 +142,17 @@ def average_heads(weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tenso
 
 
 # --- the pipeline -----------------------------------------------------------------------------------
-def _fresh(seed: int, hidden: int, n_targets: int, device: str) -> ColoredMNISTMLP:
-    torch.manual_seed(derive_seed(seed, "init"))
+def fresh_mlp(seed_parts: tuple, hidden: int, n_targets: int, device: str) -> ColoredMNISTMLP:
+    """A new MLP whose initial weights are a function of `seed_parts` (torch's global seed is set)."""
+    torch.manual_seed(derive_seed(*seed_parts))
     return ColoredMNISTMLP(MLPConfig(hidden=hidden, n_targets=n_targets)).to(device)
 
 
-def _train(run: Run, stage: str, model: ColoredMNISTMLP, steps: int, lr: float, l2: float, pen: Any,
+def train_phase(run: Run, stage: str, model: ColoredMNISTMLP, steps: int, lr: float, l2: float, pen: Any,
            batches: Any, checkpoint_every: int, log_every: int,
            validate: Any = None, val_every: int = 10) -> dict[str, Any]:
-    """One phase through the shared loop. With `validate` (model -> score), the phase is scored every
+    """One full-batch phase (Adam, the penalty's objective with explicit L2) through the shared loop
+    (also PI's stage models and the perfect initialisation in `owai.methods.coloredmnist`). With `validate` (model -> score), the phase is scored every
     `val_every` steps and at its end, and finishes with its best-scoring weights."""
     params = model.trainable_parameters()
     optimizer = torch.optim.Adam(params, lr=lr)
@@ -194,7 +196,7 @@ def build_representation(run: Run, data: ColoredMNIST, dataset: str, cfg: Bonsai
 
     corrects, pseudos, rounds = [], [], []
     for k in range(cfg.rounds):
-        model = _fresh(seed, hidden, 1, device)
+        model = fresh_mlp((seed, "init"), hidden, 1, device)
         if k == 0:
             pen, steps = make_penalty("erm"), erm_steps
             masks = [fit]
@@ -214,7 +216,7 @@ def build_representation(run: Run, data: ColoredMNIST, dataset: str, cfg: Bonsai
             logits = model(x)
             return [EnvBatch(logits[m], y[m]) for m in masks]
 
-        phase = _train(run, f"bonsai.round{k}", model, steps, lr, l2, pen, batches, checkpoint_every, log_every,
+        phase = train_phase(run, f"bonsai.round{k}", model, steps, lr, l2, pen, batches, checkpoint_every, log_every,
                        validate=score if cfg.stopping == "validation" else None, val_every=cfg.val_every)
         with torch.no_grad():
             pred = (model(x).reshape(-1) > 0).to(y.dtype)
@@ -228,7 +230,7 @@ def build_representation(run: Run, data: ColoredMNIST, dataset: str, cfg: Bonsai
     targets_all = torch.stack(pseudos, 1)  # (n, K)
     xs, targets = x[idx], targets_all[idx]
     K = cfg.rounds
-    model = _fresh(seed, hidden, K, device)
+    model = fresh_mlp((seed, "init"), hidden, K, device)
 
     def syn_batches():
         logits = model(xs)
@@ -237,7 +239,7 @@ def build_representation(run: Run, data: ColoredMNIST, dataset: str, cfg: Bonsai
     def syn_score(model: ColoredMNISTMLP) -> torch.Tensor:  # the heads' mean pseudo-label accuracy
         return ((model(x[val]) > 0).to(y.dtype) == targets_all[val]).float().mean()
 
-    phase = _train(run, "bonsai.synthesis", model, syn_steps, lr, l2, make_penalty("erm", risk_reduction="mean"),
+    phase = train_phase(run, "bonsai.synthesis", model, syn_steps, lr, l2, make_penalty("erm", risk_reduction="mean"),
                    syn_batches, checkpoint_every, log_every,
                    validate=syn_score if cfg.stopping == "validation" else None, val_every=cfg.val_every)
     w, b = model.head.weight.detach().clone(), model.head.bias.detach().clone()

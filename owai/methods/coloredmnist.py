@@ -74,11 +74,11 @@ from owai.config import BaseConfig
 from owai.data.colored_mnist import ColoredMNIST, accuracy, load_colored_mnist
 from owai.errors import OwaiError
 from owai.methods import Method, Outcome
-from owai.methods.bonsai import BonsaiConfig, cached_representation, check_config, init_from
+from owai.methods.bonsai import BonsaiConfig, cached_representation, check_config, fresh_mlp, init_from, train_phase
 from owai.methods.invariance import ALIASES, L2, PI, REGISTRY, EnvBatch, LfF, Penalty, make_penalty
-from owai.models.mlp import ColoredMNISTMLP, MLPConfig
+from owai.models.mlp import ColoredMNISTMLP
 from owai.runs import Run
-from owai.runtime import derive_seed, generator
+from owai.runtime import generator
 from owai.train import LoopConfig, train_loop
 
 Dataset = Literal["coloredmnist", "coloredmnist-gray", "inverse-coloredmnist", "inverse-coloredmnist-gray"]
@@ -169,8 +169,7 @@ class ColoredMNISTInvariance(Method):
                                         lr=t.lr, l2=l2, device=device, checkpoint_every=t.checkpoint_every,
                                         log_every=t.log_every, data_key=dataclasses.asdict(cfg.data))
             details.update(bonsai=rep.details, frozen_featurizer=cfg.init == "bonsai-cf")
-        torch.manual_seed(derive_seed(cfg.seed, "init"))
-        model = ColoredMNISTMLP(MLPConfig(hidden=cfg.model.hidden, n_targets=pen.n_logits)).to(device)
+        model = fresh_mlp((cfg.seed, "init"), cfg.model.hidden, pen.n_logits, device)
         if rep is not None:
             init_from(model, rep)
         if cfg.init == "perfect":
@@ -179,8 +178,7 @@ class ColoredMNISTInvariance(Method):
         loss_groups = train
         if isinstance(pen, PI):
             loss_groups, details["pi"] = pi_groups_for(cfg, run, pen, train, l2, device)
-            torch.manual_seed(derive_seed(cfg.seed, "init"))  # the final model's init, as every other run
-            model = ColoredMNISTMLP(MLPConfig(hidden=cfg.model.hidden)).to(device)
+            model = fresh_mlp((cfg.seed, "init"), cfg.model.hidden, 1, device)  # the final model's init, as every run
         frozen = cfg.init == "bonsai-cf"
         if frozen:
             model.freeze_featurizer()
@@ -252,25 +250,12 @@ def evaluation_curve(run: Run, stage: str) -> list[dict[str, Any]]:
             for s, r in sorted(by_step.items())]
 
 
-def _fresh_model(seed_parts: tuple, hidden: int, device: str) -> ColoredMNISTMLP:
-    torch.manual_seed(derive_seed(*seed_parts))
-    return ColoredMNISTMLP(MLPConfig(hidden=hidden)).to(device)
-
-
-def _train_erm(run: Run, stage: str, model: ColoredMNISTMLP, data: list, steps: int, lr: float, l2: float,
-               cfg: ColoredMNISTConfig, risk: str = "erm") -> None:
-    """Full-batch ERM (or RERM over `data`'s groups) with explicit L2: the stage models of PI and
-    the perfect initialisation."""
-    pen = make_penalty(risk)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-
-    def loss_at(step: int, micro: int = 0) -> torch.Tensor:
-        reg = pen.l2(l2, model.featurizer.parameters(), model.head.parameters())
-        return pen.objective([EnvBatch(model(x), y) for x, y in data], step, l2=reg).loss
-
+def _train_erm(cfg: ColoredMNISTConfig, run: Run, stage: str, model: ColoredMNISTMLP, data: list, steps: int,
+               l2: float) -> None:
+    """Full-batch ERM with explicit L2 on `data`'s batches: PI's stage models and the perfect init."""
     t = cfg.train
-    train_loop(run, stage, model, optimizer, loss_at,
-               LoopConfig(steps, checkpoint_every=min(t.checkpoint_every, steps), log_every=min(t.log_every, steps)))
+    train_phase(run, stage, model, steps, t.lr, l2, make_penalty("erm"),
+                lambda: [EnvBatch(model(x), y) for x, y in data], t.checkpoint_every, t.log_every)
 
 
 def perfect_init(cfg: ColoredMNISTConfig, run: Run, model: ColoredMNISTMLP, l2: float, device: str) -> dict[str, Any]:
@@ -281,7 +266,7 @@ def perfect_init(cfg: ColoredMNISTConfig, run: Run, model: ColoredMNISTMLP, l2: 
                               "test" if cfg.data.split == "offline" else "train", root=cfg.data.root or None,
                               hub_id=cfg.data.hub_id or None, rng=cfg.data.rng, grayscale=cfg.data.grayscale)
     pooled = [(torch.cat([e.x for e in gray.train]).to(device), torch.cat([e.y for e in gray.train]).to(device))]
-    _train_erm(run, "perfect", model, pooled, cfg.perfect.steps, cfg.train.lr, cfg.perfect.l2 if cfg.perfect.l2 is not None else l2, cfg)
+    _train_erm(cfg, run, "perfect", model, pooled, cfg.perfect.steps, cfg.perfect.l2 if cfg.perfect.l2 is not None else l2)
     return {"steps": cfg.perfect.steps, "dataset": gray.variant.name}
 
 
@@ -296,8 +281,8 @@ def pi_groups_for(cfg: ColoredMNISTConfig, run: Run, pen: PI, train: list, l2: f
     for i, (x, y) in enumerate(train):
         keep = torch.randperm(len(y), generator=generator(cfg.seed, "pi", "holdout", i))
         keep = keep[: len(y) - int(round(pen.holdout * len(y)))].to(device)
-        model = _fresh_model((cfg.seed, "pi", i), cfg.model.hidden, device)
-        _train_erm(run, f"pi.env{i + 1}", model, [(x[keep], y[keep])], steps1, cfg.train.lr, l2, cfg)
+        model = fresh_mlp((cfg.seed, "pi", i), cfg.model.hidden, 1, device)
+        _train_erm(cfg, run, f"pi.env{i + 1}", model, [(x[keep], y[keep])], steps1, l2)
         with torch.no_grad():
             preds.append([(model(xj).reshape(-1) > 0).long() for xj, _ in train])
     groups = pen.groups([y for _, y in train], preds)
