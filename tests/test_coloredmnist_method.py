@@ -187,6 +187,7 @@ SMALL = ["model.hidden=16", "train.steps=12", "train.eval_every=4", "train.check
     ["method=lff", "init=erm", "penalty.anneal_iters=4"],  # biased copy + loss averages
     ["method=rsc", "init=erm", "penalty.anneal_iters=4"],
     ["method=pi", "penalty.options={steps1: 3}"],  # stage models, then RERM over their groups
+    ["method=pi", "penalty.options={steps1: 9, stopping: validation, val_every: 3}"],  # best hold-out step
     ["method=irm", "init=perfect", "perfect.steps=3"],
 ])
 def test_the_other_trainers_run_and_resume_bit_exactly(tmp_path, monkeypatch, sets):
@@ -208,6 +209,16 @@ def test_the_other_trainers_run_and_resume_bit_exactly(tmp_path, monkeypatch, se
         assert set(results["details"]["pi"]["groups"]) <= {"model1-env1-correct", "model1-env1-incorrect",
                                                            "model2-env2-correct", "model2-env2-incorrect"}
         assert (run.path / "checkpoints" / "pi.env1").is_dir() and (run.path / "checkpoints" / "pi.env2").is_dir()
+        if "stopping: validation" in sets[1]:  # each stage model ends at its best hold-out score
+            for k, chosen in enumerate(results["details"]["pi"]["stage_models"], start=1):
+                scores = {r["step"]: r["val_score"] for r in run.metrics() if r.get("stage") == f"pi.env{k}"
+                          and "val_score" in r}
+                assert sorted(scores) == [3, 6, 9]
+                best = max(scores.values())
+                assert chosen["steps"] == min(s for s, v in scores.items() if v == best)
+                assert chosen["holdout_acc"] == round(best, 4)
+        for chosen in results["details"]["pi"]["stage_models"]:  # which feature each stage model uses
+            assert 0 <= chosen["acc_colour_agrees"] <= 1 and 0 <= chosen["acc_colour_disagrees"] <= 1
     shutil.rmtree(latest_checkpoint(ckpts))
     (run.path / "results.json").unlink()
     _, again = execute(resume=run.path)

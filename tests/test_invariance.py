@@ -564,7 +564,18 @@ def test_pi_groups_own_and_cross():
         ("model2-env1-incorrect", 0, [True, False, True, True]),
     ]
     pen = inv.make_penalty("pi")
-    assert isinstance(pen, inv.RERM) and pen.steps1 is None and not pen.cross
+    assert isinstance(pen, inv.RERM) and pen.steps1 is None and not pen.cross and pen.stopping == "fixed"
+
+
+@pytest.mark.parametrize("options, fragment", [
+    ({"stopping": "early"}, "pi stopping must be 'fixed' or 'validation'"),
+    ({"val_every": 0}, "pi val_every must be an int >= 1"),
+    ({"stopping": "validation", "holdout": 0.0}, "needs a hold-out"),
+    ({"steps1": 2.5}, "pi steps1 must be an int >= 1"),
+])
+def test_pi_bad_options_are_user_errors(options, fragment):
+    with pytest.raises(OwaiError, match=fragment):
+        inv.make_penalty("pi", **options)
 
 
 # --- every method through a training step of the ColoredMNIST model shape -------------------------

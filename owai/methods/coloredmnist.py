@@ -51,9 +51,11 @@ Methods: every penalty of the registry.
   coupled weight decay l2, at lr x 0.01 and with a fresh Adam state from `anneal_iters` on, the
   copy taken from the ERM-pretrained model at that step; its loss averages are the companion state;
 * `pi` (Table 2.5; spec §2.11, init rand only): per training environment a model trained by ERM
-  on 90 % of it (stages `pi.env<k>`, 51 steps, 151 on Inverse), whose predictions split the
+  on 90 % of it (stages `pi.env<k>`, 51 steps, 151 on Inverse; with `penalty.options: {stopping:
+  validation}` each ends at its best step on the held-out 10 %), whose predictions split the
   environments into correct/incorrect groups; the run's model then minimises the hard max over
-  those groups for `train.steps` (701 in the paper preset).
+  those groups for `train.steps` (701 in the paper preset). `details.pi` records the groups and,
+  per stage model, its accuracy where the colour agrees / disagrees with the label.
 
 `init: perfect` (Fig 2.8 top): the model is first trained by ERM on the dataset's gray variant for
 `perfect.steps` (80) steps (stage `perfect`), then the penalty runs from step 0.
@@ -177,7 +179,8 @@ class ColoredMNISTInvariance(Method):
             details["perfect"]["worst_test_acc"] = evaluate(model, train, test)["worst_test_acc"]  # Fig 2.8's star
         loss_groups = train
         if isinstance(pen, PI):
-            loss_groups, details["pi"] = pi_groups_for(cfg, run, pen, train, l2, device)
+            agrees = [(e.color == e.y.long()).to(device) for e in data.train]  # the digit's channel = label's
+            loss_groups, details["pi"] = pi_groups_for(cfg, run, pen, train, l2, device, agrees)
             model = fresh_mlp((cfg.seed, "init"), cfg.model.hidden, 1, device)  # the final model's init, as every run
         frozen = cfg.init == "bonsai-cf"
         if frozen:
@@ -251,11 +254,13 @@ def evaluation_curve(run: Run, stage: str) -> list[dict[str, Any]]:
 
 
 def _train_erm(cfg: ColoredMNISTConfig, run: Run, stage: str, model: ColoredMNISTMLP, data: list, steps: int,
-               l2: float) -> None:
-    """Full-batch ERM with explicit L2 on `data`'s batches: PI's stage models and the perfect init."""
+               l2: float, validate: Any = None, val_every: int = 10) -> dict[str, Any]:
+    """Full-batch ERM with explicit L2 on `data`'s batches: PI's stage models and the perfect init
+    (with `validate`, the phase keeps its best-scoring weights; `bonsai.train_phase`)."""
     t = cfg.train
-    train_phase(run, stage, model, steps, t.lr, l2, make_penalty("erm"),
-                lambda: [EnvBatch(model(x), y) for x, y in data], t.checkpoint_every, t.log_every)
+    return train_phase(run, stage, model, steps, t.lr, l2, make_penalty("erm"),
+                       lambda: [EnvBatch(model(x), y) for x, y in data], t.checkpoint_every, t.log_every,
+                       validate=validate, val_every=val_every)
 
 
 def perfect_init(cfg: ColoredMNISTConfig, run: Run, model: ColoredMNISTMLP, l2: float, device: str) -> dict[str, Any]:
@@ -270,24 +275,40 @@ def perfect_init(cfg: ColoredMNISTConfig, run: Run, model: ColoredMNISTMLP, l2: 
     return {"steps": cfg.perfect.steps, "dataset": gray.variant.name}
 
 
-def pi_groups_for(cfg: ColoredMNISTConfig, run: Run, pen: PI, train: list, l2: float,
-                  device: str) -> tuple[list, dict[str, Any]]:
+def pi_groups_for(cfg: ColoredMNISTConfig, run: Run, pen: PI, train: list, l2: float, device: str,
+                  colour_agrees: list[torch.Tensor]) -> tuple[list, dict[str, Any]]:
     """PI's stages 1-2 (spec §2.11): per training environment i a fresh model trained by ERM on a
     random 90 % of environment i for `steps1` steps (stage `pi.env<i>`); their predictions split the
     environments into correct/incorrect groups (`pi_groups`: own environment, or cross with
-    `cross: true`). Returns the groups as (x, y) batches for the RERM stage, and what they were."""
+    `cross: true`). With `stopping: validation` each stage model keeps the weights with the best
+    accuracy on its environment's held-out part. Returns the groups as (x, y) batches for the RERM
+    stage, and what they were: the groups' sizes and, per stage model, its step, hold-out accuracy
+    and accuracy on its environment where the colour agrees / disagrees with the label
+    (`colour_agrees`), which says which feature the model relies on."""
     steps1 = pen.steps1 if pen.steps1 else PI_STEPS1["inverse" if cfg.dataset.startswith("inverse") else "coloredmnist"]
-    preds = []
+    preds, stages = [], []
     for i, (x, y) in enumerate(train):
-        keep = torch.randperm(len(y), generator=generator(cfg.seed, "pi", "holdout", i))
-        keep = keep[: len(y) - int(round(pen.holdout * len(y)))].to(device)
+        order = torch.randperm(len(y), generator=generator(cfg.seed, "pi", "holdout", i)).to(device)
+        n_fit = len(y) - int(round(pen.holdout * len(y)))
+        keep, held = order[:n_fit], order[n_fit:]
+        if pen.stopping == "validation" and len(held) == 0:
+            raise OwaiError(f"pi stopping 'validation': environment {i + 1} has no held-out examples "
+                            f"({len(y)} examples, holdout {pen.holdout})")
+        validate = (lambda m, x_h=x[held], y_h=y[held]: accuracy(m(x_h), y_h)) if pen.stopping == "validation" else None
         model = fresh_mlp((cfg.seed, "pi", i), cfg.model.hidden, 1, device)
-        _train_erm(cfg, run, f"pi.env{i + 1}", model, [(x[keep], y[keep])], steps1, l2)
+        phase = _train_erm(cfg, run, f"pi.env{i + 1}", model, [(x[keep], y[keep])], steps1, l2,
+                           validate=validate, val_every=pen.val_every)
         with torch.no_grad():
             preds.append([(model(xj).reshape(-1) > 0).long() for xj, _ in train])
+            right, agrees = preds[i][i] == y.reshape(-1).long(), colour_agrees[i]
+        stages.append({"steps": phase.get("best_step", steps1),
+                       "holdout_acc": round(float(right[held].float().mean()), 4) if len(held) else None,
+                       "acc_colour_agrees": round(float(right[agrees].float().mean()), 4),
+                       "acc_colour_disagrees": round(float(right[~agrees].float().mean()), 4)})
     groups = pen.groups([y for _, y in train], preds)
     batches = [(train[j][0][mask], train[j][1][mask]) for _, j, mask in groups]
-    info = {"steps1": steps1, "cross": pen.cross, "groups": {name: int(mask.sum()) for name, _, mask in groups}}
+    info = {"steps1": steps1, "cross": pen.cross, "stopping": pen.stopping,
+            "groups": {name: int(mask.sum()) for name, _, mask in groups}, "stage_models": stages}
     return batches, info
 
 

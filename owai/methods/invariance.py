@@ -691,12 +691,16 @@ class PI(RERM):
     into correct/incorrect by those models (RFC: model i on its own environment i; `cross=True`:
     PI0, model i on every other environment j); a fresh model then minimises the hard max over the
     groups (+ L2) for 701 steps (the trainer's `train.steps`). The training of the stage models is
-    the trainer's."""
+    the trainer's.
+
+    `stopping="fixed"` (the reference) trains each stage model for exactly `steps1` steps;
+    `"validation"` scores it on its environment's held-out 10 % every `val_every` steps and keeps its
+    best weights (at most `steps1` steps), the rule TH A.9.2 states for the discovery rounds."""
 
     name = "pi"
 
     def __init__(self, *args: Any, cross: bool = False, steps1: int | None = None, holdout: float = 0.1,
-                 **kwargs: Any) -> None:
+                 stopping: str = "fixed", val_every: int = 10, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.cross = bool(cross)
         if steps1 is not None and (isinstance(steps1, bool) or not isinstance(steps1, int) or steps1 < 1):
@@ -705,6 +709,14 @@ class PI(RERM):
         self.holdout = _check_number("pi holdout", holdout)
         if self.holdout >= 1:
             raise OwaiError(f"pi holdout must be < 1, got {holdout!r}")
+        if stopping not in ("fixed", "validation"):
+            raise OwaiError(f"pi stopping must be 'fixed' or 'validation', got {stopping!r}")
+        self.stopping = stopping
+        if isinstance(val_every, bool) or not isinstance(val_every, int) or val_every < 1:
+            raise OwaiError(f"pi val_every must be an int >= 1, got {val_every!r}")
+        self.val_every = val_every
+        if stopping == "validation" and self.holdout == 0:
+            raise OwaiError("pi stopping 'validation' needs a hold-out: holdout must be > 0")
 
     def groups(self, ys: Sequence[torch.Tensor], preds: Sequence[Sequence[torch.Tensor]]) -> list[tuple[str, int, torch.Tensor]]:
         return pi_groups(ys, preds, self.cross)
