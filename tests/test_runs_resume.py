@@ -60,6 +60,25 @@ def _results_without_times(run_dir: Path) -> dict:
     return res
 
 
+def _close(a: object, b: object, rel: float = 1e-6) -> bool:
+    """Equal structures, floats within `rel`: a resumed process may differ from an uninterrupted one
+    in the last bit of a float32 reduction (MKL's results can depend on memory alignment), while
+    any real resume bug moves the numbers far more."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k], rel) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y, rel) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
+    return a == b
+
+
+def test_close_compares_structures_and_floats():
+    assert _close({"a": [1, 0.5, {"b": "x"}]}, {"a": [1, 0.5 * (1 + 1e-8), {"b": "x"}]})
+    assert not _close({"a": [1, 0.5]}, {"a": [1, 0.5001]})
+    assert not _close({"a": 1}, {"a": 1, "b": 2}) and not _close([1, 2], [1, 2, 3]) and not _close("x", "y")
+
+
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     """Kill a training run with SIGKILL mid-way; --resume must end with the same numbers."""
     sets = [
@@ -91,10 +110,10 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
 
     resumed = run_owai("moons", "--resume", str(run_dir), "--quiet")
     assert resumed.returncode == 0, resumed.stderr
-    assert _results_without_times(run_dir) == _results_without_times(full_dir)
+    assert _close(_results_without_times(run_dir), _results_without_times(full_dir))
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     reference_log = [json.loads(line) for line in (full_dir / "metrics.jsonl").read_text().splitlines()]
-    assert logged == reference_log  # metrics past the checkpoint were trimmed, then re-logged identically
+    assert _close(logged, reference_log)  # metrics past the checkpoint were trimmed, then re-logged
     env = json.loads((run_dir / "env.json").read_text())
     assert len(env["resumed"]) == 1
 

@@ -61,8 +61,9 @@ Decisions from the spec's appendix table (thesis vs code):
 * #2 weight during ERM pre-training: the code's `anneal_val` = 1 (0 for `fish`) is the default; the
   thesis's "penalty turned off" is `anneal_val=0`.
 * #3 CLOvE: one Adam update per step on one random 512-example minibatch per environment and no L2
-  (`minibatch = 512`, `l2_scope = "none"`); `true_epochs=True` records the option of looping over all
-  minibatches of an epoch, for the trainer to honour.
+  (`minibatch = 512`, `l2_scope = "none"`), as the reference's code runs it (it loops over an
+  epoch's minibatches but only the last one's loss is stepped). A "true epochs" mode (one update per
+  minibatch) is not offered: it would change what a step of the thesis's epoch grids means.
 * #4 Fishr: non-centred second moment (RFC) by default; `centred=True` subtracts the per-environment
   mean gradient (Rame et al.; population variance, no EMA).
 * #5 Fish: the thesis's Fish is RFC's gradient-inner-product penalty `gm` (`fish`); RFC's `gm_train`
@@ -424,10 +425,9 @@ class CLOvE(Penalty):
     l2_scope = "none"
     minibatch = 512
 
-    def __init__(self, *args: Any, width: float = 0.4, true_epochs: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, width: float = 0.4, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.width = _check_number("clove kernel width", width, minimum=1e-12)
-        self.true_epochs = bool(true_epochs)
 
     def mmce(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if _multiclass(logits):
