@@ -353,21 +353,24 @@ def test_fishr_equals_per_example_autograd(centred, classes):
 # --- CLOvE ----------------------------------------------------------------------------------------
 
 
-def _mmce_reference(conf, correct, width):
+def _mmce_reference(conf, correct, width, unbiased=False):
     n = len(conf)
     total = 0
     for i in range(n):
         for j in range(n):
+            if unbiased and i == j:
+                continue
             k = torch.exp(-torch.abs(conf[i] - conf[j]) / width)
             total = total + (correct[i] - conf[i]) * (correct[j] - conf[j]) * k
-    return total / n**2
+    return total / (n * (n - 1) if unbiased else n**2)
 
 
-def test_clove_binary_mmce():
+@pytest.mark.parametrize("unbiased", [False, True])
+def test_clove_binary_mmce(unbiased):
     gen = torch.Generator().manual_seed(7)
     f = [torch.randn(8 + e, generator=gen, dtype=DT).requires_grad_() for e in range(2)]
     y = [(torch.rand(8 + e, generator=gen) < 0.5).to(DT) for e in range(2)]
-    got = inv.make_penalty("clove").penalty([EnvBatch(fe, ye) for fe, ye in zip(f, y)])
+    got = inv.make_penalty("clove", unbiased=unbiased).penalty([EnvBatch(fe, ye) for fe, ye in zip(f, y)])
     ref = 0
     for fe, ye in zip(f, y):
         conf, correct = [], []
@@ -376,7 +379,7 @@ def test_clove_binary_mmce():
             pred = 1.0 if fe[i].item() > 0 else 0.0
             conf.append(p if pred == 1.0 else 1 - p)
             correct.append(1.0 if pred == ye[i].item() else 0.0)  # a constant: no gradient
-        ref = ref + _mmce_reference(conf, correct, 0.4)
+        ref = ref + _mmce_reference(conf, correct, 0.4, unbiased)
     assert got.item() == pytest.approx(ref.item(), rel=1e-12)
     for a, c in zip(torch.autograd.grad(got, f), torch.autograd.grad(ref, f)):
         assert torch.allclose(a, c)

@@ -41,7 +41,7 @@ Registry (`REGISTRY`; `ALIASES` maps the reference's names):
 | `iga`      | sum_e ||g_e - mean_e g_e (detached)||^2, g_e = grad nll_e wrt params (2.4)       |
 | `fish`     | RFC `gm`: -sum_{i<j} <g_i, g_j>, anneal_val 0 (2.5)                               |
 | `fishr`    | sum_e ||v_e - mean v||^2, v_e = per-example head-gradient second moment (2.6)    |
-| `clove`    | sum_e MMCE_e, Laplacian kernel of width 0.4, 512-example minibatch, no L2 (2.7)   |
+| `clove`    | sum_e MMCE_e, Laplacian kernel of width 0.4, 512-example minibatch, no L2 (2.7); `unbiased=True`: without the i = j terms |
 | `rerm`     | no penalty; risk = hard max over groups (RFC `dro`, 2.10)                         |
 | `groupdro` | no penalty; risk = sum_g q_g nll_g with q <- q exp(eta nll) normalised (2.10)     |
 | `mmd`      | mean over env pairs of Gaussian-kernel MMD of the features (2.12)                |
@@ -418,16 +418,22 @@ class Fishr(Penalty):
 class CLOvE(Penalty):
     """CLOvE (spec §2.7): sum_e MMCE_e with a Laplacian kernel exp(-|r_i - r_j| / width) on the
     confidences r (max(p, 1-p), or the max softmax probability) and detached correctness c:
-    MMCE = sum_ij (c_i - r_i)(c_j - r_j) k_ij / n^2. No L2; 512 examples per environment and step."""
+    MMCE = sum_ij (c_i - r_i)(c_j - r_j) k_ij / n^2. No L2; 512 examples per environment and step.
+
+    `unbiased=True` (an owai option, not the reference) drops the i = j terms and divides by
+    n(n - 1): the U-statistic of Kumar et al. Those terms, sum_i (c_i - r_i)^2 / n^2, are about
+    E[(c - r)^2] / n whatever the calibration; only confident correct predictions lower them, so
+    their gradient pulls like the NLL (docs/results.md, Table 2.4)."""
 
     name = "clove"
     default_weight = 1e4
     l2_scope = "none"
     minibatch = 512
 
-    def __init__(self, *args: Any, width: float = 0.4, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, width: float = 0.4, unbiased: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.width = _check_number("clove kernel width", width, minimum=1e-12)
+        self.unbiased = bool(unbiased)
 
     def mmce(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if _multiclass(logits):
@@ -441,6 +447,8 @@ class CLOvE(Penalty):
         diff = correct - conf
         kernel = torch.exp(-(conf[:, None] - conf[None, :]).abs() / self.width)
         n = conf.shape[0]
+        if self.unbiased:  # k_ii = 1
+            return (diff @ kernel @ diff - (diff * diff).sum()) / (n * max(n - 1, 1))
         return diff @ kernel @ diff / (n * n)
 
     def penalty(self, envs, nlls=None, params=None):
