@@ -228,6 +228,23 @@ def test_the_other_trainers_run_and_resume_bit_exactly(tmp_path, monkeypatch, se
     assert _without_times(again) == _without_times(results)
 
 
+def test_pi_gray_stage_models_rely_on_shape(tmp_path, monkeypatch):
+    """The `stage_data: gray` diagnostic trains PI's stage models on the gray variant (same images
+    and labels): they cannot use the colour, so their accuracy hardly depends on whether the
+    colour agrees with the label, unlike the reference's stage models on the coloured data."""
+    monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
+    sets = ["method=pi", "dataset=inverse-coloredmnist", "model.hidden=64", "train.steps=2", "train.eval_every=1"]
+    gaps = {}
+    for stage_data in ("coloured", "gray"):
+        _, results = execute(RECIPE, "cpu", sets + [f"penalty.options={{steps1: 30, stage_data: {stage_data}}}"],
+                             out=tmp_path / stage_data)
+        info = results["details"]["pi"]
+        assert info["stage_data"] == stage_data
+        gaps[stage_data] = [m["acc_colour_agrees"] - m["acc_colour_disagrees"] for m in info["stage_models"]]
+    assert all(g > 0.5 for g in gaps["coloured"]), gaps  # 30 steps: colour models (0.99 / 0.02)
+    assert all(abs(g) < 0.15 for g in gaps["gray"]), gaps
+
+
 def test_cli_bad_mnist_directories_are_one_line_errors(tmp_path, capsys):
     """A missing MNIST directory and an images file with the labels' IDX magic: exit 2, one line,
     and no half-written run (the data are read before training)."""

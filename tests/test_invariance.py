@@ -575,6 +575,7 @@ def test_pi_groups_own_and_cross():
     ({"val_every": 0}, "pi val_every must be an int >= 1"),
     ({"stopping": "validation", "holdout": 0.0}, "needs a hold-out"),
     ({"steps1": 2.5}, "pi steps1 must be an int >= 1"),
+    ({"stage_data": "grey"}, "pi stage_data must be 'coloured' or 'gray'"),
 ])
 def test_pi_bad_options_are_user_errors(options, fragment):
     with pytest.raises(OwaiError, match=fragment):

@@ -55,7 +55,8 @@ Methods: every penalty of the registry.
   validation}` each ends at its best step on the held-out 10 %), whose predictions split the
   environments into correct/incorrect groups; the run's model then minimises the hard max over
   those groups for `train.steps` (701 in the paper preset). `details.pi` records the groups and,
-  per stage model, its accuracy where the colour agrees / disagrees with the label.
+  per stage model, its accuracy where the colour agrees / disagrees with the label;
+  `stage_data: gray` (a diagnostic) trains the stage models on the gray variant instead.
 
 `init: perfect` (Fig 2.8 top): the model is first trained by ERM on the dataset's gray variant for
 `perfect.steps` (80) steps (stage `perfect`), then the penalty runs from step 0.
@@ -263,13 +264,19 @@ def _train_erm(cfg: ColoredMNISTConfig, run: Run, stage: str, model: ColoredMNIS
                        validate=validate, val_every=val_every)
 
 
+def gray_variant(cfg: ColoredMNISTConfig) -> ColoredMNIST:
+    """The run's dataset with colour carrying no label information (same seed: same images and
+    uniform draws, so the same labels where the label noise is equal)."""
+    return load_colored_mnist(f"{cfg.dataset.removesuffix('-gray')}-gray", cfg.seed,
+                              "test" if cfg.data.split == "offline" else "train", root=cfg.data.root or None,
+                              hub_id=cfg.data.hub_id or None, rng=cfg.data.rng, grayscale=cfg.data.grayscale)
+
+
 def perfect_init(cfg: ColoredMNISTConfig, run: Run, model: ColoredMNISTMLP, l2: float, device: str) -> dict[str, Any]:
     """Fig 2.8 (top): the "perfect initialisation", ERM on the dataset's gray variant (colour carries
     no label information) for `perfect.steps` steps (80, the reference script's effective value),
     trained in stage `perfect` on the downstream model itself."""
-    gray = load_colored_mnist(f"{cfg.dataset.removesuffix('-gray')}-gray", cfg.seed,
-                              "test" if cfg.data.split == "offline" else "train", root=cfg.data.root or None,
-                              hub_id=cfg.data.hub_id or None, rng=cfg.data.rng, grayscale=cfg.data.grayscale)
+    gray = gray_variant(cfg)
     pooled = [(torch.cat([e.x for e in gray.train]).to(device), torch.cat([e.y for e in gray.train]).to(device))]
     _train_erm(cfg, run, "perfect", model, pooled, cfg.perfect.steps, cfg.perfect.l2 if cfg.perfect.l2 is not None else l2)
     return {"steps": cfg.perfect.steps, "dataset": gray.variant.name}
@@ -286,6 +293,12 @@ def pi_groups_for(cfg: ColoredMNISTConfig, run: Run, pen: PI, train: list, l2: f
     and accuracy on its environment where the colour agrees / disagrees with the label
     (`colour_agrees`), which says which feature the model relies on."""
     steps1 = pen.steps1 if pen.steps1 else PI_STEPS1["inverse" if cfg.dataset.startswith("inverse") else "coloredmnist"]
+    fit_on = train
+    if pen.stage_data == "gray":  # the diagnostic: shape-only stage models (same images and labels)
+        gray = gray_variant(cfg)
+        fit_on = [(e.x.to(device), e.y.to(device)) for e in gray.train]
+        if any(not torch.equal(g[1], t[1]) for g, t in zip(fit_on, train)):
+            raise OwaiError(f"pi stage_data 'gray': {gray.variant.name} does not share {cfg.dataset}'s labels")
     preds, stages = [], []
     for i, (x, y) in enumerate(train):
         order = torch.randperm(len(y), generator=generator(cfg.seed, "pi", "holdout", i)).to(device)
@@ -294,9 +307,10 @@ def pi_groups_for(cfg: ColoredMNISTConfig, run: Run, pen: PI, train: list, l2: f
         if pen.stopping == "validation" and len(held) == 0:
             raise OwaiError(f"pi stopping 'validation': environment {i + 1} has no held-out examples "
                             f"({len(y)} examples, holdout {pen.holdout})")
-        validate = (lambda m, x_h=x[held], y_h=y[held]: accuracy(m(x_h), y_h)) if pen.stopping == "validation" else None
+        x_fit = fit_on[i][0]  # (the gray diagnostic validates on gray images too)
+        validate = (lambda m, x_h=x_fit[held], y_h=y[held]: accuracy(m(x_h), y_h)) if pen.stopping == "validation" else None
         model = fresh_mlp((cfg.seed, "pi", i), cfg.model.hidden, 1, device)
-        phase = _train_erm(cfg, run, f"pi.env{i + 1}", model, [(x[keep], y[keep])], steps1, l2,
+        phase = _train_erm(cfg, run, f"pi.env{i + 1}", model, [(x_fit[keep], y[keep])], steps1, l2,
                            validate=validate, val_every=pen.val_every)
         with torch.no_grad():
             preds.append([(model(xj).reshape(-1) > 0).long() for xj, _ in train])
@@ -307,7 +321,7 @@ def pi_groups_for(cfg: ColoredMNISTConfig, run: Run, pen: PI, train: list, l2: f
                        "acc_colour_disagrees": round(float(right[~agrees].float().mean()), 4)})
     groups = pen.groups([y for _, y in train], preds)
     batches = [(train[j][0][mask], train[j][1][mask]) for _, j, mask in groups]
-    info = {"steps1": steps1, "cross": pen.cross, "stopping": pen.stopping,
+    info = {"steps1": steps1, "cross": pen.cross, "stopping": pen.stopping, "stage_data": pen.stage_data,
             "groups": {name: int(mask.sum()) for name, _, mask in groups}, "stage_models": stages}
     return batches, info
 

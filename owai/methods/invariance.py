@@ -703,12 +703,16 @@ class PI(RERM):
 
     `stopping="fixed"` (the reference) trains each stage model for exactly `steps1` steps;
     `"validation"` scores it on its environment's held-out 10 % every `val_every` steps and keeps its
-    best weights (at most `steps1` steps), the rule TH A.9.2 states for the discovery rounds."""
+    best weights (at most `steps1` steps), the rule TH A.9.2 states for the discovery rounds.
+
+    `stage_data="gray"` (an owai diagnostic, not PI) trains the stage models on the gray variant of
+    their environment (same images and labels, colour carrying no label information), so they are
+    shape models: the first stage the thesis's explanation of PI's failure on Inverse assumes."""
 
     name = "pi"
 
     def __init__(self, *args: Any, cross: bool = False, steps1: int | None = None, holdout: float = 0.1,
-                 stopping: str = "fixed", val_every: int = 10, **kwargs: Any) -> None:
+                 stopping: str = "fixed", val_every: int = 10, stage_data: str = "coloured", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.cross = bool(cross)
         if steps1 is not None and (isinstance(steps1, bool) or not isinstance(steps1, int) or steps1 < 1):
@@ -725,6 +729,9 @@ class PI(RERM):
         self.val_every = val_every
         if stopping == "validation" and self.holdout == 0:
             raise OwaiError("pi stopping 'validation' needs a hold-out: holdout must be > 0")
+        if stage_data not in ("coloured", "gray"):
+            raise OwaiError(f"pi stage_data must be 'coloured' or 'gray', got {stage_data!r}")
+        self.stage_data = stage_data
 
     def groups(self, ys: Sequence[torch.Tensor], preds: Sequence[Sequence[torch.Tensor]]) -> list[tuple[str, int, torch.Tensor]]:
         return pi_groups(ys, preds, self.cross)
