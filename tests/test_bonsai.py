@@ -133,9 +133,16 @@ def test_a_second_run_of_the_seed_loads_the_cached_representation(tmp_path):
     # the same downstream run from the cache equals the one that built it
     third, r3 = execute(RECIPE, "cpu", TINY, out=tmp_path / "runs")
     assert r3["rows"] == r1["rows"]
+    # the downstream L2 (the ERM rows' grid) does not touch the representation; bonsai.l2 does
+    fourth, r4 = execute(RECIPE, "cpu", TINY + ["train.l2=0.01"], out=tmp_path / "runs")
+    assert r4["details"]["bonsai"]["cache"] == str(cached[0])
+    assert not (fourth.path / "checkpoints" / "bonsai.round0").exists()
+    assert r4["details"]["l2"] == 0.01 and r4["rows"] != r1["rows"]
+    execute(RECIPE, "cpu", TINY + ["bonsai.l2=0.01"], out=tmp_path / "runs")
+    assert len(list((tmp_path / "cache" / "bonsai").glob("*.safetensors"))) == 2
     # another seed is another representation
     execute(RECIPE, "cpu", TINY + ["seed=1"], out=tmp_path / "runs")
-    assert len(list((tmp_path / "cache" / "bonsai").glob("*.safetensors"))) == 2
+    assert len(list((tmp_path / "cache" / "bonsai").glob("*.safetensors"))) == 3
     cached[0].write_bytes(b"garbage")
     with pytest.raises(Exception, match="corrupt"):
         execute(RECIPE, "cpu", TINY, out=tmp_path / "runs")
@@ -226,4 +233,6 @@ def test_validation_stopping_changes_the_cache_key_and_validates_settings(tmp_pa
     assert representation_key("coloredmnist", fixed, seed=0) != representation_key("coloredmnist", val, seed=0)
     with pytest.raises(Exception, match="val_fraction"):
         execute(RECIPE, "cpu", TINY + ["bonsai.stopping=validation", "bonsai.val_fraction=1.5"], out=tmp_path / "runs")
+    with pytest.raises(Exception, match="bonsai.l2"):
+        execute(RECIPE, "cpu", TINY + ["bonsai.l2=-1"], out=tmp_path / "runs")
     assert not (tmp_path / "runs").exists()

@@ -54,8 +54,14 @@ def test_raw_and_gzip_agree_and_md5(tmp_path, t10k):
         (tmp_path / name).write_bytes(gzip.decompress((SHARED / f"{name}.gz").read_bytes()))
     raw = mn.load_mnist_idx(tmp_path, "test")
     assert torch.equal(raw.images, t10k.images) and torch.equal(raw.labels, t10k.labels)
-    # the shared files are the official ones
+    # the shared files are the official ones, compressed and raw
     mn.load_mnist_idx(SHARED, "test", check_md5=True)
+    mn.load_mnist_idx(tmp_path, "test", check_md5=True)
+    (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(  # a re-labelled raw copy is not
+        gzip.decompress((SHARED / "t10k-labels-idx1-ubyte.gz").read_bytes())[:-1] + b"\x00")
+    with pytest.raises(OwaiError) as exc:
+        mn.load_mnist_idx(tmp_path, "test", check_md5=True)
+    assert "md5" in one_line_error(exc)
 
 
 def _copy_t10k(tmp_path: Path) -> Path:
@@ -153,6 +159,19 @@ def test_hub_path_without_network(monkeypatch):
     with pytest.raises(OwaiError) as exc:
         mn.load_mnist("test", hub_id="ylecun/mnist")
     assert "Couldn't reach" in one_line_error(exc)
+
+
+@needs_mnist
+def test_explicit_directory_wins_over_hub_id(monkeypatch, t10k):
+    """A recipe naming the hub (the paper presets) runs from a local copy given as data.root."""
+    import datasets
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the hub must not be asked when a directory is given")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_hub)
+    got = mn.load_mnist("test", root=SHARED, hub_id="ylecun/mnist")
+    assert torch.equal(got.labels, t10k.labels) and got.source == str(SHARED)
 
 
 def test_default_dir_is_shared_else_the_packaged_copy(monkeypatch):

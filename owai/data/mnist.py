@@ -12,7 +12,9 @@ is fine, hence off by default).
 Offline, the only MNIST on these machines is the real test split in `<repo>/../shared/data/mnist/`
 (`/work/shared/data/mnist`); the 60k training images are not available. `default_mnist_dir()`
 finds a directory: `$OWAI_MNIST_DIR` first, then `<repo>/../shared/data/mnist` when present. Callers
-pass the path they got (or one from the user) as `root`.
+pass the path they got (or one from the user) as `root`. An explicit `root` wins over a hub id, so
+the paper presets (which name `ylecun/mnist`) also run from a local copy of the 60k training set:
+`--set data.root=DIR`. `check_md5` knows the official digests of the raw files too.
 
 The hub path (`load_mnist(split, hub_id="ylecun/mnist")`) goes through `datasets.load_dataset`; it
 needs network access or a populated Hugging Face cache and is not exercised by the tests.
@@ -37,12 +39,17 @@ HUB_ID = "ylecun/mnist"
 IMAGES_MAGIC = 2051  # 0x00000803: unsigned byte, 3 dimensions
 LABELS_MAGIC = 2049  # 0x00000801: unsigned byte, 1 dimension
 SPLITS = {"train": ("train", 60_000), "test": ("t10k", 10_000)}
-# md5 of the official gzip files (yann.lecun.com distribution, as mirrored by torchvision et al.)
+# md5 of the official files (yann.lecun.com distribution, as mirrored by torchvision et al.)
 OFFICIAL_MD5 = {
     "train-images-idx3-ubyte.gz": "f68b3c2dcbeaaa9fbdd348bbdeb94873",
     "train-labels-idx1-ubyte.gz": "d53e105ee54ea40749a09fcbcd1e9432",
     "t10k-images-idx3-ubyte.gz": "9fb629c4189551a2d022fa330f9573f3",
     "t10k-labels-idx1-ubyte.gz": "ec29112dd5afa0611ce80d1b7f02629c",
+    # the same files uncompressed (e.g. the raw IDX copies that some packages ship)
+    "train-images-idx3-ubyte": "6bbc9ace898e44ae57da46a324031adb",
+    "train-labels-idx1-ubyte": "a25bea736e30d166cdddb491f175f624",
+    "t10k-images-idx3-ubyte": "2646ac647ad5339dbf082846283269ea",
+    "t10k-labels-idx1-ubyte": "27ae3e4e09519cfbb04c329615203637",
 }
 
 
@@ -175,9 +182,10 @@ def load_mnist_hub(split: str = "train", hub_id: str = HUB_ID) -> MNIST:
 
 def load_mnist(split: str = "test", root: str | Path | None = None, hub_id: str | None = None,
                check_md5: bool = False) -> MNIST:
-    """MNIST `split` from `hub_id` if given, else from the IDX directory `root`, else from
-    `default_mnist_dir()`; no directory at all is a user error."""
-    if hub_id:
+    """MNIST `split` from the IDX directory `root` if given, else from `hub_id`, else from
+    `default_mnist_dir()`; no source at all is a user error. An explicit directory wins over the
+    hub id so that a recipe naming the hub (the paper presets) also runs from a local copy."""
+    if root is None and hub_id:
         return load_mnist_hub(split, hub_id)
     if root is None:
         root = default_mnist_dir()

@@ -67,6 +67,10 @@ class BonsaiConfig:
     erm_steps: int | None = None  # None = 51 (ColoredMNIST) / 151 (Inverse)
     rerm_steps: int | None = None  # None = 501 / 401
     synthesis_steps: int | None = None  # None = 501
+    # L2 of every Bonsai phase. None = the dataset's reference value (0.0011; 1e-4 on Inverse),
+    # whatever `train.l2` the downstream run uses: the reference builds the representation once and
+    # the thesis's ERM rows search their L2 grid downstream of it (Table A.12).
+    l2: float | None = None
     # "fixed": every phase runs its step count (the reference's scripts). "validation": a keyed
     # `val_fraction` of the pooled training set is held out, each phase is evaluated on it every
     # `val_every` steps and keeps its best weights (TH A.9.2: the step counts were "chosen to maximise
@@ -107,6 +111,8 @@ def check_config(cfg: BonsaiConfig) -> None:
         raise OwaiError(f"bonsai.val_fraction must be in (0, 1), got {cfg.val_fraction}")
     if cfg.val_every < 1:
         raise OwaiError(f"bonsai.val_every must be >= 1, got {cfg.val_every}")
+    if cfg.l2 is not None and cfg.l2 < 0:
+        raise OwaiError(f"bonsai.l2 must be >= 0, got {cfg.l2}")
 
 
 # --- the pieces -------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ Training (spec §0), through `owai.train.train_loop` (stage `train`):
   average of the synthesis heads, and the penalty runs from step 0 (anneal 0, as the reference).
   `bonsai` trains everything; `bonsai-cf` freezes the featurizer (no gradient, not in the
   optimizer, not in the L2 term) and trains the head alone on features computed once (cached).
+  The representation is built with the dataset's L2 (`bonsai.l2`), whatever `train.l2` the
+  downstream run has, so the ERM rows' L2 grid shares one representation per seed.
 
 Evaluation: after update 1 + `train.eval_every` * i (the reference's step index 20 i: it logs step `s`
 after update s + 1; the thesis's early-stopping grid, Table A.12: 20 i for most methods) and after the
@@ -169,7 +171,7 @@ class ColoredMNISTInvariance(Method):
         rep = None
         if cfg.init in ("bonsai", "bonsai-cf"):
             rep = cached_representation(run, data, cfg.dataset, cfg.bonsai, seed=cfg.seed, hidden=cfg.model.hidden,
-                                        lr=t.lr, l2=l2, device=device, checkpoint_every=t.checkpoint_every,
+                                        lr=t.lr, l2=bonsai_l2(cfg), device=device, checkpoint_every=t.checkpoint_every,
                                         log_every=t.log_every, data_key=dataclasses.asdict(cfg.data))
             details.update(bonsai=rep.details, frozen_featurizer=cfg.init == "bonsai-cf")
         model = fresh_mlp((cfg.seed, "init"), cfg.model.hidden, pen.n_logits, device)
@@ -376,10 +378,19 @@ def build_penalty(cfg: ColoredMNISTConfig) -> Penalty:
                         reset_optimizer=p.reset_optimizer, **options)
 
 
+def dataset_l2(dataset: str) -> float:
+    """The reference's L2 for a dataset (0.0011 ColoredMNIST; 1e-4 InverseColoredMNIST)."""
+    return L2["inverse-coloredmnist" if dataset.startswith("inverse") else "coloredmnist"]
+
+
 def l2_coefficient(cfg: ColoredMNISTConfig) -> float:
-    if cfg.train.l2 is not None:
-        return cfg.train.l2
-    return L2["inverse-coloredmnist" if cfg.dataset.startswith("inverse") else "coloredmnist"]
+    """The downstream run's L2: `train.l2`, else the dataset's."""
+    return cfg.train.l2 if cfg.train.l2 is not None else dataset_l2(cfg.dataset)
+
+
+def bonsai_l2(cfg: ColoredMNISTConfig) -> float:
+    """The Bonsai representation's L2: `bonsai.l2`, else the dataset's (not `train.l2`)."""
+    return cfg.bonsai.l2 if cfg.bonsai.l2 is not None else dataset_l2(cfg.dataset)
 
 
 def load_data(cfg: ColoredMNISTConfig) -> ColoredMNIST:
