@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bonsai_claims  # noqa: E402
 import bonsai_cpu  # noqa: E402
 
 
@@ -46,3 +48,30 @@ def test_table24_claims_and_a_missing_cell():
     assert [h for _, h, _ in bonsai_cpu.pattern(rows_of(cells))] == [True, True, False]
     del cells[("coloredmnist-gray", "erm", "rand")]
     assert bonsai_cpu.pattern(rows_of(cells)) == [] and bonsai_cpu.pattern_pi(rows_of(cells)) == []
+
+
+def test_claims_on_pooled_study_reports(tmp_path, capsys):
+    """bonsai_claims pools the rows of several `--study --json` reports (one per column) and checks
+    the claims on the whole table; a cell in two reports and an unreadable report are errors."""
+    cells = {("coloredmnist-gray", "erm", "rand"): 0.72, ("coloredmnist", "erm", "rand"): 0.27}
+    for m in bonsai_cpu.INVARIANT:
+        cells[("coloredmnist", m, "rand")] = 0.50
+        cells[("coloredmnist", m, "bonsai-cf")] = 0.70
+    rows = [dict(r, std=0.0, n=1, thesis=None) for r in rows_of(cells)]
+    rand = tmp_path / "rand.json"
+    rand.write_text(json.dumps({"rows": [r for r in rows if r["init"] == "rand"]}))
+    cf = tmp_path / "cf.json"
+    cf.write_text(json.dumps({"rows": [r for r in rows if r["init"] == "bonsai-cf"]}))
+    assert bonsai_claims.main([str(rand)]) == 1  # no Bonsai-cf rows: nothing decided
+    assert "no claim can be decided" in capsys.readouterr().out
+    assert bonsai_claims.main([str(rand), str(cf)]) == 0
+    assert capsys.readouterr().out.count("holds ") == 3
+    low = tmp_path / "low.json"
+    low.write_text(json.dumps({"rows": [dict(r, mean=0.60) if r["method"] == "clove" else r
+                                        for r in rows if r["init"] == "bonsai-cf"]}))
+    assert bonsai_claims.main([str(rand), str(low)]) == 1
+    assert "FAILS  Bonsai-cf" in capsys.readouterr().out
+    assert bonsai_claims.main([str(rand), str(cf), str(cf)]) == 2
+    assert "in two reports" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{not json")
+    assert bonsai_claims.main([str(tmp_path / "bad.json")]) == 2

@@ -371,3 +371,18 @@ def test_bad_inputs_are_one_line_errors():
     with pytest.raises(OwaiError) as exc:
         cm.make_environment(images[:0], labels[:0], 0.25, 0.1, torch.Generator(), "train1")
     assert "empty" in one_line_error(exc)
+
+
+def test_variant_family_selects_the_reference_hyper_parameters():
+    """A gray oracle and an RFC alias take their coloured problem's L2 and Bonsai/PI step counts."""
+    from owai.data.colored_mnist import variant
+    from owai.methods.bonsai import BonsaiConfig, steps_for
+    from owai.methods.coloredmnist import PI_STEPS1, dataset_l2
+
+    assert variant("coloredmnist-gray").family == "coloredmnist"
+    assert variant("coloredmnist01gray").family == "inverse-coloredmnist"
+    assert dataset_l2("coloredmnist-gray") == dataset_l2("coloredmnist") == 0.0011
+    assert dataset_l2("inverse-coloredmnist-gray") == dataset_l2("inverse-coloredmnist") == 1e-4
+    assert steps_for("inverse-coloredmnist-gray", BonsaiConfig()) == (151, 401, 501)
+    assert steps_for("coloredmnist", BonsaiConfig()) == (51, 501, 501)
+    assert PI_STEPS1[variant("inverse-coloredmnist").family] == 151

@@ -83,6 +83,12 @@ class Variant:
     label_noise: float
     train_flips: tuple[float, float]
 
+    @property
+    def family(self) -> str:
+        """The problem whose reference hyper-parameters apply (L2, Bonsai and PI step counts):
+        `coloredmnist` or `inverse-coloredmnist`; a gray oracle shares its coloured variant's."""
+        return self.name.removesuffix("-gray")
+
 
 VARIANTS: dict[str, Variant] = {
     v.name: v

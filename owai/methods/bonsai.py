@@ -49,7 +49,7 @@ from typing import Any, Literal
 
 import torch
 
-from owai.data.colored_mnist import ColoredMNIST
+from owai.data.colored_mnist import ColoredMNIST, variant
 from owai.errors import OwaiError
 from owai.methods.invariance import EnvBatch, make_penalty
 from owai.models.mlp import ColoredMNISTMLP, MLPConfig
@@ -94,7 +94,7 @@ class Representation:
 
 
 def steps_for(dataset: str, cfg: BonsaiConfig) -> tuple[int, int, int]:
-    erm, rerm, syn = STEPS["inverse-coloredmnist" if dataset.startswith("inverse") else "coloredmnist"]
+    erm, rerm, syn = STEPS[variant(dataset).family]
     return (cfg.erm_steps if cfg.erm_steps is not None else erm,
             cfg.rerm_steps if cfg.rerm_steps is not None else rerm,
             cfg.synthesis_steps if cfg.synthesis_steps is not None else syn)

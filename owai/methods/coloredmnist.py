@@ -76,7 +76,7 @@ import torch
 from torch import nn
 
 from owai.config import BaseConfig
-from owai.data.colored_mnist import ColoredMNIST, accuracy, load_colored_mnist
+from owai.data.colored_mnist import ColoredMNIST, accuracy, load_colored_mnist, variant
 from owai.errors import OwaiError
 from owai.methods import Method, Outcome
 from owai.methods.bonsai import BonsaiConfig, cached_representation, check_config, fresh_mlp, init_from, train_phase
@@ -90,7 +90,7 @@ Dataset = Literal["coloredmnist", "coloredmnist-gray", "inverse-coloredmnist", "
 Init = Literal["rand", "erm", "bonsai", "bonsai-cf", "perfect"]
 SUPPORTED = tuple(REGISTRY)
 INITS_OF = {"rsc": ("rand", "erm"), "lff": ("rand", "erm"), "pi": ("rand",)}  # methods with fewer inits
-PI_STEPS1 = {"coloredmnist": 51, "inverse": 151}  # PI's stage-1 steps (spec §2.11)
+PI_STEPS1 = {"coloredmnist": 51, "inverse-coloredmnist": 151}  # PI's stage-1 steps (spec §2.11)
 # table rows are named <prefix><method>.<init>.worst_test_acc; the gray variants give the oracle rows
 TABLE_PREFIX = {"coloredmnist": "", "inverse-coloredmnist": "inverse."}
 
@@ -294,7 +294,7 @@ def pi_groups_for(cfg: ColoredMNISTConfig, run: Run, pen: PI, train: list, l2: f
     stage, and what they were: the groups' sizes and, per stage model, its step, hold-out accuracy
     and accuracy on its environment where the colour agrees / disagrees with the label
     (`colour_agrees`), which says which feature the model relies on."""
-    steps1 = pen.steps1 if pen.steps1 else PI_STEPS1["inverse" if cfg.dataset.startswith("inverse") else "coloredmnist"]
+    steps1 = pen.steps1 if pen.steps1 else PI_STEPS1[variant(cfg.dataset).family]
     fit_on = train
     if pen.stage_data == "gray":  # the diagnostic: shape-only stage models (same images and labels)
         gray = gray_variant(cfg)
@@ -380,7 +380,7 @@ def build_penalty(cfg: ColoredMNISTConfig) -> Penalty:
 
 def dataset_l2(dataset: str) -> float:
     """The reference's L2 for a dataset (0.0011 ColoredMNIST; 1e-4 InverseColoredMNIST)."""
-    return L2["inverse-coloredmnist" if dataset.startswith("inverse") else "coloredmnist"]
+    return L2[variant(dataset).family]
 
 
 def l2_coefficient(cfg: ColoredMNISTConfig) -> float:

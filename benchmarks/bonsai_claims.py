@@ -1,0 +1,62 @@
+"""Check Tables 2.4 and 2.5's claims on the rows of saved studies (issue #4).
+
+    python benchmarks/bonsai_claims.py STUDY.json [STUDY.json ...]
+
+Each file is the stdout of `owai bonsai --study ... --json`. Their rows are pooled, so a table
+measured in several studies (one per column or per method, as on the paper split in
+docs/results.md) is checked as a whole. Prints every row beside the thesis's number, then the claims
+of `benchmarks/bonsai_cpu.py` (`pattern`, `pattern_pi`) that the pooled rows can decide.
+Exits 1 if a claim fails or no claim can be decided, 2 on an unreadable file.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from bonsai_cpu import pattern, pattern_pi
+
+
+def pooled_rows(paths: list[Path]) -> list[dict[str, Any]]:
+    """The rows of every study report; a cell measured twice is an error (which one would count?)."""
+    rows: dict[tuple, dict[str, Any]] = {}
+    for path in paths:
+        try:
+            report = json.loads(path.read_text())
+            found = report["rows"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise SystemExit(f"error: {path}: not an `owai bonsai --study --json` report ({type(err).__name__}: {err})")
+        for row in found:
+            key = (row["dataset"], row["method"], row["init"], row.get("anneal"))
+            if key in rows:
+                raise SystemExit(f"error: {path}: the cell {'/'.join(str(k) for k in key if k is not None)} is in two reports")
+            rows[key] = row
+    return list(rows.values())
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    try:
+        rows = pooled_rows([Path(a) for a in argv])
+    except SystemExit as err:
+        print(err, file=sys.stderr)
+        return 2
+    for r in rows:
+        thesis = f"{100 * r['thesis']:5.1f}" if r.get("thesis") is not None else "    -"
+        print(f"{r['dataset']:22s} {r['method']:6s} {r['init']:10s} {100 * r['mean']:5.1f} ± {100 * r['std']:3.1f}"
+              f" (n={r['n']})  thesis {thesis}")
+    claims = pattern(rows) + pattern_pi(rows)
+    for claim, holds, numbers in claims:
+        print(f"{'holds ' if holds else 'FAILS '} {claim}: {numbers}")
+    if not claims:
+        print("no claim can be decided from these rows (Table 2.4 needs the oracle, ERM, Rand and Bonsai-cf rows;"
+              " Table 2.5 PI, ERM-cf and Bonsai-cf)")
+    return 0 if claims and all(holds for _, holds, _ in claims) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
