@@ -426,8 +426,7 @@ def table_metric(dataset: str, method: str, init: str) -> str:
     """The name of a (dataset, method, init) row beside the thesis: `<method>.<init>.worst_test_acc`
     on ColoredMNIST, `inverse.` in front on InverseColoredMNIST, `[inverse.]oracle.worst_test_acc`
     for ERM on a gray variant (other runs on gray data: `<dataset>.<method>.<init>...`)."""
-    base = dataset.removesuffix("-gray")
-    prefix = TABLE_PREFIX[base]
+    prefix = TABLE_PREFIX[variant(dataset).family]
     if dataset.endswith("-gray"):
         return f"{prefix}oracle.worst_test_acc" if (method, init) == ("erm", "rand") else f"{dataset}.{method}.{init}.worst_test_acc"
     return f"{prefix}{method}.{init}.worst_test_acc"
