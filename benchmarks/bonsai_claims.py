@@ -20,18 +20,20 @@ from bonsai_cpu import pattern, pattern_pi
 
 
 def pooled_rows(paths: list[Path]) -> list[dict[str, Any]]:
-    """The rows of every study report; a cell measured twice is an error (which one would count?)."""
+    """The rows of every study report. Raises ValueError on an unreadable report, and on a cell
+    measured in two reports (which one would count?)."""
     rows: dict[tuple, dict[str, Any]] = {}
     for path in paths:
         try:
-            report = json.loads(path.read_text())
-            found = report["rows"]
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise SystemExit(f"error: {path}: not an `owai bonsai --study --json` report ({type(err).__name__}: {err})")
-        for row in found:
-            key = (row["dataset"], row["method"], row["init"], row.get("anneal"))
+            found = json.loads(path.read_text())["rows"]
+            keyed = [((r["dataset"], r["method"], r["init"], r.get("anneal")), r) for r in found]
+            if not all({"mean", "std", "n"} <= r.keys() for _, r in keyed):
+                raise ValueError("a row without mean/std/n")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"{path}: not an `owai bonsai --study --json` report ({type(err).__name__}: {err})") from None
+        for key, row in keyed:
             if key in rows:
-                raise SystemExit(f"error: {path}: the cell {'/'.join(str(k) for k in key if k is not None)} is in two reports")
+                raise ValueError(f"{path}: the cell {'/'.join(str(k) for k in key if k is not None)} is in two reports")
             rows[key] = row
     return list(rows.values())
 
@@ -42,8 +44,8 @@ def main(argv: list[str]) -> int:
         return 0 if argv else 2
     try:
         rows = pooled_rows([Path(a) for a in argv])
-    except SystemExit as err:
-        print(err, file=sys.stderr)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     for r in rows:
         thesis = f"{100 * r['thesis']:5.1f}" if r.get("thesis") is not None else "    -"
