@@ -6,7 +6,7 @@ Each file is the stdout of `owai bonsai --study ... --json`. Their rows are pool
 measured in several studies (one per column or per method, as on the paper split in
 docs/results.md) is checked as a whole. Prints every row beside the thesis's number, then the claims
 of `benchmarks/bonsai_cpu.py` (`pattern`, `pattern_pi`) that the pooled rows can decide.
-Exits 1 if a claim fails or no claim can be decided, 2 on an unreadable file.
+Exits 1 if a claim fails or no claim can be decided; 2 on an unreadable report or a cell in two reports.
 """
 
 from __future__ import annotations
