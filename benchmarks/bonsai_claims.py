@@ -1,12 +1,15 @@
 """Check Tables 2.4 and 2.5's claims on the rows of saved studies (issue #4).
 
-    python benchmarks/bonsai_claims.py STUDY.json [STUDY.json ...]
+    python benchmarks/bonsai_claims.py [--window a12] STUDY.json [STUDY.json ...]
 
 Each file is the stdout of `owai bonsai --study ... --json`. Their rows are pooled, so a table
 measured in several studies (one per column or per method, as on the paper split in
 docs/results.md) is checked as a whole. Prints every row beside the thesis's number, then the claims
 of `benchmarks/bonsai_cpu.py` (`pattern`, `pattern_pi`) that the pooled rows can decide.
-Exits 1 if a claim fails or no claim can be decided; 2 on an unreadable report or a cell in two reports.
+`--window a12` selects every cell again from the report's sweep directory, among the first 25
+evaluations only (Table A.12 read literally; `owai.methods.coloredmnist.a12_window`).
+Exits 1 if a claim fails or no claim can be decided; 2 on an unreadable report or sweep directory,
+or a cell in two reports.
 """
 
 from __future__ import annotations
@@ -19,13 +22,26 @@ from typing import Any
 from bonsai_cpu import pattern, pattern_pi
 
 
-def pooled_rows(paths: list[Path]) -> list[dict[str, Any]]:
-    """The rows of every study report. Raises ValueError on an unreadable report, and on a cell
-    measured in two reports (which one would count?)."""
+def reselected_rows(report: dict[str, Any], window: str) -> list[dict[str, Any]]:
+    """The report's cells selected again from its sweep directory with `window`."""
+    from owai.errors import OwaiError
+    from owai.methods.coloredmnist import study_rows
+    from owai.sweep import open_sweep
+
+    try:
+        return study_rows(open_sweep(Path(report["sweep_dir"])), window)
+    except OwaiError as err:
+        raise ValueError(f"sweep directory {report['sweep_dir']}: {err}") from None
+
+
+def pooled_rows(paths: list[Path], window: str = "all") -> list[dict[str, Any]]:
+    """The rows of every study report (selected again with `window` unless "all"). Raises
+    ValueError on an unreadable report, and on a cell measured in two reports (which one would count?)."""
     rows: dict[tuple, dict[str, Any]] = {}
     for path in paths:
         try:
-            found = json.loads(path.read_text())["rows"]
+            report = json.loads(path.read_text())
+            found = report["rows"] if window == "all" else reselected_rows(report, window)
             keyed = [((r["dataset"], r["method"], r["init"], r.get("anneal")), r) for r in found]
             if not all({"mean", "std", "n"} <= r.keys() for _, r in keyed):
                 raise ValueError("a row without mean/std/n")
@@ -42,8 +58,14 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
+    window = "all"
+    if argv[0] == "--window":
+        if len(argv) < 3 or argv[1] not in ("all", "a12"):
+            print("error: --window takes all or a12, then the reports", file=sys.stderr)
+            return 2
+        window, argv = argv[1], argv[2:]
     try:
-        rows = pooled_rows([Path(a) for a in argv])
+        rows = pooled_rows([Path(a) for a in argv], window)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -164,6 +164,28 @@ def test_selection_across_restarts_is_the_best_mean_over_restarts():
     assert select_across_restarts([rec(1.0, 0, {1: 0.5}), rec(1.0, 1, {1: 0.5})])["std"] == 0.0
 
 
+def test_a12_window_cuts_penalised_coloredmnist_curves_at_the_25th_evaluation():
+    """Table A.12 read literally: steps up to 1 + eval_every * 24 for the penalised methods on
+    ColoredMNIST; ERM and InverseColoredMNIST keep their whole curves. The selection then cannot
+    pick a later step."""
+    from owai.methods.coloredmnist import a12_window, select_across_restarts
+
+    curve = {1: 0.5, 461: 0.6, 481: 0.7, 501: 0.9, 1001: 0.95}
+
+    def rec(method, dataset="coloredmnist", every=20):
+        return {"method": method, "dataset": dataset, "params": {"train": {"eval_every": every}},
+                "curve": dict(curve), "searched": {}, "seed": 0}
+
+    assert list(a12_window(rec("irm"))["curve"]) == [1, 461, 481]
+    assert list(a12_window(rec("clove", every=30))["curve"]) == [1, 461, 481, 501]  # up to 721
+    assert list(a12_window(rec("irm", every=125))["curve"]) == list(curve)  # up to 3001
+    assert a12_window(rec("erm"))["curve"] == curve and a12_window(rec("pi"))["curve"] == curve
+    assert a12_window(rec("irm", "inverse-coloredmnist"))["curve"] == curve
+    assert a12_window(rec("irm", "coloredmnist-gray"))["curve"] == {1: 0.5, 461: 0.6, 481: 0.7}
+    assert select_across_restarts([a12_window(rec("vrex"))])["step"] == 481
+    assert select_across_restarts([rec("vrex")])["step"] == 1001
+
+
 def test_study_restricts_the_grid_and_writes_table_and_figure(tmp_path, capsys):
     from conftest import cli_in_process
     from owai.commands.bonsai import restricted_grid

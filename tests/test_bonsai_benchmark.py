@@ -75,3 +75,16 @@ def test_claims_on_pooled_study_reports(tmp_path, capsys):
     assert "in two reports" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text("{not json")
     assert bonsai_claims.main([str(tmp_path / "bad.json")]) == 2
+
+
+def test_claims_window_option_errors(tmp_path, capsys):
+    """`--window` takes all or a12; a12 needs the report's sweep directory, and a missing one is a
+    one-line error (exit 2), not a traceback."""
+    assert bonsai_claims.main(["--window", "first", "r.json"]) == 2
+    assert bonsai_claims.main(["--window", "a12"]) == 2
+    assert "--window takes all or a12" in capsys.readouterr().err
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps({"rows": [], "sweep_dir": str(tmp_path / "gone")}))
+    assert bonsai_claims.main(["--window", "a12", str(report)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "gone" in err and err.count("\n") == 1

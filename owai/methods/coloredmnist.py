@@ -478,14 +478,31 @@ def select_across_restarts(records: list[dict[str, Any]]) -> dict[str, Any] | No
     return best
 
 
-def study_rows(sweep: Any) -> list[dict[str, Any]]:
+A12_LAST_INDEX = 24  # TH Table A.12: early-stopping epochs k * i with i in [0, 24]
+A12_METHODS = frozenset({"irm", "vrex", "iga", "clove", "fishr", "sd", "rsc", "lff", "fish"})  # its rows
+
+
+def a12_window(record: dict[str, Any], last_index: int = A12_LAST_INDEX) -> dict[str, Any]:
+    """The record with its curve cut to Table A.12's early-stopping grid read literally: evaluation
+    index i <= last_index, i.e. steps up to 1 + train.eval_every * last_index. The table covers its
+    penalised methods on ColoredMNIST only, so ERM, PI and InverseColoredMNIST are left whole."""
+    if record["method"] not in A12_METHODS or variant(record["dataset"]).family != "coloredmnist":
+        return record
+    last_step = 1 + int(record["params"]["train"]["eval_every"]) * last_index
+    return {**record, "curve": {s: v for s, v in record["curve"].items() if s <= last_step}}
+
+
+def study_rows(sweep: Any, window: Literal["all", "a12"] = "all") -> list[dict[str, Any]]:
     """One row per (dataset, method, init[, anneal]): the selected mean ± std and the thesis's number.
     Rows with `anneal` set are Fig 2.7's per-pre-training-length selections (only when the grid varies
-    penalty.anneal_iters for init erm)."""
+    penalty.anneal_iters for init erm). `window` "all" selects among every evaluated step (owai's
+    default); "a12" only among the first 25 evaluations, Table A.12 read literally (docs/decisions.md)."""
     from owai.recipes import load, recorded_name, thesis_for
 
     recipe = load(recorded_name(sweep.recipe, sweep.recipe_source))
     records = _point_records(sweep)
+    if window == "a12":
+        records = [a12_window(r) for r in records]
     cells: dict[tuple, list[dict[str, Any]]] = {}
     for r in records:
         cells.setdefault((r["dataset"], r["method"], r["init"]), []).append(r)
