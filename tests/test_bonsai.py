@@ -172,12 +172,13 @@ def test_a12_window_cuts_penalised_coloredmnist_curves_at_the_25th_evaluation():
 
     curve = {1: 0.5, 461: 0.6, 481: 0.7, 501: 0.9, 1001: 0.95}
 
-    def rec(method, dataset="coloredmnist", every=20):
-        return {"method": method, "dataset": dataset, "params": {"train": {"eval_every": every}},
+    def rec(method, dataset="coloredmnist", every=20, init="rand"):
+        return {"method": method, "dataset": dataset, "init": init, "params": {"train": {"eval_every": every}},
                 "curve": dict(curve), "searched": {}, "seed": 0}
 
     assert list(a12_window(rec("irm"))["curve"]) == [1, 461, 481]
-    assert list(a12_window(rec("clove", every=30))["curve"]) == [1, 461, 481, 501]  # up to 721
+    assert list(a12_window(rec("clove"))["curve"]) == [1, 461, 481, 501]  # 30 i from Rand: up to 721
+    assert list(a12_window(rec("clove", init="bonsai-cf"))["curve"]) == [1, 461, 481]  # 20 i there
     assert list(a12_window(rec("irm", every=125))["curve"]) == list(curve)  # up to 3001
     assert a12_window(rec("erm"))["curve"] == curve and a12_window(rec("pi"))["curve"] == curve
     assert a12_window(rec("irm", "inverse-coloredmnist"))["curve"] == curve
