@@ -165,24 +165,26 @@ def test_selection_across_restarts_is_the_best_mean_over_restarts():
 
 
 def test_a12_window_cuts_penalised_coloredmnist_curves_at_the_25th_evaluation():
-    """Table A.12 read literally: steps up to 1 + eval_every * 24 for the penalised methods on
-    ColoredMNIST; ERM and InverseColoredMNIST keep their whole curves. The selection then cannot
-    pick a later step."""
+    """Table A.12 read literally: steps up to 1 + k * 24, k the table's multiplier for (init,
+    method), for its penalised methods on ColoredMNIST; ERM, PI, init perfect and
+    InverseColoredMNIST keep their whole curves. The selection then cannot pick a later step."""
     from owai.methods.coloredmnist import a12_window, select_across_restarts
 
-    curve = {1: 0.5, 461: 0.6, 481: 0.7, 501: 0.9, 1001: 0.95}
+    curve = {1: 0.5, 25: 0.55, 461: 0.6, 481: 0.7, 501: 0.9, 1001: 0.95}
 
-    def rec(method, dataset="coloredmnist", every=20, init="rand"):
-        return {"method": method, "dataset": dataset, "init": init, "params": {"train": {"eval_every": every}},
-                "curve": dict(curve), "searched": {}, "seed": 0}
+    def rec(method, dataset="coloredmnist", init="rand"):
+        return {"method": method, "dataset": dataset, "init": init, "curve": dict(curve), "searched": {}, "seed": 0}
 
-    assert list(a12_window(rec("irm"))["curve"]) == [1, 461, 481]
-    assert list(a12_window(rec("clove"))["curve"]) == [1, 461, 481, 501]  # 30 i from Rand: up to 721
-    assert list(a12_window(rec("clove", init="bonsai-cf"))["curve"]) == [1, 461, 481]  # 20 i there
-    assert list(a12_window(rec("irm", every=125))["curve"]) == list(curve)  # up to 3001
+    assert list(a12_window(rec("irm"))["curve"]) == [1, 25, 461, 481]
+    assert list(a12_window(rec("irm", init="erm"))["curve"]) == [1, 25, 461, 481]
+    assert list(a12_window(rec("clove"))["curve"]) == [1, 25, 461, 481, 501]  # 30 i from Rand: up to 721
+    assert list(a12_window(rec("clove", init="bonsai-cf"))["curve"]) == [1, 25, 461, 481]  # 20 i there
+    assert list(a12_window(rec("irm", init="bonsai-cf"))["curve"]) == list(curve)  # 125 i: up to 3001
+    assert list(a12_window(rec("fishr", init="bonsai"))["curve"]) == [1, 25]  # 1 i: up to 25
     assert a12_window(rec("erm"))["curve"] == curve and a12_window(rec("pi"))["curve"] == curve
+    assert a12_window(rec("irm", init="perfect"))["curve"] == curve
     assert a12_window(rec("irm", "inverse-coloredmnist"))["curve"] == curve
-    assert a12_window(rec("irm", "coloredmnist-gray"))["curve"] == {1: 0.5, 461: 0.6, 481: 0.7}
+    assert list(a12_window(rec("irm", "coloredmnist-gray"))["curve"]) == [1, 25, 461, 481]
     assert select_across_restarts([a12_window(rec("vrex"))])["step"] == 481
     assert select_across_restarts([rec("vrex")])["step"] == 1001
 
