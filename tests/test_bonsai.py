@@ -164,29 +164,44 @@ def test_selection_across_restarts_is_the_best_mean_over_restarts():
     assert select_across_restarts([rec(1.0, 0, {1: 0.5}), rec(1.0, 1, {1: 0.5})])["std"] == 0.0
 
 
-def test_a12_window_cuts_penalised_coloredmnist_curves_at_the_25th_evaluation():
-    """Table A.12 read literally: steps up to 1 + k * 24, k the table's multiplier for (init,
-    method), for its penalised methods on ColoredMNIST; ERM, PI, init perfect and
-    InverseColoredMNIST keep their whole curves. The selection then cannot pick a later step."""
+def test_a12_window_keeps_only_table_a12_grid_steps():
+    """Table A.12: steps 1 + k * i with i <= 24, k the table's multiplier for (init, method), for its
+    penalised methods on ColoredMNIST; evaluations off that grid or after it are dropped. ERM, PI,
+    init perfect and InverseColoredMNIST keep their whole curves. The selection then cannot pick a
+    step outside the grid."""
     from owai.methods.coloredmnist import a12_window, select_across_restarts
 
-    curve = {1: 0.5, 25: 0.55, 461: 0.6, 481: 0.7, 501: 0.9, 1001: 0.95}
+    curve = {1: 0.5, 3: 0.52, 25: 0.55, 31: 0.56, 61: 0.57, 461: 0.6, 481: 0.7, 501: 0.9, 721: 0.91, 1001: 0.95}
 
     def rec(method, dataset="coloredmnist", init="rand"):
         return {"method": method, "dataset": dataset, "init": init, "curve": dict(curve), "searched": {}, "seed": 0}
 
-    assert list(a12_window(rec("irm"))["curve"]) == [1, 25, 461, 481]
-    assert list(a12_window(rec("irm", init="erm"))["curve"]) == [1, 25, 461, 481]
-    assert list(a12_window(rec("clove"))["curve"]) == [1, 25, 461, 481, 501]  # 30 i from Rand: up to 721
-    assert list(a12_window(rec("clove", init="bonsai-cf"))["curve"]) == [1, 25, 461, 481]  # 20 i there
-    assert list(a12_window(rec("irm", init="bonsai-cf"))["curve"]) == list(curve)  # 125 i: up to 3001
-    assert list(a12_window(rec("fishr", init="bonsai"))["curve"]) == [1, 25]  # 1 i: up to 25
+    assert list(a12_window(rec("irm"))["curve"]) == [1, 61, 461, 481]  # 20 i, i <= 24: up to 481
+    assert list(a12_window(rec("irm", init="erm"))["curve"]) == [1, 61, 461, 481]
+    assert list(a12_window(rec("clove"))["curve"]) == [1, 31, 61, 481, 721]  # 30 i from Rand: up to 721
+    assert list(a12_window(rec("clove", init="bonsai-cf"))["curve"]) == [1, 61, 461, 481]  # 20 i there
+    assert list(a12_window(rec("irm", init="bonsai-cf"))["curve"]) == [1, 501, 1001]  # 125 i: up to 3001
+    assert list(a12_window(rec("fishr", init="bonsai"))["curve"]) == [1, 3, 25]  # 1 i: up to 25
+    assert list(a12_window(rec("vrex", init="bonsai"))["curve"]) == [1, 3, 25, 31]  # 2 i: up to 49
     assert a12_window(rec("erm"))["curve"] == curve and a12_window(rec("pi"))["curve"] == curve
     assert a12_window(rec("irm", init="perfect"))["curve"] == curve
     assert a12_window(rec("irm", "inverse-coloredmnist"))["curve"] == curve
-    assert list(a12_window(rec("irm", "coloredmnist-gray"))["curve"]) == [1, 25, 461, 481]
+    assert list(a12_window(rec("irm", "coloredmnist-gray"))["curve"]) == [1, 61, 461, 481]
     assert select_across_restarts([a12_window(rec("vrex"))])["step"] == 481
     assert select_across_restarts([rec("vrex")])["step"] == 1001
+
+
+def test_single_run_peek_uses_the_same_grid():
+    """A run's own peek (its table metric) follows the study's rule: Table A.12's grid for IRMv1,
+    every evaluation for ERM."""
+    from owai.methods.coloredmnist import ColoredMNISTConfig, headline
+
+    curve = [{"step": s, "worst_test_acc": a} for s, a in ((1, 0.3), (11, 0.9), (21, 0.5), (31, 0.4))]
+    final = {"worst_test_acc": 0.4}
+    irm = headline(ColoredMNISTConfig(method="irm", init="rand"), final, curve)
+    assert irm["peek.step"] == 21 and irm["irm.rand.worst_test_acc"] == 0.5
+    erm = headline(ColoredMNISTConfig(method="erm", init="rand"), final, curve)
+    assert erm["peek.step"] == 11 and erm["erm.rand.worst_test_acc"] == 0.9
 
 
 def test_study_restricts_the_grid_and_writes_table_and_figure(tmp_path, capsys):
@@ -196,8 +211,11 @@ def test_study_restricts_the_grid_and_writes_table_and_figure(tmp_path, capsys):
     grid = restricted_grid(RECIPE, "cpu", {"method": ["erm", "irm"], "init": ["rand", "bonsai-cf"]})
     assert {"method": ["irm"], "init": ["rand"]} in grid and {"dataset": ["coloredmnist-gray"], "method": ["erm"], "init": ["rand"]} in grid
     assert all(set(g["init"]) <= {"rand", "bonsai-cf"} for g in grid)
-    tiny = [a for s in TINY[2:] + ["penalty.anneal_iters=2"] for a in ("--set", s)]
-    short = ["--grid", "train.steps=6", "--grid", "train.eval_every=3"]  # the grid's own head lengths are 1001/3001
+    # 41 steps evaluated every 10, of which Table A.12's 20 i grid keeps steps 1, 21 and 41 for
+    # IRMv1 (ERM keeps all five); --grid also shortens the grid's own head lengths (1001/3001)
+    longer = {"train.steps=6": "train.steps=41", "train.eval_every=3": "train.eval_every=10"}
+    tiny = [a for s in TINY[2:] + ["penalty.anneal_iters=2"] for a in ("--set", longer.get(s, s))]
+    short = ["--grid", "train.steps=41", "--grid", "train.eval_every=10"]
     code, out, err = cli_in_process(["bonsai", "--study", "--method", "erm,irm", "--init", "rand,bonsai-cf", "--seeds", "0,1",
                                      *tiny, *short, "--out", str(tmp_path / "runs"), "-q", "--json"], capsys)
     assert code == 0, err
@@ -216,13 +234,31 @@ def test_study_restricts_the_grid_and_writes_table_and_figure(tmp_path, capsys):
     for point in (study / "points").iterdir():
         if "method=irm_init=rand" in point.name:
             curves.append({c["step"]: c["worst_test_acc"] for c in json.loads((point / "results.json").read_text())["details"]["curve"]})
-    means = {s: (curves[0][s] + curves[1][s]) / 2 for s in curves[0]}
-    assert row["mean"] == pytest.approx(max(means.values())) and means[row["step"]] == pytest.approx(row["mean"])
+    assert sorted(curves[0]) == [1, 11, 21, 31, 41]
+    means = {s: (curves[0][s] + curves[1][s]) / 2 for s in (1, 21, 41)}  # selection on Table A.12's grid only
+    assert row["step"] in means and row["mean"] == pytest.approx(max(means.values()))
+    erm = next(r for r in report["rows"] if (r["method"], r["init"]) == ("erm", "rand"))
+    erm_curves = [{c["step"]: c["worst_test_acc"] for c in json.loads((p / "results.json").read_text())["details"]["curve"]}
+                  for p in (study / "points").iterdir() if "method=erm_init=rand" in p.name and "gray" not in p.name]
+    erm_means = {s: (erm_curves[0][s] + erm_curves[1][s]) / 2 for s in erm_curves[0]}
+    assert erm["mean"] == pytest.approx(max(erm_means.values()))  # ERM is not in Table A.12: every step
     assert len(list((tmp_path / "cache" / "bonsai").glob("*.safetensors"))) == 2  # one representation per seed
     # --resume of the finished study reruns nothing and rewrites the same table
     code, out2, err = cli_in_process(["bonsai", "--resume", str(study), "-q", "--json"], capsys)
     assert code == 0, err
     assert json.loads(out2)["rows"] == report["rows"]
+    # an off-grid step that beats every grid step is never selected for IRMv1; ERM may take it
+    for point in (study / "points").iterdir():
+        if "method=irm_init=rand" in point.name or ("method=erm_init=rand" in point.name and "gray" not in point.name):
+            results = json.loads((point / "results.json").read_text())
+            for c in results["details"]["curve"]:
+                c["worst_test_acc"] = 0.99 if c["step"] == 11 else c["worst_test_acc"]
+            (point / "results.json").write_text(json.dumps(results))
+    code, out3, err = cli_in_process(["bonsai", "--resume", str(study), "-q", "--json"], capsys)
+    assert code == 0, err
+    rows = {(r["dataset"], r["method"], r["init"]): r for r in json.loads(out3)["rows"]}
+    assert rows["coloredmnist", "irm", "rand"]["step"] == row["step"] != 11
+    assert rows["coloredmnist", "erm", "rand"]["step"] == 11 and rows["coloredmnist", "erm", "rand"]["mean"] == pytest.approx(0.99)
 
 
 def test_validation_stopping_keeps_each_phase_best_validated_weights(tmp_path):
