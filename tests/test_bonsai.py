@@ -229,17 +229,21 @@ def test_study_restricts_the_grid_and_writes_table_and_figure(tmp_path, capsys):
     assert saved["rows"] == report["rows"]
     row = next(r for r in report["rows"] if (r["method"], r["init"]) == ("irm", "rand"))
     assert row["n"] == 2 and row["thesis"] == 0.540 and row["metric"] == "irm.rand.worst_test_acc"
+    def rand_points(method):  # the two restarts of (coloredmnist, method, rand), not the gray oracle
+        return [p for p in (study / "points").iterdir() if f"method={method}_init=rand" in p.name and "gray" not in p.name]
+
+    def curves_of(method):
+        return [{c["step"]: c["worst_test_acc"] for c in json.loads((p / "results.json").read_text())["details"]["curve"]}
+                for p in rand_points(method)]
+
     # the chosen step's mean is the best mean over the two restarts' common evaluation steps
-    curves = []
-    for point in (study / "points").iterdir():
-        if "method=irm_init=rand" in point.name:
-            curves.append({c["step"]: c["worst_test_acc"] for c in json.loads((point / "results.json").read_text())["details"]["curve"]})
+    curves = curves_of("irm")
+    assert len(curves) == 2 and len(rand_points("erm")) == 2
     assert sorted(curves[0]) == [1, 11, 21, 31, 41]
     means = {s: (curves[0][s] + curves[1][s]) / 2 for s in (1, 21, 41)}  # selection on Table A.12's grid only
     assert row["step"] in means and row["mean"] == pytest.approx(max(means.values()))
     erm = next(r for r in report["rows"] if (r["method"], r["init"]) == ("erm", "rand"))
-    erm_curves = [{c["step"]: c["worst_test_acc"] for c in json.loads((p / "results.json").read_text())["details"]["curve"]}
-                  for p in (study / "points").iterdir() if "method=erm_init=rand" in p.name and "gray" not in p.name]
+    erm_curves = curves_of("erm")
     erm_means = {s: (erm_curves[0][s] + erm_curves[1][s]) / 2 for s in erm_curves[0]}
     assert erm["mean"] == pytest.approx(max(erm_means.values()))  # ERM is not in Table A.12: every step
     assert len(list((tmp_path / "cache" / "bonsai").glob("*.safetensors"))) == 2  # one representation per seed
@@ -248,12 +252,11 @@ def test_study_restricts_the_grid_and_writes_table_and_figure(tmp_path, capsys):
     assert code == 0, err
     assert json.loads(out2)["rows"] == report["rows"]
     # an off-grid step that beats every grid step is never selected for IRMv1; ERM may take it
-    for point in (study / "points").iterdir():
-        if "method=irm_init=rand" in point.name or ("method=erm_init=rand" in point.name and "gray" not in point.name):
-            results = json.loads((point / "results.json").read_text())
-            for c in results["details"]["curve"]:
-                c["worst_test_acc"] = 0.99 if c["step"] == 11 else c["worst_test_acc"]
-            (point / "results.json").write_text(json.dumps(results))
+    for point in rand_points("irm") + rand_points("erm"):
+        results = json.loads((point / "results.json").read_text())
+        for c in results["details"]["curve"]:
+            c["worst_test_acc"] = 0.99 if c["step"] == 11 else c["worst_test_acc"]
+        (point / "results.json").write_text(json.dumps(results))
     code, out3, err = cli_in_process(["bonsai", "--resume", str(study), "-q", "--json"], capsys)
     assert code == 0, err
     rows = {(r["dataset"], r["method"], r["init"]): r for r in json.loads(out3)["rows"]}
