@@ -114,3 +114,24 @@ def test_unknown_option_is_a_usage_error_not_a_traceback():
     proc = run_owai("moons", "--bogus")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "No such option" in proc.stderr
+
+
+def test_study_commands_check_their_recipe_and_resume_alone(tmp_path, capsys):
+    """dropout-ft and eval regbench: a recipe of another method, --resume with plan options, and
+    --resume of another method's sweep are each a one-line error."""
+    from conftest import cli_in_process
+    from owai import sweep as sweeps
+
+    moons = sweeps.create("three-moons", None, [], [], [0], tmp_path / "sweeps").path
+    cases = [
+        (["dropout-ft", "--recipe", "three-moons"], "recipe 'three-moons' runs method 'three_moons', not dropout_ft"),
+        (["eval", "regbench", "--recipe", "three-moons"], "runs method 'three_moons', not regbench"),
+        (["dropout-ft", "--resume", str(moons), "--dropout", "0.5"], "drop the other options"),
+        (["eval", "regbench", "--resume", str(moons), "--model", "mm"], "drop the other options"),
+        (["dropout-ft", "--resume", str(moons)], "is a sweep of three-moons, not a dropout-ft study"),
+        (["eval", "regbench", "--resume", str(moons)], "is a sweep of three-moons, not a RegBench study"),
+    ]
+    for args, message in cases:
+        code, _, err = cli_in_process([*args, "--out", str(tmp_path / "runs")], capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, (args, err)
+    assert no_runs(tmp_path / "runs") and not any((moons / "points").iterdir())

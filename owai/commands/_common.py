@@ -46,12 +46,26 @@ def csv_values(text: str, option: str) -> list[str]:
     return items
 
 
-def open_study(resume: Path, method: str, what: str) -> Any:
-    """The sweep directory a study command resumes; it must be a sweep of `method`."""
+def study_recipe(recipe: str, method: str) -> Any:
+    """The recipe a study command runs; it must be a recipe of that command's `method`."""
+    from owai.errors import OwaiError
+    from owai.recipes import load
+
+    rec = load(recipe)
+    if rec.method != method:
+        raise OwaiError(f"recipe {rec.id!r} runs method {rec.method!r}, not {method}")
+    return rec
+
+
+def open_study(resume: Path, method: str, what: str, other_options: bool) -> Any:
+    """The sweep directory a study command resumes; it must be a sweep of `method`, and the plan
+    comes from it alone (`other_options`: the command was also given options that set one)."""
     from owai import sweep as sweeps
     from owai.errors import OwaiError
     from owai.recipes import load, recorded_name
 
+    if other_options:
+        raise OwaiError("--resume takes its plan from SWEEP_DIR/sweep.json; drop the other options")
     plan = sweeps.open_sweep(resume)
     if load(recorded_name(plan.recipe, plan.recipe_source)).method != method:
         raise OwaiError(f"{resume} is a sweep of {plan.recipe}, not {what}")

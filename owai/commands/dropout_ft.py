@@ -20,8 +20,7 @@ from typing import Annotated, Optional
 import typer
 
 from owai import console
-from owai.commands._common import Json, Out, Preset, Quiet, Sets, csv_values, open_study, run_study
-from owai.errors import OwaiError
+from owai.commands._common import Json, Out, Preset, Quiet, Sets, csv_values, open_study, run_study, study_recipe
 
 RECIPE = "table2.8-dropout"
 
@@ -48,19 +47,14 @@ def dropout_ft(
     """Very-large dropout fine-tuning (Tables 2.8-2.12, Fig 2.10/2.11): DomainBed grid, IID selection, ensembles and weight averages."""
     from owai import sweep as sweeps
     from owai.methods.dropout_ft import study_table, write_study
-    from owai.recipes import load
     from owai.runtime import select_device
 
     console.configure(quiet, as_json)
     if resume is not None:
-        if any(v is not None for v in (dataset, root, test_domain, dropout, backbone, weights, preset, sets, grid, seeds)) \
-                or recipe != RECIPE:
-            raise OwaiError("--resume takes its plan from SWEEP_DIR/sweep.json; drop the other options")
-        plan = open_study(resume, "dropout_ft", "a dropout-ft study")
+        given = any(v is not None for v in (dataset, root, test_domain, dropout, backbone, weights, preset, sets, grid, seeds))
+        plan = open_study(resume, "dropout_ft", "a dropout-ft study", given or recipe != RECIPE)
     else:
-        rec = load(recipe)
-        if rec.method != "dropout_ft":
-            raise OwaiError(f"recipe {rec.id!r} runs method {rec.method!r}, not dropout_ft")
+        study_recipe(recipe, "dropout_ft")
         extra_sets = [*(sets or [])]
         if root is not None:
             extra_sets.append(f"data.root={root}")

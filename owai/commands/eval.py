@@ -15,7 +15,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from owai import console
-from owai.commands._common import Json, Out, Preset, Quiet, Sets, csv_values, open_study, run_recipe, run_study
+from owai.commands._common import Json, Out, Preset, Quiet, Sets, csv_values, open_study, run_recipe, run_study, study_recipe
 from owai.commands.mosaic import EVAL_RECIPE, ConfigName, Context, Dataset, Models, eval_overrides
 from owai.errors import OwaiError
 
@@ -98,17 +98,13 @@ def regbench(
     from owai import sweep as sweeps
     from owai.evals.regbench import POSITIONS
     from owai.methods.regbench import sequence_model, study_table, write_study
-    from owai.recipes import load
 
     console.configure(quiet, as_json)
     if resume is not None:
-        if any(v is not None for v in (model, train_size, positions, preset, sets, grid, seeds)) or recipe != REGBENCH_RECIPE:
-            raise OwaiError("--resume takes its plan from SWEEP_DIR/sweep.json; drop the other options")
-        plan = open_study(resume, "regbench", "a RegBench study")
+        given = any(v is not None for v in (model, train_size, positions, preset, sets, grid, seeds))
+        plan = open_study(resume, "regbench", "a RegBench study", given or recipe != REGBENCH_RECIPE)
     else:
-        rec = load(recipe)
-        if rec.method != "regbench":
-            raise OwaiError(f"recipe {rec.id!r} runs method {rec.method!r}, not regbench")
+        rec = study_recipe(recipe, "regbench")
         if positions is not None and positions not in POSITIONS:
             raise OwaiError(f"--positions {positions!r}: choose one of {', '.join(POSITIONS)}")
         models = csv_values(model, "--model") if model is not None else None
