@@ -169,7 +169,7 @@ def test_impossible_settings_fail_before_a_run_exists(tmp_path, overrides, fragm
     (["--grid", "penalty.weight=1,2"], "--grid/--seeds/--workers need --study"),
     (["--method", "nope"], "unknown invariance method 'nope'"),
     (["--method", "irm", "--resume", "somewhere"], "--resume takes its config from the run or sweep directory"),
-    (["--recipe", "three-moons"], "owai bonsai runs coloredmnist, camelyon17, twobits"),
+    (["--recipe", "three-moons"], "runs method 'three_moons', not coloredmnist, camelyon17 or twobits"),
     (["--method", "irm", "--set", "penalty.weight=high"], "penalty.weight"),
 ])
 def test_cli_bad_options_are_one_line_errors(tmp_path, capsys, args, fragment):

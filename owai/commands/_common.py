@@ -46,14 +46,17 @@ def csv_values(text: str, option: str) -> list[str]:
     return items
 
 
-def study_recipe(recipe: str, method: str) -> Any:
-    """The recipe a study command runs; it must be a recipe of that command's `method`."""
+def study_recipe(recipe: str, methods: str | tuple[str, ...], source: str | None = None) -> Any:
+    """The recipe a command runs; it must be a recipe of one of the command's `methods`. `source`
+    is the recipe source a sweep recorded (`recorded_name`), for a study being resumed."""
     from owai.errors import OwaiError
-    from owai.recipes import load
+    from owai.recipes import load, recorded_name
 
-    rec = load(recipe)
-    if rec.method != method:
-        raise OwaiError(f"recipe {rec.id!r} runs method {rec.method!r}, not {method}")
+    methods = (methods,) if isinstance(methods, str) else methods
+    rec = load(recorded_name(recipe, source) if source is not None else recipe)
+    if rec.method not in methods:
+        allowed = methods[0] if len(methods) == 1 else f"{', '.join(methods[:-1])} or {methods[-1]}"
+        raise OwaiError(f"recipe {rec.id!r} runs method {rec.method!r}, not {allowed}")
     return rec
 
 

@@ -26,7 +26,7 @@ from typing import Annotated, Optional
 import typer
 
 from owai import console
-from owai.commands._common import Json, Out, Preset, Quiet, Sets, csv_values, run_recipe, run_study
+from owai.commands._common import Json, Out, Preset, Quiet, Sets, csv_values, run_recipe, run_study, study_recipe
 from owai.errors import OwaiError
 
 METHODS = ("coloredmnist", "camelyon17", "twobits")  # the methods `owai bonsai` runs
@@ -71,7 +71,7 @@ def bonsai(
             raise OwaiError("--resume takes its config from the run or sweep directory; drop the other options")
         if sweeps.is_sweep_dir(resume):
             plan = sweeps.open_sweep(resume)
-            write, table = _study_functions(_recipe_method(plan.recipe, plan.recipe_source))
+            write, table = _study_functions(study_recipe(plan.recipe, METHODS, plan.recipe_source).method)
             run_study(plan, workers, write, table, f"{plan.recipe}.md", f"owai bonsai --resume {plan.path}", quiet, as_json)
         else:
             run_recipe(None, None, None, out, resume, quiet, as_json)
@@ -81,7 +81,7 @@ def bonsai(
         if first_dataset is not None and first_dataset not in RECIPE_FOR:
             raise OwaiError(f"--dataset {first_dataset!r}: choose from {', '.join(RECIPE_FOR)}")
         recipe = RECIPE_FOR[first_dataset or "coloredmnist"]
-    rec_method = _recipe_method(recipe)
+    rec_method = study_recipe(recipe, METHODS).method
     if rec_method != "coloredmnist" and dataset is not None and rec_method != first_dataset:
         raise OwaiError(f"--dataset {dataset!r} does not apply to recipe {recipe!r} (method {rec_method})")
     if rec_method == "camelyon17":
@@ -120,15 +120,6 @@ def restricted_grid(recipe: str, preset: str | None, wanted: dict[str, list[str]
     if not kept:
         raise OwaiError(f"recipe {rec.id!r} has no sweep point with " + " ".join(f"--{k} {','.join(v)}" for k, v in wanted.items()))
     return kept
-
-
-def _recipe_method(name: str, source: str | None = None) -> str:
-    from owai.recipes import load, recorded_name
-
-    rec = load(recorded_name(name, source) if source is not None else name)
-    if rec.method not in METHODS:
-        raise OwaiError(f"recipe {rec.id!r} runs method {rec.method!r}; owai bonsai runs {', '.join(METHODS)}")
-    return rec.method
 
 
 def register(app: typer.Typer) -> None:
