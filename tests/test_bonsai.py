@@ -300,3 +300,22 @@ def test_validation_stopping_changes_the_cache_key_and_validates_settings(tmp_pa
     with pytest.raises(Exception, match="bonsai.l2"):
         execute(RECIPE, "cpu", TINY + ["bonsai.l2=-1"], out=tmp_path / "runs")
     assert not (tmp_path / "runs").exists()
+
+
+def test_study_points_run_through_submitit(tmp_path, capsys):
+    """`--executor submitit-debug` (submitit's in-process cluster, SLURM's code path) runs a study's
+    points as one job array and writes the same study; a run directory does not take --executor."""
+    from conftest import cli_in_process
+
+    tiny = [a for s in TINY[2:] for a in ("--set", s)]
+    code, out, err = cli_in_process(["bonsai", "--study", "--method", "irm", "--init", "rand", "--seeds", "0",
+                                     "--executor", "submitit-debug", *tiny, "--out", str(tmp_path / "runs"), "-q", "--json"],
+                                    capsys)
+    assert code == 0, err
+    (study,) = list((tmp_path / "runs" / RECIPE).glob("sweep-*"))
+    assert any((study / "slurm").iterdir())  # submitit's job files
+    assert [(r["method"], r["init"], r["n"]) for r in json.loads(out)["rows"]] == [("irm", "rand", 1)]
+    assert (study / "bonsai.md").is_file()
+    (point,) = list((study / "points").iterdir())
+    code, _, err = cli_in_process(["bonsai", "--resume", str(point), "--executor", "submitit-debug"], capsys)
+    assert code == 2 and "a run directory resumes in this process" in err

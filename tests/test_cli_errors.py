@@ -117,8 +117,9 @@ def test_unknown_option_is_a_usage_error_not_a_traceback():
 
 
 def test_study_commands_check_their_recipe_and_resume_alone(tmp_path, capsys):
-    """dropout-ft and eval regbench: a recipe of another method, --resume with plan options, and
-    --resume of another method's sweep are each a one-line error."""
+    """dropout-ft and eval regbench: a recipe of another method, --resume with plan options,
+    --resume of another method's sweep, and executor options that do not go together are each a
+    one-line error."""
     from conftest import cli_in_process
     from owai import sweep as sweeps
 
@@ -130,6 +131,8 @@ def test_study_commands_check_their_recipe_and_resume_alone(tmp_path, capsys):
         (["eval", "regbench", "--resume", str(moons), "--model", "mm"], "drop the other options"),
         (["dropout-ft", "--resume", str(moons)], "is a sweep of three-moons, not a dropout-ft study"),
         (["eval", "regbench", "--resume", str(moons)], "is a sweep of three-moons, not a RegBench study"),
+        (["dropout-ft", "--mem-gb", "4"], "SLURM options (--partition, --gpus-per-node, ...) need --executor slurm"),
+        (["eval", "regbench", "--executor", "submitit-debug", "-w", "2"], "--workers is for --executor local"),
     ]
     for args, message in cases:
         code, _, err = cli_in_process([*args, "--out", str(tmp_path / "runs")], capsys)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from collections.abc import Callable
+from enum import Enum
+from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
@@ -16,6 +17,41 @@ Out = Annotated[Path, typer.Option("--out", "-o", help="Root for run directories
 Resume = Annotated[Optional[Path], typer.Option("--resume", help="Continue a killed run from its last checkpoint.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or info; errors still print.")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (nothing else).")]
+
+
+# Where a grid's points run (`owai sweep` and the study commands).
+SLURM = "SLURM (--executor slurm)"
+
+
+class Executor(str, Enum):
+    local = "local"
+    slurm = "slurm"
+    submitit_debug = "submitit-debug"
+
+
+Workers = Annotated[int, typer.Option("--workers", "-w", min=1, help="Local worker processes (1: run points one by one in this process).")]
+ExecutorOption = Annotated[Executor, typer.Option("--executor", "-e", help="local, slurm (via submitit), or submitit-debug (submitit in-process).")]
+Partition = Annotated[Optional[str], typer.Option("--partition", help="SLURM partition.", rich_help_panel=SLURM)]
+GpusPerNode = Annotated[Optional[int], typer.Option("--gpus-per-node", min=0, help="GPUs per job.", rich_help_panel=SLURM)]
+CpusPerTask = Annotated[Optional[int], typer.Option("--cpus-per-task", min=1, help="CPUs per job (also its torch threads).", rich_help_panel=SLURM)]
+TimeoutMin = Annotated[Optional[int], typer.Option("--timeout-min", min=1, help="Time limit per job in minutes (default 240).", rich_help_panel=SLURM)]
+MemGb = Annotated[Optional[float], typer.Option("--mem-gb", min=0, help="Memory per job in GB.", rich_help_panel=SLURM)]
+ArrayParallelism = Annotated[Optional[int], typer.Option("--array-parallelism", min=1, help="Jobs running at once (default: all).", rich_help_panel=SLURM)]
+
+
+def execution(executor: Executor, workers: int, partition: str | None, gpus_per_node: int | None,
+              cpus_per_task: int | None, timeout_min: int | None, mem_gb: float | None,
+              array_parallelism: int | None) -> tuple[str, int, Any]:
+    """The (executor, workers, SlurmOptions) a grid runs with, checked before any directory exists."""
+    from owai import sweep as sweeps
+    from owai.errors import OwaiError
+
+    slurm = sweeps.SlurmOptions(partition, gpus_per_node, cpus_per_task, timeout_min, mem_gb, array_parallelism)
+    if executor is Executor.local and any(v is not None for v in vars(slurm).values()):
+        raise OwaiError("SLURM options (--partition, --gpus-per-node, ...) need --executor slurm")
+    sweeps.check_executor(executor.value, workers)
+    return executor.value, workers, slurm
+
 
 
 def run_recipe(
@@ -75,15 +111,16 @@ def open_study(resume: Path, method: str, what: str, other_options: bool) -> Any
     return plan
 
 
-def run_study(plan: Any, workers: int, write_study: Callable[[Any, dict[str, Any]], tuple[list[dict[str, Any]], dict[str, Any]]],
+def run_study(plan: Any, runs_on: tuple[str, int, Any], write_study: Callable[[Any, dict[str, Any]], tuple[list[dict[str, Any]], dict[str, Any]]],
               study_table: Callable[[list[dict[str, Any]], str], Any], table_name: str, rerun: str,
               quiet: bool, as_json: bool) -> None:
-    """Run a study's sweep (unfinished points only), summarise it, write the study's files, print
-    its table (or JSON), then report failed points with how to rerun them."""
+    """Run a study's sweep (unfinished points only; `runs_on` from `execution`), summarise it,
+    write the study's files, print its table (or JSON), then report failed points with how to
+    rerun them."""
     from owai import sweep as sweeps
 
     console.info(f"sweep directory: {plan.path} ({len(plan.points)} points)")
-    outcomes = sweeps.run(plan, "local", workers)
+    outcomes = sweeps.run(plan, *runs_on)
     summary = sweeps.write_summary(plan, outcomes)
     failed = sweeps.failures(summary)
     rows, info = write_study(plan, summary)

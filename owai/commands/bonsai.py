@@ -7,13 +7,15 @@
     owai bonsai --study --method irm,vrex --init rand,bonsai-cf --seeds 0,1
     owai bonsai --recipe fig2.7-anneal --study         any bonsai recipe (fig2.8-init, table2.5-pi, figA.2-twobits, ...)
     owai bonsai --dataset camelyon17 --study --set data.root=~/data/wilds
+    owai bonsai --study -p paper --executor slurm --cpus-per-task 2    Table 2.4's 2 600 points as a SLURM job array
     owai bonsai --resume runs/table2.4-coloredmnist/sweep-...   finish a killed study (finished points are skipped)
 
 Without `--study` one run executes (one restart of one method/init); `--dataset/--method/--init` are
 `--set` overrides of the recipe. With `--study` the recipe's sweep runs through the sweep facility
-(comma-separated `--method/--init/--dataset` restrict its grid to those values), then the method's study
-selects hyper-parameters and epochs across seeds as the thesis does and writes <stem>.md,
-<stem>.json and figures/<stem>.png into the sweep directory. The default recipe follows the
+(comma-separated `--method/--init/--dataset` restrict its grid to those values; `--workers` or
+`--executor slurm` spread its points), then the method's study selects hyper-parameters and epochs
+across seeds as the thesis does and writes <stem>.md, <stem>.json and figures/<stem>.png into the
+sweep directory. The default recipe follows the
 dataset: table2.4-coloredmnist, table2.5-pi (inverse-coloredmnist), table2.6-camelyon17.
 """
 
@@ -26,7 +28,9 @@ from typing import Annotated, Optional
 import typer
 
 from owai import console
-from owai.commands._common import Json, Out, Preset, Quiet, Sets, csv_values, run_recipe, run_study, study_recipe
+from owai.commands._common import (ArrayParallelism, CpusPerTask, Executor, ExecutorOption, GpusPerNode, Json, MemGb, Out,
+                                  Partition, Preset, Quiet, Sets, TimeoutMin, Workers, csv_values, execution,
+                                  run_recipe, run_study, study_recipe)
 from owai.errors import OwaiError
 
 METHODS = ("coloredmnist", "camelyon17", "twobits")  # the methods `owai bonsai` runs
@@ -53,7 +57,14 @@ def bonsai(
     study: Annotated[bool, typer.Option("--study", help="Run the recipe's grid x seeds and write the selected table and figure.")] = False,
     grid: Annotated[Optional[list[str]], typer.Option("--grid", "-g", help="With --study: replace a grid key's values, --grid penalty.weight=1e3,1e4 (repeatable).")] = None,
     seeds: Annotated[Optional[str], typer.Option("--seeds", help="With --study: comma-separated seeds (default: the recipe's).")] = None,
-    workers: Annotated[int, typer.Option("--workers", "-w", min=1, help="With --study: local worker processes.")] = 1,
+    workers: Workers = 1,
+    executor: ExecutorOption = Executor.local,
+    partition: Partition = None,
+    gpus_per_node: GpusPerNode = None,
+    cpus_per_task: CpusPerTask = None,
+    timeout_min: TimeoutMin = None,
+    mem_gb: MemGb = None,
+    array_parallelism: ArrayParallelism = None,
     preset: Preset = None,
     sets: Sets = None,
     out: Out = Path("runs"),
@@ -66,14 +77,18 @@ def bonsai(
 
     console.configure(quiet, as_json)
     chosen = {"dataset": dataset, "method": method, "init": init}
+    runs_on = execution(executor, workers, partition, gpus_per_node, cpus_per_task, timeout_min, mem_gb, array_parallelism)
+    spread = workers != 1 or executor is not Executor.local  # options for a study's points only
     if resume is not None:
         if recipe or any(chosen.values()) or grid or seeds or preset or sets:
             raise OwaiError("--resume takes its config from the run or sweep directory; drop the other options")
         if sweeps.is_sweep_dir(resume):
             plan = sweeps.open_sweep(resume)
             write, table = _study_functions(study_recipe(plan.recipe, METHODS, plan.recipe_source).method)
-            run_study(plan, workers, write, table, f"{plan.recipe}.md", f"owai bonsai --resume {plan.path}", quiet, as_json)
+            run_study(plan, runs_on, write, table, f"{plan.recipe}.md", f"owai bonsai --resume {plan.path}", quiet, as_json)
         else:
+            if spread:
+                raise OwaiError("--workers/--executor run a study's points; a run directory resumes in this process")
             run_recipe(None, None, None, out, resume, quiet, as_json)
         return
     first_dataset = csv_values(dataset, "--dataset")[0] if dataset else None
@@ -87,8 +102,8 @@ def bonsai(
     if rec_method == "camelyon17":
         chosen["dataset"] = None  # the recipe names its dataset
     if not study:
-        if grid or seeds or workers != 1:
-            raise OwaiError("--grid/--seeds/--workers need --study")
+        if grid or seeds or spread:
+            raise OwaiError("--grid/--seeds/--workers/--executor need --study")
         overrides = []
         for key, value in chosen.items():
             if value is not None:
@@ -101,7 +116,7 @@ def bonsai(
     write, table = _study_functions(rec_method)
     plan = sweeps.create(recipe, preset, list(sets or []), list(grid or []), sweeps.parse_seeds(seeds) if seeds else None,
                          out, grid=restricted_grid(recipe, preset, wanted) if wanted else None)
-    run_study(plan, workers, write, table, f"{plan.recipe}.md", f"owai bonsai --resume {plan.path}", quiet, as_json)
+    run_study(plan, runs_on, write, table, f"{plan.recipe}.md", f"owai bonsai --resume {plan.path}", quiet, as_json)
 
 
 def restricted_grid(recipe: str, preset: str | None, wanted: dict[str, list[str]]) -> list[dict[str, list]]:

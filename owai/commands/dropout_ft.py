@@ -3,13 +3,14 @@
     owai dropout-ft                                          Table 2.8's cpu preset (RotatedMNIST domains)
     owai dropout-ft -p paper --dataset pacs --root ~/data/domainbed
     owai dropout-ft --recipe table2.11-dropout-rate --test-domain 0,1 --workers 2
+    owai dropout-ft -p paper --dataset pacs --root ~/data/domainbed --executor slurm --gpus-per-node 1
     owai dropout-ft --resume runs/table2.8-dropout/sweep-...   finish a killed study (finished points are skipped)
 
 The recipe's grid (test domains x dropout x lr x weight decay x seeds) runs through the sweep
 facility; then the study selects hyper-parameters by IID validation per test domain and variant,
 combines the final networks of the grid's runs (Ens-multi, WA-multi) and writes dropout_ft.md,
-dropout_ft.json and figures/dropout_ft.png into the sweep directory. For SLURM, run the grid with
-`owai sweep RECIPE --executor slurm ...`, then `owai dropout-ft --resume SWEEP_DIR` for the study.
+dropout_ft.json and figures/dropout_ft.png into the sweep directory. `--executor slurm` (with
+`owai sweep`'s SLURM options) runs the grid's points as one submitit job array and waits for them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from typing import Annotated, Optional
 import typer
 
 from owai import console
-from owai.commands._common import Json, Out, Preset, Quiet, Sets, csv_values, open_study, run_study, study_recipe
+from owai.commands._common import (ArrayParallelism, CpusPerTask, Executor, ExecutorOption, GpusPerNode, Json, MemGb, Out,
+                                  Partition, Preset, Quiet, Sets, TimeoutMin, Workers, csv_values, execution,
+                                  open_study, run_study, study_recipe)
 
 RECIPE = "table2.8-dropout"
 
@@ -38,7 +41,14 @@ def dropout_ft(
     sets: Sets = None,
     grid: Annotated[Optional[list[str]], typer.Option("--grid", "-g", help="Replace a grid key's values: --grid train.lr=1e-3,5e-4 (repeatable).")] = None,
     seeds: Annotated[Optional[str], typer.Option("--seeds", help="Comma-separated seeds (default: the recipe's).")] = None,
-    workers: Annotated[int, typer.Option("--workers", "-w", min=1, help="Local worker processes for the grid points.")] = 1,
+    workers: Workers = 1,
+    executor: ExecutorOption = Executor.local,
+    partition: Partition = None,
+    gpus_per_node: GpusPerNode = None,
+    cpus_per_task: CpusPerTask = None,
+    timeout_min: TimeoutMin = None,
+    mem_gb: MemGb = None,
+    array_parallelism: ArrayParallelism = None,
     out: Out = Path("runs"),
     resume: Annotated[Optional[Path], typer.Option("--resume", help="Continue a dropout-ft sweep directory (skips finished points).")] = None,
     quiet: Quiet = False,
@@ -50,6 +60,7 @@ def dropout_ft(
     from owai.runtime import select_device
 
     console.configure(quiet, as_json)
+    runs_on = execution(executor, workers, partition, gpus_per_node, cpus_per_task, timeout_min, mem_gb, array_parallelism)
     if resume is not None:
         given = any(v is not None for v in (dataset, root, test_domain, dropout, backbone, weights, preset, sets, grid, seeds))
         plan = open_study(resume, "dropout_ft", "a dropout-ft study", given or recipe != RECIPE)
@@ -69,7 +80,7 @@ def dropout_ft(
                 extra_grid.append(f"{key}={','.join(csv_values(text, option))}")
         plan = sweeps.create(recipe, preset, extra_sets, extra_grid, sweeps.parse_seeds(seeds) if seeds else None, out)
     device = select_device("auto")
-    run_study(plan, workers, lambda sweep, summary: write_study(sweep, summary, device), study_table, "dropout_ft.md",
+    run_study(plan, runs_on, lambda sweep, summary: write_study(sweep, summary, device), study_table, "dropout_ft.md",
               f"owai dropout-ft --resume {plan.path}", quiet, as_json)
 
 

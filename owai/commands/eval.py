@@ -15,7 +15,9 @@ from typing import Annotated, Any, Optional
 import typer
 
 from owai import console
-from owai.commands._common import Json, Out, Preset, Quiet, Sets, csv_values, open_study, run_recipe, run_study, study_recipe
+from owai.commands._common import (ArrayParallelism, CpusPerTask, Executor, ExecutorOption, GpusPerNode, Json, MemGb, Out,
+                                  Partition, Preset, Quiet, Sets, TimeoutMin, Workers, csv_values, execution,
+                                  open_study, run_recipe, run_study, study_recipe)
 from owai.commands.mosaic import EVAL_RECIPE, ConfigName, Context, Dataset, Models, eval_overrides
 from owai.errors import OwaiError
 
@@ -88,7 +90,14 @@ def regbench(
     grid: Annotated[Optional[list[str]], typer.Option(
         "--grid", "-g", help="Replace a searched parameter's values: --grid train.weight_decay=0.01,0.1 (repeatable).")] = None,
     seeds: Annotated[Optional[str], typer.Option("--seeds", help="Comma-separated training seeds (default: the recipe's).")] = None,
-    workers: Annotated[int, typer.Option("--workers", "-w", min=1, help="Local worker processes for the grid points.")] = 1,
+    workers: Workers = 1,
+    executor: ExecutorOption = Executor.local,
+    partition: Partition = None,
+    gpus_per_node: GpusPerNode = None,
+    cpus_per_task: CpusPerTask = None,
+    timeout_min: TimeoutMin = None,
+    mem_gb: MemGb = None,
+    array_parallelism: ArrayParallelism = None,
     out: Out = Path("runs"),
     resume: Annotated[Optional[Path], typer.Option("--resume", help="Continue a RegBench sweep directory (skips finished points).")] = None,
     quiet: Quiet = False,
@@ -100,6 +109,7 @@ def regbench(
     from owai.methods.regbench import sequence_model, study_table, write_study
 
     console.configure(quiet, as_json)
+    runs_on = execution(executor, workers, partition, gpus_per_node, cpus_per_task, timeout_min, mem_gb, array_parallelism)
     if resume is not None:
         given = any(v is not None for v in (model, train_size, positions, preset, sets, grid, seeds))
         plan = open_study(resume, "regbench", "a RegBench study", given or recipe != REGBENCH_RECIPE)
@@ -122,7 +132,7 @@ def regbench(
         plan = sweeps.create(recipe, preset, [*(sets or []), *extra], grid or [],
                              sweeps.parse_seeds(seeds) if seeds else None, out, grid=study,
                              select={"metric": "val_loss", "mode": "min", "per": per})
-    run_study(plan, workers, write_study, study_table, "regbench.md", f"owai eval regbench --resume {plan.path}",
+    run_study(plan, runs_on, write_study, study_table, "regbench.md", f"owai eval regbench --resume {plan.path}",
               quiet, as_json)
 
 
