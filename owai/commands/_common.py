@@ -53,7 +53,6 @@ def execution(executor: Executor, workers: int, partition: str | None, gpus_per_
     return executor.value, workers, slurm
 
 
-
 def run_recipe(
     recipe: str | None, preset: str | None, sets: list[str] | None, out: Path, resume: Path | None, quiet: bool, as_json: bool
 ) -> None:
