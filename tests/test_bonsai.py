@@ -302,6 +302,19 @@ def test_validation_stopping_changes_the_cache_key_and_validates_settings(tmp_pa
     assert not (tmp_path / "runs").exists()
 
 
+def test_train_size_keeps_old_cache_keys_and_changes_the_key_when_set():
+    from owai.methods.bonsai import representation_key
+    from owai.methods.coloredmnist import DataConfig, data_key
+
+    def key(data: DataConfig) -> str:
+        return representation_key("coloredmnist", BonsaiConfig(stopping="validation"), seed=0, hidden=390, lr=5e-4,
+                                  l2=0.0011, data=data_key(data))
+
+    # the key of this setting before data.train_size existed (computed with commit e0e586a)
+    assert key(DataConfig(split="paper", root="/d")) == "bfd5adff95a0f563"
+    assert key(DataConfig(split="paper", root="/d", train_size=8000)) != "bfd5adff95a0f563"
+
+
 def test_study_points_run_through_submitit(tmp_path, capsys):
     """`--executor submitit-debug` (submitit's in-process cluster, SLURM's code path) runs a study's
     points as one job array and writes the same study; a run directory does not take --executor."""

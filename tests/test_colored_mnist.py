@@ -273,6 +273,21 @@ def test_train_and_test_images_are_disjoint(t10k):
 
 
 @needs_mnist
+def test_train_size_keeps_the_first_shuffled_training_images(t10k):
+    full = cm.build_colored_mnist(t10k.images, t10k.labels, "coloredmnist", seed=4, split="t10k")
+    part = cm.build_colored_mnist(t10k.images, t10k.labels, "coloredmnist", seed=4, split="t10k", train_size=1000)
+    assert [len(e) for e in part.train] == [500, 500] and [len(e) for e in part.test] == [2000] * 3
+    assert torch.equal(part.train_indices, full.train_indices[:1000])
+    assert torch.equal(part.train[0].digit, t10k.labels[full.train_indices[:1000:2]])
+    for a, b in zip(part.test, full.test):  # the test environments do not change
+        assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
+    for bad in (1, 8001, 2.5, True):
+        with pytest.raises(OwaiError) as err:
+            cm.build_colored_mnist(t10k.images, t10k.labels, "coloredmnist", seed=4, split="t10k", train_size=bad)
+        assert "train_size must be an integer from 2 to the 8000 training images" in one_line_error(err)
+
+
+@needs_mnist
 def test_deterministic_per_seed(t10k):
     a = cm.build_colored_mnist(t10k.images, t10k.labels, "coloredmnist", seed=5, split="t10k")
     b = cm.build_colored_mnist(t10k.images, t10k.labels, "coloredmnist", seed=5, split="t10k")

@@ -152,6 +152,9 @@ def test_resume_reproduces_identical_results(erm_run):
         (["penalty.weight=abc"], "penalty.weight"),
         (["penalty.weight=-1"], "penalty weight must be a finite number >= 0"),
         (["penalty.options={unbiased: true, bogus: 1}"], "bogus"),
+        (["data.train_size=-2"], "data.train_size must be 0 (every training image) or from 2 to the 8000"),
+        (["data.train_size=9000"], "data.train_size must be 0 (every training image) or from 2 to the 8000"),
+        (["data.train_size=many"], "data.train_size"),
     ],
 )
 def test_impossible_settings_fail_before_a_run_exists(tmp_path, overrides, fragment):

@@ -39,6 +39,10 @@ Splits of MNIST into environments:
   writers. The label-noise and colour rates, the 14x14 two-channel inputs, and the worst-of-three
   metric are unchanged. The rule works for any number of images and never depends on the seed, so
   train and test images are disjoint for every seed.
+* `train_size=N` (either split; default: the whole pool): a diagnostic that keeps only the first `N`
+  images of the shuffled training pool (`N/2` per environment); the test environments do not
+  change. With the paper split it separates the training set's size from the offline split's other
+  differences (test writers, 2 000-image test environments); docs/results.md uses it that way.
 
 Randomness (deterministic given `seed`):
 
@@ -202,9 +206,11 @@ def build_colored_mnist(
     rng: Literal["owai", "rfc"] = "owai",
     grayscale: bool = False,
     source: str = "",
+    train_size: int | None = None,
 ) -> ColoredMNIST:
     """Build the two training and three test environments from MNIST arrays (uint8 (N,28,28),
-    int64 (N,)). The input tensors are never modified."""
+    int64 (N,)); `train_size` keeps the first images of the shuffled training pool (None: all).
+    The input tensors are never modified."""
     var = variant(name)
     if images.ndim != 3 or tuple(images.shape[1:]) != (28, 28) or images.shape[0] != digits.shape[0]:
         raise OwaiError(f"ColoredMNIST needs uint8 images (N, 28, 28) and N labels, got {tuple(images.shape)}")
@@ -225,6 +231,11 @@ def build_colored_mnist(
             return shared
 
     shuffled = train_idx[perm]
+    if train_size is not None:
+        if isinstance(train_size, bool) or not isinstance(train_size, int) or not 2 <= train_size <= len(shuffled):
+            raise OwaiError(f"ColoredMNIST train_size must be an integer from 2 to the {len(shuffled)} "
+                            f"training images of split {split!r}, got {train_size!r}")
+        shuffled = shuffled[:train_size]
     train = [
         make_environment(images[shuffled[k::2]], digits[shuffled[k::2]], var.label_noise, flip,
                          gen_for(f"train{k + 1}"), f"train{k + 1}", grayscale)
@@ -246,6 +257,7 @@ def load_colored_mnist(
     hub_id: str | None = None,
     rng: Literal["owai", "rfc"] = "owai",
     grayscale: bool = False,
+    train_size: int | None = None,
 ) -> ColoredMNIST:
     """Load MNIST (`owai.data.mnist.load_mnist`) and build a variant: the training split gives the
     paper's setup, the test split (offline) the documented t10k rule."""
@@ -254,7 +266,7 @@ def load_colored_mnist(
     variant(name)  # fail on a bad name before reading any file
     mnist = load_mnist(mnist_split, root=root, hub_id=hub_id)
     split = "paper" if mnist_split == "train" else "t10k"
-    return build_colored_mnist(mnist.images, mnist.labels, name, seed, split, rng, grayscale, mnist.source)
+    return build_colored_mnist(mnist.images, mnist.labels, name, seed, split, rng, grayscale, mnist.source, train_size)
 
 
 def accuracy(logits: torch.Tensor, y: torch.Tensor) -> float:

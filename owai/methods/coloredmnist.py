@@ -106,6 +106,7 @@ class DataConfig:
     hub_id: str = ""  # paper split from the Hugging Face hub (e.g. ylecun/mnist) when root is ""
     rng: Literal["owai", "rfc"] = "owai"
     grayscale: bool = False
+    train_size: int = 0  # 0: the whole training pool; N: its first N shuffled images (a diagnostic)
 
 
 @dataclass
@@ -174,7 +175,7 @@ class ColoredMNISTInvariance(Method):
         if cfg.init in ("bonsai", "bonsai-cf"):
             rep = cached_representation(run, data, cfg.dataset, cfg.bonsai, seed=cfg.seed, hidden=cfg.model.hidden,
                                         lr=t.lr, l2=bonsai_l2(cfg), device=device, checkpoint_every=t.checkpoint_every,
-                                        log_every=t.log_every, data_key=dataclasses.asdict(cfg.data))
+                                        log_every=t.log_every, data_key=data_key(cfg.data))
             details.update(bonsai=rep.details, frozen_featurizer=cfg.init == "bonsai-cf")
         model = fresh_mlp((cfg.seed, "init"), cfg.model.hidden, pen.n_logits, device)
         if rep is not None:
@@ -271,9 +272,7 @@ def _train_erm(cfg: ColoredMNISTConfig, run: Run, stage: str, model: ColoredMNIS
 def gray_variant(cfg: ColoredMNISTConfig) -> ColoredMNIST:
     """The run's dataset with colour carrying no label information (same seed: same images and
     uniform draws, so the same labels where the label noise is equal)."""
-    return load_colored_mnist(f"{cfg.dataset.removesuffix('-gray')}-gray", cfg.seed,
-                              "test" if cfg.data.split == "offline" else "train", root=cfg.data.root or None,
-                              hub_id=cfg.data.hub_id or None, rng=cfg.data.rng, grayscale=cfg.data.grayscale)
+    return load_data(cfg, f"{cfg.dataset.removesuffix('-gray')}-gray")
 
 
 def perfect_init(cfg: ColoredMNISTConfig, run: Run, model: ColoredMNISTMLP, l2: float, device: str) -> dict[str, Any]:
@@ -353,6 +352,10 @@ def check(cfg: ColoredMNISTConfig) -> None:
             raise OwaiError("init=erm needs penalty.anneal_iters >= 1 ERM steps (init=rand is anneal 0)")
         if p.anneal_iters >= t.steps:
             raise OwaiError(f"penalty.anneal_iters={p.anneal_iters} leaves no penalty step in train.steps={t.steps}")
+    pool = {"offline": 8000, "paper": 50_000}[cfg.data.split]  # the training pools of MNIST's own splits
+    if cfg.data.train_size < 0 or cfg.data.train_size == 1 or cfg.data.train_size > pool:
+        raise OwaiError(f"data.train_size must be 0 (every training image) or from 2 to the {pool} training "
+                        f"images of split {cfg.data.split!r}, got {cfg.data.train_size}")
     if cfg.data.split == "offline":
         from owai.data.mnist import default_mnist_dir
 
@@ -395,10 +398,21 @@ def bonsai_l2(cfg: ColoredMNISTConfig) -> float:
     return cfg.bonsai.l2 if cfg.bonsai.l2 is not None else dataset_l2(cfg.dataset)
 
 
-def load_data(cfg: ColoredMNISTConfig) -> ColoredMNIST:
+def data_key(data: DataConfig) -> dict[str, Any]:
+    """The data settings a cached Bonsai representation depends on (`train_size` 0 left out, so
+    the representations cached before the option existed keep their keys)."""
+    key = dataclasses.asdict(data)
+    if not key["train_size"]:
+        del key["train_size"]
+    return key
+
+
+def load_data(cfg: ColoredMNISTConfig, dataset: str | None = None) -> ColoredMNIST:
+    """The run's data (`dataset`: another variant on the same images, e.g. the gray oracle)."""
     d = cfg.data  # no root: load_mnist falls back to default_mnist_dir()
-    return load_colored_mnist(cfg.dataset, cfg.seed, "test" if d.split == "offline" else "train", root=d.root or None,
-                              hub_id=d.hub_id or None, rng=d.rng, grayscale=d.grayscale)
+    return load_colored_mnist(dataset or cfg.dataset, cfg.seed, "test" if d.split == "offline" else "train",
+                              root=d.root or None, hub_id=d.hub_id or None, rng=d.rng, grayscale=d.grayscale,
+                              train_size=d.train_size or None)
 
 
 @torch.no_grad()
