@@ -78,7 +78,8 @@ import torch
 from torch import nn
 
 from owai.config import BaseConfig
-from owai.data.colored_mnist import ColoredMNIST, accuracy, load_colored_mnist, variant
+from owai.data.colored_mnist import ColoredMNIST, accuracy, load_colored_mnist, split_indices, variant
+from owai.data.mnist import SPLITS as MNIST_SPLITS, default_mnist_dir
 from owai.errors import OwaiError
 from owai.methods import Method, Outcome
 from owai.methods.bonsai import BonsaiConfig, cached_representation, check_config, fresh_mlp, init_from, train_phase
@@ -352,15 +353,13 @@ def check(cfg: ColoredMNISTConfig) -> None:
             raise OwaiError("init=erm needs penalty.anneal_iters >= 1 ERM steps (init=rand is anneal 0)")
         if p.anneal_iters >= t.steps:
             raise OwaiError(f"penalty.anneal_iters={p.anneal_iters} leaves no penalty step in train.steps={t.steps}")
-    pool = {"offline": 8000, "paper": 50_000}[cfg.data.split]  # the training pools of MNIST's own splits
+    offline = cfg.data.split == "offline"  # the training pool that split leaves of MNIST's own file
+    pool = len(split_indices(MNIST_SPLITS["test" if offline else "train"][1], "t10k" if offline else "paper")[0])
     if cfg.data.train_size < 0 or cfg.data.train_size == 1 or cfg.data.train_size > pool:
         raise OwaiError(f"data.train_size must be 0 (every training image) or from 2 to the {pool} training "
                         f"images of split {cfg.data.split!r}, got {cfg.data.train_size}")
-    if cfg.data.split == "offline":
-        from owai.data.mnist import default_mnist_dir
-
-        if not cfg.data.root and default_mnist_dir() is None:
-            raise OwaiError("no offline MNIST directory: set data.root or $OWAI_MNIST_DIR")
+    if offline and not cfg.data.root and default_mnist_dir() is None:
+        raise OwaiError("no offline MNIST directory: set data.root or $OWAI_MNIST_DIR")
     check_config(cfg.bonsai)
     build_penalty(cfg)  # bad weights / options are one-line errors now
 
