@@ -78,6 +78,7 @@ TEST_FLIPS = (0.9, 0.1, 0.5)
 PAPER_TRAIN = 50_000
 PAPER_TOTAL = 60_000
 T10K_TEST_EVERY = 5  # image i is a test image iff i % 5 == 4
+SPLIT_OF = {"train": "paper", "test": "t10k"}  # the environment split each MNIST file gets
 
 
 @dataclass(frozen=True)
@@ -265,8 +266,15 @@ def load_colored_mnist(
 
     variant(name)  # fail on a bad name before reading any file
     mnist = load_mnist(mnist_split, root=root, hub_id=hub_id)
-    split = "paper" if mnist_split == "train" else "t10k"
-    return build_colored_mnist(mnist.images, mnist.labels, name, seed, split, rng, grayscale, mnist.source, train_size)
+    return build_colored_mnist(mnist.images, mnist.labels, name, seed, SPLIT_OF[mnist_split], rng, grayscale,
+                               mnist.source, train_size)
+
+
+def training_pool_size(mnist_split: Literal["train", "test"]) -> int:
+    """How many training images the split of MNIST's own `mnist_split` file leaves (50 000; 8 000)."""
+    from owai.data.mnist import SPLITS
+
+    return len(split_indices(SPLITS[mnist_split][1], SPLIT_OF[mnist_split])[0])
 
 
 def accuracy(logits: torch.Tensor, y: torch.Tensor) -> float:

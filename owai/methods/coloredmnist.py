@@ -78,8 +78,8 @@ import torch
 from torch import nn
 
 from owai.config import BaseConfig
-from owai.data.colored_mnist import ColoredMNIST, accuracy, load_colored_mnist, split_indices, variant
-from owai.data.mnist import SPLITS as MNIST_SPLITS, default_mnist_dir
+from owai.data.colored_mnist import ColoredMNIST, accuracy, load_colored_mnist, training_pool_size, variant
+from owai.data.mnist import default_mnist_dir
 from owai.errors import OwaiError
 from owai.methods import Method, Outcome
 from owai.methods.bonsai import BonsaiConfig, cached_representation, check_config, fresh_mlp, init_from, train_phase
@@ -353,8 +353,8 @@ def check(cfg: ColoredMNISTConfig) -> None:
             raise OwaiError("init=erm needs penalty.anneal_iters >= 1 ERM steps (init=rand is anneal 0)")
         if p.anneal_iters >= t.steps:
             raise OwaiError(f"penalty.anneal_iters={p.anneal_iters} leaves no penalty step in train.steps={t.steps}")
-    offline = cfg.data.split == "offline"  # the training pool that split leaves of MNIST's own file
-    pool = len(split_indices(MNIST_SPLITS["test" if offline else "train"][1], "t10k" if offline else "paper")[0])
+    offline = cfg.data.split == "offline"
+    pool = training_pool_size(mnist_file(cfg.data))
     if cfg.data.train_size < 0 or cfg.data.train_size == 1 or cfg.data.train_size > pool:
         raise OwaiError(f"data.train_size must be 0 (every training image) or from 2 to the {pool} training "
                         f"images of split {cfg.data.split!r}, got {cfg.data.train_size}")
@@ -406,12 +406,16 @@ def data_key(data: DataConfig) -> dict[str, Any]:
     return key
 
 
+def mnist_file(data: DataConfig) -> Literal["train", "test"]:
+    """The MNIST file a split reads: the offline split uses the test file."""
+    return "test" if data.split == "offline" else "train"
+
+
 def load_data(cfg: ColoredMNISTConfig, dataset: str | None = None) -> ColoredMNIST:
     """The run's data (`dataset`: another variant on the same images, e.g. the gray oracle)."""
     d = cfg.data  # no root: load_mnist falls back to default_mnist_dir()
-    return load_colored_mnist(dataset or cfg.dataset, cfg.seed, "test" if d.split == "offline" else "train",
-                              root=d.root or None, hub_id=d.hub_id or None, rng=d.rng, grayscale=d.grayscale,
-                              train_size=d.train_size or None)
+    return load_colored_mnist(dataset or cfg.dataset, cfg.seed, mnist_file(d), root=d.root or None,
+                              hub_id=d.hub_id or None, rng=d.rng, grayscale=d.grayscale, train_size=d.train_size or None)
 
 
 @torch.no_grad()
