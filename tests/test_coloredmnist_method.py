@@ -225,6 +225,15 @@ def test_the_other_trainers_run_and_resume_bit_exactly(tmp_path, monkeypatch, se
                 assert chosen["holdout_acc"] == round(best, 4)
         for chosen in results["details"]["pi"]["stage_models"]:  # which feature each stage model uses
             assert 0 <= chosen["acc_colour_agrees"] <= 1 and 0 <= chosen["acc_colour_disagrees"] <= 1
+        sizes, group_acc = results["details"]["pi"]["groups"], results["details"]["pi"]["group_acc"]
+        assert list(group_acc) == list(sizes)
+        # the groups split each training environment in two, so their size-weighted accuracy is the
+        # pooled training accuracy
+        pooled = sum(group_acc[g] * n for g, n in sizes.items()) / sum(sizes.values())
+        assert pooled == pytest.approx(rows["train_acc"], abs=1e-3)
+        logged = [r for r in run.metrics() if r.get("stage") == "train" and "worst_test_acc" in r]
+        assert logged and all(set(f"group_acc.{g}" for g in sizes) <= set(r) for r in logged)
+        assert {g: round(logged[-1][f"group_acc.{g}"], 4) for g in sizes} == group_acc  # the last step's
     shutil.rmtree(latest_checkpoint(ckpts))
     (run.path / "results.json").unlink()
     _, again = execute(resume=run.path)

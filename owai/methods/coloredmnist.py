@@ -58,8 +58,9 @@ Methods: every penalty of the registry.
   on 90 % of it (stages `pi.env<k>`, 51 steps, 151 on Inverse; with `penalty.options: {stopping:
   validation}` each ends at its best step on the held-out 10 %), whose predictions split the
   environments into correct/incorrect groups; the run's model then minimises the hard max over
-  those groups for `train.steps` (701 in the paper preset). `details.pi` records the groups and,
-  per stage model, its accuracy where the colour agrees / disagrees with the label;
+  those groups for `train.steps` (701 in the paper preset). `details.pi` records the groups, the
+  final model's accuracy on each (`group_acc`; every evaluation logs them too) and, per stage
+  model, its accuracy where the colour agrees / disagrees with the label;
   `stage_data: gray` (a diagnostic) trains the stage models on the gray variant instead.
 
 `init: perfect` (Fig 2.8 top): the model is first trained by ERM on the dataset's gray variant for
@@ -185,9 +186,11 @@ class ColoredMNISTInvariance(Method):
             details["perfect"] = perfect_init(cfg, run, model, l2, device)
             details["perfect"]["worst_test_acc"] = evaluate(model, train, test)["worst_test_acc"]  # Fig 2.8's star
         loss_groups = train
+        group_names: list[str] = []  # PI's groups, whose training accuracy each evaluation records
         if isinstance(pen, PI):
             agrees = [(e.color == e.y.long()).to(device) for e in data.train]  # the digit's channel = label's
             loss_groups, details["pi"] = pi_groups_for(cfg, run, pen, train, l2, device, agrees)
+            group_names = list(details["pi"]["groups"])
             model = fresh_mlp((cfg.seed, "init"), cfg.model.hidden, 1, device)  # the final model's init, as every run
         frozen = cfg.init == "bonsai-cf"
         if frozen:
@@ -232,14 +235,21 @@ class ColoredMNISTInvariance(Method):
             reg = pen.l2(l2, [] if frozen else model.featurizer.parameters(), model.head.parameters())
             return pen.objective(batches(model, step), step, params=params, l2=reg, head=model.head, biased=biased).loss
 
+        def scores() -> dict[str, float]:
+            out = evaluate(predict, train, test)
+            out.update(group_accuracies(predict, loss_groups, group_names))
+            return out
+
         def after_step(done: int) -> None:
             if (done - 1) % t.eval_every == 0 or done == t.steps:  # the reference's step index (done - 1) = 20 i
-                run.log(stage, done, **evaluate(predict, train, test))
+                run.log(stage, done, **scores())
 
         loop = LoopConfig(t.steps, checkpoint_every=t.checkpoint_every, log_every=t.log_every)
         summary = train_loop(run, stage, trained, optimizer, loss_at, loop, lr_at=lr_at, reset_optimizer_at=reset_at,
                              after_step=after_step, companion=companion)
-        final = evaluate(predict, train, test)
+        final = scores()
+        if group_names:
+            details["pi"]["group_acc"] = {n: round(final.pop(f"group_acc.{n}"), 4) for n in group_names}
         curve = evaluation_curve(run, stage)
         return Outcome(measured=headline(cfg, final, curve), details={
             "final_loss": summary["final_loss"],
@@ -429,6 +439,15 @@ def evaluate(model: torch.nn.Module, train: list, test: list) -> dict[str, float
     out.update({f"test_acc.flip{flip}": a for flip, a in zip(("0.9", "0.1", "0.5"), accs)})
     out["worst_test_acc"] = min(accs)
     return out
+
+
+def group_accuracies(model: torch.nn.Module, groups: list, names: list[str]) -> dict[str, float]:
+    """`group_acc.<name>`: the model's accuracy on each named training group (PI's RERM stage), so
+    a run shows whether it fits a small group far beyond what shape allows (no names: nothing)."""
+    if not names:
+        return {}
+    model.eval()
+    return {f"group_acc.{n}": accuracy(model(x), y) for n, (x, y) in zip(names, groups, strict=True)}
 
 
 def headline(cfg: ColoredMNISTConfig, final: dict[str, float], curve: list[dict[str, Any]]) -> dict[str, Any]:
