@@ -174,7 +174,9 @@ def test_lstm_is_a_zoo_causal_lm_that_saves_and_loads(tmp_path: Path):
     x = torch.randint(0, 20, (2, 9))
     out = model(input_ids=x, labels=x)
     assert out.logits.shape == (2, 9, 20) and torch.isfinite(out.loss)
-    assert torch.equal(model(input_ids=x[:, :5]).logits, out.logits[:, :5])  # causal
+    # causal: a prefix gives the same logits, to float rounding (the CPU kernels can differ with
+    # the sequence length)
+    torch.testing.assert_close(model(input_ids=x[:, :5]).logits, out.logits[:, :5], rtol=0, atol=1e-6)
     model.save_pretrained(tmp_path)
     assert torch.equal(load_pretrained(tmp_path).eval()(input_ids=x).logits, out.logits)
 
