@@ -441,6 +441,7 @@ def evaluate(model: torch.nn.Module, train: list, test: list) -> dict[str, float
     return out
 
 
+@torch.no_grad()
 def group_accuracies(model: torch.nn.Module, groups: list, names: list[str]) -> dict[str, float]:
     """`group_acc.<name>`: the model's accuracy on each named training group (PI's RERM stage), so
     a run shows whether it fits a small group far beyond what shape allows (no names: nothing)."""
