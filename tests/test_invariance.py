@@ -155,8 +155,13 @@ def test_erm_and_rerm():
     w, b = logistic()
     nlls = [bce(x @ w + b, y) for x, y in zip(xs, ys)]
     erm = inv.make_penalty("erm").objective(batches(xs, ys, w, b), step=7, l2=0.5)
-    assert erm.loss.item() == pytest.approx(sum(n.item() for n in nlls) + 0.5, rel=1e-12)
+    pooled = bce(torch.cat([x @ w + b for x in xs]), torch.cat(ys))  # RFC erm_train: one mean over the pooled batch
+    assert erm.loss.item() == pytest.approx(pooled.item() + 0.5, rel=1e-12)
     assert erm.penalty.item() == 0.0
+    summed = inv.make_penalty("erm", risk_reduction="sum").objective(batches(xs, ys, w, b), step=7, l2=0.5)
+    assert summed.loss.item() == pytest.approx(sum(n.item() for n in nlls) + 0.5, rel=1e-12)
+    with pytest.raises(OwaiError, match="pooled"):
+        inv.make_penalty("erm", risk_reduction="max")
     rerm = inv.make_penalty("rerm").objective(batches(xs, ys, w, b), step=0, l2=0.5)
     assert rerm.loss.item() == pytest.approx(max(n.item() for n in nlls) + 0.5, rel=1e-12)
     rerm.loss.backward()

@@ -17,8 +17,10 @@ The objective (spec §2, RFC ColoredMNIST) is
     L = risk(nll_1, ..., nll_E) + l2_term + w_t * P ;   if w_t > 1 (and divide_by_weight):  L <- L / w_t
     w_t = weight if t >= anneal_iters else anneal_val
 
-with `risk` = the **sum** of the per-environment mean losses (RFC; `risk_reduction="mean"` gives
-DomainBed's mean), `P` the method's penalty, and `nll_e` BCE-with-logits on one logit (float labels)
+with `risk` = the **sum** of the per-environment mean losses (RFC's penalised trainers;
+`risk_reduction="mean"` gives DomainBed's mean, and `"pooled"` one mean over the concatenated
+environments, i.e. the size-weighted mean, as RFC's `erm_train` does: the default of `erm`), `P` the
+method's penalty, and `nll_e` BCE-with-logits on one logit (float labels)
 or cross-entropy on C >= 2 logits (integer labels). `P` is only computed while `w_t != 0` (it is
 reported as 0 otherwise), which keeps the ERM phase of `fish` (anneal_val 0) cheap.
 
@@ -93,6 +95,7 @@ import torch.nn.functional as F
 from owai.errors import OwaiError
 
 # explicit L2 coefficients of the RFC ColoredMNIST scripts (spec §0; appendix #1)
+RISK_REDUCTIONS = ("sum", "mean", "pooled")
 L2 = {"coloredmnist": 0.0011, "inverse-coloredmnist": 1e-4}
 
 
@@ -158,6 +161,7 @@ class Penalty:
     default_weight: ClassVar[float] = 0.0
     default_anneal_val: ClassVar[float] = 1.0
     l2_scope: ClassVar[str] = "all"  # "all" | "featurizer" | "none"
+    default_risk_reduction: ClassVar[str] = "sum"  # RISK_REDUCTIONS
     minibatch: ClassVar[int | None] = None  # examples per environment and step; None = full batch
     needs_params: ClassVar[bool] = False
     needs_features: ClassVar[bool] = False
@@ -170,7 +174,7 @@ class Penalty:
         anneal_val: float | None = None,
         divide_by_weight: bool = True,
         reset_optimizer: bool = False,
-        risk_reduction: str = "sum",
+        risk_reduction: str | None = None,
     ) -> None:
         self.weight = _check_number(f"{self.name} penalty weight", self.default_weight if weight is None else weight)
         self.anneal_val = _check_number(
@@ -178,8 +182,9 @@ class Penalty:
         )
         if isinstance(anneal_iters, bool) or not isinstance(anneal_iters, int) or anneal_iters < 0:
             raise OwaiError(f"{self.name} anneal_iters must be an int >= 0, got {anneal_iters!r}")
-        if risk_reduction not in ("sum", "mean"):
-            raise OwaiError(f"{self.name} risk_reduction must be 'sum' or 'mean', got {risk_reduction!r}")
+        risk_reduction = self.default_risk_reduction if risk_reduction is None else risk_reduction
+        if risk_reduction not in RISK_REDUCTIONS:
+            raise OwaiError(f"{self.name} risk_reduction must be 'sum', 'mean' or 'pooled', got {risk_reduction!r}")
         self.anneal_iters = anneal_iters
         self.divide_by_weight = bool(divide_by_weight)
         self.reset_optimizer = bool(reset_optimizer)
@@ -207,9 +212,17 @@ class Penalty:
         params = list(featurizer_params) + (list(head_params) if self.l2_scope == "all" else [])
         return coeff * sum_of_squares(params)
 
-    def risk(self, nlls: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The ERM part: sum (RFC) or mean (DomainBed) of the per-environment losses."""
-        total = torch.stack(list(nlls)).sum()
+    def risk(self, nlls: Sequence[torch.Tensor], sizes: Sequence[int] | None = None) -> torch.Tensor:
+        """The ERM part: sum (RFC), mean (DomainBed) or, given the environments' `sizes`, the
+        size-weighted mean (`pooled`: one mean over the concatenated examples, RFC's `erm_train`)
+        of the per-environment losses."""
+        stacked = torch.stack(list(nlls))
+        if self.risk_reduction == "pooled":
+            if sizes is None:
+                raise ValueError(f"{self.name}: risk_reduction 'pooled' needs the environments' sizes")
+            weights = torch.as_tensor(list(sizes), dtype=stacked.dtype, device=stacked.device)
+            return (stacked * weights).sum() / weights.sum()
+        total = stacked.sum()
         return total / len(nlls) if self.risk_reduction == "mean" else total
 
     def penalty(
@@ -236,7 +249,7 @@ class Penalty:
         the other methods."""
         self._check(envs)
         nlls = [nll(env.logits, env.y) for env in envs]
-        risk = self.risk(nlls)
+        risk = self.risk(nlls, [env.logits.shape[0] for env in envs])
         w = self.weight_at(step)
         pen = self.penalty(envs, nlls, params) if w != 0 else risk.new_zeros(())
         divisor = self.divisor_at(step)
@@ -260,11 +273,16 @@ class Penalty:
 
 
 class ERM(Penalty):
-    """Empirical risk minimisation: sum of the environment losses (+ L2), no penalty."""
+    """Empirical risk minimisation: one mean over the pooled environments (+ L2), no penalty.
+
+    RFC's `erm_train` concatenates the environments and takes one mean, so its explicit L2 term
+    weighs twice what it does against the penalised trainers' sum over two environments
+    (docs/decisions.md). `risk_reduction="sum"` gives the old (penalised-trainer) reduction."""
 
     name = "erm"
     default_weight = 0.0
     default_anneal_val = 0.0
+    default_risk_reduction = "pooled"
 
 
 class IRMv1(Penalty):
@@ -462,7 +480,7 @@ class RERM(Penalty):
     default_weight = 0.0
     default_anneal_val = 0.0
 
-    def risk(self, nlls):
+    def risk(self, nlls, sizes=None):
         return torch.stack(list(nlls)).max()
 
 
@@ -479,7 +497,7 @@ class GroupDRO(Penalty):
         self.eta = _check_number("groupdro eta", eta)
         self.q: torch.Tensor | None = None
 
-    def risk(self, nlls):
+    def risk(self, nlls, sizes=None):
         losses = torch.stack(list(nlls))
         if self.q is None or self.q.shape != losses.shape:
             self.q = torch.full(losses.shape, 1.0 / losses.numel(), dtype=losses.dtype, device=losses.device)
