@@ -41,13 +41,7 @@ def _converted(source: str, dtype=torch.float32, overrides: dict | None = None,
     return model.to(dtype).eval(), sd
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is as fast, and spinning threads crawl on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one intra-op thread (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,11 @@ x += CtxMem(LN1 x); x += PersistMem(LN2 x). Final LN, tied head, logits x 1/sqrt
 Design points (implementation spec §1, §7, §9):
 - Memory is O(T): the leaky average is a chunked scan (L x L decay matrix per chunk plus a carried
   state, recursively over chunk ends, in fp32); no T x T tensor is built outside SDPA.
+- Attention dropout (ic_dropout) off CUDA runs over query blocks of `dropout_block` rows, each
+  recomputed in the backward pass (same RNG state, so the same mask): CPU SDPA with dropout_p > 0
+  would build and keep T x T weights. Same distribution as dropout on the whole matrix.
+- Key and value normalisation (x / (|x| + eps) * per-head scale) is one autograd node with a
+  hand-written backward (`scaled_unit`), the value look-ahead one lerp: fewer elementwise passes.
 - The diagonal is excluded with the one-position shift: SDPA(q = k[1:], k = k[:-1], v = v[:-1],
   causal). Works at any length: nothing is sized by a block size.
 - Incremental decoding keeps a `MemoryMosaicsCache` (past keys, finished values, the newest raw
@@ -35,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedConfig, PreTrainedModel
@@ -80,6 +86,9 @@ class MemoryMosaicsConfig(PreTrainedConfig):
     logit_scale: str = "inv_sqrt_dim"  # "inv_sqrt_dim": logits / sqrt(C) (Library); "none" (nano)
     init: str = "library"  # "library": fan-in normal init; "nano": nanoGPT 0.02 init
     leaky_chunk: int = 16  # chunk length of the O(T) leaky-average scan (speed only; 16 was fastest on CPU)
+    # Attention dropout off CUDA: queries in blocks of this many rows, each block recomputed in the
+    # backward pass, so training memory stays O(T) (CPU SDPA with dropout builds T x T). 0: SDPA's own.
+    dropout_block: int = 512
     tie_word_embeddings: bool = True
 
     def __post_init__(self, **kwargs: Any) -> None:
@@ -98,6 +107,8 @@ class MemoryMosaicsConfig(PreTrainedConfig):
                 raise OwaiError(f"memory mosaics config: {name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head:
             raise OwaiError(f"memory mosaics config: n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if not isinstance(self.dropout_block, int) or isinstance(self.dropout_block, bool) or self.dropout_block < 0:
+            raise OwaiError(f"memory mosaics config: dropout_block must be an integer >= 0, got {self.dropout_block!r}")
         if self.leaky_chunk < 2:
             raise OwaiError(f"memory mosaics config: leaky_chunk must be >= 2, got {self.leaky_chunk}")
         for name, allowed in (("init", ("library", "nano")), ("logit_scale", ("inv_sqrt_dim", "none")),
@@ -152,13 +163,101 @@ def leaky_average(
             out = out + _carry_weights(beta, T)[None, :, :, None] * state[:, :, None, :]
         return out
     n = -(-T // chunk)  # number of chunks
-    xc = F.pad(x, (0, 0, 0, n * chunk - T)).view(B, H, n, chunk, D)  # zero-padded at the end (causal: harmless)
-    local = torch.einsum("hij,bhcjd->bhcid", _decay_matrix(beta, chunk), xc)  # (B, H, n, L, D) zero entry state
-    ends = leaky_average(local[:, :, :, -1], beta * chunk, state, chunk)  # (B, H, n, D) true state at chunk ends
+    pad = n * chunk - T
+    xc = (F.pad(x, (0, 0, 0, pad)) if pad else x).reshape(B, H, n, chunk, D)  # zeros at the end: causal, harmless
+    decay = _decay_matrix(beta, chunk)  # (H, L, L)
+    # chunk-end sums with a zero entry state (the decay matrix's last row), then the true states at the
+    # chunk ends: the same recurrence with per-step decay exp(-beta L)
+    local_ends = torch.einsum("hj,bhcjd->bhcd", decay[:, -1], xc)  # (B, H, n, D)
+    # n chunk ends: one dense (n x n) pass up to 64 of them (T <= 64 chunk), a recursion only beyond;
+    # each recursion level is some twenty small ops, which cost more than their flops on a busy CPU
+    ends = leaky_average(local_ends, beta * chunk, state, max(chunk, 64))  # (B, H, n, D)
     first = state[:, :, None] if state is not None else torch.zeros_like(ends[:, :, :1])
     entry = torch.cat([first, ends[:, :, :-1]], dim=2)  # (B, H, n, D) state entering each chunk
-    out = local + _carry_weights(beta, chunk)[None, :, None, :, None] * entry[:, :, :, None, :]
-    return out.reshape(B, H, n * chunk, D)[:, :, :T]
+    # one product does the in-chunk sums and adds the entering state: the state is an extra input row
+    # with weights exp(-beta (i + 1)) (fewer full-size passes than a separate multiply-add)
+    rows = torch.cat([entry[:, :, :, None], xc], dim=3)  # (B, H, n, 1 + L, D)
+    weights = torch.cat([_carry_weights(beta, chunk)[:, :, None], decay], dim=2)  # (H, L, 1 + L)
+    out = torch.einsum("hij,bhcjd->bhcid", weights, rows).reshape(B, H, n * chunk, D)
+    return out[:, :, :T] if pad else out
+
+
+# ---------------------------------------------------------------------------------------------
+# fused normalisation and blocked attention dropout
+
+
+class _ScaledUnit(torch.autograd.Function):
+    """y = x * s / (|x| + eps), |x| the L2 norm over the last dim, s broadcast against (..., 1).
+
+    One autograd node with a hand-written backward: the generic graph (norm, add, div, mul, and their
+    backward functions) makes several more full passes over x; this makes two forward (norm, scale)
+    and two backward (one dot product, one fused multiply-add). Saves x and (..., 1) statistics.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (..., 1)
+        inv = 1.0 / (norm + eps)
+        ctx.save_for_backward(x, scale, norm, inv)
+        return x * (scale * inv)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, scale, norm, inv = ctx.saved_tensors
+        dot = torch.linalg.vecdot(grad, x).unsqueeze(-1)  # (..., 1) <g, x>
+        grad_x = grad_scale = None
+        if ctx.needs_input_grad[0]:
+            # d/dx [x s/(n+eps)] g = s/(n+eps) g - s <g,x> / ((n+eps)^2 n) x   (0/0 := 0 at x = 0)
+            coef = -scale * dot * inv * inv / norm.clamp_min(torch.finfo(norm.dtype).tiny)
+            grad_x = torch.addcmul(grad * (scale * inv), coef, x)
+        if ctx.needs_input_grad[1]:
+            grad_scale = dot * inv  # (..., 1); reduced to scale's shape below
+            dims = [i for i, (a, b) in enumerate(zip(grad_scale.shape, scale.shape)) if b == 1 and a != 1]
+            grad_scale = grad_scale.sum(dim=dims, keepdim=True) if dims else grad_scale
+        return grad_x, grad_scale, None
+
+
+def scaled_unit(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / (|x| + eps) * scale over the last dim; scale (1, H, 1, 1) for x (B, H, T, D). Same values as
+    the plain expression; one fused autograd node."""
+    return _ScaledUnit.apply(x, scale.to(x.dtype), float(eps))
+
+
+def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int | None, p: float) -> torch.Tensor:
+    """softmax(q k^T) with dropout p, times v; scale 1. offset None: no mask; else query row i sees
+    key rows j <= i + offset."""
+    scores = q @ k.transpose(-1, -2)  # (B, H, Lq, Lk)
+    if offset is not None:
+        i = torch.arange(q.shape[-2], device=q.device)[:, None]
+        j = torch.arange(k.shape[-2], device=q.device)[None, :]
+        scores = scores.masked_fill(j > i + offset, float("-inf"))
+    return F.dropout(scores.softmax(dim=-1), p, training=True) @ v
+
+
+def blocked_dropout_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, block: int,
+                              causal: bool, checkpoint: bool = True) -> torch.Tensor:
+    """SDPA(q, k, v, scale=1, dropout_p=p) [causal: query i sees keys j <= i + Lk - Lq] in O(block x Lk)
+    memory: queries in blocks of `block` rows, each block's weights dropped out independently (the same
+    distribution as dropout on the whole matrix) and, with `checkpoint`, recomputed in the backward
+    pass from the same RNG state instead of being kept. A causal block reads only its visible keys."""
+    Lq, Lk = q.shape[-2], k.shape[-2]
+    outs = []
+    for start in range(0, Lq, block):
+        stop = min(start + block, Lq)
+        offset = Lk - Lq + start  # row 0 of this block sees keys j <= offset
+        visible = Lk if not causal else offset + (stop - start)
+        args = (q[..., start:stop, :], k[..., :visible, :], v[..., :visible, :], offset if causal else None, p)
+        if checkpoint and torch.is_grad_enabled() and Lq > block:  # one block: nothing to gain
+            outs.append(torch.utils.checkpoint.checkpoint(_attention_block, *args, use_reentrant=False))
+        else:
+            outs.append(_attention_block(*args))
+    return torch.cat(outs, dim=-2)
+
+
+def _blocked_dropout(config: "MemoryMosaicsConfig", p: float, device: torch.device) -> bool:
+    """Whether attention dropout p takes the blocked path: training with dropout, off CUDA (CUDA's
+    fused SDPA kernels drop out without a T x T matrix), and not switched off."""
+    return p > 0 and config.dropout_block > 0 and device.type != "cuda"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,10 +275,6 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
-
-
-def _l2_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x / (x.norm(dim=-1, keepdim=True) + eps)
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
@@ -211,7 +306,7 @@ class LeakyKeyExtractor(nn.Module):
             exponent = power * exponent.clamp(max=cfg.key_scale_max_exp)
         else:  # nano: clamp the whole exponent
             exponent = (power * exponent).clamp(max=cfg.key_scale_max_exp)
-        keys = _l2_normalise(summed, cfg.norm_eps) * exponent.exp().view(1, -1, 1, 1)
+        keys = scaled_unit(summed, exponent.exp().view(1, -1, 1, 1), cfg.norm_eps)
         return keys.to(raw.dtype), summed[:, :, -1]
 
 
@@ -234,11 +329,10 @@ class LookAheadValueExtractor(nn.Module):
     def finish(self, raw: torch.Tensor) -> torch.Tensor:
         """raw v~ of n+1 consecutive positions (B, H, n+1, hs) -> finished values of the first n."""
         cfg = self.config
-        c = self.mix.view(1, -1, 1, 1)
-        mixed = c * raw[:, :, :-1] + (1 - c) * raw[:, :, 1:]  # (B, H, n, hs)
-        mixed = _wide(mixed)
+        now, ahead = _wide(raw[:, :, :-1]), _wide(raw[:, :, 1:])
+        mixed = torch.lerp(ahead, now, self.mix.view(1, -1, 1, 1).to(now.dtype))  # c v~_t + (1-c) v~_{t+1}, one pass
         scale = (cfg.scalar_scale * self.scale.to(mixed.dtype)).exp().view(1, -1, 1, 1)
-        return (_l2_normalise(mixed, cfg.norm_eps) * scale).to(raw.dtype)
+        return scaled_unit(mixed, scale, cfg.norm_eps).to(raw.dtype)
 
 
 class ContextMemory(nn.Module):
@@ -281,7 +375,10 @@ class ContextMemory(nn.Module):
             y = x.new_zeros(B, H, 0, hs)
         else:
             sdpa = dict(dropout_p=self.config.ic_dropout if self.training else 0.0, scale=1.0)
-            if Lq == Lk:  # square: query i (position i+first) sees keys j <= i
+            if _blocked_dropout(self.config, sdpa["dropout_p"], x.device):  # causal, bottom-right aligned
+                y = blocked_dropout_attention(queries, mem_keys, values, sdpa["dropout_p"], self.config.dropout_block,
+                                              causal=True)
+            elif Lq == Lk:  # square: query i (position i+first) sees keys j <= i
                 y = F.scaled_dot_product_attention(queries, mem_keys, values, is_causal=True, **sdpa)
             elif Lq == 1:  # one decoding step sees every stored pair
                 y = F.scaled_dot_product_attention(queries, mem_keys, values, **sdpa)
@@ -330,7 +427,10 @@ class PersistentMemory(nn.Module):
         y = 0.0
         for i in range(cfg.pmem_count):
             mk, mv = self.mem_k[i : i + 1].to(keys.dtype), self.mem_v[i : i + 1].to(keys.dtype)  # (1, H, P, hs)
-            y = y + F.scaled_dot_product_attention(queries, mk, mv, dropout_p=dropout, scale=1.0)  # (1, H, B*T, hs)
+            if _blocked_dropout(cfg, dropout, x.device):
+                y = y + blocked_dropout_attention(queries, mk, mv, dropout, cfg.dropout_block, causal=False)
+            else:
+                y = y + F.scaled_dot_product_attention(queries, mk, mv, dropout_p=dropout, scale=1.0)  # (1, H, B*T, hs)
         wide = torch.promote_types(keys.dtype, torch.float32)
         scale = (cfg.scalar_scale * self.out_scale.to(wide)).exp().view(H, 1, 1, 1).to(keys.dtype)
         y = y.view(H, B, T, hs) / cfg.pmem_count * scale  # (H, B, T, hs)

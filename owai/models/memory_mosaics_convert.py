@@ -243,8 +243,13 @@ def convert_official_state_dict(
     -> (MemoryMosaicsConfig, owai state dict for MemoryMosaicsForCausalLM.load_state_dict).
 
     source: "library" | "nano" | None (detect). config_overrides win over the inferred values and the
-    source defaults (e.g. pre_ln=False, ic_dropout=0.0). Unknown, missing or mis-shaped keys -> OwaiError.
+    source defaults (e.g. pre_ln=False, ic_dropout=0.0). Unknown, missing or mis-shaped keys -> OwaiError,
+    and so does a Library setting owai does not implement (v_shift != 1, ...), given as an override or
+    found in the checkpoint's `model_args`.
     """
+    config_overrides = _check_fixed_args(config_overrides)
+    if isinstance(state_dict, dict):
+        _hints(state_dict)  # a {'model': sd, 'model_args': {...}} checkpoint: refuse v_shift != 1 etc.
     sd = _unwrap(state_dict)
     source = source or detect_source(sd)
     if source not in SOURCES:
@@ -268,11 +273,30 @@ def convert_official_state_dict(
     return config, {k: v.contiguous() for k, v in out.items()}
 
 
+# Library feature-extractor settings the weights cannot show, and the only values owai implements:
+# v_shift 1 (v_t mixes v~_t and v~_{t+1}; query t reads pairs j <= t-1). Another v_shift changes the
+# value look-ahead, the attention mask and the zeroed first rows, with the same tensor shapes.
+_FIXED_LIBRARY_ARGS: dict[str, Any] = dict(v_shift=1, att_shift=0, v_kernel_size=2, k_kernel_size=1,
+                                           v_fe_type="lowrlinearconv", k_fe_type="linearconv")
+
+
+def _check_fixed_args(settings: dict[str, Any]) -> dict[str, Any]:
+    """Drop the fixed Library settings from `settings`; OwaiError (one line) if one differs from owai's."""
+    rest = dict(settings)
+    for name, want in _FIXED_LIBRARY_ARGS.items():
+        if name in rest and rest.pop(name) != want:
+            raise OwaiError(f"memory mosaics checkpoint: {name}={settings[name]!r} is not supported "
+                            f"(owai implements {name}={want!r}, the paper setting)")
+    return rest
+
+
 def _hints(checkpoint: Any) -> dict[str, Any]:
-    """Settings that shapes cannot tell, from a training checkpoint's `model_args` (Library/nano train.py)."""
+    """Settings that shapes cannot tell, from a training checkpoint's `model_args` (Library/nano train.py).
+    The fixed feature-extractor settings (v_shift ...) are checked here, not passed on."""
     args = checkpoint.get("model_args") if isinstance(checkpoint, dict) else None
     if not isinstance(args, dict):
         return {}
+    _check_fixed_args({k: args[k] for k in _FIXED_LIBRARY_ARGS if k in args})
     hints = {k: args[k] for k in ("pre_ln", "ic_dropout", "hd_dropout") if k in args}
     if "dropout" in args:  # nano: one dropout for everything
         hints.setdefault("ic_dropout", args["dropout"])
