@@ -5,7 +5,8 @@
 Each file is the stdout of `owai bonsai --study ... --json`. Their rows are pooled, so a table
 measured in several studies (one per column or per method, as on the paper split in
 docs/results.md) is checked as a whole. Prints every row beside the thesis's number, then the claims
-of `benchmarks/bonsai_cpu.py` (`pattern`, `pattern_pi`) that the pooled rows can decide.
+of recipes table2.4-coloredmnist and table2.5-pi (their `claims:`, judged by owai.claims through
+`benchmarks/bonsai_cpu.py`'s `pattern`, `pattern_pi`) that the pooled rows can decide.
 Without `--window` the reports' rows count as they are. `--window` selects every cell again from
 the report's sweep directory: `a12` (the study's own rule) only at the steps of Table A.12's
 early-stopping grid (`owai.methods.coloredmnist.a12_window`), `all` at every evaluated step (the

@@ -5,16 +5,15 @@ preset in <= 45 minutes on the 2-core development machine), and the table it mea
 
 Runs `owai bonsai --study` with an empty cache (`$OWAI_CACHE` inside --out), so building the Bonsai
 representation is part of the time. Prints the seconds against the target, then the selected worst
-test accuracy per (dataset, method, init) beside the thesis's number, and checks Table 2.4's pattern:
-ERM below the oracle (colour), the invariant methods from random init weak, Bonsai-cf near the
-oracle; or, with `--recipe table2.5-pi`, Table 2.5's: PI works on ColoredMNIST and fails on
-InverseColoredMNIST. The sweep directory stays under --out, so a killed benchmark finishes with
-`owai bonsai --resume SWEEP_DIR`.
+test accuracy per (dataset, method, init) beside the thesis's number, and checks the recipe's
+claims (its `claims:`, judged by owai.claims): Table 2.4's ERM below the oracle (colour), the
+invariant methods from random init weak, Bonsai-cf near the oracle; or, with `--recipe
+table2.5-pi`, Table 2.5's: PI works on ColoredMNIST and fails on InverseColoredMNIST. The sweep
+directory stays under --out, so a killed benchmark finishes with `owai bonsai --resume SWEEP_DIR`.
 """
 
 from __future__ import annotations
 
-import statistics
 import sys
 
 from _study import timed_study
@@ -23,44 +22,29 @@ TARGET_S = 45 * 60
 INVARIANT = ("irm", "vrex", "sd", "iga", "fishr", "clove")
 
 
+def recipe_pattern(recipe: str, rows: list[dict]) -> list[tuple[str, bool, str]]:
+    """The recipe's claims (`claims:` in its YAML, judged by owai.claims) on a study's rows, as
+    (claim, holds, numbers); claims the rows cannot decide (a cell missing) are left out."""
+    from owai.claims import HOLDS, NA, judge_all, study_records
+    from owai.recipes import load
+    from owai.report import fmt
+
+    verdicts = judge_all(load(recipe).claims, study_records(rows))
+    return [(v["text"], v["verdict"] == HOLDS,
+             f"{v['detail']} ({', '.join(f'{k} = {fmt(x)}' for k, x in v['numbers'].items())})")
+            for v in verdicts if v["verdict"] != NA]
+
+
 def pattern(rows: list[dict]) -> list[tuple[str, bool, str]]:
-    """Table 2.4's three claims, as (claim, holds, numbers)."""
-    cell = {(r["dataset"], r["method"], r["init"]): r["mean"] for r in rows if r.get("anneal") is None}
-    oracle = cell.get(("coloredmnist-gray", "erm", "rand"))
-    erm = cell.get(("coloredmnist", "erm", "rand"))
-    rand = [cell[("coloredmnist", m, "rand")] for m in INVARIANT if ("coloredmnist", m, "rand") in cell]
-    cf = [cell[("coloredmnist", m, "bonsai-cf")] for m in INVARIANT if ("coloredmnist", m, "bonsai-cf") in cell]
-    if oracle is None or erm is None or not rand or not cf:
-        return []
-    return [
-        ("ERM relies on colour (worst test far below the oracle)", erm < oracle - 0.2,
-         f"ERM {100 * erm:.1f} vs oracle {100 * oracle:.1f}"),
-        ("invariant methods from random init are weak (mean well below the oracle)",
-         statistics.fmean(rand) < oracle - 0.1, f"mean {100 * statistics.fmean(rand):.1f} over {len(rand)} methods"),
-        ("Bonsai-cf brings every invariant method close to the oracle (within 5 points)",
-         min(cf) > oracle - 0.05, f"min {100 * min(cf):.1f}, mean {100 * statistics.fmean(cf):.1f} over {len(cf)} methods"),
-    ]
+    """Table 2.4's claims (recipe table2.4-coloredmnist): ERM below the oracle, the invariant methods
+    from random init weak, Bonsai-cf near the oracle."""
+    return recipe_pattern("table2.4-coloredmnist", rows)
 
 
 def pattern_pi(rows: list[dict]) -> list[tuple[str, bool, str]]:
-    """Table 2.5's two claims: PI works on ColoredMNIST and fails on InverseColoredMNIST, where the
-    invariant methods on frozen Bonsai do not."""
-    cell = {(r["dataset"], r["method"], r["init"]): r["mean"] for r in rows}
-    out = []
-    for dataset, works in (("coloredmnist", True), ("inverse-coloredmnist", False)):
-        pi = cell.get((dataset, "pi", "rand"))
-        cf = [cell[(dataset, m, "bonsai-cf")] for m in INVARIANT if (dataset, m, "bonsai-cf") in cell]
-        erm = cell.get((dataset, "erm", "bonsai-cf"))
-        if pi is None or not cf or erm is None:
-            continue
-        numbers = f"PI {100 * pi:.1f}, Bonsai-cf {100 * min(cf):.1f}-{100 * max(cf):.1f}, ERM-cf {100 * erm:.1f}"
-        if works:
-            out.append((f"PI works on {dataset} (within 5 points of the best Bonsai-cf method)",
-                        pi > max(cf) - 0.05, numbers))
-        else:
-            out.append((f"PI fails on {dataset} (below ERM and every Bonsai-cf method)",
-                        pi < min(cf + [erm]), numbers))
-    return out
+    """Table 2.5's claims (recipe table2.5-pi): PI works on ColoredMNIST and fails on
+    InverseColoredMNIST, where the invariant methods on frozen Bonsai do not."""
+    return recipe_pattern("table2.5-pi", rows)
 
 
 PATTERNS = {"table2.4-coloredmnist": pattern, "table2.5-pi": pattern_pi}
@@ -78,7 +62,7 @@ def main() -> int:
         thesis = f"{100 * r['thesis']:9.1f}" if r.get("thesis") is not None else f"{'-':>9s}"
         chosen = ", ".join(f"{k}={v}" for k, v in r["searched"].items())
         print(f"{r['dataset']:22s} {r['method']:9s} {r['init']:10s} {100 * r['mean']:11.1f} {thesis}  {chosen} step {r['step']}")
-    for claim, holds, numbers in PATTERNS.get(args.recipe, lambda rows: [])(report["rows"]):
+    for claim, holds, numbers in recipe_pattern(args.recipe, report["rows"]):
         print(f"{'holds ' if holds else 'FAILS '} {claim}: {numbers}")
     return 0 if seconds <= TARGET_S else 1
 

@@ -3,10 +3,13 @@
 A checkpoint is a directory `step-000123/` holding
   tensors.safetensors   every tensor of the state (model, optimizer, RNG), flat keys
   state.json            the state's structure with tensors replaced by references, the step,
-                        and the sha256 of tensors.safetensors
+                        the sha256 of tensors.safetensors and, for a training stage, its
+                        identity (command, recipe, method, config hash, stage, model shapes)
 It is written under a temporary name and renamed into place, so a killed process leaves either a
 whole checkpoint or none. Loading verifies the checksum before anything is used, and tensors are
-read with safetensors (no pickle).
+read with safetensors (no pickle). A checkpoint holding a non-finite floating-point tensor (NaN or
+inf weights) is never written and never loaded: resuming from it could only produce garbage that
+looks like a result.
 """
 
 from __future__ import annotations
@@ -29,6 +32,22 @@ from owai.io import umask
 FORMAT = "owai-checkpoint-v1"
 TENSORS = "tensors.safetensors"
 STATE = "state.json"
+
+
+class NonFiniteError(OwaiError):
+    """Training state (loss, parameters, a checkpoint's tensors) holds NaN or inf.
+
+    `stage`, `step` and `checkpoint` (the step of the stage's newest finite checkpoint, 0 if none)
+    say where, so the run can be marked failed with what a resume needs."""
+
+    def __init__(self, message: str, stage: str = "", step: int = 0, checkpoint: int = 0) -> None:
+        super().__init__(message)
+        self.stage, self.step, self.checkpoint = stage, step, checkpoint
+
+
+def nonfinite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The keys of floating-point tensors holding NaN or inf, in order."""
+    return [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
 
 def _sha256(path: Path) -> str:
@@ -68,19 +87,30 @@ def _join(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
-def save_checkpoint(directory: Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:
-    """Write `state` as checkpoint `directory/step-XXXXXX`, atomically; keep the newest `keep`."""
+def save_checkpoint(
+    directory: Path, step: int, state: dict[str, Any], keep: int = 2, identity: dict[str, Any] | None = None
+) -> Path:
+    """Write `state` as checkpoint `directory/step-XXXXXX`, atomically; keep the newest `keep`.
+
+    `identity` (JSON) records what wrote it, for `load_checkpoint(..., expect=)`. A state with a
+    non-finite floating-point tensor raises NonFiniteError and writes nothing."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"step-{step:06d}"
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _split(state, "state", tensors)
+    bad = nonfinite_tensors(tensors)
+    if bad:
+        raise NonFiniteError(f"refusing to write checkpoint {final}: {bad[0]} holds non-finite values",
+                             directory.name, step)
+    directory.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:06d}-", dir=directory))
     os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700 directories
     try:
-        tensors: dict[str, torch.Tensor] = {}
-        skeleton = _split(state, "state", tensors)
         save_file(tensors, str(tmp / TENSORS))
         os.chmod(tmp / TENSORS, 0o666 & ~umask())
-        meta = {"format": FORMAT, "step": step, "sha256": _sha256(tmp / TENSORS), "state": skeleton}
+        meta: dict[str, Any] = {"format": FORMAT, "step": step, "sha256": _sha256(tmp / TENSORS), "state": skeleton}
+        if identity is not None:
+            meta["identity"] = identity
         with open(tmp / STATE, "w") as f:
             json.dump(meta, f)
             f.flush()
@@ -110,9 +140,8 @@ def latest_checkpoint(directory: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load_checkpoint(path: Path) -> tuple[int, dict[str, Any]]:
-    """Verify and load a checkpoint directory; returns (step, state). Corruption is an OwaiError."""
-    path = Path(path)
+def _read_meta(path: Path) -> dict[str, Any]:
+    """state.json of checkpoint `path`, checked to be an owai checkpoint whose step is its name's."""
     try:
         meta = json.loads((path / STATE).read_text())
     except FileNotFoundError:
@@ -121,6 +150,44 @@ def load_checkpoint(path: Path) -> tuple[int, dict[str, Any]]:
         raise OwaiError(f"checkpoint {path} is corrupt: {STATE} is not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise OwaiError(f"checkpoint {path} is not an {FORMAT} checkpoint")
+    named = path.name[5:] if path.name.startswith("step-") else ""
+    if named.isdigit() and meta.get("step") != int(named):
+        raise OwaiError(f"checkpoint {path} is corrupt: its {STATE} says step {meta.get('step')!r}")
+    return meta
+
+
+def recorded_identity(path: Path) -> dict[str, Any] | None:
+    """The identity checkpoint `path` was written with (None: it records none)."""
+    identity = _read_meta(Path(path)).get("identity")
+    return identity if isinstance(identity, dict) else None
+
+
+def check_identity(path: Path, recorded: dict[str, Any] | None, expect: dict[str, Any]) -> None:
+    """Refuse checkpoint `path` unless its `recorded` identity matches `expect` on every key of
+    `expect` ("model": {name: shape} compares the shapes of the model's tensors)."""
+    if recorded is None:
+        raise OwaiError(f"checkpoint {path} records no identity (written by an older owai); it cannot be resumed safely, start a new run")
+    for key, want in expect.items():
+        have = recorded.get(key)
+        if key == "model" and not isinstance(have, dict):
+            raise OwaiError(f"checkpoint {path} records no model shapes; it does not belong to a training stage")
+        if key == "model" and isinstance(want, dict):
+            names = sorted(set(have) ^ set(want)) or [k for k in want if have[k] != want[k]]
+            if names:
+                name = names[0]
+                raise OwaiError(f"checkpoint {path} holds a model of another shape: {name} is "
+                                f"{have.get(name, 'absent')} there, {want.get(name, 'absent')} here")
+        elif have != want:
+            raise OwaiError(f"checkpoint {path} was written by {key} {have!r}, not {want!r}; it does not belong here")
+
+
+def load_checkpoint(path: Path, expect: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+    """Verify and load a checkpoint directory; returns (step, state). Corruption, a non-finite
+    tensor or (with `expect`) an identity other than `expect` is an OwaiError."""
+    path = Path(path)
+    meta = _read_meta(path)
+    if expect is not None:
+        check_identity(path, meta.get("identity") if isinstance(meta.get("identity"), dict) else None, expect)
     tensor_file = path / TENSORS
     if not tensor_file.is_file():
         raise OwaiError(f"checkpoint {path} is incomplete: {TENSORS} is missing")
@@ -130,6 +197,10 @@ def load_checkpoint(path: Path) -> tuple[int, dict[str, Any]]:
         tensors = load_file(str(tensor_file))
     except (SafetensorError, OSError) as e:
         raise OwaiError(f"checkpoint {path} is corrupt: {e}") from None
+    bad = nonfinite_tensors(tensors)
+    if bad:
+        raise NonFiniteError(f"checkpoint {path} holds non-finite values ({bad[0]}); it cannot be resumed",
+                             path.parent.name, int(meta["step"]) if isinstance(meta.get("step"), int) else 0)
     try:
         return int(meta["step"]), _join(meta["state"], tensors)
     except (KeyError, TypeError, ValueError) as e:

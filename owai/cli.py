@@ -17,8 +17,26 @@ import typer
 from rich.markup import escape
 
 from owai import __version__, console
-from owai.commands._common import Json, Out, Preset, Quiet, Resume, Sets, run_recipe
+from owai.commands._common import Json, Out, Preset, Quiet, RecipeOption, Resume, Sets, one_recipe, run_recipe
 from owai.errors import OwaiError
+
+def _flag_type_hidden() -> None:
+    """Show flags (--quiet, --json, --help, ...) as bare switches in --help: Typer's rich help
+    prints a type column for every option, `<bool>` for flags, which reads as if they took a value."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+    if getattr(shown, "owai_flags_bare", False):
+        return
+
+    def display_type_rich(self: TyperOption, ctx: object) -> str | None:
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich.owai_flags_bare = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_flag_type_hidden()
 
 app = typer.Typer(
     name="owai",
@@ -46,28 +64,63 @@ def _root(
 
 
 @recipes_app.command("list")
-def recipes_list(quiet: Quiet = False, as_json: Json = False) -> None:
-    """List recipes: id, thesis reference, presets, implemented status."""
+def recipes_list(
+    runs: Annotated[Optional[Path], typer.Option("--runs", help="Also show the claims' verdict of each recipe's newest run or sweep under this directory (e.g. runs/).")] = None,
+    quiet: Quiet = False,
+    as_json: Json = False,
+) -> None:
+    """List recipes: id, thesis reference, presets, implemented status, the command that runs it
+    and, with --runs DIR, the verdict of its claims on its newest run under DIR."""
     from rich.table import Table
 
     from owai import recipes
+    from owai.claims import summary_counts
+    from owai.report import latest_verdicts
 
     console.configure(quiet, as_json)
+    if runs is not None and not runs.is_dir():
+        raise OwaiError(f"--runs {runs}: no such directory")
     loaded = [recipes.load(name) for name in recipes.available()]
-    rows = [
-        {"id": r.id, "reproduces": r.references, "presets": list(r.presets), "default": r.default_preset,
-         "implemented": r.implemented, "command": r.method_class().cli if r.implemented else ""}
-        for r in loaded
-    ]
+    group = typer.main.get_command(app)
+
+    def command(r: recipes.Recipe) -> str:
+        """The method's command with `--recipe ID` where the command takes one (its positional alias
+        dropped), and `--study` for a recipe with a sweep where the command has one: copy and run."""
+        words = r.method_class().cli.split()[1:]
+        cmd, depth = group, 0
+        while depth < len(words) and hasattr(cmd, "commands") and words[depth] in cmd.commands:
+            cmd, depth = cmd.commands[words[depth]], depth + 1
+        options = {o for p in getattr(cmd, "params", []) for o in getattr(p, "opts", [])}
+        rest = words[depth:]
+        if "--recipe" in options and "--recipe" not in rest:
+            rest = (rest[1:] if rest and not rest[0].startswith("-") else rest) + ["--recipe", r.id]
+        if "--study" in options and r.sweep is not None and "--study" not in rest:
+            rest.append("--study")
+        return " ".join(["owai", *words[:depth], *rest])
+
+    last = latest_verdicts(runs) if runs is not None else {}
+    rows = []
+    for r in loaded:
+        row = {"id": r.id, "reproduces": r.references, "presets": list(r.presets), "default": r.default_preset,
+               "implemented": r.implemented, "command": command(r) if r.implemented else "", "claims": len(r.claims)}
+        if runs is not None:
+            row["last_run"] = last.get(r.id)
+        rows.append(row)
     if as_json:
         console.emit_json(rows)
         return
     table = Table(title="owai recipes")
-    for col in ("id", "reproduces", "presets", "implemented", "command"):
+    cols = ["id", "reproduces", "presets", "implemented", "command", "claims"] + (["last verdict"] if runs is not None else [])
+    for col in cols:
         table.add_column(col)
     for row in rows:
         presets = ", ".join(f"[bold]{p}[/bold]" if p == row["default"] else p for p in row["presets"])
-        table.add_row(row["id"], row["reproduces"], presets, "yes" if row["implemented"] else "no", row["command"])
+        cells = [row["id"], row["reproduces"], presets, "yes" if row["implemented"] else "no", escape(row["command"]),
+                 str(row["claims"])]
+        if runs is not None:
+            found = row["last_run"]
+            cells.append("-" if found is None else escape(f"{summary_counts(found['claims'])} ({found['dir']})"))
+        table.add_row(*cells)
     console.stdout.print(table)
 
 
@@ -76,15 +129,16 @@ def recipes_show(
     recipe: Annotated[str, typer.Argument(help="Recipe id or path to a recipe YAML file.")],
     preset: Preset = None,
     sets: Sets = None,
+    quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
-    """Show a recipe and, with --preset/--set, the fully resolved parameters."""
+    """Show a recipe (its claims included) and, with --preset/--set, the fully resolved parameters."""
     import yaml
 
     from owai import recipes
     from owai.experiment import resolve
 
-    console.configure(False, as_json)
+    console.configure(quiet, as_json)
     r = recipes.load(recipe)
     resolved = resolve(r, preset, sets or [])[1] if r.implemented else None
     if as_json:
@@ -98,7 +152,8 @@ def recipes_show(
 
 @recipes_app.command("run")
 def recipes_run(
-    recipe: Annotated[str, typer.Argument(help="Recipe id or path to a recipe YAML file.")],
+    recipe: Annotated[Optional[str], typer.Argument(help="Recipe id or path to a recipe YAML file.", show_default=False)] = None,
+    recipe_option: RecipeOption = None,
     preset: Preset = None,
     sets: Sets = None,
     out: Out = Path("runs"),
@@ -107,6 +162,9 @@ def recipes_run(
     as_json: Json = False,
 ) -> None:
     """Run any recipe (the same path as its method's subcommand)."""
+    recipe = one_recipe(recipe, recipe_option)
+    if recipe is None and resume is None:
+        raise OwaiError("name a RECIPE to run (or --resume RUN_DIR)")
     run_recipe(recipe, preset, sets, out, resume, quiet, as_json)
 
 
@@ -114,33 +172,45 @@ def recipes_run(
 def report(
     run_dir: Annotated[Path, typer.Argument(help="A run directory (or a sweep directory).")],
     markdown: Annotated[bool, typer.Option("--markdown", help="Print a Markdown table instead.")] = False,
+    quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
-    """Print a run's measured numbers beside the thesis's (a sweep's: mean ± std over seeds)."""
+    """Print a run's measured numbers beside the thesis's (a sweep's: mean ± std over seeds), then
+    the recipe's claims judged on them: holds, misses or n/a (not measured), with the numbers."""
     from owai import sweep
+    from owai.claims import summary_counts
+    from owai.report import claims_markdown, claims_table, run_claims, sweep_claims
     from owai.report import markdown as to_markdown
     from owai.report import table
     from owai.runs import Run
 
-    console.configure(False, as_json)
+    console.configure(quiet, as_json)
     if sweep.is_sweep_dir(run_dir):
         summary = sweep.summarise(sweep.open_sweep(run_dir))
+        verdicts, source = sweep_claims(run_dir, summary)
         if as_json:
-            console.emit_json(summary)
+            console.emit_json({**summary, "claims": verdicts, "claims_source": source})
         elif markdown:
-            sys.stdout.write(sweep.markdown(summary))
+            sys.stdout.write(sweep.markdown(summary) + (claims_markdown(verdicts) if verdicts else ""))
         else:
             console.stdout.print(sweep.table(summary))
+            if verdicts:
+                console.stdout.print(claims_table(verdicts, f"thesis claims on {source}: {summary_counts(verdicts)}"))
         return
     results = Run.open(run_dir).results()
     if results is None:
-        raise OwaiError(f"{run_dir} has no results.json yet (status: {Run(run_dir).status()}); resume it with --resume")
+        from owai.experiment import resume_hint
+
+        raise OwaiError(f"{run_dir} has no results.json yet (status: {Run(run_dir).status()}); {resume_hint(Run(run_dir))}")
+    verdicts = run_claims(run_dir, results)
     if as_json:
-        console.emit_json(results)
+        console.emit_json({**results, "claims": verdicts})
     elif markdown:
-        sys.stdout.write(to_markdown(results))
+        sys.stdout.write(to_markdown(results) + (claims_markdown(verdicts) if verdicts else ""))
     else:
         console.stdout.print(table(results))
+        if verdicts:
+            console.stdout.print(claims_table(verdicts, f"thesis claims: {summary_counts(verdicts)}"))
 
 
 def _register_commands() -> None:

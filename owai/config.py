@@ -137,7 +137,63 @@ def build(cls: type, data: dict[str, Any], path: str = "params") -> Any:
     ]
     if missing:
         raise OwaiError(f"{path}: missing required key {missing[0]!r}")
-    return cls(**kwargs)
+    obj = cls(**kwargs)
+    if isinstance(obj, BaseConfig):  # a method's whole config: sizes must fit in memory
+        check_sizes(obj, path)
+    return obj
+
+
+# Size fields by role, by field name, in every method's config. One batch's activations need at
+# least batch x (length x width + length^2 + 3 x image^2) floats (tokens x features, one attention
+# map, one RGB input); a config whose lower bound exceeds the machine's memory cannot run.
+BATCH_FIELDS = ("batch_size", "eval_batch_size", "batch_per_domain")
+LENGTH_FIELDS = ("block_size",)
+WIDTH_FIELDS = ("n_embd", "hidden", "n_features")
+IMAGE_FIELDS = ("image_size",)
+
+
+def memory_bytes() -> int:
+    """This machine's physical memory in bytes (1 TiB where the OS does not say)."""
+    import os
+
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return 1 << 40
+
+
+def _size_fields(obj: Any, prefix: str) -> list[tuple[str, str, int]]:
+    """(dotted path, field name, value) of every int field below dataclass `obj`."""
+    found = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            found += _size_fields(value, f"{prefix}{f.name}.")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            found.append((f"{prefix}{f.name}", f.name, value))
+    return found
+
+
+def check_sizes(cfg: Any, path: str = "params", limit: int | None = None) -> None:
+    """Reject sizes (batch, context, width, image) whose smallest possible activation memory
+    exceeds `limit` bytes (default: this machine's memory), before anything is allocated."""
+    fields = _size_fields(cfg, "")
+
+    def largest(names: tuple[str, ...]) -> tuple[str, int]:
+        chosen = [(p, v) for p, n, v in fields if n in names and v > 0]
+        return max(chosen, key=lambda pv: pv[1]) if chosen else ("", 0)
+
+    batch, length, width, image = (largest(n) for n in (BATCH_FIELDS, LENGTH_FIELDS, WIDTH_FIELDS, IMAGE_FIELDS))
+    if not batch[0]:
+        return
+    per_example = max(length[1], 1) * max(width[1], 1) + length[1] ** 2 + 3 * image[1] ** 2
+    needed = 4 * batch[1] * per_example
+    limit = memory_bytes() if limit is None else limit
+    if needed > limit:
+        named = ", ".join(f"{p}={v}" for p, v in (batch, length, width, image) if p)
+        biggest = max((pv for pv in (batch, length, image) if pv[0]), key=lambda pv: pv[1])
+        raise OwaiError(f"{path}: {named} need at least {needed / 2**30:,.0f} GiB for one batch, more than this "
+                        f"machine's {limit / 2**30:,.0f} GiB; lower {biggest[0]}")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -8,7 +8,9 @@ human-readable goes to stderr or is suppressed.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -24,8 +26,25 @@ from rich.progress import (
 
 T = TypeVar("T")
 
+# Width of output that is not a terminal (a file, a pipe): wide enough that tables are never cut
+# or wrapped at Rich's 80-column default; a table still takes only the width it needs. COLUMNS wins.
+PIPE_WIDTH = 1000
+# Seconds between the plain progress lines a bar prints when stderr is not a terminal
+# (environment: OWAI_PROGRESS_SECONDS).
+PROGRESS_SECONDS = 30.0
+
 stdout = Console(highlight=False)
 stderr = Console(stderr=True, highlight=False)
+
+
+def _fit_width(con: Console) -> None:
+    """A terminal keeps its own width; anything else gets PIPE_WIDTH unless COLUMNS is set."""
+    if not con.is_terminal and not os.environ.get("COLUMNS"):
+        con.width = PIPE_WIDTH
+
+
+_fit_width(stdout)
+_fit_width(stderr)
 
 
 class _State:
@@ -40,6 +59,8 @@ def configure(quiet: bool = False, as_json: bool = False) -> None:
     """Set the output mode for this process (called once per command)."""
     state.quiet = quiet
     state.json = as_json
+    _fit_width(stdout)
+    _fit_width(stderr)
 
 
 def info(message: str) -> None:
@@ -59,12 +80,32 @@ def progress_enabled() -> bool:
     return not state.quiet and not state.json
 
 
+def _progress_seconds() -> float:
+    try:
+        return max(0.0, float(os.environ.get("OWAI_PROGRESS_SECONDS", PROGRESS_SECONDS)))
+    except ValueError:
+        return PROGRESS_SECONDS
+
+
 class Bar:
-    """A manually advanced progress bar with a status field (for training loops)."""
+    """A manually advanced progress bar with a status field (for training loops).
+
+    On a terminal: a Rich bar on stderr (not under --quiet/--json). Not on a terminal (a log file,
+    a pipe, a batch job): a plain stderr line every `OWAI_PROGRESS_SECONDS` (30) seconds with
+    step/total, percentage, status (e.g. the loss) and elapsed time, and a last line at the end
+    if any was printed; under --json too (stdout stays one JSON document), never under --quiet."""
 
     def __init__(self, description: str, total: int, completed: int = 0) -> None:
         self._progress: Progress | None = None
-        if progress_enabled():
+        self._lines = False
+        self.description, self.total, self.completed, self.status = description, total, completed, ""
+        self._start = self._last = time.monotonic()
+        self._every = _progress_seconds()
+        self._printed = False
+        self._printed_at: tuple[int, str] | None = None
+        if not stderr.is_terminal:
+            self._lines = not state.quiet
+        elif progress_enabled():
             self._progress = Progress(
                 TextColumn("[bold]{task.description}"),
                 BarColumn(),
@@ -84,9 +125,31 @@ class Bar:
     def __exit__(self, *exc: object) -> None:
         if self._progress is not None:
             self._progress.stop()
+        if self._printed and exc[0] is None:
+            self._line()
+
+    def _line(self) -> None:
+        if self._printed_at == (self.completed, self.status):
+            return
+        self._printed_at = (self.completed, self.status)
+        elapsed = int(time.monotonic() - self._start)
+        share = f" ({100 * self.completed / self.total:.0f}%)" if self.total else ""
+        status = f", {self.status}" if self.status else ""
+        stderr.print(f"{self.description}: {self.completed}/{self.total}{share}{status}, "
+                     f"elapsed {elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d}",
+                     markup=False, highlight=False, soft_wrap=True)
+        self._printed = True
 
     def update(self, advance: int = 1, status: str | None = None) -> None:
         """Advance the bar; `status` (e.g. the latest loss) stays until replaced."""
+        self.completed += advance
+        if status is not None:
+            self.status = status
+        if self._lines:
+            now = time.monotonic()
+            if now - self._last >= self._every:
+                self._last = now
+                self._line()
         if self._progress is None:
             return
         if status is None:

@@ -1,20 +1,26 @@
 """Execute a recipe: resolve its config, create or resume a run, call the method, write results.
 
 This is the one path from the CLI (`owai moons`, `owai recipes run`, sweep points) to a method.
+
+A resume continues the run's own config (config.yaml), refuses a run of another command, and may
+change only the method's `resume_overrides` (optimisation settings such as train.lr), recorded in
+config_history.jsonl. Non-finite training state or metrics end the run as `failed`, never `complete`.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
+import math
 from pathlib import Path
 from typing import Any
 
 from owai import console, distributed
-from owai.checkpoint import latest_checkpoint, load_checkpoint
-from owai.config import apply_overrides, build, to_dict
+from owai.checkpoint import NonFiniteError, latest_checkpoint, load_checkpoint, recorded_identity
+from owai.config import apply_overrides, build, parse_override, to_dict
 from owai.errors import OwaiError
 from owai.recipes import Recipe, load, recorded_name, thesis_for
-from owai.runs import Run, ensure_writable, environment
+from owai.runs import Run, config_hash, ensure_writable, environment
 
 
 def resolve(recipe: Recipe, preset: str | None, overrides: list[str]) -> tuple[Any, dict[str, Any]]:
@@ -40,13 +46,114 @@ def command_line(recipe: Recipe, preset: str, overrides: list[str]) -> str:
     return " ".join([cli, f"--preset {preset}", *(f"--set {o}" for o in overrides)])
 
 
-def verify_checkpoints(run: Run) -> None:
-    """Check every stage's newest checkpoint before a resume writes anything."""
+def run_identity(recipe: Recipe, params: dict[str, Any]) -> dict[str, Any]:
+    """What every checkpoint of a run records and a resume must match: the command, recipe and
+    method, and a hash of the params without the method's `resume_overrides` (which a resume may
+    change; config_history.jsonl records when)."""
+    cls = recipe.method_class()
+    fixed = copy.deepcopy(params)
+    for key in cls.resume_overrides:
+        *parents, leaf = key.split(".")
+        node: Any = fixed
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return {"command": cls.cli, "recipe": recipe.id, "method": recipe.method, "config_hash": config_hash(fixed)}
+
+
+def verify_checkpoints(run: Run, identity: dict[str, Any]) -> dict[str, int]:
+    """Check every stage's newest checkpoint (checksum, finite tensors and, where it records one,
+    its identity: this run's, its own stage) before a resume writes anything. Returns {stage: step}."""
+    found = {}
     root = run.path / "checkpoints"
     for stage_dir in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
         last = latest_checkpoint(stage_dir)
         if last is not None:
-            load_checkpoint(last)
+            recorded = recorded_identity(last)  # train_loop refuses a stage checkpoint without one
+            load_checkpoint(last, expect=None if recorded is None else {**identity, "stage": stage_dir.name})
+            found[stage_dir.name] = int(last.name[5:])
+    return found
+
+
+def effective_config(run: Run, recipe: Recipe, resolved: dict[str, Any]) -> dict[str, Any]:
+    """config.yaml's resolved config with the settings later resumes changed (config_history.jsonl),
+    listed under "resume_overrides"."""
+    changes = [o for entry in run.config_history() for o in entry["overrides"]]
+    if not changes:
+        return resolved
+    check_resume_overrides(recipe, changes)
+    params = apply_overrides(recipe.method_class().Config, resolved["params"], changes)
+    return {**resolved, "params": params, "resume_overrides": changes}
+
+
+def check_resume_overrides(recipe: Recipe, overrides: list[str]) -> None:
+    """Each `--set` given with --resume must name one of the method's `resume_overrides`."""
+    allowed = recipe.method_class().resume_overrides
+    for text in overrides:
+        key = ".".join(parse_override(text)[0])
+        if key not in allowed:
+            can = f"only {', '.join(allowed)} can" if allowed else "no setting can"
+            raise OwaiError(f"--set {key}: {can} change when resuming a {recipe.method} run")
+
+
+def nonfinite_metrics(measured: dict[str, Any]) -> list[str]:
+    """Names of measured numbers that are NaN or infinite (in lists too, e.g. name[2])."""
+    bad: list[str] = []
+
+    def visit(name: str, value: Any) -> None:
+        if isinstance(value, float) and not math.isfinite(value):
+            bad.append(name)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                visit(f"{name}[{i}]", v)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                visit(f"{name}.{k}", v)
+
+    for name, value in measured.items():
+        visit(name, value)
+    return bad
+
+
+def resume_hint(run: Run) -> str:
+    """How to continue an unfinished run: a plain resume, or, for a run that failed on non-finite
+    training state, a resume with a lower learning rate (the first of the method's resume_overrides)."""
+    plain = f"resume it with --resume {run.path}"
+    try:
+        resolved = run.read_config()
+        recipe = load(recorded_name(resolved["recipe"], resolved.get("recipe_source")))
+        resolved = effective_config(run, recipe, resolved)
+    except OwaiError:
+        return plain
+    command = f"owai recipes run {_recipe_argument(recipe)} --resume {run.path}"
+    nonfinite = run.status_info().get("nonfinite") if run.status() == "failed" else None
+    if not isinstance(nonfinite, dict):
+        return f"resume it with `{command}`"
+    if "metrics" in nonfinite:
+        return "its evaluation gave non-finite metrics; start a new run with other settings"
+    from owai.sweep import is_sweep_dir
+
+    allowed = recipe.method_class().resume_overrides
+    if is_sweep_dir(run.path.parent.parent):
+        return "a sweep point keeps its grid's settings: sweep again with a lower learning rate"
+    if not allowed:
+        return f"{recipe.method} settings cannot change on resume: start a new run with a lower learning rate"
+    key = allowed[0]
+    value: Any = resolved["params"]
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    lower = f"{value / 10:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else "VALUE"
+    return (f"continue it from its last finite checkpoint with other optimisation settings "
+            f"({', '.join(allowed)}): `{command} --set {key}={lower}`")
+
+
+def _recipe_argument(recipe: Recipe) -> str:
+    """How a command line names `recipe`: its id when that loads this very recipe, else its file."""
+    try:
+        return recipe.id if load(recipe.id).source == recipe.source else recipe.source
+    except OwaiError:
+        return recipe.source
 
 
 def execute(
@@ -56,19 +163,23 @@ def execute(
     out: Path = Path("runs"),
     resume: Path | None = None,
     run_dir: Path | None = None,
+    methods: tuple[str, ...] | None = None,
 ) -> tuple[Run, dict[str, Any]]:
     """Run a recipe (or resume a run directory) to completion; returns (run, results).
 
     `run_dir` puts a new run at exactly that (not yet existing) directory instead of
-    out/<recipe>/<time>-<hash>/ (sweep points use it)."""
+    out/<recipe>/<time>-<hash>/ (sweep points use it). With `resume`, `overrides` may change only
+    the method's `resume_overrides`, and the run must be of one of `methods` (the invoking
+    command's) or, if `recipe_name` is given, of that recipe's method."""
     overrides = list(overrides or [])
     if distributed.launched_by_torchrun():
-        run = _agree_on_run(recipe_name, preset, overrides, out, resume, run_dir)
+        run = _agree_on_run(recipe_name, preset, overrides, out, resume, run_dir, methods)
     else:
-        run = _prepare(recipe_name, preset, overrides, out, resume, run_dir)
+        run = _prepare(recipe_name, preset, overrides, out, resume, run_dir, methods)
     run.writes = distributed.is_main()
     resolved = run.read_config()
     recipe = load(recorded_name(resolved["recipe"], resolved.get("recipe_source")))
+    resolved = effective_config(run, recipe, resolved)
     cfg = build(recipe.method_class().Config, resolved["params"], path=f"{run.path}/config.yaml params")
     if resume is not None:
         if run.status() == "complete" and run.results() is not None:
@@ -79,17 +190,13 @@ def execute(
 
 
 def _prepare(
-    recipe_name: str | None, preset: str | None, overrides: list[str], out: Path, resume: Path | None, run_dir: Path | None
+    recipe_name: str | None, preset: str | None, overrides: list[str], out: Path, resume: Path | None,
+    run_dir: Path | None, methods: tuple[str, ...] | None = None,
 ) -> Run:
     """Create the run directory of a new run (everything validated first), or open and verify the
     one being resumed. The method then reads its config back from config.yaml either way."""
     if resume is not None:
-        if overrides or preset:
-            raise OwaiError("--resume takes its config from the run directory; drop --preset/--set")
-        run = Run.open(resume)
-        if not (run.status() == "complete" and run.results() is not None):
-            verify_checkpoints(run)
-        return run
+        return _prepare_resume(resume, recipe_name, preset, overrides, methods)
     if recipe_name is None:
         raise OwaiError("no recipe given")
     recipe = load(recipe_name)
@@ -102,8 +209,45 @@ def _prepare(
     return run
 
 
+def _prepare_resume(
+    resume: Path, recipe_name: str | None, preset: str | None, overrides: list[str], methods: tuple[str, ...] | None
+) -> Run:
+    """Open the run being resumed and check, before anything is written: that it is a run of this
+    command, that the `--set` overrides are resumable settings with valid values, and that every
+    stage's newest checkpoint is intact, finite and this run's. Records the overrides."""
+    from owai.sweep import is_sweep_dir
+
+    if preset:
+        raise OwaiError("--resume takes its config from the run directory; drop --preset")
+    run = Run.open(resume)
+    resolved = run.read_config()
+    recipe = load(recorded_name(resolved["recipe"], resolved.get("recipe_source")))
+    if methods is None and recipe_name is not None:
+        methods = (load(recipe_name).method,)
+    if methods is not None and recipe.method not in methods:
+        raise OwaiError(f"{run.path} is a run of `{recipe.method_class().cli}` (recipe {recipe.id}), not of this "
+                        f"command; resume it with `owai recipes run {_recipe_argument(recipe)} --resume {run.path}`")
+    if run.status() == "complete" and run.results() is not None:
+        if overrides:
+            raise OwaiError(f"{run.path} is already complete; --set with --resume changes only an unfinished run")
+        return run
+    resolved = effective_config(run, recipe, resolved)
+    if overrides:
+        if is_sweep_dir(run.path.parent.parent):
+            raise OwaiError(f"{run.path} is a sweep point, whose settings are its grid's; --set with --resume applies to single runs")
+        check_resume_overrides(recipe, overrides)
+        schema = recipe.method_class().Config
+        cfg = build(schema, apply_overrides(schema, resolved["params"], overrides), path="params")
+        recipe.method_class().validate(cfg)
+    checkpoints = verify_checkpoints(run, run_identity(recipe, resolved["params"]))
+    if overrides:
+        run.record_overrides(overrides, checkpoints)
+    return run
+
+
 def _agree_on_run(
-    recipe_name: str | None, preset: str | None, overrides: list[str], out: Path, resume: Path | None, run_dir: Path | None
+    recipe_name: str | None, preset: str | None, overrides: list[str], out: Path, resume: Path | None,
+    run_dir: Path | None, methods: tuple[str, ...] | None = None,
 ) -> Run:
     """Under torchrun: rank 0 creates (or opens) the run directory and tells the other ranks where
     it is, or the one-line error that stopped it; every rank then runs the method."""
@@ -113,7 +257,7 @@ def _agree_on_run(
     message: tuple[str | None, str | None] | None = None
     if distributed.is_main():
         try:
-            message = (str(_prepare(recipe_name, preset, overrides, out, resume, run_dir).path), None)
+            message = (str(_prepare(recipe_name, preset, overrides, out, resume, run_dir, methods).path), None)
         except OwaiError as e:
             message = (None, str(e))
     path, error = distributed.broadcast_object(message)
@@ -128,6 +272,7 @@ def _run_method(recipe: Recipe, cfg: Any, resolved: dict[str, Any], run: Run) ->
 
     device, run.dtype = runtime.setup(cfg.runtime, cfg.seed + distributed.world().rank)
     run.device = distributed.device_for(device)
+    run.identity = run_identity(recipe, resolved["params"])
     run.write_env(environment(str(run.device), cfg.runtime.dtype, cfg.seed))
     method = recipe.method_class()()
     try:
@@ -135,10 +280,21 @@ def _run_method(recipe: Recipe, cfg: Any, resolved: dict[str, Any], run: Run) ->
     except KeyboardInterrupt:
         run.set_status("interrupted")
         raise
+    except NonFiniteError as e:
+        run.set_status("failed", error=f"{type(e).__name__}: {e}",
+                       nonfinite={"stage": e.stage, "step": e.step, "checkpoint": e.checkpoint})
+        raise NonFiniteError(f"{e}; {resume_hint(run)}", e.stage, e.step, e.checkpoint) from None
     except BaseException as e:
         run.set_status("failed", error=f"{type(e).__name__}: {e}")
         raise
+    bad = nonfinite_metrics(outcome.measured)
+    if bad:
+        error = f"non-finite metrics ({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''}); {run.path} is failed and has no results.json"
+        run.set_status("failed", error=error, nonfinite={"metrics": bad})
+        raise OwaiError(error)
     results = assemble(recipe, resolved, outcome.measured, outcome.details, run)
+    if resolved.get("resume_overrides"):
+        results["config_history"] = run.config_history()
     run.write_results(results)
     run.set_status("complete")
     return run, results
@@ -148,7 +304,10 @@ def assemble(
     recipe: Recipe, resolved: dict[str, Any], measured: dict[str, Any], details: dict[str, Any], run: Run
 ) -> dict[str, Any]:
     """The one results format: measured numbers beside the thesis's, matched by metric name (and,
-    for a number the thesis reports per setting, by the run's params; see `thesis_for`)."""
+    for a number the thesis reports per setting, by the run's params; see `thesis_for`), and the
+    recipe's claims judged on them (`owai.claims`)."""
+    from owai.claims import judge_all, run_records
+
     numbers = {name: thesis_for(recipe, name, resolved["params"]) for name in recipe.thesis}
     names = list(measured) + [k for k, n in numbers.items() if n is not None and k not in measured]
     rows = []
@@ -172,5 +331,6 @@ def assemble(
         "run_dir": str(run.path),
         "finished": dt.datetime.now().isoformat(timespec="seconds"),
         "rows": rows,
+        "claims": judge_all(recipe.claims, run_records({"rows": rows}, resolved["params"]), resolved["preset"]),
         "details": details,
     }

@@ -71,8 +71,9 @@ CACHE_ENV = "OWAI_CACHE"
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """Cache root (token shards, extracted archives, downloaded and pre-trained weights): `cache_dir`
-    if given, else `$OWAI_CACHE`, else `~/.cache/owai`."""
+    """Cache root (token shards, extracted archives, downloaded and pre-trained weights, and under
+    `data/` the datasets `owai data fetch` downloads; see owai.data.registry): `cache_dir` if given,
+    else `$OWAI_CACHE`, else `~/.cache/owai`."""
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
     env = os.environ.get(CACHE_ENV)

@@ -102,6 +102,8 @@ class Recipe:
     default_preset: str = "cpu"
     thesis: dict[str, ThesisNumber | list[ThesisNumber]] = dataclasses.field(default_factory=dict)
     sweep: SweepSpec | None = None
+    # the thesis's claims as predicates over the measured numbers (owai/claims.py; checked on load)
+    claims: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     source: str = ""  # where the recipe was loaded from (filled by the loader)
 
     @property
@@ -167,8 +169,10 @@ def load(name: str) -> Recipe:
     except (OSError, UnicodeDecodeError) as e:
         raise OwaiError(f"cannot read recipe {path}: {getattr(e, 'strerror', None) or e}") from None
     recipe = parse(text, str(path))
-    if recipe.id != path.stem:
-        raise OwaiError(f"recipe {path}: id {recipe.id!r} does not match the file name")
+    if recipe.id != path.stem and path.resolve().parent == recipe_dir().resolve():
+        # packaged recipes are found by file name, so theirs must be their id; a user's file given
+        # by path may be named anything (its id names the run directories: OUT/<id>/...)
+        raise OwaiError(f"recipe {path}: id {recipe.id!r} does not match the file name; rename it to {recipe.id}.yaml")
     return recipe
 
 
@@ -209,6 +213,9 @@ def validate(recipe: Recipe) -> None:
             raise OwaiError(f"{where}: thesis {metric!r} is an empty list")
     if recipe.sweep is not None:
         _validate_sweep(recipe, where)
+    from owai.claims import check_claims
+
+    check_claims(recipe.claims, recipe.id, list(recipe.presets))
     if not recipe.implemented:
         return
     schema = recipe.method_class().Config

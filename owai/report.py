@@ -1,7 +1,9 @@
-"""Measured-vs-thesis tables for a run's results.json (Rich and Markdown)."""
+"""Measured-vs-thesis tables for a run's results.json (Rich and Markdown), and the recipe's claims
+judged on a run or a sweep/study directory (holds / misses / n/a, with the numbers behind them)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from rich.markup import escape
@@ -52,3 +54,100 @@ def markdown(results: dict[str, Any]) -> str:
     for row in results["rows"]:
         lines.append(f"| {row['metric']} | {fmt(row['measured'])} | {_thesis(row)} | {row.get('ref') or ''} |")
     return "\n".join(lines) + "\n"
+
+
+# --- claims (owai/claims.py) -------------------------------------------------------------------
+
+def run_claims(run_dir: Path, results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The recipe's claims judged on a single run, now (so runs written before a claim existed, or
+    before claims were recorded, are judged too); the run's recorded verdicts if its recipe is gone."""
+    from owai.claims import judge_all, recipe_claims, run_records
+    from owai.errors import OwaiError
+    from owai.runs import Run
+
+    try:
+        config = Run(run_dir).read_config()
+    except OwaiError:
+        config = {"params": {}, "recipe_source": None}
+    claims = recipe_claims(results["recipe"], config.get("recipe_source"))
+    if not claims:
+        return list(results.get("claims") or [])
+    return judge_all(claims, run_records(results, config.get("params")), results.get("preset"))
+
+
+def sweep_claims(sweep_dir: Path, summary: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+    """(verdicts, source of the numbers) of a sweep directory: on its study's rows if it has a
+    study (bonsai.json, regbench.json, ...), else on its summary's cells."""
+    from owai.claims import judge_all, recipe_claims, sweep_records
+    from owai.sweep import open_sweep
+
+    plan = open_sweep(sweep_dir)
+    records, source = sweep_records(Path(sweep_dir), summary)
+    return judge_all(recipe_claims(plan.recipe, plan.recipe_source), records, plan.preset), source
+
+
+def _numbers(verdict: dict[str, Any]) -> str:
+    return ", ".join(f"{k} = {fmt(v)}" for k, v in verdict["numbers"].items())
+
+
+VERDICT_STYLE = {"holds": "green", "misses": "red", "n/a": "yellow"}
+
+
+def claims_table(verdicts: list[dict[str, Any]], title: str = "thesis claims") -> Table:
+    """One row per claim: the verdict, the claim's text, the comparison made and its numbers."""
+    t = Table(title=escape(title))
+    t.add_column("verdict", no_wrap=True)
+    t.add_column("claim")
+    t.add_column("check")
+    t.add_column("numbers")
+    for v in verdicts:
+        style = VERDICT_STYLE.get(v["verdict"], "")
+        t.add_row(f"[{style}]{v['verdict']}[/{style}]", escape(f"{v['text']} ({v['id']})"), escape(v["detail"]),
+                  escape(_numbers(v)))
+    return t
+
+
+def claims_markdown(verdicts: list[dict[str, Any]]) -> str:
+    lines = ["", "| verdict | claim | check | numbers |", "|---|---|---|---|"]
+    for v in verdicts:
+        lines.append(f"| {v['verdict']} | {v['text']} ({v['id']}) | {v['detail']} | {_numbers(v)} |")
+    return "\n".join(lines) + "\n"
+
+
+def latest_verdicts(root: Path) -> dict[str, dict[str, Any]]:
+    """Recipe id -> {"dir", "claims"} of the newest finished run or sweep under `root` (by the
+    time its results.json / summary.json was written); a sweep's points count as the sweep."""
+    import json
+
+    from owai import sweep
+    from owai.errors import OwaiError
+
+    newest: dict[str, tuple[float, Path, str]] = {}
+    found = sorted([*Path(root).rglob("results.json"), *Path(root).rglob(sweep.SUMMARY)])
+    for path in found:
+        if path.name == "results.json" and not (path.parent.parent.name == sweep.POINTS
+                                                 and sweep.is_sweep_dir(path.parent.parent.parent)):
+            kind = "run"
+        elif path.name == sweep.SUMMARY and sweep.is_sweep_dir(path.parent):
+            kind = "sweep"
+        else:
+            continue
+        try:
+            recipe = json.loads(path.read_text())["recipe"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        when = path.stat().st_mtime
+        if recipe not in newest or when > newest[recipe][0]:
+            newest[recipe] = (when, path.parent, kind)
+    out = {}
+    for recipe, (_, directory, kind) in newest.items():
+        try:
+            if kind == "run":
+                results = json.loads((directory / "results.json").read_text())
+                verdicts = run_claims(directory, results)
+            else:
+                verdicts = sweep_claims(directory, json.loads((directory / sweep.SUMMARY).read_text()))[0]
+        except (OSError, ValueError, KeyError, OwaiError):
+            continue
+        out[recipe] = {"dir": str(directory), "claims": verdicts}
+    return out

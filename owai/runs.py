@@ -1,9 +1,10 @@
 """Run directories: the resolved config, environment facts, metrics, results, figures, checkpoints.
 
     runs/<recipe>/<YYYYmmdd-HHMMSS>-<confighash>/
-        config.yaml       resolved config (recipe, preset, overrides, params)
+        config.yaml       resolved config (recipe, preset, overrides, params), never rewritten
+        config_history.jsonl  one line per resume that changed settings (--set): time, overrides
         env.json          owai version/commit, torch, device, seed, host, start time, resumes
-        status.json       running | complete | failed
+        status.json       running | complete | failed (+ error; `nonfinite` when NaN/inf stopped it)
         metrics.jsonl     one JSON object per logged step: {"stage", "step", ...}
         results.json      measured numbers beside the thesis's (the one results writer)
         figures/*.png
@@ -34,6 +35,7 @@ ENV = "env.json"
 STATUS = "status.json"
 METRICS = "metrics.jsonl"
 RESULTS = "results.json"
+HISTORY = "config_history.jsonl"
 
 
 def config_hash(resolved: dict[str, Any]) -> str:
@@ -86,6 +88,9 @@ class Run:
         # False on the non-zero ranks of a torchrun job: they read the run directory, only rank 0
         # writes to it (metrics, status, figures, results; train_loop does the same for checkpoints).
         self.writes = True
+        # What every checkpoint of this run records and a resume must match (command, recipe,
+        # method, config hash; set by owai.experiment); train_loop adds the stage and model shapes.
+        self.identity: dict[str, Any] = {}
 
     # -- creation / opening -------------------------------------------------------------------
     @classmethod
@@ -148,6 +153,37 @@ class Run:
         if not isinstance(data, dict) or "recipe" not in data or "params" not in data:
             raise OwaiError(f"{self.path / CONFIG} is not a resolved owai config")
         return data
+
+    def config_history(self) -> list[dict[str, Any]]:
+        """The settings changed by resumes, oldest first: [{"time", "overrides", "checkpoints"}]."""
+        path = self.path / HISTORY
+        if not path.exists():
+            return []
+        try:
+            entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        except ValueError:
+            raise OwaiError(f"{path} is corrupt") from None
+        if not all(isinstance(e, dict) and isinstance(e.get("overrides"), list) for e in entries):
+            raise OwaiError(f"{path} is corrupt")
+        return entries
+
+    def record_overrides(self, overrides: list[str], checkpoints: dict[str, int]) -> None:
+        """Append one resume's `--set` overrides (and the stage checkpoints it continues from) to
+        config_history.jsonl; config.yaml keeps the settings the run started with."""
+        if not self.writes:
+            return
+        entry = {"time": dt.datetime.now().isoformat(timespec="seconds"), "overrides": list(overrides),
+                 "checkpoints": checkpoints}
+        lines = [json.dumps(e) for e in self.config_history()] + [json.dumps(entry)]
+        atomic_write_bytes(self.path / HISTORY, ("\n".join(lines) + "\n").encode())
+
+    def status_info(self) -> dict[str, Any]:
+        """status.json as a dict ({} when missing or unreadable)."""
+        try:
+            info = json.loads((self.path / STATUS).read_text())
+        except (OSError, ValueError):
+            return {}
+        return info if isinstance(info, dict) else {}
 
     def write_env(self, facts: dict[str, Any]) -> None:
         if not self.writes:

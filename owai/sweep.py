@@ -608,12 +608,14 @@ def write_summary(sweep: Sweep, outcomes: list[dict[str, Any]] | None = None) ->
 
 def write_study_files(sweep: Sweep, stem: str, title: str, rows: list[dict[str, Any]], markdown: str,
                       figure: Any) -> Path:
-    """A study's outputs in the sweep directory, atomically: <stem>.json (the rows), <stem>.md and
-    figures/<stem>.png; returns the figure's path."""
+    """A study's outputs in the sweep directory, atomically: <stem>.json (the rows and the recipe's
+    claims judged on them), <stem>.md and figures/<stem>.png; returns the figure's path."""
+    from owai.claims import judge_all, recipe_claims, study_records
     from owai.io import atomic_write_figure, atomic_write_text
 
+    claims = judge_all(recipe_claims(sweep.recipe, sweep.recipe_source), study_records(rows), sweep.preset)
     atomic_write_json(sweep.path / f"{stem}.json", {"recipe": sweep.recipe, "preset": sweep.preset, "title": title,
-                                                    "sweep_dir": str(sweep.path), "rows": rows})
+                                                    "sweep_dir": str(sweep.path), "rows": rows, "claims": claims})
     atomic_write_text(sweep.path / f"{stem}.md", markdown)
     path = sweep.path / "figures" / f"{stem}.png"
     path.parent.mkdir(exist_ok=True)

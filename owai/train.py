@@ -9,6 +9,12 @@ The same loop serves the small exact experiments (one micro-batch, float32, one 
 language models (gradient accumulation, bf16/fp16 autocast, DDP/FSDP under torchrun through an
 `owai.distributed.Parallel`): only the `LoopConfig` changes. Under torchrun every rank runs the loop;
 only rank 0 writes metrics and checkpoints.
+
+Non-finite state never passes: after every update the loss and the parameters are checked, and a
+NaN or inf stops the stage with `NonFiniteError` before anything of that step is written, so the
+stage's newest checkpoint is always finite. Each checkpoint records its identity (the run's
+command, recipe, method and config hash, plus the stage and the model's tensor shapes); a resume
+refuses a checkpoint of another identity, or one past the stage's schedule.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from owai import distributed
-from owai.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from owai.checkpoint import NonFiniteError, latest_checkpoint, load_checkpoint, save_checkpoint
 from owai.console import Bar
 from owai.errors import OwaiError
 from owai.runs import Run
@@ -77,6 +83,10 @@ def train_loop(
     With `parallel`, the loss function calls `parallel.forward_module`, checkpoints hold the full
     state gathered from all ranks, and the logged loss is the mean over ranks.
 
+    On resume, the optimizer's hyper-parameters (lr, weight decay, momentum, ... of each param
+    group) are the ones `optimizer` was built with, not the checkpoint's: its state (moments) is
+    restored, its settings come from the config, so a resume with `--set train.lr=...` takes effect.
+
     Returns a summary {"final_loss", "steps"}; a stage that already finished is loaded from its
     final checkpoint without training.
     """
@@ -97,16 +107,23 @@ def train_loop(
         return parallel.state_dict(optimizer)
 
     ckpt_dir = run.checkpoints(stage)
+    identity = {**run.identity, "stage": stage}
     start, recent = 0, []
     last = latest_checkpoint(ckpt_dir)
     if last is not None:
-        start, state = load_checkpoint(last)
+        expect = dict(identity) if parallel is not None else {**identity, "model": _shapes(model.state_dict())}
+        start, state = load_checkpoint(last, expect=expect)
+        if start > loop.steps:
+            raise OwaiError(f"checkpoint {last} is at step {start}, beyond stage {stage}'s {loop.steps} steps")
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         try:
             if parallel is None:
                 model.load_state_dict(state["model"])
                 optimizer.load_state_dict(state["optimizer"])
             else:
                 parallel.load_state_dict(optimizer, state["model"], state["optimizer"])
+            for group, own in zip(optimizer.param_groups, settings, strict=True):
+                group.update(own)
             if "scaler" in state:
                 scaler.load_state_dict(state["scaler"])
             if companion is not None:
@@ -121,6 +138,7 @@ def train_loop(
             return {"final_loss": _mean(recent), "steps": start}
 
     model.train()
+    saved = start  # the step of the stage's newest checkpoint (0: none yet)
     clock, clock_step = time.perf_counter(), start
     with Bar(f"train {stage}", total=loop.steps, completed=start) as bar:
         for step in range(start, loop.steps):
@@ -136,8 +154,6 @@ def train_loop(
                 with parallel.no_sync(skip_sync) if parallel is not None else contextlib.nullcontext():
                     with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                         loss = loss_at(step, micro)
-                    if not torch.isfinite(loss):
-                        raise OwaiError(f"{stage}: loss became {loss.item()} at step {step}; lower the learning rate")
                     scaler.scale(loss / loop.accumulate).backward()
                 step_loss += loss.item() / loop.accumulate
             if loop.grad_clip > 0:
@@ -146,6 +162,7 @@ def train_loop(
             scaler.step(optimizer)
             scaler.update()
             done = step + 1
+            _check_finite(stage, done, step_loss, model, device, saved)
             recent = (recent + [step_loss])[-loop.log_every :]
             if done % loop.log_every == 0 or done == loop.steps:
                 mean_loss = distributed.mean_across_ranks(_mean(recent), device)
@@ -171,7 +188,9 @@ def train_loop(
                         state["scaler"] = scaler.state_dict()
                     if companion is not None:
                         state["companion"] = companion.state_dict()
-                    save_checkpoint(ckpt_dir, done, state, keep=loop.keep_checkpoints)
+                    identity["model"] = _shapes(model_state)
+                    save_checkpoint(ckpt_dir, done, state, keep=loop.keep_checkpoints, identity=identity)
+                saved = done
                 distributed.barrier()
             bar.update()
     model.eval()
@@ -198,6 +217,24 @@ class BestWeights:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.value, self.step, self.state = state["value"], int(state["step"]), dict(state["state"])
+
+
+def _shapes(state: dict[str, Any]) -> dict[str, list[int]]:
+    """{name: shape} of a model state dict (recorded in, and compared with, a checkpoint)."""
+    return {k: list(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def _check_finite(stage: str, done: int, loss: float, model: torch.nn.Module, device: torch.device, saved: int) -> None:
+    """Raise NonFiniteError if update `done` gave a non-finite loss or parameter on any rank
+    (every rank agrees, so none waits alone in a collective). One device sync per update."""
+    flags = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in model.parameters()]
+    params_ok = bool(torch.stack(flags).all()) if flags else True
+    bad = distributed.mean_across_ranks(float(not (math.isfinite(loss) and params_ok)), device) > 0
+    if bad:
+        what = f"the loss became {loss:.4g}" if not math.isfinite(loss) else "the parameters became non-finite"
+        where = f"the last finite checkpoint is step {saved}" if saved else "no checkpoint yet"
+        raise NonFiniteError(f"{stage}: {what} at step {done} (nothing of that step was written; {where})",
+                             stage, done, saved)
 
 
 def _speed(loop: LoopConfig, steps: int, seconds: float, device: torch.device) -> dict[str, float]:

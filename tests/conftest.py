@@ -10,6 +10,13 @@ from pathlib import Path
 
 import pytest
 
+# The real data beside the repository (CI clones the repo with shared/ next to it). owai itself never
+# looks there: tests point $OWAI_DATA at it (unless it is set already, as .ci/run does).
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+if SHARED_DATA.is_dir():
+    os.environ.setdefault("OWAI_DATA", str(SHARED_DATA))
+DATA_VARIABLES = ("OWAI_DATA", "OWAI_MNIST_DIR", "OWAI_BABISTORIES", "OWAI_MNIST_MIRROR")
+
 # Three moons shrunk to seconds; still the full code path (train loop, checkpoints, eval, figures).
 TINY_MOONS = [
     "train.steps=6",
@@ -54,3 +61,33 @@ def cli_in_process(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple
 @pytest.fixture
 def tiny_moons() -> list[str]:
     return list(TINY_MOONS)
+
+
+@pytest.fixture
+def no_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A clean machine: no data variable set and an empty cache (returned)."""
+    for name in DATA_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    cache = tmp_path / "empty-cache"
+    monkeypatch.setenv("OWAI_CACHE", str(cache))
+    return cache
+
+
+@pytest.fixture
+def shared_data(monkeypatch: pytest.MonkeyPatch) -> Path:
+    """$OWAI_DATA pointed at ../shared/data (skips where it is absent)."""
+    if not (SHARED_DATA / "mnist").is_dir():
+        pytest.skip("../shared/data not present")
+    monkeypatch.setenv("OWAI_DATA", str(SHARED_DATA))
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: one intra-op thread is as fast, and spinning threads crawl on a shared CPU."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -8,13 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from owai.methods.coloredmnist import table_metric
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bonsai_claims  # noqa: E402
 import bonsai_cpu  # noqa: E402
 
 
 def rows_of(cells: dict[tuple[str, str, str], float]) -> list[dict]:
-    return [{"dataset": d, "method": m, "init": i, "mean": v} for (d, m, i), v in cells.items()]
+    """Study rows as `owai bonsai --study` writes them: each names its table metric."""
+    return [{"dataset": d, "method": m, "init": i, "metric": table_metric(d, m, i), "mean": v} for (d, m, i), v in cells.items()]
 
 
 def table25(pi_cmnist: float, pi_inverse: float) -> list[dict]:
@@ -62,7 +65,10 @@ def test_claims_on_pooled_study_reports(tmp_path, capsys):
     rand.write_text(json.dumps({"rows": [r for r in rows if r["init"] == "rand"]}))
     cf = tmp_path / "cf.json"
     cf.write_text(json.dumps({"rows": [r for r in rows if r["init"] == "bonsai-cf"]}))
-    assert bonsai_claims.main([str(rand)]) == 1  # no Bonsai-cf rows: nothing decided
+    assert bonsai_claims.main([str(rand)]) == 0  # no Bonsai-cf rows: that claim is left out, the others hold
+    out = capsys.readouterr().out
+    assert out.count("holds ") == 2 and "Bonsai-cf" not in out
+    assert bonsai_claims.main([str(cf)]) == 1  # no oracle: nothing decided
     assert "no claim can be decided" in capsys.readouterr().out
     assert bonsai_claims.main([str(rand), str(cf)]) == 0
     assert capsys.readouterr().out.count("holds ") == 3

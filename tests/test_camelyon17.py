@@ -100,7 +100,7 @@ def test_head_averaging():
 
 
 @pytest.mark.parametrize("case, message", [
-    ("no-metadata", "has no metadata.csv"),
+    ("no-metadata", "run `owai data fetch camelyon17 --data-root"),
     ("missing-patch", "is missing"),
     ("empty-split", "split 'test' is empty"),
     ("bad-column", "lacks column(s) tumor"),

@@ -114,3 +114,41 @@ def test_checkpoint_files_are_readable_by_others(tmp_path):
     for f in (path / "state.json", path / "tensors.safetensors"):
         assert stat.S_IMODE(os.stat(f).st_mode) == expected
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o777 & ~umask()
+
+
+def test_non_finite_checkpoint_with_a_rewritten_checksum_is_refused(tmp_path):
+    """A checksum proves the bytes are the ones written, not that they are usable: NaN weights
+    (here with a matching sha256, as in the audit) are refused on load, and never written."""
+    import hashlib
+    import math
+
+    from safetensors.torch import load_file, save_file
+
+    from owai.checkpoint import NonFiniteError
+
+    model, opt = trained_state()
+    path = save_checkpoint(tmp_path, 4, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+    tensors = load_file(str(path / "tensors.safetensors"))
+    tensors["state/model/key.r"][0, 0] = math.nan
+    save_file(tensors, str(path / "tensors.safetensors"))
+    meta = json.loads((path / "state.json").read_text())
+    meta["sha256"] = hashlib.sha256((path / "tensors.safetensors").read_bytes()).hexdigest()
+    (path / "state.json").write_text(json.dumps(meta))
+    with pytest.raises(NonFiniteError, match=r"step-000004 holds non-finite values \(state/model/key.r\)"):
+        load_checkpoint(path)
+    with pytest.raises(NonFiniteError, match="refusing to write checkpoint"):
+        save_checkpoint(tmp_path, 5, {"model": {"w": torch.tensor([math.inf])}})
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000004"]
+
+
+def test_identity_is_recorded_and_checked(tmp_path):
+    from owai.checkpoint import recorded_identity
+
+    identity = {"recipe": "three-moons", "stage": "heads3-r0", "model": {"w": [3, 3]}}
+    path = save_checkpoint(tmp_path, 2, {"w": torch.zeros(3, 3)}, identity=identity)
+    assert recorded_identity(path) == identity
+    assert load_checkpoint(path, expect=identity)[0] == 2
+    with pytest.raises(OwaiError, match="written by stage 'heads3-r0', not 'heads1-r0'"):
+        load_checkpoint(path, expect={**identity, "stage": "heads1-r0"})
+    with pytest.raises(OwaiError, match=r"another shape: w is \[3, 3\] there, \[1, 3\] here"):
+        load_checkpoint(path, expect={**identity, "model": {"w": [1, 3]}})

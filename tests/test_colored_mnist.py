@@ -128,14 +128,13 @@ def test_missing_directory_and_files(tmp_path, monkeypatch):
     assert "train-images-idx3-ubyte" in one_line_error(exc)
     with pytest.raises(OwaiError):
         mn.load_mnist_idx(tmp_path, "validation")
-    monkeypatch.setenv(mn.ENV_VAR, str(tmp_path / "elsewhere"))
-    assert mn.default_mnist_dir() == tmp_path / "elsewhere"
     with pytest.raises(OwaiError) as exc:
-        mn.load_mnist("test")
-    assert "elsewhere" in one_line_error(exc)
+        mn.load_mnist("test", root=tmp_path / "elsewhere")  # an explicit root is authoritative
+    msg = one_line_error(exc)
+    assert "elsewhere" in msg and "owai data fetch mnist" in msg
 
 
-def test_hub_path_without_network(monkeypatch):
+def test_hub_path_without_network(monkeypatch, no_data):
     """The `ylecun/mnist` path, with `datasets.load_dataset` replaced (no network in tests)."""
     import datasets
     from PIL import Image
@@ -175,10 +174,18 @@ def test_explicit_directory_wins_over_hub_id(monkeypatch, t10k):
     assert torch.equal(got.labels, t10k.labels) and got.source == str(SHARED)
 
 
-def test_default_dir_is_shared_else_the_packaged_copy(monkeypatch):
-    monkeypatch.delenv(mn.ENV_VAR, raising=False)
-    shared = mn.repo_root().parent / "shared" / "data" / "mnist"
-    assert mn.default_mnist_dir() == (shared if shared.is_dir() else mn.PACKAGED_DIR)
+def test_default_dir_is_the_data_root_else_the_packaged_copy(monkeypatch, no_data, tmp_path):
+    """No data anywhere: the test split comes from the package, the training split is an error
+    naming the fetch command; $OWAI_DATA/mnist wins once it holds the files."""
+    assert mn.default_mnist_dir() == mn.PACKAGED_DIR
+    with pytest.raises(OwaiError) as exc:
+        mn.mnist_dir("train")
+    assert "owai data fetch mnist" in one_line_error(exc)
+    (tmp_path / "data" / "mnist").mkdir(parents=True)
+    for f in mn.PACKAGED_DIR.glob("t10k-*"):
+        shutil.copy(f, tmp_path / "data" / "mnist" / f.name)
+    monkeypatch.setenv("OWAI_DATA", str(tmp_path / "data"))
+    assert mn.default_mnist_dir() == tmp_path / "data" / "mnist"
 
 
 def test_packaged_copy_is_the_official_test_split():
@@ -337,8 +344,8 @@ def test_load_colored_mnist_offline(t10k):
     ref = cm.build_colored_mnist(t10k.images, t10k.labels, "coloredmnist01", seed=1, split="t10k")
     assert torch.equal(data.train[0].x, ref.train[0].x)
     with pytest.raises(OwaiError) as exc:  # the paper's split needs the 60k training files
-        cm.load_colored_mnist("coloredmnist", mnist_split="train", root=SHARED)
-    assert "train-images-idx3-ubyte" in one_line_error(exc)
+        cm.load_colored_mnist("coloredmnist", mnist_split="train", root=mn.PACKAGED_DIR)
+    assert "owai data fetch mnist" in one_line_error(exc)
 
 
 # --- the paper's 60k split, on synthetic images ---------------------------------------------------

@@ -122,7 +122,8 @@ def study(tmp_path_factory: pytest.TempPathFactory) -> dict:
     saved = os.environ.get("OWAI_CACHE")
     os.environ["OWAI_CACHE"] = str(tmp / "cache")
     args = ["dropout-ft", "--root", str(root), "--test-domain", "0", "--dropout", "0.0,0.9",
-            "--grid", "train.lr=0.01,0.003", "--out", str(tmp / "runs"), "-q", *as_sets(TINY)]
+            "--grid", "train.lr=0.01,0.003", "--out", str(tmp / "runs"), "-q", *as_sets(TINY),
+            "--set", "data.skip_unreadable=true"]
     try:
         main(args)
     except SystemExit as e:
@@ -167,6 +168,8 @@ def test_study_selects_the_cell_and_checkpoint_with_the_best_iid_accuracy(study:
 
 
 def test_corrupt_files_are_skipped_and_counted(study: dict) -> None:
+    """With data.skip_unreadable=true (by default an unreadable file stops the command before any
+    directory: tests/test_hardening_cli.py)."""
     run = Path(study["summary"]["points"][0]["run_dir"])
     assert json.loads((run / "results.json").read_text())["details"]["skipped_files"] == 1
 

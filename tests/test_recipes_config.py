@@ -28,6 +28,12 @@ def test_every_packaged_recipe_validates_with_cpu_and_paper_presets(monkeypatch,
     monkeypatch.setenv("OWAI_BABISTORIES", str(tmp_path))  # paper presets name the BabiStories release
     (tmp_path / "traindataset.txt").write_text('"Once upon a time."\n')
     (tmp_path / "metadata.csv").write_text("")  # a Camelyon root is recognised by its metadata.csv
+    from domainbed_tree import make_tree
+    from owai.data.domainbed import DATASET_DIRS, DOMAINBED
+
+    for name, folder in DATASET_DIRS.items():  # dropout-ft validation indexes the images under data.root
+        make_tree(tmp_path / folder, domains=DOMAINBED[name], per_class=1, size=8)
+    monkeypatch.setattr("owai.data.text._hub_cached", lambda name: True)  # paper presets name gpt2; offline here
     found = recipes.available()
     assert {"three-moons", "linear-disentanglement"} <= set(found)
     for name in found:
@@ -40,7 +46,7 @@ def test_every_packaged_recipe_validates_with_cpu_and_paper_presets(monkeypatch,
                     resolve(r, preset, [])
                 continue
             if (r.method == "dropout_ft" and preset != "cpu") or r.method == "camelyon17":  # the images are the user's
-                with pytest.raises(OwaiError, match="data.root"):
+                with pytest.raises(OwaiError, match="not found"):  # names the fetch command / download step
                     resolve(r, preset, [])
                 cfg, resolved = resolve(r, preset, [f"data.root={tmp_path}"])
                 assert resolved["preset"] == preset

@@ -283,12 +283,29 @@ def test_gpt2_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
     def offline(*args: object, **kwargs: object) -> None:
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.\nCheck your connection.")
 
+    import owai.data.text as text
+
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
+    monkeypatch.setattr(text, "_hub_cached", lambda name: False)
+    monkeypatch.setattr(text, "_hub_unreachable", lambda: "")  # the probe passes, the download fails
     with pytest.raises(OwaiError) as e:
         load_tokenizer("gpt2")
     message = one_line_error(e)
     assert "cannot fetch tokenizer 'gpt2' from the Hugging Face hub" in message
     assert "use tokenizer=bytes or bpe-N offline" in message
+    monkeypatch.setattr(text, "_hub_unreachable", lambda: "the hub (huggingface.co) is unreachable (test)")
+    with pytest.raises(OwaiError, match="not in the local Hugging Face cache and the hub .* is unreachable"):
+        load_tokenizer("gpt2")  # no connection: fails at once, before transformers is asked
+
+
+def test_check_tokenizer_fails_fast() -> None:
+    from owai.data.text import check_tokenizer
+
+    check_tokenizer("bytes")
+    check_tokenizer("bpe-4096")
+    for name, fragment in (("bpe-0", "between 258"), ("bpe-99999999", "between 258"), ("./no/such/dir", "no such file")):
+        with pytest.raises(OwaiError, match=fragment):
+            check_tokenizer(name)
 
 
 # --- token shards ------------------------------------------------------------------------------

@@ -14,9 +14,29 @@ from owai import console
 Preset = Annotated[Optional[str], typer.Option("--preset", "-p", help="Scale preset (cpu is the default; paper = thesis settings).")]
 Sets = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a parameter: --set train.lr=1e-3 (repeatable).")]
 Out = Annotated[Path, typer.Option("--out", "-o", help="Root for run directories: OUT/<recipe>/<time>-<hash>/.")]
-Resume = Annotated[Optional[Path], typer.Option("--resume", help="Continue a killed run from its last checkpoint.")]
+Resume = Annotated[Optional[Path], typer.Option("--resume", help="Continue a killed or failed run from its last checkpoint (--set may then change only its optimisation settings, e.g. train.lr).")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or info; errors still print.")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (nothing else).")]
+DATA_ROOT_HELP = ("Data root: DIR/<dataset> (mnist/, camelyon17/, domainbed/PACS/, text/babistories/...) or the dataset's own "
+                  "folder. Default: $OWAI_DATA/<dataset>, then the cache (`owai data list` shows what is found).")
+DataRoot = Annotated[Optional[Path], typer.Option("--data-root", help=DATA_ROOT_HELP, show_default=False)]
+
+
+def data_root_sets(data_root: Path | None, recipe: str | None = None) -> list[str]:
+    """`--data-root DIR` as the `--set data.root=<absolute DIR>` override of a recipe whose method
+    reads data (a recipe that only generates data refuses the flag); [] when not given."""
+    from owai.errors import OwaiError
+
+    if data_root is None:
+        return []
+    if recipe is not None:
+        from owai.config import to_dict
+        from owai.recipes import load
+
+        rec = load(recipe)
+        if "root" not in to_dict(rec.method_class().Config()).get("data", {}):
+            raise OwaiError(f"--data-root: recipe {rec.id!r} reads no dataset (it generates its data)")
+    return [f"data.root={Path(data_root).expanduser().resolve()}"]
 
 
 # Where a grid's points run (`owai sweep` and the study commands).
@@ -54,14 +74,16 @@ def execution(executor: Executor, workers: int, partition: str | None, gpus_per_
 
 
 def run_recipe(
-    recipe: str | None, preset: str | None, sets: list[str] | None, out: Path, resume: Path | None, quiet: bool, as_json: bool
+    recipe: str | None, preset: str | None, sets: list[str] | None, out: Path, resume: Path | None, quiet: bool, as_json: bool,
+    methods: tuple[str, ...] | None = None,
 ) -> None:
-    """Execute a recipe (or resume a run) and print its measured-vs-thesis table."""
+    """Execute a recipe (or resume a run) and print its measured-vs-thesis table. A resumed run
+    must be of one of `methods` (the command's), or of `recipe`'s method when that is given."""
     from owai.experiment import execute
     from owai.report import table
 
     console.configure(quiet, as_json)
-    run, results = execute(recipe, preset, sets or [], out, resume)
+    run, results = execute(recipe, preset, sets or [], out, resume, methods=methods)
     if not run.writes:  # a non-zero torchrun rank: rank 0 reports
         return
     if as_json:
@@ -69,6 +91,18 @@ def run_recipe(
     elif not quiet:
         console.stdout.print(table(results))
         console.stdout.print(f"results: {run.path / 'results.json'}")
+
+
+RecipeOption = Annotated[Optional[str], typer.Option("--recipe", "-r", help="Recipe id or path to a recipe YAML file (the same as RECIPE).")]
+
+
+def one_recipe(positional: str | None, option: str | None) -> str | None:
+    """The recipe named by the RECIPE argument or by --recipe (the one spelling every command has)."""
+    from owai.errors import OwaiError
+
+    if positional is not None and option is not None and positional != option:
+        raise OwaiError(f"RECIPE {positional!r} and --recipe {option!r} disagree; give one of them")
+    return positional if positional is not None else option
 
 
 def csv_values(text: str, option: str) -> list[str]:

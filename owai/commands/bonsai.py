@@ -6,7 +6,7 @@
     owai bonsai --study                                Table 2.4: the recipe's grid x seeds, cross-seed selection
     owai bonsai --study --method irm,vrex --init rand,bonsai-cf --seeds 0,1
     owai bonsai --recipe fig2.7-anneal --study         any bonsai recipe (fig2.8-init, table2.5-pi, figA.2-twobits, ...)
-    owai bonsai --dataset camelyon17 --study --set data.root=~/data/wilds
+    owai bonsai --dataset camelyon17 --study --data-root ~/data      (finds ~/data/camelyon17/, see `owai data list`)
     owai bonsai --study -p paper --executor slurm --cpus-per-task 2    Table 2.4's 2 600 points as a SLURM job array
     owai bonsai --resume runs/table2.4-coloredmnist/sweep-...   finish a killed study (finished points are skipped)
 
@@ -28,8 +28,8 @@ from typing import Annotated, Optional
 import typer
 
 from owai import console
-from owai.commands._common import (ArrayParallelism, CpusPerTask, Executor, ExecutorOption, GpusPerNode, Json, MemGb, Out,
-                                  Partition, Preset, Quiet, Sets, TimeoutMin, Workers, csv_values, execution,
+from owai.commands._common import (ArrayParallelism, CpusPerTask, DataRoot, Executor, ExecutorOption, GpusPerNode, Json, MemGb, Out,
+                                  Partition, Preset, Quiet, Sets, TimeoutMin, Workers, csv_values, data_root_sets, execution,
                                   run_recipe, run_study, study_recipe)
 from owai.errors import OwaiError
 
@@ -67,6 +67,7 @@ def bonsai(
     array_parallelism: ArrayParallelism = None,
     preset: Preset = None,
     sets: Sets = None,
+    data_root: DataRoot = None,
     out: Out = Path("runs"),
     resume: Annotated[Optional[Path], typer.Option("--resume", help="Continue a killed run directory, or a study's sweep directory.")] = None,
     quiet: Quiet = False,
@@ -80,7 +81,7 @@ def bonsai(
     runs_on = execution(executor, workers, partition, gpus_per_node, cpus_per_task, timeout_min, mem_gb, array_parallelism)
     spread = workers != 1 or executor is not Executor.local  # options for a study's points only
     if resume is not None:
-        if recipe or any(chosen.values()) or grid or seeds or preset or sets:
+        if recipe or any(chosen.values()) or grid or seeds is not None or preset or sets or data_root is not None:
             raise OwaiError("--resume takes its config from the run or sweep directory; drop the other options")
         if sweeps.is_sweep_dir(resume):
             plan = sweeps.open_sweep(resume)
@@ -89,7 +90,7 @@ def bonsai(
         else:
             if spread:
                 raise OwaiError("--workers/--executor run a study's points; a run directory resumes in this process")
-            run_recipe(None, None, None, out, resume, quiet, as_json)
+            run_recipe(None, None, None, out, resume, quiet, as_json, methods=METHODS)
         return
     first_dataset = csv_values(dataset, "--dataset")[0] if dataset else None
     if recipe is None:
@@ -101,8 +102,9 @@ def bonsai(
         raise OwaiError(f"--dataset {dataset!r} does not apply to recipe {recipe!r} (method {rec_method})")
     if rec_method == "camelyon17":
         chosen["dataset"] = None  # the recipe names its dataset
+    sets = [*data_root_sets(data_root, recipe), *(sets or [])]
     if not study:
-        if grid or seeds or spread:
+        if grid or seeds is not None or spread:
             raise OwaiError("--grid/--seeds/--workers/--executor need --study")
         overrides = []
         for key, value in chosen.items():
@@ -114,7 +116,7 @@ def bonsai(
         return
     wanted = {key: csv_values(value, f"--{key}") for key, value in chosen.items() if value is not None}
     write, table = _study_functions(rec_method)
-    plan = sweeps.create(recipe, preset, list(sets or []), list(grid or []), sweeps.parse_seeds(seeds) if seeds else None,
+    plan = sweeps.create(recipe, preset, list(sets or []), list(grid or []), sweeps.parse_seeds(seeds) if seeds is not None else None,
                          out, grid=restricted_grid(recipe, preset, wanted) if wanted else None)
     run_study(plan, runs_on, write, table, f"{plan.recipe}.md", f"owai bonsai --resume {plan.path}", quiet, as_json)
 

@@ -1,9 +1,9 @@
 """`owai dropout-ft`: very-large dropout fine-tuning against ensembles and weight averaging (thesis §2.4).
 
     owai dropout-ft                                          Table 2.8's cpu preset (RotatedMNIST domains)
-    owai dropout-ft -p paper --dataset pacs --root ~/data/domainbed
+    owai dropout-ft -p paper --dataset pacs --data-root ~/data     (~/data/domainbed/PACS/; --root is an alias)
     owai dropout-ft --recipe table2.11-dropout-rate --test-domain 0,1 --workers 2
-    owai dropout-ft -p paper --dataset pacs --root ~/data/domainbed --executor slurm --gpus-per-node 1
+    owai dropout-ft -p paper --dataset pacs --data-root ~/data --executor slurm --gpus-per-node 1
     owai dropout-ft --resume runs/table2.8-dropout/sweep-...   finish a killed study (finished points are skipped)
 
 The recipe's grid (test domains x dropout x lr x weight decay x seeds) runs through the sweep
@@ -16,13 +16,13 @@ dropout_ft.json and figures/dropout_ft.png into the sweep directory. `--executor
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
 from owai import console
-from owai.commands._common import (ArrayParallelism, CpusPerTask, Executor, ExecutorOption, GpusPerNode, Json, MemGb, Out,
-                                  Partition, Preset, Quiet, Sets, TimeoutMin, Workers, csv_values, execution,
+from owai.commands._common import (DATA_ROOT_HELP, ArrayParallelism, CpusPerTask, Executor, ExecutorOption, GpusPerNode, Json, MemGb, Out,
+                                  Partition, Preset, Quiet, Sets, TimeoutMin, Workers, csv_values, data_root_sets, execution,
                                   open_study, run_study, study_recipe)
 
 RECIPE = "table2.8-dropout"
@@ -32,7 +32,7 @@ def dropout_ft(
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="A dropout-ft recipe id (table2.8-dropout, table2.9-last-lr, ...) or file.")] = RECIPE,
     dataset: Annotated[Optional[str], typer.Option(
         "--dataset", "-d", help="pacs, vlcs, office_home, terra_incognita, imagefolder or rotated-mnist (comma-separated: several).")] = None,
-    root: Annotated[Optional[str], typer.Option("--root", help="DomainBed data root (or image-folder root).")] = None,
+    data_root: Annotated[Optional[Path], typer.Option("--data-root", "--root", help=DATA_ROOT_HELP + " --root is an alias.", show_default=False)] = None,
     test_domain: Annotated[Optional[str], typer.Option("--test-domain", "-t", help="Comma-separated held-out domain indices.")] = None,
     dropout: Annotated[Optional[str], typer.Option("--dropout", help="Comma-separated dropout rates on the penultimate features.")] = None,
     backbone: Annotated[Optional[str], typer.Option("--backbone", help="resnet50, vit_l_16, resnet18, ...")] = None,
@@ -62,13 +62,16 @@ def dropout_ft(
     console.configure(quiet, as_json)
     runs_on = execution(executor, workers, partition, gpus_per_node, cpus_per_task, timeout_min, mem_gb, array_parallelism)
     if resume is not None:
-        given = any(v is not None for v in (dataset, root, test_domain, dropout, backbone, weights, preset, sets, grid, seeds))
+        given = any(v is not None for v in (dataset, data_root, test_domain, dropout, backbone, weights, preset, sets, grid, seeds))
         plan = open_study(resume, "dropout_ft", "a dropout-ft study", given or recipe != RECIPE)
     else:
-        study_recipe(recipe, "dropout_ft")
+        rec = study_recipe(recipe, "dropout_ft")
         extra_sets = [*(sets or [])]
-        if root is not None:
-            extra_sets.append(f"data.root={root}")
+        if pretrain_off(rec, preset, dataset, weights, extra_sets):
+            extra_sets.append("pretrain.steps=0")
+            console.info("pretrain stage off: a real dataset or --weights replaces the preset's offline pre-training "
+                         f"(the backbone starts from model.weights={weights if weights is not None else ''!r})")
+        extra_sets += data_root_sets(data_root)
         if backbone is not None:
             extra_sets.append(f"model.backbone={backbone}")
         if weights is not None:
@@ -78,10 +81,24 @@ def dropout_ft(
                                   ("model.dropout", dropout, "--dropout")):
             if text is not None:
                 extra_grid.append(f"{key}={','.join(csv_values(text, option))}")
-        plan = sweeps.create(recipe, preset, extra_sets, extra_grid, sweeps.parse_seeds(seeds) if seeds else None, out)
+        plan = sweeps.create(recipe, preset, extra_sets, extra_grid, sweeps.parse_seeds(seeds) if seeds is not None else None, out)
     device = select_device("auto")
     run_study(plan, runs_on, lambda sweep, summary: write_study(sweep, summary, device), study_table, "dropout_ft.md",
               f"owai dropout-ft --resume {plan.path}", quiet, as_json)
+
+
+def pretrain_off(rec: Any, preset: str | None, dataset: str | None, weights: str | None, sets: list[str]) -> bool:
+    """Whether to switch off the preset's `pretrain` stage (the offline stand-in for ImageNet
+    pre-training on rotated-mnist): when --dataset names only other datasets, or --weights is given,
+    and no --set chooses pretrain.steps itself."""
+    from owai.config import parse_override
+
+    if any(parse_override(text)[0] == ["pretrain", "steps"] for text in sets):
+        return False
+    if not rec.params_for(preset or rec.default_preset).get("pretrain", {}).get("steps", 0):
+        return False
+    other_data = dataset is not None and "rotated-mnist" not in csv_values(dataset, "--dataset")
+    return other_data or weights is not None
 
 
 def register(app: typer.Typer) -> None:

@@ -5,6 +5,9 @@
     owai eval regbench [--model mm,transformer] [--train-size 100,500] [--positions all|last-string]
         RegBench (Fig 3.10, Table B.3): the recipe's grid search as a sweep, the cell with the lowest
         validation loss per model and size, its test accuracy and "TVD" beside the thesis's, the figure
+
+`owai eval posloss` takes `--data-root` (named corpora, relative paths); `owai eval regbench` (and
+`owai moons`) generate their data, so they have no data flag.
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ import typer
 
 from owai import console
 from owai.commands._common import (ArrayParallelism, CpusPerTask, Executor, ExecutorOption, GpusPerNode, Json, MemGb, Out,
-                                  Partition, Preset, Quiet, Sets, TimeoutMin, Workers, csv_values, execution,
-                                  open_study, run_recipe, run_study, study_recipe)
-from owai.commands.mosaic import EVAL_RECIPE, ConfigName, Context, Dataset, Models, eval_overrides
+                                  Partition, Preset, Quiet, Resume, Sets, DataRoot, TimeoutMin, Workers, csv_values, execution,
+                                  open_study, run_study, study_recipe)
+from owai.commands.mosaic import ConfigName, Context, Dataset, Models, run_eval
 from owai.errors import OwaiError
 
 eval_app = typer.Typer(help="Evaluate models: per-position loss (posloss), RegBench in-context language learning (regbench).",
@@ -29,18 +32,20 @@ REGBENCH_RECIPE = "fig3.10-regbench"
 
 @eval_app.command("posloss")
 def posloss(
-    models: Models,
+    models: Models = None,
     dataset: Dataset = None,
     config_name: ConfigName = None,
     context: Context = None,
     preset: Preset = None,
     sets: Sets = None,
+    data_root: DataRoot = None,
     out: Out = Path("runs"),
+    resume: Resume = None,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
     """Average loss at each position of the context window (Fig 3.9), for saved language models."""
-    run_recipe(EVAL_RECIPE, preset, eval_overrides(models, dataset, config_name, context, True) + list(sets or []), out, None, quiet, as_json)
+    run_eval(models, dataset, config_name, context, resume is None, preset, sets, out, resume, quiet, as_json, data_root)
 
 
 def _train_sizes(text: str) -> list[int]:
@@ -130,7 +135,7 @@ def regbench(
             per.append("data.num_examples")  # never select across training sizes
         extra = [f"eval.positions={positions}"] if positions is not None else []
         plan = sweeps.create(recipe, preset, [*(sets or []), *extra], grid or [],
-                             sweeps.parse_seeds(seeds) if seeds else None, out, grid=study,
+                             sweeps.parse_seeds(seeds) if seeds is not None else None, out, grid=study,
                              select={"metric": "val_loss", "mode": "min", "per": per})
     run_study(plan, runs_on, write_study, study_table, "regbench.md", f"owai eval regbench --resume {plan.path}",
               quiet, as_json)

@@ -18,7 +18,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from owai.commands._common import Json, Out, Preset, Quiet, Resume, Sets, run_recipe
+from owai.commands._common import DataRoot, Json, Out, Preset, Quiet, Resume, Sets, data_root_sets, run_recipe
 from owai.errors import OwaiError
 
 TRAIN_RECIPE = "fig3.8-depth"
@@ -27,7 +27,8 @@ EVAL_RECIPE = "mosaic-eval"
 Dataset = Annotated[Optional[str], typer.Option("--dataset", "-d", help="owai-stories (embedded), a Hugging Face dataset id, or a local txt/jsonl/parquet/7z file or directory.")]
 Tokenizer = Annotated[Optional[str], typer.Option("--tokenizer", help="gpt2 (hub), bytes, bpe-N (trained locally), or a tokenizer directory.")]
 Context = Annotated[Optional[int], typer.Option("--context", help="Context length in tokens (data.block_size).")]
-Models = Annotated[list[Path], typer.Argument(help="Model directories (save_pretrained) or mosaic-train run directories.")]
+Models = Annotated[Optional[list[Path]], typer.Argument(
+    help="Model directories (save_pretrained) or mosaic-train run directories (none with --resume).", show_default=False)]
 ConfigName = Annotated[Optional[str], typer.Option("--config-name", help="Hub dataset configuration of --dataset, e.g. 20220301.simple.")]
 
 
@@ -44,6 +45,7 @@ def mosaic_train(
     context: Context = None,
     preset: Preset = None,
     sets: Sets = None,
+    data_root: DataRoot = None,
     out: Out = Path("runs"),
     resume: Resume = None,
     quiet: Quiet = False,
@@ -57,26 +59,45 @@ def mosaic_train(
         f"data.tokenizer={tokenizer}" if tokenizer else None,
         f"data.block_size={context}" if context is not None else None,
     ]
-    overrides = [c for c in chosen if c] + list(sets or [])
-    if resume is not None and any(c for c in chosen):
-        raise OwaiError("--resume takes its config from the run directory; drop --arch/--depth/--dataset/--tokenizer/--context")
-    run_recipe(None if resume is not None else recipe, preset, overrides or None, out, resume, quiet, as_json)
+    if resume is not None and (any(c for c in chosen) or data_root is not None):
+        raise OwaiError("--resume takes its config from the run directory; drop --arch/--depth/--dataset/--tokenizer/--context/--data-root")
+    overrides = [c for c in chosen if c] + data_root_sets(data_root) + list(sets or [])
+    run_recipe(None if resume is not None else recipe, preset, overrides or None, out, resume, quiet, as_json,
+               methods=("lm_pretrain",))
 
 
 def mosaic_eval(
-    models: Models,
+    models: Models = None,
     dataset: Dataset = None,
     config_name: ConfigName = None,
     context: Context = None,
     posloss_only: Annotated[bool, typer.Option("--posloss-only", help="Only the validation and per-position losses (Fig 3.9).")] = False,
     preset: Preset = None,
     sets: Sets = None,
+    data_root: DataRoot = None,
     out: Out = Path("runs"),
+    resume: Resume = None,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
     """Evaluate saved language models: validation and per-position loss, attention plots, continuations."""
-    run_recipe(EVAL_RECIPE, preset, eval_overrides(models, dataset, config_name, context, posloss_only) + list(sets or []), out, None, quiet, as_json)
+    run_eval(models, dataset, config_name, context, posloss_only, preset, sets, out, resume, quiet, as_json, data_root)
+
+
+def run_eval(models: list[Path] | None, dataset: str | None, config_name: str | None, context: int | None,
+             posloss_only: bool, preset: str | None, sets: list[str] | None, out: Path, resume: Path | None,
+             quiet: bool, as_json: bool, data_root: Path | None = None) -> None:
+    """A new evaluation of `models`, or (--resume) the continuation of an interrupted one."""
+    if resume is not None:
+        if models or dataset or config_name or context is not None or posloss_only or data_root is not None:
+            raise OwaiError("--resume takes its models and settings from the run directory; drop MODEL_DIR/--dataset/"
+                            "--config-name/--context/--posloss-only")
+        run_recipe(None, preset, sets, out, resume, quiet, as_json, methods=("lm_eval",))
+        return
+    if not models:
+        raise OwaiError("give the model directories to evaluate (MODEL_DIR...), or --resume RUN_DIR")
+    run_recipe(EVAL_RECIPE, preset, eval_overrides(models, dataset, config_name, context, posloss_only) + data_root_sets(data_root) + list(sets or []),
+               out, None, quiet, as_json)
 
 
 def eval_overrides(models: list[Path], dataset: str | None, config_name: str | None, context: int | None, posloss_only: bool) -> list[str]:

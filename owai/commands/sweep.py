@@ -15,12 +15,14 @@ import typer
 
 from owai import console
 from owai.commands._common import (ArrayParallelism, CpusPerTask, Executor, ExecutorOption, GpusPerNode, Json, MemGb,
-                                  Partition, Preset, Quiet, Sets, TimeoutMin, Workers, execution)
+                                  Partition, Preset, Quiet, RecipeOption, Sets, TimeoutMin, Workers, execution,
+                                  one_recipe)
 from owai.errors import OwaiError
 
 
 def sweep(
     recipe: Annotated[Optional[str], typer.Argument(help="Recipe id or path to a recipe YAML file (omit with --resume).")] = None,
+    recipe_option: RecipeOption = None,
     preset: Preset = None,
     sets: Sets = None,
     grid: Annotated[Optional[list[str]], typer.Option(
@@ -45,15 +47,16 @@ def sweep(
     from owai import sweep as sweeps
 
     console.configure(quiet, as_json)
+    recipe = one_recipe(recipe, recipe_option)
     runs_on = execution(executor, workers, partition, gpus_per_node, cpus_per_task, timeout_min, mem_gb, array_parallelism)
     if resume is not None:
-        if recipe or preset or sets or grid or seeds:
+        if recipe or preset or sets or grid or seeds is not None:
             raise OwaiError("--resume takes its plan from SWEEP_DIR/sweep.json; drop RECIPE/--preset/--set/--grid/--seeds")
         plan = sweeps.open_sweep(resume)
     else:
         if not recipe:
             raise OwaiError("name a RECIPE to sweep (or --resume SWEEP_DIR)")
-        plan = sweeps.create(recipe, preset, sets or [], grid or [], sweeps.parse_seeds(seeds) if seeds else None, out)
+        plan = sweeps.create(recipe, preset, sets or [], grid or [], sweeps.parse_seeds(seeds) if seeds is not None else None, out)
     console.info(f"sweep directory: {plan.path} ({len(plan.points)} points)")
     outcomes = sweeps.run(plan, *runs_on)
     summary = sweeps.write_summary(plan, outcomes)

@@ -62,7 +62,16 @@ def data_dir(root: str | Path) -> Path:
         if (candidate / "metadata.csv").is_file():
             return candidate
     raise OwaiError(f"Camelyon root {root} has no metadata.csv (expected {root / VERSION_DIR / 'metadata.csv'}; "
-                    f"download it with `owai.data.camelyon17.download` or from {DOWNLOAD_URL})")
+                    f"run `owai data fetch camelyon17`, or download {DOWNLOAD_URL})")
+
+
+def find_root(root: str | Path | None = None) -> Path:
+    """The Camelyon17 folder by the data-root rule (`owai.data.registry`): the explicit `root` (a
+    folder holding camelyon17/ or camelyon17_v1.0/, or that folder), else $OWAI_DATA/camelyon17, else
+    <cache>/data/camelyon17; missing is one line naming `owai data fetch camelyon17`."""
+    from owai.data.registry import require
+
+    return data_dir(require("camelyon17", root or None))
 
 
 def download(root: str | Path) -> Path:

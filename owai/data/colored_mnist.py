@@ -28,8 +28,8 @@ Splits of MNIST into environments:
   shuffled rows 0, 2, 4, ... (25 000, flip e1) and environment 2 = rows 1, 3, 5, ... (25 000, flip e2);
   the last 10 000 images, unshuffled, are built three times independently into the test environments.
   The MNIST test split is not used.
-* `split="t10k"` (owai's offline rule; the only MNIST on these machines is the real 10 000-image test
-  split in `../shared/data/mnist/`): image `i` of t10k is a *test* image iff `i % 5 == 4` (2 000
+* `split="t10k"` (owai's offline rule, on the real 10 000-image test split, which also ships inside
+  the package): image `i` of t10k is a *test* image iff `i % 5 == 4` (2 000
   images, taken evenly from both halves of t10k: its first 5 000 images come from NIST SD-3 and the
   last 5 000 from the harder SD-1, so a contiguous block would be biased); the other 8 000 are the
   training pool, shuffled and split into even/odd rows exactly as above (4 000 + 4 000). Each test

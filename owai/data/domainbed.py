@@ -13,9 +13,11 @@ below a class folder (recursively) whose extension is in `IMAGE_EXTENSIONS` (cas
 sorted path order, so example indices are deterministic. Hidden entries (names starting with ".")
 are ignored at every level.
 
-Corrupt-image rule: at indexing every image file is opened with PIL and `verify()`ed; a file PIL
-cannot identify or verify is skipped and counted in `skipped` (the caller reports the count). A domain
-left without images is an error. `verify()` checks headers (and PNG checksums) without decoding, so a
+Corrupt-image rule: at indexing every image file is opened with PIL and `verify()`ed (a JPEG must
+also end with its end-of-image marker, which catches truncated files); a file that fails is
+unreadable. `open_image_dataset` (what runs use) makes any unreadable file an error naming it, unless
+`skip_unreadable`; then, as `ImageFolderDomains` does by default, it is skipped and counted in
+`skipped` (the caller reports the count). A domain left without images is an error. `verify()` checks headers (and PNG checksums) without decoding, so a
 file can pass indexing and still fail to decode: `image()` then raises `OwaiError` naming the file
 rather than silently substituting another example.
 
@@ -28,6 +30,7 @@ workers, sees exactly the batches of an uninterrupted single-process run.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Iterator
@@ -94,10 +97,18 @@ def _image_files(class_dir: Path) -> list[Path]:
 
 
 def _verifies(path: Path) -> bool:
+    """Whether PIL identifies and verifies `path`; a JPEG must also end with its EOI marker
+    (`verify()` reads only a JPEG's header, so a truncated JPEG would pass it and fail mid-run)."""
     try:
         with Image.open(path) as im:
+            fmt = im.format
             im.verify()
-    except Exception:  # noqa: BLE001 - PIL raises many types for a bad file; all mean "skip it"
+        if fmt == "JPEG":
+            with open(path, "rb") as f:
+                f.seek(max(0, os.path.getsize(path) - 1024))
+                if b"\xff\xd9" not in f.read():
+                    return False
+    except Exception:  # noqa: BLE001 - PIL raises many types for a bad file; all mean "unreadable"
         return False
     return True
 
@@ -106,7 +117,8 @@ class ImageFolderDomains(MultiDomainDataset):
     """`root/<domain>/<class>/<file>` (DomainBed's MultipleEnvironmentImageFolder); see the module
     docstring for the listing order and the corrupt-image rule."""
 
-    def __init__(self, root: str | Path, name: str = "imagefolder", domains: list[str] | None = None):
+    def __init__(self, root: str | Path, name: str = "imagefolder", domains: list[str] | None = None,
+                 skip_unreadable: bool = True):
         root = Path(root).expanduser()
         if not root.exists():
             raise OwaiError(f"dataset root {root} does not exist")
@@ -138,6 +150,7 @@ class ImageFolderDomains(MultiDomainDataset):
         self.skipped = 0
         self._files: list[list[str]] = []  # paths relative to root (small to pickle)
         self._labels: list[torch.Tensor] = []
+        unreadable: list[Path] = []
         for domain in domains:
             files, labels, skipped = [], [], 0
             for label, cls in enumerate(classes):
@@ -147,6 +160,9 @@ class ImageFolderDomains(MultiDomainDataset):
                         labels.append(label)
                     else:
                         skipped += 1
+                        unreadable.append(path)
+            if unreadable and not skip_unreadable:
+                continue  # every domain is listed first, so the error counts them all
             if not files:
                 raise OwaiError(
                     f"domain {domain!r} in {root} has no readable images"
@@ -155,6 +171,9 @@ class ImageFolderDomains(MultiDomainDataset):
             self.skipped += skipped
             self._files.append(files)
             self._labels.append(torch.tensor(labels, dtype=torch.int64))
+        if unreadable and not skip_unreadable:
+            raise OwaiError(f"{len(unreadable)} unreadable image file(s) (empty, truncated or not an image) under {root}, "
+                            f"e.g. {unreadable[0]}; remove them, or skip them with --set data.skip_unreadable=true")
 
     def labels(self, domain: int) -> torch.Tensor:
         return self._labels[domain]
@@ -172,7 +191,52 @@ class ImageFolderDomains(MultiDomainDataset):
             raise OwaiError(f"cannot decode image {path}: {exc}") from None
 
 
-def domainbed_dataset(name: str, root: str | Path) -> ImageFolderDomains:
+def dataset_root(name: str, root: str | Path | None = None) -> Path:
+    """The folder of DomainBed dataset `name` by the data-root rule (`owai.data.registry`): the
+    explicit `root` (DomainBed's data_dir holding PACS/..., a root holding domainbed/, or the
+    dataset folder itself), else $OWAI_DATA/domainbed/<DIR>, else <cache>/data/domainbed/<DIR>.
+    Missing is one line naming the manual download step. "imagefolder" takes `root` as it is."""
+    from owai.data import registry
+
+    if name not in DOMAINBED:
+        if not root:
+            raise OwaiError(f"data.root: the directory holding the {name} images is required (--data-root DIR)")
+        return Path(root).expanduser()
+    if not root:
+        return registry.require(name)
+    ds = registry.dataset(name)
+    folder = registry.explicit_folder(ds, root)
+    if (folder / DATASET_DIRS[name]).is_dir():
+        folder = folder / DATASET_DIRS[name]
+    if not ds.present(folder):
+        raise OwaiError(registry.missing_message(name, root))
+    return folder
+
+
+def count_domains(name: str, root: str | Path) -> int:
+    """How many domains dataset `name` (a DomainBed name or "imagefolder") has, from the folder
+    listing alone (cheap: for checking a test-domain index before anything is indexed)."""
+    if name in DOMAINBED:
+        return len(DOMAINBED[name])
+    root = Path(root).expanduser()
+    return len(_visible_dirs(root)) if root.is_dir() else 0
+
+
+@functools.lru_cache(maxsize=4)
+def _indexed(name: str, root: str, skip_unreadable: bool) -> ImageFolderDomains:
+    if name == "imagefolder":
+        return ImageFolderDomains(root, skip_unreadable=skip_unreadable)
+    return domainbed_dataset(name, root, skip_unreadable=skip_unreadable)
+
+
+def open_image_dataset(name: str, root: str | Path, skip_unreadable: bool = False) -> ImageFolderDomains:
+    """Dataset `name` ("imagefolder" or a DomainBed name) at `root`, indexed once per process
+    (a config check before a run and the run itself share the index). Reads every file's header:
+    an unreadable image is an error unless `skip_unreadable`."""
+    return _indexed(name, str(Path(root).expanduser().resolve()), skip_unreadable)
+
+
+def domainbed_dataset(name: str, root: str | Path, skip_unreadable: bool = True) -> ImageFolderDomains:
     """DomainBed dataset `name` (a key of `DOMAINBED`) from `root/DATASET_DIRS[name]`, or from `root`
     itself when it already holds the domain folders."""
     if name not in DOMAINBED:
@@ -187,7 +251,7 @@ def domainbed_dataset(name: str, root: str | Path) -> ImageFolderDomains:
     missing = [d for d in expected if not (folder / d).is_dir()]
     if missing:
         raise OwaiError(f"{name} folder {folder} lacks domain folder(s): {', '.join(missing)}")
-    return ImageFolderDomains(folder, name=name, domains=list(expected))
+    return ImageFolderDomains(folder, name=name, domains=list(expected), skip_unreadable=skip_unreadable)
 
 
 class TensorDomains(MultiDomainDataset):

@@ -9,12 +9,14 @@ one-line message naming the file. `check_md5=True` additionally compares a `.gz`
 published digest of the official distribution (a re-compressed mirror can differ while its content
 is fine, hence off by default).
 
-Offline, the only MNIST on these machines is the real test split in `<repo>/../shared/data/mnist/`
-(`/work/shared/data/mnist`); the 60k training images are not available. `default_mnist_dir()`
-finds a directory: `$OWAI_MNIST_DIR` first, then `<repo>/../shared/data/mnist` when present. Callers
-pass the path they got (or one from the user) as `root`. An explicit `root` wins over a hub id, so
-the paper presets (which name `ylecun/mnist`) also run from a local copy of the 60k training set:
-`--set data.root=DIR`. `check_md5` knows the official digests of the raw files too.
+Where MNIST comes from (`mnist_dir`): the data-root rule of `owai.data.registry` (an explicit
+root, `$OWAI_MNIST_DIR` (legacy alias), `$OWAI_DATA/mnist`, `<cache>/data/mnist`; `owai data fetch
+mnist` downloads the official files there). When none holds it, the test split falls back to the
+copy of the 10k test split that ships inside the package (`owai/data/mnist_t10k`), so the offline
+test presets run anywhere; the 60k training split has no fallback and its absence is a one-line
+error naming `owai data fetch mnist`. An explicit `root` wins over a hub id, so the paper presets
+(which name `ylecun/mnist`) also run from a local copy of the 60k training set.
+`check_md5` knows the official digests of the raw files too.
 
 The hub path (`load_mnist(split, hub_id="ylecun/mnist")`) goes through `datasets.load_dataset`; it
 needs network access or a populated Hugging Face cache and is not exercised by the tests.
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ import torch
 
 from owai.errors import OwaiError
 
-ENV_VAR = "OWAI_MNIST_DIR"
+ENV_VAR = "OWAI_MNIST_DIR"  # legacy alias of the data-root rule (owai.data.registry)
 HUB_ID = "ylecun/mnist"
 IMAGES_MAGIC = 2051  # 0x00000803: unsigned byte, 3 dimensions
 LABELS_MAGIC = 2049  # 0x00000801: unsigned byte, 1 dimension
@@ -66,24 +67,38 @@ class MNIST:
         return int(self.labels.shape[0])
 
 
-def repo_root() -> Path:
-    """The repository (or installation) directory holding the `owai` package."""
-    return Path(__file__).resolve().parents[2]
-
-
 PACKAGED_DIR = Path(__file__).resolve().parent / "mnist_t10k"  # the test split, shipped with owai
 
 
+def split_files(split: str) -> tuple[str, ...]:
+    """The registry's `required` entries for one split (gzip or raw IDX)."""
+    prefix = SPLITS[split][0]
+    return tuple(f"{prefix}-{kind}.gz|{prefix}-{kind}" for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"))
+
+
+def mnist_dir(split: str = "test", root: str | Path | None = None) -> Path:
+    """The IDX directory holding `split` by the data-root rule (`root` = an explicit data root or
+    MNIST folder); else, for the test split only, the packaged copy; else a one-line error."""
+    from owai.data.registry import locate, require
+
+    if split not in SPLITS:
+        raise OwaiError(f"unknown MNIST split {split!r} (known: {', '.join(SPLITS)})")
+    if root:
+        return require("mnist", root, split_files(split))
+    found = locate("mnist", None, split_files(split))
+    if found is not None:
+        return found
+    if split == "test" and PACKAGED_DIR.is_dir():
+        return PACKAGED_DIR
+    return require("mnist", None, split_files(split))  # raises: not found, run `owai data fetch mnist`
+
+
 def default_mnist_dir() -> Path | None:
-    """`$OWAI_MNIST_DIR` if set, else `<repo>/../shared/data/mnist` if it exists, else the copy of
-    the MNIST test split that ships inside the package (so offline presets work anywhere)."""
-    env = os.environ.get(ENV_VAR)
-    if env:
-        return Path(env).expanduser()
-    shared = repo_root().parent / "shared" / "data" / "mnist"
-    if shared.is_dir():
-        return shared
-    return PACKAGED_DIR if PACKAGED_DIR.is_dir() else None
+    """The directory the test split is read from when no root is given (see `mnist_dir`)."""
+    try:
+        return mnist_dir("test")
+    except OwaiError:
+        return None
 
 
 def _read_bytes(path: Path, check_md5: bool) -> bytes:
@@ -133,7 +148,7 @@ def _find(root: Path, prefix: str, kind: str) -> Path:
     for path in candidates:
         if path.is_file():
             return path
-    raise OwaiError(f"MNIST file {root / stem}[.gz] not found")
+    raise OwaiError(f"MNIST file {root / stem}[.gz] not found; run `owai data fetch mnist` (or give a complete IDX directory)")
 
 
 def load_mnist_idx(root: str | Path, split: str = "test", check_md5: bool = False) -> MNIST:
@@ -182,15 +197,14 @@ def load_mnist_hub(split: str = "train", hub_id: str = HUB_ID) -> MNIST:
 
 def load_mnist(split: str = "test", root: str | Path | None = None, hub_id: str | None = None,
                check_md5: bool = False) -> MNIST:
-    """MNIST `split` from the IDX directory `root` if given, else from `hub_id`, else from
-    `default_mnist_dir()`; no source at all is a user error. An explicit directory wins over the
-    hub id so that a recipe naming the hub (the paper presets) also runs from a local copy."""
+    """MNIST `split` from the explicit data root `root` (an IDX directory, or a root holding
+    mnist/) if given; else a local copy found by the data-root rule; else from `hub_id`; else (test
+    split) the packaged copy. Nothing at all is a one-line error naming `owai data fetch mnist`."""
     if root is None and hub_id:
-        return load_mnist_hub(split, hub_id)
-    if root is None:
-        root = default_mnist_dir()
-        if root is None:
-            raise OwaiError(
-                f"no MNIST directory: set ${ENV_VAR}, pass a directory of IDX files, or use hub id {HUB_ID!r}"
-            )
-    return load_mnist_idx(root, split, check_md5)
+        from owai.data.registry import locate
+
+        local = locate("mnist", None, split_files(split)) if split in SPLITS else None
+        if local is None:
+            return load_mnist_hub(split, hub_id)
+        root = local
+    return load_mnist_idx(mnist_dir(split, root) if root is not None else mnist_dir(split), split, check_md5)

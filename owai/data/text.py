@@ -2,8 +2,12 @@
 
 Sources (`open_source` / `load_texts`), each giving a `train` and a `val` split of documents:
 
-* `"babistories"`: the official BabiStories release, found through $OWAI_BABISTORIES (the
-  `BabiStories/data` directory of a MemoryMosaics clone, 7z parts).
+* `"babistories"`, `"tinystories"`, `"wikipedia"`: corpora of the data catalogue
+  (`owai.data.registry`), read from the local copy the data-root rule finds (`--data-root`,
+  $OWAI_DATA/text/<name>, the cache; BabiStories also $OWAI_BABISTORIES = the `BabiStories/data`
+  directory of a MemoryMosaics clone, 7z parts); without one, tinystories and wikipedia fall back to
+  their hub ids and babistories is a one-line error with the manual step. A relative path that does
+  not exist here is looked up under the data root too.
 * `"owai-stories"`: the embedded seeded corpus (`owai.data.stories`, 20k/500 stories);
   `"owai-stories:N"` uses N training stories and max(1, N // 40) validation stories.
 * A Hugging Face dataset id, optionally `id:config` (`roneneldan/TinyStories`,
@@ -41,6 +45,7 @@ Every user error is an `OwaiError` with a one-line message.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import io
@@ -219,16 +224,55 @@ class LocalSource(TextSource):
         for file in files:
             yield from read_file(file, self.text_field, self.cache_dir)
 
+    def check_nonempty(self) -> None:
+        """Raise unless the training files hold a non-blank document (read up to the first one;
+        7z archives are skipped here: they are checked when extracted)."""
+        plain = [f for f in self.files["train"] if _suffix(f) != ".7z"]
+        if len(plain) != len(self.files["train"]):
+            return
+        for file in plain:
+            if any(text.strip() for text in read_file(file, self.text_field, self.cache_dir)):
+                return
+        raise OwaiError(f"dataset {self.path}: no text in its training files (empty or blank)")
+
+
+# Corpora of the data catalogue (owai.data.registry) that a source may name: a local copy found by
+# the data-root rule wins; otherwise the hub id (None: no hub copy, the corpus must be local).
+NAMED_CORPORA = {"babistories": None, "tinystories": "roneneldan/TinyStories", "wikipedia": "wikipedia"}
+
+
+def resolve_source(source: str, data_root: str | Path | None = None) -> str:
+    """A source spec after the data-root rule: a catalogue corpus name (babistories, tinystories,
+    wikipedia) becomes its local folder (explicit `data_root`, $OWAI_BABISTORIES, $OWAI_DATA/text/...,
+    the cache), else its hub id, else (babistories) a one-line error with the manual step; a relative
+    path that does not exist here is looked up under the data root ($OWAI_DATA, the cache)."""
+    from owai.data import registry
+
+    if source in NAMED_CORPORA:
+        folder = registry.locate(source, data_root)
+        if folder is not None and registry.dataset(source).present(folder):
+            return str(folder)
+        if NAMED_CORPORA[source] is None or data_root:
+            raise OwaiError(registry.missing_message(source, data_root))
+        return NAMED_CORPORA[source]
+    if source.startswith(("hf:", "owai-stories")) or Path(source).expanduser().exists():
+        return source
+    found = registry.find_relative(source, data_root)
+    return str(found) if found is not None else source
+
 
 def open_source(source: str | os.PathLike[str] | TextSource, text_field: str = "text",
                 cache_dir: str | Path | None = None, *, config_name: str | None = None,
-                revision: str | None = None, streaming: bool = True) -> TextSource:
+                revision: str | None = None, streaming: bool = True, data_root: str | Path | None = None) -> TextSource:
     """Resolve a source (see the module docstring) to a `TextSource`; path errors are raised here.
 
     `config_name` is the hub dataset config (same as writing `id:config`); `revision` and
-    `streaming` go to `datasets.load_dataset`."""
+    `streaming` go to `datasets.load_dataset`; `data_root` is the explicit data root of the
+    data-root rule (`resolve_source`)."""
     if isinstance(source, TextSource):
         return source
+    if isinstance(source, str):
+        source = resolve_source(source, data_root)
     if isinstance(source, os.PathLike):
         path = Path(source).expanduser()
         if not path.exists():
@@ -236,8 +280,6 @@ def open_source(source: str | os.PathLike[str] | TextSource, text_field: str = "
         return LocalSource(path, text_field, cache_dir)
     if source == "owai-stories" or source.startswith("owai-stories:"):
         return _story_source(source)
-    if source == "babistories":
-        return _babistories(text_field, cache_dir)
     if source.startswith("hf:"):
         return _hub_source(source[3:], text_field, config_name, revision, streaming)
     path = Path(source).expanduser()
@@ -259,23 +301,7 @@ def lazy_texts(src: TextSource, split: str) -> Iterator[str]:
     yield from src.texts(split)
 
 
-BABISTORIES_ENV = "OWAI_BABISTORIES"
-
-
-def _babistories(text_field: str, cache_dir: str | Path | None) -> TextSource:
-    """The official BabiStories release: the `BabiStories/data` directory of a clone of
-    github.com/facebookresearch/MemoryMosaics (7z parts of traindataset.txt / valdataset.txt),
-    located by $OWAI_BABISTORIES."""
-    where = os.environ.get(BABISTORIES_ENV)
-    if not where:
-        raise OwaiError(
-            "source babistories: set OWAI_BABISTORIES to the BabiStories/data directory of a clone of "
-            "https://github.com/facebookresearch/MemoryMosaics (or pass its path as data.source)"
-        )
-    path = Path(where).expanduser()
-    if not path.exists():
-        raise OwaiError(f"dataset path not found: {path} (from ${BABISTORIES_ENV})")
-    return LocalSource(path, text_field, cache_dir)
+BABISTORIES_ENV = "OWAI_BABISTORIES"  # legacy alias: the BabiStories folder (owai.data.registry)
 
 
 def _story_source(source: str) -> StorySource:
@@ -713,6 +739,79 @@ def load_tokenizer(name: str, cache_dir: str | Path | None = None, training_text
     return _from_transformers(name, path)
 
 
+BPE_MIN_VOCAB, BPE_MAX_VOCAB = 258, 1 << 20
+HUB_PROBE_TIMEOUT = 3.0  # seconds to reach the hub before a hub tokenizer id is declared unreachable
+
+
+def check_tokenizer(name: str) -> None:
+    """Fail fast (one line, no network wait) on a tokenizer name that cannot load: a bpe-N outside
+    its range, or a hub id that is neither in the local Hugging Face cache nor reachable (offline
+    mode, or no connection to the hub within HUB_PROBE_TIMEOUT seconds). Called before a run exists."""
+    if name == "bytes":
+        return
+    match = re.fullmatch(r"bpe-(\d+)", name)
+    if match:
+        vocab = int(match.group(1))
+        if not BPE_MIN_VOCAB <= vocab <= BPE_MAX_VOCAB:
+            raise OwaiError(f"tokenizer bpe-{vocab}: vocabulary size must be between {BPE_MIN_VOCAB} and {BPE_MAX_VOCAB}")
+        return
+    path = Path(name).expanduser()
+    if path.exists():
+        return
+    if not _looks_like_hub_id(name) or ":" in name:
+        raise OwaiError(f"tokenizer {name!r}: no such file or directory, and not a Hugging Face hub id "
+                        "(use bytes, bpe-N, a tokenizer directory or tokenizer.json, or a hub id such as gpt2)")
+    if _hub_cached(name):
+        return
+    problem = _hub_unreachable()
+    if problem:
+        raise OwaiError(f"tokenizer {name!r} is not in the local Hugging Face cache and {problem}; "
+                        "use tokenizer=bytes or bpe-N offline")
+
+
+def _hub_cached(name: str) -> bool:
+    """Whether the local Hugging Face cache holds tokenizer files of hub id `name`."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    return any(isinstance(try_to_load_from_cache(name, f), str) for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def _hub_unreachable() -> str:
+    """Why the hub cannot be asked ("" when it can): offline mode, or no TCP connection in time."""
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"):
+        return "HF_HUB_OFFLINE is set"
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    return _probe(endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443))
+
+
+@functools.lru_cache(maxsize=4)
+def _probe(host: str, port: int) -> str:
+    """One TCP connection attempt per process and endpoint (a sweep validates many points)."""
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT).close()
+    except OSError as exc:
+        return f"the hub ({host}) is unreachable ({one_line(exc, 80)})"
+    return ""
+
+
+def _quiet_hub() -> None:
+    """Silence the hub clients' warnings and retry messages: a failure is reported as one OwaiError."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    for module in ("huggingface_hub.utils.logging", "transformers.utils.logging"):
+        try:
+            import importlib
+
+            importlib.import_module(module).set_verbosity_error()
+        except (ImportError, AttributeError):
+            pass
+
+
 def _from_tokenizer_json(name: str, path: Path) -> HFTokenizer:
     from tokenizers import Tokenizer as Backend
 
@@ -728,10 +827,14 @@ def _from_tokenizer_json(name: str, path: Path) -> HFTokenizer:
 
 def _from_transformers(name: str, path: Path) -> HFTokenizer:
     """AutoTokenizer.from_pretrained(name): a local directory, the HF cache or the hub."""
+    if not path.is_dir():
+        check_tokenizer(name)  # cached, or the hub answers: no minute of retries on a dead network
+    _quiet_hub()
     try:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else name)
+        tok = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else name,
+                                            local_files_only=not path.is_dir() and _hub_cached(name))
     except Exception as exc:
         where = f"local directory {path}" if path.is_dir() else "the Hugging Face hub"
         raise OwaiError(f"cannot fetch tokenizer {name!r} from {where} ({one_line(exc)}); "
@@ -749,8 +852,8 @@ def _bpe(vocab: int, root: Path, texts: Iterable[str] | None, fingerprint: str |
     """Load the cached bpe-N for this corpus, or train and cache it (tokenizer.json, atomic)."""
     from tokenizers import Tokenizer as Backend
 
-    if not 258 <= vocab <= 1 << 20:
-        raise OwaiError(f"bpe-{vocab}: vocabulary size must be between 258 and {1 << 20}")
+    if not BPE_MIN_VOCAB <= vocab <= BPE_MAX_VOCAB:
+        raise OwaiError(f"bpe-{vocab}: vocabulary size must be between {BPE_MIN_VOCAB} and {BPE_MAX_VOCAB}")
     capped = None
     if fingerprint is None:
         if texts is None:

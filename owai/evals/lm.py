@@ -125,7 +125,8 @@ def only_inputs(windows: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Iterato
         yield x
 
 
-def mean_over(curve: list[float], start: int, stop: int | None = None) -> float:
-    """Mean of curve[start:stop] (e.g. loss after the first 50 tokens)."""
+def mean_over(curve: list[float], start: int, stop: int | None = None) -> float | None:
+    """Mean of curve[start:stop] (e.g. loss after the first 50 tokens); None when the range is
+    empty (a context shorter than `start`): undefined, not NaN, which would fail the run."""
     part = curve[start:stop]
-    return sum(part) / len(part) if part else float("nan")
+    return sum(part) / len(part) if part else None

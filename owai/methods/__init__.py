@@ -44,6 +44,9 @@ class Method:
 
     Config: ClassVar[type]
     cli: ClassVar[str]  # the CLI command that runs it, e.g. "owai moons three-moons"
+    # Optimisation settings (dotted params paths) that `--resume RUN --set KEY=VALUE` may change,
+    # e.g. a lower train.lr after the run failed on NaN; they stay out of the checkpoints' config hash.
+    resume_overrides: ClassVar[tuple[str, ...]] = ()
 
     @staticmethod
     def validate(cfg: Any) -> None:

@@ -67,7 +67,7 @@ CACHE_VERSION = 1
 
 @dataclass
 class DataConfig:
-    root: str = ""  # the WILDS data folder holding camelyon17_v1.0/ (or that folder itself)
+    root: str = ""  # data root holding camelyon17/ or camelyon17_v1.0/ (or that folder); "" = $OWAI_DATA, the cache
     fraction: float = 1.0  # WILDS --frac: a keyed fraction of every split
     fraction_seed: int = 0
     image_size: int = 96  # 96 = the patches' size (no resize)
@@ -139,11 +139,9 @@ class Camelyon17Bonsai(Method):
     @staticmethod
     def validate(cfg: Config) -> None:
         d, t, b, p = cfg.data, cfg.train, cfg.bonsai, cfg.penalty
-        if not d.root:
-            raise OwaiError("data.root: the directory holding camelyon17_v1.0/ is required (--set data.root=DIR)")
-        from owai.data.camelyon17 import data_dir
+        from owai.data.camelyon17 import find_root
 
-        data_dir(d.root)  # a root without metadata.csv fails before a run directory exists
+        find_root(d.root)  # missing data fails before a run directory exists, naming `owai data fetch camelyon17`
         if not 0 < d.fraction <= 1:
             raise OwaiError(f"data.fraction must be in (0, 1], got {d.fraction}")
         for name in ("image_size", "batch_size", "n_groups_per_batch", "eval_batch_size"):
@@ -169,10 +167,10 @@ class Camelyon17Bonsai(Method):
             raise OwaiError(f"downstream.weight_decay must be >= 0, got {cfg.downstream.weight_decay}")
 
     def run(self, cfg: Config, run: Run) -> Outcome:
-        from owai.data.camelyon17 import Camelyon17
+        from owai.data.camelyon17 import Camelyon17, find_root
 
         d = cfg.data
-        data = Camelyon17(d.root, d.fraction, d.fraction_seed, d.image_size, d.cache_images)
+        data = Camelyon17(find_root(d.root), d.fraction, d.fraction_seed, d.image_size, d.cache_images)
         sizes = {s: int(data.split(s).numel()) for s in ("train", *EVAL_SPLITS)}
         console.info(f"Camelyon17 {data.dir}: " + ", ".join(f"{k} {v}" for k, v in sizes.items()))
         ctx = Context(cfg, run, data, run.device)

@@ -80,7 +80,7 @@ from torch import nn
 
 from owai.config import BaseConfig
 from owai.data.colored_mnist import ColoredMNIST, accuracy, load_colored_mnist, training_pool_size, variant
-from owai.data.mnist import default_mnist_dir
+from owai.data.mnist import mnist_dir
 from owai.errors import OwaiError
 from owai.methods import Method, Outcome
 from owai.methods.bonsai import BonsaiConfig, cached_representation, check_config, fresh_mlp, init_from, train_phase
@@ -104,7 +104,7 @@ class DataConfig:
     # offline: the documented t10k rule (4 000 + 4 000 training, 3 x 2 000 test images; a deviation
     # from the paper); paper: the thesis's 50k/10k split of the 60k MNIST training set.
     split: Literal["offline", "paper"] = "offline"
-    root: str = ""  # MNIST IDX directory; "" = $OWAI_MNIST_DIR, ../shared/data/mnist, or the packaged test split
+    root: str = ""  # data root (or MNIST IDX dir); "" = the data-root rule ($OWAI_DATA/mnist, cache), else the packaged test split
     hub_id: str = ""  # paper split from the Hugging Face hub (e.g. ylecun/mnist) when root is ""
     rng: Literal["owai", "rfc"] = "owai"
     grayscale: bool = False
@@ -363,15 +363,29 @@ def check(cfg: ColoredMNISTConfig) -> None:
             raise OwaiError("init=erm needs penalty.anneal_iters >= 1 ERM steps (init=rand is anneal 0)")
         if p.anneal_iters >= t.steps:
             raise OwaiError(f"penalty.anneal_iters={p.anneal_iters} leaves no penalty step in train.steps={t.steps}")
-    offline = cfg.data.split == "offline"
     pool = training_pool_size(mnist_file(cfg.data))
     if cfg.data.train_size < 0 or cfg.data.train_size == 1 or cfg.data.train_size > pool:
         raise OwaiError(f"data.train_size must be 0 (every training image) or from 2 to the {pool} training "
                         f"images of split {cfg.data.split!r}, got {cfg.data.train_size}")
-    if offline and not cfg.data.root and default_mnist_dir() is None:
-        raise OwaiError("no offline MNIST directory: set data.root or $OWAI_MNIST_DIR")
+    check_mnist(cfg.data)
     check_config(cfg.bonsai)
     build_penalty(cfg)  # bad weights / options are one-line errors now
+
+
+def check_mnist(data: DataConfig) -> None:
+    """The MNIST file of `data` can be read: found by the data-root rule, or (a hub id and no local
+    copy) the hub answers; else one line naming `owai data fetch mnist`, before any run directory."""
+    if data.root or not data.hub_id:
+        mnist_dir(mnist_file(data), data.root or None)
+        return
+    from owai.data.mnist import split_files
+    from owai.data.registry import locate, missing_message
+    from owai.data.text import _hub_unreachable
+
+    if locate("mnist", None, split_files(mnist_file(data))) is None:
+        problem = _hub_unreachable()
+        if problem:
+            raise OwaiError(f"{missing_message('mnist')} (hub id {data.hub_id!r}: {problem})")
 
 
 def anneal_iters(cfg: ColoredMNISTConfig) -> int:
@@ -423,7 +437,7 @@ def mnist_file(data: DataConfig) -> Literal["train", "test"]:
 
 def load_data(cfg: ColoredMNISTConfig, dataset: str | None = None) -> ColoredMNIST:
     """The run's data (`dataset`: another variant on the same images, e.g. the gray oracle)."""
-    d = cfg.data  # no root: load_mnist falls back to default_mnist_dir()
+    d = cfg.data  # no root: load_mnist follows the data-root rule (owai.data.mnist.mnist_dir)
     return load_colored_mnist(dataset or cfg.dataset, cfg.seed, mnist_file(d), root=d.root or None,
                               hub_id=d.hub_id or None, rng=d.rng, grayscale=d.grayscale, train_size=d.train_size or None)
 

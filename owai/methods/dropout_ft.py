@@ -57,7 +57,7 @@ DATASETS = (*DOMAINBED_NAMES, "imagefolder", "rotated-mnist")
 @dataclass
 class DataConfig:
     dataset: str = "vlcs"  # pacs | vlcs | office_home | terra_incognita | imagefolder | rotated-mnist
-    root: str = ""  # DomainBed data root, or an image-folder root; rotated-mnist: an MNIST IDX dir ("" = packaged)
+    root: str = ""  # data root (DomainBed's data_dir, $OWAI_DATA-like, or the dataset folder); "" = $OWAI_DATA, cache; rotated-mnist: MNIST
     test_domain: int = 0  # index into the sorted domains: leave-one-domain-out
     holdout_fraction: float = 0.2
     trial_seed: int = 0  # DomainBed: the split is the same for every seed
@@ -70,6 +70,7 @@ class DataConfig:
     angles: list[float] = field(default_factory=lambda: [0.0, 15.0, 30.0, 45.0, 60.0, 75.0])  # rotated-mnist
     per_domain: int = 1000  # rotated-mnist: images per domain
     pool: int = 0  # rotated-mnist: upright images held out for the `pretrain` stage
+    skip_unreadable: bool = False  # image folders: skip (and count) unreadable image files instead of failing
 
 
 @dataclass
@@ -123,6 +124,7 @@ class Config(BaseConfig):
 class DropoutFineTuning(Method):
     Config = Config
     cli = "owai dropout-ft"
+    resume_overrides = ("train.lr", "train.weight_decay")
 
     @staticmethod
     def validate(cfg: Config) -> None:
@@ -131,8 +133,10 @@ class DropoutFineTuning(Method):
         d, m, p, t = cfg.data, cfg.model, cfg.pretrain, cfg.train
         if d.dataset not in DATASETS:
             raise OwaiError(f"data.dataset {d.dataset!r}: choose one of {', '.join(DATASETS)}")
-        if d.dataset != "rotated-mnist" and not d.root:
-            raise OwaiError(f"data.root: the directory holding the {d.dataset} images is required (--set data.root=DIR)")
+        if d.dataset != "rotated-mnist":  # (rotated-mnist: the MNIST test split, packaged when nowhere else; a
+            from owai.data.domainbed import dataset_root  # sweep's base config is checked with the grid's root)
+
+            dataset_root(d.dataset, d.root)  # missing data: one line naming the download step
         if not 0 < d.holdout_fraction < 1:
             raise OwaiError(f"data.holdout_fraction must be in (0, 1), got {d.holdout_fraction}")
         for name in ("image_size", "batch_per_domain", "eval_batch_size"):
@@ -144,10 +148,14 @@ class DropoutFineTuning(Method):
             raise OwaiError(f"unknown backbone {m.backbone!r}; known: {', '.join(sorted(BACKBONES))}")
         if not 0 <= m.dropout < 1:
             raise OwaiError(f"model.dropout must be in [0, 1), got {m.dropout}")
-        if p.steps < 0 or (p.steps and (d.dataset != "rotated-mnist" or d.pool < 1)):
-            raise OwaiError("pretrain.steps > 0 needs data.dataset=rotated-mnist with data.pool > 0 upright images")
+        if p.steps < 0:
+            raise OwaiError(f"pretrain.steps must be >= 0, got {p.steps}")
+        if p.steps and (d.dataset != "rotated-mnist" or d.pool < 1):
+            raise OwaiError(f"pretrain.steps > 0 (the offline stand-in for ImageNet pre-training) needs data.dataset=rotated-mnist "
+                            f"with data.pool > 0 upright images; for data.dataset={d.dataset} add --set pretrain.steps=0")
         if p.steps and m.weights:
-            raise OwaiError(f"pretrain.steps > 0 builds the initial weights; set model.weights='' (got {m.weights!r})")
+            raise OwaiError(f"pretrain.steps > 0 builds the initial weights; set model.weights='' (got {m.weights!r}) "
+                            "or --set pretrain.steps=0")
         for name in ("steps", "eval_every", "checkpoint_every", "log_every"):
             if getattr(t, name) < 1:
                 raise OwaiError(f"train.{name} must be >= 1, got {getattr(t, name)}")
@@ -155,6 +163,19 @@ class DropoutFineTuning(Method):
             raise OwaiError("train: need lr > 0, weight_decay >= 0, 0 <= momentum < 1, last_lr_factor > 0, gamma > 0")
         if t.average_start < 0:
             raise OwaiError(f"train.average_start must be >= 0, got {t.average_start}")
+        # the data and the weights file, before any run directory: a bad test domain, class folders
+        # that differ between domains, unreadable images or a corrupt weights file fail here
+        if d.dataset == "rotated-mnist":
+            domains = [f"rot{a:g}" for a in d.angles]
+        else:
+            domains = image_dataset(cfg).domains
+        if d.test_domain >= len(domains):
+            raise OwaiError(f"data.test_domain {d.test_domain}: {d.dataset} has {len(domains)} domains "
+                            f"(0-{len(domains) - 1}: {', '.join(domains)})")
+        if not p.steps:
+            from owai.models.vision import check_weights
+
+            check_weights(m.backbone, m.weights)
 
     def run(self, cfg: Config, run: Run) -> Outcome:
         device = run.device
@@ -189,14 +210,20 @@ def load_data(cfg: Config) -> Any:
     if d.dataset == "rotated-mnist":
         data = domainbed.RotatedMNIST(load_mnist("test", root=d.root or None), d.angles, d.per_domain, d.pool,
                                       seed=d.trial_seed)
-    elif d.dataset == "imagefolder":
-        data = domainbed.ImageFolderDomains(d.root)
     else:
-        data = domainbed.domainbed_dataset(d.dataset, d.root)
+        data = image_dataset(cfg)
     if d.test_domain >= len(data.domains):
         raise OwaiError(f"data.test_domain {d.test_domain}: {data.name} has {len(data.domains)} domains "
                         f"({', '.join(data.domains)})")
     return data
+
+
+def image_dataset(cfg: Config) -> Any:
+    """The image-folder dataset of `cfg.data` (imagefolder or a DomainBed name), indexed once per
+    process; unreadable images are an error unless data.skip_unreadable."""
+    from owai.data.domainbed import dataset_root, open_image_dataset
+
+    return open_image_dataset(cfg.data.dataset, dataset_root(cfg.data.dataset, cfg.data.root), cfg.data.skip_unreadable)
 
 
 def splits(cfg: Config, data: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

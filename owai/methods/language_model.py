@@ -75,6 +75,7 @@ class DataConfig:
     text_field: str = "text"
     block_size: int = 512  # training context
     workers: int = 0  # tokenisation processes; 0 = all cores
+    root: str = ""  # explicit data root for named corpora and relative paths (--data-root); "" = $OWAI_DATA, the cache
 
 
 @dataclass
@@ -124,6 +125,7 @@ class Config(BaseConfig):
 class LanguageModelPretraining(Method):
     Config = Config
     cli = "owai mosaic-train"
+    resume_overrides = ("train.lr", "train.min_lr", "train.grad_clip", "train.weight_decay")
 
     @staticmethod
     def validate(cfg: Config) -> None:
@@ -131,7 +133,13 @@ class LanguageModelPretraining(Method):
             parse_arch(label)
         if not cfg.archs or len(set(cfg.archs)) != len(cfg.archs):
             raise OwaiError("archs: give one or more distinct architectures")
+        from owai.data.text import LocalSource, check_tokenizer, open_source
+
+        check_tokenizer(cfg.data.tokenizer)  # a bad bpe-N or an unreachable hub id fails here, at once
         _validate_common(cfg)
+        source = open_source(cfg.data.source, cfg.data.text_field, data_root=cfg.data.root or None)
+        if isinstance(source, LocalSource):
+            source.check_nonempty()  # an empty or blank corpus fails before any run directory
         t = cfg.train
         for name in ("steps", "batch_size", "accumulate", "eval_every", "eval_batches", "checkpoint_every", "log_every"):
             if getattr(t, name) < 1:
@@ -188,12 +196,14 @@ def prepare_data(data: DataConfig, ev: EvalConfig) -> LMData:
     from owai.data.text import load_tokenizer, prepare_tokens
 
     def build() -> LMData:
-        tokenizer = load_tokenizer(data.tokenizer, source=data.source, text_field=data.text_field)
-        prepared = prepare_tokens(data.source, tokenizer, workers=data.workers or None, text_field=data.text_field)
+        tokenizer = load_tokenizer(data.tokenizer, source=data.source, text_field=data.text_field, data_root=data.root or None)
+        prepared = prepare_tokens(data.source, tokenizer, workers=data.workers or None, text_field=data.text_field,
+                                  data_root=data.root or None)
         train, val = prepared.windows("train", data.block_size), prepared.windows("val", data.block_size)
         posloss = val
         if ev.source:
-            other = prepare_tokens(ev.source, tokenizer, workers=data.workers or None, text_field=data.text_field, config_name=ev.config_name or None)
+            other = prepare_tokens(ev.source, tokenizer, workers=data.workers or None, text_field=data.text_field, config_name=ev.config_name or None,
+                                   data_root=data.root or None)
             posloss = other.windows("val", data.block_size)
         return LMData(tokenizer, train, val, posloss)
 
@@ -553,9 +563,9 @@ def read_tokenizer_spec(path: Path) -> dict[str, Any]:
 def _validate_common(cfg: Any) -> None:
     from owai.data.text import open_source
 
-    open_source(cfg.data.source, cfg.data.text_field)  # a missing path fails here, before any run directory
+    open_source(cfg.data.source, cfg.data.text_field, data_root=cfg.data.root or None)  # a missing path fails here, before any run directory
     if cfg.eval.source:
-        open_source(cfg.eval.source, cfg.data.text_field, config_name=cfg.eval.config_name or None)
+        open_source(cfg.eval.source, cfg.data.text_field, config_name=cfg.eval.config_name or None, data_root=cfg.data.root or None)
     if cfg.data.block_size < 2:
         raise OwaiError(f"data.block_size must be >= 2, got {cfg.data.block_size}")
     ev = cfg.eval
@@ -573,7 +583,8 @@ def _validate_common(cfg: Any) -> None:
         if m.vocab_size:  # an explicit vocabulary must hold the tokenizer's
             from owai.data.text import load_tokenizer
 
-            tokenizer = load_tokenizer(cfg.data.tokenizer, source=cfg.data.source, text_field=cfg.data.text_field)
+            tokenizer = load_tokenizer(cfg.data.tokenizer, source=cfg.data.source, text_field=cfg.data.text_field,
+                                       data_root=cfg.data.root or None)
             if tokenizer.vocab_size > m.vocab_size:
                 raise OwaiError(
                     f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {m.vocab_size} "

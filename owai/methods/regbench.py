@@ -147,6 +147,7 @@ def zoo_settings(cfg: Config) -> dict[str, Any]:
 class RegBench(Method):
     Config = Config
     cli = "owai eval regbench"
+    resume_overrides = ("train.lr", "train.grad_clip", "train.weight_decay")
 
     @staticmethod
     def validate(cfg: Config) -> None:

@@ -82,6 +82,7 @@ class ThreeMoonsConfig(BaseConfig):
 class ThreeMoons(Method):
     Config = ThreeMoonsConfig
     cli = "owai moons three-moons"
+    resume_overrides = ("train.lr", "train.lr_end")
 
     @staticmethod
     def validate(cfg: ThreeMoonsConfig) -> None:

@@ -22,6 +22,7 @@ official files (DenseNet `norm.1` -> `norm1`, ViT `mlp.linear_1` -> `mlp.0`).
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Callable
@@ -423,7 +424,7 @@ def _read_state_dict(path: Path) -> dict[str, Tensor]:
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any decoding failure is a corrupt file to the user
-        raise OwaiError(f"cannot read weights file {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from e
+        raise OwaiError(f"cannot read weights file {path}: {_load_problem(e)}") from None
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
@@ -431,10 +432,48 @@ def _read_state_dict(path: Path) -> dict[str, Tensor]:
     return state
 
 
+def _load_problem(e: Exception) -> str:
+    """Why a weights file did not load, in one line, never passing on torch's advice to load
+    pickles unsafely (weights_only=False): owai loads tensors only."""
+    text = str(e)
+    if "Unsupported global" in text:
+        return "it holds pickled Python objects, not only tensors (owai loads tensors only: save a state_dict or .safetensors)"
+    if "weights_only" in text or "Weights only load failed" in text or not text.strip():
+        return "corrupt, truncated or not a PyTorch/safetensors weights file"
+    first = next(ln.strip() for ln in text.splitlines() if ln.strip())
+    return f"{type(e).__name__}: {first[:200]} (corrupt, truncated or not a weights file?)"
+
+
+def check_weights(backbone: str, weights: str) -> None:
+    """Fail before a run starts on a weights file that cannot load into `backbone` (unreadable,
+    corrupt, or of another architecture); weights names and "" are checked when resolved. The
+    backbone is built on the meta device (no memory); each (file, size, mtime) is read once."""
+    if not weights or weights in WEIGHTS.get(backbone, {}):
+        return
+    path = Path(weights).expanduser()
+    if not path.is_file():
+        resolve_weights(backbone, weights)  # raises the no-such-file error
+    stat = path.stat()
+    _check_weights_file(backbone, str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _check_weights_file(backbone: str, path: str, size: int, mtime_ns: int) -> None:
+    with torch.device("meta"):
+        model = build_backbone(backbone, num_classes=1000)
+    _match_state(model, _read_state_dict(Path(path)), Path(path))
+
+
 def load_torchvision_weights(model: nn.Module, path: str | Path) -> None:
     """Load a torchvision checkpoint (.pth or .safetensors) into `model`, strictly (keys and shapes)."""
     path = Path(path)
-    state = {_rename_legacy(k): v for k, v in _read_state_dict(path).items()}
+    state = _match_state(model, _read_state_dict(path), path)
+    model.load_state_dict(state, strict=True)
+
+
+def _match_state(model: nn.Module, raw: dict[str, Tensor], path: Path) -> dict[str, Tensor]:
+    """`raw` with legacy keys renamed, checked to hold exactly `model`'s keys and shapes."""
+    state = {_rename_legacy(k): v for k, v in raw.items()}
     own = model.state_dict()
     for k in own:  # checkpoints older than BatchNorm's counter (e.g. densenet121-a639ec97) lack it
         prefix = k[: -len("num_batches_tracked")]
@@ -453,7 +492,7 @@ def load_torchvision_weights(model: nn.Module, path: str | Path) -> None:
     bad = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items() if state[k].shape != v.shape]
     if bad:
         raise OwaiError(f"{path}: shape mismatch for {len(bad)} tensors, e.g. {'; '.join(bad[:3])}")
-    model.load_state_dict(state, strict=True)
+    return state
 
 
 def resolve_weights(backbone: str, weights: str) -> Path | None:

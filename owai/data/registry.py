@@ -1,0 +1,418 @@
+"""The datasets owai knows, where it looks for them, and how to fetch and verify them.
+
+One lookup rule for every dataset (`locate`):
+
+1. an explicit root (a command's `--data-root DIR`, or the method's `data.root` setting): the
+   dataset is `DIR/<subfolder>` when that exists, else `DIR` itself (DIR may be the dataset's own
+   folder). An explicit root is authoritative: nothing else is searched.
+2. the dataset's legacy variable, if it has one and it is set (`$OWAI_MNIST_DIR`,
+   `$OWAI_BABISTORIES`: the dataset's own folder; kept as aliases);
+3. `$OWAI_DATA/<subfolder>`: one root holding every dataset under its subfolder (mnist/,
+   camelyon17/, domainbed/PACS/, text/babistories/, ...);
+4. the cache, `<cache>/data/<subfolder>` (`$OWAI_CACHE`, default ~/.cache/owai; see owai.io), where
+   `owai data fetch` puts what it downloads.
+
+Steps 2-4 take the first location where the dataset is present (its files exist). A dataset found
+nowhere is a one-line `OwaiError` naming `owai data fetch NAME`, or the manual step for data that
+owai cannot download (the DomainBed image sets, BabiStories).
+
+Fetching writes into a temporary directory beside the destination, verifies every file (published
+md5 where there is one), then renames the directory into place: a failed or corrupted download
+leaves nothing behind. Downloads without published checksums (Hugging Face snapshots) record the
+sha256 of each file in `owai-manifest.json`, which `verify` checks later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from owai.errors import OwaiError
+from owai.io import cache_root
+
+DATA_ENV = "OWAI_DATA"
+MNIST_MIRROR_ENV = "OWAI_MNIST_MIRROR"  # comma-separated base URLs replacing MNIST_MIRRORS
+MANIFEST = "owai-manifest.json"
+# Well-known copies of the official MNIST files (yann.lecun.com itself needs a login now).
+MNIST_MIRRORS = (
+    "https://ossci-datasets.s3.amazonaws.com/mnist/",
+    "https://storage.googleapis.com/cvdf-datasets/mnist/",
+)
+DOWNLOAD_TIMEOUT = 60.0  # seconds without data before a download is abandoned
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """One dataset: its folder under a data root, what must be there, and how to get it."""
+
+    name: str
+    title: str
+    subfolder: str
+    size: str  # download size, for `owai data list`
+    required: tuple[str, ...]  # paths (relative to the dataset folder) that must exist; "a|b": either
+    md5: dict[str, str] = field(default_factory=dict)  # published checksums of files
+    urls: tuple[str, ...] = ()  # base URLs holding the md5 files (downloadable datasets)
+    hf_id: str = ""  # Hugging Face dataset id (snapshot-downloadable, or an alternative source)
+    hf_patterns: tuple[str, ...] = ()  # files of the hub repository that make up the dataset
+    manual: str = ""  # the manual step, for data owai cannot download
+    legacy_env: str = ""
+    aliases: tuple[str, ...] = ()
+    note: str = ""
+
+    def present(self, folder: Path, required: tuple[str, ...] | None = None) -> bool:
+        """Whether `folder` holds the dataset's required files (or the given subset)."""
+        if not folder.is_dir():
+            return False
+        return all(any((folder / alt).exists() for alt in item.split("|")) for item in (required or self.required))
+
+    def how_to_get(self) -> str:
+        """The one-line instruction for a missing copy."""
+        if self.manual:
+            return self.manual
+        return f"run `owai data fetch {self.name}`"
+
+
+def _mnist() -> Dataset:
+    from owai.data.mnist import OFFICIAL_MD5
+
+    gz = {k: v for k, v in OFFICIAL_MD5.items() if k.endswith(".gz")}
+    required = tuple(f"{name}|{name[:-3]}" for name in gz)
+    return Dataset("mnist", "MNIST (60k train + 10k test, IDX)", "mnist", "11.6 MB", required, md5=gz,
+                   urls=MNIST_MIRRORS, hf_id="ylecun/mnist", legacy_env="OWAI_MNIST_DIR",
+                   note="without it, offline test presets use the 10k test split packaged in owai/data/mnist_t10k")
+
+
+DOMAINBED_STEP = ("download it with DomainBed (`python -m domainbed.scripts.download --data_dir DIR`) and pass "
+                  "--data-root DIR, or put it under $OWAI_DATA/domainbed/")
+
+
+def _domainbed(name: str, folder: str, domains: tuple[str, ...], size: str, aliases: tuple[str, ...]) -> Dataset:
+    return Dataset(name, f"DomainBed {folder}", f"domainbed/{folder}", size, domains, manual=f"{folder}: {DOMAINBED_STEP}",
+                   aliases=aliases)
+
+
+def catalogue() -> dict[str, Dataset]:
+    """Every dataset owai reads, by name."""
+    from owai.data.camelyon17 import DOWNLOAD_URL, VERSION_DIR
+    from owai.data.domainbed import DOMAINBED
+
+    sets = [
+        _mnist(),
+        Dataset("camelyon17", "Camelyon17-WILDS v1.0 (455 954 patches)", "camelyon17", "10.7 GB",
+                (f"{VERSION_DIR}/metadata.csv|metadata.csv",), urls=(DOWNLOAD_URL,),
+                note="the WILDS release from CodaLab; also `wilds.get_dataset('camelyon17', root_dir=DIR, download=True)`"),
+        _domainbed("pacs", "PACS", tuple(DOMAINBED["pacs"]), "0.2 GB", ()),
+        _domainbed("vlcs", "VLCS", tuple(DOMAINBED["vlcs"]), "1.1 GB", ()),
+        _domainbed("office_home", "office_home", tuple(DOMAINBED["office_home"]), "1.2 GB", ("officehome",)),
+        _domainbed("terra_incognita", "terra_incognita", tuple(DOMAINBED["terra_incognita"]), "6.0 GB", ("terraincognita",)),
+        Dataset("babistories", "BabiStories (Memory Mosaics)", "text/babistories", "0.6 GB", (),
+                manual="BabiStories: clone https://github.com/facebookresearch/MemoryMosaics and copy its BabiStories/data "
+                       "folder to $OWAI_DATA/text/babistories (or pass --data-root)",
+                legacy_env="OWAI_BABISTORIES"),
+        Dataset("tinystories", "TinyStories V2 (GPT-4 stories)", "text/tinystories", "2.2 GB",
+                ("TinyStoriesV2-GPT4-train.txt", "TinyStoriesV2-GPT4-valid.txt"), hf_id="roneneldan/TinyStories",
+                hf_patterns=("TinyStoriesV2-GPT4-train.txt", "TinyStoriesV2-GPT4-valid.txt")),
+        Dataset("wikipedia", "Simple English Wikipedia (20231101.simple)", "text/wikipedia", "0.3 GB", (MANIFEST,),
+                hf_id="wikimedia/wikipedia", hf_patterns=("20231101.simple/*",),
+                note="the thesis's 20220301.simple dump is hub id `wikipedia` (legacy-datasets/wikipedia), read through `datasets`"),
+    ]
+    return {d.name: d for d in sets}
+
+
+def dataset(name: str) -> Dataset:
+    """The catalogue entry `name` (or an alias); an unknown name is a user error."""
+    sets = catalogue()
+    for d in sets.values():
+        if name == d.name or name in d.aliases:
+            return d
+    raise OwaiError(f"unknown dataset {name!r} (known: {', '.join(sets)})")
+
+
+def cache_data_root() -> Path:
+    """Where `owai data fetch` puts datasets by default: `<cache>/data`."""
+    return cache_root() / "data"
+
+
+def explicit_folder(ds: Dataset, root: str | Path) -> Path:
+    """The dataset's folder under an explicit root: ROOT/<subfolder> if it exists, else ROOT."""
+    root = Path(root).expanduser()
+    sub = root / ds.subfolder
+    return sub if sub.is_dir() else root
+
+
+def candidates(ds: Dataset) -> list[tuple[str, Path]]:
+    """The implicit places searched, in order: (label, folder)."""
+    places = []
+    if ds.legacy_env and os.environ.get(ds.legacy_env):
+        places.append((f"${ds.legacy_env}", Path(os.environ[ds.legacy_env]).expanduser()))
+    if os.environ.get(DATA_ENV):
+        places.append((f"${DATA_ENV}", Path(os.environ[DATA_ENV]).expanduser() / ds.subfolder))
+    places.append(("cache", cache_data_root() / ds.subfolder))
+    return places
+
+
+def locate(name: str, root: str | Path | None = None, required: tuple[str, ...] | None = None) -> Path | None:
+    """The dataset's folder by the lookup rule (module docstring), or None when it is nowhere.
+    With an explicit `root` the folder is returned whether or not it is complete (the loader names
+    what is missing); `required` narrows what counts as present (e.g. only MNIST's test files)."""
+    ds = dataset(name)
+    if root:
+        return explicit_folder(ds, root)
+    for _, folder in candidates(ds):
+        if ds.present(folder, required):
+            return folder
+    return None
+
+
+def missing_message(name: str, root: str | Path | None = None) -> str:
+    """One line: where the dataset was looked for and how to get it."""
+    ds = dataset(name)
+    if root:
+        where = str(explicit_folder(ds, root))
+    else:
+        where = ", ".join(f"{label} ({folder})" for label, folder in candidates(ds))
+    fetch = ds.how_to_get()
+    if root and not ds.manual:
+        fetch = f"run `owai data fetch {ds.name} --data-root {root}`"
+    return f"{ds.title} not found in {where}; {fetch}"
+
+
+def require(name: str, root: str | Path | None = None, required: tuple[str, ...] | None = None) -> Path:
+    """`locate`, or the one-line error naming the fetch command (or manual step)."""
+    folder = locate(name, root, required)
+    if folder is None or (root and not dataset(name).present(folder, required)):
+        raise OwaiError(missing_message(name, root))
+    return folder
+
+
+def find_relative(path: str, root: str | Path | None = None) -> Path | None:
+    """A relative path looked up under the explicit root, else under $OWAI_DATA, else the cache
+    (plain text files and folders named relative to a data root)."""
+    rel = Path(path)
+    if rel.is_absolute() or path.startswith("~"):
+        return None
+    bases = [Path(root).expanduser()] if root else [Path(p).expanduser() for p in [os.environ.get(DATA_ENV)] if p] + [cache_data_root()]
+    for base in bases:
+        if (base / rel).exists():
+            return base / rel
+    return None
+
+
+# -- verify ---------------------------------------------------------------------------------------
+
+
+def file_digest(path: Path, algorithm: str) -> str:
+    """Hex digest of a file, read in 1 MiB blocks."""
+    h = hashlib.new(algorithm)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify(name: str, folder: Path) -> list[str]:
+    """Check the copy at `folder`; returns what was checked (one line each) or raises `OwaiError`
+    with the first problem. Published md5 where known, else the fetch-time manifest, else the layout."""
+    ds = dataset(name)
+    if not ds.present(folder):
+        raise OwaiError(missing_message(name, folder))
+    checked = []
+    if ds.md5:
+        from owai.data.mnist import OFFICIAL_MD5
+
+        for file in ds.md5:
+            path = next(folder / alt for alt in (file, file[:-3]) if (folder / alt).exists())
+            checked.append(f"{path.name}: {check_md5(path, OFFICIAL_MD5, name)}")
+    manifest = folder / MANIFEST
+    if manifest.is_file():
+        checked += _verify_manifest(folder, manifest, name)
+    if name == "camelyon17":
+        checked.append(_verify_camelyon(folder))
+    if not checked:
+        checked.append("layout ok (" + (", ".join(ds.required) or "folder present") + "); no published checksums")
+    return checked
+
+
+def check_md5(path: Path, published: dict[str, str], name: str) -> str:
+    """Compare a file with its published md5; a `.gz` whose bytes differ (re-compressed by a mirror)
+    passes when its decompressed content has the published md5 of the raw file. Returns what matched."""
+    import gzip
+    import zlib
+
+    got = file_digest(path, "md5")
+    if got == published[path.name]:
+        return f"md5 {got} ok"
+    raw = published.get(path.name[:-3]) if path.name.endswith(".gz") else None
+    if raw is not None:
+        try:
+            content = hashlib.md5(gzip.decompress(path.read_bytes())).hexdigest()  # noqa: S324 - published checksum
+        except (OSError, EOFError, zlib.error):
+            content = "not gzip"
+        if content == raw:
+            return f"content md5 {content} ok (re-compressed copy)"
+    raise OwaiError(f"{path} has md5 {got}, expected {published[path.name]}; delete it and run `owai data fetch {name}`")
+
+
+def _verify_manifest(folder: Path, manifest: Path, name: str) -> list[str]:
+    try:
+        entries = json.loads(manifest.read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise OwaiError(f"{manifest} is unreadable ({exc})") from None
+    out = []
+    for rel, expected in sorted(entries.items()):
+        path = folder / rel
+        if not path.is_file():
+            raise OwaiError(f"{path} is missing; run `owai data fetch {name}` again")
+        got = file_digest(path, "sha256")
+        if got != expected:
+            raise OwaiError(f"{path} has sha256 {got[:16]}..., the download had {expected[:16]}...; run `owai data fetch {name}` again")
+        out.append(f"{rel}: sha256 ok")
+    return out
+
+
+def _verify_camelyon(folder: Path) -> str:
+    from owai.data.camelyon17 import Camelyon17, data_dir
+
+    data = Camelyon17(data_dir(folder))
+    return f"metadata.csv: {len(data)} patches, every split present"
+
+
+# -- fetch ----------------------------------------------------------------------------------------
+
+
+def mirrors(base_url: str | None = None) -> tuple[str, ...]:
+    """MNIST base URLs: `base_url`, else $OWAI_MNIST_MIRROR (comma-separated), else MNIST_MIRRORS."""
+    text = base_url or os.environ.get(MNIST_MIRROR_ENV, "")
+    urls = tuple(u.strip() for u in text.split(",") if u.strip())
+    return tuple(u if u.endswith("/") else u + "/" for u in urls) or MNIST_MIRRORS
+
+
+def _download(url: str, dest: Path) -> None:
+    """Stream `url` into `dest` (a temporary path)."""
+    with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT) as response, open(dest, "wb") as out:  # noqa: S310 - http(s) URLs of the catalogue
+        shutil.copyfileobj(response, out, 1 << 20)
+
+
+def fetch(name: str, root: str | Path | None = None, base_url: str | None = None,
+          info: Callable[[str], None] = lambda _: None) -> Path:
+    """Download dataset `name` into `root/<subfolder>` (default: the cache), verified; returns the folder.
+    An existing, complete copy is kept (verify it with `owai data verify`)."""
+    ds = dataset(name)
+    base = Path(root).expanduser() if root else cache_data_root()
+    final = base / ds.subfolder
+    if ds.present(final) and ds.required:
+        info(f"{ds.title} is already in {final}")
+        return final
+    if ds.manual:
+        raise OwaiError(f"{ds.title} cannot be downloaded by owai; {ds.manual}")
+    if name == "camelyon17":
+        from owai.data.camelyon17 import download
+
+        def wilds(tmp: Path) -> None:
+            download(tmp)  # WILDS publishes no checksum: `verify` reads metadata.csv and every split
+
+        return _publish(final, wilds, info)
+    if ds.md5:
+        return _publish(final, lambda tmp: _fetch_files(ds, tmp, mirrors(base_url), info), info)
+    return _publish(final, lambda tmp: _fetch_hub(ds, tmp, info), info)
+
+
+def _publish(final: Path, fill: Callable[[Path], None], info: Callable[[str], None]) -> Path:
+    """Fill a temporary directory beside `final`, then rename it into place (nothing left on failure)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if final.exists() and not final.is_dir():
+        raise OwaiError(f"{final} exists and is not a directory")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.fetch-", dir=final.parent))
+    try:
+        fill(tmp)
+        if final.is_dir():  # an incomplete earlier copy: keep what it has beside the new files
+            for item in tmp.iterdir():
+                os.replace(item, final / item.name)
+            tmp.rmdir()
+        else:
+            os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    info(f"saved in {final}")
+    return final
+
+
+def _fetch_files(ds: Dataset, tmp: Path, urls: tuple[str, ...], info: Callable[[str], None]) -> None:
+    """Each md5 file from the first mirror that serves it intact; a corrupted file is refused."""
+    from owai.data.mnist import OFFICIAL_MD5 as published
+
+    for file, expected in ds.md5.items():
+        problems = []
+        for url in urls:
+            dest = tmp / file
+            try:
+                info(f"downloading {url}{file}")
+                _download(url + file, dest)
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                dest.unlink(missing_ok=True)
+                problems.append(f"{url}{file}: {getattr(exc, 'reason', None) or exc}")
+                continue
+            got = file_digest(dest, "md5")
+            try:
+                check_md5(dest, published, ds.name)
+                break
+            except OwaiError:
+                dest.unlink()
+                problems.append(f"{url}{file} has md5 {got}, expected {expected} (refused)")
+        else:
+            raise OwaiError(f"cannot fetch {ds.name} file {file}: " + "; ".join(problems))
+
+
+def _fetch_hub(ds: Dataset, tmp: Path, info: Callable[[str], None]) -> None:
+    """A snapshot of the dataset's hub files, with a sha256 manifest for `verify`."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise OwaiError(f"fetching {ds.name} needs huggingface_hub: pip install huggingface_hub") from None
+    info(f"downloading {ds.hf_id} ({', '.join(ds.hf_patterns)}) from the Hugging Face hub")
+    try:
+        snapshot_download(ds.hf_id, repo_type="dataset", allow_patterns=list(ds.hf_patterns), local_dir=tmp)
+    except Exception as exc:  # noqa: BLE001 - any hub failure is one line
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise OwaiError(f"cannot fetch {ds.hf_id} from the Hugging Face hub: {first}") from None
+    shutil.rmtree(tmp / ".cache", ignore_errors=True)  # huggingface_hub's download metadata
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    if not files:
+        raise OwaiError(f"{ds.hf_id}: no file matches {', '.join(ds.hf_patterns)}")
+    digests = {str(p.relative_to(tmp)): file_digest(p, "sha256") for p in files}
+    (tmp / MANIFEST).write_text(json.dumps({"hf_id": ds.hf_id, "patterns": list(ds.hf_patterns), "sha256": digests}, indent=2))
+
+
+# -- list -----------------------------------------------------------------------------------------
+
+
+def status(root: str | Path | None = None) -> list[dict[str, str]]:
+    """One row per dataset: name, where it is (or was looked for), found or not, size, how to get it."""
+    rows = []
+    for ds in catalogue().values():
+        folder = locate(ds.name, root)
+        found = folder is not None and ds.present(folder) and (bool(ds.required) or any(folder.iterdir()))
+        where = str(folder) if found else (str(explicit_folder(ds, root)) if root else
+                                           " | ".join(str(f) for _, f in candidates(ds)))
+        how = ds.how_to_get()
+        if ds.hf_id and not ds.manual:
+            how += f" (hub: {ds.hf_id})"
+        verified = "-"
+        if found and ds.md5:  # cheap (MNIST: 11 MB); larger sets: `owai data verify NAME`
+            try:
+                verify(ds.name, folder)  # type: ignore[arg-type]
+                verified = "yes"
+            except OwaiError:
+                verified = "FAILED"
+        rows.append({"name": ds.name, "found": "yes" if found else "no", "verified": verified, "where": where,
+                     "size": ds.size, "get": how, "note": ds.note})
+    return rows
