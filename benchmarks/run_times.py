@@ -32,15 +32,17 @@ COMMANDS: dict[str, tuple[list[str], float | None]] = {
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(COMMANDS), action="append", help="run only these (repeatable)")
+    parser.add_argument("--out", help="keep the run directories here (for `owai report`); default: a temporary directory")
     args = parser.parse_args()
     print(f"cores: {os.cpu_count()}  torch threads: default")
     failed = False
     for name in args.only or list(COMMANDS):
         owai_args, target = COMMANDS[name]
-        with tempfile.TemporaryDirectory() as out:
-            env = {**os.environ, "OWAI_CACHE": os.path.join(out, "cache")}
+        with tempfile.TemporaryDirectory() as scratch:
+            env = {**os.environ, "OWAI_CACHE": os.path.join(scratch, "cache")}  # an empty cache for each command
+            runs = os.path.join(args.out or scratch, "runs")
             start = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "owai", *owai_args, "--quiet", "--out", os.path.join(out, "runs")], env=env)
+            proc = subprocess.run([sys.executable, "-m", "owai", *owai_args, "--quiet", "--out", runs], env=env)
             seconds = time.perf_counter() - start
         ok = proc.returncode == 0 and (target is None or seconds <= target)
         failed |= not ok
