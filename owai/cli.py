@@ -20,13 +20,14 @@ from owai import __version__, console
 from owai.commands._common import Json, Out, Preset, Quiet, RecipeOption, Resume, Sets, one_recipe, run_recipe
 from owai.errors import OwaiError
 
+
 def _flag_type_hidden() -> None:
     """Show flags (--quiet, --json, --help, ...) as bare switches in --help: Typer's rich help
     prints a type column for every option, `<bool>` for flags, which reads as if they took a value."""
     from typer.core import TyperOption
 
-    shown = TyperOption.display_type_rich
-    if getattr(shown, "owai_flags_bare", False):
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "owai_flags_bare", False):  # another Typer: keep its rendering
         return
 
     def display_type_rich(self: TyperOption, ctx: object) -> str | None:
