@@ -29,13 +29,13 @@ metric makes the verdict "n/a" (not measured), never "holds". Nothing is evaluat
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
 from owai.errors import OwaiError
+from owai.sweep import numeric
 
 HOLDS, MISSES, NA = "holds", "misses", "n/a"
 AGGREGATES: dict[str, Callable[[list[float]], float]] = {"min": min, "max": max, "mean": lambda v: sum(v) / len(v)}
@@ -97,14 +97,6 @@ def label(ref: Any) -> str:
     return f"{agg}({label(members[0])})" if len(members) == 1 else f"{agg} of {len(members)}"
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, (int, float)) and math.isfinite(value):
-        return float(value)
-    return None
-
-
 def _pick(records: list[Record], name: str, where: dict[str, Any]) -> float:
     """The one record with `name` whose fields match `where`. Of several, the general ones win: a
     record that sets a field (e.g. Fig 2.7's `anneal`) another match leaves null is chosen only by
@@ -119,7 +111,7 @@ def _pick(records: list[Record], name: str, where: dict[str, Any]) -> float:
         raise Missing(f"{text} not measured")
     if len(found) > 1:
         raise Missing(f"{text} is ambiguous ({len(found)} records match; add fields to where)")
-    value = _number(found[0][name])
+    value = numeric(found[0][name])
     if value is None:
         raise Missing(f"{text} is not a number ({found[0][name]!r})")
     return value

@@ -486,7 +486,7 @@ def _run_submitit(sweep: Sweep, todo: list[Point], executor: str, opts: SlurmOpt
 # --- summary ------------------------------------------------------------------------------------
 
 
-def _numeric(value: Any) -> float | None:
+def numeric(value: Any) -> float | None:
     """Numbers count (booleans as 0/1, so their mean is a fraction); lists, text and null do not."""
     if isinstance(value, bool):
         return float(value)
@@ -540,7 +540,7 @@ def summarise(sweep: Sweep, outcomes: list[dict[str, Any]] | None = None) -> dic
             continue
         cell["seeds"].append(p.seed)
         for row in results.get("rows", []):
-            value = _numeric(row.get("measured"))
+            value = numeric(row.get("measured"))
             if value is not None:
                 cell["values"].setdefault(row["metric"], []).append(value)
                 cell["rows"].setdefault(row["metric"], row)
