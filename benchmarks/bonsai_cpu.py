@@ -1,5 +1,5 @@
 """Benchmark: wall time of a ColoredMNIST study's cpu preset end to end (issue #4: Table 2.4's cpu
-preset in <= 45 minutes on the 2-core development machine), and the table it measures.
+preset in <= 60 minutes (issue #25: on the 50k paper split) on the 2-core development machine), and the table it measures.
 
     python benchmarks/bonsai_cpu.py [--out DIR] [--workers N] [--recipe table2.4-coloredmnist | table2.5-pi]
 
@@ -18,7 +18,7 @@ import sys
 
 from _study import timed_study
 
-TARGET_S = 45 * 60
+TARGET_S = 60 * 60
 INVARIANT = ("irm", "vrex", "sd", "iga", "fishr", "clove")
 
 

@@ -141,7 +141,7 @@ def recipes_show(
 
     console.configure(quiet, as_json)
     r = recipes.load(recipe)
-    resolved = resolve(r, preset, sets or [])[1] if r.implemented else None
+    resolved = resolve(r, preset, sets or [], missing_ok=True)[1] if r.implemented else None
     if as_json:
         console.emit_json({"recipe": yaml.safe_load(recipes.dump(r)), "resolved": resolved})
         return
@@ -149,6 +149,8 @@ def recipes_show(
     if resolved is not None:
         console.stdout.print(f"# resolved params (preset {resolved['preset']}):", markup=False)
         console.stdout.print(yaml.safe_dump(resolved["params"], sort_keys=False), markup=False)
+        if "missing" in resolved:
+            console.stdout.print(f"# not runnable on this machine yet: {resolved['missing']}", markup=False)
 
 
 @recipes_app.command("run")

@@ -18,18 +18,27 @@ from typing import Any
 from owai import console, distributed
 from owai.checkpoint import NonFiniteError, latest_checkpoint, load_checkpoint, recorded_identity
 from owai.config import apply_overrides, build, parse_override, to_dict
-from owai.errors import OwaiError
+from owai.errors import DataMissing, OwaiError
 from owai.recipes import Recipe, load, recorded_name, thesis_for
 from owai.runs import Run, config_hash, ensure_writable, environment
 
 
-def resolve(recipe: Recipe, preset: str | None, overrides: list[str]) -> tuple[Any, dict[str, Any]]:
-    """Build the typed config (defaults <- params <- preset <- --set) and its serialisable form."""
+def resolve(recipe: Recipe, preset: str | None, overrides: list[str],
+            missing_ok: bool = False) -> tuple[Any, dict[str, Any]]:
+    """Build the typed config (defaults <- params <- preset <- --set) and its serialisable form.
+    With `missing_ok` a valid config whose inputs are not on this machine (DataMissing) resolves,
+    with the reason under "missing" (for `owai recipes show`); a run never passes it."""
     preset = preset or recipe.default_preset
     schema = recipe.method_class().Config
     params = apply_overrides(schema, recipe.params_for(preset), overrides)
     cfg = build(schema, params, path="params")
-    recipe.method_class().validate(cfg)
+    missing = None
+    try:
+        recipe.method_class().validate(cfg)
+    except DataMissing as e:
+        if not missing_ok:
+            raise
+        missing = str(e)
     resolved = {
         "recipe": recipe.id,
         "recipe_source": recipe.source,
@@ -38,6 +47,8 @@ def resolve(recipe: Recipe, preset: str | None, overrides: list[str]) -> tuple[A
         "overrides": list(overrides),
         "params": to_dict(cfg),
     }
+    if missing:
+        resolved["missing"] = missing
     return cfg, resolved
 
 

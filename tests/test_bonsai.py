@@ -86,7 +86,7 @@ def test_head_averaging_on_a_toy_and_through_the_pipeline(tmp_path):
 
 
 def test_bonsai_cf_end_to_end_keeps_the_featurizer_bit_identical(tmp_path):
-    run, results = execute(RECIPE, "cpu", TINY, out=tmp_path / "runs")
+    run, results = execute(RECIPE, "tiny", TINY, out=tmp_path / "runs")
     saved = json.loads((run.path / "results.json").read_text())
     rows = {r["metric"]: r for r in saved["rows"]}
     assert rows["erm.bonsai-cf.worst_test_acc"]["measured"] is not None
@@ -109,7 +109,7 @@ def test_bonsai_cf_end_to_end_keeps_the_featurizer_bit_identical(tmp_path):
 
 def test_bonsai_fine_tunes_the_featurizer_and_resumes_identically(tmp_path):
     overrides = [o.replace("init=bonsai-cf", "init=bonsai") for o in TINY]
-    run, results = execute(RECIPE, "cpu", overrides, out=tmp_path / "runs")
+    run, results = execute(RECIPE, "tiny", overrides, out=tmp_path / "runs")
     ckpts = run.path / "checkpoints"
     _, syn = load_checkpoint(latest_checkpoint(ckpts / "bonsai.synthesis"))
     _, down = load_checkpoint(latest_checkpoint(ckpts / "train"))
@@ -122,33 +122,33 @@ def test_bonsai_fine_tunes_the_featurizer_and_resumes_identically(tmp_path):
 
 
 def test_a_second_run_of_the_seed_loads_the_cached_representation(tmp_path):
-    first, r1 = execute(RECIPE, "cpu", TINY, out=tmp_path / "runs")
+    first, r1 = execute(RECIPE, "tiny", TINY, out=tmp_path / "runs")
     assert (first.path / "checkpoints" / "bonsai.round0").is_dir()  # built here
     cached = list((tmp_path / "cache" / "bonsai").glob("coloredmnist-seed0-*.safetensors"))
     assert len(cached) == 1
-    second, r2 = execute(RECIPE, "cpu", [o.replace("method=erm", "method=vrex") for o in TINY], out=tmp_path / "runs")
+    second, r2 = execute(RECIPE, "tiny", [o.replace("method=erm", "method=vrex") for o in TINY], out=tmp_path / "runs")
     assert r2["details"]["bonsai"]["cache"] == str(cached[0])
     assert not (second.path / "checkpoints" / "bonsai.round0").exists()  # nothing rebuilt
     assert r2["details"]["bonsai"]["rounds"] == r1["details"]["bonsai"]["rounds"]
     # the same downstream run from the cache equals the one that built it
-    third, r3 = execute(RECIPE, "cpu", TINY, out=tmp_path / "runs")
+    third, r3 = execute(RECIPE, "tiny", TINY, out=tmp_path / "runs")
     assert r3["rows"] == r1["rows"]
     # the downstream L2 (the ERM rows' grid) does not touch the representation; bonsai.l2 does
-    fourth, r4 = execute(RECIPE, "cpu", TINY + ["train.l2=0.01"], out=tmp_path / "runs")
+    fourth, r4 = execute(RECIPE, "tiny", TINY + ["train.l2=0.01"], out=tmp_path / "runs")
     assert r4["details"]["bonsai"]["cache"] == str(cached[0])
     assert not (fourth.path / "checkpoints" / "bonsai.round0").exists()
     assert r4["details"]["l2"] == 0.01
     head = lambda run: load_checkpoint(latest_checkpoint(run.path / "checkpoints" / "train"))[1]["model"]  # noqa: E731
     assert head(fourth).keys() == head(first).keys()
     assert any(not torch.equal(head(fourth)[k], head(first)[k]) for k in head(first))  # the L2 reached the head
-    execute(RECIPE, "cpu", TINY + ["bonsai.l2=0.01"], out=tmp_path / "runs")
+    execute(RECIPE, "tiny", TINY + ["bonsai.l2=0.01"], out=tmp_path / "runs")
     assert len(list((tmp_path / "cache" / "bonsai").glob("*.safetensors"))) == 2
     # another seed is another representation
-    execute(RECIPE, "cpu", TINY + ["seed=1"], out=tmp_path / "runs")
+    execute(RECIPE, "tiny", TINY + ["seed=1"], out=tmp_path / "runs")
     assert len(list((tmp_path / "cache" / "bonsai").glob("*.safetensors"))) == 3
     cached[0].write_bytes(b"garbage")
     with pytest.raises(Exception, match="corrupt"):
-        execute(RECIPE, "cpu", TINY, out=tmp_path / "runs")
+        execute(RECIPE, "tiny", TINY, out=tmp_path / "runs")
 
 
 def test_selection_across_restarts_is_the_best_mean_over_restarts():
@@ -211,7 +211,7 @@ def test_study_restricts_the_grid_and_writes_table_and_figure(tmp_path, capsys):
     from conftest import cli_in_process
     from owai.commands.bonsai import restricted_grid
 
-    grid = restricted_grid(RECIPE, "cpu", {"method": ["erm", "irm"], "init": ["rand", "bonsai-cf"]})
+    grid = restricted_grid(RECIPE, "tiny", {"method": ["erm", "irm"], "init": ["rand", "bonsai-cf"]})
     assert {"method": ["irm"], "init": ["rand"]} in grid and {"dataset": ["coloredmnist-gray"], "method": ["erm"], "init": ["rand"]} in grid
     assert all(set(g["init"]) <= {"rand", "bonsai-cf"} for g in grid)
     # 41 steps evaluated every 10, of which Table A.12's 20 i grid keeps steps 1, 21 and 41 for
@@ -219,7 +219,7 @@ def test_study_restricts_the_grid_and_writes_table_and_figure(tmp_path, capsys):
     longer = {"train.steps=6": "train.steps=41", "train.eval_every=3": "train.eval_every=10"}
     tiny = [a for s in TINY[2:] + ["penalty.anneal_iters=2"] for a in ("--set", longer.get(s, s))]
     short = ["--grid", "train.steps=41", "--grid", "train.eval_every=10"]
-    code, out, err = cli_in_process(["bonsai", "--study", "--method", "erm,irm", "--init", "rand,bonsai-cf", "--seeds", "0,1",
+    code, out, err = cli_in_process(["bonsai", "--study", "-p", "tiny", "--method", "erm,irm", "--init", "rand,bonsai-cf", "--seeds", "0,1",
                                      *tiny, *short, "--out", str(tmp_path / "runs"), "-q", "--json"], capsys)
     assert code == 0, err
     report = json.loads(out)
@@ -299,9 +299,9 @@ def test_validation_stopping_changes_the_cache_key_and_validates_settings(tmp_pa
     fixed, val = BonsaiConfig(), BonsaiConfig(stopping="validation")
     assert representation_key("coloredmnist", fixed, seed=0) != representation_key("coloredmnist", val, seed=0)
     with pytest.raises(Exception, match="val_fraction"):
-        execute(RECIPE, "cpu", TINY + ["bonsai.stopping=validation", "bonsai.val_fraction=1.5"], out=tmp_path / "runs")
+        execute(RECIPE, "tiny", TINY + ["bonsai.stopping=validation", "bonsai.val_fraction=1.5"], out=tmp_path / "runs")
     with pytest.raises(Exception, match="bonsai.l2"):
-        execute(RECIPE, "cpu", TINY + ["bonsai.l2=-1"], out=tmp_path / "runs")
+        execute(RECIPE, "tiny", TINY + ["bonsai.l2=-1"], out=tmp_path / "runs")
     assert not (tmp_path / "runs").exists()
 
 
@@ -324,7 +324,7 @@ def test_study_points_run_through_submitit(tmp_path, capsys):
     from conftest import cli_in_process
 
     tiny = [a for s in TINY[2:] for a in ("--set", s)]
-    code, out, err = cli_in_process(["bonsai", "--study", "--method", "irm", "--init", "rand", "--seeds", "0",
+    code, out, err = cli_in_process(["bonsai", "--study", "-p", "tiny", "--method", "irm", "--init", "rand", "--seeds", "0",
                                      "--executor", "submitit-debug", *tiny, "--out", str(tmp_path / "runs"), "-q", "--json"],
                                     capsys)
     assert code == 0, err

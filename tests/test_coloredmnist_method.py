@@ -85,7 +85,7 @@ def test_train_loop_hooks_reset_optimizer_and_after_step(tmp_path):
 @pytest.fixture(scope="module")
 def erm_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
-    run, results = execute(RECIPE, "cpu", TINY, out=out)
+    run, results = execute(RECIPE, "tiny", TINY, out=out)
     return run, results
 
 
@@ -103,7 +103,7 @@ def test_end_to_end_results_hold_the_test_environments(erm_run):
     details = saved["details"]
     assert details["data"]["train_sizes"] == [4000, 4000] and details["data"]["test_sizes"] == [2000] * 3
     assert [c["step"] for c in details["curve"]] == [1, 5, 9, 12]  # after update 1 + 4 i (the reference's step 4 i), and the last
-    assert saved["command"].startswith("owai bonsai --preset cpu")
+    assert saved["command"].startswith("owai bonsai --preset tiny")
 
 
 def test_erm_learns_the_colour(erm_run):
@@ -159,7 +159,7 @@ def test_resume_reproduces_identical_results(erm_run):
 )
 def test_impossible_settings_fail_before_a_run_exists(tmp_path, overrides, fragment):
     with pytest.raises(OwaiError, match=None) as err:
-        execute(RECIPE, "cpu", overrides, out=tmp_path / "runs")
+        execute(RECIPE, "tiny", overrides, out=tmp_path / "runs")
     assert fragment in str(err.value) and "\n" not in str(err.value)
     assert not (tmp_path / "runs").exists()
 
@@ -200,7 +200,7 @@ def test_the_other_trainers_run_and_resume_bit_exactly(tmp_path, monkeypatch, se
     """RSC, LfF, GroupDRO, PI and the perfect initialisation train end to end; a run killed after
     step 8 resumes to the same weights as the uninterrupted run (companion state included)."""
     monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
-    run, results = execute(RECIPE, "cpu", sets + SMALL, out=tmp_path / "runs")
+    run, results = execute(RECIPE, "tiny", sets + SMALL, out=tmp_path / "runs")
     method, init = sets[0].split("=")[1], next((s.split("=")[1] for s in sets if s.startswith("init=")), "rand")
     rows = {r["metric"]: r["measured"] for r in results["rows"]}
     assert rows[f"{method}.{init}.worst_test_acc"] is not None
@@ -251,7 +251,7 @@ def test_pi_gray_stage_models_rely_on_shape(tmp_path, monkeypatch):
     sets = ["method=pi", "dataset=inverse-coloredmnist", "model.hidden=64", "train.steps=2", "train.eval_every=1"]
     gaps = {}
     for stage_data in ("coloured", "gray"):
-        _, results = execute(RECIPE, "cpu", sets + [f"penalty.options={{steps1: 30, stage_data: {stage_data}}}"],
+        _, results = execute(RECIPE, "tiny", sets + [f"penalty.options={{steps1: 30, stage_data: {stage_data}}}"],
                              out=tmp_path / stage_data)
         info = results["details"]["pi"]
         assert info["stage_data"] == stage_data
@@ -275,7 +275,7 @@ def test_cli_bad_mnist_directories_are_one_line_errors(tmp_path, capsys):
     payload = gzip.decompress(images.read_bytes())
     images.write_bytes(gzip.compress(b"\x00\x00\x08\x01" + payload[4:], compresslevel=1))
     for root, fragment in [(tmp_path / "nowhere", "nowhere"), (bad, "magic")]:
-        code, out, err = cli_in_process(["bonsai", "--set", f"data.root={root}", "--out", str(tmp_path / "runs")], capsys)
+        code, out, err = cli_in_process(["bonsai", "-p", "tiny", "--set", f"data.root={root}", "--out", str(tmp_path / "runs")], capsys)
         assert code == 2, out + err
         assert len(err.strip().splitlines()) == 1 and err.startswith("error:") and fragment in err, err
         assert not list((tmp_path / "runs").rglob("results.json"))

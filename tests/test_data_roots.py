@@ -158,6 +158,9 @@ def _fails_cleanly(capsys, args: list[str], out: Path, expected: str) -> None:
 
 @pytest.mark.parametrize("args, expected", [
     (["bonsai", "--data-root", "{empty}"], "owai data fetch mnist --data-root"),
+    (["bonsai"], "owai data fetch mnist` (or --preset tiny"),  # the cpu preset reads the 60k split
+    (["bonsai", "--recipe", "table2.5-pi", "--study"], "owai data fetch mnist` (or --preset tiny"),
+    (["dropout-ft"], "owai data fetch mnist` (pretrain.source=mnist-train; or --preset tiny"),
     (["bonsai", "--dataset", "camelyon17"], "owai data fetch camelyon17"),
     (["bonsai", "--dataset", "camelyon17", "--study", "--data-root", "{empty}"], "owai data fetch camelyon17 --data-root"),
     (["dropout-ft", "--dataset", "pacs"], "domainbed.scripts.download"),
@@ -174,6 +177,18 @@ def test_missing_dataset_is_one_line_and_no_run_dir(capsys, no_data, tmp_path, a
     (model / "config.json").write_text(json.dumps({"model_type": "owai_mm"}))
     args = [a.format(empty=tmp_path / "empty", model=model) for a in args]
     _fails_cleanly(capsys, args, tmp_path / "runs", expected)
+
+
+def test_recipes_show_resolves_without_the_data(capsys, no_data):
+    """`owai recipes show` prints a valid config whose data are not here, with the missing piece
+    named; a bad value is still an error (DataMissing is the only exception it tolerates)."""
+    code, out, err = cli_in_process(["recipes", "show", "table2.4-coloredmnist", "-p", "cpu"], capsys)
+    assert code == 0, err
+    assert "split: paper" in out and "# not runnable on this machine yet: MNIST" in out
+    code, out, err = cli_in_process(["recipes", "show", "table2.4-coloredmnist", "-p", "tiny"], capsys)
+    assert code == 0 and "not runnable" not in out
+    code, _, err = cli_in_process(["recipes", "show", "table2.4-coloredmnist", "--set", "train.steps=0"], capsys)
+    assert code == 2 and "train.steps" in err
 
 
 def test_generated_data_recipes_refuse_the_flag(capsys, tmp_path):

@@ -231,3 +231,36 @@ def test_weight_file_with_wrong_keys_is_one_line(tmp_path: Path, capsys) -> None
                                    "-o", str(tmp_path / "runs")], capsys)
     assert code == 2 and "does not match ResNet" in err and "unexpected keys" in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_cpu_preset_pretrains_on_mnists_training_file(monkeypatch: pytest.MonkeyPatch, shared_data: Path) -> None:
+    """Issue #25 item 5: the cpu preset's stand-in for ImageNet pre-training is all 60 000 upright
+    images of MNIST's training file (the domains come from the test file); the tiny preset keeps the
+    2 000-image pool of the test file, under the cache key it had before `pretrain.source` existed."""
+    import owai.methods.dropout_ft as dft
+    from owai.data.mnist import load_mnist
+    from owai.experiment import resolve
+    from owai.recipes import load
+
+    seen = {}
+    monkeypatch.setattr(dft, "pretrained_backbone", lambda cfg, run, pool, device: seen.setdefault(cfg.pretrain.source, pool))
+    recipe = load("table2.8-dropout")
+    cpu, _ = resolve(recipe, "cpu", [])
+    tiny, _ = resolve(recipe, "tiny", [])
+    data = dft.load_data(tiny)  # both presets deal the same test-file images to the domains
+    assert [d.tolist() for d in data.source_indices] == [d.tolist() for d in dft.load_data(cpu).source_indices]
+    dft.initial_weights(cpu, None, data, torch.device("cpu"))
+    dft.initial_weights(tiny, None, data, torch.device("cpu"))
+    train = load_mnist("train")
+    assert seen["mnist-train"].size(0) == 60_000 and torch.equal(seen["mnist-train"].labels(0), train.labels.long())
+    assert seen["pool"].size(0) == 2_000
+    assert dft.pretrain_key(cpu) != dft.pretrain_key(tiny)
+    import hashlib
+
+    from owai.config import to_dict
+
+    before = {k: v for k, v in to_dict(tiny.pretrain).items() if k != "source"}  # the key's form before the field
+    d = tiny.data
+    what = {"backbone": "resnet18", "pretrain": before, "root": d.root, "pool": d.pool, "trial_seed": d.trial_seed,
+            "image_size": d.image_size, "augment": d.augment, "version": 1}
+    assert dft.pretrain_key(tiny) == hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]

@@ -45,7 +45,7 @@ def test_every_packaged_recipe_validates_with_cpu_and_paper_presets(monkeypatch,
                 with pytest.raises(OwaiError, match="no model given"):
                     resolve(r, preset, [])
                 continue
-            if (r.method == "dropout_ft" and preset != "cpu") or r.method == "camelyon17":  # the images are the user's
+            if (r.method == "dropout_ft" and preset not in ("cpu", "tiny")) or r.method == "camelyon17":  # the images are the user's
                 with pytest.raises(OwaiError, match="not found"):  # names the fetch command / download step
                     resolve(r, preset, [])
                 cfg, resolved = resolve(r, preset, [f"data.root={tmp_path}"])
@@ -219,3 +219,19 @@ def test_build_reads_a_grid_or_a_list_of_grids():
         build(recipes.SweepSpec, {"grid": 3}, path="s")
     with pytest.raises(OwaiError, match=r"^s.select: unknown key 'min'"):  # a mapping's own error, not the union's
         build(recipes.SweepSpec, {"select": {"metric": "m", "min": True}}, path="s")
+
+
+@pytest.mark.parametrize("name", ["table2.4-coloredmnist", "table2.5-pi", "fig2.7-anneal", "fig2.8-init"])
+def test_coloredmnist_cpu_presets_use_the_thesis_split_and_tiny_the_packaged_one(name, shared_data):
+    """Issue #25 item 2: the cpu presets cut restarts, columns or steps, not data: the 50k/10k split
+    of MNIST's training file; `tiny` keeps the packaged test-file split for tests and offline use."""
+    from owai.data.colored_mnist import training_pool_size
+    from owai.methods.coloredmnist import mnist_file
+
+    r = recipes.load(name)
+    cpu, _ = resolve(r, "cpu", [])
+    tiny, _ = resolve(r, "tiny", [])
+    assert cpu.data.split == "paper" and not cpu.data.train_size and training_pool_size(mnist_file(cpu.data)) == 50_000
+    assert tiny.data.split == "offline" and training_pool_size(mnist_file(tiny.data)) == 8_000
+    assert r.default_preset == "cpu"
+    assert {"cpu", "tiny"} <= set(r.sweep.presets), "each scale has its own study grid"

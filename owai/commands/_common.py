@@ -11,7 +11,7 @@ import typer
 
 from owai import console
 
-Preset = Annotated[Optional[str], typer.Option("--preset", "-p", help="Scale preset (cpu is the default; paper = thesis settings).")]
+Preset = Annotated[Optional[str], typer.Option("--preset", "-p", help="Scale preset (cpu is the default; paper = thesis settings; tiny, where a recipe has it, = packaged data only).")]
 Sets = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a parameter: --set train.lr=1e-3 (repeatable).")]
 Out = Annotated[Path, typer.Option("--out", "-o", help="Root for run directories: OUT/<recipe>/<time>-<hash>/.")]
 Resume = Annotated[Optional[Path], typer.Option("--resume", help="Continue a killed or failed run from its last checkpoint (--set may then change only its optimisation settings, e.g. train.lr).")]

@@ -41,7 +41,7 @@ import torch
 from PIL import Image, ImageEnhance
 from torch.utils.data import DataLoader, Dataset
 
-from owai.errors import OwaiError
+from owai.errors import DataMissing, OwaiError
 from owai.runtime import generator
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -209,7 +209,7 @@ def dataset_root(name: str, root: str | Path | None = None) -> Path:
     if (folder / DATASET_DIRS[name]).is_dir():
         folder = folder / DATASET_DIRS[name]
     if not ds.present(folder):
-        raise OwaiError(registry.missing_message(name, root))
+        raise DataMissing(registry.missing_message(name, root))
     return folder
 
 

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from owai.errors import OwaiError
+from owai.errors import DataMissing, OwaiError
 from owai.io import cache_root
 
 DATA_ENV = "OWAI_DATA"
@@ -189,7 +189,7 @@ def require(name: str, root: str | Path | None = None, required: tuple[str, ...]
     """`locate`, or the one-line error naming the fetch command (or manual step)."""
     folder = locate(name, root, required)
     if folder is None or (root and not dataset(name).present(folder, required)):
-        raise OwaiError(missing_message(name, root))
+        raise DataMissing(missing_message(name, root))
     return folder
 
 
@@ -223,7 +223,7 @@ def verify(name: str, folder: Path) -> list[str]:
     with the first problem. Published md5 where known, else the fetch-time manifest, else the layout."""
     ds = dataset(name)
     if not ds.present(folder):
-        raise OwaiError(missing_message(name, folder))
+        raise DataMissing(missing_message(name, folder))
     checked = []
     if ds.md5:
         from owai.data.mnist import OFFICIAL_MD5

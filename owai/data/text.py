@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from owai.data import stories
-from owai.errors import OwaiError
+from owai.errors import DataMissing, OwaiError
 from owai.io import atomic_write_text, cache_root  # cache_root: tokens.py uses it from here
 
 SPLITS = ("train", "val")
@@ -253,7 +253,7 @@ def resolve_source(source: str, data_root: str | Path | None = None) -> str:
         if folder is not None and registry.dataset(source).present(folder):
             return str(folder)
         if NAMED_CORPORA[source] is None or data_root:
-            raise OwaiError(registry.missing_message(source, data_root))
+            raise DataMissing(registry.missing_message(source, data_root))
         return NAMED_CORPORA[source]
     if source.startswith(("hf:", "owai-stories")) or Path(source).expanduser().exists():
         return source
@@ -765,8 +765,8 @@ def check_tokenizer(name: str) -> None:
         return
     problem = _hub_unreachable()
     if problem:
-        raise OwaiError(f"tokenizer {name!r} is not in the local Hugging Face cache and {problem}; "
-                        "use tokenizer=bytes or bpe-N offline")
+        raise DataMissing(f"tokenizer {name!r} is not in the local Hugging Face cache and {problem}; "
+                          "use tokenizer=bytes or bpe-N offline")
 
 
 def _hub_cached(name: str) -> bool:

@@ -81,7 +81,7 @@ from torch import nn
 from owai.config import BaseConfig
 from owai.data.colored_mnist import ColoredMNIST, accuracy, load_colored_mnist, training_pool_size, variant
 from owai.data.mnist import mnist_dir
-from owai.errors import OwaiError
+from owai.errors import DataMissing, OwaiError
 from owai.methods import Method, Outcome
 from owai.methods.bonsai import BonsaiConfig, cached_representation, check_config, fresh_mlp, init_from, train_phase
 from owai.methods.invariance import ALIASES, L2, PI, REGISTRY, EnvBatch, LfF, Penalty, make_penalty
@@ -376,7 +376,10 @@ def check_mnist(data: DataConfig) -> None:
     """The MNIST file of `data` can be read: found by the data-root rule, or (a hub id and no local
     copy) the hub answers; else one line naming `owai data fetch mnist`, before any run directory."""
     if data.root or not data.hub_id:
-        mnist_dir(mnist_file(data), data.root or None)
+        try:
+            mnist_dir(mnist_file(data), data.root or None)
+        except DataMissing as e:  # the thesis's split: say that the packaged split needs no download
+            raise DataMissing(f"{e} (or --preset tiny: the packaged 10k test split)") from None
         return
     from owai.data.mnist import split_files
     from owai.data.registry import locate, missing_message
@@ -385,7 +388,7 @@ def check_mnist(data: DataConfig) -> None:
     if locate("mnist", None, split_files(mnist_file(data))) is None:
         problem = _hub_unreachable()
         if problem:
-            raise OwaiError(f"{missing_message('mnist')} (hub id {data.hub_id!r}: {problem})")
+            raise DataMissing(f"{missing_message('mnist')} (hub id {data.hub_id!r}: {problem})")
 
 
 def anneal_iters(cfg: ColoredMNISTConfig) -> int:

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from owai import console
 from owai.config import BaseConfig
-from owai.errors import OwaiError
+from owai.errors import DataMissing, OwaiError
 from owai.methods import Method, Outcome
 from owai.runs import Run
 
@@ -89,6 +89,10 @@ class PretrainConfig:
     the same backbone, as runs starting from one ImageNet checkpoint do."""
 
     steps: int = 0  # 0 = no pre-training stage
+    # rotated-mnist: "pool" = the data.pool upright images set aside from the domains' MNIST file
+    # (MNIST's test file); "mnist-train" = all 60 000 upright images of MNIST's training file (other
+    # writers than the domains', found by the data-root rule), a stronger stand-in for ImageNet
+    source: Literal["pool", "mnist-train"] = "pool"
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 5e-4
@@ -150,9 +154,18 @@ class DropoutFineTuning(Method):
             raise OwaiError(f"model.dropout must be in [0, 1), got {m.dropout}")
         if p.steps < 0:
             raise OwaiError(f"pretrain.steps must be >= 0, got {p.steps}")
-        if p.steps and (d.dataset != "rotated-mnist" or d.pool < 1):
-            raise OwaiError(f"pretrain.steps > 0 (the offline stand-in for ImageNet pre-training) needs data.dataset=rotated-mnist "
-                            f"with data.pool > 0 upright images; for data.dataset={d.dataset} add --set pretrain.steps=0")
+        if p.steps and d.dataset != "rotated-mnist":
+            raise OwaiError(f"pretrain.steps > 0 (the offline stand-in for ImageNet pre-training) needs data.dataset=rotated-mnist; "
+                            f"for data.dataset={d.dataset} add --set pretrain.steps=0")
+        if p.steps and p.source == "pool" and d.pool < 1:
+            raise OwaiError("pretrain.source=pool needs data.pool > 0 upright images (or pretrain.source=mnist-train)")
+        if p.steps and p.source == "mnist-train":
+            from owai.data.mnist import mnist_dir
+
+            try:  # missing: one line naming `owai data fetch mnist`
+                mnist_dir("train", d.root or None)
+            except DataMissing as e:
+                raise DataMissing(f"{e} (pretrain.source=mnist-train; or --preset tiny: the packaged test split only)") from None
         if p.steps and m.weights:
             raise OwaiError(f"pretrain.steps > 0 builds the initial weights; set model.weights='' (got {m.weights!r}) "
                             "or --set pretrain.steps=0")
@@ -316,7 +329,15 @@ def initial_weights(cfg: Config, run: Run, data: Any, device: torch.device) -> P
 
     if cfg.pretrain.steps == 0:
         return resolve_weights(cfg.model.backbone, cfg.model.weights)
-    return pretrained_backbone(cfg, run, data.pretraining_pool(), device)
+    if cfg.pretrain.source == "mnist-train":
+        from owai.data.domainbed import TensorDomains
+        from owai.data.mnist import load_mnist
+
+        train = load_mnist("train", root=cfg.data.root or None)
+        pool = TensorDomains("mnist_train", ["upright"], data.classes, [train.images], [train.labels])
+    else:
+        pool = data.pretraining_pool()
+    return pretrained_backbone(cfg, run, pool, device)
 
 
 def pretrain_key(cfg: Config) -> str:
@@ -325,7 +346,10 @@ def pretrain_key(cfg: Config) -> str:
     from owai.config import to_dict
 
     d = cfg.data
-    what = {"backbone": cfg.model.backbone, "pretrain": to_dict(cfg.pretrain), "root": d.root, "pool": d.pool,
+    pretrain = to_dict(cfg.pretrain)
+    if pretrain["source"] == "pool":  # the keys cached before `source` existed stay valid
+        del pretrain["source"]
+    what = {"backbone": cfg.model.backbone, "pretrain": pretrain, "root": d.root, "pool": d.pool,
             "trial_seed": d.trial_seed, "image_size": d.image_size, "augment": d.augment, "version": 1}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
