@@ -53,8 +53,9 @@ def data_fetch(
     name: Name,
     data_root: DataRoot = None,
     mirror: Annotated[Optional[str], typer.Option(
-        "--mirror", help="MNIST: base URL(s) of the official files, comma-separated (default: $OWAI_MNIST_MIRROR, else "
-                         "the well-known mirrors); the md5 of every file is checked.")] = None,
+        "--mirror", help="MNIST, CIFAR: base URL(s) of the official files, comma-separated (MNIST default: "
+                         "$OWAI_MNIST_MIRROR, else the well-known mirrors; CIFAR: the official page); the md5 "
+                         "of every file or archive is checked.")] = None,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:

@@ -14,12 +14,15 @@ One lookup rule for every dataset (`locate`):
 
 Steps 2-4 take the first location where the dataset is present (its files exist). A dataset found
 nowhere is a one-line `OwaiError` naming `owai data fetch NAME`, or the manual step for data that
-owai cannot download (the DomainBed image sets, BabiStories).
+owai cannot download (the DomainBed image sets, BabiStories, the licence-gated image sets: ImageNet,
+iNaturalist 2018, CUB-200-2011, miniImageNet).
 
 Fetching writes into a temporary directory beside the destination, verifies every file (published
 md5 where there is one), then renames the directory into place: a failed or corrupted download
 leaves nothing behind. Downloads without published checksums (Hugging Face snapshots) record the
-sha256 of each file in `owai-manifest.json`, which `verify` checks later.
+sha256 of each file in `owai-manifest.json`, which `verify` checks later. An archive (CIFAR's python
+tarballs) is checked against its published md5, unpacked (tarfile's "data" filter: nothing outside
+the folder, no devices or absolute links), and its files' sha256 go into the same manifest.
 """
 
 from __future__ import annotations
@@ -47,6 +50,12 @@ MNIST_MIRRORS = (
     "https://storage.googleapis.com/cvdf-datasets/mnist/",
 )
 DOWNLOAD_TIMEOUT = 60.0  # seconds without data before a download is abandoned
+CIFAR_URLS = ("https://www.cs.toronto.edu/~kriz/",)  # the official CIFAR page (Krizhevsky)
+# the python versions' tarballs and the md5 published beside them on that page
+CIFAR_ARCHIVES = {
+    "cifar10": ("cifar-10-python.tar.gz", "c58f30108f718f92721af3b95e74349a"),
+    "cifar100": ("cifar-100-python.tar.gz", "eb9058c3a382ffc7106e4002c42a8d85"),
+}
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,8 @@ class Dataset:
     hf_id: str = ""  # Hugging Face dataset id (snapshot-downloadable, or an alternative source)
     hf_patterns: tuple[str, ...] = ()  # files of the hub repository that make up the dataset
     manual: str = ""  # the manual step, for data owai cannot download
+    archive: str = ""  # a tarball under `urls` that unpacks into the dataset folder
+    archive_md5: str = ""  # its published md5
     legacy_env: str = ""
     aliases: tuple[str, ...] = ()
     note: str = ""
@@ -99,9 +110,36 @@ def _domainbed(name: str, folder: str, domains: tuple[str, ...], size: str, alia
                    aliases=aliases)
 
 
+def _cifar(name: str, size: str) -> Dataset:
+    from owai.data.classification import CIFAR
+
+    layout = CIFAR[name]
+    archive, md5 = CIFAR_ARCHIVES[name]
+    return Dataset(name, f"{layout.title} (python version)", name, size,
+                   tuple(f"{layout.folder}/{f}|{f}" for f in layout.files), urls=CIFAR_URLS, archive=archive,
+                   archive_md5=md5, hf_id=layout.hub_id,
+                   note="the official python pickles, read without executing code")
+
+
+GATED = "licence-gated, owai cannot download it"
+IMAGENET_STEP = (f"ImageNet (ILSVRC2012) is {GATED}: accept the terms at https://image-net.org/download.php, "
+                 "extract ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar as train/<wnid>/*.JPEG and val/<wnid>/*.JPEG "
+                 "(validation images sorted into class folders) under $OWAI_DATA/imagenet/, or pass --data-root")
+INAT18_STEP = (f"iNaturalist 2018 is {GATED}: download train_val2018.tar.gz, train2018.json.tar.gz and val2018.json.tar.gz "
+               "(https://github.com/visipedia/inat_comp/tree/master/2018, under its terms) and extract them into "
+               "$OWAI_DATA/inat18/ (train_val2018/, train2018.json, val2018.json), or pass --data-root")
+CUB_STEP = (f"CUB-200-2011 is {GATED} (non-commercial research use): download CUB_200_2011.tgz from "
+            "https://www.vision.caltech.edu/datasets/cub_200_2011/ (https://data.caltech.edu/records/65de6-vp158) and "
+            "extract it into $OWAI_DATA/cub/ (CUB_200_2011/images.txt, classes.txt, ...), or pass --data-root")
+MINI_STEP = ("miniImageNet is built from ImageNet, which is licence-gated: put its 60 000 images in $OWAI_DATA/miniimagenet/images/ "
+             "and Ravi & Larochelle's train.csv, val.csv, test.csv (https://github.com/twitter/meta-learning-lstm, "
+             "data/miniImagenet) beside them, or pass --data-root")
+
+
 def catalogue() -> dict[str, Dataset]:
     """Every dataset owai reads, by name."""
     from owai.data.camelyon17 import DOWNLOAD_URL, VERSION_DIR
+    from owai.data.classification import CUB_FILES
     from owai.data.domainbed import DOMAINBED
 
     sets = [
@@ -123,6 +161,17 @@ def catalogue() -> dict[str, Dataset]:
         Dataset("wikipedia", "Simple English Wikipedia (20231101.simple)", "text/wikipedia", "0.3 GB", (MANIFEST,),
                 hf_id="wikimedia/wikipedia", hf_patterns=("20231101.simple/*",),
                 note="the thesis's 20220301.simple dump is hub id `wikipedia` (legacy-datasets/wikipedia), read through `datasets`"),
+        _cifar("cifar10", "170 MB"),
+        _cifar("cifar100", "169 MB"),
+        Dataset("imagenet", "ImageNet ILSVRC2012 (1.28M train + 50k val, class folders)", "imagenet", "~150 GB",
+                ("train", "val"), manual=IMAGENET_STEP, aliases=("ilsvrc2012", "imagenet1k")),
+        Dataset("inat18", "iNaturalist 2018 (437k train + 24k val, 8 142 classes)", "inat18", "~120 GB",
+                ("train2018.json", "val2018.json"), manual=INAT18_STEP, aliases=("inaturalist2018", "inat2018")),
+        Dataset("cub", "CUB-200-2011 (11 788 images, 200 bird classes)", "cub", "1.1 GB",
+                tuple(f"CUB_200_2011/{f}|{f}" for f in CUB_FILES), manual=CUB_STEP, aliases=("cub200", "cub_200_2011")),
+        Dataset("miniimagenet", "miniImageNet (Ravi & Larochelle split: 64 / 16 / 20 classes x 600 images)", "miniimagenet",
+                "~3 GB", ("images", "train.csv", "val.csv", "test.csv"), manual=MINI_STEP, aliases=("mini_imagenet",),
+                note="the few-shot protocol of Chen et al. 2019: base = train.csv, val = val.csv, novel = test.csv"),
     ]
     return {d.name: d for d in sets}
 
@@ -236,6 +285,8 @@ def verify(name: str, folder: Path) -> list[str]:
         checked += _verify_manifest(folder, manifest, name)
     if name == "camelyon17":
         checked.append(_verify_camelyon(folder))
+    if ds.archive:
+        checked.append(_verify_cifar(name, folder))
     if not checked:
         checked.append("layout ok (" + (", ".join(ds.required) or "folder present") + "); no published checksums")
     return checked
@@ -276,6 +327,13 @@ def _verify_manifest(folder: Path, manifest: Path, name: str) -> list[str]:
             raise OwaiError(f"{path} has sha256 {got[:16]}..., the download had {expected[:16]}...; run `owai data fetch {name}` again")
         out.append(f"{rel}: sha256 ok")
     return out
+
+
+def _verify_cifar(name: str, folder: Path) -> str:
+    from owai.data.classification import cifar_folder, read_cifar
+
+    sizes = [len(read_cifar(folder, name, split)) for split in ("train", "test")]
+    return f"{cifar_folder(folder, name).name}: {sizes[0]} train + {sizes[1]} test images, shapes and labels ok"
 
 
 def _verify_camelyon(folder: Path) -> str:
@@ -320,6 +378,9 @@ def fetch(name: str, root: str | Path | None = None, base_url: str | None = None
             download(tmp)  # WILDS publishes no checksum: `verify` reads metadata.csv and every split
 
         return _publish(final, wilds, info)
+    if ds.archive:
+        urls = mirrors(base_url) if base_url else ds.urls
+        return _publish(final, lambda tmp: _fetch_archive(ds, tmp, urls, info), info)
     if ds.md5:
         return _publish(final, lambda tmp: _fetch_files(ds, tmp, mirrors(base_url), info), info)
     return _publish(final, lambda tmp: _fetch_hub(ds, tmp, info), info)
@@ -370,6 +431,40 @@ def _fetch_files(ds: Dataset, tmp: Path, urls: tuple[str, ...], info: Callable[[
                 problems.append(f"{url}{file} has md5 {got}, expected {expected} (refused)")
         else:
             raise OwaiError(f"cannot fetch {ds.name} file {file}: " + "; ".join(problems))
+
+
+def _fetch_archive(ds: Dataset, tmp: Path, urls: tuple[str, ...], info: Callable[[str], None]) -> None:
+    """The archive from the first URL that serves it with its published md5, unpacked into `tmp`
+    (then deleted), with a sha256 manifest of the unpacked files for `verify`."""
+    import tarfile
+
+    dest, problems = tmp / ds.archive, []
+    for url in urls:
+        try:
+            info(f"downloading {url}{ds.archive}")
+            _download(url + ds.archive, dest)
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            dest.unlink(missing_ok=True)
+            problems.append(f"{url}{ds.archive}: {getattr(exc, 'reason', None) or exc}")
+            continue
+        got = file_digest(dest, "md5")
+        if ds.archive_md5 and got != ds.archive_md5:
+            dest.unlink()
+            problems.append(f"{url}{ds.archive} has md5 {got}, expected {ds.archive_md5} (refused)")
+            continue
+        break
+    else:
+        raise OwaiError(f"cannot fetch {ds.name} archive {ds.archive}: " + "; ".join(problems))
+    info(f"unpacking {ds.archive}")
+    try:
+        with tarfile.open(dest) as tar:
+            tar.extractall(tmp, filter="data")
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise OwaiError(f"cannot unpack {url}{ds.archive}: {exc}") from None
+    dest.unlink()
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    digests = {str(p.relative_to(tmp)): file_digest(p, "sha256") for p in files}
+    (tmp / MANIFEST).write_text(json.dumps({"archive": url + ds.archive, "md5": got, "sha256": digests}, indent=2))
 
 
 def _fetch_hub(ds: Dataset, tmp: Path, info: Callable[[str], None]) -> None:
