@@ -27,6 +27,7 @@ REGISTRY: dict[str, str] = {
     "dropout_ft": "owai.methods.dropout_ft:DropoutFineTuning",
     "camelyon17": "owai.methods.camelyon17:Camelyon17Bonsai",
     "twobits": "owai.methods.twobits:TwoBitsLandscape",
+    "rich_features": "owai.methods.rich_features:RichFeatures",
 }
 
 

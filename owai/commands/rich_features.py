@@ -1,0 +1,123 @@
+"""`owai rich-features`: rich representations by concatenating networks that differ only by seed (thesis §2.2).
+
+    owai rich-features --stage pretrain                      Table 2.2's cpu preset: 4 ResNet-18s on MNIST 0-4
+    owai rich-features --stage probe                         Cat_1/2/4 probes on MNIST 5-9 (the cached networks)
+    owai rich-features --stage probe --networks SWEEP_DIR    the networks of a pretrain sweep (or run directories)
+    owai rich-features --stage pretrain -p paper --data-root ~/data --executor slurm --gpus-per-node 1
+    owai rich-features --stage pretrain --resume SWEEP_DIR   finish a killed pretrain sweep (finished networks are skipped)
+    owai rich-features --stage probe --resume RUN_DIR        finish a killed probe (same result as uninterrupted)
+
+`pretrain` runs the recipe's seeds as a sweep (one point = one network, cached in
+<cache>/pretrained/); `probe` is one run that loads n of them, extracts the target task's features
+once and trains the linear probes (results.json: cat{k}.acc, catsub{k}.acc, single.acc).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from owai import console
+from owai.commands._common import (DATA_ROOT_HELP, ArrayParallelism, CpusPerTask, Executor, ExecutorOption, GpusPerNode, Json, MemGb, Out,
+                                  Partition, Preset, Quiet, Sets, TimeoutMin, Workers, csv_values, data_root_sets, execution,
+                                  open_study, run_recipe, study_recipe)
+
+RECIPE = "table2.2-cat-probe"
+METHOD = "rich_features"
+
+
+class Stage(str, Enum):
+    pretrain = "pretrain"
+    probe = "probe"
+
+
+def rich_features(
+    stage: Annotated[Stage, typer.Option("--stage", help="pretrain (n networks, a sweep over seeds) or probe (Cat_n linear probes).")],
+    recipe: Annotated[str, typer.Option("--recipe", "-r", help="A rich-features recipe id (table2.2-cat-probe) or file.")] = RECIPE,
+    data_root: Annotated[Optional[Path], typer.Option("--data-root", help=DATA_ROOT_HELP, show_default=False)] = None,
+    seeds: Annotated[Optional[str], typer.Option("--seeds", help="The networks' seeds, comma-separated (pretrain: the sweep's; probe: the cached networks to load).")] = None,
+    networks: Annotated[Optional[str], typer.Option("--networks", help="probe: comma-separated pretrain run or sweep directories (instead of the cache).")] = None,
+    n: Annotated[Optional[int], typer.Option("--n", min=1, help="probe: the number of networks concatenated (must match the networks given).")] = None,
+    preset: Preset = None,
+    sets: Sets = None,
+    workers: Workers = 1,
+    executor: ExecutorOption = Executor.local,
+    partition: Partition = None,
+    gpus_per_node: GpusPerNode = None,
+    cpus_per_task: CpusPerTask = None,
+    timeout_min: TimeoutMin = None,
+    mem_gb: MemGb = None,
+    array_parallelism: ArrayParallelism = None,
+    out: Out = Path("runs"),
+    resume: Annotated[Optional[Path], typer.Option("--resume", help="pretrain: a sweep directory (skips finished networks); probe: a run directory.")] = None,
+    quiet: Quiet = False,
+    as_json: Json = False,
+) -> None:
+    """Rich representations (Table 2.2): pretrain n networks that differ by seed, then probe their concatenation Cat_n."""
+    console.configure(quiet, as_json)
+    if stage is Stage.pretrain:
+        if networks is not None or n is not None:
+            raise _error("--networks and --n are options of --stage probe")
+        _pretrain(recipe, preset, sets, data_root, seeds, out, resume, quiet, as_json,
+                  execution(executor, workers, partition, gpus_per_node, cpus_per_task, timeout_min, mem_gb, array_parallelism))
+        return
+    if executor is not Executor.local or workers != 1:
+        raise _error("--stage probe is one run: --executor and --workers apply to --stage pretrain")
+    execution(executor, workers, partition, gpus_per_node, cpus_per_task, timeout_min, mem_gb, array_parallelism)
+    if resume is not None:
+        if any(v is not None for v in (data_root, seeds, networks, n, preset)) or recipe != RECIPE:
+            raise _error("--resume takes the probe's settings from RUN_DIR/config.yaml; drop the other options")
+        run_recipe(None, None, sets, out, resume, quiet, as_json, methods=(METHOD,))
+        return
+    study_recipe(recipe, METHOD)
+    extra = [*(sets or []), "stage=probe", *data_root_sets(data_root)]
+    if networks is not None:
+        dirs = [str(Path(p).expanduser().resolve()) for p in csv_values(networks, "--networks")]
+        extra.append("probe.networks=[" + ", ".join(f"'{d}'" for d in dirs) + "]")
+    if seeds is not None:
+        from owai import sweep as sweeps
+
+        chosen = sweeps.parse_seeds(seeds)
+        extra.append(f"probe.seeds={chosen}")
+        if n is None:
+            extra.append(f"probe.n={len(chosen)}")
+    if n is not None:
+        extra.append(f"probe.n={n}")
+    run_recipe(recipe, preset, extra, out, None, quiet, as_json, methods=(METHOD,))
+
+
+def _error(message: str) -> Exception:
+    from owai.errors import OwaiError
+
+    return OwaiError(message)
+
+
+def _pretrain(recipe: str, preset: str | None, sets: list[str] | None, data_root: Path | None, seeds: str | None,
+              out: Path, resume: Path | None, quiet: bool, as_json: bool, runs_on: tuple) -> None:
+    """The recipe's seeds as one sweep of pretrain runs (or the rest of a killed one), then its summary."""
+    from owai import sweep as sweeps
+
+    if resume is not None:
+        given = any(v is not None for v in (preset, sets, data_root, seeds)) or recipe != RECIPE
+        plan = open_study(resume, METHOD, "a rich-features pretrain sweep", given)
+    else:
+        study_recipe(recipe, METHOD)
+        extra = [*(sets or []), "stage=pretrain", *data_root_sets(data_root)]
+        plan = sweeps.create(recipe, preset, extra, [], sweeps.parse_seeds(seeds) if seeds is not None else None, out)
+    console.info(f"sweep directory: {plan.path} ({len(plan.points)} networks)")
+    outcomes = sweeps.run(plan, *runs_on)
+    summary = sweeps.write_summary(plan, outcomes)
+    if as_json:
+        console.emit_json(summary)
+    elif not quiet:
+        console.stdout.print(sweeps.table(summary))
+        console.stdout.print(f"summary: {plan.path / sweeps.SUMMARY}\n"
+                             f"probe them: owai rich-features --stage probe --networks {plan.path}")
+    sweeps.raise_on_failures(summary, f"owai rich-features --stage pretrain --resume {plan.path}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("rich-features")(rich_features)

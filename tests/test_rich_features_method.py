@@ -1,0 +1,196 @@
+"""`owai rich-features` stages pretrain and probe (owai.methods.rich_features; Table 2.2's Cat_n probe):
+a miniature end to end on the packaged MNIST file, the probe's resume, and the one-line errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import as_sets, cli_in_process
+
+RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "table2.2-cat-probe.yaml")
+# ResNet-18 at 16 px; 8 images per class of the packaged MNIST file's digits 0-4 (pretrain) and 5-9
+# (probe); 3 pre-training updates, probes of 2 epochs x 5 updates, a checkpoint every 2 updates
+TINY = [
+    "data.limit_per_class=8", "data.image_size=16", "data.eval_batch_size=64",
+    "pretrain.epochs=1.0", "pretrain.batch_size=16", "pretrain.milestones=[0.5]", "pretrain.checkpoint_every=2",
+    "probe.n=2", "probe.sizes=[1,2]", "probe.epochs=2", "probe.milestones=[1]", "probe.batch_size=8",
+    "probe.checkpoint_every=2", "probe.log_every=2",
+]
+
+
+def _cli(args: list[str], capsys) -> tuple[int, str, str]:
+    return cli_in_process(["rich-features", "-r", RECIPE, "-p", "tiny", *args, "-q"], capsys)
+
+
+def _rows(run_dir: Path) -> dict[str, float]:
+    return {r["metric"]: r["measured"] for r in json.loads((run_dir / "results.json").read_text())["rows"]}
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory, one_thread) -> dict[str, Path]:
+    """Two networks (seeds 0, 1) pre-trained by `--stage pretrain`: the sweep directory and the cache."""
+    root = tmp_path_factory.mktemp("rich")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OWAI_CACHE", str(root / "cache"))
+        from owai.cli import main
+
+        try:
+            main(["rich-features", "--stage", "pretrain", "-r", RECIPE, "-p", "tiny", "--seeds", "0,1",
+                  *as_sets(TINY), "-o", str(root / "runs"), "-q"])
+        except SystemExit as e:
+            assert not e.code
+    sweep = next((root / "runs" / "table2.2-cat-probe").glob("sweep-*"))
+    return {"root": root, "sweep": sweep, "cache": root / "cache"}
+
+
+@pytest.fixture
+def cache(pretrained, monkeypatch) -> Path:
+    monkeypatch.setenv("OWAI_CACHE", str(pretrained["cache"]))
+    return pretrained["cache"]
+
+
+def test_pretrain_sweep_trains_and_caches_one_network_per_seed(pretrained) -> None:
+    summary = json.loads((pretrained["sweep"] / "summary.json").read_text())
+    assert [p["status"] for p in summary["points"]] == ["complete", "complete"]
+    weights = sorted((pretrained["cache"] / "pretrained").glob("resnet18-*.safetensors"))
+    assert len(weights) == 2  # one cache entry per seed, in the safetensors format of dropout-ft's cache
+    for p in summary["points"]:
+        results = json.loads((Path(p["run_dir"]) / "results.json").read_text())
+        assert results["details"]["seed"] == p["seed"] and Path(results["details"]["weights"]) in weights
+        assert 0.0 <= results["rows"][0]["measured"] <= 1.0
+        assert (Path(p["run_dir"]) / "checkpoints" / "pretrain").is_dir()  # trained through train_loop
+
+
+def test_pretrain_resume_skips_finished_networks_and_the_cache_skips_training(pretrained, cache, tmp_path, capsys) -> None:
+    sweep = pretrained["sweep"]
+    stamps = {p: (p / "results.json").stat().st_mtime_ns for p in (sweep / "points").iterdir()}
+    code, _, err = cli_in_process(["rich-features", "--stage", "pretrain", "--resume", str(sweep), "-q"], capsys)
+    assert code == 0, err
+    assert {p: (p / "results.json").stat().st_mtime_ns for p in (sweep / "points").iterdir()} == stamps
+    code, _, err = _cli(["--stage", "pretrain", "--seeds", "1", *as_sets(TINY), "-o", str(tmp_path / "again")], capsys)
+    assert code == 0, err
+    point = next((tmp_path / "again").rglob("results.json")).parent
+    details = json.loads((point / "results.json").read_text())["details"]
+    assert details["cached"] and not any((point / "checkpoints").rglob("state.json"))  # the same network, loaded, not retrained
+
+
+def test_probe_from_the_sweep_equals_probe_from_the_cache(pretrained, cache, tmp_path, capsys) -> None:
+    code, _, err = _cli(["--stage", "probe", "--networks", str(pretrained["sweep"]), *as_sets(TINY), "-o", str(tmp_path / "a")], capsys)
+    assert code == 0, err
+    run_a = next((tmp_path / "a" / "table2.2-cat-probe").iterdir())
+    a = _rows(run_a)
+    assert set(a) >= {"cat1.acc", "cat2.acc", "catsub2.acc", "single.acc"}
+    assert all(0.0 <= a[k] <= 1.0 for k in ("cat1.acc", "cat2.acc", "catsub2.acc", "single.acc"))
+    details = json.loads((run_a / "results.json").read_text())["details"]
+    assert details["seeds"] == [0, 1] and details["feature_dims"] == [512, 512]
+    assert a["cat1.acc"] == details["single_acc"][0]  # Cat_1 is the first network's own probe
+    assert {p.name for p in (run_a / "checkpoints").iterdir()} == {"probe-net0", "probe-net1", "probe-cat2"}
+    code, _, err = _cli(["--stage", "probe", "--seeds", "0,1", *as_sets(TINY), "-o", str(tmp_path / "b")], capsys)
+    assert code == 0, err
+    b = _rows(next((tmp_path / "b" / "table2.2-cat-probe").iterdir()))
+    assert a == b  # the final checkpoints and the cache hold the same weights
+
+
+def test_killed_probe_resumes_to_the_same_result(pretrained, cache, tmp_path, monkeypatch, capsys) -> None:
+    import owai.methods.rich_features as rf
+
+    args = ["--stage", "probe", "--networks", str(pretrained["sweep"]), *as_sets(TINY)]
+    code, _, err = _cli([*args, "-o", str(tmp_path / "whole")], capsys)
+    assert code == 0, err
+    whole = _rows(next((tmp_path / "whole" / "table2.2-cat-probe").iterdir()))
+
+    original, calls = rf.probe_batch, {"n": 0}
+
+    def dying(*a, **k):  # dies in the Cat_2 probe's 5th update (2 x 10 per-network updates before it)
+        calls["n"] += 1
+        if calls["n"] == 25:
+            raise KeyboardInterrupt
+        return original(*a, **k)
+
+    monkeypatch.setattr(rf, "probe_batch", dying)
+    from owai.cli import main
+
+    with pytest.raises((KeyboardInterrupt, SystemExit)):
+        main(["rich-features", "-r", RECIPE, "-p", "tiny", *args, "-o", str(tmp_path / "killed"), "-q"])
+    monkeypatch.setattr(rf, "probe_batch", original)
+    run_dir = next((tmp_path / "killed" / "table2.2-cat-probe").iterdir())
+    assert not (run_dir / "results.json").exists()
+    assert (run_dir / "checkpoints" / "probe-cat2").is_dir()  # killed inside Cat_2's probe, after a checkpoint
+    code, _, err = cli_in_process(["rich-features", "--stage", "probe", "--resume", str(run_dir), "-q"], capsys)
+    assert code == 0, err
+    assert _rows(run_dir) == whole
+
+
+def _one_line_error(args: list[str], out: Path, capsys, message: str) -> None:
+    code, _, err = _cli([*args, "-o", str(out)], capsys)
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists() or not any(out.rglob("config.yaml"))  # nothing written
+
+
+def test_n_that_does_not_match_the_networks_given(pretrained, cache, tmp_path, capsys) -> None:
+    _one_line_error(["--stage", "probe", "--networks", str(pretrained["sweep"]), "--n", "3", *as_sets(TINY)],
+                    tmp_path / "out", capsys, "probe.n=3 but 2 pretrained networks given")
+    _one_line_error(["--stage", "probe", "--seeds", "0,1", "--n", "3", *as_sets(TINY)], tmp_path / "out", capsys,
+                    "probe.n=3 but 2 seeds given")
+
+
+def test_networks_missing_from_the_cache(cache, tmp_path, capsys) -> None:
+    _one_line_error(["--stage", "probe", "--seeds", "7,8", *as_sets(TINY)], tmp_path / "out", capsys,
+                    "pretrained network seed 7 is not in the cache")
+
+
+def test_backbones_with_different_feature_sizes(pretrained, cache, tmp_path, capsys) -> None:
+    points = sorted(p for p in (pretrained["sweep"] / "points").iterdir())
+    other = tmp_path / "resnet50-run"
+    shutil.copytree(points[1], other)  # the same run, recorded as a ResNet-50 (2048-d features)
+    config = other / "config.yaml"
+    config.write_text(config.read_text().replace("backbone: resnet18", "backbone: resnet50"))
+    _one_line_error(["--stage", "probe", "--networks", f"{points[0]},{other}", *as_sets(TINY)], tmp_path / "out",
+                    capsys, "different feature sizes")
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "probe"])
+def test_overlapping_base_and_target_classes(pretrained, cache, tmp_path, capsys, stage) -> None:
+    extra = ["--networks", str(pretrained["sweep"])] if stage == "probe" else ["--seeds", "0"]
+    _one_line_error(["--stage", stage, *extra, *as_sets([*TINY, "data.target_classes=['4','5','6']"])],
+                    tmp_path / "out", capsys, "class split overlaps: '4'")
+
+
+def test_probe_sends_no_gradient_into_the_frozen_backbones() -> None:
+    from owai.methods.rich_features import build_network
+    from owai.models.rich import ConcatFeatures, ProbeHead, strip_head
+
+    nets = [strip_head(build_network("resnet18", 5, s)) for s in (0, 1)]
+    before = [{k: v.clone() for k, v in n.state_dict().items()} for n in nets]
+    cat = ConcatFeatures(nets, frozen=True)
+    head = ProbeHead(cat.out_dim, 5)
+    cat.train()
+    loss = head(cat(torch.randn(4, 3, 16, 16))).sum()
+    loss.backward()
+    assert all(p.grad is None for n in nets for p in n.parameters())
+    for n, b in zip(nets, before):  # BN running statistics did not move either
+        assert all(torch.equal(v, b[k]) for k, v in n.state_dict().items())
+
+
+def test_recipe_presets_resolve(monkeypatch) -> None:
+    from owai.errors import DataMissing
+    from owai.experiment import resolve
+    from owai.recipes import load
+
+    r = load(RECIPE)
+    assert {"cpu", "tiny", "paper"} <= set(r.presets) and r.method == "rich_features"
+    cfg, _ = resolve(r, "tiny", [])
+    assert (cfg.probe.n, cfg.probe.sizes, cfg.data.base, cfg.model.backbone) == (4, [1, 2, 4], "mnist-t10k", "resnet18")
+    assert r.sweep.for_preset("cpu")[1] == [0, 1, 2, 3]  # n = 4 networks = 4 sweep points
+    paper = r.params_for("paper")
+    assert paper["pretrain"]["epochs"] == 90.0 and paper["probe"]["epochs"] == 28 and paper["model"]["backbone"] == "resnet50"
+    monkeypatch.setenv("OWAI_DATA", "/nonexistent")
+    monkeypatch.setenv("OWAI_CACHE", "/nonexistent")
+    with pytest.raises(DataMissing, match="imagenet|ImageNet"):
+        resolve(r, "paper", [])
