@@ -66,3 +66,10 @@ def select_device(name: str) -> torch.device:
 def autocast(device: torch.device, dtype: torch.dtype) -> torch.autocast:
     """Mixed precision context: bf16 autocast when asked for, a no-op for float32."""
     return torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def auto_precision(name: str, device: torch.device) -> str:
+    """A config's training precision: "auto" is bfloat16 on CUDA and float32 elsewhere."""
+    if name == "auto":
+        return "bfloat16" if device.type == "cuda" else "float32"
+    return name

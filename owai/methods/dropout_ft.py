@@ -394,9 +394,9 @@ def pretrained_backbone(cfg: Config, run: Run, pool: Any, device: torch.device) 
 
 
 def _precision(cfg: Config, device: torch.device) -> str:
-    if cfg.train.precision == "auto":
-        return "bfloat16" if device.type == "cuda" else "float32"
-    return cfg.train.precision
+    from owai.runtime import auto_precision
+
+    return auto_precision(cfg.train.precision, device)
 
 
 class _StepStream:

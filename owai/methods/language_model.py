@@ -259,8 +259,10 @@ def build_model(cfg: Config, label: str, tokenizer_vocab: int, device: torch.dev
 
 
 def precision_for(name: str, device: torch.device) -> str:
+    from owai.runtime import auto_precision
+
     if name == "auto":
-        return "bfloat16" if device.type == "cuda" else "float32"
+        return auto_precision(name, device)
     if name != "float32" and device.type != "cuda":
         raise OwaiError(f"train.precision={name} needs a CUDA device (this run is on {device.type})")
     return name

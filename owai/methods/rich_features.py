@@ -289,9 +289,9 @@ def _batches(cfg: Config, data: Any) -> Any:
 
 
 def _precision(cfg: Config, device: torch.device) -> str:
-    if cfg.pretrain.precision == "auto":
-        return "bfloat16" if device.type == "cuda" else "float32"
-    return cfg.pretrain.precision
+    from owai.runtime import auto_precision
+
+    return auto_precision(cfg.pretrain.precision, device)
 
 
 # -- pretrain -----------------------------------------------------------------------------------
