@@ -279,6 +279,27 @@ def test_report_on_an_anneal_study_picks_rows_by_pretraining_length(tmp_path, ca
     assert verdicts["erratic-irm"]["numbers"]["irm.erm.worst_test_acc[anneal=100]"] == 0.22
 
 
+def test_study_rows_name_the_pretraining_length_even_when_the_grid_has_one():
+    """Fig 2.7's cpu grid searches a single length (penalty.anneal_iters: [100]); its erm rows must still
+    carry `anneal`, or the claims' `where: {anneal: 100}` match nothing (the bug that left them n/a)."""
+    from owai.methods.coloredmnist import select_rows
+
+    def record(method: str, init: str, searched: dict[str, Any], seed: int, curve: dict[int, float]) -> dict[str, Any]:
+        return {"dataset": "coloredmnist", "method": method, "init": init, "searched": searched, "seed": seed,
+                "params": {}, "curve": curve, "start": None}
+
+    one_length = [record("irm", "rand", {}, 0, {1: 0.5, 21: 0.45}),
+                  record("irm", "erm", {"penalty.anneal_iters": 100}, 0, {1: 0.3, 21: 0.23})]
+    rows = select_rows(one_length)
+    assert [(r["init"], r["anneal"], r["mean"]) for r in rows] == [("rand", None, 0.5), ("erm", None, 0.3),
+                                                                   ("erm", 100, 0.3)]
+    two_lengths = one_length + [record("irm", "erm", {"penalty.anneal_iters": 50}, 0, {1: 0.2, 21: 0.6})]
+    rows = select_rows(two_lengths)
+    assert [(r["anneal"], r["mean"]) for r in rows if r["init"] == "erm"] == [(None, 0.6), (50, 0.6), (100, 0.3)]
+    fixed_length = [record("irm", "erm", {"penalty.weight": 1.0}, 0, {1: 0.4})]  # set in params, not searched
+    assert [r["anneal"] for r in select_rows(fixed_length)] == [None]
+
+
 # --- end to end: real small runs -------------------------------------------------------------------
 
 TINY_TWOBITS = ["--set", "figure=false", "--set", "grid.resolution=11", "--set", "path_points=51", "--set", "penalties=[irmv1]"]

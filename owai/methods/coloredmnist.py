@@ -560,31 +560,39 @@ def a12_window(record: dict[str, Any], last_index: int = A12_LAST_INDEX) -> dict
 
 
 def study_rows(sweep: Any, window: Literal["all", "a12"] = "a12") -> list[dict[str, Any]]:
-    """One row per (dataset, method, init[, anneal]): the selected mean ± std and the thesis's number.
-    Rows with `anneal` set are Fig 2.7's per-pre-training-length selections (only when the grid varies
-    penalty.anneal_iters for init erm). `window` "a12" (the default, the thesis's protocol) selects
-    only among the steps of Table A.12's early-stopping grid (`a12_window`); "all" among every
-    evaluated step, for comparison (docs/decisions.md)."""
+    """One row per (dataset, method, init[, anneal]) of the sweep's finished points, with the thesis's
+    number (`select_rows`). `window` "a12" (the default, the thesis's protocol) selects only among the
+    steps of Table A.12's early-stopping grid (`a12_window`); "all" among every evaluated step, for
+    comparison (docs/decisions.md)."""
     from owai.recipes import load, recorded_name, thesis_for
 
     recipe = load(recorded_name(sweep.recipe, sweep.recipe_source))
     records = _point_records(sweep)
     if window == "a12":
         records = [a12_window(r) for r in records]
+    return select_rows(records, lambda metric, params: thesis_for(recipe, metric, params))
+
+
+def select_rows(records: list[dict[str, Any]], thesis_of: Any = lambda metric, params: None) -> list[dict[str, Any]]:
+    """One row per (dataset, method, init): the selected mean ± std (`select_across_restarts`) and the
+    thesis's number (`thesis_of(metric, params)`, an object with .value/.ref, or None). When the grid
+    searches penalty.anneal_iters for init erm (Fig 2.7), one more row per pre-training length with
+    `anneal` set, also when the grid holds a single length (the cpu preset's 100), so that claims can
+    name the length (`where: {anneal: 100}`)."""
     cells: dict[tuple, list[dict[str, Any]]] = {}
     for r in records:
         cells.setdefault((r["dataset"], r["method"], r["init"]), []).append(r)
     rows = []
     for (dataset, method, init), runs in cells.items():
         metric = table_metric(dataset, method, init)
-        thesis = thesis_for(recipe, metric, runs[0]["params"])
+        thesis = thesis_of(metric, runs[0]["params"])
         chosen = select_across_restarts(runs)
         if chosen is None:
             continue
         rows.append({"dataset": dataset, "method": method, "init": init, "anneal": None, "metric": metric,
                      **chosen, "thesis": thesis.value if thesis else None, "ref": thesis.ref if thesis else ""})
         anneals = sorted({r["searched"].get("penalty.anneal_iters") for r in runs} - {None})
-        if init == "erm" and len(anneals) > 1:
+        if init == "erm":
             for a in anneals:
                 sub = select_across_restarts([r for r in runs if r["searched"].get("penalty.anneal_iters") == a])
                 if sub is not None:
