@@ -1,20 +1,23 @@
-"""`owai rich-features`: rich representations by concatenating networks that differ only by seed (thesis §2.2).
+"""`owai rich-features`: rich representations from networks that differ only by seed (thesis §2.1-2.2, A.1-A.4).
 
     owai rich-features --stage pretrain                      Table 2.2's cpu preset: 4 ResNet-18s on MNIST 0-4
     owai rich-features --stage probe                         Cat_1/2/4 probes on MNIST 5-9 (the cached networks)
     owai rich-features --stage probe --networks SWEEP_DIR    the networks of a pretrain sweep (or run directories)
+    owai rich-features --stage finetune,two-stage -r tableA.3-finetune      normal vs two-stage fine-tuning
+    owai rich-features --stage distill,probe,fewshot -r tableA.8-fewshot    Distill_n, probes, 1/5-shot episodes
+    owai rich-features --stage pretrain -r table2.1-weight-decay            weight decay 0 vs 5e-4, with transfer
     owai rich-features --stage pretrain -p paper --data-root ~/data --executor slurm --gpus-per-node 1
     owai rich-features --stage pretrain --resume SWEEP_DIR   finish a killed pretrain sweep (finished networks are skipped)
-    owai rich-features --stage probe --resume RUN_DIR        finish a killed probe (same result as uninterrupted)
+    owai rich-features --stage probe --resume RUN_DIR        finish a killed evaluation run (same result as uninterrupted)
 
-`pretrain` runs the recipe's seeds as a sweep (one point = one network, cached in
-<cache>/pretrained/); `probe` is one run that loads n of them, extracts the target task's features
-once and trains the linear probes (results.json: cat{k}.acc, catsub{k}.acc, single.acc).
+`pretrain` runs the recipe's seeds (and grid) as a sweep (one point = one network, cached in
+<cache>/pretrained/); the evaluation stages (distill, probe, finetune, two-stage, fewshot; several
+joined by commas) are one run that loads n of them (results.json: cat{k}.acc, single.acc,
+distill{n}.acc, ft.cat{n}.acc, two_stage.cat{n}.acc, fewshot.{rep}.{head}.{k}shot, ...).
 """
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -29,18 +32,13 @@ RECIPE = "table2.2-cat-probe"
 METHOD = "rich_features"
 
 
-class Stage(str, Enum):
-    pretrain = "pretrain"
-    probe = "probe"
-
-
 def rich_features(
-    stage: Annotated[Stage, typer.Option("--stage", help="pretrain (n networks, a sweep over seeds) or probe (Cat_n linear probes).")],
-    recipe: Annotated[str, typer.Option("--recipe", "-r", help="A rich-features recipe id (table2.2-cat-probe) or file.")] = RECIPE,
+    stage: Annotated[str, typer.Option("--stage", help="pretrain (n networks, a sweep over seeds), or evaluation stages of n pretrained networks, alone or joined by commas: distill, probe, finetune, two-stage, fewshot.")],
+    recipe: Annotated[str, typer.Option("--recipe", "-r", help="A rich-features recipe id (table2.2-cat-probe, table2.1-weight-decay, tableA.3-finetune, tableA.8-fewshot) or file.")] = RECIPE,
     data_root: Annotated[Optional[Path], typer.Option("--data-root", help=DATA_ROOT_HELP, show_default=False)] = None,
-    seeds: Annotated[Optional[str], typer.Option("--seeds", help="The networks' seeds, comma-separated (pretrain: the sweep's; probe: the cached networks to load).")] = None,
-    networks: Annotated[Optional[str], typer.Option("--networks", help="probe: comma-separated pretrain run or sweep directories (instead of the cache).")] = None,
-    n: Annotated[Optional[int], typer.Option("--n", min=1, help="probe: the number of networks concatenated (must match the networks given).")] = None,
+    seeds: Annotated[Optional[str], typer.Option("--seeds", help="The networks' seeds, comma-separated (pretrain: the sweep's; evaluation stages: the cached networks to load).")] = None,
+    networks: Annotated[Optional[str], typer.Option("--networks", help="evaluation stages: comma-separated pretrain run or sweep directories (instead of the cache).")] = None,
+    n: Annotated[Optional[int], typer.Option("--n", min=1, help="evaluation stages: the number of networks n (must match the networks given).")] = None,
     preset: Preset = None,
     sets: Sets = None,
     workers: Workers = 1,
@@ -52,28 +50,30 @@ def rich_features(
     mem_gb: MemGb = None,
     array_parallelism: ArrayParallelism = None,
     out: Out = Path("runs"),
-    resume: Annotated[Optional[Path], typer.Option("--resume", help="pretrain: a sweep directory (skips finished networks); probe: a run directory.")] = None,
+    resume: Annotated[Optional[Path], typer.Option("--resume", help="pretrain: a sweep directory (skips finished networks); evaluation stages: a run directory.")] = None,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
-    """Rich representations (Table 2.2): pretrain n networks that differ by seed, then probe their concatenation Cat_n."""
+    """Rich representations (Tables 2.1, 2.2, A.3, A.8): pretrain n networks that differ by seed, then probe, distill, fine-tune or few-shot them."""
+    from owai.methods.rich_features import stages_of
+
     console.configure(quiet, as_json)
-    if stage is Stage.pretrain:
+    if stages_of(stage) == ["pretrain"]:
         if networks is not None or n is not None:
-            raise _error("--networks and --n are options of --stage probe")
+            raise _error("--networks and --n are options of the evaluation stages (probe, distill, ...)")
         _pretrain(recipe, preset, sets, data_root, seeds, out, resume, quiet, as_json,
                   execution(executor, workers, partition, gpus_per_node, cpus_per_task, timeout_min, mem_gb, array_parallelism))
         return
     if executor is not Executor.local or workers != 1:
-        raise _error("--stage probe is one run: --executor and --workers apply to --stage pretrain")
+        raise _error(f"--stage {stage} is one run: --executor and --workers apply to --stage pretrain")
     execution(executor, workers, partition, gpus_per_node, cpus_per_task, timeout_min, mem_gb, array_parallelism)
     if resume is not None:
         if any(v is not None for v in (data_root, seeds, networks, n, preset)) or recipe != RECIPE:
-            raise _error("--resume takes the probe's settings from RUN_DIR/config.yaml; drop the other options")
+            raise _error("--resume takes the run's settings from RUN_DIR/config.yaml; drop the other options")
         run_recipe(None, None, sets, out, resume, quiet, as_json, methods=(METHOD,))
         return
     study_recipe(recipe, METHOD)
-    extra = [*(sets or []), "stage=probe", *data_root_sets(data_root)]
+    extra = [*(sets or []), f"stage={stage}", *data_root_sets(data_root)]
     if networks is not None:
         dirs = [str(Path(p).expanduser().resolve()) for p in csv_values(networks, "--networks")]
         extra.append("probe.networks=[" + ", ".join(f"'{d}'" for d in dirs) + "]")

@@ -509,6 +509,26 @@ def step_loader(batches: StepBatches, start: int, workers: int = 0,
     return iter(_loader(batches, workers, pin_memory, batch_size=None, sampler=range(start, len(batches))))
 
 
+class StepStream:
+    """Training batches by step, on `device`, through worker processes: `at(step)` returns update
+    `step`'s (x, y). The loader restarts whenever a step is not the next one (a resume), so the
+    batches are a function of the step alone, as StepBatches'."""
+
+    def __init__(self, batches: StepBatches, workers: int, device: torch.device, channels_last: bool = False) -> None:
+        self.batches, self.workers, self.device, self.channels_last = batches, workers, device, channels_last
+        self.next_step, self.iterator = -1, None
+
+    def at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if step != self.next_step or self.iterator is None:
+            self.iterator = iter(step_loader(self.batches, step, self.workers, self.device.type == "cuda"))
+        x, y, _ = next(self.iterator)
+        self.next_step = step + 1
+        x = x.to(self.device, non_blocking=True)
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x, y.to(self.device, non_blocking=True)
+
+
 class _EvalItems(Dataset):
     def __init__(self, data: MultiDomainDataset, domain: int, indices: torch.Tensor, size: int):
         self.data, self.domain, self.size = data, domain, size

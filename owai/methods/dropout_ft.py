@@ -358,7 +358,7 @@ def pretrained_backbone(cfg: Config, run: Run, pool: Any, device: torch.device) 
     """ERM on the upright `pool` (stage `pretrain`, resumable), cached under <cache>/pretrained/<key>."""
     from safetensors.torch import load_file, save
 
-    from owai.data.domainbed import StepBatches
+    from owai.data.domainbed import StepBatches, StepStream
     from owai.io import atomic_write_bytes, cache_root
     from owai.models.vision import build_backbone
     from owai.runtime import derive_seed
@@ -376,7 +376,7 @@ def pretrained_backbone(cfg: Config, run: Run, pool: Any, device: torch.device) 
     net = build_backbone(cfg.model.backbone, num_classes=len(pool.classes)).to(device)
     torch.set_rng_state(rng)
     batches = StepBatches(pool, [0], [torch.arange(pool.size(0))], p.batch_size, d.image_size, d.augment, p.seed, p.steps)
-    stream = _StepStream(batches, d.workers, device)
+    stream = StepStream(batches, d.workers, device)
     optimizer = torch.optim.SGD(net.parameters(), lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay)
 
     def loss_at(step: int, micro: int) -> torch.Tensor:
@@ -397,26 +397,6 @@ def _precision(cfg: Config, device: torch.device) -> str:
     from owai.runtime import auto_precision
 
     return auto_precision(cfg.train.precision, device)
-
-
-class _StepStream:
-    """Training batches by step through worker processes; restarts the loader when a step is not the next one."""
-
-    def __init__(self, batches: Any, workers: int, device: torch.device, channels_last: bool = False) -> None:
-        self.batches, self.workers, self.device, self.channels_last = batches, workers, device, channels_last
-        self.next_step, self.iterator = -1, None
-
-    def at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from owai.data.domainbed import step_loader
-
-        if step != self.next_step or self.iterator is None:
-            self.iterator = iter(step_loader(self.batches, step, self.workers, self.device.type == "cuda"))
-        x, y, _ = next(self.iterator)
-        self.next_step = step + 1
-        x = x.to(self.device, non_blocking=True)
-        if self.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        return x, y.to(self.device, non_blocking=True)
 
 
 # -- evaluation and tracks ----------------------------------------------------------------------
@@ -504,7 +484,7 @@ def lr_schedule(t: TrainConfig) -> Callable[[int], float]:
 def train(cfg: Config, run: Run, model: torch.nn.Module, data: Any, sets: list[EvalSet], device: torch.device) -> Tracks:
     """Fine-tune through the shared loop, evaluating the three tracks; resumable (the tracks are the
     loop's companion state, saved in every checkpoint)."""
-    from owai.data.domainbed import StepBatches
+    from owai.data.domainbed import StepBatches, StepStream
     from owai.train import LoopConfig, train_loop
 
     t, d = cfg.train, cfg.data
@@ -513,7 +493,7 @@ def train(cfg: Config, run: Run, model: torch.nn.Module, data: Any, sets: list[E
     domains = train_domains(cfg, data)
     batches = StepBatches(data, domains, [parts[i][0] for i in domains], d.batch_per_domain, d.image_size,
                           d.augment, cfg.seed, t.steps)
-    stream = _StepStream(batches, d.workers, device, channels_last=device.type == "cuda" and cfg.model.channels_last)
+    stream = StepStream(batches, d.workers, device, channels_last=device.type == "cuda" and cfg.model.channels_last)
     head = list(model.classifier.parameters())
     head_ids = {id(p) for p in head}
     groups = [{"params": [p for p in model.parameters() if id(p) not in head_ids], "lr_scale": 1.0},

@@ -1,33 +1,40 @@
-"""Rich representations: Cat_n linear probing (thesis §2.2, Table 2.2; spec rich_features.md §6.1, §6.2).
+"""Rich representations: Cat_n, Distill_n, linear probing, fine-tuning, few-shot (thesis §2.1-2.2, App.
+A.1-A.4; spec rich_features.md §6, §8). One method, `owai rich-features`, whose `stage` is either:
 
-The first slice of `owai rich-features` (issue #24): two stages of one method, chosen by `stage`.
-
-* `pretrain` trains ONE network (`model.backbone`, an `owai.models.vision` backbone) by ERM on the
-  base classes (`data.base`, `data.base_classes`) with the run's `seed`, through `owai.train.train_loop`
+* `pretrain`: ONE network (`model.backbone`, an `owai.models.vision` backbone) trained by ERM on the base
+  classes (`data.base`, `data.base_classes`) with the run's `seed`, through `owai.train.train_loop`
   (stage `pretrain`: checkpoints, resume). Its final weights (a torchvision-keyed state dict, base-class
   head included) go to `<cache>/pretrained/<backbone>-<key>.safetensors`, the cache `dropout-ft`'s
   pre-training uses, keyed by the pre-training settings and the seed (`pretrain_key`); a network already
   there is not trained again. n networks that differ only by seed = a sweep over seeds (the recipe's
-  `sweep.seeds`), so 10 ImageNet ResNet50s are one SLURM array. Measured: the base-class test accuracy.
-* `probe` loads n pretrained networks (`probe.networks`: pretrain run directories or pretrain sweep
-  directories; else the cache entries of `probe.seeds`, default 0..n-1, under this config's pre-training
-  settings), builds `ConcatFeatures(frozen=True)`, extracts the target task's features once, and trains
-  linear probes `ProbeHead` (BN1d -> Linear; SGD Nesterov, momentum 0.9, the step schedule of §6.2 in
-  epochs, no weight decay on BN): one per network (their mean = `single.acc`; the first is Cat_1) and one
-  per Cat_k, k in `probe.sizes` (the first k networks). `catsub{k}.acc` averages the logits of the first
-  k per-network probes (`catsub_logits`). Every probe is its own resumable `train_loop` stage
-  (`probe-net{i}`, `probe-cat{k}`) whose batches are a function of (seed, stage, epoch, step), so a killed
-  probe resumes to the same result.
+  `sweep.seeds`), so 10 ImageNet ResNet50s are one SLURM array. Measured: the base-class test accuracy,
+  and with `pretrain.transfer_probe` (Table 2.1) a linear probe of this network on `data.target`.
+* evaluation stages of n pretrained networks (`probe.networks`: pretrain run or sweep directories; else
+  the cache entries of `probe.seeds`, default 0..n-1, under this config's pre-training settings), one or
+  several joined by commas and run in this order in one run:
+  - `distill`: Distill_n, a student with n heads fitting the networks' softened logits (§6.5);
+  - `probe`: linear probes `ProbeHead` (BN1d -> Linear; SGD Nesterov, the step schedule of §6.2 in
+    epochs, no weight decay on BN) on frozen features: one per network (their mean = `single.acc`; the
+    first is Cat_1), one per Cat_k, k in `probe.sizes` (the first k networks), catsub_k (the mean of the
+    first k per-network probes' logits) and the student's (`distill{n}.acc`);
+  - `finetune`: normal fine-tuning of Cat_n under one Linear head (§6.3);
+  - `two-stage`: each network fine-tuned alone, then `two_stage_head` over their frozen concatenation,
+    initialised as their logit-average ensemble (§6.4);
+  - `fewshot`: Chen et al.'s episodes on the target's test split for every network, Cat_k and the student,
+    linear and cosine heads (§6.6).
+  Every training is its own resumable `train_loop` stage (`distill`, `probe-net{i}`, `probe-cat{k}`,
+  `probe-distill`, `finetune-cat{n}`, `ft-net{i}`, `two-stage-head{n}`) whose batches are a function of
+  (seed, stage, step), so a killed run resumes to the same result.
 
 Accuracies are measured on the target's test split after the last epoch. The reference script reports
-the best epoch on the test set (spec §6.2); owai does not select on the test set. The weight-decay grid
-of §6.2 is not searched here yet (`probe.weight_decay` is one value).
+the best epoch on the test set (spec §6.2); owai does not select on the test set. The probe's
+weight-decay grid of §6.2 is a sweep over `probe.weight_decay`, not searched inside a run.
 
 Datasets: `mnist` (the official files found by the data-root rule; 60k train / 10k test), `mnist-t10k`
 (the packaged 10k test file split 80/20 by a keyed permutation: no download), `digits` (scikit-learn's
 8x8 digits, split the same way), and the readers of `owai.data.classification` (cifar10, cifar100,
-imagenet, inat18). Base and target classes of the same label space (the three digit sets share one)
-must be disjoint (`disjoint_split`).
+imagenet, inat18, cub, miniimagenet; SPLITS maps each role to the reader's split). Base and target
+classes of the same label space (the three digit sets share one) must be disjoint (`disjoint_split`).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,10 +58,20 @@ from owai.methods import Method, Outcome
 from owai.runs import Run
 
 DIGIT_SETS = ("mnist", "mnist-t10k", "digits")  # one label space: the digits "0".."9"
-DATASETS = (*DIGIT_SETS, "cifar10", "cifar100", "imagenet", "inat18")
-TEST_SPLIT = {"imagenet": "val", "inat18": "val"}  # the split a dataset is evaluated on
+DATASETS = (*DIGIT_SETS, "cifar10", "cifar100", "imagenet", "inat18", "cub", "miniimagenet")
+# the reader's split for each role: "train" (pre-training / the probe's training images), "test" (the
+# target's evaluation images; the few-shot datasets' novel classes) and "base-test" (pre-training's
+# in-distribution accuracy). Chen et al.'s few-shot splits hold no base-class test images, so
+# pre-training on CUB / miniImageNet reports its accuracy on the base training images.
+SPLITS = {
+    "imagenet": {"test": "val", "base-test": "val"},
+    "inat18": {"test": "val", "base-test": "val"},
+    "cub": {"train": "base", "test": "novel", "base-test": "base"},
+    "miniimagenet": {"train": "base", "test": "novel", "base-test": "base"},
+}
 DIGITS = [str(i) for i in range(10)]
-STAGES = ("pretrain", "probe")
+EVAL_STAGES = ("distill", "probe", "finetune", "two-stage", "fewshot")  # run in this order when chained
+STAGES = ("pretrain", *EVAL_STAGES)
 VERSION = 1  # of the pre-training cache key
 
 
@@ -75,6 +93,7 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     backbone: str = "resnet50"  # an owai.models.vision backbone, trained from scratch by `pretrain`
+    joint: int = 1  # > 1: `pretrain` trains this many backbones jointly as one network (Table 2.2's 2xresnet50)
 
 
 @dataclass
@@ -89,9 +108,11 @@ class PretrainConfig:
     weight_decay: float = 1e-4
     milestones: list[float] = field(default_factory=lambda: [30.0, 60.0])  # in epochs
     gamma: float = 0.1
+    optimizer: Literal["sgd", "adam"] = "sgd"  # adam: the few-shot baselines' (Chen et al.: lr 1e-3, batch 16)
     checkpoint_every: int = 1000  # updates
     log_every: int = 50
-    precision: Literal["auto", "float32", "bfloat16"] = "auto"  # auto = bfloat16 autocast on CUDA
+    precision: Literal["auto", "float32", "bfloat16"] = "auto"  # auto = bfloat16 autocast on CUDA (every stage)
+    transfer_probe: bool = False  # Table 2.1: also probe this one network on data.target (`transfer.acc`)
 
 
 @dataclass
@@ -104,6 +125,10 @@ class ProbeConfig:
     networks: list[str] = field(default_factory=list)  # pretrain run or sweep directories (replace seeds)
     sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 10])  # Cat_k reported, k <= n
     catsub: bool = True
+    # Table 2.2's baselines, probed beside Cat_k: "wide{k}" (the backbone with every channel x k, e.g.
+    # resnet18_w2) and "joint{k}" (k backbones trained jointly, model.joint=k), each the cache entry of
+    # this config's pre-training at the first network's seed (pretrain it with --set model.joint=k / backbone)
+    baselines: list[str] = field(default_factory=list)
     epochs: int = 28
     milestones: list[int] = field(default_factory=lambda: [8, 16, 24])
     gamma: float = 0.1
@@ -111,24 +136,105 @@ class ProbeConfig:
     momentum: float = 0.9
     nesterov: bool = True
     weight_decay: float = 1e-4  # on the Linear only (wd_skip_bn); the thesis searches a grid
+    batchnorm: bool = True  # BN1d before the Linear (§6.2); Table 2.1's probe is a plain Linear (§8)
     batch_size: int = 256
     checkpoint_every: int = 500  # updates
     log_every: int = 50
 
 
 @dataclass
+class FinetuneConfig:
+    """Spec §6.3 normal fine-tuning ("[init]cat"): every backbone trains, concatenated, under one Linear
+    head (PyTorch's default init, no BN); SGD momentum 0.9, cosine from lr to min_lr, no weight decay on
+    BN. Spec §6.4 two-stage ("[2ft]cat"): each network fine-tuned alone (the same settings), then the
+    frozen concatenation under `two_stage_head` (= the logit-average ensemble) trained for head_epochs
+    at head_lr, Nesterov, the same weight decay."""
+
+    epochs: float = 100.0
+    batch_size: int = 256
+    lr: float = 0.01
+    min_lr: float = 1e-7
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    head_epochs: float = 1.0  # TH; the script's 2 is a discrepancy (spec §6.4)
+    head_lr: float = 1e-3  # CIFAR; iNat18 1e-5
+    checkpoint_every: int = 500
+    log_every: int = 50
+
+
+@dataclass
+class DistillConfig:
+    """Spec §6.5 / TH Eq. A.1: one student backbone with n heads, head i fitting teacher i's softened
+    logits (KL at tau, times tau^2, summed over heads) on the base classes' training images. Distill5:
+    SGD momentum 0.9, batch 2048, wd 0, lr warm-up 0.1 -> 0.8 over 5 epochs, x0.2 at 210 and 240, 270
+    epochs. alpha < 1 mixes in cross-entropy on the labels (TH Eq. A.4, few-shot)."""
+
+    tau: float = 10.0
+    alpha: float = 1.0
+    epochs: float = 270.0
+    batch_size: int = 2048
+    lr: float = 0.8
+    warmup_epochs: float = 5.0
+    warmup_lr: float = 0.1
+    milestones: list[float] = field(default_factory=lambda: [210.0, 240.0])
+    gamma: float = 0.2
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    checkpoint_every: int = 500
+    log_every: int = 50
+
+
+@dataclass
+class FewshotConfig:
+    """Chen et al. 2019's protocol (spec §6.6, TH A.4) on the target's test split (its novel classes):
+    `episodes` episodes of `ways`-way k-shot with `queries` queries per class for each k in `shots`; a
+    fresh linear or cosine head per episode on frozen features (SGD momentum 0.9, dampening 0.9, wd 1e-3,
+    batch 4, 100 epochs, lr 0.1 per TH, 0.01 in Chen et al.'s code)."""
+
+    shots: list[int] = field(default_factory=lambda: [1, 5])
+    ways: int = 5
+    queries: int = 15
+    episodes: int = 600
+    heads: list[str] = field(default_factory=lambda: ["linear", "cosine"])
+    lr: float = 0.1
+    epochs: int = 100
+    batch_size: int = 4
+    weight_decay: float = 1e-3
+    seed: int = 0  # of the episodes (the same episodes for every representation)
+
+
+@dataclass
 class Config(BaseConfig):
-    stage: Literal["pretrain", "probe"] = "pretrain"
+    # "pretrain" (one network), or evaluation stages of n pretrained networks, alone or chained with
+    # commas in any order (run as distill, probe, finetune, two-stage, fewshot): e.g. "probe,fewshot"
+    stage: str = "pretrain"
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    fewshot: FewshotConfig = field(default_factory=FewshotConfig)
+
+
+def stages_of(stage: str) -> list[str]:
+    """The stages named by `stage` ("pretrain", or a comma-separated chain of EVAL_STAGES), in run order."""
+    names = [x.strip() for x in str(stage).split(",") if x.strip()]
+    unknown = [x for x in names if x not in STAGES]
+    if not names or unknown:
+        raise OwaiError(f"stage {stage!r}: choose pretrain, or evaluation stages joined by commas from "
+                        f"{', '.join(EVAL_STAGES)}")
+    if len(set(names)) != len(names):
+        raise OwaiError(f"stage {stage!r} names a stage twice")
+    if "pretrain" in names and len(names) > 1:
+        raise OwaiError("stage pretrain runs alone (one network per run; n networks = a sweep over seeds)")
+    return [x for x in STAGES if x in names]
 
 
 class RichFeatures(Method):
     Config = Config
     cli = "owai rich-features"
-    resume_overrides = ("pretrain.lr", "probe.lr")
+    resume_overrides = ("pretrain.lr", "probe.lr", "finetune.lr", "distill.lr")
 
     @staticmethod
     def validate(cfg: Config) -> None:
@@ -141,6 +247,8 @@ class RichFeatures(Method):
                 raise OwaiError(f"data.base / data.target {name!r}: choose one of {', '.join(DATASETS)}")
         if m.backbone not in BACKBONES:
             raise OwaiError(f"unknown backbone {m.backbone!r}; known: {', '.join(sorted(BACKBONES))}")
+        if isinstance(m.joint, bool) or m.joint < 1:
+            raise OwaiError(f"model.joint must be >= 1 (backbones trained as one network), got {m.joint}")
         for name in ("image_size", "eval_batch_size"):
             if getattr(d, name) < 1:
                 raise OwaiError(f"data.{name} must be >= 1, got {getattr(d, name)}")
@@ -172,22 +280,61 @@ class RichFeatures(Method):
             raise OwaiError(f"probe.n={q.n} but {len(q.seeds)} seeds given ({q.seeds})")
         if len(set(q.seeds)) != len(q.seeds):
             raise OwaiError(f"probe.seeds {q.seeds} has duplicates: Cat_n's networks differ by seed")
-        stage_data = [d.base] if cfg.stage == "pretrain" else [d.target]
-        for name in stage_data:
-            check_data(name, d.root)
-        if cfg.stage == "probe":
-            find_networks(cfg)  # missing, unfinished, mismatched or overlapping networks: one line, nothing written
+        stages = stages_of(cfg.stage)
+        f, s, k = cfg.finetune, cfg.distill, cfg.fewshot
+        if not (f.epochs > 0 and f.batch_size >= 1 and f.lr > 0 and 0 <= f.min_lr <= f.lr and 0 <= f.momentum < 1
+                and f.weight_decay >= 0 and f.head_epochs > 0 and f.head_lr > 0 and f.checkpoint_every >= 1
+                and f.log_every >= 1):
+            raise OwaiError("finetune: need epochs > 0, batch_size >= 1, lr > 0, 0 <= min_lr <= lr, 0 <= momentum < 1, "
+                            "weight_decay >= 0, head_epochs > 0, head_lr > 0, checkpoint_every >= 1, log_every >= 1")
+        if not (s.tau > 0 and 0 <= s.alpha <= 1 and s.epochs > 0 and s.batch_size >= 1 and s.lr > 0
+                and s.warmup_epochs >= 0 and s.warmup_lr > 0 and s.gamma > 0 and 0 <= s.momentum < 1
+                and s.weight_decay >= 0 and s.checkpoint_every >= 1 and s.log_every >= 1):
+            raise OwaiError("distill: need tau > 0, 0 <= alpha <= 1, epochs > 0, batch_size >= 1, lr > 0, warmup_epochs >= 0, "
+                            "warmup_lr > 0, gamma > 0, 0 <= momentum < 1, weight_decay >= 0, checkpoint_every >= 1, log_every >= 1")
+        bad_heads = [h for h in k.heads if h not in ("linear", "cosine")]
+        if not k.heads or bad_heads:
+            raise OwaiError(f"fewshot.heads {k.heads}: choose from linear, cosine")
+        if not k.shots or any(isinstance(x, bool) or x < 1 for x in k.shots) or len(set(k.shots)) != len(k.shots):
+            raise OwaiError(f"fewshot.shots {k.shots}: give distinct shot counts >= 1")
+        if not (k.ways >= 2 and k.queries >= 1 and k.episodes >= 1 and k.lr > 0 and k.epochs >= 1
+                and k.batch_size >= 1 and k.weight_decay >= 0 and k.seed >= 0):
+            raise OwaiError("fewshot: need ways >= 2, queries >= 1, episodes >= 1, lr > 0, epochs >= 1, batch_size >= 1, "
+                            "weight_decay >= 0, seed >= 0")
+        if stages == ["pretrain"]:
+            check_data(d.base, d.root)
+            if p.transfer_probe:
+                check_data(d.target, d.root)
+            return
+        check_data(d.target, d.root)
+        if "distill" in stages:
+            check_data(d.base, d.root)
+        nets = find_networks(cfg)  # missing, unfinished, mismatched or overlapping networks: one line, nothing written
+        if "probe" in stages:
+            for name in cfg.probe.baselines:
+                baseline_network(cfg, name)
+        n_base = len(d.base_classes) if d.base_classes else (10 if d.base in DIGIT_SETS else 0)
+        for net in nets if "distill" in stages and n_base else []:
+            if net.n_classes and net.n_classes != n_base:
+                raise OwaiError(f"{net.label} has a {net.n_classes}-class head; distill reads data.base {d.base} with "
+                                f"{n_base} classes (set data.base / data.base_classes as in pre-training)")
+        if "fewshot" in stages:
+            check_episodes(cfg)
 
     def run(self, cfg: Config, run: Run) -> Outcome:
-        if cfg.stage == "pretrain":
+        if stages_of(cfg.stage) == ["pretrain"]:
             return run_pretrain(cfg, run)
-        return run_probe(cfg, run)
+        return run_chain(cfg, run)
 
 
 # -- data ---------------------------------------------------------------------------------------
 
 
 def _same_labels(a: str, b: str) -> bool:
+    """Whether base and target classes come from one label space and must be checked for overlap. CUB and
+    miniImageNet's base and novel splits are disjoint class sets by construction (SPLITS)."""
+    if a == b and SPLITS.get(a, {}).get("train") == "base":
+        return False
     return a == b or (a in DIGIT_SETS and b in DIGIT_SETS)
 
 
@@ -208,10 +355,33 @@ def check_data(name: str, root: str) -> None:
                 mnist_dir(split, root or None)
             except DataMissing as e:
                 raise DataMissing(f"{e} (or data.base / data.target = mnist-t10k: the packaged test file only)") from None
+    elif name in ("cifar10", "cifar100"):  # a corrupt or truncated batch file: one line before any run directory
+        from owai.data import registry
+        from owai.data.classification import read_cifar
+
+        folder = registry.require(name, root or None)
+        for split in ("train", "test"):
+            read_cifar(folder, name, split)
     elif name not in ("mnist-t10k", "digits"):
         from owai.data import registry
 
         registry.require(name, root or None)
+
+
+def check_episodes(cfg: Config) -> None:
+    """One line before any run directory when the target's test split cannot give the episodes: fewer
+    classes than fewshot.ways, or a class with fewer images than the largest shot + queries."""
+    k = cfg.fewshot
+    data = load_split(cfg, cfg.data.target, "test", cfg.data.target_classes)
+    counts = torch.bincount(data.labels, minlength=len(data.classes))
+    if len(data.classes) < k.ways:
+        raise OwaiError(f"fewshot.ways={k.ways} but {cfg.data.target} test has {len(data.classes)} classes")
+    need = max(k.shots) + k.queries
+    small = [(c, int(n)) for c, n in zip(data.classes, counts) if n < need]
+    if small:
+        c, n = small[0]
+        raise OwaiError(f"{max(k.shots)}-shot episodes with {k.queries} queries need {need} images per class; "
+                        f"{cfg.data.target} test class {c!r} has {n} ({len(small)} classes too small)")
 
 
 def _keyed_split(n: int, split: str, seed: int) -> torch.Tensor:
@@ -223,8 +393,8 @@ def _keyed_split(n: int, split: str, seed: int) -> torch.Tensor:
     return order[:cut] if split == "train" else order[cut:]
 
 
-def load_split(cfg: Config, name: str, split: Literal["train", "test"], classes: list[str]) -> Any:
-    """`split` of dataset `name` restricted to `classes` (relabelled 0..k-1 in that order; [] = all), at
+def load_split(cfg: Config, name: str, split: Literal["train", "test", "base-test"], classes: list[str]) -> Any:
+    """`split` (a role, see SPLITS) of dataset `name` restricted to `classes` (relabelled 0..k-1 in that order; [] = all), at
     most `data.limit_per_class` images per class: an `owai.data.classification.ClassificationData`."""
     from owai.data import classification as cl
 
@@ -232,7 +402,7 @@ def load_split(cfg: Config, name: str, split: Literal["train", "test"], classes:
     if name == "mnist":
         from owai.data.mnist import load_mnist
 
-        m = load_mnist(split, root=d.root or None)
+        m = load_mnist("train" if split == "train" else "test", root=d.root or None)
         data = cl.ClassificationData(m.images, m.labels, list(DIGITS), f"MNIST {split}")
     elif name in ("mnist-t10k", "digits"):
         if name == "digits":
@@ -242,9 +412,9 @@ def load_split(cfg: Config, name: str, split: Literal["train", "test"], classes:
 
             m = load_mnist_idx(PACKAGED_DIR, "test")
             full = cl.ClassificationData(m.images, m.labels, list(DIGITS), "MNIST t10k (packaged)")
-        data = cl._subset(full, _keyed_split(len(full), split, d.split_seed))
+        data = cl._subset(full, _keyed_split(len(full), "train" if split == "train" else "test", d.split_seed))
     else:
-        data = cl.load(name, TEST_SPLIT.get(name, "test") if split == "test" else "train", d.root or None)
+        data = cl.load(name, SPLITS.get(name, {}).get(split, "train" if split == "train" else "test"), d.root or None)
     if classes:
         data = cl.select_classes(data, classes)
     if d.limit_per_class:
@@ -303,9 +473,13 @@ def pretrain_key(cfg: Config, seed: int) -> str:
 
     d = cfg.data
     what = {"method": "rich_features", "version": VERSION, "backbone": cfg.model.backbone, "seed": seed,
-            "pretrain": {k: v for k, v in to_dict(cfg.pretrain).items() if k not in ("checkpoint_every", "log_every")},
+            # bookkeeping is left out, and the default optimizer too, so keys written before it existed stay valid
+            "pretrain": {k: v for k, v in to_dict(cfg.pretrain).items()
+                         if k not in ("checkpoint_every", "log_every", "transfer_probe") and (k, v) != ("optimizer", "sgd")},
             "base": d.base, "base_classes": d.base_classes, "root": d.root, "image_size": d.image_size,
             "augment": d.augment, "limit_per_class": d.limit_per_class, "split_seed": d.split_seed}
+    if cfg.model.joint != 1:
+        what["joint"] = cfg.model.joint
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -316,15 +490,25 @@ def weights_path(cfg: Config, seed: int) -> Path:
     return cache_root() / "pretrained" / f"{cfg.model.backbone}-{pretrain_key(cfg, seed)}.safetensors"
 
 
-def build_network(backbone: str, n_classes: int, seed: int, state: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
-    """An owai.models.vision backbone with an `n_classes` head, initialised from (seed, backbone)."""
+def build_network(backbone: str, n_classes: int, seed: int, state: dict[str, torch.Tensor] | None = None,
+                  joint: int = 1) -> torch.nn.Module:
+    """An owai.models.vision backbone with an `n_classes` head, initialised from (seed, backbone); with
+    joint > 1 a JointNetwork of `joint` such backbones (keyed also by their index) under one head."""
+    from owai.models.rich import JointNetwork, strip_head
     from owai.models.vision import build_backbone
     from owai.runtime import derive_seed
 
-    rng = torch.get_rng_state()
-    torch.manual_seed(derive_seed(seed, "pretrain-init", backbone))
-    net = build_backbone(backbone, num_classes=n_classes)
-    torch.set_rng_state(rng)
+    with torch.random.fork_rng(devices=[]):
+        if joint == 1:
+            torch.manual_seed(derive_seed(seed, "pretrain-init", backbone))
+            net = build_backbone(backbone, num_classes=n_classes)
+        else:
+            parts = []
+            for i in range(joint):
+                torch.manual_seed(derive_seed(seed, "pretrain-init", backbone, "joint", i))
+                parts.append(strip_head(build_backbone(backbone, num_classes=n_classes)))
+            torch.manual_seed(derive_seed(seed, "pretrain-init", backbone, "joint-head"))
+            net = JointNetwork(parts, n_classes)
     if state is not None:
         try:
             net.load_state_dict(state)
@@ -337,14 +521,13 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
     """Stage `pretrain`: one network on the base classes (or its cache entry), then its base test accuracy."""
     from safetensors.torch import load_file, save
 
-    from owai.data.domainbed import StepBatches
+    from owai.data.domainbed import StepBatches, StepStream
     from owai.io import atomic_write_bytes
-    from owai.methods.dropout_ft import _StepStream
     from owai.train import LoopConfig, train_loop
 
     d, p, device = cfg.data, cfg.pretrain, run.device
     train_set = load_split(cfg, d.base, "train", d.base_classes)
-    test_set = load_split(cfg, d.base, "test", d.base_classes)
+    test_set = load_split(cfg, d.base, "base-test", d.base_classes)
     classes = train_set.classes
     path = weights_path(cfg, cfg.seed)
     state, cached = None, False
@@ -357,11 +540,12 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
     per_epoch = len(train_set) / p.batch_size
     steps = max(1, round(p.epochs * per_epoch))
     if state is None:
-        net = build_network(cfg.model.backbone, len(classes), cfg.seed).to(device)
+        net = build_network(cfg.model.backbone, len(classes), cfg.seed, joint=cfg.model.joint).to(device)
         batches = StepBatches(OneDomain(train_set), [0], [torch.arange(len(train_set))], p.batch_size, d.image_size,
                               d.augment, cfg.seed, steps)
-        stream = _StepStream(batches, d.workers, device)
-        optimizer = torch.optim.SGD(net.parameters(), lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay)
+        stream = StepStream(batches, d.workers, device)
+        optimizer = (torch.optim.Adam(net.parameters(), lr=p.lr, weight_decay=p.weight_decay) if p.optimizer == "adam"
+                     else torch.optim.SGD(net.parameters(), lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay))
         marks = [round(m * per_epoch) for m in p.milestones]
 
         def loss_at(step: int, micro: int) -> torch.Tensor:
@@ -375,7 +559,7 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
         state = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, save(state))
-    net = build_network(cfg.model.backbone, len(classes), cfg.seed, state).to(device).eval()
+    net = build_network(cfg.model.backbone, len(classes), cfg.seed, state, cfg.model.joint).to(device).eval()
     correct = 0
     with torch.no_grad():
         for x, y in _batches(cfg, test_set):
@@ -385,7 +569,35 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
     details = {"weights": str(path), "cached": cached, "seed": cfg.seed, "key": pretrain_key(cfg, cfg.seed),
                "classes": classes, "steps": steps, "feature_dim": int(net.feature_dim),
                "split_sizes": {"train": len(train_set), "test": len(test_set)}}
-    return Outcome({"pretrain.base_acc": acc}, details)
+    measured = {"pretrain.base_acc": acc}
+    if cfg.model.joint > 1:  # Table A.1: each sub-network alone under its block of the joint head
+        measured.update(joint_sub_accuracies(cfg, net, test_set, device))
+    if p.transfer_probe:  # Table 2.1: this network's features, linearly probed on the target task
+        from owai.models.rich import ConcatFeatures, strip_head
+
+        frozen = ConcatFeatures([strip_head(net)], frozen=True)
+        target_train = load_split(cfg, d.target, "train", d.target_classes)
+        target_test = load_split(cfg, d.target, "test", d.target_classes)
+        z_train, y_train = extract(cfg, frozen, target_train, device)
+        z_test, y_test = extract(cfg, frozen, target_test, device)
+        head = fit_probe(cfg, run, "transfer-probe", z_train[0], y_train, len(target_train.classes), device)
+        measured["transfer.acc"] = _acc(_logits(head, z_test[0], device), y_test)
+        details["transfer_split_sizes"] = {"train": len(target_train), "test": len(target_test)}
+        console.info(f"network seed {cfg.seed}: transfer to {d.target} {measured['transfer.acc']:.4f}")
+    return Outcome(measured, details)
+
+
+@torch.no_grad()
+def joint_sub_accuracies(cfg: Config, net: torch.nn.Module, data: Any, device: torch.device) -> dict[str, float]:
+    """`joint.sub{i}.base_acc`: the accuracy of sub-network i of a JointNetwork alone, its features
+    through its own block of the head, W[:, block_i] z_i + b (TH Table A.1: one sub-network dominates)."""
+    cat, fc = net.features, net.fc
+    blocks = torch.split(fc.weight, list(cat.dims), dim=1)  # n x (C, d_i)
+    correct = [0] * len(blocks)
+    for x, y in _batches(cfg, data):
+        for i, (z, w) in enumerate(zip(cat.per_network(x.to(device)), blocks)):
+            correct[i] += int(((z @ w.T + fc.bias).argmax(1).cpu() == y).sum())
+    return {f"joint.sub{i}.base_acc": c / len(data) for i, c in enumerate(correct)}
 
 
 # -- probe: the networks ------------------------------------------------------------------------
@@ -401,6 +613,7 @@ class Network:
     n_classes: int  # of its base-class head
     checkpoint: Path | None  # the pretrain run's final checkpoint (preferred), else
     weights: Path | None  # the cache file
+    joint: int = 1  # backbones trained jointly as this one network (model.joint)
 
 
 def _pretrain_runs(path: Path) -> list[Path]:
@@ -436,7 +649,7 @@ def _network_of_run(cfg: Config, path: Path) -> tuple[Network, dict[str, Any]]:
     if not final and (weights is None or not weights.is_file()):
         raise OwaiError(f"{path} has neither its final checkpoint nor its cached weights ({weights})")
     net = Network(int(params["seed"]), str(path), params["model"]["backbone"], len(details.get("classes", [])),
-                  last if final else None, weights)
+                  last if final else None, weights, int(params["model"].get("joint", 1)))
     return net, params
 
 
@@ -475,7 +688,7 @@ def find_networks(cfg: Config) -> list[Network]:
                 raise DataMissing(f"pretrained network seed {seed} is not in the cache ({path}); run "
                                 f"`owai rich-features --stage pretrain` with the same settings first, or give "
                                 "probe.networks (run directories)")
-            nets.append(Network(seed, str(path), cfg.model.backbone, n_classes, None, path))
+            nets.append(Network(seed, str(path), cfg.model.backbone, n_classes, None, path, cfg.model.joint))
     seeds = [n.seed for n in nets]
     if len(set(seeds)) != len(seeds):
         raise OwaiError(f"the networks' seeds {seeds} repeat: Cat_n concatenates n networks that differ by seed")
@@ -483,7 +696,7 @@ def find_networks(cfg: Config) -> list[Network]:
     for net in nets:
         if net.backbone not in BACKBONES:
             raise OwaiError(f"{net.label}: unknown backbone {net.backbone!r}")
-        widths[net.label] = _feature_dim(net.backbone)
+        widths[net.label] = _feature_dim(net.backbone) * net.joint
     if len(set(widths.values())) != 1:
         shown = ", ".join(f"{w} ({label})" for label, w in list(widths.items())[:4])
         raise OwaiError(f"the backbones have different feature sizes: {shown}; Cat_n's networks differ only by seed")
@@ -513,7 +726,53 @@ def load_network(net: Network) -> torch.nn.Module:
         except Exception as e:  # noqa: BLE001 - a corrupt cache entry
             raise OwaiError(f"cannot read pretrained weights {net.weights}: {type(e).__name__}") from None
     head = next((v.shape[0] for k, v in weights.items() if k == "fc.weight"), net.n_classes or 1)
-    return build_network(net.backbone, int(head), net.seed, weights)
+    return build_network(net.backbone, int(head), net.seed, weights, net.joint)
+
+
+WIDE = {"resnet18": "resnet18_w{k}", "resnet50": "resnet50_w{k}"}  # model.backbone -> its wide variants
+
+
+def baseline_network(cfg: Config, name: str) -> Network:
+    """Baseline `name` ("wide{k}" or "joint{k}") as a Network: the cache entry of this config's
+    pre-training with the wide backbone or model.joint=k, at the first network's seed."""
+    import dataclasses
+    import re
+
+    from owai.models.vision import BACKBONES
+
+    found = re.fullmatch(r"(wide|joint)([2-9]|[1-9][0-9]+)", name)
+    if not found:
+        raise OwaiError(f"probe.baselines: {name!r} is not wide<k> or joint<k> (k >= 2)")
+    kind, k = found.group(1), int(found.group(2))
+    model = cfg.model
+    if kind == "wide":
+        backbone = WIDE.get(model.backbone, "").format(k=k)
+        if backbone not in BACKBONES:
+            raise OwaiError(f"probe.baselines: {model.backbone} has no {k}x wide variant (known: "
+                            f"{', '.join(b for b in BACKBONES if '_w' in b)})")
+        model, how = dataclasses.replace(model, backbone=backbone), f"--set model.backbone={backbone}"
+    else:
+        model, how = dataclasses.replace(model, joint=k), f"--set model.joint={k}"
+    seed = (cfg.probe.seeds or [0])[0]
+    path = weights_path(dataclasses.replace(cfg, model=model), seed)
+    if not path.is_file():
+        raise DataMissing(f"baseline {name} (seed {seed}) is not in the cache ({path}); run `owai rich-features "
+                          f"--stage pretrain --seeds {seed} {how}` with the same settings first")
+    n_classes = len(cfg.data.base_classes) if cfg.data.base_classes else (10 if cfg.data.base in DIGIT_SETS else 0)
+    return Network(seed, f"{name} ({path})", model.backbone, n_classes, None, path, model.joint)
+
+
+def run_baseline_probes(cfg: Config, run: Run, train_set: Any, test_set: Any, measured: dict[str, Any]) -> None:
+    """Table 2.2's wide / jointly trained baselines under the same linear probe: `{name}.acc`."""
+    from owai.models.rich import ConcatFeatures, strip_head
+
+    n_classes = len(train_set.classes)
+    for name in cfg.probe.baselines:
+        frozen = ConcatFeatures([strip_head(load_network(baseline_network(cfg, name)))], frozen=True).to(run.device)
+        z_train, y_train = extract(cfg, frozen, train_set, run.device)
+        z_test, y_test = extract(cfg, frozen, test_set, run.device)
+        head = fit_probe(cfg, run, f"probe-{name}", z_train[0], y_train, n_classes, run.device)
+        measured[f"{name}.acc"] = _acc(_logits(head, z_test[0], run.device), y_test)
 
 
 # -- probe: features and heads ------------------------------------------------------------------
@@ -540,29 +799,41 @@ def probe_batch(step: int, per_epoch: int, size: int, n: int, seed: int, stage: 
     return order[k * size : (k + 1) * size]
 
 
-def fit_probe(cfg: Config, run: Run, stage: str, z: torch.Tensor, y: torch.Tensor, n_classes: int,
-              device: torch.device) -> torch.nn.Module:
-    """A ProbeHead on features `z` (N, D), trained through train_loop as stage `stage` (resumable)."""
-    from owai.models.rich import ProbeHead
-    from owai.runtime import generator
+def train_head(run: Run, stage: str, head: torch.nn.Module, groups: list[dict], z: torch.Tensor, y: torch.Tensor, *,
+               epochs: float, batch_size: int, lr_at_epoch: Any, momentum: float, nesterov: bool, seed: int,
+               checkpoint_every: int, log_every: int, device: torch.device) -> torch.nn.Module:
+    """Train `head` on fixed features `z` (N, D) through train_loop as stage `stage` (resumable): SGD over
+    keyed per-epoch permutations (`probe_batch`), the last incomplete batch dropped (BN1d needs >= 2),
+    lr = lr_at_epoch(epoch) with the epoch counted in fractions of an epoch."""
     from owai.train import LoopConfig, train_loop
 
-    q = cfg.probe
-    head = ProbeHead(z.shape[1], n_classes, generator=generator(cfg.seed, "probe-init", stage)).to(device)
-    optimizer = torch.optim.SGD(head.param_groups(q.weight_decay), lr=q.lr, momentum=q.momentum, nesterov=q.nesterov)
-    size = min(q.batch_size, len(z))
-    per_epoch = max(1, len(z) // size)  # the last incomplete batch is dropped (BN1d needs >= 2 examples)
-    steps = q.epochs * per_epoch
+    optimizer = torch.optim.SGD(groups, lr=lr_at_epoch(0.0), momentum=momentum, nesterov=nesterov)
+    size = min(batch_size, len(z))
+    per_epoch = max(1, len(z) // size)
+    steps = max(1, round(epochs * per_epoch))
     z, y = z.to(device), y.to(device)
 
     def loss_at(step: int, micro: int) -> torch.Tensor:
-        idx = probe_batch(step, per_epoch, size, len(z), cfg.seed, stage).to(device)
+        idx = probe_batch(step, per_epoch, size, len(z), seed, stage).to(device)
         return F.cross_entropy(head(z[idx]), y[idx])
 
-    loop = LoopConfig(steps=steps, checkpoint_every=min(q.checkpoint_every, steps), log_every=min(q.log_every, steps))
-    train_loop(run, stage, head, optimizer, loss_at, loop,
-               lr_at=lambda s: q.lr * q.gamma ** sum(s >= m * per_epoch for m in q.milestones))
+    loop = LoopConfig(steps=steps, checkpoint_every=min(checkpoint_every, steps), log_every=min(log_every, steps))
+    train_loop(run, stage, head, optimizer, loss_at, loop, lr_at=lambda s: lr_at_epoch(s / per_epoch))
     return head.eval()
+
+
+def fit_probe(cfg: Config, run: Run, stage: str, z: torch.Tensor, y: torch.Tensor, n_classes: int,
+              device: torch.device) -> torch.nn.Module:
+    """A ProbeHead on features `z` (N, D) with the probe's settings (§6.2), as stage `stage` (resumable)."""
+    from owai.models.rich import ProbeHead
+    from owai.runtime import generator
+
+    q = cfg.probe
+    head = ProbeHead(z.shape[1], n_classes, bn=q.batchnorm, generator=generator(cfg.seed, "probe-init", stage)).to(device)
+    return train_head(run, stage, head, head.param_groups(q.weight_decay), z, y, epochs=q.epochs,
+                      batch_size=q.batch_size, momentum=q.momentum, nesterov=q.nesterov, seed=cfg.seed,
+                      lr_at_epoch=lambda e: q.lr * q.gamma ** sum(e >= m for m in q.milestones),
+                      checkpoint_every=q.checkpoint_every, log_every=q.log_every, device=device)
 
 
 @torch.no_grad()
@@ -574,24 +845,79 @@ def _acc(logits: torch.Tensor, y: torch.Tensor) -> float:
     return float((logits.argmax(1) == y).float().mean())
 
 
-def run_probe(cfg: Config, run: Run) -> Outcome:
-    """Stage `probe`: Cat_k and per-network linear probes on frozen features, catsub averages."""
-    from owai.models.rich import ConcatFeatures, catsub_logits, strip_head
+@torch.no_grad()
+def predict(cfg: Config, model: torch.nn.Module, data: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits (N, C) float32 CPU, labels (N,)) of `model` in eval mode on every example of `data`."""
+    model.eval()
+    logits, labels = [], []
+    for x, y in _batches(cfg, data):
+        logits.append(model(x.to(device)).float().cpu())
+        labels.append(y)
+    return torch.cat(logits), torch.cat(labels)
 
-    d, q, device = cfg.data, cfg.probe, run.device
+
+def _decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Optimizer groups: weight decay on every parameter but those of BatchNorm layers (wd_skip_bn)."""
+    bn = {id(p) for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for p in m.parameters()}
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if id(p) not in bn], "weight_decay": weight_decay},
+              {"params": [p for p in params if id(p) in bn], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def run_chain(cfg: Config, run: Run) -> Outcome:
+    """The evaluation stages of n pretrained networks, in order: distill (a Distill_n student), probe
+    (Cat_k / per-network / catsub / student linear probes), finetune (normal fine-tuning of Cat_n),
+    two-stage (per-network fine-tuning, then the ensemble-initialised head), fewshot (episodes on frozen
+    features). Each training is its own resumable train_loop stage."""
+    from owai.models.rich import ConcatFeatures, strip_head
+
+    stages = stages_of(cfg.stage)
+    d, device = cfg.data, run.device
     nets = find_networks(cfg)
     train_set = load_split(cfg, d.target, "train", d.target_classes)
     test_set = load_split(cfg, d.target, "test", d.target_classes)
-    n_classes = len(train_set.classes)
-    console.info(f"probe: {len(nets)} networks (seeds {[n.seed for n in nets]}), target {d.target} "
-                 f"{len(train_set)} train / {len(test_set)} test images, {n_classes} classes")
-    cat = ConcatFeatures([strip_head(load_network(n)) for n in nets], frozen=True).to(device)
-    z_train, y_train = extract(cfg, cat, train_set, device)
-    z_test, y_test = extract(cfg, cat, test_set, device)
-    del cat
-    per_net = [fit_probe(cfg, run, f"probe-net{i}", z_train[i], y_train, n_classes, device) for i in range(len(nets))]
-    net_logits = [_logits(h, z_test[i], device) for i, h in enumerate(per_net)]
+    console.info(f"{cfg.stage}: {len(nets)} networks (seeds {[n.seed for n in nets]}), target {d.target} "
+                 f"{len(train_set)} train / {len(test_set)} test images, {len(train_set.classes)} classes")
     measured: dict[str, Any] = {}
+    details: dict[str, Any] = {"stages": stages, "networks": [n.label for n in nets], "seeds": [n.seed for n in nets],
+                               "classes": train_set.classes, "split_sizes": {"train": len(train_set), "test": len(test_set)}}
+    student = run_distill(cfg, run, nets, measured, details) if "distill" in stages else None
+    if "probe" in stages or "fewshot" in stages:
+        cat = ConcatFeatures([strip_head(load_network(n)) for n in nets], frozen=True).to(device)
+        z_test, y_test = extract(cfg, cat, test_set, device)
+        if student is not None:
+            frozen_student = ConcatFeatures([student], frozen=True).to(device)
+            z_test.append(extract(cfg, frozen_student, test_set, device)[0][0])  # the last block = the student
+        if "probe" in stages:
+            z_train, y_train = extract(cfg, cat, train_set, device)
+            if student is not None:
+                z_train.append(extract(cfg, frozen_student, train_set, device)[0][0])
+            run_probes(cfg, run, z_train, y_train, z_test, y_test, len(nets), student is not None, measured, details)
+            run_baseline_probes(cfg, run, train_set, test_set, measured)
+        del cat
+        if "fewshot" in stages:
+            run_fewshot(cfg, z_test, y_test, len(nets), student is not None, measured, details)
+    if "finetune" in stages:
+        model = finetune_model(cfg, run, f"finetune-cat{len(nets)}", nets, train_set)
+        logits, y = predict(cfg, model, test_set, device)
+        measured[f"ft.cat{len(nets)}.acc"] = _acc(logits, y)
+        del model
+    if "two-stage" in stages:
+        run_two_stage(cfg, run, nets, train_set, test_set, measured, details)
+    return Outcome(measured, details)
+
+
+def run_probes(cfg: Config, run: Run, z_train: list[torch.Tensor], y_train: torch.Tensor, z_test: list[torch.Tensor],
+               y_test: torch.Tensor, n: int, with_student: bool, measured: dict[str, Any], details: dict[str, Any]) -> None:
+    """Stage probe: one probe per network (`single.acc` = their mean; the first is Cat_1), one per Cat_k,
+    catsub_k (the mean of the first k per-network probes' logits) and the Distill_n student's probe."""
+    from owai.models.rich import catsub_logits
+
+    q, device = cfg.probe, run.device
+    n_classes = int(y_train.max()) + 1
+    per_net = [fit_probe(cfg, run, f"probe-net{i}", z_train[i], y_train, n_classes, device) for i in range(n)]
+    net_logits = [_logits(h, z_test[i], device) for i, h in enumerate(per_net)]
     for k in sorted(q.sizes):
         if k == 1:
             logits = net_logits[0]
@@ -605,11 +931,186 @@ def run_probe(cfg: Config, run: Run) -> Outcome:
             measured[f"catsub{k}.acc"] = _acc(sub, y_test)
     singles = [_acc(lg, y_test) for lg in net_logits]
     measured["single.acc"] = statistics.fmean(singles)
-    details = {"networks": [n.label for n in nets], "seeds": [n.seed for n in nets], "single_acc": singles,
-               "feature_dims": list(cat_dims(z_train)), "classes": train_set.classes,
-               "split_sizes": {"train": len(train_set), "test": len(test_set)}}
-    return Outcome(measured, details)
+    details["single_acc"] = singles
+    details["feature_dims"] = cat_dims(z_train)
+    if with_student:
+        head = fit_probe(cfg, run, "probe-distill", z_train[n], y_train, n_classes, device)
+        measured[f"distill{n}.acc"] = _acc(_logits(head, z_test[n], device), y_test)
 
 
 def cat_dims(blocks: list[torch.Tensor]) -> list[int]:
     return [int(b.shape[1]) for b in blocks]
+
+
+# -- fine-tuning ---------------------------------------------------------------------------------
+
+
+def finetune_model(cfg: Config, run: Run, stage: str, nets: list[Network], train_set: Any) -> torch.nn.Module:
+    """Normal fine-tuning (§6.3) of the concatenation of `nets` (one network: ordinary fine-tuning) under
+    a new Linear head on the target's training images, as train_loop stage `stage`. Returns
+    Sequential(ConcatFeatures, Linear) in eval mode."""
+    from owai.data.domainbed import StepBatches, StepStream
+    from owai.models.rich import ConcatFeatures, strip_head
+    from owai.runtime import derive_seed
+    from owai.train import LoopConfig, train_loop
+
+    d, f, device = cfg.data, cfg.finetune, run.device
+    cat = ConcatFeatures([strip_head(load_network(n)) for n in nets], frozen=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(cfg.seed, "finetune-head", stage))
+        head = torch.nn.Linear(cat.out_dim, len(train_set.classes))  # PyTorch's default init (§6.3)
+    model = torch.nn.Sequential(cat, head).to(device)
+    per_epoch = len(train_set) / f.batch_size
+    steps = max(1, round(f.epochs * per_epoch))
+    batches = StepBatches(OneDomain(train_set), [0], [torch.arange(len(train_set))], f.batch_size, d.image_size,
+                          d.augment, derive_seed(cfg.seed, "finetune-batches", stage), steps)
+    stream = StepStream(batches, d.workers, device)
+    optimizer = torch.optim.SGD(_decay_groups(model, f.weight_decay), lr=f.lr, momentum=f.momentum)
+
+    def loss_at(step: int, micro: int) -> torch.Tensor:
+        x, y = stream.at(step)
+        return F.cross_entropy(model(x), y)
+
+    def cosine(step: int) -> float:
+        return f.min_lr + 0.5 * (f.lr - f.min_lr) * (1 + math.cos(math.pi * step / steps))
+
+    loop = LoopConfig(steps=steps, checkpoint_every=min(f.checkpoint_every, steps), log_every=min(f.log_every, steps),
+                      precision=_precision(cfg, device))
+    train_loop(run, stage, model, optimizer, loss_at, loop, lr_at=cosine)
+    return model.eval()
+
+
+def run_two_stage(cfg: Config, run: Run, nets: list[Network], train_set: Any, test_set: Any,
+                  measured: dict[str, Any], details: dict[str, Any]) -> None:
+    """Stage two-stage (§6.4): fine-tune each network alone (`ft.single.acc` = their mean), freeze them,
+    concatenate, and train `two_stage_head` (initialised as their logit-average ensemble: `ft.ensemble.acc`
+    is its accuracy before training) for head_epochs on the frozen features of the training images (the
+    evaluation transform: features are extracted once)."""
+    from owai.models.rich import ConcatFeatures, two_stage_head
+
+    f, device, n = cfg.finetune, run.device, len(nets)
+    tuned = [finetune_model(cfg, run, f"ft-net{i}", [net], train_set) for i, net in enumerate(nets)]
+    singles = []
+    for model in tuned:
+        logits, y_test = predict(cfg, model, test_set, device)
+        singles.append(_acc(logits, y_test))
+    measured["ft.single.acc"] = statistics.fmean(singles)
+    details["ft_single_acc"] = singles
+    cat = ConcatFeatures([m[0].backbones[0] for m in tuned], frozen=True).to(device)
+    z_train, y_train = extract(cfg, cat, train_set, device)
+    z_test, y_test = extract(cfg, cat, test_set, device)
+    head = two_stage_head([m[1] for m in tuned]).to(device)
+    measured["ft.ensemble.acc"] = _acc(_logits(head, torch.cat(z_test, 1), device), y_test)
+    head.train()
+    trained = train_head(run, f"two-stage-head{n}", head, [{"params": list(head.parameters()), "weight_decay": f.weight_decay}],
+                         torch.cat(z_train, 1), y_train, epochs=f.head_epochs, batch_size=f.batch_size,
+                         lr_at_epoch=lambda e: f.head_lr, momentum=f.momentum, nesterov=True, seed=cfg.seed,
+                         checkpoint_every=f.checkpoint_every, log_every=f.log_every, device=device)
+    measured[f"two_stage.cat{n}.acc"] = _acc(_logits(trained, torch.cat(z_test, 1), device), y_test)
+
+
+# -- Distill_n -----------------------------------------------------------------------------------
+
+
+def run_distill(cfg: Config, run: Run, nets: list[Network], measured: dict[str, Any],
+                details: dict[str, Any]) -> torch.nn.Module:
+    """Stage distill (§6.5): a student of the same architecture with n heads, head i fitting network i's
+    softened logits on the base classes' training images; measured on the base test split by the mean of
+    its heads' logits (`distill{n}.base_acc`, beside the teachers' ensemble `teachers.base_acc`). Returns
+    the student's backbone (features, no heads), frozen."""
+    from owai.data.domainbed import StepBatches, StepStream
+    from owai.models.rich import MultiHeadStudent, distill_loss, strip_head
+    from owai.runtime import derive_seed
+    from owai.train import LoopConfig, train_loop
+
+    d, s, device, n = cfg.data, cfg.distill, run.device, len(nets)
+    base_train = load_split(cfg, d.base, "train", d.base_classes)
+    base_test = load_split(cfg, d.base, "base-test", d.base_classes)
+    n_classes = len(base_train.classes)
+    teachers = [load_network(net).to(device).eval().requires_grad_(False) for net in nets]
+    for net, teacher in zip(nets, teachers):
+        if teacher.fc.out_features != n_classes:
+            raise OwaiError(f"{net.label} has a {teacher.fc.out_features}-class head; distill reads data.base "
+                            f"{d.base} with {n_classes} classes (set data.base / data.base_classes as in pre-training)")
+    backbone = strip_head(build_network(cfg.model.backbone, n_classes, derive_seed(cfg.seed, "distill-student")))
+    student = MultiHeadStudent(backbone, n, n_classes).to(device)
+    per_epoch = len(base_train) / s.batch_size
+    steps = max(1, round(s.epochs * per_epoch))
+    batches = StepBatches(OneDomain(base_train), [0], [torch.arange(len(base_train))], s.batch_size, d.image_size,
+                          d.augment, derive_seed(cfg.seed, "distill-batches"), steps)
+    stream = StepStream(batches, d.workers, device)
+    optimizer = torch.optim.SGD(student.parameters(), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
+    warmup, marks = s.warmup_epochs * per_epoch, [m * per_epoch for m in s.milestones]
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return s.warmup_lr + (s.lr - s.warmup_lr) * step / warmup
+        return s.lr * s.gamma ** sum(step >= m for m in marks)
+
+    def loss_at(step: int, micro: int) -> torch.Tensor:
+        x, y = stream.at(step)
+        with torch.no_grad():
+            targets = [t(x) for t in teachers]  # n x (B, C)
+        return distill_loss(student(x), targets, s.tau, labels=y, alpha=s.alpha)
+
+    loop = LoopConfig(steps=steps, checkpoint_every=min(s.checkpoint_every, steps), log_every=min(s.log_every, steps),
+                      precision=_precision(cfg, device))
+    train_loop(run, "distill", student, optimizer, loss_at, loop, lr_at=lr_at)
+    student.eval()
+    with torch.no_grad():
+        mean_heads = _Averaged(lambda x: torch.stack(student(x)).mean(0))
+        ensemble = _Averaged(lambda x: torch.stack([t(x) for t in teachers]).mean(0))
+        logits, y = predict(cfg, mean_heads, base_test, device)
+        measured[f"distill{n}.base_acc"] = _acc(logits, y)
+        logits, y = predict(cfg, ensemble, base_test, device)
+        measured["teachers.base_acc"] = _acc(logits, y)
+    details["distill"] = {"steps": steps, "base_train": len(base_train), "base_test": len(base_test)}
+    del teachers
+    return student.backbone.requires_grad_(False)
+
+
+class _Averaged(torch.nn.Module):
+    """A function of the images as a module (for `predict`)."""
+
+    def __init__(self, fn: Any) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+# -- few-shot ------------------------------------------------------------------------------------
+
+
+def run_fewshot(cfg: Config, z_test: list[torch.Tensor], y_test: torch.Tensor, n: int, with_student: bool,
+                measured: dict[str, Any], details: dict[str, Any]) -> None:
+    """Stage fewshot (§6.6): the same episodes (keyed by fewshot.seed) for every representation: each
+    network alone (`fewshot.single.*` = their mean, the supervised baseline), Cat_k for k in probe.sizes
+    (k > 1) and the Distill_n student. Metrics fewshot.{rep}.{head}.{k}shot (mean query accuracy);
+    details hold the 95 % intervals."""
+    from owai.evals.fewshot import episode_accuracies, mean_ci95, sample_episodes
+
+    k = cfg.fewshot
+    reps: dict[str, list[torch.Tensor]] = {f"net{i}": [z_test[i]] for i in range(n)}
+    for size in sorted(cfg.probe.sizes):
+        if size > 1:
+            reps[f"cat{size}"] = z_test[:size]
+    if with_student:
+        reps[f"distill{n}"] = [z_test[n]]
+    table: dict[str, Any] = {}
+    for shot in k.shots:
+        episodes = sample_episodes(y_test, k.ways, shot, k.queries, k.episodes, k.seed)
+        for head in k.heads:
+            singles = []
+            for name, blocks in reps.items():
+                accs = episode_accuracies(torch.cat(blocks, 1), episodes, head=head, lr=k.lr, epochs=k.epochs,
+                                          batch_size=k.batch_size, weight_decay=k.weight_decay, seed=k.seed)
+                mean, ci = mean_ci95(accs)
+                table[f"{name}.{head}.{shot}shot"] = {"mean": mean, "ci95": ci}
+                if name.startswith("net"):
+                    singles.append(mean)
+                else:
+                    measured[f"fewshot.{name}.{head}.{shot}shot"] = mean
+            measured[f"fewshot.single.{head}.{shot}shot"] = statistics.fmean(singles)
+    details["fewshot"] = table

@@ -4,6 +4,7 @@ Thesis §2.2 and App. A.2-A.4 (spec docs: rich_features.md §6). Everything here
 function; nothing trains. The pieces and where they are used:
 
     Cat_n linear probe     ConcatFeatures(backbones, frozen=True) -> ProbeHead (BN1d -> Linear)   §6.2
+    joint baseline         JointNetwork: n backbones trained together under one head             A.1
     catsub                 catsub_logits: the mean of n probes, each on one network's features   §6.2
     two-stage fine-tuning  ConcatFeatures(fine-tuned, frozen=True) -> two_stage_head(heads)       §6.4
     Distill_n              MultiHeadStudent (one backbone, n heads) trained with distill_loss     §6.5
@@ -33,7 +34,10 @@ def strip_head(model: nn.Module) -> nn.Module:
     it: its forward is then the (B, feature_dim) penultimate representation."""
     from owai.models.vision import _remove_head
 
-    _remove_head(model)
+    if isinstance(model, JointNetwork):
+        model.fc = nn.Identity()
+    else:
+        _remove_head(model)
     return model
 
 
@@ -123,6 +127,22 @@ class ConcatFeatures(nn.Module):
         if z.ndim != 2 or z.shape[1] != self.out_dim:
             raise OwaiError(f"cannot split features of shape {tuple(z.shape)} into widths {list(self.dims)}")
         return list(torch.split(z, list(self.dims), dim=1))
+
+
+class JointNetwork(nn.Module):
+    """n backbones trained jointly as ONE network (Table 2.2's "2xresnet50", TH A.1): their features
+    concatenated under one Linear head `fc`, trained end to end by one loss, unlike Cat_n's separately
+    trained networks. Its `feature_dim` is the concatenation's; `strip_head` removes `fc`."""
+
+    def __init__(self, backbones: Sequence[nn.Module], n_classes: int) -> None:
+        super().__init__()
+        self.features = ConcatFeatures(backbones, frozen=False)
+        self.feature_dim = self.features.out_dim
+        _check_classes(self.feature_dim, n_classes, "joint network")
+        self.fc: nn.Module = nn.Linear(self.feature_dim, n_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(self.features(x))  # (B, 3, H, W) -> (B, n_classes), or (B, feature_dim) once stripped
 
 
 class ProbeHead(nn.Module):

@@ -9,6 +9,7 @@ keys and shapes are exactly torchvision's: the official checkpoint files load wi
     ResNet      conv1 7x7/2 - bn1 - relu - maxpool 3x3/2 - layer1..4 - avgpool - fc
                 BasicBlock (18/34): 3x3 - 3x3;  Bottleneck (50+): 1x1 - 3x3 (stride here, "v1.5") - 1x1 (x4)
                 wide_resnet50_k: the bottleneck's inner width is k * 64 * 2^i instead of 64 * 2^i
+                resnet{18,50}_wk: every channel count x k (the thesis's / SwAV's "resnet50w2"; no official weights)
     DenseNet    features.{conv0, norm0, relu0, pool0, denseblock1, transition1, ..., denseblock4, norm5}
                 - relu - avgpool - classifier; each dense layer BN-ReLU-1x1 (bn_size*growth) -BN-ReLU-3x3 (growth)
     ViT         conv_proj (patch P, stride P) - [class_token; patches] + encoder.pos_embedding
@@ -89,20 +90,21 @@ class ResNet(nn.Module):
     """ResNet (He et al. 2016) with torchvision's module names; `width_per_group` > 64 makes it wide."""
 
     def __init__(self, block: type[BasicBlock] | type[Bottleneck], layers: tuple[int, int, int, int],
-                 num_classes: int = 1000, width_per_group: int = 64) -> None:
+                 num_classes: int = 1000, width_per_group: int = 64, width: int = 1) -> None:
         super().__init__()
-        self.inplanes = 64
+        base = 64 * width  # `width` > 1 multiplies every channel count (SwAV's / the thesis's "resnet50w2")
+        self.inplanes = base
         self.base_width = width_per_group
-        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
-        self.bn1 = nn.BatchNorm2d(64)
+        self.conv1 = nn.Conv2d(3, base, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(base)
         self.relu = nn.ReLU(inplace=True)
         self.maxpool = nn.MaxPool2d(3, 2, 1)
-        self.layer1 = self._make_layer(block, 64, layers[0], 1)
-        self.layer2 = self._make_layer(block, 128, layers[1], 2)
-        self.layer3 = self._make_layer(block, 256, layers[2], 2)
-        self.layer4 = self._make_layer(block, 512, layers[3], 2)
+        self.layer1 = self._make_layer(block, base, layers[0], 1)
+        self.layer2 = self._make_layer(block, 2 * base, layers[1], 2)
+        self.layer3 = self._make_layer(block, 4 * base, layers[2], 2)
+        self.layer4 = self._make_layer(block, 8 * base, layers[3], 2)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
-        self.feature_dim = 512 * block.expansion
+        self.feature_dim = 8 * base * block.expansion
         self.fc = nn.Linear(self.feature_dim, num_classes)
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
@@ -143,6 +145,27 @@ def resnet18(num_classes: int = 1000) -> ResNet:
 def resnet50(num_classes: int = 1000) -> ResNet:
     """ResNet-50 (v1.5, stride in the 3x3): Bottlenecks (3, 4, 6, 3), 2048-d features, 25.6M parameters."""
     return ResNet(Bottleneck, (3, 4, 6, 3), num_classes)
+
+
+def resnet18_w2(num_classes: int = 1000) -> ResNet:
+    """ResNet-18 with every channel count doubled: 1024-d features (= Cat_2's), 44.7M parameters without the head."""
+    return ResNet(BasicBlock, (2, 2, 2, 2), num_classes, width=2)
+
+
+def resnet18_w4(num_classes: int = 1000) -> ResNet:
+    """ResNet-18 with every channel count x4: 2048-d features (= Cat_4's), 178.6M parameters without the head."""
+    return ResNet(BasicBlock, (2, 2, 2, 2), num_classes, width=4)
+
+
+def resnet50_w2(num_classes: int = 1000) -> ResNet:
+    """The thesis's "resnet50w2" (Table 2.2, 93.9M without the head): every channel count doubled, 4096-d
+    features (SwAV's wide ResNets); not torchvision's wide_resnet50_2, which widens only the bottleneck."""
+    return ResNet(Bottleneck, (3, 4, 6, 3), num_classes, width=2)
+
+
+def resnet50_w4(num_classes: int = 1000) -> ResNet:
+    """The thesis's "resnet50w4" (375.4M without the head): every channel count x4, 8192-d features."""
+    return ResNet(Bottleneck, (3, 4, 6, 3), num_classes, width=4)
 
 
 def wide_resnet50_2(num_classes: int = 1000) -> ResNet:
@@ -340,6 +363,10 @@ def vit_l_16(num_classes: int = 1000, image_size: int = 224, **kwargs: float) ->
 BACKBONES: dict[str, Callable[..., nn.Module]] = {
     "resnet18": resnet18,
     "resnet50": resnet50,
+    "resnet18_w2": resnet18_w2,
+    "resnet18_w4": resnet18_w4,
+    "resnet50_w2": resnet50_w2,
+    "resnet50_w4": resnet50_w4,
     "wide_resnet50_2": wide_resnet50_2,
     "wide_resnet50_4": wide_resnet50_4,
     "densenet121": densenet121,

@@ -1,0 +1,283 @@
+"""`owai rich-features` evaluation stages chained on n pretrained networks (distill, probe, finetune,
+two-stage, fewshot; thesis App. A.2-A.4) and Table 2.1's weight-decay sweep with its transfer probe:
+miniatures end to end on the packaged MNIST file, resume, and the one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import as_sets, cli_in_process
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+FEWSHOT = str(RECIPES / "tableA.8-fewshot.yaml")
+# The packaged MNIST test file's digits 0-4 -> 5-9, 10 images per class of each split (train / test by
+# the keyed 80/20 split), ResNet-18 at 16 px; every training stage a few updates with checkpoints
+TINY = [
+    "data.base=mnist-t10k", "data.target=mnist-t10k", "data.limit_per_class=10", "data.image_size=16",
+    "data.eval_batch_size=64",
+    "pretrain.epochs=1.0", "pretrain.batch_size=16", "pretrain.milestones=[0.5]", "pretrain.checkpoint_every=2",
+    "probe.n=2", "probe.sizes=[1,2]", "probe.epochs=2", "probe.milestones=[1]", "probe.batch_size=8",
+    "probe.checkpoint_every=2", "probe.log_every=2",
+    "distill.epochs=1.0", "distill.batch_size=16", "distill.warmup_epochs=0.5", "distill.milestones=[0.8]",
+    "distill.checkpoint_every=2", "distill.log_every=2",
+    "finetune.epochs=1.0", "finetune.batch_size=16", "finetune.checkpoint_every=2", "finetune.log_every=2",
+    "fewshot.episodes=20", "fewshot.queries=5", "fewshot.epochs=5",
+]
+CHAIN = "distill,probe,finetune,two-stage,fewshot"
+
+
+def _cli(args: list[str], capsys, recipe: str = FEWSHOT) -> tuple[int, str, str]:
+    return cli_in_process(["rich-features", "-r", recipe, "-p", "cpu", *args, "-q"], capsys)
+
+
+def _measured(run_dir: Path) -> dict[str, float]:
+    return {r["metric"]: r["measured"] for r in json.loads((run_dir / "results.json").read_text())["rows"]}
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory, one_thread) -> dict[str, Path]:
+    """Two networks (seeds 0, 1) of the few-shot recipe's cpu preset at TINY scale, in a cache."""
+    root = tmp_path_factory.mktemp("rich-stages")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OWAI_CACHE", str(root / "cache"))
+        from owai.cli import main
+
+        try:
+            main(["rich-features", "--stage", "pretrain", "-r", FEWSHOT, "-p", "cpu", "--seeds", "0,1",
+                  *as_sets(TINY), "-o", str(root / "runs"), "-q"])
+        except SystemExit as e:
+            assert not e.code
+    return {"root": root, "cache": root / "cache"}
+
+
+@pytest.fixture
+def cache(pretrained, monkeypatch) -> Path:
+    monkeypatch.setenv("OWAI_CACHE", str(pretrained["cache"]))
+    return pretrained["cache"]
+
+
+@pytest.fixture(scope="module")
+def chain_run(pretrained, tmp_path_factory) -> Path:
+    """Every evaluation stage chained in one run on the two cached networks."""
+    out = tmp_path_factory.mktemp("chain")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OWAI_CACHE", str(pretrained["cache"]))
+        from owai.cli import main
+
+        try:
+            main(["rich-features", "--stage", CHAIN, "-r", FEWSHOT, "-p", "cpu", "--seeds", "0,1", *as_sets(TINY),
+                  "-o", str(out), "-q"])
+        except SystemExit as e:
+            assert not e.code
+    return next((out / "tableA.8-fewshot").iterdir())
+
+
+def test_the_chain_measures_every_stage(chain_run) -> None:
+    m = _measured(chain_run)
+    expected = {"distill2.base_acc", "teachers.base_acc", "cat1.acc", "cat2.acc", "catsub2.acc", "single.acc",
+                "distill2.acc", "ft.cat2.acc", "ft.single.acc", "ft.ensemble.acc", "two_stage.cat2.acc"}
+    expected |= {f"fewshot.{rep}.{head}.{k}shot" for rep in ("single", "cat2", "distill2")
+                 for head in ("linear", "cosine") for k in (1, 5)}
+    assert expected <= set(m)
+    assert all(0.0 <= v <= 1.0 for v in m.values())
+    details = json.loads((chain_run / "results.json").read_text())["details"]
+    assert set(details["fewshot"]) >= {"net0.cosine.5shot", "net1.linear.1shot", "cat2.linear.5shot"}
+    singles = [details["fewshot"][f"net{i}.cosine.1shot"]["mean"] for i in (0, 1)]
+    assert m["fewshot.single.cosine.1shot"] == pytest.approx(sum(singles) / 2)
+    stages = sorted(p.name for p in (chain_run / "checkpoints").iterdir())
+    assert stages == sorted(["distill", "probe-net0", "probe-net1", "probe-cat2", "probe-distill", "finetune-cat2",
+                             "ft-net0", "ft-net1", "two-stage-head2"])
+
+
+def test_two_stage_head_starts_as_the_ensemble_of_the_fine_tuned_networks(chain_run, cache) -> None:
+    """ft.ensemble.acc is the two-stage head before training: recompute the logit average of the two
+    fine-tuned networks from their final checkpoints and compare the logits (to 1e-6) and the accuracy."""
+    from owai.checkpoint import latest_checkpoint, load_checkpoint
+    from owai.experiment import resolve
+    from owai.methods import rich_features as rf
+    from owai.models.rich import ConcatFeatures, strip_head, two_stage_head
+    from owai.recipes import load
+    from owai.runs import Run
+
+    cfg, _ = resolve(load(FEWSHOT), "cpu", [*TINY, f"stage={CHAIN}", "probe.seeds=[0,1]"])
+    run = Run.open(chain_run)
+    test_set = rf.load_split(cfg, cfg.data.target, "test", cfg.data.target_classes)
+    tuned = []  # each fine-tuned network rebuilt from its final checkpoint: Sequential(ConcatFeatures([backbone]), Linear)
+    for i in (0, 1):
+        _, checkpoint = load_checkpoint(latest_checkpoint(run.checkpoints(f"ft-net{i}")))
+        state = checkpoint["model"]
+        backbone = strip_head(rf.build_network(cfg.model.backbone, 5, i))
+        model = torch.nn.Sequential(ConcatFeatures([backbone]), torch.nn.Linear(backbone.feature_dim, 5))
+        model.load_state_dict(state)
+        tuned.append(model.eval())
+    x, y = next(iter(rf._batches(cfg, test_set)))
+    with torch.no_grad():
+        ensemble = torch.stack([m(x) for m in tuned]).mean(0)
+        cat = ConcatFeatures([m[0].backbones[0] for m in tuned], frozen=True)
+        head = two_stage_head([m[1] for m in tuned])
+        assert torch.allclose(head(cat(x)), ensemble, atol=1e-6)
+    assert _measured(chain_run)["ft.ensemble.acc"] == pytest.approx(float((ensemble.argmax(1) == y).float().mean()))
+
+
+def test_a_killed_chain_resumes_to_the_same_result(chain_run, cache, tmp_path, monkeypatch, capsys) -> None:
+    import owai.methods.rich_features as rf
+
+    original, calls = rf.finetune_model, {"n": 0}
+
+    def dying(cfg, run, stage, nets, train_set):  # dies when the second per-network fine-tuning starts
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return original(cfg, run, stage, nets, train_set)
+
+    monkeypatch.setattr(rf, "finetune_model", dying)
+    from owai.cli import main
+
+    with pytest.raises((KeyboardInterrupt, SystemExit)):
+        main(["rich-features", "--stage", CHAIN, "-r", FEWSHOT, "-p", "cpu", "--seeds", "0,1", *as_sets(TINY),
+              "-o", str(tmp_path / "killed"), "-q"])
+    monkeypatch.setattr(rf, "finetune_model", original)
+    run_dir = next((tmp_path / "killed" / "tableA.8-fewshot").iterdir())
+    assert not (run_dir / "results.json").exists()
+    assert (run_dir / "checkpoints" / "ft-net0").is_dir() and not (run_dir / "checkpoints" / "ft-net1").exists()
+    code, _, err = cli_in_process(["rich-features", "--stage", CHAIN, "--resume", str(run_dir), "-q"], capsys)
+    assert code == 0, err
+    assert _measured(run_dir) == _measured(chain_run)
+
+
+def _one_line_error(args: list[str], out: Path, capsys, message: str, recipe: str = FEWSHOT) -> None:
+    code, _, err = _cli([*args, "-o", str(out)], capsys, recipe)
+    assert code == 2, err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists() or not any(out.rglob("config.yaml"))  # nothing written
+
+
+def test_fewer_images_in_a_class_than_the_episodes_need(cache, tmp_path, capsys) -> None:
+    _one_line_error(["--stage", "fewshot", "--seeds", "0,1", *as_sets([*TINY, "fewshot.queries=15"])],
+                    tmp_path / "out", capsys, "5-shot episodes with 15 queries need 20 images per class")
+
+
+@pytest.mark.parametrize("stage, message", [
+    ("probe,tune", "stage 'probe,tune': choose pretrain, or evaluation stages"),
+    ("pretrain,probe", "stage pretrain runs alone"),
+    ("probe,probe", "names a stage twice"),
+])
+def test_bad_stage_chains(cache, tmp_path, capsys, stage, message) -> None:
+    _one_line_error(["--stage", stage, "--seeds", "0,1", *as_sets(TINY)], tmp_path / "out", capsys, message)
+
+
+def test_distill_needs_the_networks_base_classes(cache, tmp_path, capsys) -> None:
+    """Teachers with 5-class heads, a base of 4 classes: found before any run directory (the cache key
+    changes with the base classes, so the networks are given by run directory)."""
+    runs = sorted((cache.parent / "runs" / "tableA.8-fewshot").glob("sweep-*/points/*"))
+    _one_line_error(["--stage", "distill", "--networks", ",".join(map(str, runs)),
+                     *as_sets([*TINY, "data.base_classes=['0','1','2','3']"])],
+                    tmp_path / "out", capsys, "5-class head; distill reads data.base")
+
+
+# -- Table 2.1: weight decay 0 against 5e-4 ------------------------------------------------------
+
+
+WD = str(RECIPES / "table2.1-weight-decay.yaml")
+WD_TINY = ["data.base=mnist-t10k", "data.target=mnist-t10k", "data.limit_per_class=10", "data.image_size=16",
+           "pretrain.epochs=1.0", "pretrain.batch_size=16", "pretrain.milestones=[0.5]", "probe.epochs=2",
+           "probe.milestones=[1]", "probe.batch_size=8"]
+
+
+def test_the_weight_decay_arms_differ_only_in_weight_decay(tmp_path) -> None:
+    from owai import sweep as sweeps
+    from owai.config import to_dict
+    from owai.experiment import resolve
+    from owai.recipes import load
+
+    plan = sweeps.create(WD, "cpu", WD_TINY, [], None, tmp_path)
+    assert sorted((p.grid["pretrain.weight_decay"], p.seed) for p in plan.points) == [
+        (0.0, 0), (0.0, 1), (0.0, 2), (5e-4, 0), (5e-4, 1), (5e-4, 2)]
+
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in tree.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    configs = {(p.grid["pretrain.weight_decay"], p.seed): flat(to_dict(resolve(load(WD), "cpu", [*WD_TINY, *p.overrides])[0]))
+               for p in plan.points}
+    for seed in (0, 1, 2):
+        a, b = configs[(0.0, seed)], configs[(5e-4, seed)]
+        assert {k for k in a if a[k] != b[k]} == {"pretrain.weight_decay"}
+    assert configs[(0.0, 0)]["pretrain.transfer_probe"] is True and configs[(0.0, 0)]["probe.batchnorm"] is False
+
+
+def test_weight_decay_sweep_measures_transfer_and_judges_its_claims(tmp_path, monkeypatch, capsys, one_thread) -> None:
+    monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
+    code, _, err = _cli(["--stage", "pretrain", "--seeds", "0", *as_sets(WD_TINY), "-o", str(tmp_path / "runs")],
+                        capsys, WD)
+    assert code == 0, err
+    sweep = next((tmp_path / "runs" / "table2.1-weight-decay").glob("sweep-*"))
+    summary = json.loads((sweep / "summary.json").read_text())
+    cells = {g["grid"]["pretrain.weight_decay"]: {m["metric"] for m in g["metrics"]} for g in summary["groups"]}
+    assert set(cells) == {0.0, 5e-4} and all({"pretrain.base_acc", "transfer.acc"} <= v for v in cells.values())
+    code, out, err = cli_in_process(["report", str(sweep), "--json"], capsys)
+    assert code == 0, err
+    verdicts = {v["id"]: v["verdict"] for v in json.loads(out)["claims"]}
+    assert set(verdicts) == {"wd-helps-in-distribution", "wd-hurts-transfer"}
+    assert set(verdicts.values()) <= {"holds", "misses"}  # measured, never n/a
+
+
+@pytest.mark.parametrize("stage", ["probe", "pretrain"])
+def test_a_corrupt_cifar_file_is_one_line_before_any_run(cache, tmp_path, capsys, stage) -> None:
+    from tests.test_classification_data import make_cifar10
+
+    folder, _, _ = make_cifar10(tmp_path / "data")
+    good = (folder / "data_batch_3").read_bytes()
+    (folder / "data_batch_3").write_bytes(good[: len(good) // 2])
+    where = "data.target=cifar10" if stage == "probe" else "data.base=cifar10"
+    extra = ["--seeds", "0,1"] if stage == "probe" else ["--seeds", "0"]
+    _one_line_error(["--stage", stage, *extra, "--data-root", str(tmp_path / "data"),
+                     *as_sets([*TINY, where, "data.base_classes=[]", "data.target_classes=[]"])],
+                    tmp_path / "out", capsys, "data_batch_3 is corrupt or truncated")
+
+
+# -- Table 2.2's baselines: wide and jointly trained networks ----------------------------------------
+
+
+def test_joint_network_trains_every_backbone_under_one_head() -> None:
+    from owai.methods.rich_features import build_network
+    from owai.models.rich import JointNetwork, strip_head
+
+    net = build_network("resnet18", 5, seed=0, joint=2)
+    assert isinstance(net, JointNetwork) and net.feature_dim == 1024 and net.fc.in_features == 1024
+    a, b = net.features.backbones
+    assert not torch.equal(a.conv1.weight, b.conv1.weight)  # two differently initialised backbones
+    assert torch.equal(build_network("resnet18", 5, seed=0, joint=2).fc.weight, net.fc.weight)  # keyed by the seed
+    x = torch.randn(4, 3, 16, 16)
+    net(x).sum().backward()
+    assert a.conv1.weight.grad is not None and b.conv1.weight.grad is not None
+    net.eval()
+    with torch.no_grad():  # the joint logits are the sum of the sub-networks' blocks (Table A.1 reads each alone)
+        w_a, w_b = torch.split(net.fc.weight, [512, 512], dim=1)
+        assert torch.allclose(net(x), a(x) @ w_a.T + b(x) @ w_b.T + net.fc.bias, atol=1e-5)
+        z = strip_head(net)(x)
+        assert torch.allclose(z, torch.cat([a(x), b(x)], 1))
+
+
+def test_wide_and_joint_baselines_are_probed_beside_cat(cache, tmp_path, capsys) -> None:
+    for extra in (["model.joint=2"], ["model.backbone=resnet18_w2"]):
+        code, _, err = _cli(["--stage", "pretrain", "--seeds", "0", *as_sets([*TINY, *extra]), "-o", str(tmp_path / "pre")],
+                            capsys)
+        assert code == 0, err
+    code, _, err = _cli(["--stage", "probe", "--seeds", "0,1", *as_sets([*TINY, "probe.baselines=[wide2,joint2]"]),
+                         "-o", str(tmp_path / "probe")], capsys)
+    assert code == 0, err
+    joint_run = next(p for p in (tmp_path / "pre").rglob("results.json") if "joint.sub0.base_acc" in p.read_text())
+    assert {"joint.sub0.base_acc", "joint.sub1.base_acc", "pretrain.base_acc"} <= set(_measured(joint_run.parent))
+    m = _measured(next((tmp_path / "probe" / "tableA.8-fewshot").iterdir()))
+    assert {"cat2.acc", "single.acc", "wide2.acc", "joint2.acc"} <= set(m)
+    _one_line_error(["--stage", "probe", "--seeds", "0,1", *as_sets([*TINY, "probe.baselines=[joint4]"])],
+                    tmp_path / "out", capsys, "baseline joint4 (seed 0) is not in the cache")
+    _one_line_error(["--stage", "probe", "--seeds", "0,1", *as_sets([*TINY, "probe.baselines=[deep2]"])],
+                    tmp_path / "out", capsys, "'deep2' is not wide<k> or joint<k>")
