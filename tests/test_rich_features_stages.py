@@ -196,7 +196,7 @@ def test_the_weight_decay_arms_differ_only_in_weight_decay(tmp_path) -> None:
 
     plan = sweeps.create(WD, "cpu", WD_TINY, [], None, tmp_path)
     assert sorted((p.grid["pretrain.weight_decay"], p.seed) for p in plan.points) == [
-        (0.0, 0), (0.0, 1), (0.0, 2), (5e-4, 0), (5e-4, 1), (5e-4, 2)]
+        (wd, seed) for wd in (0.0, 5e-4, 4e-2) for seed in (0, 1, 2)]
 
     def flat(tree: dict, prefix: str = "") -> dict:
         out = {}
@@ -207,8 +207,9 @@ def test_the_weight_decay_arms_differ_only_in_weight_decay(tmp_path) -> None:
     configs = {(p.grid["pretrain.weight_decay"], p.seed): flat(to_dict(resolve(load(WD), "cpu", [*WD_TINY, *p.overrides])[0]))
                for p in plan.points}
     for seed in (0, 1, 2):
-        a, b = configs[(0.0, seed)], configs[(5e-4, seed)]
-        assert {k for k in a if a[k] != b[k]} == {"pretrain.weight_decay"}
+        for wd in (5e-4, 4e-2):
+            a, b = configs[(0.0, seed)], configs[(wd, seed)]
+            assert {k for k in a if a[k] != b[k]} == {"pretrain.weight_decay"}
     assert configs[(0.0, 0)]["pretrain.transfer_probe"] is True and configs[(0.0, 0)]["probe.batchnorm"] is False
 
 
@@ -220,11 +221,12 @@ def test_weight_decay_sweep_measures_transfer_and_judges_its_claims(tmp_path, mo
     sweep = next((tmp_path / "runs" / "table2.1-weight-decay").glob("sweep-*"))
     summary = json.loads((sweep / "summary.json").read_text())
     cells = {g["grid"]["pretrain.weight_decay"]: {m["metric"] for m in g["metrics"]} for g in summary["groups"]}
-    assert set(cells) == {0.0, 5e-4} and all({"pretrain.base_acc", "transfer.acc"} <= v for v in cells.values())
+    assert set(cells) == {0.0, 5e-4, 4e-2} and all({"pretrain.base_acc", "transfer.acc"} <= v for v in cells.values())
     code, out, err = cli_in_process(["report", str(sweep), "--json"], capsys)
     assert code == 0, err
     verdicts = {v["id"]: v["verdict"] for v in json.loads(out)["claims"]}
-    assert set(verdicts) == {"wd-helps-in-distribution", "wd-hurts-transfer"}
+    assert set(verdicts) == {"wd-helps-in-distribution", "wd-hurts-transfer", "wd-helps-in-distribution-matched",
+                             "wd-hurts-transfer-matched"}
     assert set(verdicts.values()) <= {"holds", "misses"}  # measured, never n/a
 
 

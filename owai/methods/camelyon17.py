@@ -24,6 +24,15 @@ One run = one seed's pipeline for one downstream point (`init`, `method`, `round
    the penalty weight is 0 before `penalty.anneal_iters` and SGD's state is reset there (spec
    appendix #8). `init: rand` with `method: erm` is round 0 itself (WILDS ERM), reused. `init: none`
    runs the discovery rounds only (Table 2.7).
+4. **Frozen Cat_n / Distill_n** (Table 2.3, TH A.5; `networks` = n >= 2): n WILDS-ERM networks = round 0
+   of n seeds (`network_seed`: network 0 is the run's own round 0, network i >= 1 round 0 of a seed
+   derived from the run's; each cached like round 0 under its own seed's key, so Cat5 reuses Cat2's
+   networks and erm-cf's round 0). `cat-cf`: the n frozen featurizers' eval-mode features
+   concatenated (n x 1024; each network's features cached as erm-cf's are) under a fresh, seeded
+   Linear(n x 1024, 2). `distill-cf`: the synthesis above over the n ERM networks' predictions in
+   place of the discovery rounds, with `bonsai.distill_groups` (default `balance`, agree vs
+   disagree), cached as `distill-<n>-<key>`, converted (averaged or random head, `bonsai.head`) and
+   frozen exactly as bonsai-cf. Both then train the downstream head as erm-cf / bonsai-cf do.
 
 Frozen featurizer (spec §3.2): the reference freezes the parameters but leaves BatchNorm in train
 mode, so its features move with the batch statistics and cannot be cached. Default here
@@ -35,8 +44,9 @@ forward passes, BN batch statistics, running statistics updated).
 Measured: `test_acc.iid` / `test_acc.ood` (test acc_avg at the downstream epoch chosen by id_val / by
 val accuracy), `id_val_acc.iid`, `val_acc.ood`, `test_acc_wg.*` (worst slide), and per discovery
 round `round<k>.test_acc` (its epoch chosen by id_val; Table 2.7's round k+1), plus the synthesis's
-pseudo-label accuracies (Table A.14). The study (`write_study`) selects penalty weight and anneal per
-(init, rounds, method) by the mean over seeds of id_val (IID tune) or val (OOD tune) accuracy.
+pseudo-label accuracies (Table A.14), and for Cat_n / Distill_n `networks.mean_test_acc` (a single
+ERM network on average). The study (`write_study`) selects penalty weight and anneal per
+(init, rounds, networks, method) by the mean over seeds of id_val (IID tune) or val (OOD tune) accuracy.
 """
 
 from __future__ import annotations
@@ -59,7 +69,8 @@ from owai.errors import OwaiError
 from owai.methods import Method, Outcome
 from owai.runs import Run
 
-INITS = ("none", "rand", "erm", "erm-cf", "bonsai", "bonsai-cf")
+INITS = ("none", "rand", "erm", "erm-cf", "cat-cf", "distill-cf", "bonsai", "bonsai-cf")  # the study's row order
+ENSEMBLE_INITS = ("cat-cf", "distill-cf")  # built from `networks` ERM networks (Table 2.3)
 METHODS = ("erm", "irm", "vrex", "clove")
 EVAL_SPLITS = ("id_val", "val", "test")
 CACHE_VERSION = 1
@@ -102,6 +113,7 @@ class BonsaiConfig:
     synthesis_lr: float = 1e-3
     synthesis_weight_decay: float = 1e-6  # TH A.10: 1e-2 destroys the synthesis (Table A.13/A.14)
     group_method: Literal["old", "balance"] = "old"  # old: all correct vs rest (2-Bonsai); balance: agree vs disagree
+    distill_groups: Literal["old", "balance"] = "balance"  # the same choice for distill-cf's synthesis (TH A.5: balance)
     head: Literal["average", "random"] = "average"  # Table A.15
 
 
@@ -121,9 +133,13 @@ class DownstreamConfig:
 
 @dataclass
 class Config(BaseConfig):
-    init: Literal["none", "rand", "erm", "erm-cf", "bonsai", "bonsai-cf"] = "bonsai-cf"
+    init: Literal["none", "rand", "erm", "erm-cf", "cat-cf", "distill-cf", "bonsai", "bonsai-cf"] = "bonsai-cf"
     method: Literal["erm", "irm", "vrex", "clove"] = "erm"
     rounds: int = 2  # discovery rounds synthesised (2-Bonsai, 3-Bonsai); init none: rounds trained
+    # cat-cf / distill-cf: n, the independently seeded ERM networks concatenated (Cat_n) or distilled
+    # (Distill_n). Not `rounds`: those are Bonsai's GroupDRO discovery rounds, each depending on the
+    # earlier ones; these are n seeds of round 0 alone, and a study names both (Cat5 beside 2-Bonsai-cf).
+    networks: int = 2
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -153,6 +169,9 @@ class Camelyon17Bonsai(Method):
             raise OwaiError(f"data.workers must be >= 0, got {d.workers}")
         if cfg.rounds < 1 or (cfg.init in ("bonsai", "bonsai-cf") and cfg.rounds < 2):
             raise OwaiError(f"rounds must be >= 1 (>= 2 for a Bonsai init), got {cfg.rounds}")
+        if cfg.init in ENSEMBLE_INITS and cfg.networks < 2:
+            raise OwaiError(f"networks must be >= 2 for init {cfg.init} (n ERM networks; n = 1 is init erm-cf), "
+                            f"got {cfg.networks}")
         for name in ("epochs", "checkpoint_every", "log_every"):
             if getattr(t, name) < 1:
                 raise OwaiError(f"train.{name} must be >= 1, got {getattr(t, name)}")
@@ -345,12 +364,22 @@ def cache_dir(ctx: Context) -> Path:
     return cache_root() / "camelyon17" / _hash(discovery_key(ctx))
 
 
-def synthesis_key(ctx: Context, rounds: int) -> str:
+def synthesis_key(ctx: Context, rounds: int, distill: bool = False) -> str:
+    """The synthesis's settings (its inputs are the rounds of cache_dir's key); `distill`: Distill_n's,
+    over `rounds` ERM networks (network_seed) with bonsai.distill_groups."""
     from owai.config import to_dict
 
     b = to_dict(ctx.cfg.bonsai)
-    return _hash({"rounds": rounds, **{k: b[k] for k in ("synthesis_epochs", "synthesis_lr", "synthesis_weight_decay",
-                                                          "group_method")}, "n_groups": ctx.cfg.data.n_groups_per_batch})
+    what = {"rounds": rounds, **{k: b[k] for k in ("synthesis_epochs", "synthesis_lr", "synthesis_weight_decay",
+                                                   "group_method")}, "n_groups": ctx.cfg.data.n_groups_per_batch}
+    if distill:
+        what.update(group_method=b["distill_groups"], of="erm-networks")
+    return _hash(what)
+
+
+def synthesis_name(ctx: Context, rounds: int, distill: bool = False) -> str:
+    """The synthesis's cache entry (and frozen-feature key): synthesis-<K>-<key> or distill-<n>-<key>."""
+    return f"{'distill' if distill else 'synthesis'}-{rounds}-{synthesis_key(ctx, rounds, distill)}"
 
 
 def save_entry(path: Path, tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> None:
@@ -408,8 +437,10 @@ def round_groups(preds: list[torch.Tensor], y: torch.Tensor) -> tuple[torch.Tens
     return examples, groups
 
 
-def discovery_round(ctx: Context, k: int, earlier: list[RoundResult]) -> RoundResult:
-    """Round k (0: ERM, >= 1: GroupDRO over the earlier rounds' groups), from the cache when present."""
+def discovery_round(ctx: Context, k: int, earlier: list[RoundResult], checkpoints: str | None = None) -> RoundResult:
+    """Round k (0: ERM, >= 1: GroupDRO over the earlier rounds' groups), from the cache when present.
+    `checkpoints` names the run's stage directory (default `round<k>`; Cat_n's network i: `erm<i>`);
+    the batches stay keyed by `round<k>`, so the cached network is the same whichever run trains it."""
     from owai.data.camelyon17 import ImageBatches, StandardSampler, StepStream, UniformGroupSampler
     from owai.methods.invariance import make_penalty
 
@@ -454,12 +485,48 @@ def discovery_round(ctx: Context, k: int, earlier: list[RoundResult]) -> RoundRe
     def evaluate() -> dict[str, float]:
         return split_metrics(ctx, {s: forward_split(ctx, net, s) for s in EVAL_SPLITS})
 
-    result = train_stage(ctx, stage, net, optimizer, loss_at, t.epochs, spe, evaluate, "id_val.acc", penalty=penalty)
+    result = train_stage(ctx, checkpoints or stage, net, optimizer, loss_at, t.epochs, spe, evaluate, "id_val.acc",
+                         penalty=penalty)
     net.load_state_dict(result.best_state)
     preds = {s: forward_split(ctx, net, s).argmax(1) for s in ("train", *EVAL_SPLITS)}
     save_entry(path, {**_prefixed(result.best_state, "state."), **_prefixed(preds, "pred.")},
                {"curves": result.curves, "epoch": result.epoch, "key": discovery_key(ctx), "round": k})
     return RoundResult(result.best_state, preds, result.curves, result.epoch, path)
+
+
+def network_seed(seed: int, i: int) -> int:
+    """The seed of ERM network i of Cat_n / Distill_n: network 0 is the run's own round 0 (its seed),
+    network i >= 1 is round 0 of derive_seed(seed, "camelyon17-erm-network", i). So Cat_n and
+    Distill_n of every n share their first networks, and the runs of different seeds share none (the
+    spread over seeds is over independent sets of n networks)."""
+    from owai.runtime import derive_seed
+
+    return seed if i == 0 else derive_seed(seed, "camelyon17-erm-network", i)
+
+
+def network_context(ctx: Context, i: int) -> Context:
+    """The run's context with network i's seed: its round 0, cache directory and initialisation."""
+    import dataclasses
+
+    return ctx if i == 0 else Context(dataclasses.replace(ctx.cfg, seed=network_seed(ctx.seed, i)), ctx.run, ctx.data,
+                                      ctx.device)
+
+
+def erm_networks(ctx: Context, round0: RoundResult, details: dict[str, Any],
+                 measured: dict[str, Any]) -> list[tuple[Context, RoundResult]]:
+    """The `networks` ERM networks of Cat_n / Distill_n, (context, round 0) each: network 0 is the
+    run's round 0 (already loaded), network i >= 1 round 0 of its seed, trained in the run's stage
+    `erm<i>` unless its seed's cache holds it."""
+    out = [(ctx, round0)]
+    for i in range(1, ctx.cfg.networks):
+        sub = network_context(ctx, i)
+        out.append((sub, discovery_round(sub, 0, [], checkpoints=f"erm{i}")))
+        details["caches"][f"erm{i}"] = str(out[-1][1].cache)
+    accs = [r.curves[r.epoch - 1]["test.acc"] for _, r in out]
+    details["networks"] = [{"seed": sub.seed, "epoch": r.epoch, "test_acc": a, "cache": str(r.cache)}
+                           for (sub, r), a in zip(out, accs)]
+    measured["networks.mean_test_acc"] = statistics.fmean(accs)  # a single ERM network, on average
+    return out
 
 
 # -- synthesis ----------------------------------------------------------------------------------
@@ -491,14 +558,16 @@ class Synthesis:
     cache: Path
 
 
-def synthesis(ctx: Context, rounds: list[RoundResult]) -> Synthesis:
-    """mtERM over the K rounds' pseudo-labels (cached by the discovery and synthesis settings)."""
+def synthesis(ctx: Context, rounds: list[RoundResult], distill: bool = False) -> Synthesis:
+    """mtERM over the K rounds' pseudo-labels (cached by the discovery and synthesis settings);
+    `distill`: over the K ERM networks of Distill_K instead, with bonsai.distill_groups."""
     from owai.data.camelyon17 import GroupSampler, ImageBatches, StepStream
     from owai.methods.invariance import EnvBatch, make_penalty
 
     cfg, data, b = ctx.cfg, ctx.data, ctx.cfg.bonsai
     K = len(rounds)
-    path = cache_dir(ctx) / f"synthesis-{K}-{synthesis_key(ctx, K)}.safetensors"
+    group_method = b.distill_groups if distill else b.group_method
+    path = cache_dir(ctx) / f"{synthesis_name(ctx, K, distill)}.safetensors"
     entry = load_entry(path)
     if entry is not None:
         tensors, info = entry
@@ -506,10 +575,10 @@ def synthesis(ctx: Context, rounds: list[RoundResult]) -> Synthesis:
         return Synthesis(_unprefixed(tensors, "state."), info["curves"], info["epoch"], info["pseudo_acc"], path)
     train_idx = data.split("train")
     pseudo = {s: torch.stack([r.preds[s] for r in rounds]) for s in ("train", "id_val")}  # (K, n_s)
-    groups = synthesis_groups(pseudo["train"], data.labels[train_idx], b.group_method)
+    groups = synthesis_groups(pseudo["train"], data.labels[train_idx], group_method)
     n_groups = min(cfg.data.n_groups_per_batch, int(groups.unique().numel()))
     if n_groups < cfg.data.n_groups_per_batch:
-        console.info(f"synthesis: only {n_groups} {b.group_method!r} group(s) present; batches draw from it alone")
+        console.info(f"synthesis: only {n_groups} {group_method!r} group(s) present; batches draw from it alone")
     spe = steps_per_epoch(ctx)
     per_batch = cfg.data.batch_size - cfg.data.batch_size % n_groups
     sampler = GroupSampler(groups, per_batch, n_groups, ctx.seed, "synthesis", steps_per_epoch=spe)
@@ -539,7 +608,7 @@ def synthesis(ctx: Context, rounds: list[RoundResult]) -> Synthesis:
     accs = {"train": pseudo_accuracy("train"), "id_val": result.curves[result.epoch - 1]["id_val.pseudo_acc"]}
     save_entry(path, _prefixed(result.best_state, "state."),
                {"curves": result.curves, "epoch": result.epoch, "pseudo_acc": accs, "rounds": K,
-                "key": discovery_key(ctx), "bonsai": synthesis_key(ctx, K)})
+                "key": discovery_key(ctx), "bonsai": synthesis_key(ctx, K, distill), "distill": distill})
     return Synthesis(result.best_state, result.curves, result.epoch, accs, path)
 
 
@@ -563,6 +632,56 @@ class Start:
     state: dict[str, torch.Tensor] | None  # None = from scratch (round 0's initialisation)
     frozen: bool
     features_key: str  # what the cached features are of
+    network: nn.Module | None = None  # a ready network (Cat_n) in place of a DenseNet loaded with `state`
+    features: Callable[[], tuple[dict[str, torch.Tensor], list[str]]] | None = None  # its cached features, caches
+
+
+class CatNetwork(nn.Module):
+    """Cat_n on Camelyon17: n DenseNets' features concatenated, (B, n x d), under one Linear head
+    `classifier` (so `head_of` and the frozen downstream treat it as a DenseNet). Written here rather
+    than with owai.models.rich.ConcatFeatures, which takes headless backbones and pins BatchNorm in
+    eval mode: the reference's frozen-BN quirk (`downstream.frozen_bn: train`) needs train-mode BN."""
+
+    def __init__(self, networks: list[nn.Module], head: nn.Linear) -> None:
+        super().__init__()
+        self.networks = nn.ModuleList(networks)
+        self.classifier = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from owai.models.vision import features
+
+        return self.classifier(torch.cat([features(net, x) for net in self.networks], dim=1))
+
+
+def fresh_head(cfg: Config, width: int, *key: object) -> nn.Linear:
+    """A Linear(width, 2) initialised from derive_seed(seed, "camelyon17-init", *key) (PyTorch's default
+    init), leaving torch's global RNG stream untouched."""
+    from owai.runtime import derive_seed
+
+    rng = torch.get_rng_state()
+    torch.manual_seed(derive_seed(cfg.seed, "camelyon17-init", *key))
+    head = nn.Linear(width, 2)
+    torch.set_rng_state(rng)
+    return head
+
+
+def cat_features(members: list[tuple[Context, nn.Module]]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Cat_n's eval-mode features on every split, (n_s, sum d_i): each network's features from its own
+    cache (`features-round0` under its seed's key, shared with erm-cf), filled block by block into one
+    preallocated tensor per split (peak memory: the result plus one network's features)."""
+    widths = [head_of(net).in_features for _, net in members]
+    out: dict[str, torch.Tensor] = {}
+    caches, offset = [], 0
+    for (sub, net), width in zip(members, widths):
+        feats = cached_features(sub, net, "round0")
+        caches.append(str(cache_dir(sub) / "features-round0.safetensors"))
+        for split, f in feats.items():
+            if split not in out:
+                out[split] = torch.empty(f.shape[0], sum(widths), dtype=f.dtype)
+            out[split][:, offset : offset + width] = f
+        offset += width
+        del feats
+    return out, caches
 
 
 def initial_network(ctx: Context, rounds: list[RoundResult], details: dict[str, Any], measured: dict[str, Any]) -> Start:
@@ -571,13 +690,25 @@ def initial_network(ctx: Context, rounds: list[RoundResult], details: dict[str, 
         return Start(None, False, "")
     if init in ("erm", "erm-cf"):
         return Start(rounds[0].state, init == "erm-cf", "round0")
-    syn = synthesis(ctx, rounds)
+    if init == "cat-cf":  # a fresh head: unlike erm-cf (round 0's head) and bonsai-cf (the averaged heads)
+        members = []
+        for sub, r in erm_networks(ctx, rounds[0], details, measured):
+            net = build_network(sub.cfg, 2, "round", 0)
+            net.load_state_dict(r.state)
+            members.append((sub, net))
+        cat = CatNetwork([net for _, net in members], fresh_head(
+            ctx.cfg, sum(head_of(net).in_features for _, net in members), "cat-head", len(members)))
+        return Start(None, True, f"cat-{len(members)}", network=cat, features=lambda: cat_features(members))
+    distill = init == "distill-cf"
+    if distill:
+        rounds = [r for _, r in erm_networks(ctx, rounds[0], details, measured)]
+    syn = synthesis(ctx, rounds, distill)
     details["caches"]["synthesis"] = str(syn.cache)
     details["synthesis"] = {"epoch": syn.epoch, "curves": syn.curves, "pseudo_acc": syn.pseudo_acc}
     measured["synthesis.pseudo_acc.train"] = syn.pseudo_acc["train"]
     measured["synthesis.pseudo_acc.id_val"] = syn.pseudo_acc["id_val"]
-    return Start(convert(ctx, syn, len(rounds)), init == "bonsai-cf",
-                 f"synthesis-{len(rounds)}-{synthesis_key(ctx, len(rounds))}")
+    return Start(convert(ctx, syn, len(rounds)), init in ("bonsai-cf", "distill-cf"),
+                 synthesis_name(ctx, len(rounds), distill))
 
 
 def make_downstream_penalty(cfg: Config) -> Any:
@@ -610,7 +741,7 @@ def downstream(ctx: Context, start: Start, details: dict[str, Any]) -> tuple[lis
     from owai.methods.invariance import EnvBatch
 
     cfg, data, t = ctx.cfg, ctx.data, ctx.cfg.train
-    net = build_network(cfg, 2, "round", 0)
+    net = start.network if start.network is not None else build_network(cfg, 2, "round", 0)
     if start.state is not None:
         net.load_state_dict(start.state)
     net = net.to(ctx.device)
@@ -628,8 +759,12 @@ def downstream(ctx: Context, start: Start, details: dict[str, Any]) -> tuple[lis
     details["downstream_setup"] = {"weight_decay": wd, "frozen": start.frozen, "cached_features": cached,
                                    "penalty": cfg.method}
     if cached:
-        feats = cached_features(ctx, net, start.features_key)
-        details["caches"]["features"] = str(cache_dir(ctx) / f"features-{start.features_key}.safetensors")
+        if start.features is not None:
+            feats, paths = start.features()
+            details["caches"]["features"] = paths
+        else:
+            feats = cached_features(ctx, net, start.features_key)
+            details["caches"]["features"] = str(cache_dir(ctx) / f"features-{start.features_key}.safetensors")
         head = head_of(net)
         trained: nn.Module = head
         params = list(head.parameters())
@@ -689,9 +824,9 @@ TUNES = {"iid": "id_val_acc.iid", "ood": "val_acc.ood"}  # tuning -> the validat
 METHOD_LABELS = {"erm": "ERM", "irm": "IRMv1", "vrex": "vREx", "clove": "CLOvE"}
 
 
-def init_label(init: str, rounds: Any) -> str:
-    return {"rand": "-", "erm": "ERM", "erm-cf": "ERM-cf", "bonsai": f"{rounds}-Bonsai",
-            "bonsai-cf": f"{rounds}-Bonsai-cf", "none": "rounds"}.get(init, str(init))
+def init_label(init: str, rounds: Any, networks: Any = None) -> str:
+    return {"rand": "-", "erm": "ERM", "erm-cf": "ERM-cf", "bonsai": f"{rounds}-Bonsai", "bonsai-cf": f"{rounds}-Bonsai-cf",
+            "cat-cf": f"Cat{networks}", "distill-cf": f"Distill{networks}", "none": "rounds"}.get(init, str(init))
 
 
 def _point_params(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -710,7 +845,8 @@ def _stat(values: list[float]) -> tuple[float | None, float | None]:
 
 
 def study_rows(sweep: Any, summary: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(Table 2.6 rows, Table 2.7 rows). A Table 2.6 row per (init, rounds, method): for each tuning,
+    """(Table 2.6 rows, Table 2.7 rows). A Table 2.6 row (also Table 2.3's) per (init, rounds, networks,
+    method), `networks` only for Cat_n / Distill_n (labels Cat<n>, Distill<n>): for each tuning,
     the grid cell (penalty weight, anneal) with the best mean over seeds of the validation metric,
     and the mean +- std (population, over seeds) of its test accuracy; with the thesis's numbers."""
     from owai.recipes import Selection, load, recorded_name, thesis_for
@@ -739,9 +875,11 @@ def study_rows(sweep: Any, summary: dict[str, Any]) -> tuple[list[dict[str, Any]
                     section, leaf = k.split(".", 1)
                     cell[section] = {**cell.get(section, {}), leaf: v}
             init, rounds, method = cell.get("init"), cell.get("rounds"), cell.get("method")
-            label = f"{init}|{rounds if init in ('bonsai', 'bonsai-cf') else ''}|{method}"
-            row = rows.setdefault(label, {"kind": "table2.6", "init": init, "rounds": rounds, "method": method,
-                                          "label": f"{init_label(init, rounds)} / {METHOD_LABELS.get(method, method)}"})
+            networks = cell.get("networks") if init in ENSEMBLE_INITS else None  # Cat_n / Distill_n's n
+            label = f"{init}|{rounds if init in ('bonsai', 'bonsai-cf') else ''}|{networks or ''}|{method}"
+            row = rows.setdefault(label, {"kind": "table2.6", "init": init, "rounds": rounds, "networks": networks,
+                                          "method": method, "label": f"{init_label(init, rounds, networks)} / "
+                                                                     f"{METHOD_LABELS.get(method, method)}"})
             values = test["values"]
             mean, std = _stat(values)
             thesis = thesis_for(recipe, f"test_acc.{tune}", cell)
@@ -750,8 +888,8 @@ def study_rows(sweep: Any, summary: dict[str, Any]) -> tuple[list[dict[str, Any]
                          "thesis": thesis.value if thesis else None}
     rounds_rows = round_rows(summary, params)
     order = {i: n for n, i in enumerate(INITS)}
-    table = sorted(rows.values(), key=lambda r: (order.get(r["init"], 99), r["rounds"] or 0, METHODS.index(r["method"])
-                                                 if r["method"] in METHODS else 99))
+    table = sorted(rows.values(), key=lambda r: (order.get(r["init"], 99), r["rounds"] or 0, r["networks"] or 0,
+                                                 METHODS.index(r["method"]) if r["method"] in METHODS else 99))
     return table, rounds_rows
 
 
@@ -835,7 +973,7 @@ def plot_study(summary: dict[str, Any], title: str) -> Any:
         if method not in ("irm", "vrex", "clove") or "penalty.weight" not in grid:
             continue
         m = {x["metric"]: x for x in group["metrics"]}
-        init = init_label(grid.get("init", ""), grid.get("rounds", ""))
+        init = init_label(grid.get("init", ""), grid.get("rounds", ""), grid.get("networks", ""))
         for tune, metric in TUNES.items():
             if metric not in m or f"test_acc.{tune}" not in m:
                 continue
