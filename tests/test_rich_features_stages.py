@@ -5,6 +5,7 @@ miniatures end to end on the packaged MNIST file, resume, and the one-line error
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -283,3 +284,49 @@ def test_wide_and_joint_baselines_are_probed_beside_cat(cache, tmp_path, capsys)
                     tmp_path / "out", capsys, "baseline joint4 (seed 0) is not in the cache")
     _one_line_error(["--stage", "probe", "--seeds", "0,1", *as_sets([*TINY, "probe.baselines=[deep2]"])],
                     tmp_path / "out", capsys, "'deep2' is not wide<k> or joint<k>")
+
+
+def test_the_probe_weight_decay_grid_is_a_sweep(cache, tmp_path, capsys) -> None:
+    """§6.2's weight-decay grid: `owai sweep` over probe.weight_decay, one probe run per value."""
+    code, out, err = cli_in_process(["sweep", "-r", FEWSHOT, "-p", "cpu", "--set", "stage=probe", "--set",
+                                     "probe.seeds=[0,1]", *as_sets(TINY), "--grid", "probe.weight_decay=0,0.01",
+                                     "--seeds", "0", "-o", str(tmp_path), "--json"], capsys)
+    assert code == 0, err
+    summary = json.loads(out)
+    cells = {g["grid"]["probe.weight_decay"]: {m["metric"] for m in g["metrics"]} for g in summary["groups"]}
+    assert set(cells) == {0, 0.01} and all({"cat2.acc", "single.acc"} <= v for v in cells.values())
+
+
+# -- snapshots: Cat_n-s / Distill_n-s (Table A.7) ----------------------------------------------------
+
+
+def test_snapshots_of_one_run_are_its_networks(tmp_path, monkeypatch, capsys) -> None:
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
+    snap = ["pretrain.snapshots=[0.5,1.0]"]
+    code, _, err = _cli(["--stage", "pretrain", "--seeds", "0", *as_sets([*TINY, *snap]), "-o", str(tmp_path / "pre")],
+                        capsys)
+    assert code == 0, err
+    files = sorted((tmp_path / "cache" / "pretrained").glob("*.safetensors"))
+    snapshots = [f for f in files if re.search(r"-e[0-9.]+\.safetensors$", f.name)]
+    assert [f.name.rsplit("-", 1)[-1] for f in snapshots] == ["e0.5.safetensors", "e1.safetensors"]
+    final = next(f for f in files if f not in snapshots)
+    last = next(f for f in files if f.name.endswith("-e1.safetensors"))
+    early = next(f for f in files if f.name.endswith("-e0.5.safetensors"))
+    a, b, c = load_file(str(final)), load_file(str(last)), load_file(str(early))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the epoch-1 snapshot is the final network
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+    early.unlink()  # a missing snapshot: pretrain trains again (the same weights) and writes it
+    code, _, err = _cli(["--stage", "pretrain", "--seeds", "0", *as_sets([*TINY, *snap]), "-o", str(tmp_path / "pre")],
+                        capsys)
+    assert code == 0, err
+    assert all(torch.equal(load_file(str(early))[k], c[k]) for k in c)
+    probe = [*TINY, "probe.snapshots=[0.5,1.0]", "probe.seeds=[0]", "probe.n=2"]
+    code, _, err = _cli(["--stage", "probe,fewshot", *as_sets(probe), "-o", str(tmp_path / "probe")], capsys)
+    assert code == 0, err
+    m = _measured(next((tmp_path / "probe" / "tableA.8-fewshot").iterdir()))
+    assert {"cat2.acc", "single.acc", "fewshot.cat2.cosine.1shot"} <= set(m)
+    _one_line_error(["--stage", "probe", *as_sets([*probe[:-2], "probe.snapshots=[0.5,0.75]", "probe.seeds=[0]",
+                                                   "probe.n=2"])],
+                    tmp_path / "out", capsys, "the snapshot of network seed 0 at epoch 0.75 is not in the cache")

@@ -9,8 +9,11 @@ A.1-A.4; spec rich_features.md §6, §8). One method, `owai rich-features`, whos
   there is not trained again. n networks that differ only by seed = a sweep over seeds (the recipe's
   `sweep.seeds`), so 10 ImageNet ResNet50s are one SLURM array. Measured: the base-class test accuracy,
   and with `pretrain.transfer_probe` (Table 2.1) a linear probe of this network on `data.target`.
+  `model.joint` = k trains k backbones as one network (Table 2.2's baseline; its sub-networks alone,
+  Table A.1); `pretrain.snapshots` also keeps the weights at given epochs (Cat5-s / Distill5-s).
 * evaluation stages of n pretrained networks (`probe.networks`: pretrain run or sweep directories; else
-  the cache entries of `probe.seeds`, default 0..n-1, under this config's pre-training settings), one or
+  the cache entries of `probe.seeds`, default 0..n-1, under this config's pre-training settings, or the
+  snapshots `probe.snapshots` of one run), one or
   several joined by commas and run in this order in one run:
   - `distill`: Distill_n, a student with n heads fitting the networks' softened logits (§6.5);
   - `probe`: linear probes `ProbeHead` (BN1d -> Linear; SGD Nesterov, the step schedule of §6.2 in
@@ -113,6 +116,9 @@ class PretrainConfig:
     log_every: int = 50
     precision: Literal["auto", "float32", "bfloat16"] = "auto"  # auto = bfloat16 autocast on CUDA (every stage)
     transfer_probe: bool = False  # Table 2.1: also probe this one network on data.target (`transfer.acc`)
+    # Cat5-s / Distill5-s (TH A.4, Table A.7): also keep the weights at these epochs (cache entries
+    # <backbone>-<key>-e<epoch>); the final network does not depend on them
+    snapshots: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -123,6 +129,7 @@ class ProbeConfig:
     n: int = 10  # networks concatenated (Cat_n)
     seeds: list[int] = field(default_factory=list)  # the networks' seeds in the cache ([] = 0..n-1)
     networks: list[str] = field(default_factory=list)  # pretrain run or sweep directories (replace seeds)
+    snapshots: list[float] = field(default_factory=list)  # the n networks = these epochs' snapshots of one run (seeds[0])
     sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 10])  # Cat_k reported, k <= n
     catsub: bool = True
     # Table 2.2's baselines, probed beside Cat_k: "wide{k}" (the backbone with every channel x k, e.g.
@@ -265,6 +272,11 @@ class RichFeatures(Method):
                 and p.gamma > 0 and p.checkpoint_every >= 1 and p.log_every >= 1):
             raise OwaiError("pretrain: need epochs > 0, batch_size >= 1, lr > 0, weight_decay >= 0, 0 <= momentum < 1, "
                             "gamma > 0, checkpoint_every >= 1, log_every >= 1")
+        if any(not 0 < e <= p.epochs for e in p.snapshots) or len(set(p.snapshots)) != len(p.snapshots):
+            raise OwaiError(f"pretrain.snapshots {p.snapshots}: give distinct epochs in (0, pretrain.epochs={p.epochs}]")
+        if q.snapshots and (q.networks or len(q.snapshots) != q.n or len(set(q.snapshots)) != q.n):
+            raise OwaiError(f"probe.snapshots {q.snapshots}: give probe.n={q.n} distinct epochs of one pretrain run "
+                            "(its cache entries; not with probe.networks)")
         if q.n < 1:
             raise OwaiError(f"probe.n must be >= 1, got {q.n}")
         bad = [k for k in q.sizes if not 1 <= k <= q.n]
@@ -276,7 +288,9 @@ class RichFeatures(Method):
                             "0 <= momentum < 1, gamma > 0, checkpoint_every >= 1, log_every >= 1")
         if q.seeds and q.networks:
             raise OwaiError("give probe.networks (run directories) or probe.seeds (cache entries), not both")
-        if q.seeds and len(q.seeds) != q.n:
+        if q.snapshots and len(q.seeds) > 1:
+            raise OwaiError(f"probe.snapshots are of one pretrain run: give one seed, not {q.seeds}")
+        if q.seeds and len(q.seeds) != q.n and not q.snapshots:
             raise OwaiError(f"probe.n={q.n} but {len(q.seeds)} seeds given ({q.seeds})")
         if len(set(q.seeds)) != len(q.seeds):
             raise OwaiError(f"probe.seeds {q.seeds} has duplicates: Cat_n's networks differ by seed")
@@ -475,7 +489,8 @@ def pretrain_key(cfg: Config, seed: int) -> str:
     what = {"method": "rich_features", "version": VERSION, "backbone": cfg.model.backbone, "seed": seed,
             # bookkeeping is left out, and the default optimizer too, so keys written before it existed stay valid
             "pretrain": {k: v for k, v in to_dict(cfg.pretrain).items()
-                         if k not in ("checkpoint_every", "log_every", "transfer_probe") and (k, v) != ("optimizer", "sgd")},
+                         if k not in ("checkpoint_every", "log_every", "transfer_probe", "snapshots")
+                         and (k, v) != ("optimizer", "sgd")},
             "base": d.base, "base_classes": d.base_classes, "root": d.root, "image_size": d.image_size,
             "augment": d.augment, "limit_per_class": d.limit_per_class, "split_seed": d.split_seed}
     if cfg.model.joint != 1:
@@ -488,6 +503,12 @@ def weights_path(cfg: Config, seed: int) -> Path:
     from owai.io import cache_root
 
     return cache_root() / "pretrained" / f"{cfg.model.backbone}-{pretrain_key(cfg, seed)}.safetensors"
+
+
+def snapshot_path(cfg: Config, seed: int, epoch: float) -> Path:
+    """The cache entry of the network `pretrain` trains at `seed`, as it was after `epoch` epochs."""
+    final = weights_path(cfg, seed)
+    return final.with_name(f"{final.stem}-e{epoch:g}{final.suffix}")
 
 
 def build_network(backbone: str, n_classes: int, seed: int, state: dict[str, torch.Tensor] | None = None,
@@ -539,6 +560,9 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
             console.info(f"rebuilding the corrupt cache entry {path}")
     per_epoch = len(train_set) / p.batch_size
     steps = max(1, round(p.epochs * per_epoch))
+    snaps = {max(1, round(e * per_epoch)): snapshot_path(cfg, cfg.seed, e) for e in p.snapshots}  # step -> file
+    if state is not None and not all(f.is_file() for f in snaps.values()):
+        state, cached = None, False  # trained again (deterministically) for the snapshots it lacks
     if state is None:
         net = build_network(cfg.model.backbone, len(classes), cfg.seed, joint=cfg.model.joint).to(device)
         batches = StepBatches(OneDomain(train_set), [0], [torch.arange(len(train_set))], p.batch_size, d.image_size,
@@ -554,8 +578,13 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
 
         loop = LoopConfig(steps=steps, checkpoint_every=min(p.checkpoint_every, steps), log_every=min(p.log_every, steps),
                           precision=_precision(cfg, device))
+        def snapshot(done: int) -> None:  # before the step's checkpoint: a resumed run has every earlier one
+            if done in snaps:
+                snaps[done].parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(snaps[done], save({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}))
+
         train_loop(run, "pretrain", net, optimizer, loss_at, loop,
-                   lr_at=lambda s: p.lr * p.gamma ** sum(s >= m for m in marks))
+                   lr_at=lambda s: p.lr * p.gamma ** sum(s >= m for m in marks), after_step=snapshot)
         state = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, save(state))
@@ -567,6 +596,7 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
     acc = correct / len(test_set)
     console.info(f"network seed {cfg.seed}: base test accuracy {acc:.4f}")
     details = {"weights": str(path), "cached": cached, "seed": cfg.seed, "key": pretrain_key(cfg, cfg.seed),
+               "snapshots": {f"{e:g}": str(snapshot_path(cfg, cfg.seed, e)) for e in p.snapshots},
                "classes": classes, "steps": steps, "feature_dim": int(net.feature_dim),
                "split_sizes": {"train": len(train_set), "test": len(test_set)}}
     measured = {"pretrain.base_acc": acc}
@@ -679,6 +709,17 @@ def find_networks(cfg: Config) -> list[Network]:
                 except OwaiError as e:
                     raise OwaiError(f"{path}: {e}") from None
             nets.append(net)
+    elif q.snapshots:  # Cat_n-s: n snapshots of one run, one seed
+        seed = (q.seeds or [0])[0]
+        n_classes = len(d.base_classes) if d.base_classes else (10 if d.base in DIGIT_SETS else 0)
+        for epoch in q.snapshots:
+            path = snapshot_path(cfg, seed, epoch)
+            if not path.is_file():
+                raise DataMissing(f"the snapshot of network seed {seed} at epoch {epoch:g} is not in the cache ({path}); "
+                                  f"run `owai rich-features --stage pretrain --seeds {seed} --set "
+                                  f"pretrain.snapshots=[{', '.join(f'{e:g}' for e in q.snapshots)}]` with the same settings")
+            nets.append(Network(seed, f"seed {seed} epoch {epoch:g} ({path})", cfg.model.backbone, n_classes, None, path,
+                                cfg.model.joint))
     else:
         seeds = q.seeds or list(range(q.n))
         n_classes = len(d.base_classes) if d.base_classes else (10 if d.base in DIGIT_SETS else 0)
@@ -690,7 +731,7 @@ def find_networks(cfg: Config) -> list[Network]:
                                 "probe.networks (run directories)")
             nets.append(Network(seed, str(path), cfg.model.backbone, n_classes, None, path, cfg.model.joint))
     seeds = [n.seed for n in nets]
-    if len(set(seeds)) != len(seeds):
+    if len(set(seeds)) != len(seeds) and not q.snapshots:
         raise OwaiError(f"the networks' seeds {seeds} repeat: Cat_n concatenates n networks that differ by seed")
     widths = {}
     for net in nets:
