@@ -147,6 +147,11 @@ def resnet50(num_classes: int = 1000) -> ResNet:
     return ResNet(Bottleneck, (3, 4, 6, 3), num_classes)
 
 
+def resnet152(num_classes: int = 1000) -> ResNet:
+    """ResNet-152 (v1.5): Bottlenecks (3, 8, 36, 3), 2048-d features, 60.2M parameters (TH Table A.2)."""
+    return ResNet(Bottleneck, (3, 8, 36, 3), num_classes)
+
+
 def resnet18_w2(num_classes: int = 1000) -> ResNet:
     """ResNet-18 with every channel count doubled: 1024-d features (= Cat_2's), 44.7M parameters without the head."""
     return ResNet(BasicBlock, (2, 2, 2, 2), num_classes, width=2)
@@ -363,6 +368,7 @@ def vit_l_16(num_classes: int = 1000, image_size: int = 224, **kwargs: float) ->
 BACKBONES: dict[str, Callable[..., nn.Module]] = {
     "resnet18": resnet18,
     "resnet50": resnet50,
+    "resnet152": resnet152,
     "resnet18_w2": resnet18_w2,
     "resnet18_w4": resnet18_w4,
     "resnet50_w2": resnet50_w2,
