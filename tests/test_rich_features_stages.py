@@ -330,3 +330,41 @@ def test_snapshots_of_one_run_are_its_networks(tmp_path, monkeypatch, capsys) ->
     _one_line_error(["--stage", "probe", *as_sets([*probe[:-2], "probe.snapshots=[0.5,0.75]", "probe.seeds=[0]",
                                                    "probe.n=2"])],
                     tmp_path / "out", capsys, "the snapshot of network seed 0 at epoch 0.75 is not in the cache")
+
+
+# -- networks trained elsewhere: checkpoint files (SwAV-style) -----------------------------------------
+
+
+def test_checkpoint_files_from_elsewhere_are_the_networks(chain_run, cache, tmp_path, capsys) -> None:
+    """SwAV-style files: DataParallel's `module.` prefix, a projection head, no classifier. Made from the
+    cached networks of seeds 0 and 1, their probes equal the chain's probes of those networks."""
+    from safetensors.torch import load_file
+
+    from owai.experiment import resolve
+    from owai.methods.rich_features import weights_path
+    from owai.recipes import load
+
+    cfg, _ = resolve(load(FEWSHOT), "cpu", [*TINY, "stage=probe", "probe.seeds=[0,1]"])
+    files = []
+    for i, path in enumerate(weights_path(cfg, seed) for seed in (0, 1)):
+        state = {f"module.{k}": v for k, v in load_file(str(path)).items() if not k.startswith("fc.")}
+        state["module.projection_head.0.weight"] = torch.zeros(8, 512)
+        files.append(tmp_path / f"ssl{i}.pth")
+        torch.save({"state_dict": state, "epoch": 800}, files[-1])
+    probe = [*TINY, f"probe.weights=['{files[0]}','{files[1]}']", "probe.n=2"]
+    code, _, err = _cli(["--stage", "probe", *as_sets(probe), "-o", str(tmp_path / "ext")], capsys)
+    assert code == 0, err
+    m, chain = _measured(next((tmp_path / "ext" / "tableA.8-fewshot").iterdir())), _measured(chain_run)
+    assert {k: m[k] for k in ("cat1.acc", "cat2.acc", "catsub2.acc", "single.acc")} == {
+        k: chain[k] for k in ("cat1.acc", "cat2.acc", "catsub2.acc", "single.acc")}
+    wrong = tmp_path / "r50.pth"
+    from owai.models.vision import build_backbone
+
+    torch.save(build_backbone("resnet50", num_classes=1).state_dict(), wrong)
+    _one_line_error(["--stage", "probe", *as_sets([*TINY, f"probe.weights=['{files[0]}','{wrong}']", "probe.n=2"])],
+                    tmp_path / "out", capsys, "is not a resnet18")
+    corrupt = tmp_path / "corrupt.pth"
+    corrupt.write_bytes(files[0].read_bytes()[:1000])
+    _one_line_error(["--stage", "probe", *as_sets([*TINY, f"probe.weights=['{corrupt}','{files[1]}']", "probe.n=2"])],
+                    tmp_path / "out", capsys, "cannot read weights file")
+    _one_line_error(["--stage", "distill", *as_sets(probe)], tmp_path / "out", capsys, "distill needs the networks' base-class heads")

@@ -130,6 +130,9 @@ class ProbeConfig:
     seeds: list[int] = field(default_factory=list)  # the networks' seeds in the cache ([] = 0..n-1)
     networks: list[str] = field(default_factory=list)  # pretrain run or sweep directories (replace seeds)
     snapshots: list[float] = field(default_factory=list)  # the n networks = these epochs' snapshots of one run (seeds[0])
+    # the n networks = checkpoint files of model.backbone trained elsewhere (.pth / .safetensors, e.g.
+    # SwAV's): feature weights only ("module." prefixes and heads dropped); not for distill (no heads)
+    weights: list[str] = field(default_factory=list)
     sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 10])  # Cat_k reported, k <= n
     catsub: bool = True
     # Table 2.2's baselines, probed beside Cat_k: "wide{k}" (the backbone with every channel x k, e.g.
@@ -286,8 +289,9 @@ class RichFeatures(Method):
                 and q.gamma > 0 and q.checkpoint_every >= 1 and q.log_every >= 1):
             raise OwaiError("probe: need epochs >= 1, batch_size >= 2 (BatchNorm1d), lr > 0, weight_decay >= 0, "
                             "0 <= momentum < 1, gamma > 0, checkpoint_every >= 1, log_every >= 1")
-        if q.seeds and q.networks:
-            raise OwaiError("give probe.networks (run directories) or probe.seeds (cache entries), not both")
+        if sum(bool(x) for x in (q.seeds or q.snapshots, q.networks, q.weights)) > 1:
+            raise OwaiError("give one source of networks: probe.seeds / probe.snapshots (cache entries), "
+                            "probe.networks (run directories) or probe.weights (checkpoint files)")
         if q.snapshots and len(q.seeds) > 1:
             raise OwaiError(f"probe.snapshots are of one pretrain run: give one seed, not {q.seeds}")
         if q.seeds and len(q.seeds) != q.n and not q.snapshots:
@@ -327,6 +331,8 @@ class RichFeatures(Method):
         if "probe" in stages:
             for name in cfg.probe.baselines:
                 baseline_network(cfg, name)
+        if "distill" in stages and any(net.external for net in nets):
+            raise OwaiError("distill needs the networks' base-class heads; probe.weights checkpoints are features only")
         n_base = len(d.base_classes) if d.base_classes else (10 if d.base in DIGIT_SETS else 0)
         for net in nets if "distill" in stages and n_base else []:
             if net.n_classes and net.n_classes != n_base:
@@ -644,6 +650,28 @@ class Network:
     checkpoint: Path | None  # the pretrain run's final checkpoint (preferred), else
     weights: Path | None  # the cache file
     joint: int = 1  # backbones trained jointly as this one network (model.joint)
+    external: bool = False  # a checkpoint file from elsewhere (probe.weights): features only, no head
+
+
+def external_features(backbone: str, path: Path) -> dict[str, torch.Tensor]:
+    """The feature weights of `backbone` in checkpoint file `path` (.pth read with weights_only, or
+    .safetensors): a `module.` prefix (DataParallel) is removed and keys outside the backbone's features
+    (its own head, SSL projection heads, prototypes) are dropped; every feature key must be there with
+    its shape. One-line OwaiError otherwise."""
+    from owai.models.rich import strip_head
+    from owai.models.vision import _read_state_dict, build_backbone
+
+    own = strip_head(build_backbone(backbone, num_classes=1)).state_dict()
+    raw = _read_state_dict(path)
+    state = {k.removeprefix("module."): v for k, v in raw.items()}
+    missing = [k for k in own if k not in state and not k.endswith("num_batches_tracked")]
+    if missing:
+        raise OwaiError(f"{path} is not a {backbone}: missing {len(missing)} feature keys ({', '.join(missing[:3])} ...)")
+    bad = [k for k in own if k in state and state[k].shape != own[k].shape]
+    if bad:
+        raise OwaiError(f"{path} is not a {backbone}: {bad[0]} has shape {tuple(state[bad[0]].shape)}, "
+                        f"expected {tuple(own[bad[0]].shape)}")
+    return {k: state.get(k, own[k]) for k in own}
 
 
 def _pretrain_runs(path: Path) -> list[Path]:
@@ -692,7 +720,16 @@ def find_networks(cfg: Config) -> list[Network]:
 
     d, q = cfg.data, cfg.probe
     nets: list[Network] = []
-    if q.networks:
+    if q.weights:
+        if len(q.weights) != q.n:
+            raise OwaiError(f"probe.n={q.n} but {len(q.weights)} checkpoint files given in probe.weights")
+        for i, text in enumerate(q.weights):
+            path = Path(text).expanduser()
+            if not path.is_file():
+                raise OwaiError(f"probe.weights: checkpoint file not found: {path}")
+            external_features(cfg.model.backbone, path)  # readable, and the backbone's keys and shapes
+            nets.append(Network(i, str(path), cfg.model.backbone, 0, None, path, 1, external=True))
+    elif q.networks:
         paths = [p for text in q.networks for p in _pretrain_runs(Path(text).expanduser())]
         if len(paths) != q.n:
             raise OwaiError(f"probe.n={q.n} but {len(paths)} pretrained networks given ({', '.join(q.networks)})")
@@ -731,7 +768,7 @@ def find_networks(cfg: Config) -> list[Network]:
                                 "probe.networks (run directories)")
             nets.append(Network(seed, str(path), cfg.model.backbone, n_classes, None, path, cfg.model.joint))
     seeds = [n.seed for n in nets]
-    if len(set(seeds)) != len(seeds) and not q.snapshots:
+    if len(set(seeds)) != len(seeds) and not q.snapshots and not q.weights:
         raise OwaiError(f"the networks' seeds {seeds} repeat: Cat_n concatenates n networks that differ by seed")
     widths = {}
     for net in nets:
@@ -758,6 +795,13 @@ def load_network(net: Network) -> torch.nn.Module:
 
     from owai.checkpoint import load_checkpoint
 
+    if net.external:  # features only, under a placeholder 1-class head (every stage strips or replaces it)
+        from owai.models.rich import strip_head
+        from owai.models.vision import build_backbone
+
+        model = strip_head(build_backbone(net.backbone, num_classes=1))
+        model.load_state_dict(external_features(net.backbone, net.weights))
+        return model
     if net.checkpoint is not None:
         _, state = load_checkpoint(net.checkpoint)
         weights = state["model"]
