@@ -1150,7 +1150,6 @@ def run_distill(cfg: Config, run: Run, nets: list[Network], measured: dict[str, 
         logits, y = predict(cfg, ensemble, base_test, device)
         measured["teachers.base_acc"] = _acc(logits, y)
     details["distill"] = {"steps": steps, "base_train": len(base_train), "base_test": len(base_test)}
-    del teachers
     return student.backbone.requires_grad_(False)
 
 
