@@ -333,7 +333,7 @@ class RichFeatures(Method):
                 baseline_network(cfg, name)
         if "distill" in stages and any(net.external for net in nets):
             raise OwaiError("distill needs the networks' base-class heads; probe.weights checkpoints are features only")
-        n_base = len(d.base_classes) if d.base_classes else (10 if d.base in DIGIT_SETS else 0)
+        n_base = base_class_count(cfg)
         for net in nets if "distill" in stages and n_base else []:
             if net.n_classes and net.n_classes != n_base:
                 raise OwaiError(f"{net.label} has a {net.n_classes}-class head; distill reads data.base {d.base} with "
@@ -348,6 +348,12 @@ class RichFeatures(Method):
 
 
 # -- data ---------------------------------------------------------------------------------------
+
+
+def base_class_count(cfg: Config) -> int:
+    """The number of pre-training classes the config names (0 when only the data can tell)."""
+    d = cfg.data
+    return len(d.base_classes) if d.base_classes else (10 if d.base in DIGIT_SETS else 0)
 
 
 def _same_labels(a: str, b: str) -> bool:
@@ -609,15 +615,9 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
     if cfg.model.joint > 1:  # Table A.1: each sub-network alone under its block of the joint head
         measured.update(joint_sub_accuracies(cfg, net, test_set, device))
     if p.transfer_probe:  # Table 2.1: this network's features, linearly probed on the target task
-        from owai.models.rich import ConcatFeatures, strip_head
-
-        frozen = ConcatFeatures([strip_head(net)], frozen=True)
         target_train = load_split(cfg, d.target, "train", d.target_classes)
         target_test = load_split(cfg, d.target, "test", d.target_classes)
-        z_train, y_train = extract(cfg, frozen, target_train, device)
-        z_test, y_test = extract(cfg, frozen, target_test, device)
-        head = fit_probe(cfg, run, "transfer-probe", z_train[0], y_train, len(target_train.classes), device)
-        measured["transfer.acc"] = _acc(_logits(head, z_test[0], device), y_test)
+        measured["transfer.acc"] = probe_network(cfg, run, "transfer-probe", net, target_train, target_test)
         details["transfer_split_sizes"] = {"train": len(target_train), "test": len(target_test)}
         console.info(f"network seed {cfg.seed}: transfer to {d.target} {measured['transfer.acc']:.4f}")
     return Outcome(measured, details)
@@ -748,7 +748,7 @@ def find_networks(cfg: Config) -> list[Network]:
             nets.append(net)
     elif q.snapshots:  # Cat_n-s: n snapshots of one run, one seed
         seed = (q.seeds or [0])[0]
-        n_classes = len(d.base_classes) if d.base_classes else (10 if d.base in DIGIT_SETS else 0)
+        n_classes = base_class_count(cfg)
         for epoch in q.snapshots:
             path = snapshot_path(cfg, seed, epoch)
             if not path.is_file():
@@ -759,7 +759,7 @@ def find_networks(cfg: Config) -> list[Network]:
                                 cfg.model.joint))
     else:
         seeds = q.seeds or list(range(q.n))
-        n_classes = len(d.base_classes) if d.base_classes else (10 if d.base in DIGIT_SETS else 0)
+        n_classes = base_class_count(cfg)
         for seed in seeds:
             path = weights_path(cfg, seed)
             if not path.is_file():
@@ -843,21 +843,27 @@ def baseline_network(cfg: Config, name: str) -> Network:
     if not path.is_file():
         raise DataMissing(f"baseline {name} (seed {seed}) is not in the cache ({path}); run `owai rich-features "
                           f"--stage pretrain --seeds {seed} {how}` with the same settings first")
-    n_classes = len(cfg.data.base_classes) if cfg.data.base_classes else (10 if cfg.data.base in DIGIT_SETS else 0)
+    n_classes = base_class_count(cfg)
     return Network(seed, f"{name} ({path})", model.backbone, n_classes, None, path, model.joint)
 
 
 def run_baseline_probes(cfg: Config, run: Run, train_set: Any, test_set: Any, measured: dict[str, Any]) -> None:
     """Table 2.2's wide / jointly trained baselines under the same linear probe: `{name}.acc`."""
+    for name in cfg.probe.baselines:
+        net = load_network(baseline_network(cfg, name)).to(run.device)
+        measured[f"{name}.acc"] = probe_network(cfg, run, f"probe-{name}", net, train_set, test_set)
+
+
+def probe_network(cfg: Config, run: Run, stage: str, net: torch.nn.Module, train_set: Any, test_set: Any) -> float:
+    """The test accuracy of a linear probe (stage `stage`) on one network's frozen features (its head
+    removed): Table 2.1's transfer probe and Table 2.2's baselines."""
     from owai.models.rich import ConcatFeatures, strip_head
 
-    n_classes = len(train_set.classes)
-    for name in cfg.probe.baselines:
-        frozen = ConcatFeatures([strip_head(load_network(baseline_network(cfg, name)))], frozen=True).to(run.device)
-        z_train, y_train = extract(cfg, frozen, train_set, run.device)
-        z_test, y_test = extract(cfg, frozen, test_set, run.device)
-        head = fit_probe(cfg, run, f"probe-{name}", z_train[0], y_train, n_classes, run.device)
-        measured[f"{name}.acc"] = _acc(_logits(head, z_test[0], run.device), y_test)
+    frozen = ConcatFeatures([strip_head(net)], frozen=True)
+    z_train, y_train = extract(cfg, frozen, train_set, run.device)
+    z_test, y_test = extract(cfg, frozen, test_set, run.device)
+    head = fit_probe(cfg, run, stage, z_train[0], y_train, len(train_set.classes), run.device)
+    return _acc(_logits(head, z_test[0], run.device), y_test)
 
 
 # -- probe: features and heads ------------------------------------------------------------------
