@@ -49,6 +49,11 @@ def test_every_packaged_recipe_validates_with_cpu_and_paper_presets(monkeypatch,
                 with pytest.raises(OwaiError, match="not found"):
                     resolve(r, preset, [])
                 continue
+            if r.method == "rich_features" and r.params_for(preset).get("stage", "pretrain") != "pretrain":
+                monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "empty-cache"))  # evaluation stages ask for the networks
+                with pytest.raises(OwaiError, match="not in the cache"):
+                    resolve(r, preset, [])
+                continue
             if (r.method == "dropout_ft" and preset not in ("cpu", "tiny")) or r.method == "camelyon17":  # the images are the user's
                 with pytest.raises(OwaiError, match="not found"):  # names the fetch command / download step
                     resolve(r, preset, [])

@@ -197,7 +197,7 @@ def test_the_weight_decay_arms_differ_only_in_weight_decay(tmp_path) -> None:
 
     plan = sweeps.create(WD, "cpu", WD_TINY, [], None, tmp_path)
     assert sorted((p.grid["pretrain.weight_decay"], p.seed) for p in plan.points) == [
-        (wd, seed) for wd in (0.0, 5e-4, 4e-2) for seed in (0, 1, 2)]
+        (wd, seed) for wd in (0.0, 5e-4, 4e-2) for seed in (0, 1)]
 
     def flat(tree: dict, prefix: str = "") -> dict:
         out = {}
@@ -207,7 +207,7 @@ def test_the_weight_decay_arms_differ_only_in_weight_decay(tmp_path) -> None:
 
     configs = {(p.grid["pretrain.weight_decay"], p.seed): flat(to_dict(resolve(load(WD), "cpu", [*WD_TINY, *p.overrides])[0]))
                for p in plan.points}
-    for seed in (0, 1, 2):
+    for seed in (0, 1):
         for wd in (5e-4, 4e-2):
             a, b = configs[(0.0, seed)], configs[(wd, seed)]
             assert {k for k in a if a[k] != b[k]} == {"pretrain.weight_decay"}
@@ -367,4 +367,4 @@ def test_checkpoint_files_from_elsewhere_are_the_networks(chain_run, cache, tmp_
     corrupt.write_bytes(files[0].read_bytes()[:1000])
     _one_line_error(["--stage", "probe", *as_sets([*TINY, f"probe.weights=['{corrupt}','{files[1]}']", "probe.n=2"])],
                     tmp_path / "out", capsys, "cannot read weights file")
-    _one_line_error(["--stage", "distill", *as_sets(probe)], tmp_path / "out", capsys, "distill needs the networks' base-class heads")
+    _one_line_error(["--stage", "distill", *as_sets(probe)], tmp_path / "out", capsys, "distill.target=logits needs the networks' base-class heads")

@@ -6,6 +6,9 @@
     owai rich-features --stage finetune,two-stage -r tableA.3-finetune      normal vs two-stage fine-tuning
     owai rich-features --stage distill,probe,fewshot -r tableA.8-fewshot    Distill_n, probes, 1/5-shot episodes
     owai rich-features --stage pretrain -r table2.1-weight-decay            weight decay 0 vs 5e-4, with transfer
+    owai rich-features --stage pretrain -r tableA.4-simsiam                 SimSiam networks (self-supervised)
+    owai rich-features --stage distill,probe -r tableA.4-simsiam            their Cat_n, and Distill_n on their features
+    owai rich-features --stage probe,finetune,two-stage -r tableA.6-seer -p paper   SEER RegNets from the hub (hf:ID)
     owai rich-features --stage pretrain -p paper --data-root ~/data --executor slurm --gpus-per-node 1
     owai rich-features --stage pretrain --resume SWEEP_DIR   finish a killed pretrain sweep (finished networks are skipped)
     owai rich-features --stage probe --resume RUN_DIR        finish a killed evaluation run (same result as uninterrupted)
@@ -34,7 +37,7 @@ METHOD = "rich_features"
 
 def rich_features(
     stage: Annotated[str, typer.Option("--stage", help="pretrain (n networks, a sweep over seeds), or evaluation stages of n pretrained networks, alone or joined by commas: distill, probe, finetune, two-stage, fewshot.")],
-    recipe: Annotated[str, typer.Option("--recipe", "-r", help="A rich-features recipe id (table2.1-weight-decay, table2.2-cat-probe, tableA.1-joint, tableA.2-resnet152, tableA.3-finetune, tableA.7-snapshots, tableA.8-fewshot, tableA.9-fewshot-sota) or file.")] = RECIPE,
+    recipe: Annotated[str, typer.Option("--recipe", "-r", help="A rich-features recipe id (table2.1-weight-decay, table2.2-cat-probe, tableA.1-joint, tableA.2-resnet152, tableA.3-finetune, tableA.4-simsiam, tableA.5-swav, tableA.6-seer, tableA.7-snapshots, tableA.8-fewshot, tableA.9-fewshot-sota, fig2.4-vit) or file.")] = RECIPE,
     data_root: Annotated[Optional[Path], typer.Option("--data-root", help=DATA_ROOT_HELP, show_default=False)] = None,
     seeds: Annotated[Optional[str], typer.Option("--seeds", help="The networks' seeds, comma-separated (pretrain: the sweep's; evaluation stages: the cached networks to load).")] = None,
     networks: Annotated[Optional[str], typer.Option("--networks", help="evaluation stages: comma-separated pretrain run or sweep directories (instead of the cache).")] = None,
@@ -54,7 +57,7 @@ def rich_features(
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
-    """Rich representations (Tables 2.1, 2.2, A.1-A.3, A.7-A.9): pretrain n networks that differ by seed, then probe, distill, fine-tune or few-shot them."""
+    """Rich representations (Tables 2.1, 2.2, A.1-A.9, Fig 2.4): pretrain n networks that differ by seed, then probe, distill, fine-tune or few-shot them."""
     from owai.methods.rich_features import stages_of
 
     console.configure(quiet, as_json)

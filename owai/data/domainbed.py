@@ -393,13 +393,16 @@ def _adjust_hue(image: Image.Image, shift: float) -> Image.Image:
     return Image.merge("HSV", (Image.fromarray(np_h.astype(np.uint8)), s, v)).convert("RGB")
 
 
-def color_jitter(image: Image.Image, gen: torch.Generator, strength: float = JITTER) -> Image.Image:
-    """torchvision's ColorJitter(strength, strength, strength, strength): the four ops in a random
-    order, factors uniform in [1 - strength, 1 + strength], hue shift uniform in [-strength, strength]."""
+def color_jitter(image: Image.Image, gen: torch.Generator, strength: float = JITTER,
+                 hue_strength: float | None = None) -> Image.Image:
+    """torchvision's ColorJitter(strength, strength, strength, hue_strength) (hue_strength None =
+    strength): the four ops in a random order, factors uniform in [1 - strength, 1 + strength], hue
+    shift uniform in [-hue_strength, hue_strength]."""
     order = torch.randperm(4, generator=gen).tolist()
     lo = max(0.0, 1.0 - strength)
     b, c, s = (_uniform(lo, 1.0 + strength, gen) for _ in range(3))
-    hue = _uniform(-strength, strength, gen)
+    h = strength if hue_strength is None else hue_strength
+    hue = _uniform(-h, h, gen)
     for op in order:
         if op == 0:
             image = ImageEnhance.Brightness(image).enhance(b)
@@ -437,6 +440,26 @@ def train_transform(image: Image.Image, size: int, augment: bool, gen: torch.Gen
     return to_tensor(image)
 
 
+SSL_CROP_SCALE = (0.2, 1.0)  # SimSiam (Chen & He 2021) / spec rich_features.md §6.7, Table A.4
+SSL_JITTER, SSL_HUE, SSL_JITTER_P, SSL_GRAYSCALE_P = 0.4, 0.1, 0.8, 0.2
+
+
+def ssl_transform(image: Image.Image, size: int, gen: torch.Generator) -> torch.Tensor:
+    """SimSiam's CIFAR view (TH A.3.3): RandomResizedCrop(size, (0.2, 1)), RandomHorizontalFlip,
+    ColorJitter(0.4, 0.4, 0.4, 0.1) with probability 0.8, RandomGrayscale(0.2), to tensor, normalise
+    (no blur: the CIFAR recipe has none). float32 (3, size, size); every draw comes from `gen`."""
+    image = image.convert("RGB")
+    top, left, h, w = random_resized_crop_params(image.width, image.height, gen, scale=SSL_CROP_SCALE)
+    image = image.crop((left, top, left + w, top + h)).resize((size, size), BILINEAR)
+    if float(torch.rand(1, generator=gen)) < FLIP_P:
+        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    if float(torch.rand(1, generator=gen)) < SSL_JITTER_P:
+        image = color_jitter(image, gen, SSL_JITTER, SSL_HUE)
+    if float(torch.rand(1, generator=gen)) < SSL_GRAYSCALE_P:
+        image = image.convert("L").convert("RGB")
+    return to_tensor(image)
+
+
 # ------------------------------------------------------------------------------------------ batches
 
 class StepBatches(Dataset):
@@ -445,18 +468,22 @@ class StepBatches(Dataset):
     RandomSampler(replacement=True)) by generator(seed, "batch", step, domain), each augmented with
     generator(seed, "augment", step, domain, j). A function of the step, so a resumed run replays the
     same batches. Returns x float32 (D*B, 3, size, size), y int64, d int64 (the position k of the
-    example's domain in `domains`), domain by domain."""
+    example's domain in `domains`), domain by domain.
+
+    `views` = V > 1 (self-supervised pairs, SimSiam) gives every example V independent augmentations
+    by `ssl_transform` (view v > 0 keyed by generator(seed, "augment", step, domain, j, v)): x is
+    (V*D*B, 3, size, size), the V views stacked view by view, and y, d are those of one view."""
 
     def __init__(self, data: MultiDomainDataset, domains: list[int], indices: list[torch.Tensor],
-                 batch_per_domain: int, size: int, augment: bool, seed: int, steps: int):
+                 batch_per_domain: int, size: int, augment: bool, seed: int, steps: int, views: int = 1):
         domains = [int(d) for d in domains]
         if not domains:
             raise OwaiError("StepBatches needs at least one training domain")
         if len(indices) != len(domains):
             raise OwaiError(f"StepBatches got {len(domains)} domains but {len(indices)} index sets")
-        if batch_per_domain < 1 or size < 1 or steps < 0:
-            raise OwaiError(f"StepBatches needs batch_per_domain >= 1, size >= 1, steps >= 0 "
-                            f"(got {batch_per_domain}, {size}, {steps})")
+        if batch_per_domain < 1 or size < 1 or steps < 0 or views < 1:
+            raise OwaiError(f"StepBatches needs batch_per_domain >= 1, size >= 1, steps >= 0, views >= 1 "
+                            f"(got {batch_per_domain}, {size}, {steps}, {views})")
         self.indices = []
         for d, idx in zip(domains, indices):
             if not 0 <= d < len(data.domains):
@@ -468,7 +495,7 @@ class StepBatches(Dataset):
                 raise OwaiError(f"{data.name} domain {data.domains[d]!r}: an index is outside 0..{data.size(d) - 1}")
             self.indices.append(idx)
         self.data, self.domains, self.batch_per_domain = data, domains, batch_per_domain
-        self.size, self.augment, self.seed, self.steps = size, augment, seed, steps
+        self.size, self.augment, self.seed, self.steps, self.views = size, augment, seed, steps, views
 
     def __len__(self) -> int:
         return self.steps
@@ -477,17 +504,24 @@ class StepBatches(Dataset):
         step = int(step)
         if not 0 <= step < self.steps:
             raise IndexError(f"step {step} outside 0..{self.steps - 1}")
-        xs, ys = [], []
+        xs: list[list[torch.Tensor]] = [[] for _ in range(self.views)]  # view -> examples
+        ys = []
         for domain, idx in zip(self.domains, self.indices):
             gen = generator(self.seed, "batch", step, domain)
             picks = torch.randint(len(idx), (self.batch_per_domain,), generator=gen)
             chosen = idx[picks]
             for j, i in enumerate(chosen.tolist()):
-                gen = generator(self.seed, "augment", step, domain, j)
-                xs.append(train_transform(self.data.image(domain, i), self.size, self.augment, gen))
+                image = self.data.image(domain, i)
+                if self.views == 1:
+                    gen = generator(self.seed, "augment", step, domain, j)
+                    xs[0].append(train_transform(image, self.size, self.augment, gen))
+                    continue
+                for v in range(self.views):
+                    gen = generator(self.seed, "augment", step, domain, j, *([v] if v else []))
+                    xs[v].append(ssl_transform(image, self.size, gen))
             ys.append(self.data.labels(domain)[chosen])
         d = torch.arange(len(self.domains)).repeat_interleave(self.batch_per_domain)
-        return _stack(xs), torch.cat(ys), d
+        return _stack([x for view in xs for x in view]), torch.cat(ys), d
 
 
 def _loader(dataset: Dataset, workers: int, pin_memory: bool, **kwargs) -> DataLoader:

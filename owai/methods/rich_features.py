@@ -88,6 +88,9 @@ class DataConfig:
     image_size: int = 224
     augment: bool = True  # pre-training: DomainBed's training transform (RandomResizedCrop, flip, jitter)
     limit_per_class: int = 0  # keep at most this many images per class of every split (0 = all; tests)
+    # keep this fraction of every target class's training images (keyed by split_seed, at least one
+    # per class): Table A.4's CIFAR10 (1 %) and CIFAR100 (10 %) probes
+    target_fraction: float = 1.0
     split_seed: int = 0  # mnist-t10k / digits: the keyed 80/20 train/test split
     workers: int = 4  # loader processes (0 = in the training process)
     eval_batch_size: int = 256
@@ -116,6 +119,14 @@ class PretrainConfig:
     log_every: int = 50
     precision: Literal["auto", "float32", "bfloat16"] = "auto"  # auto = bfloat16 autocast on CUDA (every stage)
     transfer_probe: bool = False  # Table 2.1: also probe this one network on data.target (`transfer.acc`)
+    # "simsiam": self-supervised pre-training (TH A.3.3, Table A.4) on the base images, labels unused:
+    # two SimSiam views per image, the backbone under a projector and a predictor; the cache keeps the
+    # backbone's features only (no class head)
+    objective: Literal["supervised", "simsiam"] = "supervised"
+    schedule: Literal["step", "cosine"] = "step"  # cosine: lr (1 + cos(pi t / T)) / 2 (SimSiam); step: milestones
+    ssl_dim: int = 2048  # SimSiam projection / prediction width
+    ssl_pred_dim: int = 512  # SimSiam predictor bottleneck
+    ssl_proj_layers: int = 3  # SimSiam projector depth (Chen & He use 2 for CIFAR)
     # Cat5-s / Distill5-s (TH A.4, Table A.7): also keep the weights at these epochs (cache entries
     # <backbone>-<key>-e<epoch>); the final network does not depend on them
     snapshots: list[float] = field(default_factory=list)
@@ -130,8 +141,12 @@ class ProbeConfig:
     seeds: list[int] = field(default_factory=list)  # the networks' seeds in the cache ([] = 0..n-1)
     networks: list[str] = field(default_factory=list)  # pretrain run or sweep directories (replace seeds)
     snapshots: list[float] = field(default_factory=list)  # the n networks = these epochs' snapshots of one run (seeds[0])
-    # the n networks = checkpoint files of model.backbone trained elsewhere (.pth / .safetensors, e.g.
-    # SwAV's): feature weights only ("module." prefixes and heads dropped); not for distill (no heads)
+    # the n networks = checkpoints trained elsewhere, features only (no heads: distill.target=features):
+    # "PATH" (a .pth / .safetensors / .pth.tar file of model.backbone, e.g. SwAV's; "module." prefixes
+    # and heads dropped), "BACKBONE:PATH" (of another owai backbone, e.g. resnet50_w2:swav_RN50w2.pth),
+    # or "hf:ID" (a Hugging Face image model by hub id or local directory, e.g. SEER's
+    # hf:facebook/regnet-y-320-seer, ViT hf:google/vit-base-patch16-224-in21k). Their feature widths
+    # may differ (SEER's Cat_n joins RegNets of several sizes)
     weights: list[str] = field(default_factory=list)
     sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 10])  # Cat_k reported, k <= n
     catsub: bool = True
@@ -177,8 +192,11 @@ class DistillConfig:
     """Spec §6.5 / TH Eq. A.1: one student backbone with n heads, head i fitting teacher i's softened
     logits (KL at tau, times tau^2, summed over heads) on the base classes' training images. Distill5:
     SGD momentum 0.9, batch 2048, wd 0, lr warm-up 0.1 -> 0.8 over 5 epochs, x0.2 at 210 and 240, 270
-    epochs. alpha < 1 mixes in cross-entropy on the labels (TH Eq. A.4, few-shot)."""
+    epochs. alpha < 1 mixes in cross-entropy on the labels (TH Eq. A.4, few-shot). target "features"
+    is the self-supervised variant (TH A.3.3): head i regresses network i's features, loss
+    sum_i (1 - cos) (`feature_distill_loss`); it needs no class heads (SimSiam, probe.weights)."""
 
+    target: Literal["logits", "features"] = "logits"
     tau: float = 10.0
     alpha: float = 1.0
     epochs: float = 270.0
@@ -257,6 +275,9 @@ class RichFeatures(Method):
                 raise OwaiError(f"data.base / data.target {name!r}: choose one of {', '.join(DATASETS)}")
         if m.backbone not in BACKBONES:
             raise OwaiError(f"unknown backbone {m.backbone!r}; known: {', '.join(sorted(BACKBONES))}")
+        native = _native_size(m.backbone)  # (probe.weights name their own models)
+        if native and native != d.image_size and not (q.weights and cfg.stage != "pretrain"):
+            raise OwaiError(f"{m.backbone} is built for {native} px images: set data.image_size={native}")
         if isinstance(m.joint, bool) or m.joint < 1:
             raise OwaiError(f"model.joint must be >= 1 (backbones trained as one network), got {m.joint}")
         for name in ("image_size", "eval_batch_size"):
@@ -269,12 +290,22 @@ class RichFeatures(Method):
                 unknown = [c for c in classes if c not in DIGITS]
                 if unknown:
                     raise OwaiError(f"data.{what}_classes: {name} has classes 0-9, not {', '.join(map(repr, unknown))}")
-        if _same_labels(d.base, d.target):  # one label space: the probe's classes must be new ones
+        # one label space: the probe's classes must be new ones, unless pre-training never saw a label
+        # (SimSiam) or happened elsewhere (probe.weights: SwAV, SEER, ViT ImageNet-21k -> ImageNet)
+        if _same_labels(d.base, d.target) and p.objective == "supervised" and not (q.weights and cfg.stage != "pretrain"):
             disjoint_split(d.base_classes or _all_classes(d.base), d.target_classes or _all_classes(d.target))
         if not (p.epochs > 0 and p.batch_size >= 1 and p.lr > 0 and p.weight_decay >= 0 and 0 <= p.momentum < 1
                 and p.gamma > 0 and p.checkpoint_every >= 1 and p.log_every >= 1):
             raise OwaiError("pretrain: need epochs > 0, batch_size >= 1, lr > 0, weight_decay >= 0, 0 <= momentum < 1, "
                             "gamma > 0, checkpoint_every >= 1, log_every >= 1")
+        if not 0 < d.target_fraction <= 1:
+            raise OwaiError(f"data.target_fraction must be in (0, 1], got {d.target_fraction}")
+        for name in ("ssl_dim", "ssl_pred_dim", "ssl_proj_layers"):
+            v = getattr(p, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise OwaiError(f"pretrain.{name} must be an integer >= 1, got {v!r}")
+        if p.objective == "simsiam" and cfg.stage == "pretrain" and (p.batch_size < 2 or p.snapshots):
+            raise OwaiError("pretrain.objective=simsiam needs batch_size >= 2 (BatchNorm in the projector) and no snapshots")
         if any(not 0 < e <= p.epochs for e in p.snapshots) or len(set(p.snapshots)) != len(p.snapshots):
             raise OwaiError(f"pretrain.snapshots {p.snapshots}: give distinct epochs in (0, pretrain.epochs={p.epochs}]")
         if q.snapshots and (q.networks or len(q.snapshots) != q.n or len(set(q.snapshots)) != q.n):
@@ -331,10 +362,13 @@ class RichFeatures(Method):
         if "probe" in stages:
             for name in cfg.probe.baselines:
                 baseline_network(cfg, name)
-        if "distill" in stages and any(net.external for net in nets):
-            raise OwaiError("distill needs the networks' base-class heads; probe.weights checkpoints are features only")
+        if "distill" in stages and s.target == "logits" and any(net.external or not net.n_classes for net in nets):
+            raise OwaiError("distill.target=logits needs the networks' base-class heads; these are features only "
+                            "(probe.weights or self-supervised): set distill.target=features (TH A.3.3)")
+        if "distill" in stages and s.target == "features" and s.alpha != 1:
+            raise OwaiError("distill.target=features has no labels term: leave distill.alpha at 1")
         n_base = base_class_count(cfg)
-        for net in nets if "distill" in stages and n_base else []:
+        for net in nets if "distill" in stages and n_base and s.target == "logits" else []:
             if net.n_classes and net.n_classes != n_base:
                 raise OwaiError(f"{net.label} has a {net.n_classes}-class head; distill reads data.base {d.base} with "
                                 f"{n_base} classes (set data.base / data.base_classes as in pre-training)")
@@ -354,6 +388,12 @@ def base_class_count(cfg: Config) -> int:
     """The number of pre-training classes the config names (0 when only the data can tell)."""
     d = cfg.data
     return len(d.base_classes) if d.base_classes else (10 if d.base in DIGIT_SETS else 0)
+
+
+def head_classes(cfg: Config) -> int:
+    """The width of the cached networks' base-class heads: base_class_count, or 0 when self-supervised
+    pre-training gave them none."""
+    return base_class_count(cfg) if cfg.pretrain.objective == "supervised" else 0
 
 
 def _same_labels(a: str, b: str) -> bool:
@@ -419,9 +459,11 @@ def _keyed_split(n: int, split: str, seed: int) -> torch.Tensor:
     return order[:cut] if split == "train" else order[cut:]
 
 
-def load_split(cfg: Config, name: str, split: Literal["train", "test", "base-test"], classes: list[str]) -> Any:
+def load_split(cfg: Config, name: str, split: Literal["train", "test", "base-test"], classes: list[str],
+               fraction: float = 1.0) -> Any:
     """`split` (a role, see SPLITS) of dataset `name` restricted to `classes` (relabelled 0..k-1 in that order; [] = all), at
-    most `data.limit_per_class` images per class: an `owai.data.classification.ClassificationData`."""
+    most `data.limit_per_class` images per class, then `fraction` of each class's images (at least one; keyed by
+    data.split_seed): an `owai.data.classification.ClassificationData`."""
     from owai.data import classification as cl
 
     d = cfg.data
@@ -444,19 +486,29 @@ def load_split(cfg: Config, name: str, split: Literal["train", "test", "base-tes
     if classes:
         data = cl.select_classes(data, classes)
     if d.limit_per_class:
-        from owai.runtime import generator
-
-        order = torch.randperm(len(data), generator=generator(d.split_seed, "rich-limit", name, split))
-        keep, count = [], [0] * len(data.classes)
-        for i in order.tolist():
-            y = int(data.labels[i])
-            if count[y] < d.limit_per_class:
-                count[y] += 1
-                keep.append(i)
-        data = cl._subset(data, torch.tensor(sorted(keep), dtype=torch.int64))
+        data = _per_class(data, [d.limit_per_class] * len(data.classes), d.split_seed, "rich-limit", name, split)
+    if fraction < 1:
+        counts = torch.bincount(data.labels, minlength=len(data.classes)).tolist()
+        quota = [max(1, math.ceil(fraction * c)) if c else 0 for c in counts]
+        data = _per_class(data, quota, d.split_seed, "rich-fraction", name, split)
     if len(data) == 0:
         raise OwaiError(f"{name} {split} has no images of classes {classes or 'all'}")
     return data
+
+
+def _per_class(data: Any, quota: list[int], seed: int, *key: str) -> Any:
+    """The first quota[c] images of each class c in a permutation keyed by (seed, *key), in index order."""
+    from owai.data import classification as cl
+    from owai.runtime import generator
+
+    order = torch.randperm(len(data), generator=generator(seed, *key))
+    keep, count = [], [0] * len(data.classes)
+    for i in order.tolist():
+        y = int(data.labels[i])
+        if count[y] < quota[y]:
+            count[y] += 1
+            keep.append(i)
+    return cl._subset(data, torch.tensor(sorted(keep), dtype=torch.int64))
 
 
 class OneDomain:
@@ -499,10 +551,12 @@ def pretrain_key(cfg: Config, seed: int) -> str:
 
     d = cfg.data
     what = {"method": "rich_features", "version": VERSION, "backbone": cfg.model.backbone, "seed": seed,
-            # bookkeeping is left out, and the default optimizer too, so keys written before it existed stay valid
+            # bookkeeping is left out, and the defaults of settings added later (optimizer, objective,
+            # schedule, ssl_*) too, so keys written before they existed stay valid
             "pretrain": {k: v for k, v in to_dict(cfg.pretrain).items()
                          if k not in ("checkpoint_every", "log_every", "transfer_probe", "snapshots")
-                         and (k, v) != ("optimizer", "sgd")},
+                         and (k, v) not in (("optimizer", "sgd"), ("objective", "supervised"), ("schedule", "step"))
+                         and not (k.startswith("ssl_") and cfg.pretrain.objective == "supervised")},
             "base": d.base, "base_classes": d.base_classes, "root": d.root, "image_size": d.image_size,
             "augment": d.augment, "limit_per_class": d.limit_per_class, "split_seed": d.split_seed}
     if cfg.model.joint != 1:
@@ -551,7 +605,9 @@ def build_network(backbone: str, n_classes: int, seed: int, state: dict[str, tor
 
 
 def run_pretrain(cfg: Config, run: Run) -> Outcome:
-    """Stage `pretrain`: one network on the base classes (or its cache entry), then its base test accuracy."""
+    """Stage `pretrain`: one network on the base classes (or its cache entry), then its base test accuracy
+    (supervised), or SimSiam on the base images (pretrain.objective=simsiam: no labels, no head; the
+    measure is its final loss, `pretrain.ssl_loss`, and its transfer probe)."""
     from safetensors.torch import load_file, save
 
     from owai.data.domainbed import StepBatches, StepStream
@@ -559,6 +615,7 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
     from owai.train import LoopConfig, train_loop
 
     d, p, device = cfg.data, cfg.pretrain, run.device
+    ssl = p.objective == "simsiam"
     train_set = load_split(cfg, d.base, "train", d.base_classes)
     test_set = load_split(cfg, d.base, "base-test", d.base_classes)
     classes = train_set.classes
@@ -575,10 +632,16 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
     snaps = {max(1, round(e * per_epoch)): snapshot_path(cfg, cfg.seed, e) for e in p.snapshots}  # step -> file
     if state is not None and not all(f.is_file() for f in snaps.values()):
         state, cached = None, False  # trained again (deterministically) for the snapshots it lacks
+    summary: dict[str, Any] = {}
     if state is None:
-        net = build_network(cfg.model.backbone, len(classes), cfg.seed, joint=cfg.model.joint).to(device)
+        from owai.models.rich import SimSiam, simsiam_loss, strip_head
+
+        net = build_network(cfg.model.backbone, len(classes), cfg.seed, joint=cfg.model.joint)
+        if ssl:
+            net = SimSiam(strip_head(net), p.ssl_dim, p.ssl_pred_dim, p.ssl_proj_layers)
+        net = net.to(device)
         batches = StepBatches(OneDomain(train_set), [0], [torch.arange(len(train_set))], p.batch_size, d.image_size,
-                              d.augment, cfg.seed, steps)
+                              d.augment, cfg.seed, steps, views=2 if ssl else 1)
         stream = StepStream(batches, d.workers, device)
         optimizer = (torch.optim.Adam(net.parameters(), lr=p.lr, weight_decay=p.weight_decay) if p.optimizer == "adam"
                      else torch.optim.SGD(net.parameters(), lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay))
@@ -586,7 +649,14 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
 
         def loss_at(step: int, micro: int) -> torch.Tensor:
             x, y = stream.at(step)
+            if ssl:
+                return simsiam_loss(*net(x))  # x: the two views stacked, (2B, 3, S, S)
             return F.cross_entropy(net(x), y)
+
+        def lr_at(step: int) -> float:
+            if p.schedule == "cosine":
+                return p.lr * 0.5 * (1 + math.cos(math.pi * step / steps))
+            return p.lr * p.gamma ** sum(step >= m for m in marks)
 
         loop = LoopConfig(steps=steps, checkpoint_every=min(p.checkpoint_every, steps), log_every=min(p.log_every, steps),
                           precision=_precision(cfg, device))
@@ -595,27 +665,31 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
                 snaps[done].parent.mkdir(parents=True, exist_ok=True)
                 atomic_write_bytes(snaps[done], save({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}))
 
-        train_loop(run, "pretrain", net, optimizer, loss_at, loop,
-                   lr_at=lambda s: p.lr * p.gamma ** sum(s >= m for m in marks), after_step=snapshot)
-        state = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
+        summary = train_loop(run, "pretrain", net, optimizer, loss_at, loop, lr_at=lr_at, after_step=snapshot)
+        kept = net.backbone if ssl else net  # SimSiam: the backbone's features only (no projector, no head)
+        state = {k: v.detach().cpu().contiguous() for k, v in kept.state_dict().items()}
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, save(state))
-    net = build_network(cfg.model.backbone, len(classes), cfg.seed, state, cfg.model.joint).to(device).eval()
-    correct = 0
-    with torch.no_grad():
-        for x, y in _batches(cfg, test_set):
-            correct += int((net(x.to(device)).argmax(1).cpu() == y).sum())
-    acc = correct / len(test_set)
-    console.info(f"network seed {cfg.seed}: base test accuracy {acc:.4f}")
+    net = network_from_state(cfg.model.backbone, state, cfg.seed, cfg.model.joint, str(path)).to(device).eval()
     details = {"weights": str(path), "cached": cached, "seed": cfg.seed, "key": pretrain_key(cfg, cfg.seed),
-               "snapshots": {f"{e:g}": str(snapshot_path(cfg, cfg.seed, e)) for e in p.snapshots},
-               "classes": classes, "steps": steps, "feature_dim": int(net.feature_dim),
+               "objective": p.objective, "snapshots": {f"{e:g}": str(snapshot_path(cfg, cfg.seed, e)) for e in p.snapshots},
+               "classes": [] if ssl else classes, "steps": steps, "feature_dim": int(net.feature_dim),
                "split_sizes": {"train": len(train_set), "test": len(test_set)}}
-    measured = {"pretrain.base_acc": acc}
+    measured: dict[str, Any] = {}
+    if ssl:  # no labels, no head: the SimSiam loss (-1 at best), when this run trained it
+        if "final_loss" in summary:
+            measured["pretrain.ssl_loss"] = summary["final_loss"]
+    else:
+        correct = 0
+        with torch.no_grad():
+            for x, y in _batches(cfg, test_set):
+                correct += int((net(x.to(device)).argmax(1).cpu() == y).sum())
+        measured["pretrain.base_acc"] = correct / len(test_set)
+        console.info(f"network seed {cfg.seed}: base test accuracy {measured['pretrain.base_acc']:.4f}")
     if cfg.model.joint > 1:  # Table A.1: each sub-network alone under its block of the joint head
         measured.update(joint_sub_accuracies(cfg, net, test_set, device))
     if p.transfer_probe:  # Table 2.1: this network's features, linearly probed on the target task
-        target_train = load_split(cfg, d.target, "train", d.target_classes)
+        target_train = load_split(cfg, d.target, "train", d.target_classes, d.target_fraction)
         target_test = load_split(cfg, d.target, "test", d.target_classes)
         measured["transfer.acc"] = probe_network(cfg, run, "transfer-probe", net, target_train, target_test)
         details["transfer_split_sizes"] = {"train": len(target_train), "test": len(target_test)}
@@ -724,11 +798,16 @@ def find_networks(cfg: Config) -> list[Network]:
         if len(q.weights) != q.n:
             raise OwaiError(f"probe.n={q.n} but {len(q.weights)} checkpoint files given in probe.weights")
         for i, text in enumerate(q.weights):
-            path = Path(text).expanduser()
-            if not path.is_file():
+            backbone, path = weight_entry(str(text), cfg.model.backbone)
+            if path is None:  # a Hugging Face model: its config is checked here, its weights when loaded
+                from owai.models.hf_vision import check_hf_source
+
+                check_hf_source(backbone)
+            elif not path.is_file():
                 raise OwaiError(f"probe.weights: checkpoint file not found: {path}")
-            external_features(cfg.model.backbone, path)  # readable, and the backbone's keys and shapes
-            nets.append(Network(i, str(path), cfg.model.backbone, 0, None, path, 1, external=True))
+            else:
+                external_features(backbone, path)  # readable, and the backbone's keys and shapes
+            nets.append(Network(i, str(path or backbone), backbone, 0, None, path, 1, external=True))
     elif q.networks:
         paths = [p for text in q.networks for p in _pretrain_runs(Path(text).expanduser())]
         if len(paths) != q.n:
@@ -739,7 +818,7 @@ def find_networks(cfg: Config) -> list[Network]:
             if base["image_size"] != d.image_size:
                 raise OwaiError(f"{path} was pre-trained at {base['image_size']} px, the probe reads {d.image_size} px "
                                 f"(set data.image_size={base['image_size']})")
-            if _same_labels(base["base"], d.target):
+            if _same_labels(base["base"], d.target) and params["pretrain"].get("objective", "supervised") == "supervised":
                 try:
                     disjoint_split(base["base_classes"] or _all_classes(base["base"]),
                                    d.target_classes or _all_classes(d.target))
@@ -748,7 +827,7 @@ def find_networks(cfg: Config) -> list[Network]:
             nets.append(net)
     elif q.snapshots:  # Cat_n-s: n snapshots of one run, one seed
         seed = (q.seeds or [0])[0]
-        n_classes = base_class_count(cfg)
+        n_classes = head_classes(cfg)
         for epoch in q.snapshots:
             path = snapshot_path(cfg, seed, epoch)
             if not path.is_file():
@@ -759,7 +838,7 @@ def find_networks(cfg: Config) -> list[Network]:
                                 cfg.model.joint))
     else:
         seeds = q.seeds or list(range(q.n))
-        n_classes = base_class_count(cfg)
+        n_classes = head_classes(cfg)
         for seed in seeds:
             path = weights_path(cfg, seed)
             if not path.is_file():
@@ -772,21 +851,54 @@ def find_networks(cfg: Config) -> list[Network]:
         raise OwaiError(f"the networks' seeds {seeds} repeat: Cat_n concatenates n networks that differ by seed")
     widths = {}
     for net in nets:
-        if net.backbone not in BACKBONES:
+        if net.backbone not in BACKBONES and not net.backbone.startswith("hf:"):
             raise OwaiError(f"{net.label}: unknown backbone {net.backbone!r}")
         widths[net.label] = _feature_dim(net.backbone) * net.joint
-    if len(set(widths.values())) != 1:
+    # Cat_n of networks that differ only by seed have one width; checkpoints from elsewhere may mix
+    # sizes (SEER's Cat_n), but one student's heads regress one width
+    if len(set(widths.values())) != 1 and (not q.weights or "distill" in stages_of(cfg.stage)):
         shown = ", ".join(f"{w} ({label})" for label, w in list(widths.items())[:4])
-        raise OwaiError(f"the backbones have different feature sizes: {shown}; Cat_n's networks differ only by seed")
+        why = ("distill's heads need equal widths" if q.weights else "Cat_n's networks differ only by seed")
+        raise OwaiError(f"the backbones have different feature sizes: {shown}; {why}")
     return nets
+
+
+def weight_entry(text: str, default: str) -> tuple[str, Path | None]:
+    """(backbone, file) of a probe.weights entry: "PATH" -> (default, PATH); "BACKBONE:PATH" -> (BACKBONE,
+    PATH) when BACKBONE is an owai.models.vision name; "hf:ID" -> ("hf:ID", None), a Hugging Face model."""
+    from owai.models.vision import BACKBONES
+
+    if text.startswith("hf:"):
+        if not text[3:].strip():
+            raise OwaiError("probe.weights: 'hf:' needs a hub id or a local directory after it")
+        return text, None
+    name, sep, rest = text.partition(":")
+    if sep and name in BACKBONES:
+        return name, Path(rest).expanduser()
+    return default, Path(text).expanduser()
 
 
 @functools.lru_cache(maxsize=None)
 def _feature_dim(backbone: str) -> int:
-    """The backbone's feature width (built once per name)."""
+    """The backbone's feature width (built once per name, on the meta device; a Hugging Face model's
+    from its config)."""
     from owai.models.vision import build_backbone
 
-    return int(build_backbone(backbone, num_classes=1).feature_dim)
+    if backbone.startswith("hf:"):
+        from owai.models.hf_vision import hf_feature_dim
+
+        return hf_feature_dim(backbone[3:])
+    with torch.device("meta"):
+        return int(build_backbone(backbone, num_classes=1).feature_dim)
+
+
+@functools.lru_cache(maxsize=None)
+def _native_size(backbone: str) -> int:
+    """The one image size a backbone takes (a ViT's position embeddings), 0 when any size goes."""
+    from owai.models.vision import build_backbone
+
+    with torch.device("meta"):
+        return int(getattr(build_backbone(backbone, num_classes=1), "image_size", 0) or 0)
 
 
 def load_network(net: Network) -> torch.nn.Module:
@@ -795,6 +907,10 @@ def load_network(net: Network) -> torch.nn.Module:
 
     from owai.checkpoint import load_checkpoint
 
+    if net.external and net.backbone.startswith("hf:"):  # a Hugging Face image model, features only
+        from owai.models.hf_vision import HFImageBackbone
+
+        return HFImageBackbone(net.backbone[3:])
     if net.external:  # features only, under a placeholder 1-class head (every stage strips or replaces it)
         from owai.models.rich import strip_head
         from owai.models.vision import build_backbone
@@ -810,8 +926,26 @@ def load_network(net: Network) -> torch.nn.Module:
             weights = load_file(str(net.weights))
         except Exception as e:  # noqa: BLE001 - a corrupt cache entry
             raise OwaiError(f"cannot read pretrained weights {net.weights}: {type(e).__name__}") from None
-    head = next((v.shape[0] for k, v in weights.items() if k == "fc.weight"), net.n_classes or 1)
-    return build_network(net.backbone, int(head), net.seed, weights, net.joint)
+    return network_from_state(net.backbone, weights, net.seed, net.joint, net.label)
+
+
+HEAD_KEYS = ("fc.weight", "classifier.weight", "heads.head.weight")  # ResNet / joint, DenseNet, ViT
+
+
+def network_from_state(backbone: str, state: dict[str, torch.Tensor], seed: int, joint: int, label: str) -> torch.nn.Module:
+    """A pretrained network from its state dict: with its base-class head when the state has one
+    (supervised), else its features only (SimSiam), the head stripped."""
+    from owai.models.rich import strip_head
+
+    head = next((state[k] for k in HEAD_KEYS if k in state), None)
+    if head is not None:
+        return build_network(backbone, int(head.shape[0]), seed, state, joint)
+    model = strip_head(build_network(backbone, 1, seed, joint=joint))
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise OwaiError(f"{label}: the weights do not fit {backbone}: {str(e).splitlines()[0]}") from None
+    return model
 
 
 WIDE = {"resnet18": "resnet18_w{k}", "resnet50": "resnet50_w{k}"}  # model.backbone -> its wide variants
@@ -843,8 +977,7 @@ def baseline_network(cfg: Config, name: str) -> Network:
     if not path.is_file():
         raise DataMissing(f"baseline {name} (seed {seed}) is not in the cache ({path}); run `owai rich-features "
                           f"--stage pretrain --seeds {seed} {how}` with the same settings first")
-    n_classes = base_class_count(cfg)
-    return Network(seed, f"{name} ({path})", model.backbone, n_classes, None, path, model.joint)
+    return Network(seed, f"{name} ({path})", model.backbone, head_classes(cfg), None, path, model.joint)
 
 
 def run_baseline_probes(cfg: Config, run: Run, train_set: Any, test_set: Any, measured: dict[str, Any]) -> None:
@@ -966,7 +1099,7 @@ def run_chain(cfg: Config, run: Run) -> Outcome:
     stages = stages_of(cfg.stage)
     d, device = cfg.data, run.device
     nets = find_networks(cfg)
-    train_set = load_split(cfg, d.target, "train", d.target_classes)
+    train_set = load_split(cfg, d.target, "train", d.target_classes, d.target_fraction)
     test_set = load_split(cfg, d.target, "test", d.target_classes)
     console.info(f"{cfg.stage}: {len(nets)} networks (seeds {[n.seed for n in nets]}), target {d.target} "
                  f"{len(train_set)} train / {len(test_set)} test images, {len(train_set.classes)} classes")
@@ -1107,24 +1240,32 @@ def run_distill(cfg: Config, run: Run, nets: list[Network], measured: dict[str, 
                 details: dict[str, Any]) -> torch.nn.Module:
     """Stage distill (§6.5): a student of the same architecture with n heads, head i fitting network i's
     softened logits on the base classes' training images; measured on the base test split by the mean of
-    its heads' logits (`distill{n}.base_acc`, beside the teachers' ensemble `teachers.base_acc`). Returns
-    the student's backbone (features, no heads), frozen."""
+    its heads' logits (`distill{n}.base_acc`, beside the teachers' ensemble `teachers.base_acc`). With
+    distill.target=features (self-supervised networks, TH A.3.3) head i regresses network i's features
+    (1 - cos) and there is no base accuracy. Returns the student's backbone (features, no heads), frozen."""
     from owai.data.domainbed import StepBatches, StepStream
-    from owai.models.rich import MultiHeadStudent, distill_loss, strip_head
+    from owai.models.rich import MultiHeadStudent, distill_loss, feature_distill_loss, strip_head
     from owai.runtime import derive_seed
     from owai.train import LoopConfig, train_loop
 
     d, s, device, n = cfg.data, cfg.distill, run.device, len(nets)
+    on_features = s.target == "features"
     base_train = load_split(cfg, d.base, "train", d.base_classes)
     base_test = load_split(cfg, d.base, "base-test", d.base_classes)
     n_classes = len(base_train.classes)
     teachers = [load_network(net).to(device).eval().requires_grad_(False) for net in nets]
-    for net, teacher in zip(nets, teachers):
-        if teacher.fc.out_features != n_classes:
-            raise OwaiError(f"{net.label} has a {teacher.fc.out_features}-class head; distill reads data.base "
-                            f"{d.base} with {n_classes} classes (set data.base / data.base_classes as in pre-training)")
+    if on_features:
+        teachers = [strip_head(t) for t in teachers]
+        n_out = int(teachers[0].feature_dim)  # equal for every network (find_networks)
+    else:
+        n_out = n_classes
+        for net, teacher in zip(nets, teachers):
+            width = next(int(v.shape[0]) for k, v in teacher.state_dict().items() if k in HEAD_KEYS)
+            if width != n_classes:
+                raise OwaiError(f"{net.label} has a {width}-class head; distill reads data.base "
+                                f"{d.base} with {n_classes} classes (set data.base / data.base_classes as in pre-training)")
     backbone = strip_head(build_network(cfg.model.backbone, n_classes, derive_seed(cfg.seed, "distill-student")))
-    student = MultiHeadStudent(backbone, n, n_classes).to(device)
+    student = MultiHeadStudent(backbone, n, n_out).to(device)
     per_epoch = len(base_train) / s.batch_size
     steps = max(1, round(s.epochs * per_epoch))
     batches = StepBatches(OneDomain(base_train), [0], [torch.arange(len(base_train))], s.batch_size, d.image_size,
@@ -1141,13 +1282,19 @@ def run_distill(cfg: Config, run: Run, nets: list[Network], measured: dict[str, 
     def loss_at(step: int, micro: int) -> torch.Tensor:
         x, y = stream.at(step)
         with torch.no_grad():
-            targets = [t(x) for t in teachers]  # n x (B, C)
+            targets = [t(x) for t in teachers]  # n x (B, C) logits, or n x (B, d) features
+        if on_features:
+            return feature_distill_loss(student(x), targets)
         return distill_loss(student(x), targets, s.tau, labels=y, alpha=s.alpha)
 
     loop = LoopConfig(steps=steps, checkpoint_every=min(s.checkpoint_every, steps), log_every=min(s.log_every, steps),
                       precision=_precision(cfg, device))
-    train_loop(run, "distill", student, optimizer, loss_at, loop, lr_at=lr_at)
+    summary = train_loop(run, "distill", student, optimizer, loss_at, loop, lr_at=lr_at)
     student.eval()
+    details["distill"] = {"steps": steps, "base_train": len(base_train), "base_test": len(base_test),
+                          "target": s.target, "final_loss": summary["final_loss"]}
+    if on_features:
+        return student.backbone.requires_grad_(False)
     with torch.no_grad():
         mean_heads = _Averaged(lambda x: torch.stack(student(x)).mean(0))
         ensemble = _Averaged(lambda x: torch.stack([t(x) for t in teachers]).mean(0))
@@ -1155,7 +1302,6 @@ def run_distill(cfg: Config, run: Run, nets: list[Network], measured: dict[str, 
         measured[f"distill{n}.base_acc"] = _acc(logits, y)
         logits, y = predict(cfg, ensemble, base_test, device)
         measured["teachers.base_acc"] = _acc(logits, y)
-    details["distill"] = {"steps": steps, "base_train": len(base_train), "base_test": len(base_test)}
     return student.backbone.requires_grad_(False)
 
 

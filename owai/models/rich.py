@@ -8,6 +8,8 @@ function; nothing trains. The pieces and where they are used:
     catsub                 catsub_logits: the mean of n probes, each on one network's features   §6.2
     two-stage fine-tuning  ConcatFeatures(fine-tuned, frozen=True) -> two_stage_head(heads)       §6.4
     Distill_n              MultiHeadStudent (one backbone, n heads) trained with distill_loss     §6.5
+                           (self-supervised teachers: heads fit their features, feature_distill_loss)
+    SSL pre-training       SimSiam (backbone -> projector -> predictor) with simsiam_loss        A.3.3
     few-shot (Baseline++)  CosineClassifier (Chen et al. 2019 distLinear)                         §6.6
 
 A backbone is any module mapping a batch of images to (B, d) features. An `owai.models.vision`
@@ -31,13 +33,18 @@ from owai.errors import OwaiError
 
 def strip_head(model: nn.Module) -> nn.Module:
     """Replace an owai.models.vision backbone's classification head by Identity (in place) and return
-    it: its forward is then the (B, feature_dim) penultimate representation."""
-    from owai.models.vision import _remove_head
+    it: its forward is then the (B, feature_dim) penultimate representation. A module that is already
+    a feature extractor (a `feature_dim` and no head, e.g. `owai.models.hf_vision.HFImageBackbone`)
+    is returned as it is."""
+    from owai.models.vision import DenseNet, ResNet, VisionTransformer, _remove_head
 
     if isinstance(model, JointNetwork):
         model.fc = nn.Identity()
-    else:
+    elif isinstance(model, (ResNet, DenseNet, VisionTransformer)):
         _remove_head(model)
+    elif getattr(model, "feature_dim", None) is None:
+        raise OwaiError(f"{type(model).__name__} is neither an owai vision backbone nor a feature extractor "
+                        "with a feature_dim")
     return model
 
 
@@ -276,6 +283,75 @@ def distill_loss(student_logits: Sequence[Tensor], teacher_logits: Sequence[Tens
             term = term + (1.0 - alpha) * F.cross_entropy(s, labels)
         total = total + term
     return total
+
+
+def feature_distill_loss(student_outputs: Sequence[Tensor], teacher_features: Sequence[Tensor]) -> Tensor:
+    """Distill_n of self-supervised networks (TH A.3.3, spec §6.5 "SSL variant"): the teachers have no
+    class heads (v_i = identity), so head i of the student regresses teacher i's features in direction:
+
+        sum_i mean_x (1 - cos(phi_i(x), w_i Phi(x)))
+
+    student_outputs[i] (B, d_i) = w_i Phi(x); teacher_features[i] (B, d_i) = phi_i(x), detached."""
+    student, teacher = list(student_outputs), list(teacher_features)
+    if not student:
+        raise OwaiError("feature distill loss needs at least one head, got none")
+    if len(student) != len(teacher):
+        raise OwaiError(f"feature distill loss got {len(student)} student heads but {len(teacher)} teachers")
+    total = student[0].new_zeros(())
+    for i, (s, t) in enumerate(zip(student, teacher)):
+        if s.ndim != 2 or s.shape != t.shape:
+            raise OwaiError(f"feature distill head {i}: student {tuple(s.shape)} vs teacher {tuple(t.shape)}, "
+                            "expected equal (B, d)")
+        total = total + (1.0 - F.cosine_similarity(s, t.detach().to(s.dtype), dim=1)).mean()
+    return total
+
+
+# ------------------------------------------------------------------------------------------ SimSiam
+
+
+class SimSiam(nn.Module):
+    """SimSiam (Chen & He 2021), the self-supervised pre-training of TH Table A.4.
+
+    backbone f (B, 3, S, S) -> (B, d); projector g: `proj_layers` x [Linear (no bias) -> BN -> ReLU]
+    with the last block Linear -> BN (no affine, no ReLU), width `dim` (the first hidden width is d);
+    predictor h: Linear(dim, pred_dim, no bias) -> BN -> ReLU -> Linear(pred_dim, dim). Forward on a
+    batch of two stacked views (2B, 3, S, S) returns (p, z), each (2B, dim): predictions and
+    projections. The backbone alone is the representation that is transferred.
+    """
+
+    def __init__(self, backbone: nn.Module, dim: int = 2048, pred_dim: int = 512, proj_layers: int = 3,
+                 feature_dim: int | None = None) -> None:
+        super().__init__()
+        width = _width(backbone, feature_dim, "SimSiam backbone")
+        for name, v in (("dim", dim), ("pred_dim", pred_dim), ("proj_layers", proj_layers)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise OwaiError(f"SimSiam {name} must be a positive integer, got {v!r}")
+        self.backbone = backbone
+        self.feature_dim = width
+        layers: list[nn.Module] = []
+        fan_in = width
+        for _ in range(proj_layers - 1):
+            layers += [nn.Linear(fan_in, width, bias=False), nn.BatchNorm1d(width), nn.ReLU(inplace=True)]
+            fan_in = width
+        layers += [nn.Linear(fan_in, dim, bias=False), nn.BatchNorm1d(dim, affine=False)]
+        self.projector = nn.Sequential(*layers)
+        self.predictor = nn.Sequential(nn.Linear(dim, pred_dim, bias=False), nn.BatchNorm1d(pred_dim),
+                                       nn.ReLU(inplace=True), nn.Linear(pred_dim, dim))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        z = self.projector(self.backbone(x))  # (2B, dim)
+        return self.predictor(z), z
+
+
+def simsiam_loss(p: Tensor, z: Tensor) -> Tensor:
+    """SimSiam's symmetrised negative cosine with stop-gradient (Chen & He 2021, Eq. 3-4), for two
+    stacked views: p, z (2B, dim) = [view 1; view 2]. L = -(cos(p1, sg(z2)) + cos(p2, sg(z1))) / 2,
+    averaged over the batch; its minimum is -1."""
+    if p.shape != z.shape or p.ndim != 2 or p.shape[0] % 2:
+        raise OwaiError(f"SimSiam loss needs two stacked views of equal shape, got {tuple(p.shape)} and {tuple(z.shape)}")
+    p1, p2 = p.chunk(2)
+    z1, z2 = z.detach().chunk(2)
+    return -0.5 * (F.cosine_similarity(p1, z2, dim=1).mean() + F.cosine_similarity(p2, z1, dim=1).mean())
 
 
 # ------------------------------------------------------------------------------------- cosine head

@@ -9,7 +9,8 @@ keys and shapes are exactly torchvision's: the official checkpoint files load wi
     ResNet      conv1 7x7/2 - bn1 - relu - maxpool 3x3/2 - layer1..4 - avgpool - fc
                 BasicBlock (18/34): 3x3 - 3x3;  Bottleneck (50+): 1x1 - 3x3 (stride here, "v1.5") - 1x1 (x4)
                 wide_resnet50_k: the bottleneck's inner width is k * 64 * 2^i instead of 64 * 2^i
-                resnet{18,50}_wk: every channel count x k (the thesis's / SwAV's "resnet50w2"; no official weights)
+                resnet{18,50}_wk: every channel count x k (the thesis's / SwAV's "resnet50w2", "resnet50w5"; no
+                official torchvision weights)
     DenseNet    features.{conv0, norm0, relu0, pool0, denseblock1, transition1, ..., denseblock4, norm5}
                 - relu - avgpool - classifier; each dense layer BN-ReLU-1x1 (bn_size*growth) -BN-ReLU-3x3 (growth)
     ViT         conv_proj (patch P, stride P) - [class_token; patches] + encoder.pos_embedding
@@ -171,6 +172,12 @@ def resnet50_w2(num_classes: int = 1000) -> ResNet:
 def resnet50_w4(num_classes: int = 1000) -> ResNet:
     """The thesis's "resnet50w4" (375.4M without the head): every channel count x4, 8192-d features."""
     return ResNet(Bottleneck, (3, 4, 6, 3), num_classes, width=4)
+
+
+def resnet50_w5(num_classes: int = 1000) -> ResNet:
+    """SwAV's "resnet50w5" (586,450,240 = 586.5M parameters without the head): every channel count x5,
+    10240-d features."""
+    return ResNet(Bottleneck, (3, 4, 6, 3), num_classes, width=5)
 
 
 def wide_resnet50_2(num_classes: int = 1000) -> ResNet:
@@ -363,6 +370,12 @@ def vit_l_16(num_classes: int = 1000, image_size: int = 224, **kwargs: float) ->
     return VisionTransformer(image_size, 16, 24, 16, 1024, 4096, num_classes, **kwargs)
 
 
+def vit_mini_4(num_classes: int = 1000, image_size: int = 32, **kwargs: float) -> VisionTransformer:
+    """A 4-layer ViT for 32 px images (patch 4, D 128, 4 heads, MLP 512; 0.8M parameters): not a
+    published model, the cpu stand-in of TH Fig. 2.4's ImageNet-21k ViT-B/16 and ViT-L/16."""
+    return VisionTransformer(image_size, 4, 4, 4, 128, 512, num_classes, **kwargs)
+
+
 # ---------------------------------------------------------------------------------------------- registry
 
 BACKBONES: dict[str, Callable[..., nn.Module]] = {
@@ -373,11 +386,13 @@ BACKBONES: dict[str, Callable[..., nn.Module]] = {
     "resnet18_w4": resnet18_w4,
     "resnet50_w2": resnet50_w2,
     "resnet50_w4": resnet50_w4,
+    "resnet50_w5": resnet50_w5,
     "wide_resnet50_2": wide_resnet50_2,
     "wide_resnet50_4": wide_resnet50_4,
     "densenet121": densenet121,
     "vit_b_16": vit_b_16,
     "vit_l_16": vit_l_16,
+    "vit_mini_4": vit_mini_4,
 }
 
 _TV = "https://download.pytorch.org/models/"

@@ -1,0 +1,195 @@
+"""Self-supervised rich representations (thesis App. A.3.3, Table A.4): SimSiam pre-training, the
+self-supervised Distill_n (heads regress the networks' features), subsampled probes (CIFAR10 1 %),
+and the formulas they rest on; and vision transformers as the n networks (Figure 2.4's stand-in)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import as_sets, cli_in_process
+
+RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "tableA.4-simsiam.yaml")
+# SimSiam on the packaged MNIST file's digits 0-4 (8 images per class), ResNet-18 at 16 px, a few updates
+TINY = [
+    "data.base=mnist-t10k", "data.target=mnist-t10k", "data.limit_per_class=8", "data.image_size=16",
+    "data.eval_batch_size=64", "data.workers=0",
+    "pretrain.epochs=1.0", "pretrain.batch_size=8", "pretrain.checkpoint_every=2", "pretrain.ssl_dim=32",
+    "pretrain.ssl_pred_dim=8",
+    "probe.n=2", "probe.sizes=[1,2]", "probe.epochs=2", "probe.milestones=[1]", "probe.batch_size=8",
+    "probe.checkpoint_every=2", "probe.log_every=2", "probe.baselines=[]",
+    "distill.epochs=1.0", "distill.batch_size=8", "distill.warmup_epochs=0.5", "distill.milestones=[0.8]",
+    "distill.checkpoint_every=2", "distill.log_every=2",
+]
+
+
+def _cli(args: list[str], capsys) -> tuple[int, str, str]:
+    return cli_in_process(["rich-features", "-r", RECIPE, "-p", "cpu", *args, "-q"], capsys)
+
+
+def test_simsiam_loss_is_the_symmetrised_negative_cosine_with_stop_gradient() -> None:
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(6, 5, generator=gen, requires_grad=True)
+    z = torch.randn(6, 5, generator=gen, requires_grad=True)
+    from owai.models.rich import simsiam_loss
+
+    loss = simsiam_loss(p, z)
+    p1, p2, z1, z2 = p.detach()[:3], p.detach()[3:], z.detach()[:3], z.detach()[3:]
+    by_hand = -0.5 * (sum(float(F.cosine_similarity(p1[i], z2[i], dim=0)) for i in range(3)) / 3
+                      + sum(float(F.cosine_similarity(p2[i], z1[i], dim=0)) for i in range(3)) / 3)
+    assert float(loss) == pytest.approx(by_hand, abs=1e-6)
+    loss.backward()
+    assert p.grad is not None and p.grad.abs().sum() > 0
+    assert z.grad is None  # the stop-gradient: no gradient reaches the projections
+    aligned = torch.cat([z.detach()[3:] * 2.0, z.detach()[:3] * 0.5])  # p1 || z2, p2 || z1
+    assert float(simsiam_loss(aligned, z.detach())) == pytest.approx(-1.0, abs=1e-6)
+
+
+def test_feature_distill_loss_is_one_minus_cosine_summed_over_heads() -> None:
+    from owai.models.rich import feature_distill_loss
+
+    gen = torch.Generator().manual_seed(1)
+    student = [torch.randn(4, 3, generator=gen) for _ in range(2)]
+    teacher = [torch.randn(4, 3, generator=gen) for _ in range(2)]
+    by_hand = 0.0
+    for s, t in zip(student, teacher):
+        cos = [float(s[b] @ t[b] / (s[b].norm() * t[b].norm())) for b in range(4)]
+        by_hand += sum(1 - c for c in cos) / 4
+    assert float(feature_distill_loss(student, teacher)) == pytest.approx(by_hand, abs=1e-6)
+    assert float(feature_distill_loss(teacher, [3.0 * t for t in teacher])) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_simsiam_views_are_two_independent_reproducible_augmentations() -> None:
+    from owai.data.classification import load_digits
+    from owai.data.domainbed import StepBatches
+    from owai.methods.rich_features import OneDomain
+
+    data = OneDomain(load_digits())
+    batches = StepBatches(data, [0], [torch.arange(50)], 4, 16, True, seed=3, steps=2, views=2)
+    x, y, _ = batches[1]
+    assert x.shape == (8, 3, 16, 16) and y.shape == (4,)
+    assert not torch.allclose(x[:4], x[4:])  # the two views of each image differ
+    again, _, _ = StepBatches(data, [0], [torch.arange(50)], 4, 16, True, seed=3, steps=2, views=2)[1]
+    assert torch.equal(x, again)
+    one, y1, _ = StepBatches(data, [0], [torch.arange(50)], 4, 16, True, seed=3, steps=2)[1]
+    assert torch.equal(y1, y) and one.shape == (4, 3, 16, 16)  # same images picked as with one view
+
+
+def test_target_fraction_keeps_that_share_of_every_class(tmp_path) -> None:
+    from owai.experiment import resolve
+    from owai.methods import rich_features as rf
+    from owai.recipes import load
+
+    cfg, _ = resolve(load(RECIPE), "cpu", ["data.base=mnist-t10k", "data.target=mnist-t10k", "data.target_fraction=0.1"])
+    full = rf.load_split(cfg, "mnist-t10k", "train", ["5", "6"])
+    part = rf.load_split(cfg, "mnist-t10k", "train", ["5", "6"], 0.1)
+    counts, kept = torch.bincount(full.labels).tolist(), torch.bincount(part.labels).tolist()
+    assert kept == [math.ceil(0.1 * c) for c in counts]
+    again = rf.load_split(cfg, "mnist-t10k", "train", ["5", "6"], 0.1)
+    assert torch.equal(part.labels, again.labels) and torch.equal(part.images, again.images)
+
+
+@pytest.fixture(scope="module")
+def ssl_cache(tmp_path_factory, one_thread) -> Path:
+    """Two SimSiam networks (seeds 0, 1) at TINY scale in a cache."""
+    root = tmp_path_factory.mktemp("rich-ssl")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OWAI_CACHE", str(root / "cache"))
+        from owai.cli import main
+
+        try:
+            main(["rich-features", "--stage", "pretrain", "-r", RECIPE, "-p", "cpu", "--seeds", "0,1",
+                  *as_sets(TINY), "-o", str(root / "runs"), "-q"])
+        except SystemExit as e:
+            assert not e.code
+    return root / "cache"
+
+
+def test_simsiam_pretraining_caches_features_without_a_head(ssl_cache) -> None:
+    from safetensors.torch import load_file
+
+    files = sorted((ssl_cache / "pretrained").glob("resnet18-*.safetensors"))
+    assert len(files) == 2
+    state = load_file(str(files[0]))
+    assert "fc.weight" not in state and "conv1.weight" in state
+    assert not any(k.startswith(("projector", "predictor")) for k in state)
+    assert not torch.equal(state["conv1.weight"], load_file(str(files[1]))["conv1.weight"])
+
+
+def test_simsiam_networks_probe_their_own_classes_and_distill_on_features(ssl_cache, tmp_path, capsys,
+                                                                       monkeypatch) -> None:
+    """Self-supervised networks never saw a label: probing the base classes themselves (Table A.4's
+    CIFAR10 column) is allowed, on 1/2 of the images; Distill_2 regresses their features."""
+    monkeypatch.setenv("OWAI_CACHE", str(ssl_cache))
+    rc, _, err = _cli(["--stage", "distill,probe", "--seeds", "0,1", *as_sets(TINY),
+                       "--set", 'data.target_classes=["0","1","2","3","4"]', "--set", "data.target_fraction=0.5",
+                       "-o", str(tmp_path)], capsys)
+    assert rc == 0, err
+    run_dir = next((tmp_path / "tableA.4-simsiam").iterdir())
+    results = json.loads((run_dir / "results.json").read_text())
+    measured = {r["metric"]: r["measured"] for r in results["rows"]}
+    assert {"cat1.acc", "cat2.acc", "distill2.acc", "single.acc"} <= set(measured)
+    assert "distill2.base_acc" not in measured  # no heads, no base accuracy
+    assert results["details"]["split_sizes"]["train"] == 5 * 4  # half of each class's 8 training images
+    assert results["details"]["distill"]["target"] == "features"
+
+
+def test_simsiam_networks_refuse_logit_distillation(ssl_cache, tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("OWAI_CACHE", str(ssl_cache))
+    rc, _, err = _cli(["--stage", "distill", "--seeds", "0,1", *as_sets(TINY), "--set", "distill.target=logits",
+                       "-o", str(tmp_path)], capsys)
+    assert rc != 0 and "distill.target=features" in err and len(err.strip().splitlines()) == 1
+    assert not any(tmp_path.iterdir())
+
+
+def test_supervised_networks_still_refuse_overlapping_classes(tmp_path, capsys) -> None:
+    rc, _, err = _cli(["--stage", "pretrain", *as_sets(TINY), "--set", "pretrain.objective=supervised",
+                       "--set", "pretrain.transfer_probe=true", "--set", 'data.target_classes=["4","5"]',
+                       "-o", str(tmp_path)], capsys)
+    assert rc != 0 and "4" in err and len(err.strip().splitlines()) == 1
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_ssl_transfer_recipes_read_the_simsiam_recipes_networks() -> None:
+    """tableA.5-swav's and tableA.6-seer's cpu stand-ins evaluate tableA.4-simsiam's cached networks:
+    the same pre-training settings, so the same cache key."""
+    from owai.experiment import resolve
+    from owai.methods.rich_features import pretrain_key
+    from owai.recipes import load
+
+    local = ["data.base=mnist-t10k", "data.target=mnist-t10k", "stage=pretrain"]
+    key = pretrain_key(resolve(load(RECIPE), "cpu", local)[0], 0)
+    for other in ("tableA.5-swav", "tableA.6-seer"):
+        assert pretrain_key(resolve(load(other), "cpu", local)[0], 0) == key, other
+    supervised = resolve(load(RECIPE), "cpu", [*local, "pretrain.objective=supervised",
+                                              'data.target_classes=["5","6"]'])[0]
+    assert pretrain_key(supervised, 0) != key
+
+
+def test_a_vit_is_probed_at_its_own_image_size(tmp_path, capsys) -> None:
+    rc, _, err = cli_in_process(["rich-features", "-r", "fig2.4-vit", "-p", "cpu", "--stage", "pretrain",
+                                 "--set", "data.image_size=16", "-o", str(tmp_path), "-q"], capsys)
+    assert rc != 0 and "vit_mini_4 is built for 32 px images" in err and len(err.strip().splitlines()) == 1
+    assert not any(tmp_path.iterdir())
+
+
+def test_vit_networks_pretrain_distill_probe_and_two_stage(tmp_path, capsys, monkeypatch, one_thread) -> None:
+    """Figure 2.4's stand-in end to end at miniature scale: ViTs keep their head under `heads.head`
+    (not `fc`), which loading and distillation must find."""
+    monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
+    tiny = ["data.base=mnist-t10k", "data.target=mnist-t10k", "data.limit_per_class=8", "pretrain.epochs=1.0",
+            "pretrain.batch_size=8", "distill.epochs=1.0", "distill.batch_size=8", "finetune.epochs=0.5",
+            "finetune.batch_size=8", "probe.batch_size=8", "probe.epochs=1", "probe.milestones=[]"]
+    base = ["rich-features", "-r", "fig2.4-vit", "-p", "cpu", "--seeds", "0,1", *as_sets(tiny), "-q"]
+    rc, _, err = cli_in_process([*base, "--stage", "pretrain", "-o", str(tmp_path / "pre")], capsys)
+    assert rc == 0, err
+    rc, _, err = cli_in_process([*base, "--stage", "distill,probe,two-stage", "-o", str(tmp_path / "eval")], capsys)
+    assert rc == 0, err
+    run_dir = next((tmp_path / "eval" / "fig2.4-vit").iterdir())
+    measured = {r["metric"] for r in json.loads((run_dir / "results.json").read_text())["rows"]}
+    assert {"distill2.base_acc", "cat2.acc", "distill2.acc", "two_stage.cat2.acc", "ft.ensemble.acc"} <= measured
