@@ -42,7 +42,7 @@ def test_simsiam_loss_is_the_symmetrised_negative_cosine_with_stop_gradient() ->
     p1, p2, z1, z2 = p.detach()[:3], p.detach()[3:], z.detach()[:3], z.detach()[3:]
     by_hand = -0.5 * (sum(float(F.cosine_similarity(p1[i], z2[i], dim=0)) for i in range(3)) / 3
                       + sum(float(F.cosine_similarity(p2[i], z1[i], dim=0)) for i in range(3)) / 3)
-    assert float(loss) == pytest.approx(by_hand, abs=1e-6)
+    assert float(loss.detach()) == pytest.approx(by_hand, abs=1e-6)
     loss.backward()
     assert p.grad is not None and p.grad.abs().sum() > 0
     assert z.grad is None  # the stop-gradient: no gradient reaches the projections
