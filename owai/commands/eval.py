@@ -6,12 +6,18 @@
         RegBench (Fig 3.10, Table B.3): the recipe's grid search as a sweep, the cell with the lowest
         validation loss per model and size, its test accuracy and "TVD" beside the thesis's, the figure
 
+    owai eval ruler --ctx 32k --model RUN_DIR|HF_ID|reference:oracle [--tasks qa_1,qa_2] [--n 500]
+        RULER (Tables 4.4, 4.5, C.1): multi-document QA and synthetic recall, prompts fitted per length
+    owai eval icl --model RUN_DIR|HF_ID|reference:knn [--task banking77] [--shots 1,2,4,8] [--labels both]
+        in-context classification (Figs 4.6-4.9, Table 4.6): LongICLBench's tasks, best of four prompt strategies
+
 `owai eval posloss` takes `--data-root` (named corpora, relative paths); `owai eval regbench` (and
 `owai moons`) generate their data, so they have no data flag.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -24,7 +30,7 @@ from owai.commands._common import (ArrayParallelism, CpusPerTask, Executor, Exec
 from owai.commands.mosaic import ConfigName, Context, Dataset, Models, run_eval
 from owai.errors import OwaiError
 
-eval_app = typer.Typer(help="Evaluate models: per-position loss (posloss), RegBench in-context language learning (regbench).",
+eval_app = typer.Typer(help="Evaluate models: per-position loss (posloss), RegBench in-context language learning (regbench), in-context classification (icl), RULER long-context recall (ruler).",
                        no_args_is_help=True)
 
 REGBENCH_RECIPE = "fig3.10-regbench"
@@ -139,6 +145,91 @@ def regbench(
                              select={"metric": "val_loss", "mode": "min", "per": per})
     run_study(plan, runs_on, write_study, study_table, "regbench.md", f"owai eval regbench --resume {plan.path}",
               quiet, as_json)
+
+
+RULER_RECIPE = "table4.4-ruler"
+
+
+@eval_app.command("ruler")
+def ruler(
+    model: Annotated[Optional[str], typer.Option(
+        "--model", "-m", help="A run or save_pretrained directory, a Hugging Face id, or reference:oracle / reference:null / reference:slot:K.")] = None,
+    ctx: Annotated[Optional[str], typer.Option("--ctx", help="Comma-separated context lengths: 4k, 8k, 16k, 32k, 64k, 128k or a number of tokens.")] = None,
+    tasks: Annotated[Optional[str], typer.Option("--tasks", help="Comma-separated tasks: qa_1, qa_2 (the thesis's), niah_*, vt, cwe, fwe.")] = None,
+    n: Annotated[Optional[int], typer.Option("--n", min=1, help="Samples per task and length (RULER: 500).")] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="The haystacks' seed (RULER: 42).")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", help="Override the model's tokenizer; reference models need one.")] = None,
+    haystack_dir: Annotated[Optional[str], typer.Option("--haystack-dir", help="The essay haystack: a folder of .txt essays.")] = None,
+    ablate: Annotated[Optional[str], typer.Option("--ablate", help="Switch a part off at inference: long_term_memory (Table C.1).")] = None,
+    recipe: Annotated[str, typer.Option("--recipe", "-r", help="table4.4-ruler or a RULER recipe file.")] = RULER_RECIPE,
+    preset: Preset = None,
+    sets: Sets = None,
+    out: Out = Path("runs"),
+    quiet: Quiet = False,
+    as_json: Json = False,
+) -> None:
+    """RULER (Tables 4.4, 4.5, C.1): multi-document QA (SQuAD, HotpotQA) and synthetic recall at each context length, prompts fitted with the model's tokenizer."""
+    from owai.commands._common import run_recipe
+
+    extra = list(sets or [])
+    for key, value in (("model", model), ("tokenizer", tokenizer), ("haystack_dir", haystack_dir)):
+        if value is not None:
+            extra.append(f"{key}={value}")
+    for key, value in (("n", n), ("seed", seed)):
+        if value is not None:
+            extra.append(f"{key}={value}")
+    for key, value, flag in (("ctx", ctx, "--ctx"), ("tasks", tasks, "--tasks"), ("ablate", ablate, "--ablate")):
+        if value is not None:  # quoted: "4k" and "2048" are both context names (strings)
+            extra.append(f"{key}={json.dumps(csv_values(value, flag))}")
+    run_recipe(recipe, preset, extra, out, None, quiet, as_json, methods=("ruler",))
+
+
+ICL_RECIPE = "fig4.6-icl"
+
+
+@eval_app.command("icl")
+def icl(
+    model: Annotated[Optional[str], typer.Option(
+        "--model", "-m", help="A run or save_pretrained directory, a Hugging Face id, or reference:knn / reference:last.")] = None,
+    task: Annotated[Optional[str], typer.Option("--task", help="banking77, goemotion, tacred or synthetic (default: the recipe's).")] = None,
+    shots: Annotated[Optional[str], typer.Option("--shots", help="Comma-separated shot counts, e.g. 1,2,4,8 (one demonstration per class each).")] = None,
+    labels: Annotated[Optional[str], typer.Option("--labels", help="semantic, anonymous or both (comma-separated).")] = None,
+    n: Annotated[Optional[int], typer.Option("--n", min=1, help="Number of queries (LongICLBench: 500).")] = None,
+    data: Annotated[Optional[str], typer.Option("--data", help="The task's folder or a root holding icl/<task>; hf = the hub ids.")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", help="Override the model's tokenizer (hub id or tokenizer.json).")] = None,
+    recipe: Annotated[str, typer.Option("--recipe", "-r", help="fig4.6-icl or an ICL recipe file.")] = ICL_RECIPE,
+    preset: Preset = None,
+    sets: Sets = None,
+    out: Out = Path("runs"),
+    resume: Resume = None,
+    quiet: Quiet = False,
+    as_json: Json = False,
+) -> None:
+    """In-context classification (Figs 4.6-4.9, Table 4.6): LongICLBench's banking77 / goemotion / tacred, semantic and anonymous labels, four prompt strategies."""
+    from owai.commands._common import run_recipe
+
+    extra = list(sets or [])
+    if model is not None:
+        extra.append(f"model={model}")
+    if task is not None:
+        extra.append(f"task={task}")
+    if shots is not None:
+        extra.append("shots=[" + ", ".join(csv_values(shots, "--shots")) + "]")
+    if labels is not None:
+        modes = ["semantic", "anonymous"] if labels == "both" else csv_values(labels, "--labels")
+        extra.append("labels=[" + ", ".join(modes) + "]")
+    if n is not None:
+        extra.append(f"n_queries={n}")
+    if data is not None:
+        extra.append(f"data={data}")
+    if tokenizer is not None:
+        extra.append(f"tokenizer={tokenizer}")
+    if resume is not None:
+        if extra != list(sets or []) or preset is not None or recipe != ICL_RECIPE:
+            raise OwaiError("--resume takes the run's settings from RUN_DIR/config.yaml; drop the other options")
+        run_recipe(None, None, sets, out, resume, quiet, as_json, methods=("icl",))
+        return
+    run_recipe(recipe, preset, extra, out, None, quiet, as_json, methods=("icl",))
 
 
 def register(app: typer.Typer) -> None:

@@ -28,6 +28,8 @@ REGISTRY: dict[str, str] = {
     "camelyon17": "owai.methods.camelyon17:Camelyon17Bonsai",
     "twobits": "owai.methods.twobits:TwoBitsLandscape",
     "rich_features": "owai.methods.rich_features:RichFeatures",
+    "icl": "owai.methods.icl_eval:InContextClassification",
+    "ruler": "owai.methods.ruler_eval:Ruler",
 }
 
 

@@ -1,0 +1,198 @@
+"""One model interface for chapter 4's evaluation suites (spec evals.md sec 0.3), over any causal LM.
+
+The suites (`owai.evals.ruler`, `owai.evals.longicl`) call a model as
+
+    count_tokens(text) -> int              tokens of `text` (no special tokens): prompt fitting, overflow
+    generate(prompt, max_new_tokens) -> str  greedy continuation, cut at `stop` strings
+    max_tokens                             the longest sequence the model takes (None: any length)
+
+and the log-likelihood suites also `loglikelihood(context, continuation) -> (float, bool)`.
+`open_model(spec)` gives one from
+
+    a directory          an owai run directory (models/<arch>/, mosaic-train) or a save_pretrained
+                         directory: the model through the Auto classes, the tokenizer it was trained
+                         with (owai_tokenizer.json) unless one is given
+    a Hugging Face id    AutoModelForCausalLM + its own tokenizer (no remote code)
+    reference:NAME       a reference model of the suite that validates the pipeline without training
+                         (`owai.evals.ruler` / `owai.evals.longicl`: oracle, null, slot:K, knn, last)
+
+Prompts over `max_tokens` (minus the generation budget) are the suites' overflow, never truncated
+here. On CUDA the model runs in bfloat16 (`precision="auto"`). `ablate("long_term_memory")` switches
+a Memory Mosaics v2 model's long-term memory off for the rows of Tables 4.2, 4.3 and C.1; models
+without one refuse it in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from owai.errors import OwaiError
+
+REFERENCE = "reference:"
+ABLATIONS = ("long_term_memory",)
+
+
+class CausalLM:
+    """A causal language model and its tokenizer, as the evaluation suites call them."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, label: str, device: torch.device | None = None,
+                 precision: str = "auto") -> None:
+        from owai.runtime import auto_precision
+
+        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[auto_precision(precision, self.device)]
+        self.model = model.to(self.device, dtype=dtype).eval()
+        self.tokenizer, self.label = tokenizer, label
+        self.max_tokens = _max_tokens(self.model)
+        self.ablated: set[str] = set()
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text))
+
+    @torch.no_grad()
+    def generate(self, prompt: str, max_new_tokens: int = 32, stop: tuple[str, ...] = ()) -> str:
+        """The greedy continuation of `prompt` (at most max_new_tokens tokens), cut before the first
+        stop string; the end-of-text token ends it."""
+        ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise OwaiError(f"{self.label}: the prompt encodes to no tokens")
+        x = torch.tensor([ids], device=self.device)
+        eot = getattr(self.tokenizer, "eot_id", None)
+        out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                  do_sample=False, eos_token_id=eot, pad_token_id=eot if eot is not None else 0)
+        new = [int(t) for t in out[0, x.shape[1]:].tolist()]
+        if eot is not None and eot in new:
+            new = new[: new.index(eot)]
+        text = self.tokenizer.decode(new)
+        cuts = [text.index(s) for s in stop if s and s in text]
+        return text[: min(cuts)] if cuts else text
+
+    @torch.no_grad()
+    def loglikelihood(self, context: str, continuation: str) -> tuple[float, bool]:
+        """(sum of log p(continuation tokens | context and the tokens before), whether every one of them
+        is the argmax): lm-evaluation-harness's loglikelihood request, from full-sequence logits."""
+        ctx, cont = self.tokenizer.encode(context), self.tokenizer.encode(continuation)
+        if not cont:
+            raise OwaiError(f"{self.label}: the continuation {continuation!r} encodes to no tokens")
+        ids = (ctx + cont)[-(self.max_tokens or len(ctx) + len(cont)) - 1:]  # the harness keeps the tail
+        x = torch.tensor([ids[:-1]], device=self.device)
+        logits = self.model(input_ids=x).logits[0, -len(cont):].float()  # (len(cont), V)
+        logp = torch.log_softmax(logits, dim=-1)
+        target = torch.tensor(cont, device=self.device)
+        return float(logp.gather(1, target[:, None]).sum()), bool((logits.argmax(-1) == target).all())
+
+    @contextlib.contextmanager
+    def ablate(self, name: str) -> Iterator[None]:
+        """Switch a part of the model off while the block runs (weights untouched)."""
+        if name not in ABLATIONS:
+            raise OwaiError(f"unknown ablation {name!r}; known: {', '.join(ABLATIONS)}")
+        config = self.model.config
+        if not hasattr(config, name):
+            raise OwaiError(f"{self.label} ({getattr(config, 'model_type', type(self.model).__name__)}) has no {name} "
+                            "to switch off")
+        before = getattr(config, name)
+        setattr(config, name, False)
+        self.ablated.add(name)
+        try:
+            yield
+        finally:
+            setattr(config, name, before)
+            self.ablated.discard(name)
+
+
+def _max_tokens(model: torch.nn.Module) -> int | None:
+    """The longest input the model takes: a learned position table's length, else None (any length:
+    owai's RoPE / no-position models extrapolate; the suites then report what they measure)."""
+    from owai.models.lm import context_limit
+
+    limit = context_limit(model)
+    if limit is not None:
+        return limit
+    config = model.config
+    if getattr(config, "model_type", "") in ("gpt2", "gpt_neo", "opt", "bloom"):
+        return int(getattr(config, "n_positions", 0) or getattr(config, "max_position_embeddings", 0)) or None
+    return None
+
+
+def open_model(spec: str, tokenizer: str = "", device: torch.device | None = None, precision: str = "auto",
+               reference_data: Any = None) -> Any:
+    """The model `spec` names (module docstring): a CausalLM, or a reference model of the suite."""
+    if spec.startswith(REFERENCE):
+        if reference_data is None:
+            raise OwaiError(f"{spec}: reference models belong to a suite (owai eval ruler / icl)")
+        return reference_data(spec[len(REFERENCE):])
+    path = Path(spec).expanduser()
+    if path.exists():
+        return _from_directory(path, tokenizer, device, precision)
+    return _from_hub(spec, tokenizer, device, precision)
+
+
+def check_model(spec: str) -> None:
+    """Before a run: a directory that exists holds a saved model; a reference name is left to its suite."""
+    if spec.startswith(REFERENCE) or not spec:
+        return
+    path = Path(spec).expanduser()
+    if path.exists():
+        from owai.methods.language_model import model_dirs
+
+        found = model_dirs(path)
+        if len(found) != 1:
+            raise OwaiError(f"{path} holds {len(found)} models ({', '.join(label for label, _ in found)}); "
+                            f"name one: {path}/models/<arch>")
+    else:  # a hub id: in the local cache, or the hub answers (one line otherwise, no minute of retries)
+        from owai.data.text import check_tokenizer
+
+        check_tokenizer(spec)
+
+
+def check_ablation(spec: str, names: list[str]) -> None:
+    """Before a run: a saved model directory must have the parts `names` switch off (its config field);
+    a hub model is checked when it loads."""
+    import json
+
+    path = Path(spec).expanduser()
+    if not names or spec.startswith(REFERENCE) or not path.exists():
+        return
+    from owai.methods.language_model import model_dirs
+
+    for label, directory in model_dirs(path):
+        config = json.loads((directory / "config.json").read_text())
+        for name in names:
+            if name not in config:
+                raise OwaiError(f"{label} ({config.get('model_type', '?')}) has no {name} to switch off")
+
+
+def _from_directory(path: Path, tokenizer: str, device: torch.device | None, precision: str) -> CausalLM:
+    from owai.data.text import load_tokenizer
+    from owai.methods.language_model import model_dirs, tokenizer_for
+    from owai.models.lm import check_vocab, load_pretrained
+
+    found = model_dirs(path)
+    if len(found) != 1:
+        raise OwaiError(f"{path} holds {len(found)} models ({', '.join(label for label, _ in found)}); name one: "
+                        f"{path}/models/<arch>")
+    label, directory = found[0]
+    name = tokenizer or tokenizer_for(directory, "")
+    if not name:
+        raise OwaiError(f"{directory} records no tokenizer (owai_tokenizer.json): pass one (e.g. gpt2 or a tokenizer.json)")
+    tok = load_tokenizer(name)
+    model = load_pretrained(directory)
+    check_vocab(model, tok.vocab_size)
+    return CausalLM(model, tok, label, device, precision)
+
+
+def _from_hub(name: str, tokenizer: str, device: torch.device | None, precision: str) -> CausalLM:
+    from owai.data.text import load_tokenizer, one_line
+
+    tok = load_tokenizer(tokenizer or name)  # a hub id the cache or the hub has; one line otherwise
+    try:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+    except Exception as exc:  # noqa: BLE001 - hub, cache and format errors: one line
+        raise OwaiError(f"cannot load the model {name!r} ({one_line(exc)})") from None
+    return CausalLM(model, tok, name, device, precision)

@@ -1,0 +1,192 @@
+"""In-context classification, LongICLBench as the thesis runs it (sec 4.2.3.3, Figs 4.6-4.9, Table 4.6;
+spec evals.md sec 2): `owai eval icl`.
+
+One run scores one model on one task for every shot count (n x K demonstrations, one per class per
+shot), with semantic and anonymous (`class_j`) labels, under the four prompt strategies (newline or
+space delimiter x fixed or shuffled order within a shot); the thesis reports the best strategy per
+point, owai reports it and all four. Measured: `{labels}.{n}shot.acc` (the best strategy's
+accuracy). The figure is Figs 4.6-4.9's accuracy against shots.
+
+    task / data     banking77, goemotion (the official files under the data root: $OWAI_DATA/icl/<task>,
+                    or `data=hf` for the hub ids), tacred (LongICLBench's processed JSON, licence-gated:
+                    the user's folder), synthetic (a generated K-class corpus: no download)
+    model           owai.evals.causal_lm.open_model: a run / save_pretrained directory, a Hugging Face
+                    id, or reference:knn / reference:last (validate the pipeline without training)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from owai.config import BaseConfig
+from owai.errors import OwaiError
+from owai.methods import Method, Outcome
+from owai.runs import Run
+
+TASKS = ("banking77", "goemotion", "tacred", "synthetic")
+LABEL_MODES = ("semantic", "anonymous")
+DATA_FOLDERS = {"banking77": "icl/banking77", "goemotion": "icl/goemotions", "tacred": "icl/tacred"}
+REFERENCES = ("knn", "last")
+
+
+@dataclass
+class Config(BaseConfig):
+    task: str = "banking77"
+    # the task's folder, or a root holding icl/<task>; "" = $OWAI_DATA/icl/<task>; "hf" = the hub ids
+    data: str = ""
+    model: str = ""  # a run or save_pretrained directory, a Hugging Face id, or reference:knn|last
+    tokenizer: str = ""  # "" = the one the model was trained with / its own
+    shots: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    labels: list[str] = field(default_factory=lambda: list(LABEL_MODES))
+    strategies: list[str] = field(default_factory=lambda: ["newline-fixed", "newline-shuffled", "space-fixed",
+                                                            "space-shuffled"])
+    n_queries: int = 500
+    max_new_tokens: int = 32  # the longest label is ~50 characters; LongICLBench generates 100
+    max_tokens: int = 0  # the model's context for overflow (0 = the model's own limit, if any)
+    shuffle_seed: int = 0
+    trailing_space: bool = False  # LongICLBench's spaces after the header's and the label's colon
+    tacred_format: str = "thesis"  # thesis (App. C.2.3) or longiclbench
+    synthetic_classes: int = 8
+    precision: str = "auto"  # bfloat16 on CUDA
+
+
+class InContextClassification(Method):
+    Config = Config
+    cli = "owai eval icl"
+
+    @staticmethod
+    def validate(cfg: Config) -> None:
+        from owai.evals.causal_lm import REFERENCE, check_model
+        from owai.evals.longicl import STRATEGIES
+
+        if cfg.task not in TASKS:
+            raise OwaiError(f"task {cfg.task!r}: choose one of {', '.join(TASKS)}")
+        if not cfg.model:
+            raise OwaiError("no model given: pass --model (a run or model directory, a Hugging Face id, "
+                            "or reference:knn / reference:last)")
+        if cfg.model.startswith(REFERENCE) and cfg.model[len(REFERENCE):] not in REFERENCES:
+            raise OwaiError(f"{cfg.model}: the ICL reference models are {', '.join('reference:' + r for r in REFERENCES)}")
+        bad = [m for m in cfg.labels if m not in LABEL_MODES]
+        if not cfg.labels or bad:
+            raise OwaiError(f"labels {cfg.labels}: choose from {', '.join(LABEL_MODES)}")
+        known = [s.name for s in STRATEGIES]
+        bad = [s for s in cfg.strategies if s not in known]
+        if not cfg.strategies or bad:
+            raise OwaiError(f"strategies {cfg.strategies}: choose from {', '.join(known)}")
+        if not cfg.shots or any(isinstance(n, bool) or n < 1 for n in cfg.shots):
+            raise OwaiError(f"shots {cfg.shots}: give shot counts >= 1")
+        for name in ("n_queries", "max_new_tokens", "synthetic_classes"):
+            if getattr(cfg, name) < 1:
+                raise OwaiError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+        if cfg.max_tokens < 0:
+            raise OwaiError(f"max_tokens must be >= 0, got {cfg.max_tokens}")
+        if cfg.tacred_format not in ("thesis", "longiclbench"):
+            raise OwaiError(f"tacred_format {cfg.tacred_format!r}: choose thesis or longiclbench")
+        data = load_task(cfg)  # missing or malformed files: one line, before any run directory
+        from owai.evals.longicl import select_demonstrations
+
+        select_demonstrations(data, max(cfg.shots))  # a pool too small for the shots asked for
+        check_model(cfg.model)
+
+    def run(self, cfg: Config, run: Run) -> Outcome:
+        from owai import console
+        from owai.evals import longicl
+        from owai.evals.causal_lm import open_model
+
+        data = load_task(cfg)
+        model = open_model(cfg.model, cfg.tokenizer, run.device, cfg.precision, reference_data=_reference)
+        generator = _Generator(model, cfg.max_new_tokens)
+        max_tokens = cfg.max_tokens or getattr(model, "max_tokens", None)
+        budget = max_tokens - cfg.max_new_tokens if max_tokens else None
+        strategies = [s for s in longicl.STRATEGIES if s.name in cfg.strategies]
+        measured: dict[str, Any] = {}
+        details: dict[str, Any] = {"task": data.name, "model": cfg.model, "max_tokens": max_tokens}
+        curves: dict[str, list[float | None]] = {}
+        for mode in cfg.labels:
+            options = longicl.PromptOptions(labels=mode, shuffle_seed=cfg.shuffle_seed,
+                                            trailing_space=cfg.trailing_space, tacred_format=cfg.tacred_format)
+            result = longicl.evaluate(generator, data, cfg.shots, options, cfg.n_queries, strategies=strategies,
+                                      max_tokens=budget)
+            details[mode] = result
+            curves[mode] = []
+            for n in sorted(set(cfg.shots)):
+                acc = result["results"][str(n)]["best"]["accuracy"]
+                curves[mode].append(acc)
+                if acc is not None:
+                    measured[f"{mode}.{n}shot.acc"] = acc
+                console.info(f"{data.name} {mode} {n}-shot: best {acc if acc is None else round(acc, 4)}")
+        plot_curves(run, data.name, cfg.model, sorted(set(cfg.shots)), curves)
+        return Outcome(measured, details)
+
+
+class _Generator:
+    """A suite model with this run's generation budget (longicl calls generate(prompt))."""
+
+    def __init__(self, model: Any, max_new_tokens: int) -> None:
+        self.model, self.max_new_tokens = model, max_new_tokens
+        if hasattr(model, "count_tokens"):
+            self.count_tokens = model.count_tokens
+
+    def generate(self, prompt: str) -> str:
+        if hasattr(self.model, "tokenizer"):
+            return self.model.generate(prompt, max_new_tokens=self.max_new_tokens)
+        return self.model.generate(prompt)
+
+
+def _reference(name: str) -> Any:
+    from owai.evals import longicl
+
+    return {"knn": longicl.InContextKNN, "last": longicl.MajorityLast}[name]()
+
+
+def load_task(cfg: Config) -> Any:
+    """The task's ICLData from the configured data (module docstring)."""
+    from owai.evals import longicl
+
+    if cfg.task == "synthetic":
+        return longicl.synthetic_task(cfg.synthetic_classes, cfg.shuffle_seed)
+    if cfg.data == "hf":
+        if cfg.task == "tacred":
+            raise OwaiError("tacred is licence-gated (LDC2018T24): give the folder of LongICLBench's processed JSON")
+        return longicl.load_hf(cfg.task)
+    folder = task_folder(cfg.task, cfg.data)
+    loader = {"banking77": longicl.load_banking77, "goemotion": longicl.load_goemotions,
+              "tacred": longicl.load_tacred}[cfg.task]
+    return loader(folder)
+
+
+def task_folder(task: str, data: str) -> Path:
+    """`data` itself when it is the task's folder, else data/<icl/task>; "" = $OWAI_DATA/icl/<task>."""
+    import os
+
+    from owai.errors import DataMissing
+
+    sub = DATA_FOLDERS[task]
+    if data:
+        root = Path(data).expanduser()
+        for folder in (root / sub, root / Path(sub).name, root):
+            if folder.is_dir() and any(folder.iterdir()):
+                return folder
+        raise DataMissing(f"{task}: no data at {root} (looked for {root / sub} and {root})")
+    env = os.environ.get("OWAI_DATA", "")
+    if env and (Path(env) / sub).is_dir():
+        return Path(env) / sub
+    raise DataMissing(f"{task}: set $OWAI_DATA (with {sub}/ under it), or --set data=DIR, or data=hf for the hub ids")
+
+
+def plot_curves(run: Run, task: str, model: str, shots: list[int], curves: dict[str, list[float | None]]) -> None:
+    """Figs 4.6-4.9's format: accuracy (%) against the number of shots, one line per label mode."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.5, 3.5))
+    for mode, accs in curves.items():
+        points = [(n, 100 * a) for n, a in zip(shots, accs) if a is not None]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=f"{mode} labels")
+    ax.set_xlabel("shots (one demonstration per class each)")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(f"{task}: {Path(model).name or model}")
+    ax.legend()
+    run.save_figure(fig, f"icl_{task}")

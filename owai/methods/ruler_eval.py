@@ -1,0 +1,200 @@
+"""RULER, long-context recall as the thesis measures it (sec 4.2.3.2, Tables 4.4, 4.5, 4.7, 4.8, C.1, C.2;
+spec evals.md sec 1): `owai eval ruler --ctx 32k`.
+
+One run scores one model on RULER's tasks at every context length: qa_1 (SQuAD v2) and qa_2
+(HotpotQA), the two the thesis reports (its score per length is their mean, `qa.{ctx}.score`),
+and the synthetic niah / vt / cwe / fwe tasks. Prompts are fitted to each length's token budget
+with the model's own tokenizer (RULER's 2024 step rule or its 2025 binary search); a prompt the
+model cannot take is an overflow, counted, never truncated. Measured: `{task}.{ctx}.score`
+(0-100) and, with both QA tasks, `qa.{ctx}.score`.
+
+    data        squad / hotpotqa: the official dev JSON files (a path, or relative to the data root:
+                $OWAI_DATA/...), or `hf` / `hf:<id>` for the hub; the essay haystack: a folder of .txt
+                essays (RULER's Paul Graham list: $OWAI_DATA/text/paul_graham_essays)
+    model       owai.evals.causal_lm.open_model: a run / save_pretrained directory, a Hugging Face id,
+                or reference:oracle / reference:null / reference:slot:K (validate the pipeline)
+    tokenizer   the model's; reference models need one to fit prompts: a tokenizer name, a
+                tokenizer.json, or a folder with GPT-2's encoder.json + vocab.bpe
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from owai.config import BaseConfig
+from owai.errors import OwaiError
+from owai.methods import Method, Outcome
+from owai.runs import Run
+
+
+@dataclass
+class Config(BaseConfig):
+    tasks: list[str] = field(default_factory=lambda: ["qa_1", "qa_2"])
+    ctx: list[str] = field(default_factory=lambda: ["4k", "8k", "16k", "32k"])  # 4k = 4096 tokens, ...
+    n: int = 500  # samples per task and length (RULER's default)
+    seed: int = 42
+    model: str = ""
+    tokenizer: str = ""
+    squad: str = "hf"  # SQuAD v2 dev JSON, or hf / hf:<id>
+    hotpotqa: str = "hf"  # HotpotQA dev-distractor JSON, or hf / hf:<id>
+    haystack_dir: str = "text/paul_graham_essays"  # the essay haystack (relative: under the data root)
+    rule: str = "2024"  # haystack-size search: 2024 (step) or 2025 (binary)
+    template: str = "ruler"  # QA prompt: ruler (RULER's base template) or thesis-short
+    max_tokens: int = 0  # the model's maximum length for overflow (0 = the model's own limit, if any)
+    ablate: list[str] = field(default_factory=list)  # e.g. [long_term_memory] (Table C.1), at inference only
+    precision: str = "auto"
+    # the thesis row this model stands for, to set its numbers beside the measured ones (recipe
+    # table4.4-ruler): transformer-small, mmv2-small, transformer-large, mmv2-large (trained at 4k,
+    # Table 4.4), the same with -32k (fine-tuned at 32k, Table 4.5), mmv2-large-32k-no-ltm (Table C.1)
+    row: str = ""
+
+
+class Ruler(Method):
+    Config = Config
+    cli = "owai eval ruler"
+
+    @staticmethod
+    def validate(cfg: Config) -> None:
+        from owai.evals import ruler
+        from owai.evals.causal_lm import ABLATIONS, REFERENCE, check_ablation, check_model
+
+        if not cfg.model:
+            raise OwaiError("no model given: pass --model (a run or model directory, a Hugging Face id, or "
+                            "reference:oracle / reference:null / reference:slot:K)")
+        known = (*ruler.QA_TASKS, *ruler.SYNTHETIC_TASKS)
+        bad = [t for t in cfg.tasks if t not in known]
+        if not cfg.tasks or bad or len(set(cfg.tasks)) != len(cfg.tasks):
+            raise OwaiError(f"tasks {cfg.tasks}: give distinct tasks from {', '.join(known)}")
+        if not cfg.ctx:
+            raise OwaiError("ctx: give at least one context length (4k, 8k, ... or a number of tokens)")
+        for length in cfg.ctx:
+            ruler.parse_context_length(length)
+        if cfg.n < 1 or cfg.max_tokens < 0:
+            raise OwaiError(f"n must be >= 1 and max_tokens >= 0, got {cfg.n} and {cfg.max_tokens}")
+        if cfg.rule not in ruler.RULES:
+            raise OwaiError(f"rule {cfg.rule!r}: choose {' or '.join(ruler.RULES)}")
+        bad = [a for a in cfg.ablate if a not in ABLATIONS]
+        if bad:
+            raise OwaiError(f"ablate {bad}: known ablations are {', '.join(ABLATIONS)}")
+        if cfg.model.startswith(REFERENCE):
+            name = cfg.model[len(REFERENCE):]
+            if name not in ("oracle", "null") and not (name.startswith("slot:") and name[5:].isdigit() and int(name[5:]) >= 1):
+                raise OwaiError(f"{cfg.model}: the RULER reference models are reference:oracle, reference:null, "
+                                "reference:slot:K (K >= 1)")
+            if cfg.ablate:
+                raise OwaiError("reference models have nothing to ablate")
+            if not cfg.tokenizer:
+                raise OwaiError("a reference model needs --tokenizer to fit prompts to token budgets "
+                                "(e.g. a folder with GPT-2's encoder.json + vocab.bpe)")
+            reference_tokenizer(cfg.tokenizer)  # loads, or one line
+        if any(t in ruler.SYNTHETIC_TASKS for t in cfg.tasks):
+            essays = haystack_folder(cfg.haystack_dir)
+            if any(ruler.NIAH_VARIANTS.get(t, {}).get("haystack") == "essay" for t in cfg.tasks):
+                ruler.read_essays(essays)
+        for task, source in (("qa_1", cfg.squad), ("qa_2", cfg.hotpotqa)):
+            if task in cfg.tasks and not str(source).startswith("hf"):
+                qa_source(source)
+        check_model(cfg.model)
+        check_ablation(cfg.model, cfg.ablate)
+
+    def run(self, cfg: Config, run: Run) -> Outcome:
+        import contextlib
+
+        from owai import console
+        from owai.evals import ruler
+        from owai.evals.causal_lm import REFERENCE, open_model
+
+        pools = {}
+        for task, kind, source in (("qa_1", "squad", cfg.squad), ("qa_2", "hotpotqa", cfg.hotpotqa)):
+            if task in cfg.tasks:
+                pools[task] = ruler.load_qa(kind, source if str(source).startswith("hf") else qa_source(source))
+        essays = haystack_folder(cfg.haystack_dir) if any(t in ruler.SYNTHETIC_TASKS for t in cfg.tasks) else None
+        tasks = [ruler.qa_task(t, pools[t], cfg.template, cfg.rule) if t in pools
+                 else ruler.synthetic_task(t, essays, cfg.rule) for t in cfg.tasks]
+
+        def reference(name: str) -> Any:
+            if name == "null":
+                return ruler.NullModel()
+            if name == "oracle":
+                return ruler.OracleReader(*pools.values())
+            return ruler.SlotReader(int(name[5:]), *pools.values())
+
+        model = open_model(cfg.model, cfg.tokenizer, run.device, cfg.precision, reference_data=reference)
+        if cfg.model.startswith(REFERENCE):
+            tokenizer = reference_tokenizer(cfg.tokenizer)
+        else:
+            tokenizer = _OwaiTokenizer(model.tokenizer)
+        max_tokens = cfg.max_tokens or getattr(model, "max_tokens", None)
+        with contextlib.ExitStack() as stack:
+            for name in cfg.ablate:
+                stack.enter_context(model.ablate(name))
+            result = ruler.evaluate(model, tasks, cfg.ctx, cfg.n, cfg.seed, tokenizer, max_tokens)
+        measured: dict[str, Any] = {}
+        for task, by_length in result["results"].items():
+            for length, cell in by_length.items():
+                if cell["score"] is not None:
+                    measured[f"{task}.{length}.score"] = cell["score"]
+                console.info(f"{task} {length}: {cell['score']} (n {cell['n']}, overflow {cell['overflow']})")
+        for length, score in result.get("qa_mean", {}).items():
+            if score is not None:
+                measured[f"qa.{length}.score"] = score
+        result["model"], result["ablate"], result["max_tokens"] = cfg.model, list(cfg.ablate), max_tokens
+        return Outcome(measured, result)
+
+
+def reference_tokenizer(name: str) -> Any:
+    """The tokenizer that fits a reference model's prompts: a folder of GPT-2's files (relative to the
+    data root allowed), else owai's tokenizer loader (a name, a tokenizer.json, a hub id)."""
+    from owai.data.registry import find_relative
+    from owai.evals import ruler
+
+    folder = find_relative(name) or Path(name).expanduser()
+    if folder.is_dir() and ((folder / "encoder.json").is_file() or (folder / "vocab.json").is_file()):
+        return ruler.gpt2_tokenizer(folder)
+    from owai.data.text import load_tokenizer
+
+    tok = load_tokenizer(str(folder) if folder.exists() else name)
+    return ruler.HFTokenizer(tok.backend, tok.name) if hasattr(tok, "backend") else _OwaiTokenizer(tok)
+
+
+class _OwaiTokenizer:
+    """An owai tokenizer (a model's, or a named one) as RULER's Tokenizer: count / encode / decode,
+    no special tokens."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+
+    def count(self, text: str) -> int:
+        return len(self.tok.encode(text))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids)
+
+
+def haystack_folder(text: str) -> Path:
+    """The essay folder: a path, or relative to the data root ($OWAI_DATA)."""
+    from owai.data.registry import find_relative
+    from owai.errors import DataMissing
+
+    folder = find_relative(text) or Path(text).expanduser()
+    if not folder.is_dir():
+        raise DataMissing(f"essay haystack {text!r} not found (a folder of .txt essays; relative paths are looked "
+                          "up under $OWAI_DATA): pass --set haystack_dir=DIR")
+    return folder
+
+
+def qa_source(text: str) -> Path:
+    """A QA dev file: a path, or relative to the data root."""
+    from owai.data.registry import find_relative
+    from owai.errors import DataMissing
+
+    path = find_relative(text) or Path(text).expanduser()
+    if not path.is_file():
+        raise DataMissing(f"QA file {text!r} not found (relative paths are looked up under $OWAI_DATA), "
+                          "or use hf / hf:<id> for the hub")
+    return path

@@ -1,0 +1,105 @@
+"""`owai eval ruler` (thesis sec 4.2.3.2, Tables 4.4, 4.5, C.1): the reference readers through the
+command on generated SQuAD / HotpotQA files and RULER's synthetic tasks, a saved causal LM with
+overflow past its length, the thesis rows, and the one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import cli_in_process
+from tests.test_ruler import essay_hotpot, essay_squad, write_json
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def qa_files(tmp_path_factory) -> dict[str, Path]:
+    """SQuAD v2 and HotpotQA dev files of real English sentences, in the official formats."""
+    from tests.conftest import SHARED_DATA
+
+    if not SHARED_DATA.is_dir():
+        pytest.skip("../shared/data not present")
+    from owai.evals import ruler as R
+
+    root = tmp_path_factory.mktemp("qa")
+    gpt2 = R.gpt2_tokenizer(SHARED_DATA / "tokenizers" / "gpt2")
+    return {"squad": write_json(root / "dev-v2.0.json", essay_squad(SHARED_DATA, gpt2)),
+            "hotpotqa": write_json(root / "hotpot_dev_distractor_v1.json", essay_hotpot(SHARED_DATA, gpt2))}
+
+
+def _ruler(args: list[str], capsys) -> tuple[int, str, str]:
+    return cli_in_process(["eval", "ruler", *args, "-q"], capsys)
+
+
+def _rows(out: Path) -> dict[str, dict]:
+    run_dir = next((out / "table4.4-ruler").iterdir())
+    return {r["metric"]: r for r in json.loads((run_dir / "results.json").read_text())["rows"]}
+
+
+def test_the_cpu_preset_oracle_scores_100_on_every_synthetic_task(shared_data, tmp_path, capsys) -> None:
+    rc, _, err = _ruler(["--n", "5", "-o", str(tmp_path)], capsys)
+    assert rc == 0, err
+    rows = _rows(tmp_path)
+    assert len(rows) == 12 and all(r["measured"] == 100.0 for r in rows.values())
+
+
+@pytest.mark.parametrize(("model", "expected"), [("reference:oracle", 100.0), ("reference:null", 0.0)])
+def test_qa_references_score_what_they_must_beside_the_thesis_row(qa_files, shared_data, tmp_path, capsys, model,
+                                                                  expected) -> None:
+    rc, _, err = _ruler(["-p", "paper", "--model", model, "--tokenizer", "tokenizers/gpt2", "--ctx", "4k", "--n", "4",
+                         "--set", f"squad={qa_files['squad']}", "--set", f"hotpotqa={qa_files['hotpotqa']}",
+                         "--set", "row=mmv2-large", "-o", str(tmp_path)], capsys)
+    assert rc == 0, err
+    rows = _rows(tmp_path)
+    assert rows["qa_1.4k.score"]["measured"] == rows["qa_2.4k.score"]["measured"] == expected
+    assert rows["qa.4k.score"]["measured"] == expected
+    assert rows["qa.4k.score"]["thesis"] == 59.3  # Table 4.4, MMv2 large at 4k
+
+
+def test_a_saved_causal_lm_overflows_past_its_length_and_is_scored_within_it(shared_data, tmp_path, capsys) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model_dir = tmp_path / "lm"
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=1024, n_embd=32, n_layer=2, n_head=2, bos_token_id=256,
+                               eos_token_id=256)).save_pretrained(model_dir)
+    (model_dir / "owai_tokenizer.json").write_text(json.dumps({"name": "bytes"}))
+    rc, _, err = _ruler(["--model", str(model_dir), "--tasks", "niah_single_1", "--ctx", "1024,2048", "--n", "2",
+                         "--set", "tokenizer=", "-o", str(tmp_path / "runs")], capsys)
+    assert rc == 0, err
+    results = json.loads(next((tmp_path / "runs" / "table4.4-ruler").iterdir()).joinpath("results.json").read_text())
+    cells = results["details"]["results"]["niah_single_1"]
+    assert cells["1024"]["overflow"] == 0 and cells["1024"]["score"] is not None
+    assert cells["2048"]["overflow"] == 2 and cells["2048"]["score"] is None  # 2048 bytes > its 1024 positions
+    assert results["details"]["max_tokens"] == 1024
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["-p", "paper"], "no model given"),
+    (["--model", "reference:oracle", "--tasks", "qa_3"], "tasks ['qa_3']"),
+    (["--model", "reference:oracle", "--ctx", "4q"], "4q"),
+    (["--model", "reference:oracle", "--set", "tokenizer="], "needs --tokenizer"),
+    (["--model", "reference:seer"], "RULER reference models are"),
+    (["--model", "reference:oracle", "--haystack-dir", "/nonexistent/essays"], "essay haystack"),
+    (["-p", "paper", "--model", "reference:oracle", "--tokenizer", "tokenizers/gpt2", "--set", "squad=/none/dev.json"],
+     "QA file"),
+    (["--model", "reference:oracle", "--ablate", "long_term_memory"], "nothing to ablate"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(shared_data, args, message, tmp_path, capsys) -> None:
+    rc, _, err = _ruler([*args, "-o", str(tmp_path)], capsys)
+    assert rc != 0 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not any(tmp_path.iterdir())
+
+
+def test_ablating_a_part_the_model_lacks_is_refused_before_the_run(tmp_path, capsys) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=64, n_embd=16, n_layer=1, n_head=2)).save_pretrained(tmp_path / "lm")
+    rc, _, err = _ruler(["--model", str(tmp_path / "lm"), "--tasks", "vt", "--ablate", "long_term_memory",
+                         "-o", str(tmp_path / "runs")], capsys)
+    assert rc != 0 and "has no long_term_memory" in err
+    assert not (tmp_path / "runs").exists()
