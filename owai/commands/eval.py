@@ -8,6 +8,8 @@
 
     owai eval ruler --ctx 32k --model RUN_DIR|HF_ID|reference:oracle [--tasks qa_1,qa_2] [--n 500]
         RULER (Tables 4.4, 4.5, C.1): multi-document QA and synthetic recall, prompts fitted per length
+    owai eval harness --model RUN_DIR|HF_ID [--tasks arc_easy,hellaswag,...] [--limit N]
+        lm-evaluation-harness (Tables 4.1-4.3): the thesis's 19 benchmarks (pip install 'owai[eval]')
     owai eval icl --model RUN_DIR|HF_ID|reference:knn [--task banking77] [--shots 1,2,4,8] [--labels both]
         in-context classification (Figs 4.6-4.9, Table 4.6): LongICLBench's tasks, best of four prompt strategies
 
@@ -30,7 +32,7 @@ from owai.commands._common import (ArrayParallelism, CpusPerTask, Executor, Exec
 from owai.commands.mosaic import ConfigName, Context, Dataset, Models, run_eval
 from owai.errors import OwaiError
 
-eval_app = typer.Typer(help="Evaluate models: per-position loss (posloss), RegBench in-context language learning (regbench), in-context classification (icl), RULER long-context recall (ruler).",
+eval_app = typer.Typer(help="Evaluate models: per-position loss (posloss), RegBench in-context language learning (regbench), in-context classification (icl), RULER long-context recall (ruler), lm-evaluation-harness benchmarks (harness).",
                        no_args_is_help=True)
 
 REGBENCH_RECIPE = "fig3.10-regbench"
@@ -147,6 +149,42 @@ def regbench(
               quiet, as_json)
 
 
+HARNESS_RECIPE = "table4.1-harness"
+
+
+@eval_app.command("harness")
+def harness(
+    model: Annotated[Optional[str], typer.Option(
+        "--model", "-m", help="A run or save_pretrained directory, a Hugging Face id, or reference:oracle.")] = None,
+    tasks: Annotated[Optional[str], typer.Option("--tasks", help="Comma-separated harness tasks (default: the thesis's 19; race_middle, owai_mc_smoke, owai_gen_smoke ship with owai).")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=0, help="Documents per task (0 = all).")] = None,
+    num_fewshot: Annotated[Optional[int], typer.Option("--num-fewshot", min=0, help="Shots for every task (default: each task's own).")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", help="Override the model's tokenizer (hub id or tokenizer.json).")] = None,
+    ablate: Annotated[Optional[str], typer.Option("--ablate", help="Switch a part off at inference: long_term_memory (Tables 4.2, 4.3).")] = None,
+    recipe: Annotated[str, typer.Option("--recipe", "-r", help="table4.1-harness or a harness recipe file.")] = HARNESS_RECIPE,
+    preset: Preset = None,
+    sets: Sets = None,
+    out: Out = Path("runs"),
+    quiet: Quiet = False,
+    as_json: Json = False,
+) -> None:
+    """lm-evaluation-harness (Tables 4.1-4.3): the thesis's 19 benchmarks, each task's main metric (0-1), persistent / new-knowledge averages."""
+    from owai.commands._common import run_recipe
+
+    extra = option_sets(sets, {"model": model, "tokenizer": tokenizer, "limit": limit, "num_fewshot": num_fewshot},
+                        {"tasks": (tasks, "--tasks"), "ablate": (ablate, "--ablate")})
+    run_recipe(recipe, preset, extra, out, None, quiet, as_json, methods=("harness",))
+
+
+def option_sets(sets: list[str] | None, values: dict[str, Any], lists: dict[str, tuple[str | None, str]]) -> list[str]:
+    """`--set` overrides for the options given: KEY=VALUE for `values`, KEY=["a", "b"] for each
+    comma-separated option in `lists` (quoted: "4k" and "2048" are both strings), after the user's."""
+    extra = list(sets or [])
+    extra += [f"{key}={value}" for key, value in values.items() if value is not None]
+    extra += [f"{key}={json.dumps(csv_values(value, flag))}" for key, (value, flag) in lists.items() if value is not None]
+    return extra
+
+
 RULER_RECIPE = "table4.4-ruler"
 
 
@@ -171,16 +209,8 @@ def ruler(
     """RULER (Tables 4.4, 4.5, C.1): multi-document QA (SQuAD, HotpotQA) and synthetic recall at each context length, prompts fitted with the model's tokenizer."""
     from owai.commands._common import run_recipe
 
-    extra = list(sets or [])
-    for key, value in (("model", model), ("tokenizer", tokenizer), ("haystack_dir", haystack_dir)):
-        if value is not None:
-            extra.append(f"{key}={value}")
-    for key, value in (("n", n), ("seed", seed)):
-        if value is not None:
-            extra.append(f"{key}={value}")
-    for key, value, flag in (("ctx", ctx, "--ctx"), ("tasks", tasks, "--tasks"), ("ablate", ablate, "--ablate")):
-        if value is not None:  # quoted: "4k" and "2048" are both context names (strings)
-            extra.append(f"{key}={json.dumps(csv_values(value, flag))}")
+    extra = option_sets(sets, {"model": model, "tokenizer": tokenizer, "haystack_dir": haystack_dir, "n": n, "seed": seed},
+                        {"ctx": (ctx, "--ctx"), "tasks": (tasks, "--tasks"), "ablate": (ablate, "--ablate")})
     run_recipe(recipe, preset, extra, out, None, quiet, as_json, methods=("ruler",))
 
 

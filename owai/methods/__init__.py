@@ -30,6 +30,7 @@ REGISTRY: dict[str, str] = {
     "rich_features": "owai.methods.rich_features:RichFeatures",
     "icl": "owai.methods.icl_eval:InContextClassification",
     "ruler": "owai.methods.ruler_eval:Ruler",
+    "harness": "owai.methods.harness_eval:Harness",
 }
 
 

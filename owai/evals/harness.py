@@ -1,0 +1,310 @@
+"""lm-evaluation-harness adapter: Table 4.1's 19 benchmarks (thesis sec 4.2.3.1, Tables 4.1-4.3; spec
+evals.md sec 5).
+
+`OwaiLM` is a `TemplateLM` (the harness's route A) over an `owai.evals.causal_lm.CausalLM`, so any model
+`open_model` opens (an owai run directory, a save_pretrained directory, a hub id) runs the harness's
+tasks through owai's own tokenizer, and `CausalLM.ablate("long_term_memory")` gives Tables 4.2 / 4.3's
+"without long-term memory" rows. It is registered as the harness model `owai` (the import registers it:
+the harness CLI only sees it once this module is imported, so owai calls the Python API, `evaluate`).
+
+    loglikelihood        context + continuation in one forward; the continuation's positions scored;
+                         the sequence left-truncated to the model's length when it has one
+    loglikelihood_rolling  disjoint windows of the model's length (or ROLLING_WINDOW), EOT prefix
+    generate_until       greedy (do_sample / temperature are ignored), cut at `until`, at most
+                         `max_gen_toks` new tokens; the prompt left-truncated to leave room for them
+
+Requests run one at a time (batch size 1): owai's models need no padding mask, and the thesis's
+models are scored once, not tuned. `OracleLM` (`reference:oracle`) reads the gold answer of each
+request's document from its task, so it must score 1.0 on any task whose target is a choice or a
+string: it validates the pipeline offline (the recipe's cpu preset, with the smoke tasks below).
+
+Task names (spec sec 5.2): `THESIS_TASKS` maps the thesis's 19 columns, in Table 4.1's order, to harness
+tasks; `PERSISTENT` (the first 13, Table 4.2) and `NEW` (the last 6, Table 4.3). `race_middle` is not
+built into the harness: owai ships its YAML in `TASKS_DIR`, with two offline smoke tasks
+(`owai_mc_smoke`, `owai_gen_smoke`: 20 hand-written questions each, JSONL beside the YAML).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from owai.errors import OwaiError
+
+TASKS_DIR = Path(__file__).resolve().parent / "harness_tasks"
+SMOKE_TASKS = ("owai_mc_smoke", "owai_gen_smoke")
+OWAI_TASKS = (*SMOKE_TASKS, "race_middle")
+ROLLING_WINDOW = 4096  # windows of loglikelihood_rolling for a model without a length limit (thesis: 4k)
+DEFAULT_GEN_TOKS = 256  # the harness's default max_gen_toks
+INSTALL_HINT = "lm-evaluation-harness is not installed: pip install 'owai[eval]'"
+
+# (thesis column, harness task, main metric) in Table 4.1's column order (spec sec 5.2).
+THESIS_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("obqa", "openbookqa", "acc_norm"),
+    ("arc easy", "arc_easy", "acc"),
+    ("winogrande", "winogrande", "acc"),
+    ("arc challenge", "arc_challenge", "acc_norm"),
+    ("piqa", "piqa", "acc"),
+    ("boolq", "boolq", "acc"),
+    ("hellaswag", "hellaswag", "acc_norm"),
+    ("nq", "nq_open", "exact_match"),
+    ("siqa", "social_iqa", "acc"),
+    ("tqa", "triviaqa", "exact_match"),
+    ("gsm8k", "gsm8k", "exact_match"),
+    ("mmlu alt", "mmlu_continuation", "acc"),  # [ASSUMPTION] "alt" = the cloze/continuation format
+    ("human eval+", "humaneval_plus", "pass@1"),
+    ("squad", "squad_completion", "contains"),  # squadv2 needs evaluate.load (hub); thesis does not say
+    ("bbh", "bbh_fewshot", "exact_match"),
+    ("math", "minerva_math", "exact_match"),
+    ("mbpp", "mbpp", "pass_at_1"),
+    ("race middle", "race_middle", "acc"),  # owai's YAML (TASKS_DIR)
+    ("race high", "race", "acc"),
+)
+THESIS_TASKS: list[str] = [task for _, task, _ in THESIS_COLUMNS]
+PERSISTENT: list[str] = THESIS_TASKS[:13]  # Table 4.2: long-term memory off barely changes them
+NEW: list[str] = THESIS_TASKS[13:]  # Table 4.3: they need the context (long-term memory)
+MAIN_METRIC: dict[str, str] = {task: metric for _, task, metric in THESIS_COLUMNS} | {
+    "owai_mc_smoke": "acc", "owai_gen_smoke": "exact_match", "mmlu": "acc", "squadv2": "exact",
+    "hendrycks_math": "exact_match", "gsm8k_cot": "exact_match", "bbh_cot_fewshot": "exact_match"}
+UNSAFE_TASKS = ("humaneval_plus", "humaneval", "mbpp")  # execute the model's code (HF_ALLOW_CODE_EVAL=1)
+FILTER_PREFERENCE = ("strict-match", "remove_whitespace", "none", "create_test")
+
+
+def require_harness() -> Any:
+    """The `lm_eval` package, or one line saying how to install it."""
+    try:
+        import lm_eval
+        import lm_eval.api.model  # noqa: F401
+    except ImportError:
+        raise OwaiError(INSTALL_HINT) from None
+    except Exception as exc:  # noqa: BLE001 - e.g. a harness release that does not import under this transformers
+        raise OwaiError(f"lm-evaluation-harness does not import ({type(exc).__name__}: {exc}); "
+                        "pip install 'owai[eval]' pins a release that does") from None
+    return lm_eval
+
+
+require_harness()  # the classes below subclass the harness's
+
+from lm_eval.api.model import LM, TemplateLM  # noqa: E402
+from lm_eval.api.registry import register_model  # noqa: E402
+
+
+@register_model("owai")
+class OwaiLM(TemplateLM):
+    """The harness's LM over a `CausalLM` (batch size 1). `lm` is an opened model; from the harness
+    CLI, `--model owai --model_args pretrained=DIR[,tokenizer=NAME]` opens one with `open_model`."""
+
+    def __init__(self, lm: Any = None, pretrained: str = "", tokenizer: str = "", max_length: int | None = None,
+                 max_gen_toks: int = DEFAULT_GEN_TOKS, device: Any = None, precision: str = "auto",
+                 batch_size: Any = 1, **kwargs: Any) -> None:
+        super().__init__()
+        if lm is None:
+            if not pretrained:
+                raise OwaiError("OwaiLM: pass an opened model (lm=) or pretrained=DIR")
+            from owai.evals.causal_lm import open_model
+
+            lm = open_model(pretrained, tokenizer, device, precision)
+        self.lm = lm
+        self._max_length = int(max_length) if max_length else lm.max_tokens
+        self.max_gen_toks = int(max_gen_toks)
+        if getattr(lm.tokenizer, "eot_id", None) is None:
+            raise OwaiError(f"{lm.label}: its tokenizer has no end-of-text token (the harness's prefix token)")
+
+    # -- tokens -------------------------------------------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return int(self.lm.tokenizer.eot_id)
+
+    @property
+    def max_length(self) -> int | None:
+        """The model's length limit (None: any length; rolling windows then use ROLLING_WINDOW)."""
+        return self._max_length
+
+    @property
+    def device(self) -> Any:
+        return self.lm.device
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        return list(self.lm.tokenizer.encode(string))
+
+    def tok_decode(self, tokens: Any, **kwargs: Any) -> str:
+        return self.lm.tokenizer.decode([int(t) for t in tokens])
+
+    # -- scoring ------------------------------------------------------------------------------------
+    def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+        import torch
+
+        if not continuation:
+            return 0.0, True
+        ids = context + continuation
+        if self._max_length:
+            ids = ids[-(self._max_length + 1):]  # the harness keeps the tail
+        n = min(len(continuation), len(ids) - 1)
+        with torch.no_grad():
+            x = torch.tensor([ids[:-1]], device=self.lm.device)
+            logits = self.lm.model(input_ids=x).logits[0, -n:].float()
+        target = torch.tensor(continuation[-n:], device=logits.device)
+        logp = torch.log_softmax(logits, dim=-1).gather(1, target[:, None])
+        return float(logp.sum()), bool((logits.argmax(-1) == target).all())
+
+    def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
+        """(sum of log p(continuation | context), every continuation token the argmax) per request
+        `((context, continuation), context_tokens, continuation_tokens)`."""
+        out = []
+        for key, context, continuation in requests:
+            answer = self._score(list(context), list(continuation))
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, answer)
+            out.append(answer)
+        return out
+
+    def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        window = self._max_length or ROLLING_WINDOW
+        out = []
+        for request in requests:
+            (text,) = request.args
+            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=window,
+                context_len=1)]
+            total = sum(ll for ll, _ in self._loglikelihood_tokens([(None, c, t) for c, t in windows]))
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
+            out.append(total)
+        return out
+
+    def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+        out = []
+        for request in requests:
+            context, kwargs = request.args
+            kwargs = dict(kwargs or {})
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            text = self.greedy(context, int(kwargs.get("max_gen_toks", self.max_gen_toks)), until)
+            self.cache_hook.add_partial("generate_until", (context, request.args[1]), text)
+            out.append(text)
+        return out
+
+    def greedy(self, context: str, max_new_tokens: int, until: list[str]) -> str:
+        """The greedy continuation of `context`, cut before the first `until` string (generation stops
+        as soon as one appears) or the end-of-text token."""
+        import torch
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        ids = self.tok_encode(context) or [self.prefix_token_id]
+        if self._max_length:
+            ids = ids[-max(1, self._max_length - max_new_tokens):]
+        x = torch.tensor([ids], device=self.lm.device)
+        stops = [s for s in until if s]
+        decode = self.tok_decode
+
+        class _Until(StoppingCriteria):
+            def __call__(self, input_ids: Any, scores: Any, **kw: Any) -> Any:
+                done = any(s in decode(input_ids[0, x.shape[1]:].tolist()) for s in stops)
+                return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+        with torch.no_grad():
+            y = self.lm.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                       do_sample=False, eos_token_id=self.eot_token_id, pad_token_id=self.eot_token_id,
+                                       stopping_criteria=StoppingCriteriaList([_Until()]) if stops else None)
+        new = [int(t) for t in y[0, x.shape[1]:].tolist()]
+        if self.eot_token_id in new:
+            new = new[: new.index(self.eot_token_id)]
+        text = self.tok_decode(new)
+        cuts = [text.index(s) for s in stops if s in text]
+        return text[: min(cuts)] if cuts else text
+
+
+class OracleLM(LM):
+    """`reference:oracle`: puts all probability on each request's gold answer, read from its task's
+    document (`doc_to_target` / `doc_to_choice`), and generates the gold string; it must score 1.0."""
+
+    def __init__(self, task_manager: Any, tasks: list[str]) -> None:
+        super().__init__()
+        self.tasks: dict[str, Any] = dict(task_manager.load(list(tasks))["tasks"])  # leaf tasks by name
+
+    def _gold(self, request: Any) -> tuple[Any, Any]:
+        task = self.tasks[request.task_name]
+        return task, task.doc_to_target(request.doc)
+
+    def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        out = []
+        for request in requests:
+            task, gold = self._gold(request)
+            _, continuation = request.args
+            choices = task.doc_to_choice(request.doc) if task.OUTPUT_TYPE == "multiple_choice" else None
+            if choices is not None and isinstance(gold, int):
+                gold = choices[gold]
+            right = continuation.strip() == str(gold).strip()
+            out.append((0.0, True) if right else (-math.inf, False))
+        return out
+
+    def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
+        return [0.0 for _ in requests]
+
+    def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+        out = []
+        for request in requests:
+            _, gold = self._gold(request)
+            out.append(str(gold[0] if isinstance(gold, list) else gold))
+        return out
+
+
+def task_manager(include_path: list[str] | None = None) -> Any:
+    """The harness's TaskManager over its own tasks, owai's (TASKS_DIR) and `include_path` folders."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=[str(TASKS_DIR), *(include_path or [])])
+
+
+def evaluate(model: Any, tasks: list[str], num_fewshot: int | None = None, limit: int = 0,
+             include_path: list[str] | None = None, manager: Any = None, seed: int = 1234) -> dict[str, Any]:
+    """Run `tasks` on `model` (an OwaiLM, OracleLM or any harness LM) with `simple_evaluate`; the
+    harness's results dict, JSON-able (samples dropped)."""
+    from lm_eval import simple_evaluate
+
+    manager = manager or task_manager(include_path)
+    unsafe = any(t in UNSAFE_TASKS for t in tasks)
+    result = simple_evaluate(model=model, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit or None,
+                             task_manager=manager, log_samples=False, bootstrap_iters=0,
+                             confirm_run_unsafe_code=unsafe, random_seed=seed, numpy_random_seed=seed,
+                             torch_random_seed=seed, fewshot_random_seed=seed)
+    if result is None:
+        raise OwaiError("the harness returned no results")
+    result = {k: v for k, v in dict(result).items() if k not in ("samples", "config")}
+    return json.loads(json.dumps(result, default=str, allow_nan=True))
+
+
+def main_metrics(result: dict[str, Any], tasks: list[str]) -> dict[str, float]:
+    """`<task>.<metric>`: each of `tasks`' (a task's or a group's) main metric, as the harness reports it (0-1).
+    The metric is MAIN_METRIC's for known tasks (else the first one reported); of its filters the
+    first of FILTER_PREFERENCE (gsm8k: strict-match), else the first reported."""
+    measured: dict[str, float] = {}
+    cells = {**result.get("results", {}), **result.get("groups", {})}
+    for task in tasks:
+        cell = cells.get(task)
+        if not cell:
+            continue
+        keys = [k for k in cell if "," in k and "_stderr" not in k and isinstance(cell[k], (int, float))]
+        if not keys:
+            continue
+        metric = MAIN_METRIC.get(task) or keys[0].split(",")[0]
+        matching = [k for k in keys if k.split(",")[0] == metric]
+        if not matching:
+            continue
+        ranked = sorted(matching, key=lambda k: FILTER_PREFERENCE.index(k.split(",", 1)[1])
+                        if k.split(",", 1)[1] in FILTER_PREFERENCE else len(FILTER_PREFERENCE))
+        measured[f"{task}.{metric}"] = float(cell[ranked[0]])
+    return measured
+
+
+def averages(measured: dict[str, float]) -> dict[str, float]:
+    """persistent.avg / new.avg (Tables 4.2 / 4.3) when all of their tasks were measured."""
+    out = {}
+    for name, tasks in (("persistent", PERSISTENT), ("new", NEW)):
+        values = [measured.get(f"{t}.{MAIN_METRIC[t]}") for t in tasks]
+        if all(v is not None for v in values):
+            out[f"{name}.avg"] = sum(values) / len(values)
+    return out

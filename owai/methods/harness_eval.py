@@ -1,0 +1,129 @@
+"""Table 4.1's 19 benchmarks through lm-evaluation-harness (thesis sec 4.2.3.1, Tables 4.1-4.3; spec
+evals.md sec 5): `owai eval harness`.
+
+One run scores one model on harness tasks (default: the thesis's 19, `owai.evals.harness.THESIS_TASKS`)
+with `simple_evaluate` and owai's `OwaiLM` adapter. Measured: `<task>.<metric>`, each task's main
+metric on the harness's 0-1 scale (e.g. `arc_easy.acc`, `gsm8k.exact_match`), and `persistent.avg` /
+`new.avg` (Tables 4.2 / 4.3) when all 13 / 6 of their tasks ran. Details: the harness's results
+dict (per-task metrics with their filters, configs, shots, versions).
+
+    model       owai.evals.causal_lm.open_model: a run / save_pretrained directory or a Hugging Face id;
+                reference:oracle reads the gold answers (must score 1.0: validates the pipeline)
+    tasks       harness task names, owai's (race_middle, owai_mc_smoke, owai_gen_smoke) and those of
+                `include_path` folders of task YAMLs
+    ablate      long_term_memory: Tables 4.2 / 4.3's "without long-term memory" row
+
+The 19 benchmarks read hub datasets (online only); humaneval_plus and mbpp execute the model's code
+(the harness asks for HF_ALLOW_CODE_EVAL=1). Needs the `eval` extra: pip install 'owai[eval]'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from owai.config import BaseConfig
+from owai.errors import OwaiError
+from owai.methods import Method, Outcome
+from owai.runs import Run
+
+ORACLE = "reference:oracle"
+
+
+def _thesis_tasks() -> list[str]:
+    # kept in step with owai.evals.harness.THESIS_TASKS (which imports the harness)
+    return ["openbookqa", "arc_easy", "winogrande", "arc_challenge", "piqa", "boolq", "hellaswag", "nq_open",
+            "social_iqa", "triviaqa", "gsm8k", "mmlu_continuation", "humaneval_plus", "squad_completion",
+            "bbh_fewshot", "minerva_math", "mbpp", "race_middle", "race"]
+
+
+@dataclass
+class Config(BaseConfig):
+    tasks: list[str] = field(default_factory=_thesis_tasks)
+    model: str = ""  # a run or save_pretrained directory, a Hugging Face id, or reference:oracle
+    tokenizer: str = ""  # "" = the one the model was trained with / its own
+    num_fewshot: int | None = None  # None = each task's default (gsm8k 5, bbh_fewshot 3, minerva_math 4, ...)
+    limit: int = 0  # documents per task (0 = all)
+    ablate: list[str] = field(default_factory=list)  # e.g. [long_term_memory] (Tables 4.2, 4.3)
+    include_path: list[str] = field(default_factory=list)  # extra folders of task YAMLs
+    max_gen_toks: int = 256  # generation budget when a task sets none
+    seed: int = 1234  # the harness's seeds (few-shot sampling)
+    precision: str = "auto"
+    # the thesis row this model stands for (recipe table4.1-harness): transformer-small, mmv2-small,
+    # transformer-large, mmv2-large (4k), the same with -32k, mmv2-large-32k-no-ltm (Tables 4.2, 4.3)
+    row: str = ""
+
+
+class Harness(Method):
+    Config = Config
+    cli = "owai eval harness"
+
+    @staticmethod
+    def validate(cfg: Config) -> None:
+        from owai.evals.causal_lm import ABLATIONS, REFERENCE, check_ablation, check_model
+
+        if not cfg.model:
+            raise OwaiError("no model given: pass --model (a run or model directory, a Hugging Face id, or "
+                            "reference:oracle)")
+        bad = [a for a in cfg.ablate if a not in ABLATIONS]
+        if bad:
+            raise OwaiError(f"ablate {bad}: known ablations are {', '.join(ABLATIONS)}")
+        if not cfg.tasks or len(set(cfg.tasks)) != len(cfg.tasks):
+            raise OwaiError(f"tasks {cfg.tasks}: give distinct harness task names")
+        if cfg.limit < 0 or (cfg.num_fewshot is not None and cfg.num_fewshot < 0) or cfg.max_gen_toks < 1:
+            raise OwaiError(f"limit and num_fewshot must be >= 0 and max_gen_toks >= 1, got {cfg.limit}, "
+                            f"{cfg.num_fewshot} and {cfg.max_gen_toks}")
+        for folder in cfg.include_path:
+            if not Path(folder).expanduser().is_dir():
+                raise OwaiError(f"include_path {folder!r} is not a folder of task YAMLs")
+        if cfg.model.startswith(REFERENCE):
+            if cfg.model != ORACLE:
+                raise OwaiError(f"{cfg.model}: the harness's reference model is {ORACLE}")
+            if cfg.ablate:
+                raise OwaiError("reference models have nothing to ablate")
+        from owai.evals.harness import require_harness
+
+        require_harness()
+        from owai.evals import harness
+
+        known = set(harness.THESIS_TASKS) | set(harness.OWAI_TASKS) | set(harness.MAIN_METRIC)
+        if any(t not in known for t in cfg.tasks):  # index the harness's tasks only when needed (seconds)
+            manager = harness.task_manager([str(Path(p).expanduser()) for p in cfg.include_path])
+            unknown = [t for t in cfg.tasks if t not in manager.all_tasks]
+            if unknown:
+                raise OwaiError(f"unknown harness task(s) {', '.join(unknown)} (lm_eval --tasks list shows them; "
+                                "task YAML folders: --set include_path=[DIR])")
+        check_model(cfg.model)
+        check_ablation(cfg.model, cfg.ablate)
+
+    def run(self, cfg: Config, run: Run) -> Outcome:
+        import contextlib
+
+        from owai import console
+        from owai.evals import harness
+        from owai.evals.causal_lm import open_model
+
+        manager = harness.task_manager([str(Path(p).expanduser()) for p in cfg.include_path])
+        with contextlib.ExitStack() as stack:
+            if cfg.model == ORACLE:
+                model: Any = harness.OracleLM(manager, list(cfg.tasks))
+                max_length = None
+            else:
+                lm = open_model(cfg.model, cfg.tokenizer, run.device, cfg.precision)
+                for name in cfg.ablate:
+                    stack.enter_context(lm.ablate(name))
+                model = harness.OwaiLM(lm, max_gen_toks=cfg.max_gen_toks)
+                max_length = model.max_length
+            result = harness.evaluate(model, list(cfg.tasks), cfg.num_fewshot, cfg.limit, manager=manager,
+                                      seed=cfg.seed)
+        measured: dict[str, Any] = harness.main_metrics(result, list(cfg.tasks))
+        measured.update(harness.averages(measured))
+        for key, value in measured.items():
+            console.info(f"{key}: {value:.4f}")
+        missing = [t for t in cfg.tasks if not any(k.startswith(f"{t}.") for k in measured)]
+        if missing:
+            console.info(f"no main metric found for {', '.join(missing)} (see details.results)")
+        result.update(model=cfg.model, ablate=list(cfg.ablate), max_length=max_length, limit=cfg.limit,
+                      num_fewshot=cfg.num_fewshot)
+        return Outcome(measured, result)

@@ -1,0 +1,198 @@
+"""`owai eval harness` (thesis Tables 4.1-4.3; spec evals.md sec 5.6): OwaiLM's scoring against a direct
+computation, the harness path offline on owai's two smoke tasks (a tiny random model near chance, the
+answer-aware oracle at 1.0), the race_middle YAML, the recipe's thesis rows and the one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "table4.1-harness.yaml"
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model_dir = tmp_path_factory.mktemp("lm")
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=256, n_embd=32, n_layer=2, n_head=2, bos_token_id=256,
+                               eos_token_id=256)).save_pretrained(model_dir)
+    (model_dir / "owai_tokenizer.json").write_text(json.dumps({"name": "bytes"}))
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def manager():
+    from owai.evals import harness
+
+    return harness.task_manager()
+
+
+@pytest.fixture(scope="module")
+def owai_lm(tiny_dir):
+    from owai.evals import harness
+    from owai.evals.causal_lm import open_model
+
+    return harness.OwaiLM(open_model(str(tiny_dir), device=torch.device("cpu"), precision="float32"))
+
+
+def test_loglikelihood_tokens_is_the_direct_sum_and_greedy_iff_every_token_is_the_argmax(owai_lm) -> None:
+    model = owai_lm.lm.model
+    ctx, cont = owai_lm.tok_encode("Question: 2 + 2?\nAnswer:"), owai_lm.tok_encode(" 4 and more")
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=torch.tensor([ctx + cont])).logits[0].float(), -1)
+    expected = sum(float(logp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont))
+    (ll, greedy), = owai_lm._loglikelihood_tokens([(("a", "b"), ctx, cont)])
+    assert ll == pytest.approx(expected, abs=1e-4) and not greedy  # a random model does not predict this text
+    argmax = []  # the model's own greedy continuation is greedy; one changed token is not
+    for _ in range(4):
+        with torch.no_grad():
+            argmax.append(int(model(input_ids=torch.tensor([ctx + argmax])).logits[0, -1].argmax()))
+    assert owai_lm._loglikelihood_tokens([(None, ctx, argmax)])[0][1] is True
+    assert owai_lm._loglikelihood_tokens([(None, ctx, argmax[:-1] + [(argmax[-1] + 1) % 257])])[0][1] is False
+    # past the model's 256 positions the context is cut from the left: the score only sees the tail
+    long_ctx = owai_lm.tok_encode("x" * 400)
+    assert owai_lm._loglikelihood_tokens([(None, long_ctx, cont)])[0][0] == pytest.approx(
+        owai_lm._loglikelihood_tokens([(None, long_ctx[-(256 + 1 - len(cont)):], cont)])[0][0], abs=1e-4)
+
+
+def test_generation_stops_at_until_and_rolling_loglikelihood_covers_every_token(owai_lm) -> None:
+    from lm_eval.api.instance import Instance
+
+    free = owai_lm.greedy("Question: what?\nAnswer:", 12, [])
+    assert len(owai_lm.tok_encode(free)) <= 12
+    if free:
+        stop = free[len(free) // 2]
+        cut = owai_lm.greedy("Question: what?\nAnswer:", 12, [stop])
+        assert stop not in cut and free.startswith(cut)
+    text = "abc " * 150  # 600 bytes: three windows of 256
+    rolled = owai_lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])[0]
+    tokens = owai_lm.tok_encode(text)
+    pieces = [tokens[i:i + 256] for i in range(0, len(tokens), 256)]
+    direct = 0.0
+    for i, piece in enumerate(pieces):  # disjoint windows: EOT prefix, then the preceding tokens as context
+        context = [owai_lm.eot_token_id] + tokens[:i * 256]
+        direct += owai_lm._loglikelihood_tokens([(None, context[-(257 - len(piece)):] if i else context, piece)])[0][0]
+    assert rolled == pytest.approx(direct, rel=1e-4)
+
+
+def test_the_tiny_model_runs_the_smoke_tasks_near_chance_and_the_oracle_scores_one(owai_lm, manager) -> None:
+    from owai.evals import harness
+
+    tasks = list(harness.SMOKE_TASKS)
+    result = harness.evaluate(owai_lm, tasks, manager=manager)
+    measured = harness.main_metrics(result, tasks)
+    assert set(measured) == {"owai_mc_smoke.acc", "owai_gen_smoke.exact_match"}
+    assert result["results"]["owai_mc_smoke"]["sample_len"] == 20
+    assert 0.0 <= measured["owai_mc_smoke.acc"] <= 0.6  # 4 choices: chance 0.25
+    assert measured["owai_gen_smoke.exact_match"] <= 0.1
+    json.dumps(result)
+    oracle = harness.evaluate(harness.OracleLM(manager, tasks), tasks, manager=manager, limit=10)
+    assert harness.main_metrics(oracle, tasks) == {"owai_mc_smoke.acc": 1.0, "owai_gen_smoke.exact_match": 1.0}
+    assert oracle["results"]["owai_gen_smoke"]["sample_len"] == 10
+
+
+def test_the_thesis_task_list_and_race_middle_task(manager) -> None:
+    from owai.evals import harness
+    from owai.methods.harness_eval import Config
+
+    assert len(harness.THESIS_TASKS) == 19 and harness.THESIS_TASKS == Config().tasks
+    assert harness.PERSISTENT[-1] == "humaneval_plus" and harness.NEW == [
+        "squad_completion", "bbh_fewshot", "minerva_math", "mbpp", "race_middle", "race"]
+    assert all(t in manager.all_tasks for t in harness.THESIS_TASKS)  # race_middle from owai's folder
+    from lm_eval.config.task import TaskConfig
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    entry = manager.task_index["race_middle"]  # owai's YAML, parsed and its functions resolved: no download
+    assert entry.yaml_path == harness.TASKS_DIR / "race_middle.yaml"
+    config = TaskConfig(**load_yaml(entry.yaml_path))
+    assert (config.dataset_path, config.dataset_name, config.test_split) == ("ehovy/race", "middle", "test")
+    assert config.output_type == "multiple_choice" and config.doc_to_choice == "{{options}}"
+    utils = type("utils", (), {"doc_to_text": staticmethod(config.doc_to_text),
+                               "doc_to_target": staticmethod(config.doc_to_target)})
+    doc = {"article": "Tom has a red kite.", "question": "What colour is Tom's kite?", "options": ["red", "blue",
+           "green", "white"], "answer": "A"}
+    assert utils.doc_to_text(doc) == "Article: Tom has a red kite.\n\nQuestion: What colour is Tom's kite?\nAnswer:"
+    assert utils.doc_to_target(doc) == 0 and utils.doc_to_target({**doc, "answer": "D"}) == 3
+    assert utils.doc_to_text({**doc, "question": "Tom's kite is  _  ."}).endswith("\n\nTom's kite is")
+
+
+def test_recipe_carries_the_thesis_rows_with_the_corrected_mmv2_small_32k_reading() -> None:
+    from owai import recipes
+
+    r = recipes.load(str(RECIPE))
+    assert r.method == "harness" and {"cpu", "paper"} <= set(r.presets)
+    assert recipes.thesis_for(r, "arc_easy.acc", {"row": "mmv2-large"}).value == pytest.approx(0.781)
+    assert recipes.thesis_for(r, "minerva_math.exact_match", {"row": "mmv2-small-32k"}).value == pytest.approx(0.011)
+    assert recipes.thesis_for(r, "race_middle.acc", {"row": "mmv2-small-32k"}).value == pytest.approx(0.492)
+    assert recipes.thesis_for(r, "squad_completion.contains", {"row": "mmv2-large-32k-no-ltm"}).value == pytest.approx(0.694)
+    assert recipes.thesis_for(r, "new.avg", {"row": "mmv2-large-32k-no-ltm"}).value == pytest.approx(0.349)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"model": ""}, "no model given: pass --model"),
+    ({"ablate": ["short_term_memory"]}, "ablate ['short_term_memory']: known ablations are long_term_memory"),
+    ({"model": "reference:null"}, "the harness's reference model is reference:oracle"),
+    ({"model": "reference:oracle", "ablate": ["long_term_memory"]}, "reference models have nothing to ablate"),
+    ({"limit": -1}, "limit and num_fewshot must be >= 0"),
+    ({"tasks": ["arc_easy", "no_such_task"]}, "unknown harness task(s) no_such_task"),
+])
+def test_validation_errors_are_one_line(changes, message) -> None:
+    from owai.errors import OwaiError
+    from owai.methods.harness_eval import Config, Harness
+
+    cfg = Config(**{"model": "reference:oracle", **changes})
+    with pytest.raises(OwaiError) as err:
+        Harness.validate(cfg)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_missing_harness_is_one_line(monkeypatch) -> None:
+    import sys
+
+    from owai.errors import OwaiError
+    from owai.evals import harness
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
+    with pytest.raises(OwaiError, match=r"^lm-evaluation-harness is not installed: pip install 'owai\[eval\]'$"):
+        harness.require_harness()
+
+
+def test_the_cpu_preset_oracle_and_a_saved_model_through_the_command(tiny_dir, tmp_path, capsys) -> None:
+    from tests.conftest import cli_in_process
+
+    rc, _, err = cli_in_process(["eval", "harness", "-q", "-o", str(tmp_path / "a")], capsys)
+    assert rc == 0, err
+    results = json.loads(next((tmp_path / "a" / "table4.1-harness").iterdir()).joinpath("results.json").read_text())
+    rows = {r["metric"]: r for r in results["rows"]}
+    assert rows["owai_mc_smoke.acc"]["measured"] == rows["owai_gen_smoke.exact_match"]["measured"] == 1.0
+    rc, _, err = cli_in_process(["eval", "harness", "-q", "-o", str(tmp_path / "b"), "--model", str(tiny_dir),
+                                 "--limit", "8", "--set", "row=mmv2-large"], capsys)
+    assert rc == 0, err
+    results = json.loads(next((tmp_path / "b" / "table4.1-harness").iterdir()).joinpath("results.json").read_text())
+    assert results["details"]["results"]["owai_mc_smoke"]["sample_len"] == 8
+    assert results["details"]["max_length"] == 256 and results["details"]["model"] == str(tiny_dir)
+
+
+def test_errors_through_the_command_are_one_line_and_write_nothing(tiny_dir, tmp_path, capsys) -> None:
+    from tests.conftest import cli_in_process
+
+    for args, message in ((["-p", "paper"], "no model given"),
+                          (["--model", str(tiny_dir), "--ablate", "long_term_memory"], "has no long_term_memory to switch off"),
+                          (["--ablate", "nope"], "known ablations are long_term_memory")):
+        rc, _, err = cli_in_process(["eval", "harness", *args, "-q", "-o", str(tmp_path)], capsys)
+        assert rc != 0 and message in err and len(err.strip().splitlines()) == 1, err
+        assert not tmp_path.joinpath("table4.1-harness").exists()
