@@ -36,9 +36,12 @@ def _icl(args: list[str], capsys) -> tuple[int, str, str]:
 
 
 def test_a_saved_causal_lm_is_scored_and_long_prompts_are_overflows(tiny_lm, tmp_path, capsys) -> None:
-    rc, _, err = _icl(["--model", str(tiny_lm), "--task", "synthetic", "--shots", "1,4", "--n", "6",
-                       "--set", "synthetic_classes=4", "--set", "max_new_tokens=4", "--labels", "semantic",
-                       "-o", str(tmp_path)], capsys)
+    args = ["--model", str(tiny_lm), "--task", "synthetic", "--shots", "1,4", "--n", "6", "--set", "synthetic_classes=4",
+            "--set", "max_new_tokens=4", "--labels", "semantic"]
+    rc, _, err = _icl([*args, "-o", str(tmp_path / "refused")], capsys)  # the 4-shot prompts do not fit
+    assert rc != 0 and "--allow-overflow" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "refused").exists()
+    rc, _, err = _icl([*args, "--allow-overflow", "-o", str(tmp_path)], capsys)
     assert rc == 0, err
     run_dir = next((tmp_path / "fig4.6-icl").iterdir())
     details = json.loads((run_dir / "results.json").read_text())["details"]
@@ -127,3 +130,15 @@ def test_a_directory_without_a_recorded_tokenizer_asks_for_one(tiny_lm, tmp_path
     rc, _, err = _icl(["--model", str(bare), "--task", "synthetic", "--shots", "1", "--n", "2",
                        "-o", str(tmp_path / "runs")], capsys)
     assert rc != 0 and "records no tokenizer" in err
+
+
+def test_a_data_file_with_missing_fields_is_one_line(tmp_path, capsys) -> None:
+    folder = tmp_path / "banking77"
+    folder.mkdir()
+    (folder / "train.csv").write_text("text,label\nhello,card_arrival\n")  # no `category` column
+    (folder / "test.csv").write_text("text,label\nhi,card_arrival\n")
+    (folder / "categories.json").write_text('["card_arrival"]')
+    rc, _, err = _icl(["--task", "banking77", "--model", "reference:knn", "--data", str(folder), "--shots", "1",
+                       "-o", str(tmp_path / "runs")], capsys)
+    assert rc != 0 and "train.csv" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "runs").exists()

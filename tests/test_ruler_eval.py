@@ -50,7 +50,7 @@ def test_the_cpu_preset_oracle_scores_100_on_every_synthetic_task(shared_data, t
 @pytest.mark.parametrize(("model", "expected"), [("reference:oracle", 100.0), ("reference:null", 0.0)])
 def test_qa_references_score_what_they_must_beside_the_thesis_row(qa_files, shared_data, tmp_path, capsys, model,
                                                                   expected) -> None:
-    rc, _, err = _ruler(["-p", "paper", "--model", model, "--tokenizer", "tokenizers/gpt2", "--ctx", "4k", "--n", "4",
+    rc, _, err = _ruler(["-p", "paper", "--model", model, "--ctx", "4k", "--n", "4",
                          "--set", f"squad={qa_files['squad']}", "--set", f"hotpotqa={qa_files['hotpotqa']}",
                          "--set", "row=mmv2-large", "-o", str(tmp_path)], capsys)
     assert rc == 0, err
@@ -68,8 +68,12 @@ def test_a_saved_causal_lm_overflows_past_its_length_and_is_scored_within_it(sha
     GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=1024, n_embd=32, n_layer=2, n_head=2, bos_token_id=256,
                                eos_token_id=256)).save_pretrained(model_dir)
     (model_dir / "owai_tokenizer.json").write_text(json.dumps({"name": "bytes"}))
-    rc, _, err = _ruler(["--model", str(model_dir), "--tasks", "niah_single_1", "--ctx", "1024,2048", "--n", "2",
-                         "--set", "tokenizer=", "-o", str(tmp_path / "runs")], capsys)
+    capsys.readouterr()  # transformers' progress bars while saving
+    args = ["--model", str(model_dir), "--tasks", "niah_single_1", "--ctx", "1024,2048", "--n", "2", "--set", "tokenizer="]
+    rc, _, err = _ruler([*args, "-o", str(tmp_path / "runs")], capsys)  # 2048 > its 1024 positions: refused
+    assert rc != 0 and "--allow-overflow" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "runs").exists()
+    rc, _, err = _ruler([*args, "--allow-overflow", "-o", str(tmp_path / "runs")], capsys)
     assert rc == 0, err
     results = json.loads(next((tmp_path / "runs" / "table4.4-ruler").iterdir()).joinpath("results.json").read_text())
     cells = results["details"]["results"]["niah_single_1"]
@@ -82,10 +86,10 @@ def test_a_saved_causal_lm_overflows_past_its_length_and_is_scored_within_it(sha
     (["-p", "paper"], "no model given"),
     (["--model", "reference:oracle", "--tasks", "qa_3"], "tasks ['qa_3']"),
     (["--model", "reference:oracle", "--ctx", "4q"], "4q"),
-    (["--model", "reference:oracle", "--set", "tokenizer="], "needs --tokenizer"),
+    (["--model", "reference:oracle", "--set", "reference_tokenizer="], "needs reference_tokenizer"),
     (["--model", "reference:seer"], "RULER reference models are"),
     (["--model", "reference:oracle", "--haystack-dir", "/nonexistent/essays"], "essay haystack"),
-    (["-p", "paper", "--model", "reference:oracle", "--tokenizer", "tokenizers/gpt2", "--set", "squad=/none/dev.json"],
+    (["-p", "paper", "--model", "reference:oracle", "--set", "squad=/none/dev.json"],
      "QA file"),
     (["--model", "reference:oracle", "--ablate", "long_term_memory"], "nothing to ablate"),
 ])
@@ -103,3 +107,44 @@ def test_ablating_a_part_the_model_lacks_is_refused_before_the_run(tmp_path, cap
                          "-o", str(tmp_path / "runs")], capsys)
     assert rc != 0 and "has no long_term_memory" in err
     assert not (tmp_path / "runs").exists()
+
+
+def _gpt2_dir(path: Path, vocab: int = 257, positions: int = 64) -> Path:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=16, n_layer=1, n_head=2)).save_pretrained(path)
+    (path / "owai_tokenizer.json").write_text(json.dumps({"name": "bytes"}))
+    return path
+
+
+def test_models_and_data_that_do_not_fit_are_one_line_before_the_run(shared_data, tmp_path, capsys) -> None:
+    """A directory that is not a model, a tokenizer with more tokens than the model's embedding, a QA
+    file with missing fields, an essay folder with no text: each one line, no run directory."""
+    not_a_model = tmp_path / "notes"
+    not_a_model.mkdir()
+    (not_a_model / "readme.txt").write_text("no model here")
+    small_vocab = _gpt2_dir(tmp_path / "small-vocab", vocab=100, positions=4096)
+    broken = write_json(tmp_path / "dev-v2.0.json", {"version": "v2.0", "data": [{"title": "A"}]})  # no paragraphs
+    empty = tmp_path / "essays"
+    empty.mkdir()
+    capsys.readouterr()  # transformers' progress bars while saving
+    cases = [
+        (["--model", str(not_a_model), "--tasks", "vt"], "holds no saved model"),
+        (["--model", str(small_vocab), "--tasks", "vt", "--ctx", "1k"], "not the model's tokenizer"),
+        (["--model", "reference:oracle", "--tasks", "qa_1", "--set", f"squad={broken}"], "is not a SQuAD v2.0 file"),
+        (["--model", "reference:oracle", "--tasks", "niah_single_2", "--haystack-dir", str(empty)], str(empty)),
+    ]
+    for args, message in cases:
+        out = tmp_path / "runs"
+        rc, _, err = _ruler([*args, "-o", str(out)], capsys)
+        assert rc != 0 and message in err and len(err.strip().splitlines()) == 1, (args, err)
+        assert not out.exists()
+
+
+def test_synthetic_qa_runs_the_qa_path_offline(shared_data, tmp_path, capsys) -> None:
+    """Spec sec 1.11's invented-fact pools through the same readers, fitting and scoring."""
+    rc, _, err = _ruler(["--model", "reference:oracle", "--tasks", "qa_1,qa_2", "--ctx", "1k,2k", "--n", "5",
+                         "--set", "squad=synthetic", "--set", "hotpotqa=synthetic", "-o", str(tmp_path)], capsys)
+    assert rc == 0, err
+    rows = _rows(tmp_path)
+    assert rows["qa.1k.score"]["measured"] == rows["qa.2k.score"]["measured"] == 100.0

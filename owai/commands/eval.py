@@ -199,6 +199,7 @@ def ruler(
     tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", help="Override the model's tokenizer; reference models need one.")] = None,
     haystack_dir: Annotated[Optional[str], typer.Option("--haystack-dir", help="The essay haystack: a folder of .txt essays.")] = None,
     ablate: Annotated[Optional[str], typer.Option("--ablate", help="Switch a part off at inference: long_term_memory (Table C.1).")] = None,
+    allow_overflow: Annotated[bool, typer.Option("--allow-overflow", help="Count prompts longer than the model takes as overflows (the thesis's x) instead of refusing to start.")] = False,
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="table4.4-ruler or a RULER recipe file.")] = RULER_RECIPE,
     preset: Preset = None,
     sets: Sets = None,
@@ -209,7 +210,8 @@ def ruler(
     """RULER (Tables 4.4, 4.5, C.1): multi-document QA (SQuAD, HotpotQA) and synthetic recall at each context length, prompts fitted with the model's tokenizer."""
     from owai.commands._common import run_recipe
 
-    extra = option_sets(sets, {"model": model, "tokenizer": tokenizer, "haystack_dir": haystack_dir, "n": n, "seed": seed},
+    extra = option_sets(sets, {"model": model, "tokenizer": tokenizer, "haystack_dir": haystack_dir, "n": n, "seed": seed,
+                               "allow_overflow": "true" if allow_overflow else None},
                         {"ctx": (ctx, "--ctx"), "tasks": (tasks, "--tasks"), "ablate": (ablate, "--ablate")})
     run_recipe(recipe, preset, extra, out, None, quiet, as_json, methods=("ruler",))
 
@@ -227,6 +229,7 @@ def icl(
     n: Annotated[Optional[int], typer.Option("--n", min=1, help="Number of queries (LongICLBench: 500).")] = None,
     data: Annotated[Optional[str], typer.Option("--data", help="The task's folder or a root holding icl/<task>; hf = the hub ids.")] = None,
     tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", help="Override the model's tokenizer (hub id or tokenizer.json).")] = None,
+    allow_overflow: Annotated[bool, typer.Option("--allow-overflow", help="Count prompts longer than the model takes as overflows instead of refusing to start.")] = False,
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="fig4.6-icl or an ICL recipe file.")] = ICL_RECIPE,
     preset: Preset = None,
     sets: Sets = None,
@@ -254,6 +257,8 @@ def icl(
         extra.append(f"data={data}")
     if tokenizer is not None:
         extra.append(f"tokenizer={tokenizer}")
+    if allow_overflow:
+        extra.append("allow_overflow=true")
     if resume is not None:
         if extra != list(sets or []) or preset is not None or recipe != ICL_RECIPE:
             raise OwaiError("--resume takes the run's settings from RUN_DIR/config.yaml; drop the other options")

@@ -131,22 +131,51 @@ def open_model(spec: str, tokenizer: str = "", device: torch.device | None = Non
     return _from_hub(spec, tokenizer, device, precision)
 
 
-def check_model(spec: str) -> None:
-    """Before a run: a directory that exists holds a saved model; a reference name is left to its suite."""
-    if spec.startswith(REFERENCE) or not spec:
-        return
-    path = Path(spec).expanduser()
-    if path.exists():
-        from owai.methods.language_model import model_dirs
+def check_model(spec: str, tokenizer: str = "") -> tuple[int | None, Any]:
+    """Before a run, without loading weights: a directory holds exactly one saved model whose
+    embedding has a row for every token of its tokenizer (the recorded one, or `tokenizer`); a hub id
+    is cached or reachable. Returns (the model's maximum length or None, its tokenizer or None), what
+    the suites need to find prompts that would overflow; a reference name is left to its suite."""
+    import json
 
-        found = model_dirs(path)
-        if len(found) != 1:
-            raise OwaiError(f"{path} holds {len(found)} models ({', '.join(label for label, _ in found)}); "
-                            f"name one: {path}/models/<arch>")
-    else:  # a hub id: in the local cache, or the hub answers (one line otherwise, no minute of retries)
+    if spec.startswith(REFERENCE) or not spec:
+        return None, None
+    path = Path(spec).expanduser()
+    if not path.exists():  # a hub id: in the local cache, or the hub answers (one line, no minute of retries)
         from owai.data.text import check_tokenizer
 
         check_tokenizer(spec)
+        return None, None
+    from owai.data.text import load_tokenizer
+    from owai.methods.language_model import model_dirs, tokenizer_for
+
+    found = model_dirs(path)
+    if len(found) != 1:
+        raise OwaiError(f"{path} holds {len(found)} models ({', '.join(label for label, _ in found)}); "
+                        f"name one: {path}/models/<arch>")
+    label, directory = found[0]
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        raise OwaiError(f"{directory / 'config.json'} is not a model config (unreadable or not JSON)") from None
+    name = tokenizer or tokenizer_for(directory, "")
+    if not name:
+        raise OwaiError(f"{directory} records no tokenizer (owai_tokenizer.json): pass one (e.g. gpt2 or a tokenizer.json)")
+    tok = load_tokenizer(name)
+    rows = config.get("vocab_size")
+    if isinstance(rows, int) and tok.vocab_size > rows:
+        raise OwaiError(f"tokenizer {name} has {tok.vocab_size} tokens but {label}'s embedding has {rows} rows: "
+                        "not the model's tokenizer")
+    return _config_max_tokens(config), tok
+
+
+def _config_max_tokens(config: dict[str, Any]) -> int | None:
+    """`_max_tokens` read from a config.json (no model built)."""
+    if config.get("model_type") == "owai_gpt":
+        return int(config["block_size"]) if config.get("position") == "learned" and config.get("block_size") else None
+    if config.get("model_type") in ("gpt2", "gpt_neo", "opt", "bloom"):
+        return int(config.get("n_positions") or config.get("max_position_embeddings") or 0) or None
+    return None
 
 
 def check_ablation(spec: str, names: list[str]) -> None:

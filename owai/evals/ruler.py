@@ -383,11 +383,59 @@ def load_hotpotqa_hub(hub_id: str = HOTPOTQA_HUB_ID, config: str = HOTPOTQA_HUB_
         raise OwaiError(f"hf:{hub_id} does not have HotpotQA's columns ({_one_line(exc, 120)})") from None
 
 
+def synthetic_squad(seed: int = 0, articles: int = 40, paragraphs: int = 5) -> QAData:
+    """A SQuAD-like pool of invented facts (spec sec 1.11), built as SQuAD's JSON and read by the same
+    code: each paragraph states four facts about invented people and places, each fact a question whose
+    gold answers include a variant ("1873", "in 1873"); same-article paragraphs are the hard distractors."""
+    rng = random.Random(seed)
+    names = iter(pseudo_words(articles * paragraphs * 8 + 10))
+    data = []
+    for a in range(articles):
+        paras = []
+        for _ in range(paragraphs):
+            person, place, country, river = (next(names).capitalize() for _ in range(4))
+            year, job = rng.randint(1700, 1990), rng.choice(("baker", "sailor", "painter", "judge", "miller"))
+            text = (f"{person} {next(names).capitalize()} was born in {year}. The capital of {country} is {place}. "
+                    f"{person} worked as a {job} for most of a long life. The {river} river flows through {place}.")
+            qas = [{"question": f"When was {person} born?", "answers": [{"text": str(year)}, {"text": f"in {year}"}]},
+                   {"question": f"What is the capital of {country}?", "answers": [{"text": place}]},
+                   {"question": f"What did {person} work as?", "answers": [{"text": job}, {"text": f"a {job}"}]},
+                   {"question": f"Which river flows through {place}?", "answers": [{"text": f"the {river} river"},
+                                                                                    {"text": river}]}]
+            paras.append({"context": text, "qas": qas})
+        data.append({"title": f"Synthetic article {a}", "paragraphs": paras})
+    return _squad_pool(data, f"synthetic-squad:{seed}")
+
+
+def synthetic_hotpotqa(seed: int = 0, questions: int = 200) -> QAData:
+    """A HotpotQA-like pool (spec sec 1.11): each question composes two facts in two paragraphs ("X was
+    born in C." + "C is a city in K." -> "In which country was X born?" -> K) among 8 distractor
+    paragraphs of the same shapes, built as HotpotQA's JSON and read by the same code."""
+    rng = random.Random(seed)
+    names = iter(pseudo_words(questions * 30 + 10))
+    rows = []
+    for q in range(questions):
+        person, city, country = (next(names).capitalize() for _ in range(3))
+        gold = [[person, [f"{person} was born in {city}. ", f"{person} left {city} at the age of {rng.randint(12, 40)}."]],
+                [city, [f"{city} is a city in {country}. ", f"It has a market every {rng.choice(('Monday', 'Friday'))}."]]]
+        distractors = []
+        for _ in range(8):
+            a, b = next(names).capitalize(), next(names).capitalize()
+            distractors.append([a, [f"{a} was born in {b}. ", f"{b} is a city in {next(names).capitalize()}."]])
+        context = gold + distractors
+        rng.shuffle(context)
+        rows.append({"question": f"In which country was {person} born?", "answer": country, "context": context})
+    return _hotpot_pool(rows, f"synthetic-hotpotqa:{seed}")
+
+
 def load_qa(kind: str, source: str | Path) -> QAData:
-    """`kind` squad|hotpotqa from `source`: a JSON file, `hf` (the default hub id) or `hf:<id>`."""
+    """`kind` squad|hotpotqa from `source`: a JSON file, `hf` (the default hub id), `hf:<id>`, or
+    `synthetic` (invented facts through the same reader: the offline variant of spec sec 1.11)."""
     if kind not in QA_KINDS:
         raise OwaiError(f"unknown QA data {kind!r}: use {' or '.join(QA_KINDS)}")
     text = str(source)
+    if text == "synthetic":
+        return synthetic_squad() if kind == "squad" else synthetic_hotpotqa()
     if text == "hf" or text.startswith("hf:"):
         hub_id = text[3:] or None
         if kind == "squad":

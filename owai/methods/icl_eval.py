@@ -45,6 +45,9 @@ class Config(BaseConfig):
     n_queries: int = 500
     max_new_tokens: int = 32  # the longest label is ~50 characters; LongICLBench generates 100
     max_tokens: int = 0  # the model's context for overflow (0 = the model's own limit, if any)
+    # a prompt longer than the model takes is an error before the run unless this is set; then such
+    # prompts are counted as overflows, never truncated
+    allow_overflow: bool = False
     shuffle_seed: int = 0
     trailing_space: bool = False  # LongICLBench's spaces after the header's and the label's colon
     tacred_format: str = "thesis"  # thesis (App. C.2.3) or longiclbench
@@ -88,7 +91,14 @@ class InContextClassification(Method):
         from owai.evals.longicl import select_demonstrations
 
         select_demonstrations(data, max(cfg.shots))  # a pool too small for the shots asked for
-        check_model(cfg.model)
+        limit, tokenizer = check_model(cfg.model, cfg.tokenizer)
+        limit = cfg.max_tokens or limit
+        if limit and tokenizer is not None and not cfg.allow_overflow:
+            longest = longest_prompt(cfg, data, tokenizer)
+            if longest + cfg.max_new_tokens > limit:
+                raise OwaiError(f"the {max(cfg.shots)}-shot prompts reach {longest} tokens, more than the {limit} "
+                                f"{cfg.model} takes with {cfg.max_new_tokens} to generate: pass --allow-overflow to count "
+                                "them as overflows (never truncated), or fewer --shots")
 
     def run(self, cfg: Config, run: Run) -> Outcome:
         from owai import console
@@ -119,6 +129,22 @@ class InContextClassification(Method):
                 console.info(f"{data.name} {mode} {n}-shot: best {acc if acc is None else round(acc, 4)}")
         plot_curves(run, data.name, cfg.model, sorted(set(cfg.shots)), curves)
         return Outcome(measured, details)
+
+
+def longest_prompt(cfg: Config, data: Any, tokenizer: Any) -> int:
+    """Tokens of the longest prompt the run will build: the most shots, the longest query, each label
+    mode, the newline delimiter (a space is never longer)."""
+    from owai.evals import longicl
+
+    shots = longicl.select_demonstrations(data, max(cfg.shots))
+    queries = longicl.select_queries(data, cfg.n_queries)
+    query = max(queries, key=lambda q: len(q.text))
+    lengths = []
+    for mode in cfg.labels:
+        options = longicl.PromptOptions(labels=mode, trailing_space=cfg.trailing_space, tacred_format=cfg.tacred_format)
+        prompt, _ = longicl.render_prompt(data, shots, query, options)
+        lengths.append(len(tokenizer.encode(prompt)))
+    return max(lengths)
 
 
 class _Generator:
@@ -185,6 +211,7 @@ def plot_curves(run: Run, task: str, model: str, shots: list[int], curves: dict[
         points = [(n, 100 * a) for n, a in zip(shots, accs) if a is not None]
         if points:
             ax.plot(*zip(*points), marker="o", label=f"{mode} labels")
+    ax.set_xticks(shots)
     ax.set_xlabel("shots (one demonstration per class each)")
     ax.set_ylabel("accuracy (%)")
     ax.set_title(f"{task}: {Path(model).name or model}")

@@ -13,8 +13,8 @@ model cannot take is an overflow, counted, never truncated. Measured: `{task}.{c
                 essays (RULER's Paul Graham list: $OWAI_DATA/text/paul_graham_essays)
     model       owai.evals.causal_lm.open_model: a run / save_pretrained directory, a Hugging Face id,
                 or reference:oracle / reference:null / reference:slot:K (validate the pipeline)
-    tokenizer   the model's; reference models need one to fit prompts: a tokenizer name, a
-                tokenizer.json, or a folder with GPT-2's encoder.json + vocab.bpe
+    tokenizer   the model's own (`tokenizer` overrides it); reference models fit prompts with
+                `reference_tokenizer` (default: GPT-2's files under the data root, tokenizers/gpt2)
 """
 
 from __future__ import annotations
@@ -36,13 +36,19 @@ class Config(BaseConfig):
     n: int = 500  # samples per task and length (RULER's default)
     seed: int = 42
     model: str = ""
-    tokenizer: str = ""
-    squad: str = "hf"  # SQuAD v2 dev JSON, or hf / hf:<id>
-    hotpotqa: str = "hf"  # HotpotQA dev-distractor JSON, or hf / hf:<id>
+    tokenizer: str = ""  # overrides the model's own (recorded) tokenizer
+    # what fits the prompts of reference models (which have no tokenizer): a folder of GPT-2's
+    # encoder.json + vocab.bpe (relative: under the data root), a tokenizer.json or a tokenizer name
+    reference_tokenizer: str = "tokenizers/gpt2"
+    squad: str = "hf"  # SQuAD v2 dev JSON, hf / hf:<id>, or synthetic (invented facts, offline)
+    hotpotqa: str = "hf"  # HotpotQA dev-distractor JSON, hf / hf:<id>, or synthetic
     haystack_dir: str = "text/paul_graham_essays"  # the essay haystack (relative: under the data root)
     rule: str = "2024"  # haystack-size search: 2024 (step) or 2025 (binary)
     template: str = "ruler"  # QA prompt: ruler (RULER's base template) or thesis-short
     max_tokens: int = 0  # the model's maximum length for overflow (0 = the model's own limit, if any)
+    # a length longer than the model takes is an error before the run unless this is set; then its
+    # prompts are counted as overflows (the thesis's "x" columns), never truncated
+    allow_overflow: bool = False
     ablate: list[str] = field(default_factory=list)  # e.g. [long_term_memory] (Table C.1), at inference only
     precision: str = "auto"
     # the thesis row this model stands for, to set its numbers beside the measured ones (recipe
@@ -85,19 +91,24 @@ class Ruler(Method):
                                 "reference:slot:K (K >= 1)")
             if cfg.ablate:
                 raise OwaiError("reference models have nothing to ablate")
-            if not cfg.tokenizer:
-                raise OwaiError("a reference model needs --tokenizer to fit prompts to token budgets "
+            if not cfg.reference_tokenizer:
+                raise OwaiError("a reference model needs reference_tokenizer to fit prompts to token budgets "
                                 "(e.g. a folder with GPT-2's encoder.json + vocab.bpe)")
-            reference_tokenizer(cfg.tokenizer)  # loads, or one line
+            reference_tokenizer(cfg.reference_tokenizer)  # loads, or one line
         if any(t in ruler.SYNTHETIC_TASKS for t in cfg.tasks):
             essays = haystack_folder(cfg.haystack_dir)
             if any(ruler.NIAH_VARIANTS.get(t, {}).get("haystack") == "essay" for t in cfg.tasks):
                 ruler.read_essays(essays)
-        for task, source in (("qa_1", cfg.squad), ("qa_2", cfg.hotpotqa)):
-            if task in cfg.tasks and not str(source).startswith("hf"):
-                qa_source(source)
-        check_model(cfg.model)
+        for task, kind, source in (("qa_1", "squad", cfg.squad), ("qa_2", "hotpotqa", cfg.hotpotqa)):
+            if task in cfg.tasks and not _remote(source):
+                ruler.load_qa(kind, source if source == "synthetic" else qa_source(source))  # missing fields: one line
         check_ablation(cfg.model, cfg.ablate)
+        limit, _ = check_model(cfg.model, cfg.tokenizer)
+        limit = cfg.max_tokens or limit
+        too_long = [c for c in cfg.ctx if limit and ruler.parse_context_length(c) > limit]
+        if too_long and not cfg.allow_overflow:
+            raise OwaiError(f"context {', '.join(map(str, too_long))} is longer than the {limit} tokens {cfg.model} takes: "
+                            "pass --allow-overflow to count those prompts as overflows (never truncated)")
 
     def run(self, cfg: Config, run: Run) -> Outcome:
         import contextlib
@@ -109,7 +120,7 @@ class Ruler(Method):
         pools = {}
         for task, kind, source in (("qa_1", "squad", cfg.squad), ("qa_2", "hotpotqa", cfg.hotpotqa)):
             if task in cfg.tasks:
-                pools[task] = ruler.load_qa(kind, source if str(source).startswith("hf") else qa_source(source))
+                pools[task] = ruler.load_qa(kind, source if _remote(source) or source == "synthetic" else qa_source(source))
         essays = haystack_folder(cfg.haystack_dir) if any(t in ruler.SYNTHETIC_TASKS for t in cfg.tasks) else None
         tasks = [ruler.qa_task(t, pools[t], cfg.template, cfg.rule) if t in pools
                  else ruler.synthetic_task(t, essays, cfg.rule) for t in cfg.tasks]
@@ -123,7 +134,7 @@ class Ruler(Method):
 
         model = open_model(cfg.model, cfg.tokenizer, run.device, cfg.precision, reference_data=reference)
         if cfg.model.startswith(REFERENCE):
-            tokenizer = reference_tokenizer(cfg.tokenizer)
+            tokenizer = reference_tokenizer(cfg.reference_tokenizer)
         else:
             tokenizer = _OwaiTokenizer(model.tokenizer)
         max_tokens = cfg.max_tokens or getattr(model, "max_tokens", None)
@@ -174,6 +185,10 @@ class _OwaiTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)
+
+
+def _remote(source: str) -> bool:
+    return source == "hf" or source.startswith("hf:")
 
 
 def haystack_folder(text: str) -> Path:
