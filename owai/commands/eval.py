@@ -207,7 +207,7 @@ def ruler(
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
-    """RULER (Tables 4.4, 4.5, C.1): multi-document QA (SQuAD, HotpotQA) and synthetic recall at each context length, prompts fitted with the model's tokenizer."""
+    """RULER (Tables 4.4, 4.5, 4.7, 4.8, C.1, C.2): multi-document QA (SQuAD, HotpotQA) and synthetic recall at each context length, prompts fitted with the model's tokenizer."""
     from owai.commands._common import run_recipe
 
     extra = option_sets(sets, {"model": model, "tokenizer": tokenizer, "haystack_dir": haystack_dir, "n": n, "seed": seed,
