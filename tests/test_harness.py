@@ -196,3 +196,25 @@ def test_errors_through_the_command_are_one_line_and_write_nothing(tiny_dir, tmp
         rc, _, err = cli_in_process(["eval", "harness", *args, "-q", "-o", str(tmp_path)], capsys)
         assert rc != 0 and message in err and len(err.strip().splitlines()) == 1, err
         assert not tmp_path.joinpath("table4.1-harness").exists()
+
+
+def test_the_harnesss_own_hflm_runs_through_the_same_command(tiny_dir, tmp_path, capsys) -> None:
+    """`--model hflm:DIR`: lm-eval's HFLM on a transformers directory (with its own tokenizer files)."""
+    import shutil
+
+    from tests.conftest import cli_in_process
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(tiny_dir, hf_dir)
+    backend = Tokenizer(models.WordLevel({chr(i): i for i in range(256)} | {"<unk>": 256}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<unk>", unk_token="<unk>").save_pretrained(hf_dir)
+    capsys.readouterr()
+    rc, _, err = cli_in_process(["eval", "harness", "-q", "-o", str(tmp_path / "runs"), "--model", f"hflm:{hf_dir}",
+                                 "--tasks", "owai_mc_smoke", "--limit", "4"], capsys)
+    assert rc == 0, err
+    results = json.loads(next((tmp_path / "runs" / "table4.1-harness").iterdir()).joinpath("results.json").read_text())
+    assert results["details"]["results"]["owai_mc_smoke"]["sample_len"] == 4
+    assert 0.0 <= {r["metric"]: r["measured"] for r in results["rows"]}["owai_mc_smoke.acc"] <= 1.0

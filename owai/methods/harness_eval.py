@@ -8,7 +8,9 @@ metric on the harness's 0-1 scale (e.g. `arc_easy.acc`, `gsm8k.exact_match`), an
 dict (per-task metrics with their filters, configs, shots, versions).
 
     model       owai.evals.causal_lm.open_model: a run / save_pretrained directory or a Hugging Face id;
-                reference:oracle reads the gold answers (must score 1.0: validates the pipeline)
+                reference:oracle reads the gold answers (must score 1.0: validates the pipeline);
+                hflm:ID_OR_DIR runs the harness's own HFLM instead of owai's adapter (its batching,
+                its tokenizer handling), to compare owai's numbers with the harness's usual ones
     tasks       harness task names, owai's (race_middle, owai_mc_smoke, owai_gen_smoke) and those of
                 `include_path` folders of task YAMLs
     ablate      long_term_memory: Tables 4.2 / 4.3's "without long-term memory" row
@@ -29,6 +31,7 @@ from owai.methods import Method, Outcome
 from owai.runs import Run
 
 ORACLE = "reference:oracle"
+HFLM = "hflm:"  # the harness's own Hugging Face model class
 
 
 def _thesis_tasks() -> list[str]:
@@ -94,6 +97,12 @@ class Harness(Method):
             if unknown:
                 raise OwaiError(f"unknown harness task(s) {', '.join(unknown)} (lm_eval --tasks list shows them; "
                                 "task YAML folders: --set include_path=[DIR])")
+        if cfg.model.startswith(HFLM):
+            if not cfg.model[len(HFLM):]:
+                raise OwaiError("hflm: needs a Hugging Face id or a model directory after it")
+            if cfg.ablate:
+                raise OwaiError("the harness's HFLM has no owai ablation switch: use an owai model path for --ablate")
+            return
         check_model(cfg.model)
         check_ablation(cfg.model, cfg.ablate)
 
@@ -109,6 +118,12 @@ class Harness(Method):
             if cfg.model == ORACLE:
                 model: Any = harness.OracleLM(manager, list(cfg.tasks))
                 max_length = None
+            elif cfg.model.startswith(HFLM):
+                from lm_eval.models.huggingface import HFLM as HarnessHFLM
+
+                model = HarnessHFLM(pretrained=cfg.model[len(HFLM):], device=str(run.device), batch_size=1,
+                                    **({"tokenizer": cfg.tokenizer} if cfg.tokenizer else {}))
+                max_length = model.max_length
             else:
                 lm = open_model(cfg.model, cfg.tokenizer, run.device, cfg.precision)
                 for name in cfg.ablate:
