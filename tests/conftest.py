@@ -91,3 +91,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def save_tiny_gpt2(path: Path, *, vocab: int = 257, positions: int = 1024, n_embd: int = 32, n_layer: int = 2) -> Path:
+    """A random GPT-2 over owai's byte tokenizer (vocab 257, end-of-text 256) saved with save_pretrained,
+    recording its tokenizer (owai_tokenizer.json) as mosaic-train's model directories do: the chapter-4
+    suites' stand-in for a trained causal LM."""
+    import json
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=n_embd, n_layer=n_layer, n_head=2,
+                        bos_token_id=256, eos_token_id=256)
+    GPT2LMHeadModel(config).save_pretrained(path)
+    (path / "owai_tokenizer.json").write_text(json.dumps({"name": "bytes"}))
+    return path

@@ -24,14 +24,9 @@ def offline(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from tests.conftest import save_tiny_gpt2
 
-    model_dir = tmp_path_factory.mktemp("lm")
-    torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=256, n_embd=32, n_layer=2, n_head=2, bos_token_id=256,
-                               eos_token_id=256)).save_pretrained(model_dir)
-    (model_dir / "owai_tokenizer.json").write_text(json.dumps({"name": "bytes"}))
-    return model_dir
+    return save_tiny_gpt2(tmp_path_factory.mktemp("lm"), positions=256)
 
 
 @pytest.fixture(scope="module")

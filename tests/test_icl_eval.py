@@ -20,15 +20,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def tiny_lm(tmp_path_factory) -> Path:
     """A 2-layer GPT-2 over owai's byte tokenizer, saved as a save_pretrained directory that records
     its tokenizer (owai_tokenizer.json), as mosaic-train's model directories do."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from tests.conftest import save_tiny_gpt2
 
-    path = tmp_path_factory.mktemp("tiny-lm")
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=1024, n_embd=32, n_layer=2, n_head=2,
-                                       bos_token_id=256, eos_token_id=256))
-    model.save_pretrained(path)
-    (path / "owai_tokenizer.json").write_text(json.dumps({"name": "bytes"}))
-    return path
+    return save_tiny_gpt2(tmp_path_factory.mktemp("tiny-lm"))
 
 
 def _icl(args: list[str], capsys) -> tuple[int, str, str]:

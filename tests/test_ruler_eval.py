@@ -8,9 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.conftest import cli_in_process
+from tests.conftest import cli_in_process, save_tiny_gpt2
 from tests.test_ruler import essay_hotpot, essay_squad, write_json
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -61,13 +60,7 @@ def test_qa_references_score_what_they_must_beside_the_thesis_row(qa_files, shar
 
 
 def test_a_saved_causal_lm_overflows_past_its_length_and_is_scored_within_it(shared_data, tmp_path, capsys) -> None:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    model_dir = tmp_path / "lm"
-    torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=1024, n_embd=32, n_layer=2, n_head=2, bos_token_id=256,
-                               eos_token_id=256)).save_pretrained(model_dir)
-    (model_dir / "owai_tokenizer.json").write_text(json.dumps({"name": "bytes"}))
+    model_dir = save_tiny_gpt2(tmp_path / "lm")
     capsys.readouterr()  # transformers' progress bars while saving
     args = ["--model", str(model_dir), "--tasks", "niah_single_1", "--ctx", "1024,2048", "--n", "2", "--set", "tokenizer="]
     rc, _, err = _ruler([*args, "-o", str(tmp_path / "runs")], capsys)  # 2048 > its 1024 positions: refused
@@ -100,21 +93,11 @@ def test_bad_input_is_one_line_and_writes_nothing(shared_data, args, message, tm
 
 
 def test_ablating_a_part_the_model_lacks_is_refused_before_the_run(tmp_path, capsys) -> None:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=64, n_embd=16, n_layer=1, n_head=2)).save_pretrained(tmp_path / "lm")
+    save_tiny_gpt2(tmp_path / "lm", positions=64, n_embd=16, n_layer=1)
     rc, _, err = _ruler(["--model", str(tmp_path / "lm"), "--tasks", "vt", "--ablate", "long_term_memory",
                          "-o", str(tmp_path / "runs")], capsys)
     assert rc != 0 and "has no long_term_memory" in err
     assert not (tmp_path / "runs").exists()
-
-
-def _gpt2_dir(path: Path, vocab: int = 257, positions: int = 64) -> Path:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=16, n_layer=1, n_head=2)).save_pretrained(path)
-    (path / "owai_tokenizer.json").write_text(json.dumps({"name": "bytes"}))
-    return path
 
 
 def test_models_and_data_that_do_not_fit_are_one_line_before_the_run(shared_data, tmp_path, capsys) -> None:
@@ -123,7 +106,7 @@ def test_models_and_data_that_do_not_fit_are_one_line_before_the_run(shared_data
     not_a_model = tmp_path / "notes"
     not_a_model.mkdir()
     (not_a_model / "readme.txt").write_text("no model here")
-    small_vocab = _gpt2_dir(tmp_path / "small-vocab", vocab=100, positions=4096)
+    small_vocab = save_tiny_gpt2(tmp_path / "small-vocab", vocab=100, positions=4096, n_embd=16, n_layer=1)
     broken = write_json(tmp_path / "dev-v2.0.json", {"version": "v2.0", "data": [{"title": "A"}]})  # no paragraphs
     empty = tmp_path / "essays"
     empty.mkdir()

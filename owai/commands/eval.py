@@ -196,7 +196,7 @@ def ruler(
     tasks: Annotated[Optional[str], typer.Option("--tasks", help="Comma-separated tasks: qa_1, qa_2 (the thesis's), niah_*, vt, cwe, fwe.")] = None,
     n: Annotated[Optional[int], typer.Option("--n", min=1, help="Samples per task and length (RULER: 500).")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="The haystacks' seed (RULER: 42).")] = None,
-    tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", help="Override the model's tokenizer; reference models need one.")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", help="Override the model's tokenizer (reference models fit prompts with reference_tokenizer, GPT-2's by default).")] = None,
     haystack_dir: Annotated[Optional[str], typer.Option("--haystack-dir", help="The essay haystack: a folder of .txt essays.")] = None,
     ablate: Annotated[Optional[str], typer.Option("--ablate", help="Switch a part off at inference: long_term_memory (Table C.1).")] = None,
     allow_overflow: Annotated[bool, typer.Option("--allow-overflow", help="Count prompts longer than the model takes as overflows (the thesis's x) instead of refusing to start.")] = False,
@@ -241,24 +241,10 @@ def icl(
     """In-context classification (Figs 4.6-4.9, Table 4.6): LongICLBench's banking77 / goemotion / tacred, semantic and anonymous labels, four prompt strategies."""
     from owai.commands._common import run_recipe
 
-    extra = list(sets or [])
-    if model is not None:
-        extra.append(f"model={model}")
-    if task is not None:
-        extra.append(f"task={task}")
-    if shots is not None:
-        extra.append("shots=[" + ", ".join(csv_values(shots, "--shots")) + "]")
-    if labels is not None:
-        modes = ["semantic", "anonymous"] if labels == "both" else csv_values(labels, "--labels")
-        extra.append("labels=[" + ", ".join(modes) + "]")
-    if n is not None:
-        extra.append(f"n_queries={n}")
-    if data is not None:
-        extra.append(f"data={data}")
-    if tokenizer is not None:
-        extra.append(f"tokenizer={tokenizer}")
-    if allow_overflow:
-        extra.append("allow_overflow=true")
+    shot_list = "[" + ", ".join(csv_values(shots, "--shots")) + "]" if shots is not None else None  # numbers
+    extra = option_sets(sets, {"model": model, "task": task, "shots": shot_list, "n_queries": n, "data": data,
+                               "tokenizer": tokenizer, "allow_overflow": "true" if allow_overflow else None},
+                        {"labels": ("semantic,anonymous" if labels == "both" else labels, "--labels")})
     if resume is not None:
         if extra != list(sets or []) or preset is not None or recipe != ICL_RECIPE:
             raise OwaiError("--resume takes the run's settings from RUN_DIR/config.yaml; drop the other options")

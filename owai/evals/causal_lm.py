@@ -131,6 +131,21 @@ def open_model(spec: str, tokenizer: str = "", device: torch.device | None = Non
     return _from_hub(spec, tokenizer, device, precision)
 
 
+def check_model_choice(spec: str, references: str, ablate: list[str] = ()) -> bool:
+    """The checks every suite makes on its `model` and `ablate` settings before a run: a model is
+    given (`references` names the suite's reference models for the message), the ablations are known,
+    and a reference model is not asked to ablate anything. Returns whether `spec` is a reference."""
+    if not spec:
+        raise OwaiError(f"no model given: pass --model (a run or model directory, a Hugging Face id, or {references})")
+    bad = [a for a in ablate if a not in ABLATIONS]
+    if bad:
+        raise OwaiError(f"ablate {bad}: known ablations are {', '.join(ABLATIONS)}")
+    reference = spec.startswith(REFERENCE)
+    if reference and ablate:
+        raise OwaiError("reference models have nothing to ablate")
+    return reference
+
+
 def check_model(spec: str, tokenizer: str = "") -> tuple[int | None, Any]:
     """Before a run, without loading weights: a directory holds exactly one saved model whose
     embedding has a row for every token of its tokenizer (the recorded one, or `tokenizer`); a hub id

@@ -91,6 +91,17 @@ def _need_file(path: Path) -> Path:
     return path
 
 
+def _read_json_list(file: Path, what: str) -> list:
+    """The JSON list in `file` (one-line OwaiError when it is not JSON or not a list of `what`)."""
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise OwaiError(f"longicl: {file} is not valid JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(value, list):
+        raise OwaiError(f"longicl: {file} must hold a JSON list of {what}, got {type(value).__name__}")
+    return value
+
+
 def _check_labels(labels: list[str], source: Path | str) -> list[str]:
     if not labels or not all(isinstance(x, str) and x for x in labels):
         raise OwaiError(f"longicl: {source}: labels must be a non-empty list of non-empty strings")
@@ -112,12 +123,7 @@ def load_banking77(root: Path) -> ICLData:
     `banking77_id_order`) so that `class_j` means the same with `load_hf("banking77")`."""
     root = Path(root)
     cat_file = _need_file(root / "categories.json")
-    try:
-        names = json.loads(cat_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OwaiError(f"longicl: {cat_file} is not valid JSON ({e})") from None
-    if not isinstance(names, list):
-        raise OwaiError(f"longicl: {cat_file} must hold a JSON list of category names")
+    names = _read_json_list(cat_file, "category names")
     labels = banking77_id_order(_check_labels(names, cat_file))
     known = set(labels)
 
@@ -213,12 +219,7 @@ def load_tacred(path: Path) -> ICLData:
 
     def read(split: str) -> tuple[list[Example], int]:
         file = _need_file(path / f"{split}_tacred.json")
-        try:
-            rows = json.loads(file.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise OwaiError(f"longicl: {file} is not valid JSON ({str(e).splitlines()[0]})") from None
-        if not isinstance(rows, list):
-            raise OwaiError(f"longicl: {file} must hold a JSON list of rows, got {type(rows).__name__}")
+        rows = _read_json_list(file, "rows")
         out = []
         for i, row in enumerate(rows):
             if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in TACRED_FIELDS):

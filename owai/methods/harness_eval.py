@@ -64,14 +64,9 @@ class Harness(Method):
 
     @staticmethod
     def validate(cfg: Config) -> None:
-        from owai.evals.causal_lm import ABLATIONS, REFERENCE, check_ablation, check_model
+        from owai.evals.causal_lm import check_ablation, check_model, check_model_choice
 
-        if not cfg.model:
-            raise OwaiError("no model given: pass --model (a run or model directory, a Hugging Face id, or "
-                            "reference:oracle)")
-        bad = [a for a in cfg.ablate if a not in ABLATIONS]
-        if bad:
-            raise OwaiError(f"ablate {bad}: known ablations are {', '.join(ABLATIONS)}")
+        reference = check_model_choice(cfg.model, "reference:oracle", cfg.ablate)
         if not cfg.tasks or len(set(cfg.tasks)) != len(cfg.tasks):
             raise OwaiError(f"tasks {cfg.tasks}: give distinct harness task names")
         if cfg.limit < 0 or (cfg.num_fewshot is not None and cfg.num_fewshot < 0) or cfg.max_gen_toks < 1:
@@ -80,11 +75,8 @@ class Harness(Method):
         for folder in cfg.include_path:
             if not Path(folder).expanduser().is_dir():
                 raise OwaiError(f"include_path {folder!r} is not a folder of task YAMLs")
-        if cfg.model.startswith(REFERENCE):
-            if cfg.model != ORACLE:
-                raise OwaiError(f"{cfg.model}: the harness's reference model is {ORACLE}")
-            if cfg.ablate:
-                raise OwaiError("reference models have nothing to ablate")
+        if reference and cfg.model != ORACLE:
+            raise OwaiError(f"{cfg.model}: the harness's reference model is {ORACLE}")
         from owai.evals.harness import require_harness
 
         require_harness()

@@ -61,15 +61,12 @@ class InContextClassification(Method):
 
     @staticmethod
     def validate(cfg: Config) -> None:
-        from owai.evals.causal_lm import REFERENCE, check_model
+        from owai.evals.causal_lm import REFERENCE, check_model, check_model_choice
         from owai.evals.longicl import STRATEGIES
 
         if cfg.task not in TASKS:
             raise OwaiError(f"task {cfg.task!r}: choose one of {', '.join(TASKS)}")
-        if not cfg.model:
-            raise OwaiError("no model given: pass --model (a run or model directory, a Hugging Face id, "
-                            "or reference:knn / reference:last)")
-        if cfg.model.startswith(REFERENCE) and cfg.model[len(REFERENCE):] not in REFERENCES:
+        if check_model_choice(cfg.model, "reference:knn / reference:last") and cfg.model[len(REFERENCE):] not in REFERENCES:
             raise OwaiError(f"{cfg.model}: the ICL reference models are {', '.join('reference:' + r for r in REFERENCES)}")
         bad = [m for m in cfg.labels if m not in LABEL_MODES]
         if not cfg.labels or bad:
@@ -184,21 +181,21 @@ def load_task(cfg: Config) -> Any:
 
 
 def task_folder(task: str, data: str) -> Path:
-    """`data` itself when it is the task's folder, else data/<icl/task>; "" = $OWAI_DATA/icl/<task>."""
-    import os
-
+    """The task's folder by owai's data-root rule (`registry.find_relative`): under `data` when given
+    (data/icl/<task>, data/<task>, or `data` itself), else under $OWAI_DATA, then the cache."""
+    from owai.data.registry import find_relative
     from owai.errors import DataMissing
 
     sub = DATA_FOLDERS[task]
+    for rel in (sub, Path(sub).name):
+        found = find_relative(rel, data or None)
+        if found is not None and found.is_dir() and any(found.iterdir()):
+            return found
     if data:
         root = Path(data).expanduser()
-        for folder in (root / sub, root / Path(sub).name, root):
-            if folder.is_dir() and any(folder.iterdir()):
-                return folder
+        if root.is_dir() and any(root.iterdir()):
+            return root
         raise DataMissing(f"{task}: no data at {root} (looked for {root / sub} and {root})")
-    env = os.environ.get("OWAI_DATA", "")
-    if env and (Path(env) / sub).is_dir():
-        return Path(env) / sub
     raise DataMissing(f"{task}: set $OWAI_DATA (with {sub}/ under it), or --set data=DIR, or data=hf for the hub ids")
 
 

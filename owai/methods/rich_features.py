@@ -878,27 +878,28 @@ def weight_entry(text: str, default: str) -> tuple[str, Path | None]:
     return default, Path(text).expanduser()
 
 
-@functools.lru_cache(maxsize=None)
 def _feature_dim(backbone: str) -> int:
-    """The backbone's feature width (built once per name, on the meta device; a Hugging Face model's
-    from its config)."""
-    from owai.models.vision import build_backbone
-
+    """The backbone's feature width (an owai backbone's from its meta-device build; a Hugging Face
+    model's from its config)."""
     if backbone.startswith("hf:"):
         from owai.models.hf_vision import hf_feature_dim
 
         return hf_feature_dim(backbone[3:])
-    with torch.device("meta"):
-        return int(build_backbone(backbone, num_classes=1).feature_dim)
+    return int(_meta_backbone(backbone).feature_dim)
+
+
+def _native_size(backbone: str) -> int:
+    """The one image size a backbone takes (a ViT's position embeddings), 0 when any size goes."""
+    return int(getattr(_meta_backbone(backbone), "image_size", 0) or 0)
 
 
 @functools.lru_cache(maxsize=None)
-def _native_size(backbone: str) -> int:
-    """The one image size a backbone takes (a ViT's position embeddings), 0 when any size goes."""
+def _meta_backbone(backbone: str) -> torch.nn.Module:
+    """Backbone `backbone` built once per name on the meta device (shapes and attributes, no memory)."""
     from owai.models.vision import build_backbone
 
     with torch.device("meta"):
-        return int(getattr(build_backbone(backbone, num_classes=1), "image_size", 0) or 0)
+        return build_backbone(backbone, num_classes=1)
 
 
 def load_network(net: Network) -> torch.nn.Module:

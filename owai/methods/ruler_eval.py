@@ -64,11 +64,9 @@ class Ruler(Method):
     @staticmethod
     def validate(cfg: Config) -> None:
         from owai.evals import ruler
-        from owai.evals.causal_lm import ABLATIONS, REFERENCE, check_ablation, check_model
+        from owai.evals.causal_lm import REFERENCE, check_ablation, check_model, check_model_choice
 
-        if not cfg.model:
-            raise OwaiError("no model given: pass --model (a run or model directory, a Hugging Face id, or "
-                            "reference:oracle / reference:null / reference:slot:K)")
+        reference = check_model_choice(cfg.model, "reference:oracle / reference:null / reference:slot:K", cfg.ablate)
         known = (*ruler.QA_TASKS, *ruler.SYNTHETIC_TASKS)
         bad = [t for t in cfg.tasks if t not in known]
         if not cfg.tasks or bad or len(set(cfg.tasks)) != len(cfg.tasks):
@@ -81,16 +79,11 @@ class Ruler(Method):
             raise OwaiError(f"n must be >= 1 and max_tokens >= 0, got {cfg.n} and {cfg.max_tokens}")
         if cfg.rule not in ruler.RULES:
             raise OwaiError(f"rule {cfg.rule!r}: choose {' or '.join(ruler.RULES)}")
-        bad = [a for a in cfg.ablate if a not in ABLATIONS]
-        if bad:
-            raise OwaiError(f"ablate {bad}: known ablations are {', '.join(ABLATIONS)}")
-        if cfg.model.startswith(REFERENCE):
+        if reference:
             name = cfg.model[len(REFERENCE):]
             if name not in ("oracle", "null") and not (name.startswith("slot:") and name[5:].isdigit() and int(name[5:]) >= 1):
                 raise OwaiError(f"{cfg.model}: the RULER reference models are reference:oracle, reference:null, "
                                 "reference:slot:K (K >= 1)")
-            if cfg.ablate:
-                raise OwaiError("reference models have nothing to ablate")
             if not cfg.reference_tokenizer:
                 raise OwaiError("a reference model needs reference_tokenizer to fit prompts to token budgets "
                                 "(e.g. a folder with GPT-2's encoder.json + vocab.bpe)")
@@ -166,8 +159,7 @@ def reference_tokenizer(name: str) -> Any:
         return ruler.gpt2_tokenizer(folder)
     from owai.data.text import load_tokenizer
 
-    tok = load_tokenizer(str(folder) if folder.exists() else name)
-    return ruler.HFTokenizer(tok.backend, tok.name) if hasattr(tok, "backend") else _OwaiTokenizer(tok)
+    return _OwaiTokenizer(load_tokenizer(str(folder) if folder.exists() else name))
 
 
 class _OwaiTokenizer:
