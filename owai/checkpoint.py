@@ -10,15 +10,29 @@ whole checkpoint or none. Loading verifies the checksum before anything is used,
 read with safetensors (no pickle). A checkpoint holding a non-finite floating-point tensor (NaN or
 inf weights) is never written and never loaded: resuming from it could only produce garbage that
 looks like a result.
+
+The sharded variant (format owai-checkpoint-v2, written by FSDP runs: `save_sharded_checkpoint`)
+is the same directory with the model and optimizer state in a torch.distributed.checkpoint (DCP)
+directory `dcp/` instead: every rank writes its own shards (`__<rank>_0.distcp`, rank 0 the
+`.metadata` index), so nothing is gathered on one rank. tensors.safetensors and state.json hold
+the rest of the state as before (RNG, recent losses, scaler, companion: rank 0's), and state.json
+also lists the sha256 of every file under dcp/, verified before loading. `load_checkpoint` verifies
+and returns that rest; `load_shards` then reads the shards into any layout of the same tensors
+(DCP reshards on load: a checkpoint of 8 ranks resumes on 1 process, or on 2, and vice versa).
+DCP stores the optimizer's non-tensor settings with pickle; they are read only after the checksums
+match. Format v1 checkpoints (the full variant) are written and read exactly as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +44,10 @@ from owai.errors import OwaiError
 from owai.io import umask
 
 FORMAT = "owai-checkpoint-v1"
+SHARDED_FORMAT = "owai-checkpoint-v2"  # v1 + the model and optimizer state as DCP shards under dcp/
 TENSORS = "tensors.safetensors"
 STATE = "state.json"
+SHARDS = "dcp"
 
 
 class NonFiniteError(OwaiError):
@@ -148,8 +164,10 @@ def _read_meta(path: Path) -> dict[str, Any]:
         raise OwaiError(f"checkpoint {path} is incomplete: {STATE} is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise OwaiError(f"checkpoint {path} is corrupt: {STATE} is not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise OwaiError(f"checkpoint {path} is not an {FORMAT} checkpoint")
+    if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, SHARDED_FORMAT):
+        raise OwaiError(f"checkpoint {path} is not an {FORMAT} (or sharded {SHARDED_FORMAT}) checkpoint")
+    if meta["format"] == SHARDED_FORMAT and not (isinstance(meta.get("shards"), dict) and isinstance(meta["shards"].get("files"), dict)):
+        raise OwaiError(f"checkpoint {path} is corrupt: its {STATE} lists no shard files")
     named = path.name[5:] if path.name.startswith("step-") else ""
     if named.isdigit() and meta.get("step") != int(named):
         raise OwaiError(f"checkpoint {path} is corrupt: its {STATE} says step {meta.get('step')!r}")
@@ -181,9 +199,18 @@ def check_identity(path: Path, recorded: dict[str, Any] | None, expect: dict[str
             raise OwaiError(f"checkpoint {path} was written by {key} {have!r}, not {want!r}; it does not belong here")
 
 
-def load_checkpoint(path: Path, expect: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+def is_sharded(path: Path) -> bool:
+    """Whether checkpoint `path` is of the sharded variant (its model and optimizer state in dcp/)."""
+    return _read_meta(Path(path))["format"] == SHARDED_FORMAT
+
+
+def load_checkpoint(path: Path, expect: dict[str, Any] | None = None, verify_shards: bool = True) -> tuple[int, dict[str, Any]]:
     """Verify and load a checkpoint directory; returns (step, state). Corruption, a non-finite
-    tensor or (with `expect`) an identity other than `expect` is an OwaiError."""
+    tensor or (with `expect`) an identity other than `expect` is an OwaiError.
+
+    For a sharded checkpoint the state lacks "model" and "optimizer" (read them with `load_shards`);
+    the checksums of its shard files are verified here too unless `verify_shards` is False (a
+    torchrun job verifies them with `verify_shard_files`, each rank a share)."""
     path = Path(path)
     meta = _read_meta(path)
     if expect is not None:
@@ -193,6 +220,8 @@ def load_checkpoint(path: Path, expect: dict[str, Any] | None = None) -> tuple[i
         raise OwaiError(f"checkpoint {path} is incomplete: {TENSORS} is missing")
     if _sha256(tensor_file) != meta.get("sha256"):
         raise OwaiError(f"checkpoint {path} is corrupt: {TENSORS} does not match its sha256")
+    if meta["format"] == SHARDED_FORMAT and verify_shards:
+        _check_shard_files(path, meta, sorted(meta["shards"]["files"]))
     try:
         tensors = load_file(str(tensor_file))
     except (SafetensorError, OSError) as e:
@@ -205,3 +234,193 @@ def load_checkpoint(path: Path, expect: dict[str, Any] | None = None) -> tuple[i
         return int(meta["step"]), _join(meta["state"], tensors)
     except (KeyError, TypeError, ValueError) as e:
         raise OwaiError(f"checkpoint {path} is corrupt: bad structure ({e})") from None
+
+
+# -- the sharded variant ------------------------------------------------------------------------
+
+
+def _check_shard_files(path: Path, meta: dict[str, Any], names: list[str]) -> None:
+    """OwaiError unless each of `names` (files under dcp/) exists and matches its recorded sha256;
+    also refuses files under dcp/ that state.json does not list."""
+    files = meta["shards"]["files"]
+    root = path / SHARDS
+    if not root.is_dir():
+        raise OwaiError(f"checkpoint {path} is incomplete: {SHARDS}/ is missing")
+    for name in names:
+        file = root / name
+        if not file.is_file():
+            raise OwaiError(f"checkpoint {path} is incomplete: {SHARDS}/{name} is missing")
+        if _sha256(file) != files[name]:
+            raise OwaiError(f"checkpoint {path} is corrupt: {SHARDS}/{name} does not match its sha256")
+    extra = sorted(set(_files_under(root)) - set(files))
+    if extra:
+        raise OwaiError(f"checkpoint {path} is corrupt: {SHARDS}/{extra[0]} is not one of its files")
+
+
+def _files_under(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def verify_shard_files(path: Path) -> None:
+    """Verify the shard files of sharded checkpoint `path`, each rank of a torchrun job a share of
+    them (a collective: call on every rank; every rank raises the same one-line OwaiError)."""
+    from owai import distributed
+
+    path = Path(path)
+    w = distributed.world()
+    error = None
+    try:
+        meta = _read_meta(path)
+        _check_shard_files(path, meta, sorted(meta["shards"]["files"])[w.rank :: w.world_size])
+    except OwaiError as e:
+        error = str(e)
+    _raise_first(distributed.gather_objects(error))
+
+
+def _raise_first(errors: list[str | None], make: Callable[[str], OwaiError] = OwaiError) -> None:
+    """Raise the first of the ranks' error messages (the same on every rank), if any."""
+    first = next((e for e in errors if e), None)
+    if first is not None:
+        raise make(first)
+
+
+def _local_tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, this rank's tensor) for every tensor in a nested state dict (DTensors: the local shard)."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _local_tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _local_tensors(v, f"{prefix}.{i}")
+    elif isinstance(tree, torch.Tensor):
+        yield prefix, tree.to_local() if hasattr(tree, "to_local") else tree
+
+
+def _first_nonfinite(tree: Any) -> str | None:
+    for key, t in _local_tensors(tree):
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            return key
+    return None
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns that it assumes a single process when no process group exists; that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized.*")
+        yield
+
+
+def _dcp_errors() -> tuple[type[BaseException], ...]:
+    """What a DCP save or load raises: its CheckpointException (a BaseException) or anything else."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+def _dcp_message(e: BaseException) -> str:
+    """The first line of what went wrong, also inside DCP's per-rank CheckpointException."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        e = inner[0] if isinstance(inner, tuple) else inner
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+def save_sharded_checkpoint(
+    directory: Path, step: int, shards: dict[str, Any], state: dict[str, Any], keep: int = 2,
+    identity: dict[str, Any] | None = None,
+) -> Path:
+    """Write checkpoint `directory/step-XXXXXX` of the sharded variant, atomically; keep the newest
+    `keep`. A collective: every rank calls it with its own `shards` (e.g. {"model": ..., "optimizer":
+    ...} from `owai.distributed.sharded_state`, DTensors or whole tensors); `state` (the rest:
+    RNG, losses, ...) and `identity` are rank 0's. All ranks write their shards under a temporary
+    directory, hash a share of the files, and rank 0 writes state.json and renames the directory
+    into place; every rank returns (or raises the same one-line error) after that.
+    A non-finite tensor on any rank raises NonFiniteError on every rank and writes nothing."""
+    import torch.distributed.checkpoint as dcp
+
+    from owai import distributed
+
+    directory = Path(directory)
+    final = directory / f"step-{step:06d}"
+    w = distributed.world()
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _split(state, "state", tensors)
+    bad = _first_nonfinite(shards) or (next(iter(nonfinite_tensors(tensors)), None) if w.is_main else None)
+    _raise_first([f"refusing to write checkpoint {final}: {b} holds non-finite values" if b else None
+                  for b in distributed.gather_objects(bad)], lambda m: NonFiniteError(m, directory.name, step))
+    tmp = directory / f".tmp-step-{step:06d}-sharded"
+    error = None
+    if w.is_main:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            os.chmod(tmp, 0o777 & ~umask())
+        except OSError as e:
+            error = f"cannot write checkpoint {final}: {e.strerror or e}"
+    _raise_first([distributed.broadcast_object(error)])
+    try:
+        with _quiet_single_process():
+            dcp.save(shards, checkpoint_id=str(tmp / SHARDS), no_dist=w.world_size == 1)
+        error = None
+    except _dcp_errors() as e:  # DCP wraps anything a rank raised; every rank gets it
+        error = f"cannot write checkpoint {final}: {_dcp_message(e)}"
+    _raise_first(distributed.gather_objects(error))
+    names = distributed.broadcast_object(_files_under(tmp / SHARDS) if w.is_main else None)
+    mine = {name: _sha256(tmp / SHARDS / name) for name in names[w.rank :: w.world_size]}
+    files = {k: v for part in distributed.gather_objects(mine) for k, v in part.items()}
+    error = None
+    if w.is_main:
+        try:
+            for name in names:
+                os.chmod(tmp / SHARDS / name, 0o666 & ~umask())
+            save_file(tensors, str(tmp / TENSORS))
+            os.chmod(tmp / TENSORS, 0o666 & ~umask())
+            meta: dict[str, Any] = {"format": SHARDED_FORMAT, "step": step, "sha256": _sha256(tmp / TENSORS),
+                                    "shards": {"dir": SHARDS, "files": dict(sorted(files.items()))}, "state": skeleton}
+            if identity is not None:
+                meta["identity"] = identity
+            with open(tmp / STATE, "w") as f:
+                json.dump(meta, f)
+                f.flush()
+                os.fsync(f.fileno())
+            if final.exists():  # re-saving the same step (e.g. the final one after a resume)
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = f"cannot write checkpoint {final}: {e.strerror or e}"
+        if error is None:
+            for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
+                shutil.rmtree(old, ignore_errors=True)
+    _raise_first([distributed.broadcast_object(error)])
+    return final
+
+
+def load_shards(path: Path, shards: dict[str, Any]) -> None:
+    """Read the shards of sharded checkpoint `path` into `shards` in place (the same structure
+    it was saved from, in any layout: e.g. `owai.distributed.sharded_state` of the current model,
+    sharded over any number of ranks or whole). A collective under torchrun. Shards that do not
+    fit (other names or shapes) or hold non-finite values raise a one-line OwaiError on every rank.
+    Verify the files first (`load_checkpoint`, `verify_shard_files`)."""
+    import torch.distributed.checkpoint as dcp
+
+    from owai import distributed
+
+    path = Path(path)
+    w = distributed.world()
+    try:
+        with _quiet_single_process():
+            dcp.load(shards, checkpoint_id=str(path / SHARDS), no_dist=w.world_size == 1)
+        error = None
+    except _dcp_errors() as e:  # DCP wraps anything a rank raised
+        error = f"checkpoint {path} does not fit this model: {_dcp_message(e)}"
+    _raise_first(distributed.gather_objects(error))
+    bad = _first_nonfinite(shards)
+    step = int(path.name[5:]) if path.name[5:].isdigit() else 0
+    _raise_first([f"checkpoint {path} holds non-finite values ({b}); it cannot be resumed" if b else None
+                  for b in distributed.gather_objects(bad)], lambda m: NonFiniteError(m, path.parent.name, step))

@@ -24,17 +24,19 @@ from owai.runs import Run, config_hash, ensure_writable, environment
 
 
 def resolve(recipe: Recipe, preset: str | None, overrides: list[str],
-            missing_ok: bool = False) -> tuple[Any, dict[str, Any]]:
+            missing_ok: bool = False, validate: bool = True) -> tuple[Any, dict[str, Any]]:
     """Build the typed config (defaults <- params <- preset <- --set) and its serialisable form.
     With `missing_ok` a valid config whose inputs are not on this machine (DataMissing) resolves,
-    with the reason under "missing" (for `owai recipes show`); a run never passes it."""
+    with the reason under "missing" (for `owai recipes show`); a run never passes it. Without
+    `validate` only the types are checked (a dry run that plans, but never runs, the config)."""
     preset = preset or recipe.default_preset
     schema = recipe.method_class().Config
     params = apply_overrides(schema, recipe.params_for(preset), overrides)
     cfg = build(schema, params, path="params")
     missing = None
     try:
-        recipe.method_class().validate(cfg)
+        if validate:
+            recipe.method_class().validate(cfg)
     except DataMissing as e:
         if not missing_ok:
             raise

@@ -31,7 +31,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from owai import distributed
-from owai.checkpoint import NonFiniteError, latest_checkpoint, load_checkpoint, save_checkpoint
+from owai.checkpoint import (
+    NonFiniteError,
+    is_sharded,
+    latest_checkpoint,
+    load_checkpoint,
+    load_shards,
+    save_checkpoint,
+    save_sharded_checkpoint,
+    verify_shard_files,
+)
 from owai.console import Bar
 from owai.errors import OwaiError
 from owai.runs import Run
@@ -52,6 +61,10 @@ class LoopConfig:
     accumulate: int = 1  # micro-batches per update (gradient accumulation)
     precision: str = "float32"  # autocast dtype; float16 adds a GradScaler
     tokens_per_step: int = 0  # global tokens per update, for the tokens/s metric (0 = not logged)
+    flops_per_token: float = 0.0  # training FLOPs per token (3 x forward; owai.plan), for MFU on CUDA (0 = none)
+    # checkpoints of the sharded variant (every rank writes its own shards with DCP; owai.checkpoint);
+    # None: sharded exactly when `parallel` is fsdp. Either variant resumes on any world size.
+    sharded_checkpoints: bool | None = None
 
 
 def train_loop(
@@ -80,8 +93,10 @@ def train_loop(
     outside the model and optimizer that the loss depends on (GroupDRO's group weights, LfF's loss
     averages); it is saved in every checkpoint and restored on resume.
 
-    With `parallel`, the loss function calls `parallel.forward_module`, checkpoints hold the full
-    state gathered from all ranks, and the logged loss is the mean over ranks.
+    With `parallel`, the loss function calls `parallel.forward_module` and the logged loss is the
+    mean over ranks. Checkpoints hold the full state gathered to rank 0, or, with
+    `loop.sharded_checkpoints` (by default for fsdp), each rank's shards (torch.distributed.checkpoint);
+    a resume reads either variant, written on any number of ranks, into the model as it is now laid out.
 
     On resume, the optimizer's hyper-parameters (lr, weight decay, momentum, ... of each param
     group) are the ones `optimizer` was built with, not the checkpoint's: its state (moments) is
@@ -101,6 +116,10 @@ def train_loop(
     scaler = torch.amp.GradScaler(device.type, enabled=loop.precision == "float16")
     amp_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(loop.precision)
 
+    module = parallel.module if parallel is not None else model
+    sharded = loop.sharded_checkpoints if loop.sharded_checkpoints is not None else (
+        parallel is not None and parallel.strategy == "fsdp")
+
     def get_state() -> tuple[dict[str, Any], dict[str, Any]]:
         if parallel is None:
             return model.state_dict(), optimizer.state_dict()
@@ -111,13 +130,23 @@ def train_loop(
     start, recent = 0, []
     last = latest_checkpoint(ckpt_dir)
     if last is not None:
-        expect = dict(identity) if parallel is not None else {**identity, "model": _shapes(model.state_dict())}
-        start, state = load_checkpoint(last, expect=expect)
+        shards: dict[str, Any] | None = None
+        if is_sharded(last):  # read into this run's layout, whatever wrote it
+            model_shards, optim_shards = distributed.sharded_state(module, optimizer)
+            shards = {"model": model_shards, "optimizer": optim_shards}
+            start, state = load_checkpoint(last, expect={**identity, "model": _shapes(model_shards)}, verify_shards=False)
+            verify_shard_files(last)
+        else:
+            expect = dict(identity) if parallel is not None else {**identity, "model": _shapes(model.state_dict())}
+            start, state = load_checkpoint(last, expect=expect)
         if start > loop.steps:
             raise OwaiError(f"checkpoint {last} is at step {start}, beyond stage {stage}'s {loop.steps} steps")
         settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         try:
-            if parallel is None:
+            if shards is not None:
+                load_shards(last, shards)
+                distributed.load_sharded_state(module, optimizer, shards["model"], shards["optimizer"])
+            elif parallel is None:
                 model.load_state_dict(state["model"])
                 optimizer.load_state_dict(state["optimizer"])
             else:
@@ -176,25 +205,44 @@ def train_loop(
                 after_step(done)
                 model.train()
             if done % loop.checkpoint_every == 0 or done == loop.steps:
-                model_state, optim_state = get_state()
-                if main:
-                    state = {
-                        "model": model_state,
-                        "optimizer": optim_state,
-                        "torch_rng": torch.get_rng_state(),
-                        "recent_losses": recent,
-                    }
-                    if scaler.is_enabled():
-                        state["scaler"] = scaler.state_dict()
-                    if companion is not None:
-                        state["companion"] = companion.state_dict()
-                    identity["model"] = _shapes(model_state)
-                    save_checkpoint(ckpt_dir, done, state, keep=loop.keep_checkpoints, identity=identity)
+                if sharded:
+                    _save_sharded(ckpt_dir, done, module, optimizer, recent, scaler, companion, loop, identity, main)
+                else:
+                    model_state, optim_state = get_state()
+                    if main:
+                        state = {
+                            "model": model_state,
+                            "optimizer": optim_state,
+                            "torch_rng": torch.get_rng_state(),
+                            "recent_losses": recent,
+                        }
+                        if scaler.is_enabled():
+                            state["scaler"] = scaler.state_dict()
+                        if companion is not None:
+                            state["companion"] = companion.state_dict()
+                        identity["model"] = _shapes(model_state)
+                        save_checkpoint(ckpt_dir, done, state, keep=loop.keep_checkpoints, identity=identity)
+                    distributed.barrier()
                 saved = done
-                distributed.barrier()
             bar.update()
     model.eval()
     return {"final_loss": _mean(recent), "steps": loop.steps}
+
+
+def _save_sharded(ckpt_dir: Any, done: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer, recent: list[float],
+                  scaler: Any, companion: Any, loop: LoopConfig, identity: dict[str, Any], main: bool) -> None:
+    """Checkpoint `done` of the sharded variant: every rank its shards, rank 0 the rest (a collective)."""
+    model_shards, optim_shards = distributed.sharded_state(module, optimizer)
+    rest: dict[str, Any] = {}
+    if main:
+        rest = {"torch_rng": torch.get_rng_state(), "recent_losses": recent}
+        if scaler.is_enabled():
+            rest["scaler"] = scaler.state_dict()
+        if companion is not None:
+            rest["companion"] = companion.state_dict()
+    identity["model"] = _shapes(model_shards)
+    save_sharded_checkpoint(ckpt_dir, done, {"model": model_shards, "optimizer": optim_shards}, rest,
+                            keep=loop.keep_checkpoints, identity=identity)
 
 
 class BestWeights:
@@ -242,11 +290,27 @@ def _speed(loop: LoopConfig, steps: int, seconds: float, device: torch.device) -
     differ between runs, so the exact small experiments leave them out of metrics.jsonl)."""
     if not loop.tokens_per_step:
         return {}
-    return {
-        "step_s": seconds / max(steps, 1),
-        "tokens_per_s": loop.tokens_per_step * steps / max(seconds, 1e-9),
-        "peak_mem_gb": peak_memory_gb(device),
-    }
+    tokens_per_s = loop.tokens_per_step * steps / max(seconds, 1e-9)
+    speed = {"step_s": seconds / max(steps, 1), "tokens_per_s": tokens_per_s, "peak_mem_gb": peak_memory_gb(device)}
+    peak = peak_flops(device, loop.precision)
+    if loop.flops_per_token and peak:
+        speed["mfu"] = tokens_per_s * loop.flops_per_token / (peak * distributed.world().world_size)
+    return speed
+
+
+# dense tensor-core peak FLOP/s per GPU (bf16/fp16; tf32 for float32), by device name, for MFU
+PEAK_FLOPS = {"H100": (989e12, 494e12), "H200": (989e12, 494e12), "A100": (312e12, 156e12), "L40S": (362e12, 181e12)}
+
+
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """The GPU's peak FLOP/s at `precision` (None off CUDA or for an unknown GPU: no MFU logged)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, (half, tf32) in PEAK_FLOPS.items():
+        if key in name:
+            return half if precision in ("bfloat16", "float16") else tf32
+    return None
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -4,11 +4,16 @@
     owai mosaic-train --depth 4 --arch mm,gpt          another depth (Figs 3.8/B.4)
     owai mosaic-train --recipe fig3.9-posloss -p paper 12-block models, per-position loss on Simple Wikipedia
     torchrun --nproc_per_node 8 -m owai mosaic-train -p paper     the thesis scale, data-parallel
+    owai mosaic-train --size large                     Memory Mosaics v2 large (Table 4.2), recipe table4.2-pretrain
+    owai mosaic-train --size large --arch transformer --dry-run    the Llama baseline's memory plan, nothing run
+    owai mosaic-train --size tiny --arch mmv2,transformer          both chapter-4 models on CPU (cpu preset)
     owai mosaic-eval runs/fig3.8-depth/<run>           evaluate the run's saved models again
     owai mosaic-eval MODEL_DIR --dataset wikipedia --config-name 20220301.simple
 
 The options are `--set` overrides of the recipe (`--depth` = model.n_layer, `--arch` = archs,
-`--dataset` = data.source, `--tokenizer` = data.tokenizer, `--context` = data.block_size).
+`--dataset` = data.source, `--tokenizer` = data.tokenizer, `--context` = data.block_size,
+`--size` = model.size). A size (tiny, small, large) means chapter 4: recipe table4.2-pretrain, its
+preset of that size (cpu, paper-small, paper), and Memory Mosaics v2 unless --arch says otherwise.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from owai.commands._common import DataRoot, Json, Out, Preset, Quiet, Resume, Se
 from owai.errors import OwaiError
 
 TRAIN_RECIPE = "fig3.8-depth"
+CHAPTER4_RECIPE = "table4.2-pretrain"
 EVAL_RECIPE = "mosaic-eval"
 
 Dataset = Annotated[Optional[str], typer.Option("--dataset", "-d", help="owai-stories (embedded), a Hugging Face dataset id, or a local txt/jsonl/parquet/7z file or directory.")]
@@ -37,8 +43,10 @@ def _flow_list(text: str) -> str:
 
 
 def mosaic_train(
-    recipe: Annotated[str, typer.Option("--recipe", "-r", help="fig3.8-depth, tableB.2-gpt-search, fig3.9-posloss, figB.5-attention or tableB.4-continuations.")] = TRAIN_RECIPE,
-    arch: Annotated[Optional[str], typer.Option("--arch", "-a", help="Comma-separated: mm, gpt, gpt-rope, gpt-alibi.")] = None,
+    recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="fig3.8-depth (default), tableB.2-gpt-search, fig3.9-posloss, figB.5-attention, tableB.4-continuations, or table4.2-pretrain (the default with --size).")] = None,
+    arch: Annotated[Optional[str], typer.Option("--arch", "-a", help="Comma-separated: mm, gpt, gpt-rope, gpt-alibi; with --size: mmv2 (default), transformer.")] = None,
+    size: Annotated[Optional[str], typer.Option("--size", help="Chapter 4's model size: tiny (CPU), small (2.0B v2 / 1.8B transformer) or large (9.9B / 8.8B).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the parameters, FLOPs and per-rank memory plan, then exit without training.")] = False,
     depth: Annotated[Optional[int], typer.Option("--depth", help="Number of blocks Nb (model.n_layer).")] = None,
     dataset: Dataset = None,
     tokenizer: Tokenizer = None,
@@ -51,8 +59,19 @@ def mosaic_train(
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
-    """Pre-train Memory Mosaics and GPT2 on the same batches, then evaluate them (sec 3.5, App. B.2-B.4)."""
+    """Pre-train Memory Mosaics and GPT2 (sec 3.5, App. B), or with --size Memory Mosaics v2 and the Llama
+    transformer (ch. 4), on the same batches, then evaluate them."""
+    if size is not None and resume is None:
+        from owai.models.sizes import SIZES
+
+        if size not in SIZES:
+            raise OwaiError(f"--size must be one of {', '.join(SIZES)}, got {size!r}")
+        recipe = recipe or CHAPTER4_RECIPE
+        preset = preset or {"tiny": "cpu", "small": "paper-small", "large": "paper"}[size]
+        arch = arch or "mmv2"
+    recipe = recipe or TRAIN_RECIPE
     chosen = [
+        f"model.size={size}" if size is not None else None,
         f"archs={_flow_list(arch)}" if arch else None,
         f"model.n_layer={depth}" if depth is not None else None,
         f"data.source={dataset}" if dataset else None,
@@ -62,8 +81,44 @@ def mosaic_train(
     if resume is not None and (any(c for c in chosen) or data_root is not None):
         raise OwaiError("--resume takes its config from the run directory; drop --arch/--depth/--dataset/--tokenizer/--context/--data-root")
     overrides = [c for c in chosen if c] + data_root_sets(data_root) + list(sets or [])
+    if dry_run:
+        if resume is not None:
+            raise OwaiError("--dry-run plans a new run; drop --resume")
+        print_plan(recipe, preset, overrides)
+        return
     run_recipe(None if resume is not None else recipe, preset, overrides or None, out, resume, quiet, as_json,
                methods=("lm_pretrain",))
+
+
+def print_plan(recipe_name: str, preset: str | None, overrides: list[str]) -> None:
+    """--dry-run: the config's chapter-4 models counted on the meta device and their per-rank memory
+    plan at this job's world size, with the fewest 80 GiB GPUs that hold them; nothing is run."""
+    from owai import console
+    from owai.experiment import resolve
+    from owai.methods.language_model import model_kwargs, parse_arch, training_plans, _planned_vocab
+    from owai.models.lm import SIZED, build_lm
+    from owai.plan import GIB, forward_flops_per_token, ranks_needed
+    from owai.recipes import load
+
+    recipe = load(recipe_name)
+    if recipe.method != "lm_pretrain":
+        raise OwaiError(f"--dry-run plans a mosaic-train recipe; {recipe.id} is a {recipe.method} recipe")
+    cfg, _ = resolve(recipe, preset, overrides, validate=False)
+    if not any(parse_arch(a)[0] in SIZED for a in cfg.archs):
+        raise OwaiError("--dry-run plans chapter 4's models (mmv2, transformer); give --size or --arch mmv2/transformer")
+    import torch
+
+    for plan, label in zip(training_plans(cfg), [a for a in cfg.archs if parse_arch(a)[0] in SIZED]):
+        with torch.device("meta"):
+            model = build_lm(parse_arch(label)[0], **model_kwargs(cfg, label, _planned_vocab(cfg)))
+        for line in plan.lines():
+            console.stdout.print(line)
+        flops = ", ".join(f"{forward_flops_per_token(model, ctx) / 1e9:.1f}B at context {ctx}"
+                          for ctx in sorted({256, cfg.data.block_size}))
+        console.stdout.print(f"  forward FLOPs per token: {flops} (training: 3x)")
+        gpus = ranks_needed(plan, 80 * GIB)
+        console.stdout.print(f"  fits a rank here: {'yes' if plan.fits else 'no'}; "
+                             f"FSDP ranks of 80 GiB that hold it: {gpus if gpus else 'none (activations alone exceed one)'}")
 
 
 def mosaic_eval(

@@ -100,11 +100,11 @@ def canonical_split(split: str) -> str:
     return SPLIT_ALIASES[split]
 
 
-def held_out(texts: Iterable[str], split: str) -> Iterator[str]:
-    """The documented held-out rule: every HELD_OUT_EVERY-th document is validation."""
+def held_out(texts: Iterable[str], split: str, every: int = HELD_OUT_EVERY) -> Iterator[str]:
+    """The documented held-out rule: every `every`-th document (default HELD_OUT_EVERY) is validation."""
     want_val = split == "val"
     for i, text in enumerate(texts):
-        if (i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1) == want_val:
+        if (i % every == every - 1) == want_val:
             yield text
 
 
@@ -142,12 +142,13 @@ class HubSource(TextSource):
     """A Hugging Face dataset, read with `datasets.load_dataset` (streaming by default)."""
 
     def __init__(self, hub_id: str, config: str | None, text_field: str, revision: str | None = None,
-                 streaming: bool = True) -> None:
+                 streaming: bool = True, val_every: int = HELD_OUT_EVERY) -> None:
         self.hub_id, self.config, self.text_field = hub_id, config, text_field
-        self.revision, self.streaming = revision, streaming
+        self.revision, self.streaming, self.val_every = revision, streaming, val_every
         self.name = hub_id + (f":{config}" if config else "")
-        self.fingerprint = digest("hf", hub_id, config, revision, text_field, SOURCE_FORMAT)
-        self.val_rule = "the dataset's validation split (else every 100th train document)"
+        self.fingerprint = digest("hf", hub_id, config, revision, text_field, SOURCE_FORMAT,
+                                  *([val_every] if val_every != HELD_OUT_EVERY else []))
+        self.val_rule = f"the dataset's validation split (else every {val_every}th train document)"
         self._splits: dict[str, Any] | None = None
 
     def _load(self) -> dict[str, Any]:
@@ -178,14 +179,14 @@ class HubSource(TextSource):
                     return splits[name], False
         hold_out = all(name not in splits for name in HUB_VAL_SPLITS)
         if hold_out:
-            self.val_rule = f"held out: every {HELD_OUT_EVERY}th train document (no validation split)"
+            self.val_rule = f"held out: every {self.val_every}th train document (no validation split)"
         return splits["train"], hold_out
 
     def texts(self, split: str) -> Iterator[str]:
         split = canonical_split(split)
         data, hold_out = self._pick(split)
         docs = self._records(data)
-        return held_out(docs, split) if hold_out else docs
+        return held_out(docs, split, self.val_every) if hold_out else docs
 
     def _records(self, data: Iterable[dict[str, Any]]) -> Iterator[str]:
         try:
@@ -203,22 +204,23 @@ class HubSource(TextSource):
 class LocalSource(TextSource):
     """Files on disk: one file, or a directory of split files (see the module docstring)."""
 
-    def __init__(self, path: Path, text_field: str, cache_dir: str | Path | None) -> None:
-        self.path, self.text_field, self.cache_dir = path, text_field, cache_dir
+    def __init__(self, path: Path, text_field: str, cache_dir: str | Path | None, val_every: int = HELD_OUT_EVERY) -> None:
+        self.path, self.text_field, self.cache_dir, self.val_every = path, text_field, cache_dir, val_every
         self.name = str(path)
         self.files = _split_files(path)
         stats = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in _all_parts(self.files)]
-        self.fingerprint = digest("local", str(path.resolve()), text_field, stats, SOURCE_FORMAT)
+        self.fingerprint = digest("local", str(path.resolve()), text_field, stats, SOURCE_FORMAT,
+                                  *([val_every] if val_every != HELD_OUT_EVERY else []))
         if self.files["val"]:
             self.val_rule = "validation files: " + ", ".join(f.name for f in self.files["val"])
         else:
-            self.val_rule = f"held out: every {HELD_OUT_EVERY}th document (index % {HELD_OUT_EVERY} == {HELD_OUT_EVERY - 1})"
+            self.val_rule = f"held out: every {val_every}th document (index % {val_every} == {val_every - 1})"
 
     def texts(self, split: str) -> Iterator[str]:
         split = canonical_split(split)
         if self.files["val"]:
             return self._read(self.files[split])
-        return held_out(self._read(self.files["train"]), split)
+        return held_out(self._read(self.files["train"]), split, self.val_every)
 
     def _read(self, files: list[Path]) -> Iterator[str]:
         for file in files:
@@ -263,12 +265,16 @@ def resolve_source(source: str, data_root: str | Path | None = None) -> str:
 
 def open_source(source: str | os.PathLike[str] | TextSource, text_field: str = "text",
                 cache_dir: str | Path | None = None, *, config_name: str | None = None,
-                revision: str | None = None, streaming: bool = True, data_root: str | Path | None = None) -> TextSource:
+                revision: str | None = None, streaming: bool = True, data_root: str | Path | None = None,
+                val_every: int = HELD_OUT_EVERY) -> TextSource:
     """Resolve a source (see the module docstring) to a `TextSource`; path errors are raised here.
 
     `config_name` is the hub dataset config (same as writing `id:config`); `revision` and
     `streaming` go to `datasets.load_dataset`; `data_root` is the explicit data root of the
-    data-root rule (`resolve_source`)."""
+    data-root rule (`resolve_source`); `val_every` the held-out rule's period for sources without a
+    validation split (every `val_every`-th document is validation)."""
+    if isinstance(val_every, bool) or not isinstance(val_every, int) or val_every < 2:
+        raise OwaiError(f"the held-out period must be an integer >= 2, got {val_every!r}")
     if isinstance(source, TextSource):
         return source
     if isinstance(source, str):
@@ -277,16 +283,16 @@ def open_source(source: str | os.PathLike[str] | TextSource, text_field: str = "
         path = Path(source).expanduser()
         if not path.exists():
             raise OwaiError(f"dataset path not found: {path}")
-        return LocalSource(path, text_field, cache_dir)
+        return LocalSource(path, text_field, cache_dir, val_every)
     if source == "owai-stories" or source.startswith("owai-stories:"):
         return _story_source(source)
     if source.startswith("hf:"):
-        return _hub_source(source[3:], text_field, config_name, revision, streaming)
+        return _hub_source(source[3:], text_field, config_name, revision, streaming, val_every)
     path = Path(source).expanduser()
     if path.exists():
-        return LocalSource(path, text_field, cache_dir)
+        return LocalSource(path, text_field, cache_dir, val_every)
     if _looks_like_hub_id(source):
-        return _hub_source(source, text_field, config_name, revision, streaming)
+        return _hub_source(source, text_field, config_name, revision, streaming, val_every)
     raise OwaiError(f"dataset path not found: {source}")
 
 
@@ -314,11 +320,11 @@ def _story_source(source: str) -> StorySource:
 
 
 def _hub_source(spec: str, text_field: str, config_name: str | None, revision: str | None,
-                streaming: bool) -> HubSource:
+                streaming: bool, val_every: int = HELD_OUT_EVERY) -> HubSource:
     hub_id, _, config = spec.partition(":")
     if not hub_id:
         raise OwaiError(f"bad Hugging Face dataset id {spec!r}")
-    return HubSource(hub_id, config_name or config or None, text_field, revision, streaming)
+    return HubSource(hub_id, config_name or config or None, text_field, revision, streaming, val_every)
 
 
 def _looks_like_hub_id(source: str) -> bool:
@@ -338,6 +344,8 @@ def _suffix(path: Path) -> str:
     name = path.name.lower()
     if re.search(r"\.7z(\.\d+)?$", name):
         return ".7z"
+    if name.endswith((".tar", ".tar.gz", ".tgz")):
+        return ".tar"
     if name.endswith(".gz"):
         name = name[:-3]
     return next((s for s in TEXT_SUFFIXES if name.endswith(s)), "")
@@ -373,11 +381,11 @@ def _split_files(path: Path) -> dict[str, list[Path]]:
     """{"train": [...], "val": [...]}; val is empty when the held-out rule applies."""
     if path.is_file():
         if not _suffix(path):
-            raise OwaiError(f"unsupported dataset file {path} (expected .txt, .jsonl, .json, .parquet or .7z)")
+            raise OwaiError(f"unsupported dataset file {path} (expected .txt, .jsonl, .json, .parquet, .7z or .tar[.gz])")
         return {"train": [path], "val": []}
     files = _data_files(path)
     if not files:
-        raise OwaiError(f"no dataset files in {path} (expected .txt, .jsonl, .json, .parquet or .7z files)")
+        raise OwaiError(f"no dataset files in {path} (expected .txt, .jsonl, .json, .parquet, .7z or .tar[.gz] files)")
     by_split: dict[str | None, list[Path]] = {"train": [], "val": [], "test": [], None: []}
     for file in files:
         by_split[_split_of(file)].append(file)
@@ -404,6 +412,8 @@ def read_file(path: Path, text_field: str = "text", cache_dir: str | Path | None
         return _read_parquet(path, text_field)
     if kind == ".7z":
         return _read_7z(path, text_field, cache_dir)
+    if kind == ".tar":
+        return _read_tar(path, text_field)
     if kind in (".jsonl", ".json"):
         return _read_json(path, text_field)
     return _read_txt(path, text_field)
@@ -524,6 +534,33 @@ def _txt_documents(f: TextIO, mode: str) -> Iterator[str]:
     text = "\n".join(doc).strip("\n")
     if text.strip():
         yield text
+
+
+def _read_tar(path: Path, text_field: str) -> Iterator[str]:
+    """A tar archive (.tar, .tar.gz, .tgz) of documents, members in name order: a `.txt` member is ONE
+    document (whole file: archives such as the State of the Union addresses hold one text per
+    file), `.jsonl` / `.json` members are read as JSON lines; other members are skipped."""
+    import tarfile
+
+    def read() -> Iterator[str]:
+        try:
+            archive = tarfile.open(path, "r:*")
+        except (tarfile.TarError, OSError) as exc:
+            raise OwaiError(f"{path} is not a readable tar archive ({one_line(exc)})") from None
+        with archive:
+            members = sorted((m for m in archive.getmembers() if m.isfile()), key=lambda m: m.name)
+            for member in members:
+                kind = _suffix(Path(member.name))
+                if kind not in (".txt", ".jsonl", ".json") or Path(member.name).name.startswith("."):
+                    continue
+                raw = archive.extractfile(member)
+                text = raw.read().decode("utf-8") if raw is not None else ""
+                if kind == ".txt":
+                    if text.strip():
+                        yield text.strip("\n")
+                else:
+                    yield from _json_lines(path, io.StringIO(text), text_field)
+    return _guard(path, read)
 
 
 def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
@@ -664,6 +701,10 @@ class Tokenizer:
         """Text of `ids`; the eot id renders as `<|endoftext|>`."""
         raise NotImplementedError
 
+    def count(self, text: str) -> int:
+        """Number of tokens of `text` (what prompt fitting measures)."""
+        return len(self.encode(text))
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
 
@@ -733,20 +774,64 @@ def load_tokenizer(name: str, cache_dir: str | Path | None = None, training_text
             src = open_source(source, text_field, cache_dir, **source_kwargs)
             training_texts, corpus_fingerprint = lazy_texts(src, "train"), corpus_fingerprint or src.fingerprint
         return _bpe(int(match.group(1)), cache_root(cache_dir), training_texts, corpus_fingerprint)
+    name = resolve_tokenizer(name, source_kwargs.get("data_root"))
     path = Path(name).expanduser()
     if path.is_file():
         return _from_tokenizer_json(name, path)
+    if path.is_dir() and _bpe_files(path) is not None:
+        return _from_bpe_files(name, path)
     return _from_transformers(name, path)
+
+
+def _bpe_files(folder: Path) -> tuple[Path, Path] | None:
+    """GPT-2's original byte-level BPE files (encoder.json + vocab.bpe, or vocab.json + merges.txt)
+    in a folder that holds no transformers tokenizer (no tokenizer.json / tokenizer_config.json)."""
+    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
+        return None
+    for vocab, merges in (("encoder.json", "vocab.bpe"), ("vocab.json", "merges.txt")):
+        if (folder / vocab).is_file() and (folder / merges).is_file():
+            return folder / vocab, folder / merges
+    return None
+
+
+def _from_bpe_files(name: str, folder: Path) -> HFTokenizer:
+    """GPT-2's BPE from its original files, through `tokenizers` (transformers 5 would silently build an
+    empty tokenizer from `vocab_file=`)."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    vocab, merges = _bpe_files(folder)  # type: ignore[misc]
+    try:
+        tok = ByteLevelBPETokenizer(str(vocab), str(merges))
+    except Exception as exc:  # noqa: BLE001 - a corrupt file is a user error
+        raise OwaiError(f"cannot read the BPE tokenizer in {folder} ({one_line(exc)})") from None
+    tok.add_special_tokens([EOT_TEXT])
+    backend = tok._tokenizer  # the `tokenizers.Tokenizer` inside the implementation wrapper
+    eot = backend.token_to_id(EOT_TEXT)
+    if not backend.encode("The grass is green.").ids:
+        raise OwaiError(f"the BPE tokenizer in {folder} turns text into no tokens (an empty vocabulary?)")
+    return HFTokenizer(name, backend, eot)
 
 
 BPE_MIN_VOCAB, BPE_MAX_VOCAB = 258, 1 << 20
 HUB_PROBE_TIMEOUT = 3.0  # seconds to reach the hub before a hub tokenizer id is declared unreachable
 
 
-def check_tokenizer(name: str) -> None:
+def resolve_tokenizer(name: str, data_root: str | Path | None = None) -> str:
+    """A tokenizer name after the data-root rule: a relative path that does not exist here but does
+    under the data root (`data_root`, $OWAI_DATA, the cache), e.g. `tokenizers/gpt2`, becomes that path."""
+    if name == "bytes" or re.fullmatch(r"bpe-(\d+)", name) or Path(name).expanduser().exists():
+        return name
+    from owai.data import registry
+
+    found = registry.find_relative(name, data_root)
+    return str(found) if found is not None else name
+
+
+def check_tokenizer(name: str, data_root: str | Path | None = None) -> None:
     """Fail fast (one line, no network wait) on a tokenizer name that cannot load: a bpe-N outside
     its range, or a hub id that is neither in the local Hugging Face cache nor reachable (offline
     mode, or no connection to the hub within HUB_PROBE_TIMEOUT seconds). Called before a run exists."""
+    name = resolve_tokenizer(name, data_root)
     if name == "bytes":
         return
     match = re.fullmatch(r"bpe-(\d+)", name)

@@ -16,6 +16,10 @@ and the log-likelihood suites also `loglikelihood(context, continuation) -> (flo
     reference:NAME       a reference model of the suite that validates the pipeline without training
                          (`owai.evals.ruler` / `owai.evals.longicl`: oracle, null, slot:K, knn, last)
 
+`generate_many(prompts)` runs `batch_size` prompts at once, left-padded, for models that read
+padding as something apart (Hugging Face models, owai's GPT and Memory Mosaics v2: the padding
+is a document no real token reads); Memory Mosaics v1 and the LSTM run one prompt at a time.
+`generate_all(model, prompts)` is how the suites call any model (reference models included).
 Prompts over `max_tokens` (minus the generation budget) are the suites' overflow, never truncated
 here. On CUDA the model runs in bfloat16 (`precision="auto"`). `ablate("long_term_memory")` switches
 a Memory Mosaics v2 model's long-term memory off for the rows of Tables 4.2, 4.3 and C.1; models
@@ -34,6 +38,7 @@ from owai.errors import OwaiError
 
 REFERENCE = "reference:"
 ABLATIONS = ("long_term_memory",)
+NO_PADDING = ("owai_memory_mosaics", "owai_lstm")  # model types that cannot read left-padded batches
 
 
 class CausalLM:
@@ -49,6 +54,8 @@ class CausalLM:
         self.tokenizer, self.label = tokenizer, label
         self.max_tokens = _max_tokens(self.model)
         self.ablated: set[str] = set()
+        self.batch_size = 1  # prompts per generate call (generate_many)
+        self.pads = getattr(self.model.config, "model_type", "") not in NO_PADDING
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
@@ -64,7 +71,32 @@ class CausalLM:
         eot = getattr(self.tokenizer, "eot_id", None)
         out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
                                   do_sample=False, eos_token_id=eot, pad_token_id=eot if eot is not None else 0)
-        new = [int(t) for t in out[0, x.shape[1]:].tolist()]
+        return self._finish([int(t) for t in out[0, x.shape[1]:].tolist()], stop)
+
+    @torch.no_grad()
+    def generate_many(self, prompts: list[str], max_new_tokens: int = 32, stop: tuple[str, ...] = ()) -> list[str]:
+        """`generate` of each prompt, `batch_size` at a time (left-padded) where the model allows;
+        the same continuations as one at a time (greedy), in order."""
+        if self.batch_size <= 1 or not self.pads:
+            return [self.generate(p, max_new_tokens, stop) for p in prompts]
+        eot = getattr(self.tokenizer, "eot_id", None)
+        pad = eot if eot is not None else 0
+        out: list[str] = []
+        for start in range(0, len(prompts), self.batch_size):
+            encoded = [self.tokenizer.encode(p) for p in prompts[start:start + self.batch_size]]
+            if not all(encoded):
+                raise OwaiError(f"{self.label}: a prompt encodes to no tokens")
+            width = max(len(ids) for ids in encoded)
+            x = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded], device=self.device)
+            mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=self.device)
+            y = self.model.generate(input_ids=x, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                    eos_token_id=eot, pad_token_id=pad)
+            out += [self._finish([int(t) for t in row[width:].tolist()], stop) for row in y]
+        return out
+
+    def _finish(self, new: list[int], stop: tuple[str, ...]) -> str:
+        """New tokens -> text, cut at the end-of-text token and before the first stop string."""
+        eot = getattr(self.tokenizer, "eot_id", None)
         if eot is not None and eot in new:
             new = new[: new.index(eot)]
         text = self.tokenizer.decode(new)
@@ -102,6 +134,15 @@ class CausalLM:
         finally:
             setattr(config, name, before)
             self.ablated.discard(name)
+
+
+def generate_all(model: Any, prompts: list[str], **kwargs: Any) -> list[str]:
+    """The continuations of `prompts` from any suite model: batched through `generate_many` where the
+    model has it, else one `generate(prompt, **kwargs)` each."""
+    many = getattr(model, "generate_many", None)
+    if many is not None:
+        return many(list(prompts), **kwargs)
+    return [model.generate(p, **kwargs) for p in prompts]
 
 
 def _max_tokens(model: torch.nn.Module) -> int | None:

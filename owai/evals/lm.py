@@ -7,7 +7,9 @@
     continuations           greedy and beam-2 continuations of Eldan & Li's 24 prompts (Tables B.4/B.5)
 
 Models are called as Hugging Face causal LMs (`model(input_ids=x).logits`, `model.generate`) and
-expose `last_token_attention(x) -> (n_layer, B, H, T)`. Windows come from `TokenWindows`.
+expose `last_token_attention(x) -> (n_layer, B, H, T)`. Windows come from `TokenWindows`. With
+`eot` (models trained with document-wise masking) the losses pass `position_ids` restarting after
+every end-of-text token, so a window crossing documents is read as the model was trained to.
 """
 
 from __future__ import annotations
@@ -29,14 +31,20 @@ def eldan_li_prompts() -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
-def token_losses(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Per-token cross-entropy (B, T) of predicting y from x, in float32."""
-    logits = model(input_ids=x).logits  # (B, T, V)
+def token_losses(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, eot: int | None = None) -> torch.Tensor:
+    """Per-token cross-entropy (B, T) of predicting y from x, in float32 (documents split at `eot`)."""
+    if eot is None:
+        logits = model(input_ids=x).logits  # (B, T, V)
+    else:
+        from owai.data.packing import document_positions
+
+        logits = model(input_ids=x, position_ids=document_positions(x, eot)).logits
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y)
 
 
 @torch.no_grad()
-def validation_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
+def validation_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+                    eot: int | None = None) -> float:
     """Mean next-token loss over the given (x, y) batches; targets equal to -100 (padding, masked
     separators) are not counted."""
     was_training = model.training
@@ -44,7 +52,7 @@ def validation_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor
     total, count = 0.0, 0
     for x, y in batches:
         y = y.to(device)
-        losses = token_losses(model, x.to(device), y)
+        losses = token_losses(model, x.to(device), y, eot)
         total += losses.sum().item()
         count += int((y != IGNORE_INDEX).sum())
     model.train(was_training)
@@ -53,14 +61,15 @@ def validation_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor
 
 @torch.no_grad()
 def per_position_loss(
-    model: torch.nn.Module, windows: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+    model: torch.nn.Module, windows: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+    eot: int | None = None,
 ) -> tuple[list[float], int]:
     """Loss at each position of the window averaged over all windows: (curve of length T, windows)."""
     model.eval()
     total: torch.Tensor | None = None
     n = 0
     for x, y in windows:
-        losses = token_losses(model, x.to(device), y.to(device)).sum(0).double().cpu()  # (T,)
+        losses = token_losses(model, x.to(device), y.to(device), eot).sum(0).double().cpu()  # (T,)
         total = losses if total is None else total + losses
         n += x.shape[0]
     if total is None:

@@ -741,6 +741,9 @@ def score_prompts(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Examp
     correct = scored = overflow = 0
     longest: int | None = None
     examples = []
+    from owai.evals.causal_lm import generate_all
+
+    pending: list[tuple[dict[str, Any], str, str]] = []  # (record, prompt, gold) of the queries shown
     for i, q in enumerate(queries):
         prompt, gold = context + render_query(data, q, options), _shown(q, space)
         record: dict[str, Any] = {"query": i, "prompt_sha256": prompt_hash(prompt), "gold": gold}
@@ -751,10 +754,15 @@ def score_prompts(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Examp
             if max_tokens is not None and n_tokens > max_tokens:
                 overflow += 1
                 record["overflow"] = True
-                if len(examples) < n_examples:
-                    examples.append(record)
-                continue
-        out = model.generate(prompt)
+        pending.append((record, prompt, gold))
+    shown = [(r, p, g) for r, p, g in pending if not r.get("overflow")]
+    answers = iter(generate_all(model, [p for _, p, _ in shown]))  # batched where the model can
+    for record, prompt, gold in pending:
+        if record.get("overflow"):
+            if len(examples) < n_examples:
+                examples.append(record)
+            continue
+        out = next(answers)
         if not isinstance(out, str):
             raise OwaiError(f"longicl: model.generate must return a string, got {type(out).__name__}")
         pred = parse_prediction(out, data.task)

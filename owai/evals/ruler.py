@@ -190,23 +190,15 @@ class HFTokenizer:
         return self._tokenizer.decode(list(ids))
 
 
-def gpt2_tokenizer(directory: str | Path) -> HFTokenizer:
+def gpt2_tokenizer(directory: str | Path) -> Any:
     """GPT-2's byte-level BPE from a folder holding `encoder.json` + `vocab.bpe` (the original file
-    names) or `vocab.json` + `merges.txt`, through the `tokenizers` library."""
-    folder = Path(directory).expanduser()
-    for vocab, merges in (("encoder.json", "vocab.bpe"), ("vocab.json", "merges.txt")):
-        if (folder / vocab).is_file() and (folder / merges).is_file():
-            break
-    else:
-        raise DataMissing(f"no GPT-2 tokenizer in {folder} (expected encoder.json and vocab.bpe)")
-    from tokenizers import ByteLevelBPETokenizer
+    names) or `vocab.json` + `merges.txt`: the data layer's tokenizer (`owai.data.text.load_tokenizer`)."""
+    from owai.data.text import _bpe_files, load_tokenizer
 
-    try:
-        tok = ByteLevelBPETokenizer(str(folder / vocab), str(folder / merges))
-    except Exception as exc:  # noqa: BLE001 - a corrupt file is a user error
-        raise OwaiError(f"cannot read the GPT-2 tokenizer in {folder}: {_one_line(exc)}") from None
-    tok.add_special_tokens(["<|endoftext|>"])
-    return HFTokenizer(tok, name=f"gpt2 ({folder})")
+    folder = Path(directory).expanduser()
+    if not folder.is_dir() or _bpe_files(folder) is None:
+        raise DataMissing(f"no GPT-2 tokenizer in {folder} (expected encoder.json and vocab.bpe)")
+    return load_tokenizer(str(folder))
 
 
 # ----------------------------------------------------------------------------------- context lengths
@@ -1228,7 +1220,8 @@ def evaluate(model: Model, tasks: Sequence[Task], lengths: Sequence[str | int], 
              keep_records: bool = True) -> dict[str, Any]:
     """Build every task at every length and score `model` on it; a JSON-able dict.
 
-    The model is called as `model.generate(prompt, max_new_tokens=task.tokens_to_generate)`.
+    The model is called as `model.generate(prompt, max_new_tokens=task.tokens_to_generate)`, or
+    `model.generate_many(prompts, ...)` where it has one (batched; `owai.evals.causal_lm`).
     A sample is an overflow (never truncated, never shown to the model, scored 0) when its prompt
     plus tokens_to_generate exceeds `max_tokens` (the model's maximum length) or the length's own
     budget (the haystack could not shrink enough). Per task and length: score (100 x mean over the
@@ -1253,10 +1246,15 @@ def evaluate(model: Model, tasks: Sequence[Task], lengths: Sequence[str | int], 
         for label, budget in budgets.items():
             built = task.build(n, budget, tokenizer, seed)
             scores, rows, nulls, overflow = [], [], 0, 0
+            shown = [s for s in built.samples
+                     if s.fits and (max_tokens is None or s.tokens + task.tokens_to_generate <= max_tokens)]
+            from owai.evals.causal_lm import generate_all
+
+            answers = dict(zip((s.index for s in shown),
+                               generate_all(model, [s.prompt for s in shown], max_new_tokens=task.tokens_to_generate)))
             for sample in built.samples:
-                limit_ok = max_tokens is None or sample.tokens + task.tokens_to_generate <= max_tokens
-                if sample.fits and limit_ok:
-                    prediction = postprocess(model.generate(sample.prompt, max_new_tokens=task.tokens_to_generate))
+                if sample.index in answers:
+                    prediction = postprocess(answers[sample.index])
                     score = metric(prediction, sample.outputs)
                     nulls += prediction == ""
                 else:

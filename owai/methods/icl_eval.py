@@ -53,6 +53,7 @@ class Config(BaseConfig):
     tacred_format: str = "thesis"  # thesis (App. C.2.3) or longiclbench
     synthetic_classes: int = 8
     precision: str = "auto"  # bfloat16 on CUDA
+    batch_size: int = 1  # prompts per generate call (left-padded; models that cannot pad run one at a time)
 
 
 class InContextClassification(Method):
@@ -66,6 +67,8 @@ class InContextClassification(Method):
 
         if cfg.task not in TASKS:
             raise OwaiError(f"task {cfg.task!r}: choose one of {', '.join(TASKS)}")
+        if cfg.batch_size < 1:
+            raise OwaiError(f"batch_size must be >= 1, got {cfg.batch_size}")
         if check_model_choice(cfg.model, "reference:knn / reference:last") and cfg.model[len(REFERENCE):] not in REFERENCES:
             raise OwaiError(f"{cfg.model}: the ICL reference models are {', '.join('reference:' + r for r in REFERENCES)}")
         bad = [m for m in cfg.labels if m not in LABEL_MODES]
@@ -104,6 +107,8 @@ class InContextClassification(Method):
 
         data = load_task(cfg)
         model = open_model(cfg.model, cfg.tokenizer, run.device, cfg.precision, reference_data=_reference)
+        if hasattr(model, "batch_size"):
+            model.batch_size = cfg.batch_size
         generator = _Generator(model, cfg.max_new_tokens)
         max_tokens = cfg.max_tokens or getattr(model, "max_tokens", None)
         budget = max_tokens - cfg.max_new_tokens if max_tokens else None
@@ -156,6 +161,11 @@ class _Generator:
         if hasattr(self.model, "tokenizer"):
             return self.model.generate(prompt, max_new_tokens=self.max_new_tokens)
         return self.model.generate(prompt)
+
+    def generate_many(self, prompts: list[str]) -> list[str]:
+        if hasattr(self.model, "generate_many"):
+            return self.model.generate_many(prompts, max_new_tokens=self.max_new_tokens)
+        return [self.generate(p) for p in prompts]
 
 
 def _reference(name: str) -> Any:

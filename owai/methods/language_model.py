@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,10 +33,12 @@ from owai import console, distributed
 from owai.config import BaseConfig
 from owai.errors import OwaiError
 from owai.methods import Method, Outcome
+from owai.models.lm import SIZED
 from owai.runs import Run
 from owai.runtime import generator
 
-ARCH_LABELS = {"mm": "Memory Mosaic", "gpt": "GPT2 transformer", "gpt-rope": "GPT2 + RoPE", "gpt-alibi": "GPT2 + ALiBi"}
+ARCH_LABELS = {"mm": "Memory Mosaic", "gpt": "GPT2 transformer", "gpt-rope": "GPT2 + RoPE", "gpt-alibi": "GPT2 + ALiBi",
+               "mmv2": "Memory Mosaics v2", "transformer": "Transformer (Llama)"}
 POSITION_VARIANTS = ("learned", "rope", "alibi", "none")
 
 
@@ -54,7 +57,10 @@ def parse_arch(label: str) -> tuple[str, dict[str, Any]]:
 
 @dataclass
 class ModelConfig:
-    """Shared by every architecture in `archs`; the thesis's GPT2-small setting by default."""
+    """Shared by every architecture in `archs`; the thesis's GPT2-small setting by default.
+
+    Chapter 4's architectures (mmv2, transformer) take `size` (owai.models.sizes: tiny, small,
+    large), else n_layer / n_embd / n_head / ffn_hidden; the fields after `ffn_hidden` are theirs."""
 
     n_layer: int = 12
     n_embd: int = 768
@@ -66,6 +72,18 @@ class ModelConfig:
     pmem_size: int = 0  # MM persistent slots per head; 0 = 3.5 n_embd (GPT2 parameter parity)
     init: Literal["library", "nano"] = "library"  # MM init scheme (docs/decisions.md)
     logit_scale: Literal["inv_sqrt_dim", "none"] = "inv_sqrt_dim"  # MM: Library's logits / sqrt(C), or nano's none
+    size: str = ""  # mmv2 / transformer: tiny, small or large (Table 4.2); "" = the fields above and ffn_hidden
+    init_from: str = ""  # a saved model directory (models/<arch>) whose weights start training (context extension)
+    ffn_hidden: int = 0  # mmv2 / transformer SwiGLU width; 0 = 3 n_embd
+    n_kv_head: int = 0  # transformer: key/value heads (GQA); 0 = n_head (MHA, the thesis's)
+    rope_theta: float = 500000.0  # transformer (Llama-3)
+    long_term_memory: bool = True  # mmv2
+    short_window: int = 256  # mmv2 h
+    long_delay_train: list[int] = field(default_factory=lambda: [64, 256])  # mmv2 m ~ U[min, max] per update
+    long_delay_eval: int = 64  # mmv2 m at inference
+    bag_of_k: int = 0  # mmv2: k of the bag-of-k objective (Table 4.8); 0 = next-token loss only
+    bag_weight: float = 0.3
+    bag_eta: float = 64000.0
 
 
 @dataclass
@@ -76,11 +94,17 @@ class DataConfig:
     block_size: int = 512  # training context
     workers: int = 0  # tokenisation processes; 0 = all cores
     root: str = ""  # explicit data root for named corpora and relative paths (--data-root); "" = $OWAI_DATA, the cache
+    val_every: int = 100  # without a validation split, every val_every-th document is validation
+    documents: bool = False  # document-wise masking: models read nothing across the eot between documents
+    stream: bool = False  # read the source as a stream (hub ids: no download first), packed by owai.data.packing
+    shuffle_buffer: int = 0  # stream: documents in the seeded shuffle pool (0 = the source's order)
+    stream_val_tokens: int = 1000000  # stream: tokens of the validation split kept for the evaluations
 
 
 @dataclass
 class TrainConfig:
     steps: int = 80000
+    tokens: int = 0  # > 0: train on this many tokens (steps = tokens / global batch tokens, rounded up)
     batch_size: int = 8  # sequences per micro-batch per process
     accumulate: int = 1  # micro-batches per update; global batch = batch_size x accumulate x ranks
     lr: float = 5e-3
@@ -93,6 +117,7 @@ class TrainConfig:
     precision: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     parallel: Literal["ddp", "fsdp"] = "ddp"
     compile: bool = False
+    activation_checkpointing: bool = False  # recompute each block in the backward pass
     eval_every: int = 2000
     eval_batches: int = 10
     checkpoint_every: int = 1000
@@ -110,6 +135,8 @@ class EvalConfig:
     continuations: bool = True
     max_new_tokens: int = 48
     batch_size: int = 8
+    lengths: list[int] = field(default_factory=list)  # per-position loss also at these contexts (extrapolation)
+    without_long_term: bool = False  # mmv2: every loss again with the long-term memory off (Table C.1)
 
 
 @dataclass
@@ -135,7 +162,8 @@ class LanguageModelPretraining(Method):
             raise OwaiError("archs: give one or more distinct architectures")
         from owai.data.text import LocalSource, check_tokenizer, open_source
 
-        check_tokenizer(cfg.data.tokenizer)  # a bad bpe-N or an unreachable hub id fails here, at once
+        _validate_sized(cfg)  # first: a model this machine cannot hold says so before any data is looked for
+        check_tokenizer(cfg.data.tokenizer, cfg.data.root or None)  # a bad bpe-N or an unreachable hub id fails here, at once
         _validate_common(cfg)
         source = open_source(cfg.data.source, cfg.data.text_field, data_root=cfg.data.root or None)
         if isinstance(source, LocalSource):
@@ -148,6 +176,8 @@ class LanguageModelPretraining(Method):
             raise OwaiError(f"train.min_lr must be in (0, train.lr], got {t.min_lr}")
         if t.warmup < 0 or len(t.betas) != 2:
             raise OwaiError("train.warmup must be >= 0 and train.betas a pair")
+        if t.tokens < 0:
+            raise OwaiError(f"train.tokens must be >= 0, got {t.tokens}")
         if any(parse_arch(a) == ("gpt", {}) for a in cfg.archs) and cfg.model.position == "learned":
             too_long = [k for k in cfg.eval.attention_multiples if k > 1]
             if too_long:
@@ -156,19 +186,22 @@ class LanguageModelPretraining(Method):
                 )
 
     def run(self, cfg: Config, run: Run) -> Outcome:
-        data = prepare_data(cfg.data, cfg.eval)
+        check_memory(cfg)  # on the ranks the run actually has
+        data = prepare_data(cfg.data, cfg.eval, run, cfg.seed)
         device = run.device
         measured: dict[str, Any] = {}
-        details: dict[str, Any] = {"tokenizer": data.tokenizer.name, "train_tokens": data.train.n_tokens, "val_tokens": data.val.n_tokens}
+        details: dict[str, Any] = {"tokenizer": data.tokenizer.name, "val_tokens": data.val.n_tokens,
+                                   "train_tokens": "stream" if cfg.data.stream else data.train.n_tokens}
         curves: dict[str, Any] = {}
         for arch in cfg.archs:
-            model = build_model(cfg, arch, data.tokenizer.vocab_size, device)
-            details[f"{arch}.parameters"] = model.num_parameters()
-            console.info(f"{ARCH_LABELS.get(arch, arch)}: {model.num_parameters():,} parameters")
-            summary, model = train_model(cfg, run, arch, model, data, device)
+            parallel = parallel_model(cfg, arch, data.tokenizer.vocab_size, device)
+            count = sum(p.numel() for p in parallel.module.parameters())  # FSDP shards are DTensors of the global shape
+            details[f"{arch}.parameters"] = count
+            console.info(f"{ARCH_LABELS.get(arch, arch)}: {count:,} parameters")
+            summary, model = train_model(cfg, run, arch, parallel, data, device)
             save_model(run, arch, model, data)
             measured[f"{arch}.train_loss"] = summary["final_loss"]
-            ev = evaluate_model(cfg.eval, run, arch, model, data, device)
+            ev = evaluate_model(cfg.eval, run, arch, model, data, device, data.tokenizer.eot_id if cfg.data.documents else None)
             measured.update({f"{arch}.{k}": v for k, v in ev.measured.items()})
             details.update({f"{arch}.{k}": v for k, v in ev.details.items()})
             curves[arch] = [r for r in run.metrics() if r.get("stage") == arch]
@@ -177,7 +210,95 @@ class LanguageModelPretraining(Method):
         if distributed.is_main():
             plot_training_curves(run, curves, cfg)
             plot_posloss(run, {a: details.get(f"{a}.posloss") for a in cfg.archs}, cfg.data.block_size)
+            if cfg.eval.lengths:
+                plot_extrapolation(run, details, cfg)
         return Outcome(measured, details)
+
+
+def _validate_sized(cfg: Config) -> None:
+    """Chapter-4 settings: the size and the architecture's config are checked by building the config
+    (no weights) before any run directory exists; then the memory plan must fit this machine."""
+    from owai.models.lm import lm_config
+    from owai.models.sizes import SIZES
+
+    m = cfg.model
+    sized = [a for a in cfg.archs if parse_arch(a)[0] in SIZED]
+    if m.size and m.size not in SIZES:
+        raise OwaiError(f"model.size must be one of {', '.join(SIZES)} (or empty), got {m.size!r}")
+    if m.size and len(sized) != len(cfg.archs):
+        raise OwaiError(f"model.size applies to {', '.join(SIZED)}; archs has {', '.join(a for a in cfg.archs if a not in sized)}")
+    if any(k < 2 for k in cfg.eval.lengths):
+        raise OwaiError(f"eval.lengths must be contexts of >= 2 tokens, got {cfg.eval.lengths}")
+    for label in sized:
+        config = lm_config(parse_arch(label)[0], **model_kwargs(cfg, label, _planned_vocab(cfg)))
+        if m.init_from:
+            _check_init_from(Path(m.init_from), label, config)
+    check_memory(cfg)
+
+
+# config fields that fix a chapter-4 model's parameter shapes (owai's and Llama's names)
+SHAPE_FIELDS = ("model_type", "n_layer", "n_embd", "n_head", "ffn_hidden", "long_term_memory", "bag_of_k", "num_hidden_layers",
+                "hidden_size", "num_attention_heads", "intermediate_size", "num_key_value_heads")
+
+
+def _check_init_from(directory: Path, label: str, config: Any) -> None:
+    """model.init_from must hold a saved model of this architecture and shape (vocabulary: when loaded)."""
+    found = dict(model_dirs(directory))
+    source = found.get(label) or (next(iter(found.values())) if len(found) == 1 else None)
+    if source is None:
+        raise OwaiError(f"model.init_from {directory} holds {', '.join(found)}, not {label}")
+    try:
+        saved = json.loads((source / "config.json").read_text())
+    except (OSError, ValueError):
+        raise OwaiError(f"{source / 'config.json'} is not a model config (unreadable or not JSON)") from None
+    ours = config.to_dict()
+    differ = [k for k in SHAPE_FIELDS if k in ours and saved.get(k) != ours[k]]
+    if differ:
+        k = differ[0]
+        raise OwaiError(f"model.init_from {source} does not fit this model: {k} is {saved.get(k)!r} there, {ours[k]!r} here")
+
+
+def _planned_vocab(cfg: Config) -> int:
+    """The vocabulary the plan assumes before the tokenizer is loaded: model.vocab_size, else GPT-2's."""
+    return cfg.model.vocab_size or 50304
+
+
+def training_plans(cfg: Config, world_size: int | None = None) -> list[Any]:
+    """The memory plan (owai.plan) of each chapter-4 architecture of the run, from models built on the
+    meta device, for `world_size` ranks (default: this job's)."""
+    from owai.models.lm import build_lm
+    from owai.plan import device_capacity, memory_plan
+
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    plans = []
+    for label in cfg.archs:
+        arch = parse_arch(label)[0]
+        if arch not in SIZED:
+            continue
+        with torch.device("meta"):
+            model = build_lm(arch, **model_kwargs(cfg, label, _planned_vocab(cfg)))
+        plan = memory_plan(model, world, cfg.train.parallel if world > 1 else "fsdp", cfg.train.batch_size, cfg.data.block_size,
+                           cfg.train.activation_checkpointing, device_capacity(device))
+        plan.arch = ARCH_LABELS.get(label, label) + (f" {cfg.model.size}" if cfg.model.size else "")
+        plans.append(plan)
+    return plans
+
+
+def check_memory(cfg: Config) -> None:
+    """Print the plan and stop in one line when a rank of this job cannot hold the run."""
+    from owai.plan import GIB, ranks_needed
+
+    for plan in training_plans(cfg):
+        if plan.fits:
+            continue
+        for line in plan.lines():
+            console.stdout.print(line)
+        gpus = ranks_needed(plan, 80 * GIB)
+        where = f"e.g. torchrun on >= {gpus} GPUs of 80 GiB with train.parallel=fsdp" if gpus else "more memory per rank"
+        raise OwaiError(f"{plan.arch} needs {plan.total_bytes / GIB:,.1f} GiB per rank ({plan.world_size} rank(s), "
+                        f"{plan.strategy}) but a rank here has {plan.capacity_bytes / GIB:,.1f} GiB ({plan.capacity_name}): "
+                        f"{where} (--dry-run prints the plan)")
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -186,24 +307,28 @@ class LanguageModelPretraining(Method):
 @dataclass
 class LMData:
     tokenizer: Any
-    train: Any  # TokenWindows
+    train: Any  # TokenWindows, or with data.stream a function giving a fresh PackedStream
     val: Any
     posloss: Any  # TokenWindows of the per-position-loss data (val unless eval.source is set)
 
 
-def prepare_data(data: DataConfig, ev: EvalConfig) -> LMData:
-    """Tokenise the training source (rank 0 first; the other ranks then reuse its cache)."""
+def prepare_data(data: DataConfig, ev: EvalConfig, run: Run | None = None, seed: int = 0) -> LMData:
+    """Tokenise the training source (rank 0 first; the other ranks then reuse its cache), or with
+    data.stream open it as a packed stream and keep the first tokens of its validation split."""
     from owai.data.text import load_tokenizer, prepare_tokens
+
+    if data.stream:
+        return _stream_data(data, run, seed)
 
     def build() -> LMData:
         tokenizer = load_tokenizer(data.tokenizer, source=data.source, text_field=data.text_field, data_root=data.root or None)
         prepared = prepare_tokens(data.source, tokenizer, workers=data.workers or None, text_field=data.text_field,
-                                  data_root=data.root or None)
+                                  data_root=data.root or None, val_every=data.val_every)
         train, val = prepared.windows("train", data.block_size), prepared.windows("val", data.block_size)
         posloss = val
         if ev.source:
             other = prepare_tokens(ev.source, tokenizer, workers=data.workers or None, text_field=data.text_field, config_name=ev.config_name or None,
-                                   data_root=data.root or None)
+                                   data_root=data.root or None, val_every=data.val_every)
             posloss = other.windows("val", data.block_size)
         return LMData(tokenizer, train, val, posloss)
 
@@ -212,6 +337,40 @@ def prepare_data(data: DataConfig, ev: EvalConfig) -> LMData:
     result = build() if distributed.is_main() else None
     distributed.barrier()
     return result if result is not None else build()
+
+
+def _stream_data(data: DataConfig, run: Run | None, seed: int) -> LMData:
+    """data.stream: training batches come from `owai.data.packing.PackedStream` (any hub id, read as it
+    streams, or local files), one per architecture so that each sees the same batches; the first
+    `stream_val_tokens` tokens of the validation split are written once (rank 0) to the run directory
+    as a token file, which the evaluations read like any other (TokenWindows)."""
+    import numpy as np
+
+    from owai.data.packing import PackedStream
+    from owai.data.text import load_tokenizer
+    from owai.data.tokens import TokenWindows, token_dtype
+    from owai.io import atomic_write_bytes
+
+    if run is None:
+        raise OwaiError("data.stream needs a run directory for its validation tokens")
+    tokenizer = load_tokenizer(data.tokenizer, source=data.source, text_field=data.text_field, data_root=data.root or None)
+    world = distributed.world()
+
+    def stream(split: str, rank: int = world.rank, world_size: int = world.world_size) -> PackedStream:
+        return PackedStream(data.source, tokenizer, data.block_size, text_field=data.text_field, split=split, rank=rank,
+                            world_size=world_size, data_root=data.root or None, shuffle_buffer=data.shuffle_buffer if split == "train" else 0,
+                            seed=seed)
+
+    path = run.path / "val_tokens.bin"
+    dtype = token_dtype(tokenizer.vocab_size)
+    if distributed.is_main() and not path.is_file():
+        val = stream("val", 0, 1)
+        rows = max(1, -(-data.stream_val_tokens // data.block_size))
+        ids = val.next_batch(rows)["input_ids"].flatten().numpy().astype(dtype)
+        atomic_write_bytes(path, ids.tobytes())
+    distributed.barrier()
+    windows = TokenWindows(path, np.dtype(dtype), data.block_size)
+    return LMData(tokenizer, stream, windows, windows)
 
 
 def global_batch(windows: Any, cfg: Config, step: int, micro: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,6 +396,8 @@ def model_kwargs(cfg: Config, label: str, tokenizer_vocab: int) -> dict[str, Any
     arch, variant = parse_arch(label)
     m = cfg.model
     vocab = m.vocab_size or 64 * math.ceil(tokenizer_vocab / 64)
+    if arch in SIZED:
+        return sized_kwargs(m, arch, vocab)
     kw: dict[str, Any] = dict(vocab_size=vocab, n_layer=m.n_layer, n_embd=m.n_embd, n_head=m.n_head, bias=m.bias)
     if arch == "mm":
         kw.update(ic_dropout=m.dropout, hd_dropout=m.dropout, init=m.init, logit_scale=m.logit_scale, pmem_size=m.pmem_size or None)
@@ -244,6 +405,33 @@ def model_kwargs(cfg: Config, label: str, tokenizer_vocab: int) -> dict[str, Any
         kw.update(dropout=m.dropout, position=m.position, block_size=cfg.data.block_size)
     kw.update(variant)
     return kw
+
+
+def sized_kwargs(m: ModelConfig, arch: str, vocab: int) -> dict[str, Any]:
+    """Settings of a chapter-4 architecture: a thesis size (its table vocabulary for small / large
+    unless model.vocab_size is set), or the explicit widths; then the architecture's own fields."""
+    from owai.models.sizes import SIZES, size_settings
+
+    if m.size:
+        table_vocab = SIZES[m.size]["vocab_size"] if m.size in SIZES else None
+        kw: dict[str, Any] = size_settings(m.size, m.vocab_size or (None if table_vocab else vocab))
+    else:
+        kw = dict(n_layer=m.n_layer, n_embd=m.n_embd, n_head=m.n_head, ffn_hidden=m.ffn_hidden or 3 * m.n_embd, vocab_size=vocab)
+    if arch == "transformer":
+        kw.update(n_kv_head=m.n_kv_head or None, rope_theta=m.rope_theta)
+    else:
+        kw.update(long_term_memory=m.long_term_memory, short_window=m.short_window, long_delay_train=list(m.long_delay_train),
+                  long_delay_eval=m.long_delay_eval, bag_of_k=m.bag_of_k, bag_weight=m.bag_weight, bag_eta=m.bag_eta)
+    return kw
+
+
+def total_steps(cfg: Config) -> int:
+    """Updates of the run: train.steps, or train.tokens / (global batch x context) rounded up."""
+    t = cfg.train
+    if t.tokens > 0:
+        per_step = t.batch_size * t.accumulate * distributed.world().world_size * cfg.data.block_size
+        return max(1, math.ceil(t.tokens / per_step))
+    return t.steps
 
 
 def build_model(cfg: Config, label: str, tokenizer_vocab: int, device: torch.device) -> torch.nn.Module:
@@ -255,7 +443,59 @@ def build_model(cfg: Config, label: str, tokenizer_vocab: int, device: torch.dev
     model = build_lm(parse_arch(label)[0], **model_kwargs(cfg, label, tokenizer_vocab))
     torch.set_rng_state(rng)
     check_vocab(model, tokenizer_vocab)
+    if cfg.model.init_from:
+        load_weights(model, Path(cfg.model.init_from), label)
     return model.to(device)
+
+
+def parallel_model(cfg: Config, label: str, tokenizer_vocab: int, device: torch.device) -> Any:
+    """The architecture as the training loop holds it (`owai.distributed.Parallel`): under torchrun
+    with train.parallel=fsdp built on the meta device, sharded per block and materialised shard by
+    shard (a 9.9B model never exists whole on one rank; the values equal `build_model`'s), else
+    built normally; activation checkpointing, FSDP mixed precision and per-block compilation
+    as the config says."""
+    from owai.distributed import Parallel
+    from owai.models.lm import blocks, build_lm, check_vocab
+
+    t = cfg.train
+    precision = precision_for(t.precision, device)
+    options = dict(mixed_precision=precision if t.parallel == "fsdp" and precision != "float32" else None,
+                   activation_checkpointing=t.activation_checkpointing, compile_blocks=t.compile)
+    if t.parallel == "fsdp" and distributed.world().world_size > 1:
+        kwargs = model_kwargs(cfg, label, tokenizer_vocab)
+        parallel = Parallel.from_meta(lambda: build_lm(parse_arch(label)[0], **kwargs), t.parallel, device=device,
+                                      blocks_of=blocks, seed=generator(cfg.seed, "init", label).initial_seed(), **options)
+        check_vocab(parallel.module, tokenizer_vocab)
+        if cfg.model.init_from:
+            load_weights(parallel.module, Path(cfg.model.init_from), label)
+        return parallel
+    model = build_model(cfg, label, tokenizer_vocab, device)
+    return Parallel(model, t.parallel, blocks=blocks(model), **options)
+
+
+def load_weights(model: torch.nn.Module, directory: Path, label: str) -> None:
+    """Start from a saved model's weights (the context-extension stage: a 4k model continued at 32k);
+    the architecture and sizes must be the same."""
+    from owai.models.lm import load_pretrained
+
+    found = dict(model_dirs(directory))
+    source = found.get(label) or (next(iter(found.values())) if len(found) == 1 else None)
+    if source is None:
+        raise OwaiError(f"model.init_from {directory} holds {', '.join(found)}, not {label}")
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    saved = load_pretrained(source) if distributed.is_main() else None  # rank 0 reads; FSDP ranks get their shards
+    if saved is not None and type(saved) is not type(model):
+        raise OwaiError(f"model.init_from {source} is a {type(saved).__name__}, not a {type(model).__name__}")
+    sharded = distributed.world().world_size > 1
+    try:
+        set_model_state_dict(model, saved.state_dict() if saved is not None else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded))
+    except (RuntimeError, KeyError, ValueError) as err:
+        raise OwaiError(f"model.init_from {source} does not fit this model: {str(err).splitlines()[0]}") from None
 
 
 def precision_for(name: str, device: torch.device) -> str:
@@ -269,48 +509,77 @@ def precision_for(name: str, device: torch.device) -> str:
 
 
 def train_model(
-    cfg: Config, run: Run, arch: str, model: torch.nn.Module, data: LMData, device: torch.device
+    cfg: Config, run: Run, arch: str, parallel: Any, data: LMData, device: torch.device
 ) -> tuple[dict[str, Any], torch.nn.Module]:
-    """Pre-train one architecture (stage `arch`) through the shared training loop; returns the
-    loop's summary and the trained model as a plain (unsharded) module."""
-    from owai.distributed import Parallel, unsharded
+    """Pre-train one architecture (stage `arch`, held by `parallel`) through the shared training
+    loop; returns the loop's summary and the trained model as a plain (unsharded) module."""
+    from owai.distributed import unsharded
     from owai.evals.lm import validation_loss
-    from owai.models.lm import blocks, decay_param_groups
+    from owai.models.lm import decay_param_groups
     from owai.optim import warmup_cosine_schedule
+    from owai.plan import forward_flops_per_token
     from owai.train import LoopConfig, train_loop
 
     t = cfg.train
-    parallel = Parallel(model, t.parallel, blocks=blocks(model))
+    model = parallel.module
     groups = decay_param_groups(model, t.weight_decay)
     optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.betas[0], t.betas[1]), fused=device.type == "cuda")
-    forward = torch.compile(parallel.forward_module) if t.compile else parallel.forward_module
+    forward = parallel.forward_module  # train.compile compiles each block (Parallel)
     world = distributed.world()
 
+    m, v2 = cfg.model, parse_arch(arch)[0] == "mmv2"
+    eot = data.tokenizer.eot_id if cfg.data.documents else None
+    stream = data.train("train") if cfg.data.stream else None  # its position is a checkpoint companion
+
     def loss_at(step: int, micro: int) -> torch.Tensor:
-        x, y = global_batch(data.train, cfg, step, micro, device)
-        logits = forward(input_ids=x).logits
-        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        if stream is not None:  # the next packed rows (the loop asks in order; resume restores the position)
+            batch = stream.next_batch(t.batch_size)
+            x, y = batch["input_ids"].to(device), batch["labels"].to(device)
+        else:
+            x, y = global_batch(data.train, cfg, step, micro, device)
+        inputs: dict[str, Any] = {"input_ids": x}
+        if eot is not None:  # document-wise masking: positions restart at every document start
+            from owai.data.packing import document_positions
+
+            inputs["position_ids"] = batch["position_ids"].to(device) if stream is not None else document_positions(x, eot)
+        if v2:  # one long-term delay per update, the same on every rank and on resume
+            lo, hi = m.long_delay_train
+            inputs["long_delay"] = int(torch.randint(lo, hi + 1, (1,), generator=generator(cfg.seed, "delay", step)).item())
+        out = forward(**inputs)
+        loss = F.cross_entropy(out.logits.float().flatten(0, 1), y.flatten())
+        if v2 and m.bag_of_k:  # L = L_next + alpha L_bag (sec 4.2.5.1)
+            from owai.models.bag_of_k import bag_of_k_loss, bag_targets
+
+            bags, valid = bag_targets(x, m.bag_of_k, inputs.get("position_ids"))
+            loss = loss + m.bag_weight * bag_of_k_loss(out.bag_logits, bags, valid, m.bag_eta)
+        return loss
 
     val = eval_batches(data.val, t.eval_batches, t.batch_size, cfg.seed, "val")
-    train_probe = eval_batches(data.train, t.eval_batches, t.batch_size, cfg.seed, "train-eval")
+    train_probe = [] if stream is not None else eval_batches(data.train, t.eval_batches, t.batch_size, cfg.seed, "train-eval")
+
+    steps = total_steps(cfg)
 
     def after_step(done: int) -> None:
-        if done % t.eval_every == 0 or done == t.steps:
-            v = validation_loss(parallel.module, val, device)
-            tr = validation_loss(parallel.module, train_probe, device)
-            run.log(arch, done, val_loss=distributed.mean_across_ranks(v, device), train_eval_loss=distributed.mean_across_ranks(tr, device))
+        if done % t.eval_every == 0 or done == steps:
+            v = validation_loss(parallel.module, val, device, eot)
+            logged = {"val_loss": distributed.mean_across_ranks(v, device)}
+            if train_probe:
+                logged["train_eval_loss"] = distributed.mean_across_ranks(validation_loss(parallel.module, train_probe, device, eot), device)
+            run.log(arch, done, **logged)
 
     loop = LoopConfig(
-        steps=t.steps,
-        checkpoint_every=min(t.checkpoint_every, t.steps),
-        log_every=min(t.log_every, t.steps),
+        steps=steps,
+        checkpoint_every=min(t.checkpoint_every, steps),
+        log_every=min(t.log_every, steps),
         grad_clip=t.grad_clip,
         accumulate=t.accumulate,
         precision=precision_for(t.precision, device),
         tokens_per_step=t.batch_size * t.accumulate * world.world_size * cfg.data.block_size,
+        flops_per_token=3 * forward_flops_per_token(model, cfg.data.block_size) if parse_arch(arch)[0] in SIZED else 0.0,
     )
-    lr_at = warmup_cosine_schedule(t.lr, t.warmup, t.decay_steps or t.steps, t.min_lr)
-    summary = train_loop(run, arch, model, optimizer, loss_at, loop, lr_at=lr_at, after_step=after_step, parallel=parallel)
+    lr_at = warmup_cosine_schedule(t.lr, t.warmup, t.decay_steps or steps, t.min_lr)
+    summary = train_loop(run, arch, model, optimizer, loss_at, loop, lr_at=lr_at, after_step=after_step, parallel=parallel,
+                         companion=stream)
     return summary, unsharded(parallel, lambda: build_model(cfg, arch, data.tokenizer.vocab_size, device)).eval()
 
 
@@ -357,8 +626,10 @@ def tokenizer_for(path: Path, default: str) -> str:
 # -- evaluation ---------------------------------------------------------------------------------
 
 
-def evaluate_model(ev: EvalConfig, run: Run, label: str, model: torch.nn.Module, data: LMData, device: torch.device) -> Outcome:
-    """Validation loss, per-position loss, attention profiles and continuations of one model."""
+def evaluate_model(ev: EvalConfig, run: Run, label: str, model: torch.nn.Module, data: LMData, device: torch.device,
+                   eot: int | None = None) -> Outcome:
+    """Validation loss, per-position loss (also at `ev.lengths`, and without the long-term memory when
+    asked), attention profiles and continuations of one model. `eot`: read documents apart."""
     from owai.evals import lm as lme
     from owai.models.lm import context_limit
 
@@ -367,15 +638,32 @@ def evaluate_model(ev: EvalConfig, run: Run, label: str, model: torch.nn.Module,
     measured: dict[str, Any] = {}
     details: dict[str, Any] = {}
     val = eval_batches(data.val, ev.val_batches, ev.batch_size, 0, "final-val")
-    measured["val_loss"] = lme.validation_loss(model, val, device)
-    curve, n = lme.per_position_loss(model, data.posloss.sequential(max_windows=ev.posloss_windows, batch_size=ev.batch_size), device)
-    details["posloss"] = curve
-    details["posloss_windows"] = n
-    measured["posloss_first50"] = lme.mean_over(curve, 0, 50)
-    measured["posloss_after50"] = lme.mean_over(curve, 50)
+    ablations = [""]
+    if ev.without_long_term and getattr(model.config, "long_term_memory", False):
+        ablations.append("_no_ltm")
+    for suffix in ablations:
+        if suffix:
+            model.config.long_term_memory = False  # the evaluation interface's ablation: weights untouched
+        measured["val_loss" + suffix] = lme.validation_loss(model, val, device, eot)
+        windows = data.posloss.sequential(max_windows=ev.posloss_windows, batch_size=ev.batch_size)
+        curve, n = lme.per_position_loss(model, windows, device, eot)
+        details["posloss" + suffix] = curve
+        details["posloss_windows"] = n
+        measured["posloss_first50" + suffix] = lme.mean_over(curve, 0, 50)
+        measured["posloss_after50" + suffix] = lme.mean_over(curve, 50)
+        for length in ev.lengths:  # extrapolation: windows of `length` tokens, the model trained at `block`
+            windows = data.posloss.with_block_size(length).sequential(
+                max_windows=max(1, ev.posloss_windows * block // length), batch_size=max(1, ev.batch_size * block // length))
+            curve, n = lme.per_position_loss(model, windows, device, eot)
+            details[f"posloss_{length}{suffix}"] = curve
+            details[f"posloss_{length}_windows"] = n
+            measured[f"loss_{length}{suffix}"] = lme.mean_over(curve, 0)
+            measured[f"loss_{length}_beyond{suffix}"] = lme.mean_over(curve, block)  # positions past the training context
+        if suffix:
+            model.config.long_term_memory = True
     limit = context_limit(model)
     profiles = {}
-    for k in ev.attention_multiples:
+    for k in ev.attention_multiples if hasattr(model, "last_token_attention") else []:
         length = k * block
         if limit is not None and length > limit:
             continue
@@ -434,6 +722,32 @@ def plot_posloss(run: Run, curves: dict[str, list[float] | None], block: int) ->
     ax.set_title("per-position loss")
     ax.legend()
     run.save_figure(fig, "posloss")
+
+
+def plot_extrapolation(run: Run, details: dict[str, Any], cfg: Config) -> None:
+    """Per-position loss at the evaluation lengths (the Table 4.4 / C.1 question: does the loss stay
+    low past the training context?), curves smoothed over 64 positions, one panel per length."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    lengths = cfg.eval.lengths
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 3.8), squeeze=False)
+    for ax, length in zip(axes[0], lengths):
+        for arch in cfg.archs:
+            for suffix, style in (("", "-"), ("_no_ltm", ":")):
+                curve = details.get(f"{arch}.posloss_{length}{suffix}")
+                if not curve:
+                    continue
+                width = min(64, len(curve))
+                smooth = np.convolve(curve, np.ones(width) / width, mode="valid")
+                label = ARCH_LABELS.get(arch, arch) + (" without long-term memory" if suffix else "")
+                ax.plot(np.arange(len(smooth)) + width // 2, smooth, style, label=label)
+        ax.axvline(cfg.data.block_size, color="grey", linewidth=0.8)
+        ax.set_title(f"context {length} (trained at {cfg.data.block_size})")
+        ax.set_xlabel("position")
+        ax.legend(fontsize=7)
+    axes[0, 0].set_ylabel("loss (64-position mean)")
+    run.save_figure(fig, "extrapolation")
 
 
 def plot_attention(run: Run, label: str, profiles: dict[int, torch.Tensor], block: int, lambdas: list[list[float]] | None = None) -> None:

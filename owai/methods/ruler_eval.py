@@ -51,6 +51,7 @@ class Config(BaseConfig):
     allow_overflow: bool = False
     ablate: list[str] = field(default_factory=list)  # e.g. [long_term_memory] (Table C.1), at inference only
     precision: str = "auto"
+    batch_size: int = 1  # prompts per generate call (left-padded; models that cannot pad run one at a time)
     # the thesis row this model stands for, to set its numbers beside the measured ones (recipe
     # table4.4-ruler): transformer-small, mmv2-small, transformer-large, mmv2-large (trained at 4k,
     # Table 4.4), the same with -32k (fine-tuned at 32k, Table 4.5), mmv2-large-32k-no-ltm (Table C.1)
@@ -67,6 +68,8 @@ class Ruler(Method):
         from owai.evals.causal_lm import REFERENCE, check_ablation, check_model, check_model_choice
 
         reference = check_model_choice(cfg.model, "reference:oracle / reference:null / reference:slot:K", cfg.ablate)
+        if cfg.batch_size < 1:
+            raise OwaiError(f"batch_size must be >= 1, got {cfg.batch_size}")
         known = (*ruler.QA_TASKS, *ruler.SYNTHETIC_TASKS)
         bad = [t for t in cfg.tasks if t not in known]
         if not cfg.tasks or bad or len(set(cfg.tasks)) != len(cfg.tasks):
@@ -126,6 +129,8 @@ class Ruler(Method):
             return ruler.SlotReader(int(name[5:]), *pools.values())
 
         model = open_model(cfg.model, cfg.tokenizer, run.device, cfg.precision, reference_data=reference)
+        if hasattr(model, "batch_size"):
+            model.batch_size = cfg.batch_size
         if cfg.model.startswith(REFERENCE):
             tokenizer = reference_tokenizer(cfg.reference_tokenizer)
         else:

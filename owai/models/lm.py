@@ -16,24 +16,32 @@ import dataclasses
 import difflib
 import importlib
 import inspect
+from typing import Callable
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 import owai.models.gpt  # noqa: F401  (registers owai_gpt with the Auto classes)
+import owai.models.llama  # noqa: F401  (the transformer baseline: transformers' own Llama, model_type "llama")
 import owai.models.lstm  # noqa: F401  (registers owai_lstm with the Auto classes)
 import owai.models.memory_mosaics  # noqa: F401  (registers owai_memory_mosaics with the Auto classes)
+import owai.models.memory_mosaics_v2  # noqa: F401  (registers owai_memory_mosaics_v2 with the Auto classes)
 from owai.errors import OwaiError
 
-# arch name -> (module, config class, causal-LM class)
+# arch name -> (module, config class or factory, causal-LM class or factory(config))
 ARCHITECTURES: dict[str, tuple[str, str, str]] = {
     "mm": ("owai.models.memory_mosaics", "MemoryMosaicsConfig", "MemoryMosaicsForCausalLM"),
     "gpt": ("owai.models.gpt", "GPTConfig", "GPTForCausalLM"),
     "lstm": ("owai.models.lstm", "LSTMConfig", "LSTMForCausalLM"),
+    "transformer": ("owai.models.llama", "llama_config", "transformer_lm"),  # LlamaConfig / LlamaForCausalLM
+    "mmv2": ("owai.models.memory_mosaics_v2", "MemoryMosaicsV2Config", "MemoryMosaicsV2ForCausalLM"),
 }
 
+# the architectures of thesis chapter 4, built at a size of owai.models.sizes.SIZES
+SIZED = ("mmv2", "transformer")
 
-def _classes(arch: str) -> tuple[type[PretrainedConfig], type[PreTrainedModel]]:
+
+def _classes(arch: str) -> tuple[Callable[..., PretrainedConfig], Callable[[PretrainedConfig], PreTrainedModel]]:
     if arch not in ARCHITECTURES:
         raise OwaiError(f"unknown language model {arch!r}; known: {', '.join(sorted(ARCHITECTURES))}")
     module_name, config_name, model_name = ARCHITECTURES[arch]
@@ -41,8 +49,14 @@ def _classes(arch: str) -> tuple[type[PretrainedConfig], type[PreTrainedModel]]:
     return getattr(module, config_name), getattr(module, model_name)
 
 
-def config_keys(config_class: type[PretrainedConfig]) -> set[str]:
-    """The constructor arguments of a config class (dataclass fields in transformers 5, else `__init__`)."""
+def config_keys(config_class: type[PretrainedConfig] | Callable[..., PretrainedConfig]) -> set[str]:
+    """The constructor arguments of a config class (dataclass fields in transformers 5, else `__init__`),
+    or of a config factory function: its named parameters, plus its `extra_keys` attribute if any
+    (the settings its **kwargs pass on, e.g. `owai.models.llama.llama_config`)."""
+    if not isinstance(config_class, type):
+        params = inspect.signature(config_class).parameters.values()
+        keys = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        return keys | set(getattr(config_class, "extra_keys", ()))
     keys = {f.name for f in dataclasses.fields(config_class)} if dataclasses.is_dataclass(config_class) else set()
     params = inspect.signature(config_class.__init__).parameters.values()
     keys |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
@@ -58,6 +72,12 @@ def lm_config(arch: str, **config_kwargs) -> PretrainedConfig:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise OwaiError(f"unknown {arch} model setting {key!r}{hint}")
+    if not isinstance(config_class, type):  # a factory: its arguments without defaults are required
+        params = inspect.signature(config_class).parameters.values()
+        missing = [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+                   and p.name not in config_kwargs]
+        if missing:
+            raise OwaiError(f"the {arch} model needs the setting{'s' * (len(missing) > 1)} {', '.join(missing)}")
     return config_class(**config_kwargs)
 
 
@@ -65,6 +85,21 @@ def build_lm(arch: str, **config_kwargs) -> PreTrainedModel:
     """A freshly initialised causal LM: `build_lm("gpt", n_layer=4)`, `build_lm("mm", ...)`."""
     _, model_class = _classes(arch)
     return model_class(lm_config(arch, **config_kwargs))
+
+
+def build_sized_lm(arch: str, size: str, vocab_size: int | None = None, meta: bool = False, **overrides) -> PreTrainedModel:
+    """A chapter-4 architecture at a thesis size (`owai.models.sizes.SIZES`), `overrides` on top; on
+    the meta device with `meta` (shapes only, no memory: how Table 4.2's counts and the memory plan
+    are computed for a 9.9B model on a laptop)."""
+    from owai.models.sizes import size_settings
+
+    if arch not in SIZED:
+        raise OwaiError(f"model sizes apply to {', '.join(SIZED)}, not {arch!r}")
+    kwargs = {**size_settings(size, vocab_size), **overrides}
+    if meta:
+        with torch.device("meta"):
+            return build_lm(arch, **kwargs)
+    return build_lm(arch, **kwargs)
 
 
 def decay_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

@@ -1,0 +1,577 @@
+"""Memory Mosaics v2: the language model of thesis chapter 4 (sec 4.2, Tables 4.2 and 4.8).
+
+No public v2 code exists; this follows the implementation spec (memory_mosaics.md sec 6-7) and the
+choices recorded in docs/decisions.md ("Memory Mosaics v2"). Per block (x the RMS-normed residual
+stream, per head h, hs = d/H, positions counted within the current document):
+
+    key extractor, one per memory (eq 4.4), computed in log space:
+        k~_t = W_phi x_t     log g_t = W_g x_t     log lambda_t = -|W_lambda x_t|       (scalars per head)
+        kbar_t = g_t k~_t + lambda_t kbar_{t-1}   (reset at document starts)          k_t = kbar_t/|kbar_t|
+    value extractor, one per memory (eq 4.5):
+        v~_t = W_psi x_t     v_t = Norm(gamma v~_t + (1 - gamma) v~_{t+1})                (peeks at t+1)
+    contextual memory read with adaptive bandwidth (eq 4.2), keys are queries:
+        y_t = sum_{j in S_t} softmax_j(beta_t k_t . k_j) v_j,   beta_t = beta1 n_t^alpha + beta0,  n_t = |S_t|
+        short-term memory: S_t = {j : t-h+1 <= j <= t-1}  (h = 256; "closed" edge: t-h <= j)
+        long-term memory:  S_t = {j : j <= t-m}          (m ~ U[64, 256] in training, 64 at inference;
+                                                          "strict" edge: j <= t-m-1)
+        both only within t's document; an empty S_t reads 0.
+    block:  x += o_short(y_short) + o_long(y_long);   x += SwiGLU(RMSNorm(x))   (persistent memory)
+
+No positional encoding anywhere; untied input and output embeddings; RMSNorm (the Llama stack).
+`config.long_term_memory = False` skips the long-term memory (the Tables 4.2/4.3/C.1 ablation; the
+evaluation interface flips it at inference). Built with it False, the model has no long-term
+parameters at all (Table 4.2's 8.3B row).
+
+Documents: `position_ids` (B, T) restarting at 0 at each document start (HF's packed-sequence
+convention) give each query its document start ds_t = t - position_ids[t]; nothing reads across it.
+The same rule makes left-padded batches work in `generate`: HF derives position_ids from the
+attention mask, so the padding is a document of its own that no real token reads.
+
+Cost: the key scan works in chunks of `scan_chunk` (a chunk x chunk matrix plus a carried state with
+a running log-scale: O(T) memory, no T x T decay matrix). Memory reads go over query blocks of
+`query_block` rows against only the keys a block can see (the short-term window, the long-term
+prefix); without documents the long-term read is one causal SDPA on delay-shifted tensors (flash
+kernels, O(T) memory). Generation keeps a `MemoryMosaicsV2Cache`: the short-term memory only its
+last h pairs, the long-term memory all pairs, plus each key scan's state and the newest raw value.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedConfig, PreTrainedModel
+from transformers import initialization as hf_init
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from owai.errors import OwaiError
+from owai.models.memory_mosaics import MemoryMosaicsCache
+
+SHORT_EDGES = ("open", "closed")  # open: j >= t-h+1 (thesis main text); closed: j >= t-h (paper appendix)
+LONG_EDGES = ("inclusive", "strict")  # inclusive: j <= t-m; strict: j <= t-m-1
+
+
+class MemoryMosaicsV2Config(PreTrainedConfig):
+    """Hyper-parameters; defaults are the thesis's Small model (24 layers, d 2048, 16 heads, FFN 6144).
+
+    Invalid values raise OwaiError. The bandwidth initialisation gives beta = beta1 + beta0 ~ e^2 at
+    n = 1 (v1's initial key scale, squared), growing as n^alpha with alpha = 0.05 at init.
+    """
+
+    model_type = "owai_memory_mosaics_v2"
+    attribute_map = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    vocab_size: int = 128256
+    n_layer: int = 24
+    n_embd: int = 2048
+    n_head: int = 16
+    ffn_hidden: int = 6144
+    short_window: int = 256  # h
+    short_edge: str = "open"
+    long_term_memory: bool = True
+    long_delay_train: tuple[int, int] | list[int] = (64, 256)  # m drawn uniformly (inclusive) per training step
+    long_delay_eval: int = 64
+    long_edge: str = "inclusive"
+    beta1_init: float = 7.38905609893065  # e^2
+    beta0_init: float = 1e-3
+    alpha_init: float = 0.05
+    rms_norm_eps: float = 1e-5
+    norm_eps: float = 1e-6  # added to key and value norms
+    initializer_range: float = 0.02
+    scan_chunk: int = 32
+    query_block: int = 512
+    bag_of_k: int = 0  # > 0: a second head predicting the bag of the next k tokens (sec 4.2.5.1)
+    bag_weight: float = 0.3  # alpha of L = L_next + alpha L_bag
+    bag_eta: float = 64000.0
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        super().__post_init__(**kwargs)
+        if isinstance(self.long_delay_train, (list, tuple)):
+            self.long_delay_train = tuple(int(m) for m in self.long_delay_train)
+        self._check()
+
+    def _check(self) -> None:
+        def positive_int(name: str, minimum: int = 1) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise OwaiError(f"memory mosaics v2 config: {name} must be an integer >= {minimum}, got {value!r}")
+
+        for name in ("vocab_size", "n_layer", "n_embd", "n_head", "ffn_hidden", "short_window", "long_delay_eval",
+                     "query_block"):
+            positive_int(name)
+        positive_int("scan_chunk", 2)
+        positive_int("bag_of_k", 0)
+        if self.n_embd % self.n_head:
+            raise OwaiError(f"memory mosaics v2 config: n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.short_edge not in SHORT_EDGES:
+            raise OwaiError(f"memory mosaics v2 config: short_edge must be one of {SHORT_EDGES}, got {self.short_edge!r}")
+        if self.long_edge not in LONG_EDGES:
+            raise OwaiError(f"memory mosaics v2 config: long_edge must be one of {LONG_EDGES}, got {self.long_edge!r}")
+        lo_hi = self.long_delay_train
+        if not (isinstance(lo_hi, tuple) and len(lo_hi) == 2 and 1 <= lo_hi[0] <= lo_hi[1]):
+            raise OwaiError(f"memory mosaics v2 config: long_delay_train must be [min, max] with 1 <= min <= max, got {lo_hi!r}")
+        if not (self.beta1_init > 0 and self.beta0_init > 0 and 0 < self.alpha_init < 1):
+            raise OwaiError("memory mosaics v2 config: beta1_init and beta0_init must be > 0 and alpha_init in (0, 1)")
+        if not isinstance(self.long_term_memory, bool):
+            raise OwaiError(f"memory mosaics v2 config: long_term_memory must be true or false, got {self.long_term_memory!r}")
+
+    @property
+    def head_size(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def short_span(self) -> int:
+        """Largest lag t - j the short-term memory stores (h-1 open, h closed)."""
+        return self.short_window - 1 if self.short_edge == "open" else self.short_window
+
+    def long_lag(self, delay: int) -> int:
+        """Smallest lag t - j the long-term memory stores for delay m (m inclusive, m+1 strict)."""
+        return delay if self.long_edge == "inclusive" else delay + 1
+
+
+# ---------------------------------------------------------------------------------------------
+# pieces
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def _unit(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / (torch.linalg.vector_norm(x, dim=-1, keepdim=True) + eps)
+
+
+def gated_key_scan(raw: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.Tensor, doc_start: torch.Tensor | None,
+                   start: int, state: tuple[torch.Tensor, torch.Tensor] | None, chunk: int,
+                   ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The gated recurrence kbar_t = g_t k~_t + lambda_t kbar_{t-1} (eq 4.4), up to a positive factor per row.
+
+    raw (B, H, T, hs) = k~ at absolute positions start..start+T-1; log_gate, log_decay (B, H, T) = log g,
+    log lambda (<= 0); doc_start (B, T) absolute document start of each position (None: 0); state =
+    (direction (B, H, hs), log-scale (B, H)) of kbar at position start-1, or None. Returns the
+    directions of kbar (B, H, T, hs) fp32 (each row's scale dropped: only Norm(kbar) is used) and the
+    new state.
+
+    Chunked, all chunks at once: inside chunk i the (c x c) matrix exp(L_T - L_t + log g_t) for t <= T
+    of the same document (L the in-chunk cumsum of log lambda), each row shifted by its largest
+    exponent M_T, so nothing overflows; then the state entering each chunk (a loop over chunk ends on
+    (B, H, hs) vectors only) joins every row with weight exp(L_T + sigma) in the same log-scale.
+    Memory O(B H T c), no T x T matrix.
+    """
+    B, H, T, hs = raw.shape
+    n = -(-T // chunk)
+    c = chunk if n > 1 else T
+    pad = n * c - T
+    raw, log_gate, log_decay = _wide(raw), _wide(log_gate), _wide(log_decay)
+    if pad:  # zeros after the end: causal, so they change nothing before it
+        raw, log_gate, log_decay = F.pad(raw, (0, 0, 0, pad)), F.pad(log_gate, (0, pad)), F.pad(log_decay, (0, pad))
+    rc = raw.view(B, H, n, c, hs)
+    L = torch.cumsum(log_decay.view(B, H, n, c), dim=-1)  # (B, H, n, c)
+    expo = L[..., :, None] - L[..., None, :] + log_gate.view(B, H, n, c)[..., None, :]  # (B, H, n, c, c): row T, column t
+    allowed = torch.ones(c, c, dtype=torch.bool, device=raw.device).tril()  # t <= T
+    pos = torch.arange(start, start + n * c, device=raw.device).view(n, c)
+    if doc_start is not None:
+        # padding continues the last document (log lambda = 0, k~ = 0): the final state is position T-1's
+        ds = torch.cat([doc_start, doc_start[:, -1:].expand(B, pad)], dim=1) if pad else doc_start
+        ds = ds.view(B, 1, n, c)
+        allowed = allowed & (pos[None, None, :, None, :] >= ds[..., :, None])  # (B, 1, n, c, c) same document
+    expo = expo.masked_fill(~allowed, float("-inf"))
+    top = expo.amax(dim=-1)  # (B, H, n, c); the diagonal is always allowed: finite
+    local = torch.exp(expo - top[..., None]) @ rc  # (B, H, n, c, hs): rows without the entering state
+
+    # the carried weight of the state entering chunk i, for row T of that chunk: exp(L_T + sigma_i), if
+    # T's document already started before the chunk
+    continues = None
+    if doc_start is not None:
+        continues = ds[:, 0] < pos[None, :, :1]  # (B, n, c)
+    ends_local, ends_top, ends_L = local[..., -1, :].unbind(2), top[..., -1].unbind(2), L[..., -1].unbind(2)
+    entering_s, entering_sigma = [], []
+    s, sigma = (state[0], state[1]) if state is not None else (None, None)
+    for i in range(n):
+        entering_s.append(s)
+        entering_sigma.append(sigma)
+        row, row_top = ends_local[i], ends_top[i]  # (B, H, hs), (B, H)
+        if s is not None:
+            carried = ends_L[i] + sigma
+            if continues is not None:
+                carried = carried.masked_fill(~continues[:, i, -1:], float("-inf"))
+            new_top = torch.maximum(row_top, carried)
+            row = torch.exp(row_top - new_top)[..., None] * row + torch.exp(carried - new_top)[..., None] * s
+            row_top = new_top
+        norm = torch.linalg.vector_norm(row, dim=-1).clamp_min(1e-30)
+        s, sigma = row / norm[..., None], row_top + norm.log()
+    if state is None:  # the first chunk has nothing entering
+        zero_s, zero_sigma = torch.zeros_like(ends_local[0]), torch.full_like(ends_top[0], float("-inf"))
+        entering_s[0], entering_sigma[0] = zero_s, zero_sigma
+    if n > 1 or state is not None:
+        s_in, sigma_in = torch.stack(entering_s, dim=2), torch.stack(entering_sigma, dim=2)  # (B, H, n, hs), (B, H, n)
+        carried = L + sigma_in[..., None]  # (B, H, n, c)
+        if continues is not None:
+            carried = carried.masked_fill(~continues[:, None], float("-inf"))
+        new_top = torch.maximum(top, carried)
+        local = torch.exp(top - new_top)[..., None] * local + torch.exp(carried - new_top)[..., None] * s_in[..., None, :]
+    out = local.reshape(B, H, n * c, hs)
+    return (out[:, :, :T] if pad else out), (s, sigma)  # type: ignore[return-value]
+
+
+def _bandwidth_counts(t: torch.Tensor, doc_start: torch.Tensor, lo_lag: int, hi_lag: int | None) -> torch.Tensor:
+    """n_t = |{j : ds_t <= j, lo_lag <= t - j, (t - j <= hi_lag)}| for absolute query positions t (B|1, T)."""
+    newest = t - lo_lag  # largest readable j
+    oldest = doc_start if hi_lag is None else torch.maximum(doc_start, t - hi_lag)
+    return (newest - oldest + 1).clamp(min=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# modules
+
+
+class ContextualMemory(nn.Module):
+    """H contextual associative memories of one kind (short- or long-term), with their own extractors."""
+
+    def __init__(self, config: MemoryMosaicsV2Config, kind: str) -> None:
+        super().__init__()
+        self.config, self.kind = config, kind
+        d, H = config.n_embd, config.n_head
+        self.key_proj = nn.Linear(d, d, bias=False)  # W_phi
+        self.gate_proj = nn.Linear(d, H, bias=False)  # W_g: log g per head
+        self.decay_proj = nn.Linear(d, H, bias=False)  # W_lambda: log lambda = -|W_lambda x|
+        self.value_proj = nn.Linear(d, d, bias=False)  # W_psi
+        self.value_mix = nn.Parameter(torch.empty(H))  # gamma
+        self.beta1_log = nn.Parameter(torch.empty(H))  # beta1 = exp(.)
+        self.beta0_raw = nn.Parameter(torch.empty(H))  # beta0 = softplus(.)
+        self.alpha_raw = nn.Parameter(torch.empty(H))  # alpha = sigmoid(.)
+        self.o_proj = nn.Linear(d, d, bias=False)
+
+    def bandwidth(self, n: torch.Tensor) -> torch.Tensor:
+        """beta = beta1 n^alpha + beta0 for counts n (B|1, T) -> (B|1, H, T) fp32 (n clamped to >= 1)."""
+        n = n.clamp(min=1).float()[:, None, :]  # (B, 1, T)
+        beta1 = self.beta1_log.float().exp()[None, :, None]
+        alpha = torch.sigmoid(self.alpha_raw.float())[None, :, None]
+        beta0 = F.softplus(self.beta0_raw.float())[None, :, None]
+        return beta1 * n.pow(alpha) + beta0
+
+    def lags(self, delay: int) -> tuple[int, int | None]:
+        """(smallest, largest or None) lag t - j this memory stores."""
+        cfg = self.config
+        return (1, cfg.short_span) if self.kind == "short" else (cfg.long_lag(delay), None)
+
+    def forward(self, x: torch.Tensor, doc_start: torch.Tensor | None, delay: int, cache: dict | None, past: int) -> torch.Tensor:
+        """x (B, T, d) at absolute positions past..past+T-1 -> y (B, T, d).
+
+        cache (per layer and kind, updated in place) holds for earlier positions: keys (B, H, N, hs) at
+        absolute positions k0..k0+N-1, values (B, H, N-1, hs) (the newest key's value needs the next
+        token), v_pending (B, H, hs) raw value of position past-1, scan (direction, log-scale), k0.
+        """
+        cfg = self.config
+        B, T, d = x.shape
+        H, hs = cfg.n_head, cfg.head_size
+        split = lambda z: z.view(B, T, H, hs).transpose(1, 2)  # noqa: E731  (B, T, d) -> (B, H, T, hs)
+        raw_k = split(self.key_proj(x))
+        log_gate = self.gate_proj(x).transpose(1, 2)  # (B, H, T)
+        log_decay = -self.decay_proj(x).abs().transpose(1, 2)  # (B, H, T)
+        scan_state = cache.get("scan") if cache else None
+        directions, scan_state = gated_key_scan(raw_k, log_gate, log_decay, doc_start, past, scan_state, cfg.scan_chunk)
+        keys = _unit(directions, cfg.norm_eps)  # (B, H, T, hs) fp32
+        raw_v = _wide(split(self.value_proj(x)))  # (B, H, T, hs)
+        gamma = self.value_mix.float()[None, :, None, None]
+        if cache:  # the pending position past-1 gets its value now that x_past is known
+            raw_v = torch.cat([cache["v_pending"][:, :, None], raw_v], dim=2)  # positions past-1 ..
+        finished = _unit(gamma * raw_v[:, :, :-1] + (1 - gamma) * raw_v[:, :, 1:], cfg.norm_eps)
+        if cache:
+            keys_all = torch.cat([cache["keys"], keys], dim=2)
+            values_all = torch.cat([cache["values"], finished], dim=2)
+            k0 = cache["k0"]
+        else:
+            keys_all, values_all, k0 = keys, finished, past
+        if cache is not None:
+            keep = 0
+            if self.kind == "short":  # future queries t >= past+T read j >= past+T-span
+                keep = max(0, (past + T - cfg.short_span) - k0)
+            cache.update(keys=keys_all[:, :, keep:], values=values_all[:, :, keep:], v_pending=raw_v[:, :, -1],
+                         scan=scan_state, k0=k0 + keep)
+        y = self.read(keys, keys_all, values_all, k0, past, doc_start, delay)  # (B, H, T, hs)
+        y = y.to(x.dtype).transpose(1, 2).reshape(B, T, d)
+        return self.o_proj(y)
+
+    def read(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, k0: int, past: int,
+             doc_start: torch.Tensor | None, delay: int) -> torch.Tensor:
+        """Memory read for queries at absolute positions past..past+T-1 over keys/values at k0.. ."""
+        B, H, T, hs = queries.shape
+        lo, hi = self.lags(delay)
+        device = queries.device
+        t = torch.arange(past, past + T, device=device)[None]  # (1, T)
+        ds = doc_start if doc_start is not None else torch.zeros_like(t)
+        beta = self.bandwidth(_bandwidth_counts(t, ds, lo, hi))  # (B|1, H, T)
+        q = queries * beta[..., None].to(queries.dtype)  # bandwidth on the query side only
+        if doc_start is None and hi is None and past == 0 and k0 == 0 and T > lo:
+            # one causal SDPA on delay-shifted tensors (flash kernels, O(T) memory): query row
+            # i <-> t = i + lo sees keys j <= i
+            y = F.scaled_dot_product_attention(q[:, :, lo:], keys[:, :, : T - lo], values[:, :, : T - lo],
+                                               is_causal=True, scale=1.0)
+            return torch.cat([y.new_zeros(B, H, lo, hs), y], dim=2)
+        outs = []
+        n_values = values.shape[2]
+        for a in range(0, T, self.config.query_block):
+            b = min(a + self.config.query_block, T)
+            tq = t[:, a:b]  # (1, q)
+            first = 0 if hi is None else max(0, past + a - hi - k0)  # key index range this block can see
+            last = min(n_values, past + b - lo - k0)  # exclusive
+            if last <= first:
+                outs.append(q.new_zeros(B, H, b - a, hs))
+                continue
+            j = torch.arange(k0 + first, k0 + last, device=device)[None, None, :]  # (1, 1, K)
+            lag = tq[..., None] - j  # (1, q, K)
+            allowed = (lag >= lo) & (j >= ds[:, a:b, None])  # (B|1, q, K)
+            if hi is not None:
+                allowed = allowed & (lag <= hi)
+            empty = ~allowed.any(dim=-1, keepdim=True)  # (B|1, q, 1)
+            allowed = allowed | (empty & (j == j[..., :1]))  # a row with nothing readable: one dummy key, zeroed below
+            y = F.scaled_dot_product_attention(q[:, :, a:b], keys[:, :, first:last], values[:, :, first:last],
+                                               attn_mask=allowed[:, None], scale=1.0)
+            outs.append(y.masked_fill(empty[:, None], 0.0))
+        return torch.cat(outs, dim=2)
+
+
+class SwiGLU(nn.Module):
+    """Persistent memory: W_down(silu(W_gate x) * W_up x) (Shazeer 2020)."""
+
+    def __init__(self, config: MemoryMosaicsV2Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
+        self.up_proj = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
+        self.down_proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MemoryMosaicsV2Block(nn.Module):
+    """x += short(norm x) + long(norm x);  x += SwiGLU(norm x)."""
+
+    def __init__(self, config: MemoryMosaicsV2Config) -> None:
+        super().__init__()
+        self.config = config
+        self.memory_norm = RMSNorm(config.n_embd, config.rms_norm_eps)
+        self.short = ContextualMemory(config, "short")
+        self.long = ContextualMemory(config, "long") if config.long_term_memory else None
+        self.ffn_norm = RMSNorm(config.n_embd, config.rms_norm_eps)
+        self.ffn = SwiGLU(config)
+
+    def forward(self, x: torch.Tensor, doc_start: torch.Tensor | None, delay: int, cache: dict | None, past: int) -> torch.Tensor:
+        h = self.memory_norm(x)
+        y = self.short(h, doc_start, delay, cache.setdefault("short", {}) if cache is not None else None, past)
+        if self.long is not None and self.config.long_term_memory:
+            y = y + self.long(h, doc_start, delay, cache.setdefault("long", {}) if cache is not None else None, past)
+        x = x + y
+        return x + self.ffn(self.ffn_norm(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# generation cache
+
+
+class MemoryMosaicsV2Cache(MemoryMosaicsCache):
+    """Incremental-decoding state: per layer {"short": {...}, "long": {...}} (see ContextualMemory.forward)
+    and each row's current document start. v1's cache (beam reordering, batch selection) over nested
+    state; not a transformers Cache: built in `_prepare_cache_for_generation`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers: list[dict[str, dict]] = []  # type: ignore[assignment]
+        self.doc_start: torch.Tensor | None = None  # (B,) absolute
+
+    def _apply(self, fn) -> None:
+        def walk(obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor):
+                return fn(obj)
+            if isinstance(obj, dict):
+                return {k: walk(v) for k, v in obj.items()}
+            if isinstance(obj, tuple):
+                return tuple(walk(v) for v in obj)
+            return obj
+
+        self.layers = walk(self.layers)
+        if self.doc_start is not None:
+            self.doc_start = fn(self.doc_start)
+
+
+@dataclass
+class MemoryMosaicsV2Output(CausalLMOutputWithPast):
+    """CausalLMOutputWithPast plus the bag-of-k head's logits (B, T, V) when the model has one."""
+
+    bag_logits: torch.FloatTensor | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# the causal LM
+
+
+class MemoryMosaicsV2ForCausalLM(PreTrainedModel, GenerationMixin):
+    """Memory Mosaics v2 LM: embedding, blocks, RMSNorm, untied head (+ optional bag-of-k head)."""
+
+    config_class = MemoryMosaicsV2Config
+    config: MemoryMosaicsV2Config
+    main_input_name = "input_ids"
+    _no_split_modules = ["MemoryMosaicsV2Block"]
+    _is_stateful = True
+
+    def __init__(self, config: MemoryMosaicsV2Config) -> None:
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
+        self.layers = nn.ModuleList([MemoryMosaicsV2Block(config) for _ in range(config.n_layer)])
+        self.norm = RMSNorm(config.n_embd, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.bag_head = nn.Linear(config.n_embd, config.vocab_size, bias=False) if config.bag_of_k else None
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Llama's init (N(0, 0.02) for every matrix, RMSNorm 1): the thesis moves the Llama baseline's
+        hyper-parameters to v2 unchanged. Per head: gamma ~ U(0, 1), beta1, beta0, alpha from config."""
+        cfg = self.config
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            hf_init.normal_(module.weight, mean=0.0, std=cfg.initializer_range)
+        elif isinstance(module, RMSNorm):
+            hf_init.ones_(module.weight)
+        elif isinstance(module, ContextualMemory):
+            hf_init.uniform_(module.value_mix, 0.0, 1.0)
+            hf_init.constant_(module.beta1_log, math.log(cfg.beta1_init))
+            hf_init.constant_(module.beta0_raw, math.log(math.expm1(cfg.beta0_init)))
+            hf_init.constant_(module.alpha_raw, math.log(cfg.alpha_init / (1 - cfg.alpha_init)))
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: MemoryMosaicsV2Cache | None = None,
+        use_cache: bool | None = None,
+        long_delay: int | None = None,
+        return_dict: bool | None = True,
+        logits_to_keep: int = 0,
+        **kwargs: Any,
+    ) -> MemoryMosaicsV2Output | tuple:
+        """input_ids (B, T) -> logits (B, T, V) (the last `logits_to_keep` only, if given).
+
+        position_ids (B, T): positions within each document (0 at a document start); None = one
+        document per row (or, with an attention_mask, positions counted from each row's first
+        unmasked token). long_delay: the long-term memory's delay m for this call; None = a draw from
+        long_delay_train in training mode, long_delay_eval in eval mode. labels: HF convention
+        (shifted inside, -100 ignored); with a bag-of-k head the loss is L_next + bag_weight L_bag.
+        """
+        cfg = self.config
+        if input_ids is None or kwargs.get("inputs_embeds") is not None:
+            raise OwaiError("memory mosaics v2: forward needs input_ids (inputs_embeds is not supported)")
+        if past_key_values is not None and not isinstance(past_key_values, MemoryMosaicsV2Cache):
+            raise OwaiError(f"memory mosaics v2: past_key_values must be a MemoryMosaicsV2Cache, got {type(past_key_values).__name__}")
+        B, T = input_ids.shape
+        if use_cache is None:
+            use_cache = past_key_values is not None
+        cache = past_key_values if past_key_values is not None else (MemoryMosaicsV2Cache() if use_cache else None)
+        past = cache.get_seq_length() if cache is not None else 0
+        if cache is not None:
+            if not cache.layers:
+                cache.layers = [{} for _ in self.layers]
+            elif cache.doc_start is not None and cache.doc_start.shape[0] != B:
+                raise OwaiError("memory mosaics v2: batch size differs from the cache's")
+        doc_start = self._doc_starts(B, T, past, position_ids, attention_mask, cache, input_ids.device)
+        if long_delay is None:
+            if self.training:
+                lo, hi = cfg.long_delay_train
+                long_delay = int(torch.randint(lo, hi + 1, ()).item())
+            else:
+                long_delay = cfg.long_delay_eval
+        if long_delay < 1:
+            raise OwaiError(f"memory mosaics v2: long_delay must be >= 1, got {long_delay}")
+
+        x = self.embed_tokens(input_ids)  # (B, T, d); no positions
+        for i, block in enumerate(self.layers):
+            x = block(x, doc_start, long_delay, cache.layers[i] if cache is not None else None, past)
+        x = self.norm(x)
+        if cache is not None:
+            cache.seen_tokens = past + T
+            cache.doc_start = doc_start[:, -1] if doc_start is not None else None
+        kept = x[:, -logits_to_keep:] if logits_to_keep else x
+        logits = self.lm_head(kept)
+        bag_logits = self.bag_head(kept) if self.bag_head is not None else None
+
+        loss = None
+        if labels is not None:
+            targets = F.pad(labels, (0, 1), value=-100)[:, 1:].to(logits.device)  # position t predicts labels[t+1]
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+            if bag_logits is not None and not logits_to_keep:
+                from owai.models.bag_of_k import bag_of_k_loss, bag_targets
+
+                bags, valid = bag_targets(labels, cfg.bag_of_k, position_ids)
+                loss = loss + cfg.bag_weight * bag_of_k_loss(bag_logits, bags, valid, cfg.bag_eta)
+        out_cache = cache if use_cache else None
+        if return_dict is False:
+            return tuple(v for v in (loss, logits, out_cache) if v is not None)
+        return MemoryMosaicsV2Output(loss=loss, logits=logits, past_key_values=out_cache, bag_logits=bag_logits)
+
+    @staticmethod
+    def _doc_starts(B: int, T: int, past: int, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                    cache: MemoryMosaicsV2Cache | None, device: torch.device) -> torch.Tensor | None:
+        """(B, T) absolute document start of each new position, or None (every row one document from 0)."""
+        if position_ids is None and attention_mask is not None and not bool(attention_mask.all()):
+            if attention_mask.dim() != 2 or attention_mask.shape[1] != past + T:
+                raise OwaiError(f"memory mosaics v2: attention_mask must be (batch, {past + T}), got {tuple(attention_mask.shape)}")
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+        if position_ids is not None:
+            if position_ids.shape[-1] != T:
+                raise OwaiError(f"memory mosaics v2: position_ids must have {T} columns, got {tuple(position_ids.shape)}")
+            t = torch.arange(past, past + T, device=device)
+            if bool((position_ids < 0).any()):
+                raise OwaiError("memory mosaics v2: position_ids must count positions within documents (>= 0)")
+            # a position larger than t (HF fills left padding with 1) starts at 0: padding reads padding only
+            ds = (t - position_ids.to(device)).clamp(min=0).expand(B, T)
+            if not bool(ds.any()):  # one document per row from position 0: the fast paths apply
+                return None
+            return ds.contiguous()
+        if cache is not None and cache.doc_start is not None:
+            return cache.doc_start[:, None].expand(B, T).contiguous()
+        return None
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
+        """HF generate hook: our own cache instead of a DynamicCache."""
+        cache = model_kwargs.get("past_key_values")
+        if cache is not None:
+            if not isinstance(cache, MemoryMosaicsV2Cache):
+                raise OwaiError("memory mosaics v2: generate(past_key_values=...) needs a MemoryMosaicsV2Cache")
+            return
+        if generation_config.use_cache is False:
+            return
+        model_kwargs["past_key_values"] = MemoryMosaicsV2Cache()
+
+
+AutoConfig.register(MemoryMosaicsV2Config.model_type, MemoryMosaicsV2Config, exist_ok=True)
+AutoModelForCausalLM.register(MemoryMosaicsV2Config, MemoryMosaicsV2ForCausalLM, exist_ok=True)

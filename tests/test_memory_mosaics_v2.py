@@ -1,0 +1,248 @@
+"""Memory Mosaics v2 (thesis sec 4.2) against a naive per-position implementation of eqs 4.2, 4.4, 4.5
+and the two windows written here from the spec, plus causality, documents, caching and the configs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from owai.errors import OwaiError
+from owai.models.memory_mosaics_v2 import MemoryMosaicsV2Config, MemoryMosaicsV2ForCausalLM, gated_key_scan
+
+TINY = dict(vocab_size=50, n_layer=2, n_embd=16, n_head=2, ffn_hidden=24, short_window=5, long_delay_eval=3,
+            scan_chunk=4, query_block=3, norm_eps=0.0)
+
+
+def tiny_model(seed: int = 0, **overrides) -> MemoryMosaicsV2ForCausalLM:
+    torch.manual_seed(seed)
+    model = MemoryMosaicsV2ForCausalLM(MemoryMosaicsV2Config(**{**TINY, **overrides}))
+    with torch.no_grad():  # random (not initial) per-head scalars and gates, so every path matters
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" not in name:
+                p.add_(0.3 * torch.randn_like(p))
+            if "gate_proj" in name or "decay_proj" in name:
+                p.mul_(8.0)
+    return model.double().eval()
+
+
+# -- the naive reference: one position, one head at a time, float64 ---------------------------------
+
+
+def rms(x, w, eps):
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+def naive_memory(mem, h, docs, lo, hi, cfg):
+    """One contextual memory on h (T, d) for one sequence; docs (T,) document index per position."""
+    T, d = h.shape
+    H, hs = cfg.n_head, cfg.head_size
+    out = torch.zeros(T, d, dtype=h.dtype)
+    kt = h @ mem.key_proj.weight.T
+    lg = h @ mem.gate_proj.weight.T
+    ll = -(h @ mem.decay_proj.weight.T).abs()
+    vt = h @ mem.value_proj.weight.T
+    for head in range(H):
+        sl = slice(head * hs, (head + 1) * hs)
+        kbar, keys, values = None, [], []
+        for t in range(T):
+            term = torch.exp(lg[t, head]) * kt[t, sl]
+            if t > 0 and docs[t] == docs[t - 1]:
+                term = term + torch.exp(ll[t, head]) * kbar
+            kbar = term
+            keys.append(kbar / kbar.norm())
+        gamma = mem.value_mix[head]
+        for t in range(T):
+            ahead = vt[t + 1, sl] if t + 1 < T else torch.zeros(hs, dtype=h.dtype)
+            mixed = gamma * vt[t, sl] + (1 - gamma) * ahead
+            values.append(mixed / mixed.norm())
+        beta1 = mem.beta1_log[head].exp()
+        alpha = torch.sigmoid(mem.alpha_raw[head])
+        beta0 = F.softplus(mem.beta0_raw[head])
+        for t in range(T):
+            readable = [j for j in range(T) if docs[j] == docs[t] and j <= t - lo and (hi is None or t - j <= hi)]
+            if not readable:
+                continue
+            beta = beta1 * max(len(readable), 1) ** alpha + beta0
+            scores = torch.stack([beta * keys[t] @ keys[j] for j in readable])
+            weights = torch.softmax(scores, 0)
+            y = sum(w * values[j] for w, j in zip(weights, readable))
+            out[t, sl] = y
+    return out @ mem.o_proj.weight.T
+
+
+def naive_logits(model, ids, docs, delay):
+    cfg = model.config
+    x = model.embed_tokens.weight[ids]
+    for block in model.layers:
+        h = rms(x, block.memory_norm.weight, cfg.rms_norm_eps)
+        y = naive_memory(block.short, h, docs, 1, cfg.short_span, cfg)
+        if block.long is not None and cfg.long_term_memory:
+            y = y + naive_memory(block.long, h, docs, cfg.long_lag(delay), None, cfg)
+        x = x + y
+        f = rms(x, block.ffn_norm.weight, cfg.rms_norm_eps)
+        x = x + (F.silu(f @ block.ffn.gate_proj.weight.T) * (f @ block.ffn.up_proj.weight.T)) @ block.ffn.down_proj.weight.T
+    return rms(x, model.norm.weight, cfg.rms_norm_eps) @ model.lm_head.weight.T
+
+
+def positions_of(docs: list[int]) -> torch.Tensor:
+    pos, count = [], 0
+    for t, d in enumerate(docs):
+        count = 0 if t == 0 or d != docs[t - 1] else count + 1
+        pos.append(count)
+    return torch.tensor(pos)
+
+
+@pytest.mark.parametrize("edges", [("open", "inclusive"), ("closed", "strict")])
+@pytest.mark.parametrize("docs", [[0] * 23, [0] * 7 + [1] * 3 + [2] * 13])
+def test_logits_equal_naive_per_position_implementation(edges, docs):
+    model = tiny_model(short_edge=edges[0], long_edge=edges[1])
+    torch.manual_seed(1)
+    ids = torch.randint(0, 50, (23,))
+    pos = positions_of(docs)
+    fast = model(input_ids=ids[None], position_ids=pos[None]).logits[0]
+    slow = naive_logits(model, ids, docs, model.config.long_delay_eval)
+    assert torch.allclose(fast, slow, atol=1e-5, rtol=1e-5), (fast - slow).abs().max()
+
+
+def test_without_long_term_memory_equals_naive_and_differs():
+    model = tiny_model()
+    ids = torch.randint(0, 50, (1, 20))
+    with_ltm = model(input_ids=ids).logits
+    model.config.long_term_memory = False
+    without = model(input_ids=ids).logits
+    assert torch.allclose(without[0], naive_logits(model, ids[0], [0] * 20, 3), atol=1e-5)
+    assert not torch.allclose(with_ltm, without, atol=1e-3)
+    built_without = MemoryMosaicsV2ForCausalLM(MemoryMosaicsV2Config(**{**TINY, "long_term_memory": False}))
+    assert all(block.long is None for block in built_without.layers)
+    assert built_without.num_parameters() < model.num_parameters()
+
+
+def test_long_delay_is_a_call_argument_and_drawn_in_training():
+    model = tiny_model()
+    ids = torch.randint(0, 50, (1, 20))
+    a = model(input_ids=ids, long_delay=6).logits
+    assert torch.allclose(a[0], naive_logits(model, ids[0], [0] * 20, 6), atol=1e-5)
+    model.train()
+    torch.manual_seed(3)
+    drawn = {int(torch.randint(*[model.config.long_delay_train[0], model.config.long_delay_train[1] + 1], ()).item()) for _ in range(50)}
+    assert drawn <= set(range(64, 257))
+
+
+@pytest.mark.parametrize("t", [0, 5, 11, 18])
+def test_position_t_depends_on_nothing_after_t(t):
+    """Logits at t use values up to j <= t-1, whose look-ahead reads x_{j+1} <= x_t: nothing later."""
+    model = tiny_model()
+    ids = torch.randint(0, 50, (1, 22))
+    other = ids.clone()
+    other[0, t + 1:] = (other[0, t + 1:] + 7) % 50
+    a, b = model(input_ids=ids).logits, model(input_ids=other).logits
+    assert torch.equal(a[:, : t + 1], b[:, : t + 1])
+    assert not torch.allclose(a[:, t + 1:], b[:, t + 1:])
+    emb = model.embed_tokens(ids).detach().requires_grad_(True)
+    # gradient form of the same claim: d logits[t] / d x_{t+1..} == 0
+    model_logits = _forward_from_embeddings(model, emb)
+    grad = torch.autograd.grad(model_logits[0, t].sum(), emb)[0]
+    assert grad[0, t + 1:].abs().max() == 0 and grad[0, t].abs().max() > 0
+
+
+def _forward_from_embeddings(model, emb):
+    x = emb
+    for block in model.layers:
+        x = block(x, None, model.config.long_delay_eval, None, 0)
+    return model.lm_head(model.norm(x))
+
+
+def test_documents_do_not_read_each_other():
+    model = tiny_model()
+    a, b = torch.randint(0, 50, (9,)), torch.randint(0, 50, (12,))
+    packed = torch.cat([a, b])[None]
+    pos = torch.cat([torch.arange(9), torch.arange(12)])[None]
+    together = model(input_ids=packed, position_ids=pos).logits[0]
+    alone_b = model(input_ids=b[None]).logits[0]
+    assert torch.allclose(together[9:], alone_b, atol=1e-10)
+    assert torch.allclose(together[:8], model(input_ids=a[None]).logits[0, :8], atol=1e-10)
+
+
+@pytest.mark.parametrize("steps", [[1] * 21, [7, 1, 1, 5, 3, 1, 3], [21]])
+def test_cached_generation_equals_full_forward(steps):
+    model = tiny_model()
+    ids = torch.randint(0, 50, (2, 21))
+    full = model(input_ids=ids).logits
+    from owai.models.memory_mosaics_v2 import MemoryMosaicsV2Cache
+
+    cache, parts, at = MemoryMosaicsV2Cache(), [], 0
+    for n in steps:
+        parts.append(model(input_ids=ids[:, at:at + n], past_key_values=cache, use_cache=True).logits)
+        at += n
+    assert torch.allclose(torch.cat(parts, 1), full, atol=1e-10)
+    short = cache.layers[0]["short"]
+    assert short["keys"].shape[2] <= model.config.short_span + 1  # the short-term cache stays h pairs
+
+
+def test_generate_greedy_matches_argmax_and_left_padding():
+    model = tiny_model().float()
+    ids = torch.randint(1, 50, (1, 9))
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                         pad_token_id=0, eos_token_id=None)
+    seq = ids
+    for _ in range(6):
+        nxt = model(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt], 1)
+    assert torch.equal(out, seq)
+    # a left-padded batch generates what each prompt generates alone
+    short = torch.randint(1, 50, (1, 5))
+    batch = torch.cat([torch.cat([torch.zeros(1, 4, dtype=torch.long), short], 1), ids], 0)
+    mask = (torch.arange(9)[None] >= torch.tensor([[4], [0]])).long()
+    together = model.generate(input_ids=batch, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)
+    alone = model.generate(input_ids=short, attention_mask=torch.ones_like(short), max_new_tokens=6, do_sample=False,
+                           pad_token_id=0, eos_token_id=None)
+    assert torch.equal(together[1], out[0])
+    assert torch.equal(together[0, 9:], alone[0, 5:])
+
+
+def test_gated_scan_is_stable_and_chunk_independent():
+    torch.manual_seed(0)
+    raw = torch.randn(1, 2, 300, 4, dtype=torch.float64)
+    log_gate = 60 * torch.randn(1, 2, 300, dtype=torch.float64)  # exp() of these overflows fp32 and bf16
+    log_decay = -(3 * torch.randn(1, 2, 300, dtype=torch.float64)).abs()
+    one, _ = gated_key_scan(raw, log_gate, log_decay, None, 0, None, chunk=300)
+    for chunk in (2, 7, 64):
+        many, _ = gated_key_scan(raw, log_gate, log_decay, None, 0, None, chunk=chunk)
+        assert torch.isfinite(many).all()
+        assert torch.allclose(F.normalize(many, dim=-1), F.normalize(one, dim=-1), atol=1e-10)
+
+
+def test_bandwidth_grows_with_stored_pairs():
+    model = tiny_model()
+    mem = model.layers[0].short
+    beta = mem.bandwidth(torch.tensor([[1, 10, 100]]))  # (1, H, 3)
+    assert (beta[..., 1:] > beta[..., :-1]).all()
+    fresh = MemoryMosaicsV2ForCausalLM(MemoryMosaicsV2Config(**TINY)).layers[0].long
+    b1 = fresh.bandwidth(torch.tensor([[1]]))
+    assert torch.allclose(b1, torch.full_like(b1, math.exp(2) + 1e-3), rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(n_embd=15), "not divisible"),
+    (dict(short_edge="half"), "short_edge"),
+    (dict(long_delay_train=[9, 3]), "long_delay_train"),
+    (dict(alpha_init=1.5), "alpha_init"),
+    (dict(n_layer=0), "n_layer"),
+])
+def test_bad_config_is_one_line(bad, message):
+    with pytest.raises(OwaiError, match=message):
+        MemoryMosaicsV2Config(**{**TINY, **bad})
+
+
+def test_save_and_load_round_trip(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model().float()
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    ids = torch.randint(0, 50, (1, 12))
+    assert torch.allclose(model(input_ids=ids).logits, again(input_ids=ids).logits, atol=1e-6)

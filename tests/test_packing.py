@@ -1,0 +1,367 @@
+"""Streaming document packing (owai.data.packing): lossless rows, document positions, rank sharding,
+exact resume (also across epochs and world sizes), sources, BOS/EOS rules, empty corpora."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from owai.data.packing import NO_TOKEN, PackedStream, default_special_ids, document_positions
+from owai.data.text import HubSource, LocalSource, Tokenizer, load_tokenizer, open_source
+from owai.errors import OwaiError
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+KEYS = ("input_ids", "labels", "position_ids")
+
+
+# --- fixtures and helpers ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def essays() -> Path:
+    """The real essay corpus (117 documents, ~147k GPT-2 tokens); skips where shared data is absent."""
+    path = SHARED / "text" / "paul_graham_essays"
+    if not path.is_dir():
+        pytest.skip(f"{path} not present")
+    return path
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """GPT-2 through load_tokenizer, from the original encoder.json + vocab.bpe of the shared folder."""
+    folder = SHARED / "tokenizers" / "gpt2"
+    if not folder.is_dir():
+        pytest.skip(f"{folder} not present")
+    return load_tokenizer(str(folder))
+
+
+WORDS = "the a cat dog sat on mat and ran far away hello world . ,".split()
+
+
+def llama_like_dir(root: Path, template: bool) -> Path:
+    """A tiny Llama-3-style tokenizer directory: WordLevel, <|begin_of_text|> / <|end_of_text|> specials,
+    tokenizer_config.json naming them; with `template` its post-processor prepends <|begin_of_text|>."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers, processors
+
+    vocab = {"[UNK]": 0, "<|begin_of_text|>": 1, "<|end_of_text|>": 2}
+    for word in WORDS:
+        vocab.setdefault(word, len(vocab))
+    backend = Backend(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>"])
+    if template:
+        backend.post_processor = processors.TemplateProcessing(
+            single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+            special_tokens=[("<|begin_of_text|>", 1)])
+    folder = root / ("llama-template" if template else "llama-plain")
+    folder.mkdir()
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>"}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return load_tokenizer(str(llama_like_dir(tmp_path_factory.mktemp("tok"), template=True)))
+
+
+def word_docs(n: int, seed: int = 0, blank_every: int = 0) -> list[str]:
+    """n documents of 1..40 words (some blank when blank_every > 0), deterministic."""
+    rng = np.random.default_rng(seed)
+    docs = [" ".join(rng.choice(WORDS, size=int(rng.integers(1, 40)))) for _ in range(n)]
+    if blank_every:
+        docs = ["  \n " if i % blank_every == 0 else d for i, d in enumerate(docs)]
+    return docs
+
+
+def write_jsonl(path: Path, docs: list[str]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+def reference(texts: list[str], tok: Tokenizer, bos: int | None, eos: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """(stream tokens, document-start flags) of one epoch, built independently: [bos]+encode(doc)+[eos]
+    for every non-blank document, in order."""
+    tokens: list[int] = []
+    starts: list[bool] = []
+    for text in texts:
+        if not text.strip():
+            continue
+        doc = ([bos] if bos is not None else []) + tok.encode(text) + ([eos] if eos is not None else [])
+        tokens += doc
+        starts += [True] + [False] * (len(doc) - 1)
+    return np.asarray(tokens), np.asarray(starts)
+
+
+def batches(stream: PackedStream, n: int, batch_size: int) -> list[dict[str, torch.Tensor]]:
+    return [stream.next_batch(batch_size) for _ in range(n)]
+
+
+def assert_same(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        for key in KEYS:
+            assert torch.equal(x[key], y[key]), key
+
+
+def one_line_error(excinfo: pytest.ExceptionInfo) -> str:
+    message = str(excinfo.value)
+    assert isinstance(excinfo.value, OwaiError) and message and "\n" not in message, message
+    return message
+
+
+def json_round_trip(state: dict) -> dict:
+    return json.loads(json.dumps(state))
+
+
+# --- document_positions ----------------------------------------------------------------------------
+
+
+def test_document_positions_hand_made() -> None:
+    eos = 9
+    ids = torch.tensor([[5, 6, 9, 7, 8, 9, 4],   # two boundaries
+                        [9, 1, 2, 3, 9, 9, 1],   # eos first, consecutive eos
+                        [1, 2, 3, 4, 5, 6, 7],   # no eos: 0..T-1
+                        [1, 2, 3, 4, 5, 6, 9]])  # eos last: nothing after it
+    want = torch.tensor([[0, 1, 2, 0, 1, 2, 0],
+                         [0, 0, 1, 2, 3, 0, 0],
+                         [0, 1, 2, 3, 4, 5, 6],
+                         [0, 1, 2, 3, 4, 5, 6]])
+    got = document_positions(ids, eos)
+    assert got.dtype == torch.long and torch.equal(got, want)
+    assert torch.equal(document_positions(ids[1], eos), want[1])  # (T,) works too
+    assert torch.equal(document_positions(torch.tensor([[9]]), eos), torch.tensor([[0]]))
+    assert torch.equal(document_positions(torch.full((2, 4), eos), eos), torch.zeros(2, 4, dtype=torch.long))
+
+
+def test_document_positions_on_token_windows_layout(gpt2: Tokenizer) -> None:
+    """Windows over eot-separated documents (the memmapped layout): restart right after every eot."""
+    docs = word_docs(20, seed=3)
+    flat = np.concatenate([np.asarray(gpt2.encode(d) + [gpt2.eot_id]) for d in docs])
+    windows = torch.from_numpy(np.stack([flat[s: s + 32] for s in (0, 5, 17, 40)]))  # (4, 32)
+    got = document_positions(windows, gpt2.eot_id)
+    for row, pos in zip(windows.tolist(), got.tolist()):
+        expect = [0]
+        for j in range(1, len(row)):
+            expect.append(0 if row[j - 1] == gpt2.eot_id else expect[-1] + 1)
+        assert pos == expect
+
+
+# --- packing ---------------------------------------------------------------------------------------
+
+
+def test_packing_is_lossless_and_positions_restart(essays: Path, gpt2: Tokenizer) -> None:
+    T, B = 512, 4
+    stream = PackedStream(essays, gpt2, T)
+    assert (stream.bos_id, stream.eos_id) == (None, gpt2.eot_id)  # GPT-2: eos only
+    texts = list(open_source(essays).texts("train"))
+    ref, starts = reference(texts, gpt2, None, gpt2.eot_id)
+    n_batches = len(ref) // (T * B)  # stay inside the first epoch
+    out = batches(stream, n_batches, B)
+    inputs = torch.cat([b["input_ids"] for b in out]).numpy()  # (R, T)
+    labels = torch.cat([b["labels"] for b in out]).numpy()
+    positions = torch.cat([b["position_ids"] for b in out]).numpy()
+    R = len(inputs)
+    assert stream.epoch == 0 and stream.rows_emitted == R
+    # inputs tile the stream; labels are the stream shifted by one (rows overlap by one token)
+    assert np.array_equal(inputs.reshape(-1), ref[: R * T])
+    assert np.array_equal(labels.reshape(-1), ref[1: R * T + 1])
+    assert np.array_equal(labels[:-1, -1], inputs[1:, 0])
+    # position ids: 0 at every document start and at every row start, +1 elsewhere
+    row_starts = starts[: R * T].reshape(R, T)
+    expect = np.zeros((R, T), dtype=np.int64)
+    for j in range(1, T):
+        expect[:, j] = np.where(row_starts[:, j], 0, expect[:, j - 1] + 1)
+    assert np.array_equal(positions, expect)
+    assert np.array_equal(positions, document_positions(torch.from_numpy(inputs), gpt2.eot_id).numpy())
+    assert row_starts[:, 1:].sum() > 100  # most documents start inside a row
+
+
+def test_llama_style_bos_and_eos_wrap_every_document(tmp_path: Path, llama: Tokenizer) -> None:
+    bos, eos = llama.backend.token_to_id("<|begin_of_text|>"), llama.backend.token_to_id("<|end_of_text|>")
+    assert default_special_ids(llama) == (bos, eos) and llama.eot_id == eos
+    docs = word_docs(40, seed=1)
+    source = write_jsonl(tmp_path / "docs.jsonl", docs)
+    T = 16
+    stream = PackedStream(source, llama, T)
+    ref, starts = reference(list(open_source(source).texts("train")), llama, bos, eos)
+    R = len(ref) // T - 1
+    rows = [stream.next_batch(1) for _ in range(R)]
+    inputs = torch.cat([r["input_ids"] for r in rows]).numpy()
+    assert np.array_equal(inputs.reshape(-1), ref[: R * T])
+    assert inputs[0, 0] == bos
+    flat_pos = torch.cat([r["position_ids"] for r in rows]).numpy().reshape(-1)
+    assert np.all(flat_pos[starts[: R * T]] == 0)  # a BOS is always position 0
+    assert np.array_equal(ref[starts], np.full(starts.sum(), bos))
+    # without a template the <|begin_of_text|> vocabulary token is the BOS (rule 2)
+    plain = load_tokenizer(str(llama_like_dir(tmp_path, template=False)))
+    assert default_special_ids(plain) == (bos, eos)
+    # explicit override: no BOS
+    no_bos = PackedStream(source, llama, T, bos_id=NO_TOKEN)
+    assert no_bos.bos_id is None and no_bos.next_batch(1)["input_ids"][0, 0] != bos
+    with pytest.raises(OwaiError) as excinfo:
+        PackedStream(source, llama, T, eos_id=10**6)
+    assert "outside" in one_line_error(excinfo)
+
+
+def test_bytes_tokenizer_gets_eos_only(tmp_path: Path) -> None:
+    source = write_jsonl(tmp_path / "d.jsonl", ["ab", "c"])
+    stream = PackedStream(source, "bytes", 4)
+    assert (stream.bos_id, stream.eos_id) == (None, 256)
+    batch = stream.next_batch(2)
+    # stream: a b EOT c EOT | a b EOT c EOT ... (epoch 2 continues the row)
+    assert batch["input_ids"].tolist() == [[97, 98, 256, 99], [256, 97, 98, 256]]
+    assert batch["labels"].tolist() == [[98, 256, 99, 256], [97, 98, 256, 99]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0], [0, 0, 1, 2]]
+    assert stream.epoch >= 1
+
+
+def test_one_process_equals_two_ranks(tmp_path: Path, gpt2: Tokenizer) -> None:
+    source = write_jsonl(tmp_path / "docs.jsonl", word_docs(25, seed=2))
+    for shuffle in (0, 7):
+        single = PackedStream(source, gpt2, 24, shuffle_buffer=shuffle, seed=4)
+        ranks = [PackedStream(source, gpt2, 24, rank=r, world_size=2, shuffle_buffer=shuffle, seed=4) for r in (0, 1)]
+        for _ in range(12):  # several epochs of this small corpus
+            whole = single.next_batch(6)
+            parts = [s.next_batch(3) for s in ranks]
+            for key in KEYS:
+                assert torch.equal(whole[key], torch.cat([p[key] for p in parts])), key
+        assert single.epoch >= 2
+        assert single.state_dict() == ranks[0].state_dict() == ranks[1].state_dict()
+    # iterating is next_batch(1): rank r gets global rows r, r + W, ...
+    it = iter(PackedStream(source, gpt2, 24, rank=1, world_size=3))
+    rows = PackedStream(source, gpt2, 24).next_batch(9)["input_ids"]  # (9, 24) global rows
+    first, second = next(it), next(it)
+    assert first["input_ids"].shape == (24,)
+    assert torch.equal(first["input_ids"], rows[1]) and torch.equal(second["input_ids"], rows[4])
+
+
+@pytest.mark.parametrize("shuffle", [0, 5])
+def test_resume_reproduces_the_next_batches(tmp_path: Path, gpt2: Tokenizer, shuffle: int) -> None:
+    docs = word_docs(50, seed=6, blank_every=11)
+    source = write_jsonl(tmp_path / "docs.jsonl", docs)
+    T, B, total = 32, 2, 40
+    full = batches(PackedStream(source, gpt2, T, shuffle_buffer=shuffle, seed=1), total, B)
+    epochs_seen = set()
+    for k in (0, 1, 3, 9, 17, 26, 33):  # save points before, at and after epoch boundaries
+        first = PackedStream(source, gpt2, T, shuffle_buffer=shuffle, seed=1)
+        assert_same(batches(first, k, B), full[:k])
+        state = json_round_trip(first.state_dict())
+        epochs_seen.add(state["epoch"])
+        resumed = PackedStream(source, gpt2, T, shuffle_buffer=shuffle, seed=1)
+        resumed.load_state_dict(state)
+        assert_same(batches(resumed, total - k, B), full[k:])
+    assert len(epochs_seen) >= 3  # the saves fell in several epochs: resume across boundaries works
+    # another world size continues the same global rows: W=2 state -> 1 process with the global batch
+    pair = [PackedStream(source, gpt2, T, rank=r, world_size=2, shuffle_buffer=shuffle, seed=1) for r in (0, 1)]
+    for _ in range(5):
+        for s in pair:
+            s.next_batch(1)
+    single = PackedStream(source, gpt2, T, shuffle_buffer=shuffle, seed=1)
+    single.load_state_dict(json_round_trip(pair[1].state_dict()))
+    assert_same(batches(single, 3, B), full[5:8])
+
+
+def test_resume_skips_documents_without_tokenizing(tmp_path: Path, gpt2: Tokenizer,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = word_docs(400, seed=8)
+    source = write_jsonl(tmp_path / "docs.jsonl", docs)
+    first = PackedStream(source, gpt2, 64)
+    expect = batches(first, 30, 2)
+    resumed = PackedStream(source, gpt2, 64)
+    first = PackedStream(source, gpt2, 64)
+    batches(first, 25, 2)
+    state = json_round_trip(first.state_dict())
+    assert state["docs_read"] > 100 and state["carry"]
+    encoded: list[str] = []
+    original = gpt2.encode_batch
+    monkeypatch.setattr(gpt2, "encode_batch", lambda texts: encoded.extend(texts) or original(texts))
+    resumed.load_state_dict(state)
+    assert_same(batches(resumed, 5, 2), expect[25:])
+    train = list(open_source(source).texts("train"))  # (document 99 is held out for val)
+    assert encoded and encoded[0] == train[state["docs_read"]]  # the first text encoded is the next unread one
+    assert len(encoded) <= len(train) - state["docs_read"]
+
+
+def test_state_of_another_stream_is_refused(tmp_path: Path) -> None:
+    source = write_jsonl(tmp_path / "d.jsonl", word_docs(5))
+    state = PackedStream(source, "bytes", 8).state_dict()
+    with pytest.raises(OwaiError) as excinfo:
+        PackedStream(source, "bytes", 16).load_state_dict(state)
+    assert "seq_len" in one_line_error(excinfo)
+    with pytest.raises(OwaiError) as excinfo:
+        PackedStream(source, "bytes", 8, shuffle_buffer=3).load_state_dict(state)
+    assert "shuffle_buffer" in one_line_error(excinfo)
+
+
+def test_shuffle_buffer_is_seeded_and_keeps_every_document(tmp_path: Path) -> None:
+    docs = [f"doc{i:03d}" for i in range(30)]
+    source = write_jsonl(tmp_path / "d.jsonl", docs)
+    T = 7  # each document is 6 bytes + EOT = 7 tokens: row k (stride 7) starts at document k
+
+    def order(seed: int) -> list[str]:
+        rows = PackedStream(source, "bytes", T, shuffle_buffer=8, seed=seed).next_batch(30)["input_ids"]
+        return [bytes(r[:6].tolist()).decode() for r in rows]
+
+    a, b, c = order(0), order(0), order(1)
+    assert a == b and a != c and a != docs
+    assert sorted(a) == docs  # one epoch: each document exactly once, before the next epoch starts
+
+
+def test_local_parquet_jsonl_and_datasets_json_builder_agree(tmp_path: Path, gpt2: Tokenizer) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = word_docs(30, seed=9)
+    folder = tmp_path / "corpus"
+    jsonl = write_jsonl(folder / "train.jsonl", docs)
+    parquet = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"text": docs, "n": list(range(len(docs)))}), parquet, row_group_size=7)
+    streams = {"jsonl": PackedStream(jsonl, gpt2, 20), "parquet": PackedStream(parquet, gpt2, 20),
+               # hf:<local dir>: HubSource -> datasets.load_dataset(dir, streaming=True), the json builder
+               "datasets": PackedStream(f"hf:{folder}", gpt2, 20)}
+    assert isinstance(streams["jsonl"].source, LocalSource) and isinstance(streams["datasets"].source, HubSource)
+    out = {name: batches(s, 4, 3) for name, s in streams.items()}
+    assert_same(out["jsonl"], out["parquet"])
+    assert_same(out["jsonl"], out["datasets"])
+    ref, _ = reference(docs, gpt2, None, gpt2.eot_id)
+    assert len(ref) > 12 * 20
+    assert np.array_equal(torch.cat([b["input_ids"] for b in out["datasets"]]).numpy().reshape(-1), ref[: 12 * 20])
+    # resume through the datasets path as well
+    state = json_round_trip(streams["datasets"].state_dict())
+    again = PackedStream(f"hf:{folder}", gpt2, 20)
+    again.load_state_dict(state)
+    assert_same(batches(again, 2, 3), batches(streams["jsonl"], 2, 3))
+
+
+@pytest.mark.parametrize("content", ["", "\n\n", '{"text": ""}\n{"text": "   "}\n{"text": "\\n\\t"}\n'])
+def test_empty_or_blank_corpus_is_one_line_error(tmp_path: Path, content: str) -> None:
+    source = tmp_path / "empty.jsonl"
+    source.write_text(content)
+    stream = PackedStream(source, "bytes", 8, shuffle_buffer=2)
+    with pytest.raises(OwaiError) as excinfo:
+        stream.check()
+    assert "has no text" in one_line_error(excinfo)
+    with pytest.raises(OwaiError) as excinfo:
+        stream.next_batch(1)
+    assert "has no text" in one_line_error(excinfo)
+    PackedStream(write_jsonl(tmp_path / "ok.jsonl", ["", "x"]), "bytes", 8).check()  # one document is enough
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path: Path) -> None:
+    source = write_jsonl(tmp_path / "d.jsonl", ["x"])
+    for kwargs in ({"seq_len": 0}, {"seq_len": 4, "rank": 2, "world_size": 2}, {"seq_len": 4, "shuffle_buffer": -1}):
+        with pytest.raises(OwaiError) as excinfo:
+            PackedStream(source, "bytes", **kwargs)
+        one_line_error(excinfo)
+    with pytest.raises(OwaiError) as excinfo:
+        PackedStream(tmp_path / "missing.jsonl", "bytes", 4)
+    one_line_error(excinfo)
