@@ -122,24 +122,31 @@ def save_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:06d}-", dir=directory))
     os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700 directories
     try:
-        save_file(tensors, str(tmp / TENSORS))
-        os.chmod(tmp / TENSORS, 0o666 & ~umask())
-        meta: dict[str, Any] = {"format": FORMAT, "step": step, "sha256": _sha256(tmp / TENSORS), "state": skeleton}
-        if identity is not None:
-            meta["identity"] = identity
-        with open(tmp / STATE, "w") as f:
-            json.dump(meta, f)
-            f.flush()
-            os.fsync(f.fileno())
-        if final.exists():  # re-saving the same step (e.g. the final one after a resume)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        _commit(tmp, final, tensors, {"format": FORMAT, "step": step}, skeleton, identity)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _commit(tmp: Path, final: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any], skeleton: Any,
+            identity: dict[str, Any] | None) -> None:
+    """Write the tensors and state.json (with the tensors' sha256) into the temporary directory `tmp`,
+    then rename it to `final` (replacing a checkpoint of the same step): both formats commit so."""
+    save_file(tensors, str(tmp / TENSORS))
+    os.chmod(tmp / TENSORS, 0o666 & ~umask())
+    meta = {**meta, "sha256": _sha256(tmp / TENSORS), "state": skeleton}
+    if identity is not None:
+        meta["identity"] = identity
+    with open(tmp / STATE, "w") as f:
+        json.dump(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if final.exists():  # re-saving the same step (e.g. the final one after a resume)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
@@ -378,19 +385,8 @@ def save_sharded_checkpoint(
         try:
             for name in names:
                 os.chmod(tmp / SHARDS / name, 0o666 & ~umask())
-            save_file(tensors, str(tmp / TENSORS))
-            os.chmod(tmp / TENSORS, 0o666 & ~umask())
-            meta: dict[str, Any] = {"format": SHARDED_FORMAT, "step": step, "sha256": _sha256(tmp / TENSORS),
-                                    "shards": {"dir": SHARDS, "files": dict(sorted(files.items()))}, "state": skeleton}
-            if identity is not None:
-                meta["identity"] = identity
-            with open(tmp / STATE, "w") as f:
-                json.dump(meta, f)
-                f.flush()
-                os.fsync(f.fileno())
-            if final.exists():  # re-saving the same step (e.g. the final one after a resume)
-                shutil.rmtree(final)
-            os.rename(tmp, final)
+            _commit(tmp, final, tensors, {"format": SHARDED_FORMAT, "step": step,
+                                          "shards": {"dir": SHARDS, "files": dict(sorted(files.items()))}}, skeleton, identity)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             error = f"cannot write checkpoint {final}: {e.strerror or e}"

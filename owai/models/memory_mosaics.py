@@ -666,14 +666,20 @@ class MemoryMosaicsForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
         """HF generate hook: give generation our own MemoryMosaicsCache instead of a DynamicCache."""
-        cache = model_kwargs.get("past_key_values")
-        if cache is not None:
-            if not isinstance(cache, MemoryMosaicsCache):
-                raise OwaiError("memory mosaics: generate(past_key_values=...) needs a MemoryMosaicsCache")
-            return
-        if generation_config.use_cache is False:
-            return
-        model_kwargs["past_key_values"] = MemoryMosaicsCache()
+        own_generation_cache(generation_config, model_kwargs, MemoryMosaicsCache, "memory mosaics")
+
+
+def own_generation_cache(generation_config, model_kwargs: dict, cache_class: type, model_name: str) -> None:
+    """What a Memory Mosaics model's `_prepare_cache_for_generation` does: a `cache_class` cache for
+    `generate` (not a DynamicCache), unless generation runs without one; a cache given must be one."""
+    cache = model_kwargs.get("past_key_values")
+    if cache is not None:
+        if not isinstance(cache, cache_class):
+            raise OwaiError(f"{model_name}: generate(past_key_values=...) needs a {cache_class.__name__}")
+        return
+    if generation_config.use_cache is False:
+        return
+    model_kwargs["past_key_values"] = cache_class()
 
 
 # register for AutoConfig / AutoModelForCausalLM (no trust_remote_code: `import owai.models.memory_mosaics`)

@@ -49,7 +49,7 @@ from transformers import initialization as hf_init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from owai.errors import OwaiError
-from owai.models.memory_mosaics import MemoryMosaicsCache
+from owai.models.memory_mosaics import MemoryMosaicsCache, own_generation_cache
 
 SHORT_EDGES = ("open", "closed")  # open: j >= t-h+1 (thesis main text); closed: j >= t-h (paper appendix)
 LONG_EDGES = ("inclusive", "strict")  # inclusive: j <= t-m; strict: j <= t-m-1
@@ -563,15 +563,7 @@ class MemoryMosaicsV2ForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
         """HF generate hook: our own cache instead of a DynamicCache."""
-        cache = model_kwargs.get("past_key_values")
-        if cache is not None:
-            if not isinstance(cache, MemoryMosaicsV2Cache):
-                raise OwaiError("memory mosaics v2: generate(past_key_values=...) needs a MemoryMosaicsV2Cache")
-            return
-        if generation_config.use_cache is False:
-            return
-        model_kwargs["past_key_values"] = MemoryMosaicsV2Cache()
-
+        own_generation_cache(generation_config, model_kwargs, MemoryMosaicsV2Cache, "memory mosaics v2")
 
 AutoConfig.register(MemoryMosaicsV2Config.model_type, MemoryMosaicsV2Config, exist_ok=True)
 AutoModelForCausalLM.register(MemoryMosaicsV2Config, MemoryMosaicsV2ForCausalLM, exist_ok=True)
