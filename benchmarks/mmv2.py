@@ -2,6 +2,7 @@
 
     python benchmarks/mmv2.py memory                  # peak memory of a forward at 8k and 32k tokens, batch 1
     python benchmarks/mmv2.py throughput              # training tokens/s, v2 and transformer, rounds interleaved
+    python benchmarks/mmv2.py throughput --compile    # the same with torch.compile per block (train.compile)
     python benchmarks/mmv2.py generation              # cached generation time per token at growing contexts
     python benchmarks/mmv2.py all --device cuda       # the same on a GPU (bf16)
 
@@ -98,22 +99,28 @@ def throughput(args) -> None:
     changes both alike), after one warm-up step each; median seconds per step per architecture."""
     import torch
 
+    from owai.distributed import Parallel
+    from owai.models.lm import blocks
+
     models = {}
     for arch in ("mmv2", "transformer"):
         model = build(arch, args.size, args.vocab, args.device).train()
         model.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if args.compile:  # the trainer's train.compile: torch.compile per block
+            Parallel(model, blocks=blocks(model), compile_blocks=True)
         models[arch] = model
     x = torch.randint(0, args.vocab, (args.batch, args.context), device=args.device)
     times: dict[str, list[float]] = {a: [] for a in models}
     with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.device == "cuda"):
         for arch, model in models.items():
-            train_step_seconds(model, x, arch == "mmv2")  # warm-up
+            for _ in range(2 if args.compile else 1):  # warm-up (and compilation)
+                train_step_seconds(model, x, arch == "mmv2")
         for _ in range(args.rounds):
             for arch, model in models.items():
                 times[arch].append(train_step_seconds(model, x, arch == "mmv2"))
     tokens = args.batch * args.context
     print(f"training tokens/s, {args.size} models, batch {args.batch} x {args.context}, {args.device}, "
-          f"{args.rounds} interleaved rounds (median)")
+          f"{'compiled blocks' if args.compile else 'eager'}, {args.rounds} interleaved rounds (median)")
     speed = {a: tokens / statistics.median(t) for a, t in times.items()}
     for arch, model in models.items():
         print(f"  {arch:12s} {sum(p.numel() for p in model.parameters()) / 1e6:6.2f}M parameters  "
@@ -154,6 +161,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--compile", action="store_true", help="throughput: torch.compile each block (train.compile)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--new", type=int, default=32)
     args = parser.parse_args()

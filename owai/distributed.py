@@ -289,19 +289,14 @@ def load_sharded_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer
                    options=StateDictOptions(full_state_dict=False))
 
 
-def unsharded(parallel: Parallel, rebuild: Callable[[], torch.nn.Module]) -> torch.nn.Module:
-    """The trained model as one plain module on every rank, for evaluation and save_pretrained.
-
-    DDP and single processes already hold it; FSDP gathers the full weights (a collective) into a
-    fresh copy from `rebuild()`, so nothing after training depends on collectives."""
-    if not (parallel.sharded and parallel.strategy == "fsdp"):
-        return parallel.module
+def full_state_on_rank0(parallel: Parallel) -> dict[str, torch.Tensor] | None:
+    """An FSDP model's whole state dict on rank 0's CPU (None on the other ranks), gathered one
+    parameter at a time: what save_pretrained writes after an FSDP run. No rank holds the whole model
+    on its device; rank 0's host memory holds it once (fp32: 4 bytes per parameter). A collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    full = get_model_state_dict(parallel.module, options=StateDictOptions(full_state_dict=True))
-    fresh = rebuild()
-    fresh.load_state_dict({k: v.to(module_device(fresh)) for k, v in full.items()})
-    return fresh
+    full = get_model_state_dict(parallel.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return full if is_main() else None
 
 
 def module_device(module: torch.nn.Module) -> torch.device:

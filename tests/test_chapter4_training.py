@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from owai.models.lm import load_pretrained
 from tests.conftest import run_owai
 from tests.test_language_model import lm_cache, losses, only_run, sets, torchrun  # noqa: F401  (lm_cache: one token cache)
 
@@ -126,11 +127,13 @@ def test_a_corrupt_checkpoint_is_refused_in_one_line(trained: Path, tmp_path: Pa
 
 def test_two_fsdp_processes_train_like_one(tmp_path: Path, text_file: Path):
     """FSDP2 over 2 gloo processes (meta-device build, per-block shards, sharded checkpoints) gives
-    the losses of 1 process with the same global batch."""
+    the losses of 1 process with the same global batch; the sharded model is then evaluated in
+    lockstep (losses and greedy/beam generation) and gathered parameter by parameter into the same
+    save_pretrained directory a single process writes."""
     common = [s for s in TINY_V2 if not s.startswith(("archs", "train.batch_size", "eval."))] + [
         "archs=[mmv2]", "train.parallel=fsdp", "train.steps=6", "train.log_every=2", "train.eval_every=6",
-        "train.checkpoint_every=3", "eval.attention_multiples=[]", "eval.continuations=false", "eval.val_batches=2",
-        "eval.posloss_windows=2"]
+        "train.checkpoint_every=3", "eval.attention_multiples=[]", "eval.continuations=true", "eval.max_new_tokens=3",
+        "eval.val_batches=2", "eval.posloss_windows=2"]
     recipe = ["-r", "table4.2-pretrain", "--dataset", str(text_file)]
     single = run_owai("mosaic-train", "-q", "-o", str(tmp_path / "one"), *recipe, *sets(*common, "train.batch_size=4"))
     assert single.returncode == 0, single.stderr
@@ -142,6 +145,13 @@ def test_two_fsdp_processes_train_like_one(tmp_path: Path, text_file: Path):
         assert l2[step] == pytest.approx(l1[step], abs=2e-4), (step, l1, l2)
     step = only_run(tmp_path / "two") / "checkpoints" / "mmv2" / "step-000006"
     assert (step / "dcp").is_dir()  # each rank wrote its own shards
+    measured = [{r["metric"]: r["measured"] for r in json.loads((only_run(tmp_path / d) / "results.json").read_text())["rows"]}
+                for d in ("one", "two")]
+    assert measured[1]["mmv2.val_loss"] == pytest.approx(measured[0]["mmv2.val_loss"], abs=2e-4)
+    assert measured[1]["mmv2.loss_2048_beyond"] == pytest.approx(measured[0]["mmv2.loss_2048_beyond"], abs=2e-4)
+    one, two = (load_pretrained(only_run(tmp_path / d) / "models" / "mmv2").state_dict() for d in ("one", "two"))
+    assert one.keys() == two.keys()
+    assert all(torch.allclose(one[k], two[k], atol=1e-4) for k in one)
 
 
 def test_size_large_dry_run_prints_the_plan_and_a_real_run_refuses(tmp_path: Path):

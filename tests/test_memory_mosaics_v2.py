@@ -166,20 +166,28 @@ def test_documents_do_not_read_each_other():
     assert torch.allclose(together[:8], model(input_ids=a[None]).logits[0, :8], atol=1e-10)
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["autograd-cat", "no-grad-buffers"])
 @pytest.mark.parametrize("steps", [[1] * 21, [7, 1, 1, 5, 3, 1, 3], [21]])
-def test_cached_generation_equals_full_forward(steps):
+def test_cached_generation_equals_full_forward(steps, grad):
+    """Without autograd the cache writes into buffers with spare rows (grown by doubling), with it
+    it concatenates; both give the full forward's logits."""
     model = tiny_model()
     ids = torch.randint(0, 50, (2, 21))
     full = model(input_ids=ids).logits
     from owai.models.memory_mosaics_v2 import MemoryMosaicsV2Cache
 
     cache, parts, at = MemoryMosaicsV2Cache(), [], 0
-    for n in steps:
-        parts.append(model(input_ids=ids[:, at:at + n], past_key_values=cache, use_cache=True).logits)
-        at += n
+    with torch.set_grad_enabled(grad):
+        for n in steps:
+            parts.append(model(input_ids=ids[:, at:at + n], past_key_values=cache, use_cache=True).logits)
+            at += n
     assert torch.allclose(torch.cat(parts, 1), full, atol=1e-10)
-    short = cache.layers[0]["short"]
-    assert short["keys"].shape[2] <= model.config.short_span + 1  # the short-term cache stays h pairs
+    short, long = cache.layers[0]["short"], cache.layers[0]["long"]
+    assert short["keys_rows"] <= model.config.short_span + 1  # the short-term cache stays h pairs
+    assert short["keys"].shape[2] <= 2 * (model.config.short_span + 1) + max(steps)  # and so does its buffer
+    assert long["keys_rows"] == 21 and long["values_rows"] == 20
+    if not grad and len(steps) > 1:
+        assert long["keys"].shape[2] > 21  # spare rows: the next token is written, not concatenated
 
 
 def test_generate_greedy_matches_argmax_and_left_padding():
@@ -214,6 +222,27 @@ def test_gated_scan_is_stable_and_chunk_independent():
         many, _ = gated_key_scan(raw, log_gate, log_decay, None, 0, None, chunk=chunk)
         assert torch.isfinite(many).all()
         assert torch.allclose(F.normalize(many, dim=-1), F.normalize(one, dim=-1), atol=1e-10)
+
+
+def test_gated_scan_resumes_from_its_state_across_documents():
+    """Scanning positions 0..T-1 at once equals scanning a prefix and then the rest from the carried
+    state, with documents that start inside and before the split (the recursion over chunk ends
+    several levels deep: chunk 3, T = 70)."""
+    torch.manual_seed(3)
+    T, split = 70, 31
+    raw = torch.randn(2, 2, T, 4, dtype=torch.float64)
+    log_gate, log_decay = 4 * torch.randn(2, 2, T, dtype=torch.float64), -torch.randn(2, 2, T, dtype=torch.float64).abs()
+    starts = [[0, 12, 29, 45, 46], [0, 33, 60]]
+    doc_start = torch.tensor([[max(s for s in row if s <= t) for t in range(T)] for row in starts])
+    whole, _ = gated_key_scan(raw, log_gate, log_decay, doc_start, 0, None, chunk=3)
+    head, state = gated_key_scan(raw[:, :, :split], log_gate[..., :split], log_decay[..., :split], doc_start[:, :split], 0,
+                                 None, chunk=3)
+    tail, _ = gated_key_scan(raw[:, :, split:], log_gate[..., split:], log_decay[..., split:], doc_start[:, split:], split,
+                             state, chunk=3)
+    parts = torch.cat([head, tail], dim=2)
+    assert torch.allclose(F.normalize(parts, dim=-1), F.normalize(whole, dim=-1), atol=1e-12)
+    # a position's key only sums its own document: the first position of a document is its own raw key
+    assert torch.allclose(F.normalize(whole[0, :, 45], dim=-1), F.normalize(raw[0, :, 45], dim=-1), atol=1e-12)
 
 
 def test_bandwidth_grows_with_stored_pairs():

@@ -102,7 +102,10 @@ def continuations(
     `limit - max_new_tokens` tokens, as the reference crops its context to block_size."""
     from owai.models.lm import context_limit
 
+    from torch.distributed.fsdp import FSDPModule
+
     model.eval()
+    sharded = isinstance(model, FSDPModule)
     limit = context_limit(model)
     if limit is not None:
         max_new_tokens = min(max_new_tokens, limit // 2)
@@ -115,6 +118,7 @@ def continuations(
         for beam in beams:
             out = model.generate(
                 ids,
+                synced_gpus=sharded,  # FSDP ranks step together until every one has finished
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 num_beams=beam,

@@ -198,8 +198,9 @@ class LanguageModelPretraining(Method):
             count = sum(p.numel() for p in parallel.module.parameters())  # FSDP shards are DTensors of the global shape
             details[f"{arch}.parameters"] = count
             console.info(f"{ARCH_LABELS.get(arch, arch)}: {count:,} parameters")
-            summary, model = train_model(cfg, run, arch, parallel, data, device)
-            save_model(run, arch, model, data)
+            summary = train_model(cfg, run, arch, parallel, data, device)
+            save_model(run, arch, parallel, data)
+            model = parallel.module.eval()  # FSDP: still sharded; the evaluation runs in lockstep on every rank
             measured[f"{arch}.train_loss"] = summary["final_loss"]
             ev = evaluate_model(cfg.eval, run, arch, model, data, device, data.tokenizer.eot_id if cfg.data.documents else None)
             measured.update({f"{arch}.{k}": v for k, v in ev.measured.items()})
@@ -508,12 +509,11 @@ def precision_for(name: str, device: torch.device) -> str:
     return name
 
 
-def train_model(
-    cfg: Config, run: Run, arch: str, parallel: Any, data: LMData, device: torch.device
-) -> tuple[dict[str, Any], torch.nn.Module]:
+def train_model(cfg: Config, run: Run, arch: str, parallel: Any, data: LMData, device: torch.device) -> dict[str, Any]:
     """Pre-train one architecture (stage `arch`, held by `parallel`) through the shared training
-    loop; returns the loop's summary and the trained model as a plain (unsharded) module."""
-    from owai.distributed import unsharded
+    loop; returns the loop's summary. The trained model stays where it is (`parallel.module`): after
+    an FSDP run still sharded, so evaluation runs in lockstep on every rank and save_model gathers
+    it one parameter at a time; nothing ever holds a 9.9B model whole on one device."""
     from owai.evals.lm import validation_loss
     from owai.models.lm import decay_param_groups
     from owai.optim import warmup_cosine_schedule
@@ -580,20 +580,33 @@ def train_model(
     lr_at = warmup_cosine_schedule(t.lr, t.warmup, t.decay_steps or steps, t.min_lr)
     summary = train_loop(run, arch, model, optimizer, loss_at, loop, lr_at=lr_at, after_step=after_step, parallel=parallel,
                          companion=stream)
-    return summary, unsharded(parallel, lambda: build_model(cfg, arch, data.tokenizer.vocab_size, device)).eval()
+    return summary
 
 
-def save_model(run: Run, arch: str, model: torch.nn.Module, data: LMData) -> Path:
-    """models/<arch>/: save_pretrained (safetensors) + the tokenizer spec, written atomically."""
+def save_model(run: Run, arch: str, parallel: Any, data: LMData, max_shard_size: str = "5GB") -> Path:
+    """models/<arch>/: save_pretrained (safetensors, in files of at most `max_shard_size` with an
+    index, as Hugging Face shards large models) + the tokenizer spec, written atomically by rank 0.
+    An FSDP model is gathered onto rank 0's CPU one parameter at a time (`full_state_on_rank0`) and
+    written through a meta-device twin of the model (its class and config, no weights)."""
+    from owai.distributed import full_state_on_rank0
+
     target = run.path / "models" / arch
+    sharded = parallel.sharded and parallel.strategy == "fsdp"
+    state = full_state_on_rank0(parallel) if sharded else None  # a collective: every rank takes part
     if distributed.is_main():
+        from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         tmp = target.with_name(f".{arch}.tmp")
         if tmp.exists():
             shutil.rmtree(tmp)
-        model.save_pretrained(tmp, safe_serialization=True)
+        if sharded:
+            with torch.device("meta"):
+                twin = AutoModelForCausalLM.from_config(parallel.module.config)
+            twin.save_pretrained(tmp, state_dict=state, safe_serialization=True, max_shard_size=max_shard_size)
+        else:
+            parallel.module.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
         save_tokenizer(data.tokenizer, tmp)
         if target.exists():
             shutil.rmtree(target)

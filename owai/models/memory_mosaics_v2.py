@@ -27,12 +27,13 @@ convention) give each query its document start ds_t = t - position_ids[t]; nothi
 The same rule makes left-padded batches work in `generate`: HF derives position_ids from the
 attention mask, so the padding is a document of its own that no real token reads.
 
-Cost: the key scan works in chunks of `scan_chunk` (a chunk x chunk matrix plus a carried state with
-a running log-scale: O(T) memory, no T x T decay matrix). Memory reads go over query blocks of
+Cost: the key scan works in chunks of `scan_chunk` (a chunk x chunk matrix per chunk, in log space;
+the chunk ends are scanned the same way one level up: O(T) memory, no T x T decay matrix, no loop). Memory reads go over query blocks of
 `query_block` rows against only the keys a block can see (the short-term window, the long-term
 prefix); without documents the long-term read is one causal SDPA on delay-shifted tensors (flash
 kernels, O(T) memory). Generation keeps a `MemoryMosaicsV2Cache`: the short-term memory only its
-last h pairs, the long-term memory all pairs, plus each key scan's state and the newest raw value.
+last h pairs, the long-term memory all pairs (in a buffer with spare rows: a new token writes one
+row), plus each key scan's state and the newest raw value.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ class MemoryMosaicsV2Config(PreTrainedConfig):
     rms_norm_eps: float = 1e-5
     norm_eps: float = 1e-6  # added to key and value norms
     initializer_range: float = 0.02
-    scan_chunk: int = 32
-    query_block: int = 512
+    scan_chunk: int = 16
+    query_block: int = 256
     bag_of_k: int = 0  # > 0: a second head predicting the bag of the next k tokens (sec 4.2.5.1)
     bag_weight: float = 0.3  # alpha of L = L_next + alpha L_bag
     bag_eta: float = 64000.0
@@ -167,67 +168,99 @@ def gated_key_scan(raw: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.T
     (direction (B, H, hs), log-scale (B, H)) of kbar at position start-1, or None. Returns the
     directions of kbar (B, H, T, hs) fp32 (each row's scale dropped: only Norm(kbar) is used) and the
     new state.
+    """
+    raw, log_gate, log_decay = _wide(raw), _wide(log_gate), _wide(log_decay)
+    local_start = None if doc_start is None else doc_start - start  # < 0: the document began before `start`
+    rows, log_scale = _log_space_scan(raw, log_gate, log_decay, local_start, state, chunk)
+    last = rows[:, :, -1]
+    norm = torch.linalg.vector_norm(last, dim=-1).clamp_min(1e-30)
+    return rows, (last / norm[..., None], log_scale[:, :, -1] + norm.log())
 
-    Chunked, all chunks at once: inside chunk i the (c x c) matrix exp(L_T - L_t + log g_t) for t <= T
-    of the same document (L the in-chunk cumsum of log lambda), each row shifted by its largest
-    exponent M_T, so nothing overflows; then the state entering each chunk (a loop over chunk ends on
-    (B, H, hs) vectors only) joins every row with weight exp(L_T + sigma) in the same log-scale.
-    Memory O(B H T c), no T x T matrix.
+
+def _log_space_scan(raw: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.Tensor, local_start: torch.Tensor | None,
+                    state: tuple[torch.Tensor, torch.Tensor] | None, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kbar_t = rows_t * exp(log_scale_t) for t = 0..T-1 of eq 4.4's recurrence, without a Python loop.
+
+    local_start (B, T): index of each position's document start (negative: before position 0, so the
+    entering `state` is part of it); None: one document that began before position 0.
+
+    Chunked: inside chunk i the (c x c) matrix exp(L_T - L_t + log g_t) for t <= T of the same
+    document (L the in-chunk cumsum of log lambda), each row shifted by its largest exponent, so
+    nothing overflows. The state entering chunk i is the recurrence's value at the end of chunk i-1,
+    and those chunk ends obey the same recurrence one level up (k~ = a chunk's own sum at its end, log g
+    its log-scale, log lambda = the chunk's total log decay): this function, called on the n-1 chunk
+    ends, gives them all. Depth log_c(T); memory O(B H T c), no T x T matrix.
     """
     B, H, T, hs = raw.shape
     n = -(-T // chunk)
     c = chunk if n > 1 else T
     pad = n * c - T
-    raw, log_gate, log_decay = _wide(raw), _wide(log_gate), _wide(log_decay)
-    if pad:  # zeros after the end: causal, so they change nothing before it
+    if pad:  # zeros after the end: causal, so they change nothing before it; they continue the last document
         raw, log_gate, log_decay = F.pad(raw, (0, 0, 0, pad)), F.pad(log_gate, (0, pad)), F.pad(log_decay, (0, pad))
+        if local_start is not None:
+            local_start = torch.cat([local_start, local_start[:, -1:].expand(B, pad)], dim=1)
     rc = raw.view(B, H, n, c, hs)
     L = torch.cumsum(log_decay.view(B, H, n, c), dim=-1)  # (B, H, n, c)
     expo = L[..., :, None] - L[..., None, :] + log_gate.view(B, H, n, c)[..., None, :]  # (B, H, n, c, c): row T, column t
     allowed = torch.ones(c, c, dtype=torch.bool, device=raw.device).tril()  # t <= T
-    pos = torch.arange(start, start + n * c, device=raw.device).view(n, c)
-    if doc_start is not None:
-        # padding continues the last document (log lambda = 0, k~ = 0): the final state is position T-1's
-        ds = torch.cat([doc_start, doc_start[:, -1:].expand(B, pad)], dim=1) if pad else doc_start
-        ds = ds.view(B, 1, n, c)
+    pos = torch.arange(n * c, device=raw.device).view(n, c)
+    if local_start is not None:
+        ds = local_start.view(B, 1, n, c)
         allowed = allowed & (pos[None, None, :, None, :] >= ds[..., :, None])  # (B, 1, n, c, c) same document
     expo = expo.masked_fill(~allowed, float("-inf"))
     top = expo.amax(dim=-1)  # (B, H, n, c); the diagonal is always allowed: finite
-    local = torch.exp(expo - top[..., None]) @ rc  # (B, H, n, c, hs): rows without the entering state
+    rows = torch.exp(expo - top[..., None]) @ rc  # (B, H, n, c, hs): each chunk on its own
 
-    # the carried weight of the state entering chunk i, for row T of that chunk: exp(L_T + sigma_i), if
-    # T's document already started before the chunk
-    continues = None
-    if doc_start is not None:
-        continues = ds[:, 0] < pos[None, :, :1]  # (B, n, c)
-    ends_local, ends_top, ends_L = local[..., -1, :].unbind(2), top[..., -1].unbind(2), L[..., -1].unbind(2)
-    entering_s, entering_sigma = [], []
-    s, sigma = (state[0], state[1]) if state is not None else (None, None)
-    for i in range(n):
-        entering_s.append(s)
-        entering_sigma.append(sigma)
-        row, row_top = ends_local[i], ends_top[i]  # (B, H, hs), (B, H)
-        if s is not None:
-            carried = ends_L[i] + sigma
-            if continues is not None:
-                carried = carried.masked_fill(~continues[:, i, -1:], float("-inf"))
-            new_top = torch.maximum(row_top, carried)
-            row = torch.exp(row_top - new_top)[..., None] * row + torch.exp(carried - new_top)[..., None] * s
-            row_top = new_top
-        norm = torch.linalg.vector_norm(row, dim=-1).clamp_min(1e-30)
-        s, sigma = row / norm[..., None], row_top + norm.log()
-    if state is None:  # the first chunk has nothing entering
-        zero_s, zero_sigma = torch.zeros_like(ends_local[0]), torch.full_like(ends_top[0], float("-inf"))
-        entering_s[0], entering_sigma[0] = zero_s, zero_sigma
     if n > 1 or state is not None:
-        s_in, sigma_in = torch.stack(entering_s, dim=2), torch.stack(entering_sigma, dim=2)  # (B, H, n, hs), (B, H, n)
-        carried = L + sigma_in[..., None]  # (B, H, n, c)
-        if continues is not None:
-            carried = carried.masked_fill(~continues[:, None], float("-inf"))
+        # the value entering each chunk: the given state, then the recurrence at the ends of chunks 0..n-2
+        entering_dir, entering_log = [], []
+        if state is not None:
+            entering_dir.append(state[0][:, :, None])
+            entering_log.append(state[1][:, :, None])
+        else:
+            entering_dir.append(rows.new_zeros(B, H, 1, hs))
+            entering_log.append(top.new_full((B, H, 1), float("-inf")))
+        if n > 1:
+            ends, ends_log = rows[..., :-1, -1, :], top[..., :-1, -1]  # (B, H, n-1, hs), (B, H, n-1)
+            norm = torch.linalg.vector_norm(ends, dim=-1).clamp_min(1e-30)
+            # chunk end j is in chunk end i's document iff j >= floor(ds_i / c)
+            ends_start = None if local_start is None else torch.div(ds[:, 0, :-1, -1], c, rounding_mode="floor")
+            end_rows, end_log = _log_space_scan(ends / norm[..., None], ends_log + norm.log(), L[..., :-1, -1],
+                                                ends_start, state, chunk)
+            entering_dir.append(end_rows)
+            entering_log.append(end_log)
+        s_in, sigma_in = torch.cat(entering_dir, dim=2), torch.cat(entering_log, dim=2)  # (B, H, n, hs), (B, H, n)
+        carried = L + sigma_in[..., None]  # (B, H, n, c): log weight of the entering value in each row
+        if local_start is not None:  # only rows whose document began before their chunk
+            carried = carried.masked_fill(~(ds < pos[None, None, :, :1]), float("-inf"))
         new_top = torch.maximum(top, carried)
-        local = torch.exp(top - new_top)[..., None] * local + torch.exp(carried - new_top)[..., None] * s_in[..., None, :]
-    out = local.reshape(B, H, n * c, hs)
-    return (out[:, :, :T] if pad else out), (s, sigma)  # type: ignore[return-value]
+        rows = torch.exp(top - new_top)[..., None] * rows + torch.exp(carried - new_top)[..., None] * s_in[..., None, :]
+        top = new_top
+    rows, top = rows.reshape(B, H, n * c, hs), top.reshape(B, H, n * c)
+    return (rows[:, :, :T], top[:, :, :T]) if pad else (rows, top)
+
+
+def _append(cache: dict, name: str, new: torch.Tensor) -> torch.Tensor:
+    """The first cache[name + "_rows"] rows of cache[name] followed by `new` (B, H, n, hs), along dim 2.
+
+    Without autograd the cache keeps spare rows (its capacity doubles when full), so one generated
+    token writes one row instead of copying the whole past as torch.cat would: the long-term memory's
+    cache grows for the whole generation. With autograd on, a plain cat (no in-place writes).
+    """
+    rows = cache.get(name + "_rows", 0)
+    old = cache.get(name)
+    need = rows + new.shape[2]
+    if torch.is_grad_enabled():
+        buffer = new if old is None else torch.cat([old[:, :, :rows], new], dim=2)
+    else:
+        buffer = old
+        if old is None or old.shape[2] < need:
+            buffer = new.new_empty(*new.shape[:2], max(need, 2 * rows), new.shape[3])
+            if rows:
+                buffer[:, :, :rows] = old[:, :, :rows]
+        buffer[:, :, rows:need] = new
+    cache[name], cache[name + "_rows"] = buffer, need
+    return buffer[:, :, :need]
 
 
 def _bandwidth_counts(t: torch.Tensor, doc_start: torch.Tensor, lo_lag: int, hi_lag: int | None) -> torch.Tensor:
@@ -274,9 +307,10 @@ class ContextualMemory(nn.Module):
     def forward(self, x: torch.Tensor, doc_start: torch.Tensor | None, delay: int, cache: dict | None, past: int) -> torch.Tensor:
         """x (B, T, d) at absolute positions past..past+T-1 -> y (B, T, d).
 
-        cache (per layer and kind, updated in place) holds for earlier positions: keys (B, H, N, hs) at
-        absolute positions k0..k0+N-1, values (B, H, N-1, hs) (the newest key's value needs the next
-        token), v_pending (B, H, hs) raw value of position past-1, scan (direction, log-scale), k0.
+        cache (per layer and kind, updated in place) holds for earlier positions: keys (B, H, >= N, hs)
+        whose first N = keys_rows rows are the keys at absolute positions k0..k0+N-1, values (B, H, >=
+        N-1, hs) likewise (values_rows = N-1: the newest key's value needs the next token), v_pending
+        (B, H, hs) raw value of position past-1, scan (direction, log-scale), k0.
         """
         cfg = self.config
         B, T, d = x.shape
@@ -292,19 +326,20 @@ class ContextualMemory(nn.Module):
         gamma = self.value_mix.float()[None, :, None, None]
         if cache:  # the pending position past-1 gets its value now that x_past is known
             raw_v = torch.cat([cache["v_pending"][:, :, None], raw_v], dim=2)  # positions past-1 ..
-        finished = _unit(gamma * raw_v[:, :, :-1] + (1 - gamma) * raw_v[:, :, 1:], cfg.norm_eps)
-        if cache:
-            keys_all = torch.cat([cache["keys"], keys], dim=2)
-            values_all = torch.cat([cache["values"], finished], dim=2)
-            k0 = cache["k0"]
+        finished = _unit(torch.lerp(raw_v[:, :, 1:], raw_v[:, :, :-1], gamma.to(raw_v.dtype)), cfg.norm_eps)  # gamma v~_t + (1-gamma) v~_t+1
+        if cache is not None:
+            k0 = cache.get("k0", past)
+            keys_all, values_all = _append(cache, "keys", keys), _append(cache, "values", finished)
+            if self.kind == "short":  # future queries t >= past+T read j >= past+T-span: drop older pairs
+                keep = max(0, (past + T - cfg.short_span) - k0)
+                cache.update(keys=cache["keys"][:, :, keep:], values=cache["values"][:, :, keep:], k0=k0 + keep)
+                cache["keys_rows"] -= keep
+                cache["values_rows"] = max(0, cache["values_rows"] - keep)
+            else:
+                cache["k0"] = k0
+            cache.update(v_pending=raw_v[:, :, -1], scan=scan_state)
         else:
             keys_all, values_all, k0 = keys, finished, past
-        if cache is not None:
-            keep = 0
-            if self.kind == "short":  # future queries t >= past+T read j >= past+T-span
-                keep = max(0, (past + T - cfg.short_span) - k0)
-            cache.update(keys=keys_all[:, :, keep:], values=values_all[:, :, keep:], v_pending=raw_v[:, :, -1],
-                         scan=scan_state, k0=k0 + keep)
         y = self.read(keys, keys_all, values_all, k0, past, doc_start, delay)  # (B, H, T, hs)
         y = y.to(x.dtype).transpose(1, 2).reshape(B, T, d)
         return self.o_proj(y)
