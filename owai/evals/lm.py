@@ -100,9 +100,9 @@ def continuations(
 
     A model with a learned position table (`context_limit`) sees only the prompt's last
     `limit - max_new_tokens` tokens, as the reference crops its context to block_size."""
-    from owai.models.lm import context_limit
-
     from torch.distributed.fsdp import FSDPModule
+
+    from owai.models.lm import context_limit
 
     model.eval()
     sharded = isinstance(model, FSDPModule)

@@ -28,9 +28,9 @@ The same rule makes left-padded batches work in `generate`: HF derives position_
 attention mask, so the padding is a document of its own that no real token reads.
 
 Cost: the key scan works in chunks of `scan_chunk` (a chunk x chunk matrix per chunk, in log space;
-the chunk ends are scanned the same way one level up: O(T) memory, no T x T decay matrix, no loop). Memory reads go over query blocks of
-`query_block` rows against only the keys a block can see (the short-term window, the long-term
-prefix); without documents the long-term read is one causal SDPA on delay-shifted tensors (flash
+the chunk ends are scanned the same way one level up: O(T) memory, no T x T decay matrix, no loop).
+Memory reads go over query blocks of `query_block` rows against only the keys a block can see (the
+short-term window, the long-term prefix); without documents the long-term read is one causal SDPA on delay-shifted tensors (flash
 kernels, O(T) memory). Generation keeps a `MemoryMosaicsV2Cache`: the short-term memory only its
 last h pairs, the long-term memory all pairs (in a buffer with spare rows: a new token writes one
 row), plus each key scan's state and the newest raw value.
@@ -326,7 +326,8 @@ class ContextualMemory(nn.Module):
         gamma = self.value_mix.float()[None, :, None, None]
         if cache:  # the pending position past-1 gets its value now that x_past is known
             raw_v = torch.cat([cache["v_pending"][:, :, None], raw_v], dim=2)  # positions past-1 ..
-        finished = _unit(torch.lerp(raw_v[:, :, 1:], raw_v[:, :, :-1], gamma.to(raw_v.dtype)), cfg.norm_eps)  # gamma v~_t + (1-gamma) v~_t+1
+        # gamma v~_t + (1 - gamma) v~_{t+1}, as one op
+        finished = _unit(torch.lerp(raw_v[:, :, 1:], raw_v[:, :, :-1], gamma.to(raw_v.dtype)), cfg.norm_eps)
         if cache is not None:
             k0 = cache.get("k0", past)
             keys_all, values_all = _append(cache, "keys", keys), _append(cache, "values", finished)
