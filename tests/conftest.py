@@ -3,7 +3,9 @@ or in this process with pytest's captured output)."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +40,15 @@ def run_owai(*args: str, cwd: Path | None = None, timeout: float = 300) -> subpr
     return subprocess.run(
         [sys.executable, "-m", "owai", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env
     )
+
+
+def as_if_killed(run: Path, *lost: Path) -> None:
+    """Leave a finished run directory as a kill would have: the `lost` checkpoint / model folders
+    gone, no results.json, status "running" (what `--resume` picks up)."""
+    for path in lost:
+        shutil.rmtree(path)
+    (run / "results.json").unlink()
+    (run / "status.json").write_text(json.dumps({"status": "running"}))
 
 
 def as_sets(settings: list[str]) -> list[str]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from owai.models.lm import load_pretrained
-from tests.conftest import run_owai
+from tests.conftest import as_if_killed, run_owai
 from tests.test_language_model import lm_cache, losses, only_run, sets, torchrun  # noqa: F401  (lm_cache: one token cache)
 
 WORDS = ("the cat sat on a mat while seven brown dogs ran past the old mill and every child saw the river "
@@ -101,11 +101,7 @@ def test_the_long_term_delay_is_drawn_per_step_and_replayed_on_resume(trained: P
     run = tmp_path / "run"
     shutil.copytree(trained, run)
     before = losses(trained, "mmv2")
-    shutil.rmtree(run / "checkpoints" / "mmv2" / "step-000008")
-    shutil.rmtree(run / "checkpoints" / "transformer")
-    shutil.rmtree(run / "models")
-    (run / "results.json").unlink()
-    (run / "status.json").write_text(json.dumps({"status": "running"}))
+    as_if_killed(run, run / "checkpoints" / "mmv2" / "step-000008", run / "checkpoints" / "transformer", run / "models")
     proc = run_owai("mosaic-train", "-q", "--resume", str(run))
     assert proc.returncode == 0, proc.stderr
     assert losses(run, "mmv2") == before
@@ -114,8 +110,7 @@ def test_the_long_term_delay_is_drawn_per_step_and_replayed_on_resume(trained: P
 def test_a_corrupt_checkpoint_is_refused_in_one_line(trained: Path, tmp_path: Path):
     run = tmp_path / "run"
     shutil.copytree(trained, run)
-    (run / "results.json").unlink()
-    (run / "status.json").write_text(json.dumps({"status": "running"}))
+    as_if_killed(run)
     tensors = run / "checkpoints" / "mmv2" / "step-000008" / "tensors.safetensors"
     data = bytearray(tensors.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -215,10 +210,7 @@ def test_a_streamed_corpus_trains_and_resumes_where_it_stopped(tmp_path: Path, t
     assert (run / "val_tokens.bin").stat().st_size > 0
     before = losses(run, "mmv2")
     assert len(before) == 6
-    shutil.rmtree(run / "checkpoints" / "mmv2" / "step-000006")
-    shutil.rmtree(run / "models")
-    (run / "results.json").unlink()
-    (run / "status.json").write_text(json.dumps({"status": "running"}))
+    as_if_killed(run, run / "checkpoints" / "mmv2" / "step-000006", run / "models")
     again = run_owai("mosaic-train", "-q", "--resume", str(run))
     assert again.returncode == 0, again.stderr
     assert losses(run, "mmv2") == before

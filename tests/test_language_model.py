@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_owai
+from tests.conftest import as_if_killed, run_owai
 
 TINY_LM = [
     "data.source=owai-stories:1500",
@@ -108,10 +108,7 @@ def test_resume_replays_the_killed_steps_exactly(trained: Path, tmp_path: Path):
     run = tmp_path / "run"
     shutil.copytree(trained, run)
     before = losses(trained, "gpt")
-    shutil.rmtree(run / "checkpoints" / "gpt" / "step-000030")
-    shutil.rmtree(run / "models")
-    (run / "results.json").unlink()
-    (run / "status.json").write_text(json.dumps({"status": "running"}))
+    as_if_killed(run, run / "checkpoints" / "gpt" / "step-000030", run / "models")
     proc = run_owai("mosaic-train", "-q", "--resume", str(run))
     assert proc.returncode == 0, proc.stderr
     assert losses(run, "gpt") == before

@@ -3,7 +3,6 @@ the test metrics, resume, the LSTM and n-gram entries, and bad input."""
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from pathlib import Path
@@ -15,6 +14,7 @@ from owai.errors import OwaiError
 from owai.experiment import execute, resolve
 from owai.recipes import load
 from owai.runs import Run
+from tests.conftest import as_if_killed
 
 # short sequences, few automata, few epochs: a run takes seconds
 TINY = [
@@ -80,9 +80,7 @@ def test_resume_after_a_kill_gives_the_same_numbers(mm_run, tmp_path: Path):
     copy = tmp_path / "copy"
     shutil.copytree(run.path, copy)
     ckpts = sorted((copy / "checkpoints" / "train").iterdir())
-    shutil.rmtree(ckpts[-1])  # killed after epoch 4's checkpoint (epochs 5-6 lost)
-    (copy / "results.json").unlink()
-    (copy / "status.json").write_text(json.dumps({"status": "running"}))
+    as_if_killed(copy, ckpts[-1])  # killed after epoch 4's checkpoint (epochs 5-6 lost)
     _, again = execute(resume=copy)
     a, b = measured(results), measured(again)
     for key in ("val_loss", "selected_epoch", "accuracy", "tvd", "test_loss"):

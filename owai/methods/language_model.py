@@ -244,10 +244,7 @@ SHAPE_FIELDS = ("model_type", "n_layer", "n_embd", "n_head", "ffn_hidden", "long
 
 def _check_init_from(directory: Path, label: str, config: Any) -> None:
     """model.init_from must hold a saved model of this architecture and shape (vocabulary: when loaded)."""
-    found = dict(model_dirs(directory))
-    source = found.get(label) or (next(iter(found.values())) if len(found) == 1 else None)
-    if source is None:
-        raise OwaiError(f"model.init_from {directory} holds {', '.join(found)}, not {label}")
+    source = init_source(directory, label)
     try:
         saved = json.loads((source / "config.json").read_text())
     except (OSError, ValueError):
@@ -257,6 +254,16 @@ def _check_init_from(directory: Path, label: str, config: Any) -> None:
     if differ:
         k = differ[0]
         raise OwaiError(f"model.init_from {source} does not fit this model: {k} is {saved.get(k)!r} there, {ours[k]!r} here")
+
+
+def init_source(directory: Path, label: str) -> Path:
+    """The saved model model.init_from names for architecture `label`: a save_pretrained directory
+    itself; in a run directory models/<label>, or its only model."""
+    found = dict(model_dirs(directory))
+    source = found.get(label) or (next(iter(found.values())) if len(found) == 1 else None)
+    if source is None:
+        raise OwaiError(f"model.init_from {directory} holds {', '.join(found)}, not {label}")
+    return source
 
 
 def _planned_vocab(cfg: Config) -> int:
@@ -479,10 +486,7 @@ def load_weights(model: torch.nn.Module, directory: Path, label: str) -> None:
     the architecture and sizes must be the same."""
     from owai.models.lm import load_pretrained
 
-    found = dict(model_dirs(directory))
-    source = found.get(label) or (next(iter(found.values())) if len(found) == 1 else None)
-    if source is None:
-        raise OwaiError(f"model.init_from {directory} holds {', '.join(found)}, not {label}")
+    source = init_source(directory, label)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from transformers.utils import logging as hf_logging
