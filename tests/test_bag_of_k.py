@@ -234,3 +234,22 @@ def test_bad_arguments_raise_owai_error():
         with pytest.raises(OwaiError) as err:
             call()
         assert "\n" not in str(err.value), i
+
+
+@pytest.mark.parametrize("h_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_backward_takes_any_gradient_dtype(h_dtype, grad_dtype):
+    """Audit for mixed precision (issue #35): the incoming gradient may arrive in another dtype than
+    the loss (a bf16 graph downstream, a scaled fp16 loss): the logit gradient keeps h's dtype and
+    equals the float32 one."""
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 50, (2, 30), generator=g)
+    bags, _ = bag_targets(ids, 4)
+    bags = bags.reshape(-1, 4)
+    h = torch.randn(60, 50, generator=g).to(h_dtype).requires_grad_()
+    out = BagOfKLoss.apply(h, bags, ETA)
+    (grad,) = torch.autograd.grad(out, h, torch.tensor(3.0, dtype=grad_dtype))
+    assert grad.dtype == h_dtype
+    ref = h.detach().float().requires_grad_()
+    (want,) = torch.autograd.grad(BagOfKLoss.apply(ref, bags, ETA), ref, torch.tensor(3.0))
+    torch.testing.assert_close(grad.float(), want, rtol=1e-2, atol=1e-5)

@@ -164,3 +164,58 @@ def test_library_checkpoint_with_value_shift_one_loads(tmp_path):
     model = load_official_checkpoint(path, norm_eps=0.0).double()
     ids = torch.randint(0, 61, (1, 30), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(model(ids).logits, NaiveMemoryMosaics(sd, "library").logits(ids), atol=1e-8, rtol=0)
+
+
+# ------------------------------------------------------------------ mixed precision (issue #35)
+
+LOW = (torch.bfloat16, torch.float16)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, *LOW])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_scaled_unit_backward_takes_any_dtype_mix(x_dtype, scale_dtype):
+    """The dtype mixes CUDA autocast produces: x in bf16/fp16 (its einsums run in low precision) with
+    an fp32 scale, so the output (and the gradient autograd hands back) is fp32 while the saved x is
+    not. The first GPU backward crashed here (vecdot of an fp32 gradient with a bf16 x)."""
+    g = torch.Generator().manual_seed(0)
+    x64 = torch.randn(2, 3, 5, 4, generator=g, dtype=torch.float64)
+    s64 = torch.rand(1, 3, 1, 1, generator=g, dtype=torch.float64).add(0.5)
+    x = x64.to(x_dtype).requires_grad_()
+    scale = s64.to(scale_dtype).requires_grad_()
+    out = mm._ScaledUnit.apply(x, scale, 1e-6)
+    assert out.dtype == torch.promote_types(x_dtype, scale_dtype)
+    upstream = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    gx, gs = torch.autograd.grad((out * upstream.to(out.dtype)).sum(), (x, scale))
+    assert gx.dtype == x_dtype and gs.dtype == scale_dtype
+    xr, sr = x.detach().double().requires_grad_(), scale.detach().double().requires_grad_()
+    want = torch.autograd.grad((_plain_unit(xr, sr, 1e-6) * upstream).sum(), (xr, sr))
+    tol = 1e-5 if x_dtype == scale_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(gx.double(), want[0], atol=tol * 10, rtol=tol)
+    torch.testing.assert_close(gs.double(), want[1], atol=tol * 10, rtol=tol)
+
+
+def test_v1_backward_under_cuda_autocast_dtype_policy(monkeypatch):
+    """A whole v1 training step with CUDA autocast's dtype policy reproduced on CPU: linear layers and
+    einsums give bf16, norms give fp32 (CPU autocast keeps norms in bf16, which is why CPU tests
+    missed the crash). Loss finite, every parameter gets a finite gradient."""
+    real_norm, real_einsum = torch.linalg.vector_norm, torch.einsum
+
+    def norm_fp32(x, *args, **kwargs):  # CUDA autocast: linalg_vector_norm runs in fp32
+        return real_norm(x.float() if torch.is_autocast_enabled("cpu") else x, *args, **kwargs)
+
+    def einsum_low(eq, *ops):  # CUDA autocast: einsum (a matmul) runs in bf16
+        if torch.is_autocast_enabled("cpu"):
+            ops = tuple(o.to(torch.bfloat16) for o in ops)
+        return real_einsum(eq, *ops)
+
+    monkeypatch.setattr(torch.linalg, "vector_norm", norm_fp32)
+    monkeypatch.setattr(torch, "einsum", einsum_low)
+    torch.manual_seed(0)
+    model = MemoryMosaicsForCausalLM(MemoryMosaicsConfig(**TINY))
+    ids = torch.randint(0, 61, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name

@@ -196,24 +196,31 @@ class _ScaledUnit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (..., 1)
+        # Statistics in >= fp32 whatever autocast does (CUDA autocast computes norms in fp32 and
+        # matmul-type ops in bf16, so x, scale and the incoming gradient can each arrive in another
+        # dtype); the output takes the promoted input dtype, as the plain expression would.
+        wide = _wide(x)
+        norm = torch.linalg.vector_norm(wide, dim=-1, keepdim=True)  # (..., 1), >= fp32
         inv = 1.0 / (norm + eps)
         ctx.save_for_backward(x, scale, norm, inv)
-        return x * (scale * inv)
+        return (wide * (scale.to(wide.dtype) * inv)).to(torch.promote_types(x.dtype, scale.dtype))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, scale, norm, inv = ctx.saved_tensors
-        dot = torch.linalg.vecdot(grad, x).unsqueeze(-1)  # (..., 1) <g, x>
+        wide = _wide(x)
+        g = grad.to(wide.dtype)  # the gradient of the output, in whatever dtype autograd hands it
+        s = scale.to(wide.dtype)
+        dot = torch.linalg.vecdot(g, wide).unsqueeze(-1)  # (..., 1) <g, x>
         grad_x = grad_scale = None
         if ctx.needs_input_grad[0]:
             # d/dx [x s/(n+eps)] g = s/(n+eps) g - s <g,x> / ((n+eps)^2 n) x   (0/0 := 0 at x = 0)
-            coef = -scale * dot * inv * inv / norm.clamp_min(torch.finfo(norm.dtype).tiny)
-            grad_x = torch.addcmul(grad * (scale * inv), coef, x)
+            coef = -s * dot * inv * inv / norm.clamp_min(torch.finfo(norm.dtype).tiny)
+            grad_x = torch.addcmul(g * (s * inv), coef, wide).to(x.dtype)
         if ctx.needs_input_grad[1]:
             grad_scale = dot * inv  # (..., 1); reduced to scale's shape below
             dims = [i for i, (a, b) in enumerate(zip(grad_scale.shape, scale.shape)) if b == 1 and a != 1]
-            grad_scale = grad_scale.sum(dim=dims, keepdim=True) if dims else grad_scale
+            grad_scale = (grad_scale.sum(dim=dims, keepdim=True) if dims else grad_scale).to(scale.dtype)
         return grad_x, grad_scale, None
 
 
@@ -300,7 +307,9 @@ class LeakyKeyExtractor(nn.Module):
         raw = self.proj(x).view(B, T, cfg.n_head, cfg.head_size).transpose(1, 2)  # (B, H, T, hs)
         wide = _wide(raw)
         beta = cfg.scalar_scale * self.leak.to(wide.dtype).abs()  # (H,)
-        summed = leaky_average(wide, beta, state, cfg.leaky_chunk)  # (B, H, T, hs), >= fp32
+        # the scan's einsums stay in fp32: CUDA autocast would run them in bf16
+        with torch.autocast(wide.device.type, enabled=False):
+            summed = leaky_average(wide, beta, state, cfg.leaky_chunk)  # (B, H, T, hs), >= fp32
         exponent = cfg.scalar_scale * self.scale.to(wide.dtype)  # (H,)
         if cfg.key_clamp == "library":  # clamp each side's exponent, then raise to `power`
             exponent = power * exponent.clamp(max=cfg.key_scale_max_exp)
