@@ -32,6 +32,9 @@ class Runtime:
     # flush subnormal floats to zero on CPU: a sharpening softmax produces them and they made
     # three-moons backward passes 4x slower (values < 1.2e-38 change nothing measurable)
     flush_denormal: bool = True
+    # an experiment tracker mirroring metrics.jsonl (owai.trackers; rank 0 only): "none",
+    # "tensorboard" or "wandb" (each needs its extra); the `--tracker` flag sets it
+    tracker: Literal["none", "tensorboard", "wandb"] = "none"
 
 
 @dataclasses.dataclass

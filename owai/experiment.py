@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from owai import console, distributed
+from owai import console, distributed, trackers
 from owai.checkpoint import NonFiniteError, latest_checkpoint, load_checkpoint, recorded_identity
 from owai.config import apply_overrides, build, parse_override, to_dict
 from owai.errors import DataMissing, OwaiError
@@ -33,6 +33,7 @@ def resolve(recipe: Recipe, preset: str | None, overrides: list[str],
     schema = recipe.method_class().Config
     params = apply_overrides(schema, recipe.params_for(preset), overrides)
     cfg = build(schema, params, path="params")
+    trackers.require(cfg.runtime.tracker)
     missing = None
     try:
         if validate:
@@ -234,6 +235,7 @@ def _prepare_resume(
         raise OwaiError("--resume takes its config from the run directory; drop --preset")
     run = Run.open(resume)
     resolved = run.read_config()
+    trackers.require(resolved.get("params", {}).get("runtime", {}).get("tracker", "none"))
     recipe = load(recorded_name(resolved["recipe"], resolved.get("recipe_source")))
     if methods is None and recipe_name is not None:
         methods = (load(recipe_name).method,)
@@ -289,6 +291,8 @@ def _run_method(recipe: Recipe, cfg: Any, resolved: dict[str, Any], run: Run) ->
     run.write_env(environment(str(run.device), cfg.runtime.dtype, cfg.seed))
     method = recipe.method_class()()
     try:
+        if run.writes:
+            run.tracker = trackers.open_tracker(cfg.runtime.tracker, run.path, resolved)
         outcome = method.run(cfg, run)
     except KeyboardInterrupt:
         run.set_status("interrupted")
@@ -300,6 +304,10 @@ def _run_method(recipe: Recipe, cfg: Any, resolved: dict[str, Any], run: Run) ->
     except BaseException as e:
         run.set_status("failed", error=f"{type(e).__name__}: {e}")
         raise
+    finally:
+        if run.tracker is not None:
+            run.tracker.close()
+            run.tracker = None
     bad = nonfinite_metrics(outcome.measured)
     if bad:
         error = f"non-finite metrics ({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''}); {run.path} is failed and has no results.json"

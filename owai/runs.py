@@ -28,6 +28,7 @@ from typing import Any
 
 from owai import __version__
 from owai.errors import OwaiError
+from owai.trackers import Tracker
 from owai.io import atomic_write_bytes, atomic_write_figure, atomic_write_json, atomic_write_yaml
 
 CONFIG = "config.yaml"
@@ -91,6 +92,8 @@ class Run:
         # What every checkpoint of this run records and a resume must match (command, recipe,
         # method, config hash; set by owai.experiment); train_loop adds the stage and model shapes.
         self.identity: dict[str, Any] = {}
+        # an experiment tracker (owai.trackers) that log() mirrors to; None = metrics.jsonl only
+        self.tracker: Tracker | None = None
 
     # -- creation / opening -------------------------------------------------------------------
     @classmethod
@@ -214,6 +217,8 @@ class Run:
         line = json.dumps({"stage": stage, "step": step, **values}, default=float)
         with open(self.path / METRICS, "a") as f:
             f.write(line + "\n")
+        if self.tracker is not None:
+            self.tracker.log(stage, step, values)
 
     def metrics(self) -> list[dict[str, Any]]:
         path = self.path / METRICS
