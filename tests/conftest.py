@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
-# The real data beside the repository (CI clones the repo with shared/ next to it). owai itself never
-# looks there: tests point $OWAI_DATA at it (unless it is set already, as .ci/run does).
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# The real data: $OWAI_DATA when it is set (as .ci/run does), else the shared/data beside the
+# repository (CI clones the repo with shared/ next to it), which the tests then name in $OWAI_DATA.
+# owai itself never looks there. Tests that need real data skip with a reason when it is absent.
+SHARED_DATA = (Path(os.environ["OWAI_DATA"]) if os.environ.get("OWAI_DATA")
+               else Path(__file__).resolve().parents[1].parent / "shared" / "data")
 if SHARED_DATA.is_dir():
     os.environ.setdefault("OWAI_DATA", str(SHARED_DATA))
 DATA_VARIABLES = ("OWAI_DATA", "OWAI_MNIST_DIR", "OWAI_BABISTORIES", "OWAI_MNIST_MIRROR")
@@ -88,7 +90,7 @@ def no_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def shared_data(monkeypatch: pytest.MonkeyPatch) -> Path:
     """$OWAI_DATA pointed at ../shared/data (skips where it is absent)."""
     if not (SHARED_DATA / "mnist").is_dir():
-        pytest.skip("../shared/data not present")
+        pytest.skip(f"real data not present ($OWAI_DATA or ../shared/data: {SHARED_DATA})")
     monkeypatch.setenv("OWAI_DATA", str(SHARED_DATA))
     return SHARED_DATA
 

@@ -57,7 +57,7 @@ TINY_DFT = ["--set", "data.image_size=16", "--set", "model.backbone=resnet18"]
 
 # (case id, argv with {name} placeholders for `inputs`, a fragment of the error line)
 CASES = [
-    ("dft-test-domain-99", ["dropout-ft", "--test-domain", "99"], "data.test_domain 99"),
+    ("dft-test-domain-99", ["dropout-ft", "--test-domain", "99", "-p", "tiny"], "data.test_domain 99"),  # tiny: packaged data
     ("dft-pacs-test-domain-7", ["dropout-ft", "--dataset", "pacs", "--root", "{pacs}", "--test-domain", "7"], "pacs has 4 domains"),
     ("dft-corrupt-image", ["dropout-ft", "--dataset", "imagefolder", "--root", "{corrupt}"], "unreadable image"),
     ("dft-zero-byte-image", ["dropout-ft", "--dataset", "imagefolder", "--root", "{zero}"], "unreadable image"),

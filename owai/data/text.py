@@ -282,7 +282,7 @@ def open_source(source: str | os.PathLike[str] | TextSource, text_field: str = "
     if isinstance(source, os.PathLike):
         path = Path(source).expanduser()
         if not path.exists():
-            raise OwaiError(f"dataset path not found: {path}")
+            raise DataMissing(f"dataset path not found: {path}")
         return LocalSource(path, text_field, cache_dir, val_every)
     if source == "owai-stories" or source.startswith("owai-stories:"):
         return _story_source(source)
@@ -293,7 +293,7 @@ def open_source(source: str | os.PathLike[str] | TextSource, text_field: str = "
         return LocalSource(path, text_field, cache_dir, val_every)
     if _looks_like_hub_id(source):
         return _hub_source(source, text_field, config_name, revision, streaming, val_every)
-    raise OwaiError(f"dataset path not found: {source}")
+    raise DataMissing(f"dataset path not found: {source}")
 
 
 def load_texts(source: str | os.PathLike[str] | TextSource, split: str, text_field: str = "text",
@@ -922,7 +922,8 @@ def _from_transformers(name: str, path: Path) -> HFTokenizer:
                                             local_files_only=not path.is_dir() and _hub_cached(name))
     except Exception as exc:
         where = f"local directory {path}" if path.is_dir() else "the Hugging Face hub"
-        raise OwaiError(f"cannot fetch tokenizer {name!r} from {where} ({one_line(exc)}); "
+        error = OwaiError if path.is_dir() else DataMissing  # not on this machine, nor to be had from the hub
+        raise error(f"cannot fetch tokenizer {name!r} from {where} ({one_line(exc)}); "
                         "use tokenizer=bytes or bpe-N offline") from None
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None:

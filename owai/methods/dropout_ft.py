@@ -148,6 +148,8 @@ class DropoutFineTuning(Method):
                 raise OwaiError(f"data.{name} must be >= 1, got {getattr(d, name)}")
         if d.workers < 0 or d.test_domain < 0:
             raise OwaiError("data.workers and data.test_domain must be >= 0")
+        if d.dataset == "rotated-mnist":  # its domains come from the config: checked before any data
+            _check_test_domain(d.test_domain, d.dataset, [f"rot{a:g}" for a in d.angles])
         if m.backbone not in BACKBONES:
             raise OwaiError(f"unknown backbone {m.backbone!r}; known: {', '.join(sorted(BACKBONES))}")
         if not 0 <= m.dropout < 1:
@@ -178,13 +180,8 @@ class DropoutFineTuning(Method):
             raise OwaiError(f"train.average_start must be >= 0, got {t.average_start}")
         # the data and the weights file, before any run directory: a bad test domain, class folders
         # that differ between domains, unreadable images or a corrupt weights file fail here
-        if d.dataset == "rotated-mnist":
-            domains = [f"rot{a:g}" for a in d.angles]
-        else:
-            domains = image_dataset(cfg).domains
-        if d.test_domain >= len(domains):
-            raise OwaiError(f"data.test_domain {d.test_domain}: {d.dataset} has {len(domains)} domains "
-                            f"(0-{len(domains) - 1}: {', '.join(domains)})")
+        if d.dataset != "rotated-mnist":
+            _check_test_domain(d.test_domain, d.dataset, image_dataset(cfg).domains)
         if not p.steps:
             from owai.models.vision import check_weights
 
@@ -225,9 +222,7 @@ def load_data(cfg: Config) -> Any:
                                       seed=d.trial_seed)
     else:
         data = image_dataset(cfg)
-    if d.test_domain >= len(data.domains):
-        raise OwaiError(f"data.test_domain {d.test_domain}: {data.name} has {len(data.domains)} domains "
-                        f"({', '.join(data.domains)})")
+    _check_test_domain(d.test_domain, data.name, data.domains)
     return data
 
 
@@ -841,3 +836,10 @@ def write_study(sweep: Any, summary: dict[str, Any], device: torch.device) -> tu
     figure = write_study_files(sweep, STUDY_NAME, title, rows, study_markdown(rows, title, command),
                                plot_study(summary, rows, f"{sweep.recipe} [{sweep.preset}]"))
     return rows, {"title": title, "figure": str(figure)}
+
+
+def _check_test_domain(index: int, dataset: str, domains: list[str]) -> None:
+    """One line unless data.test_domain `index` names one of `dataset`'s `domains`."""
+    if index >= len(domains):
+        raise OwaiError(f"data.test_domain {index}: {dataset} has {len(domains)} domains "
+                        f"(0-{len(domains) - 1}: {', '.join(domains)})")

@@ -1,0 +1,321 @@
+"""GPU check: what the CPU test suite cannot see, on one GPU, in about five minutes.
+
+    python benchmarks/gpu_check.py                       # every check; one verdict line each
+    python benchmarks/gpu_check.py --only arch,speed     # a subset: arch, speed, fsdp, e2e, pytest
+    python benchmarks/gpu_check.py --json-out gpu.json   # the verdicts and figures as JSON too
+
+Needs one CUDA GPU. Run from the repository root (or with owai installed). The end-to-end check
+reads $OWAI_DATA (text/sotu.tar.gz, text/paul_graham_essays/, icl/banking77/); without it, that check
+says SKIP. Every line starts with PASS, FAIL or SKIP; the exit code is 1 if any check failed.
+
+Checks (issue #35):
+  arch:<a>   for mm, gpt, lstm, mmv2, transformer: three bf16-autocast AdamW steps with a finite loss
+             and finite gradients, and greedy cached generation equal to uncached generation
+             (float32, TF32 off, a left-padded batch)
+  speed:<a>  tokens/s and MFU of a bf16 training step at 12 x 768, context 2048 (MFU: tokens/s x 3 x
+             owai.plan.forward_flops_per_token / the GPU's bf16 peak, as the trainer logs it)
+  fsdp       `torchrun --nproc_per_node 1 owai mosaic-train` with FSDP2 over NCCL, sharded (DCP)
+             checkpoints; the run is then cut back to its first checkpoint as a kill would leave it,
+             resumed, and must end at the first run's loss
+  e2e        `owai mosaic-train -r table4.2-pretrain -p cpu` shortened, on CUDA, then
+             `owai eval ruler` and `owai eval icl` on the models it saved
+  pytest     the tests marked `gpu` (python -m pytest -m gpu)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the checkout's owai, also where it is not pip-installed
+
+ARCHS = ("mm", "gpt", "lstm", "mmv2", "transformer")
+VERDICTS: list[dict] = []
+DEVICE = "cuda"  # --device cpu: a smoke run of the script itself on a machine without a GPU
+
+
+def verdict(status: str, name: str, detail: str, **figures) -> None:
+    VERDICTS.append({"status": status, "check": name, "detail": detail, **figures})
+    print(f"{status} {name}: {detail}", flush=True)
+
+
+def tiny_kwargs(arch: str, vocab: int, width: int = 128, layers: int = 2, context: int = 256) -> dict:
+    """A small model of `arch` without dropout (owai.models.lm's settings)."""
+    heads = max(2, width // 64)
+    if arch == "gpt":
+        return dict(vocab_size=vocab, n_layer=layers, n_embd=width, n_head=heads, block_size=context, dropout=0.0)
+    if arch == "mm":
+        return dict(vocab_size=vocab, n_layer=layers, n_embd=width, n_head=heads, ic_dropout=0.0, hd_dropout=0.0)
+    if arch == "lstm":
+        return dict(vocab_size=vocab, n_layer=layers, n_embd=width)
+    if arch == "mmv2":
+        return dict(vocab_size=vocab, n_layer=layers, n_embd=width, n_head=heads, ffn_hidden=3 * width)
+    return dict(vocab_size=vocab, n_layer=layers, n_embd=width, n_head=heads, ffn_hidden=3 * width, max_position_embeddings=context)
+
+
+def check_arch(arch: str) -> None:
+    import torch
+
+    from owai.models.lm import build_lm, decay_param_groups
+
+    torch.manual_seed(0)
+    device = torch.device(DEVICE)
+    vocab = 97
+    model = build_lm(arch, **tiny_kwargs(arch, vocab)).to(device)
+    opt = torch.optim.AdamW(decay_param_groups(model, 0.1), lr=1e-3)
+    x = torch.randint(0, vocab, (4, 128), device=device)
+    losses = []
+    model.train()
+    for _ in range(3):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+        if bad or not torch.isfinite(loss):
+            verdict("FAIL", f"arch:{arch}", f"bf16 step: loss {loss.item():.4g}, non-finite gradients in {bad[:3]}")
+            return
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    # generation: float32 without TF32 so that cached and uncached compute the same numbers
+    model.eval()
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        g = torch.Generator().manual_seed(1)
+        prompt = torch.randint(1, vocab, (3, 9), generator=g).to(device)
+        mask = torch.ones_like(prompt)
+        mask[1, :3] = 0  # left padding
+        mask[2, :5] = 0
+        prompt = prompt.masked_fill(mask == 0, 0)
+        kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            cached = model.generate(prompt, **kw)
+            uncached = model.generate(prompt, use_cache=False, **kw)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    same = cached.shape == uncached.shape and torch.equal(cached, uncached)
+    status = "PASS" if same else "FAIL"
+    verdict(status, f"arch:{arch}", f"bf16 steps, losses {', '.join(f'{v:.3f}' for v in losses)} (finite); "
+            f"cached {'==' if same else '!='} uncached generation ({tuple(cached.shape)}, left-padded)",
+            losses=losses)
+
+
+def check_speed(arch: str, context: int = 2048, batch: int = 8, steps: int = 6) -> None:
+    import torch
+
+    from owai.models.lm import build_lm, decay_param_groups
+    from owai.plan import forward_flops_per_token
+    from owai.train import peak_flops
+
+    torch.manual_seed(0)
+    device = torch.device(DEVICE)
+    if device.type != "cuda":
+        verdict("SKIP", f"speed:{arch}", "CUDA only")
+        return
+    vocab = 50304
+    model = build_lm(arch, **tiny_kwargs(arch, vocab, width=768, layers=12, context=context)).to(device)
+    opt = torch.optim.AdamW(decay_param_groups(model, 0.1), lr=1e-4)
+    x = torch.randint(0, vocab, (batch, context), device=device)
+    model.train()
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    tokens_per_s = steps * batch * context / (time.perf_counter() - start)
+    try:
+        flops = forward_flops_per_token(model, context)
+    except Exception:  # an architecture the plan does not shape: 2 N (attention-free estimate)
+        flops = 2.0 * sum(p.numel() for p in model.parameters())
+    peak = peak_flops(device, "bfloat16")
+    mfu = tokens_per_s * 3 * flops / peak if peak else None
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    memory = torch.cuda.max_memory_allocated() / 2**30
+    verdict("PASS", f"speed:{arch}", f"{params:.0f}M params, T={context}, batch {batch}: {tokens_per_s:,.0f} tokens/s, "
+            f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f} %'}, peak {memory:.1f} GiB",
+            tokens_per_s=tokens_per_s, mfu=mfu, params_m=params, peak_gib=memory)
+    del model, opt
+    torch.cuda.empty_cache()
+
+
+def corpus(path: Path, docs: int = 400, seed: int = 0) -> Path:
+    """Documents of 40-200 words, each repeating an invented name (context pays), as jsonl."""
+    words = ("the cat sat on a mat while seven brown dogs ran past the old mill and every child saw "
+             "the river turn gold under a quiet evening sky").split()
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(docs):
+            name = "".join(rng.choice("bcdfgklmnprstvz") + rng.choice("aeiou") for _ in range(3))
+            text = " ".join(rng.choice(words) if rng.random() > 0.15 else name for _ in range(rng.randint(40, 200)))
+            f.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+def owai(*args: str, torchrun: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"] if torchrun else [sys.executable]
+    return subprocess.run([*launcher, "-m", "owai", *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+
+
+def sets(*pairs: str) -> list[str]:
+    return [arg for pair in pairs for arg in ("--set", pair)]
+
+
+def tail(proc: subprocess.CompletedProcess) -> str:
+    lines = (proc.stderr or proc.stdout or "").strip().splitlines()
+    return lines[-1][:300] if lines else f"exit {proc.returncode}"
+
+
+def last_loss(run: Path, arch: str) -> float:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r["loss"] for r in rows if r.get("stage") == arch and "loss" in r][-1]
+
+
+def only_run(out: Path) -> Path:
+    (run,) = [p for p in out.glob("*/*") if (p / "config.yaml").exists()]
+    return run
+
+
+def check_fsdp(work: Path) -> None:
+    text = corpus(work / "docs.jsonl")
+    common = sets("archs=[mmv2]", "model.size=''", "data.tokenizer=bpe-300", "data.block_size=256", "data.documents=true",
+                  "model.n_layer=2", "model.n_embd=128", "model.n_head=2", "model.ffn_hidden=384", "train.parallel=fsdp",
+                  "train.steps=6", "train.batch_size=4", "train.warmup=2", "train.log_every=1", "train.eval_every=6",
+                  "train.checkpoint_every=3", "eval.val_batches=2", "eval.posloss_windows=2", "eval.lengths=[512]",
+                  "eval.attention_multiples=[]", "eval.continuations=false")
+    out = work / "fsdp"
+    first = owai("mosaic-train", "-q", "-r", "table4.2-pretrain", "--dataset", str(text), "-o", str(out), *common, torchrun=True)
+    if first.returncode != 0:
+        verdict("FAIL", "fsdp", f"torchrun mosaic-train: {tail(first)}")
+        return
+    run = only_run(out)
+    dcp = run / "checkpoints" / "mmv2" / "step-000003" / "dcp"
+    if not dcp.is_dir():
+        verdict("FAIL", "fsdp", f"no sharded (DCP) checkpoint at {dcp}")
+        return
+    loss = last_loss(run, "mmv2")
+    # leave the run as a kill after step 3's checkpoint would (tests/conftest.as_if_killed)
+    shutil.rmtree(run / "checkpoints" / "mmv2" / "step-000006")
+    shutil.rmtree(run / "models", ignore_errors=True)
+    (run / "results.json").unlink()
+    (run / "status.json").write_text(json.dumps({"status": "running"}))
+    again = owai("mosaic-train", "-q", "--resume", str(run), torchrun=True)
+    if again.returncode != 0:
+        verdict("FAIL", "fsdp", f"resume from the DCP checkpoint: {tail(again)}")
+        return
+    resumed = last_loss(run, "mmv2")
+    ok = abs(resumed - loss) <= 2e-2 * max(1.0, abs(loss))
+    verdict("PASS" if ok else "FAIL", "fsdp", f"FSDP2/NCCL 1 rank, DCP checkpoint at step 3, resumed to step 6: "
+            f"loss {resumed:.4f} vs {loss:.4f} uninterrupted", loss=loss, resumed=resumed)
+
+
+def check_e2e(work: Path) -> None:
+    data = os.environ.get("OWAI_DATA")
+    needs = ("text/sotu.tar.gz", "text/paul_graham_essays", "icl/banking77")
+    if not data or not all((Path(data) / n).exists() for n in needs):
+        verdict("SKIP", "e2e", f"$OWAI_DATA lacks {', '.join(needs)}")
+        return
+    out = work / "e2e"
+    start = time.perf_counter()
+    train = owai("mosaic-train", "-q", "-r", "table4.2-pretrain", "-p", "cpu", "-o", str(out),
+                 *sets("train.steps=60", "train.eval_every=60", "train.checkpoint_every=30", "eval.val_batches=4",
+                       "eval.posloss_windows=4", "eval.lengths=[2048]"), timeout=400)
+    if train.returncode != 0:
+        verdict("FAIL", "e2e", f"mosaic-train on CUDA: {tail(train)}")
+        return
+    run = only_run(out)
+    results = json.loads((run / "results.json").read_text())
+    env = json.loads((run / "env.json").read_text())
+    measured = {r["metric"]: r["measured"] for r in results["rows"]}
+    trained = time.perf_counter() - start
+    verdict("PASS" if env["device"].startswith("cuda") else "FAIL", "e2e:mosaic-train",
+            f"{env['device']}, {trained:.0f} s; val loss mmv2 {measured.get('mmv2.val_loss', float('nan')):.3f}, "
+            f"transformer {measured.get('transformer.val_loss', float('nan')):.3f}")
+    for arch in ("mmv2", "transformer"):
+        model = run / "models" / arch
+        ruler = owai("eval", "ruler", "-q", "--model", str(model), "--ctx", "1024,2048", "--tasks", "niah_single_1,vt",
+                     "--n", "4", "--allow-overflow", "--json", "-o", str(out / "ruler"), timeout=300)
+        verdict("PASS" if ruler.returncode == 0 else "FAIL", f"e2e:ruler:{arch}",
+                "scored on CUDA" if ruler.returncode == 0 else tail(ruler))
+        icl = owai("eval", "icl", "-q", "--model", str(model), "--task", "banking77", "--shots", "1", "--n", "8",
+                   "--data", str(Path(data) / "icl" / "banking77"), "--allow-overflow", "--json", "-o", str(out / "icl"), timeout=300)
+        verdict("PASS" if icl.returncode == 0 else "FAIL", f"e2e:icl:{arch}",
+                "scored on CUDA" if icl.returncode == 0 else tail(icl))
+
+
+def check_pytest() -> None:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=400)
+    summary = (proc.stdout.strip().splitlines() or ["no output"])[-1]
+    ran = " passed" in summary or " failed" in summary
+    verdict("PASS" if proc.returncode == 0 and ran else "FAIL", "pytest -m gpu", summary)
+    if proc.returncode != 0:
+        print(proc.stdout[-4000:], proc.stderr[-2000:], sep="\n", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="arch,speed,fsdp,e2e,pytest", help="comma-separated checks")
+    parser.add_argument("--archs", default=",".join(ARCHS))
+    parser.add_argument("--json-out", type=Path, default=None)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run of this script")
+    args = parser.parse_args()
+    import torch
+    import transformers
+
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("SKIP all: no CUDA device")
+        return 0
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    print(f"# {name} | torch {torch.__version__} (CUDA {torch.version.cuda}) | "
+          f"transformers {transformers.__version__} | python {sys.version.split()[0]}", flush=True)
+    only = set(args.only.split(","))
+    archs = [a for a in args.archs.split(",") if a]
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="owai-gpu-check-") as tmp:
+        work = Path(tmp)
+        plan = ([(f"arch:{a}", check_arch, (a,)) for a in archs if "arch" in only]
+                + [(f"speed:{a}", check_speed, (a,)) for a in archs if "speed" in only]
+                + [("fsdp", check_fsdp, (work,))] * ("fsdp" in only)
+                + [("e2e", check_e2e, (work,))] * ("e2e" in only)
+                + [("pytest -m gpu", check_pytest, ())] * ("pytest" in only))
+        for name, fn, fn_args in plan:
+            try:
+                fn(*fn_args)
+            except Exception as e:  # one check's failure is its verdict; the others still run
+                verdict("FAIL", name, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+                traceback.print_exc(limit=4)
+    failed = sum(v["status"] == "FAIL" for v in VERDICTS)
+    print(f"# {len(VERDICTS)} checks, {failed} failed, {time.perf_counter() - started:.0f} s", flush=True)
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps({"device": name, "torch": torch.__version__,
+                                             "transformers": transformers.__version__, "verdicts": VERDICTS}, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
