@@ -321,7 +321,12 @@ def load_hotpotqa_hub(hub_id: str = HOTPOTQA_HUB_ID, config: str = HOTPOTQA_HUB_
 
 
 def synthetic_squad(seed: int = 0, articles: int = 40, paragraphs: int = 5) -> QAData:
-    """A SQuAD-like pool of invented facts (spec sec 1.11), built as SQuAD's JSON and read by the same
+    """A SQuAD-like pool of invented facts (`synthetic_squad_articles`) read as SQuAD's JSON."""
+    return _squad_pool(synthetic_squad_articles(seed, articles, paragraphs), f"synthetic-squad:{seed}")
+
+
+def synthetic_squad_articles(seed: int = 0, articles: int = 40, paragraphs: int = 5) -> list[dict[str, Any]]:
+    """SQuAD's `data` list for a pool of invented facts (spec sec 1.11), built as SQuAD's JSON and read by the same
     code: each paragraph states four facts about invented people and places, each fact a question whose
     gold answers include a variant ("1873", "in 1873"); same-article paragraphs are the hard distractors."""
     rng = random.Random(seed)
@@ -339,13 +344,18 @@ def synthetic_squad(seed: int = 0, articles: int = 40, paragraphs: int = 5) -> Q
                    {"question": f"What did {person} work as?", "answers": [{"text": job}, {"text": f"a {job}"}]},
                    {"question": f"Which river flows through {place}?", "answers": [{"text": f"the {river} river"},
                                                                                     {"text": river}]}]
-            paras.append({"context": text, "qas": qas})
+            paras.append({"context": text, "qas": [qa | {"is_impossible": False} for qa in qas]})
         data.append({"title": f"Synthetic article {a}", "paragraphs": paras})
-    return _squad_pool(data, f"synthetic-squad:{seed}")
+    return data
 
 
 def synthetic_hotpotqa(seed: int = 0, questions: int = 200) -> QAData:
-    """A HotpotQA-like pool (spec sec 1.11): each question composes two facts in two paragraphs ("X was
+    """A HotpotQA-like pool (`synthetic_hotpotqa_rows`) read as HotpotQA's JSON."""
+    return _hotpot_pool(synthetic_hotpotqa_rows(seed, questions), f"synthetic-hotpotqa:{seed}")
+
+
+def synthetic_hotpotqa_rows(seed: int = 0, questions: int = 200) -> list[dict[str, Any]]:
+    """HotpotQA's question list for a pool (spec sec 1.11): each question composes two facts in two paragraphs ("X was
     born in C." + "C is a city in K." -> "In which country was X born?" -> K) among 8 distractor
     paragraphs of the same shapes, built as HotpotQA's JSON and read by the same code."""
     rng = random.Random(seed)
@@ -362,7 +372,7 @@ def synthetic_hotpotqa(seed: int = 0, questions: int = 200) -> QAData:
         context = gold + distractors
         rng.shuffle(context)
         rows.append({"question": f"In which country was {person} born?", "answer": country, "context": context})
-    return _hotpot_pool(rows, f"synthetic-hotpotqa:{seed}")
+    return rows
 
 
 def load_qa(kind: str, source: str | Path) -> QAData:
