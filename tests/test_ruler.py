@@ -305,7 +305,8 @@ def test_search_size_rules() -> None:
     assert R.search_size(linear, 1902, 10, "2025", reserve=32) == 40
     assert R.search_size(linear, 2048, 10, "2024", cap=25, reserve=32) == 25
     assert R.search_size(linear, 2048, 10, "2025", cap=25, reserve=32) == 25
-    assert R.search_size(lambda s: 1500 + s, 2048, 10, "2025", reserve=32) == 516  # the 3x bound fits: searched above
+    assert R.search_size(lambda s: 1500 + s, 2048, 10, "2025", reserve=32) == 40  # head never searches above its 3x bound
+    assert R.search_size(lambda s: 1500 + s, 2048, 10, "2025", reserve=32, upper=600) == 516
     assert R.search_size(lambda s: 5000, 2048, 10, "2024") == 0
     assert R.search_size(lambda s: 5000, 2048, 10, "2025") == 10
     probes: list[int] = []
@@ -508,25 +509,33 @@ def test_niah_needles_in_the_prompt(name: str, essays: Path, gpt2) -> None:
     assert score(R.OracleReader(), task, 1024, 3, gpt2) == 100.0
 
 
-def test_variable_tracking_chains_resolve(gpt2) -> None:
-    task = R.synthetic_task("vt")
+@pytest.mark.parametrize("rule", R.RULES)
+def test_variable_tracking_chains_resolve(gpt2, rule: str) -> None:
+    task = R.synthetic_task("vt", rule=rule)
+    verb = "assgined" if rule == "2024" else "assigned"  # the 2024 code's typo
     for budget in (1024, 4096):
         built = task.build(3, budget, gpt2)
-        example_end = built.samples[0].prompt.rfind("Memorize and track the chain(s)")
-        assert example_end > 0 and built.samples[0].prompt.count("Memorize and track the chain(s)") == 2
+        examples = set()
         for sample in built.samples:
-            assert sample.fits and sample.tokens + 30 <= budget
-            assert sample.prompt[:example_end] == built.samples[0].prompt[:example_end]  # one shared example
+            assert sample.prompt.count("Memorize and track the chain(s)") == 2
+            example_end = sample.prompt.rfind("Memorize and track the chain(s)")
+            example = sample.prompt[:example_end]
+            separator = "\n\n\n\n" if rule == "2024" else "\n\n"  # example "\n\n" / "\n", then "\n\n" / "\n"
+            assert example.endswith(separator) and not example.endswith(separator + "\n")
+            examples.add(re.findall(r"VAR ([A-Z]{3}) =", example)[0])  # 3-letter names, redrawn per sample
+            assert sample.fits
             text = sample.prompt[example_end:]
             value = re.search(r"assigned the value (\d+) in the text above", text).group(1)
             names = sample.outputs
-            assert len(names) == 5 == len(set(names)) and all(re.fullmatch(r"[A-Z]{5}", n) for n in names)
+            assert len(names) == 5 and all(re.fullmatch(r"[A-Z]{5}", n) for n in names)
             assert f"VAR {names[0]} = {value}" in text
             positions = [text.index(f"VAR {names[0]} = {value}")]
             for j in range(1, 5):
                 positions.append(text.index(f"VAR {names[j]} = VAR {names[j - 1]} "))
             assert positions == sorted(positions)  # the chain in order
-            assert text.endswith(f"5 variables are assigned the value {value}, they are: ")
+            assert text.endswith(f"5 variables are {verb} the value {value}, they are: ")
+            assert ("again.\nThe grass" if rule == "2025" else "again.\n The grass") in text
+        assert len(examples) == 3
         assert score(R.OracleReader(), task, budget, 3, gpt2) == 100.0
 
 
