@@ -592,3 +592,14 @@ def test_null_model_and_word_lists(gpt2) -> None:
     assert len(words) == len(set(words)) > 600 and words == sorted(words)
     extra = R.pseudo_words(500)
     assert len(set(extra)) == 500 and not set(extra) & set(words) and extra == R.pseudo_words(500)
+
+
+def test_pair_list_equals_the_sorted_pairs() -> None:
+    """niah's keys: indexing the adjective-noun cross product equals building and sorting it, with
+    adjectives that interleave ("blue" / "blue-eyed"), a space, duplicates and prefix words."""
+    adjectives = ["blue", "blue-eyed", "bluebird", "ad hoc", "ad", "old", "old-fashioned", "x-rated", "blue"]
+    nouns = ["eyed-cat", "cat", "dog", "a", "zebra", "cat", "-x"]
+    pairs = R._PairList(adjectives, nouns)
+    assert list(pairs) == sorted({f"{a}-{n}" for a in adjectives for n in nouns})
+    words = R.adjective_noun_pairs()
+    assert len(words) == 6_171_620 and words[0] < words[1] < words[-1]

@@ -711,6 +711,8 @@ class _PairList(Sequence):
         return self._length
 
     def __getitem__(self, i: int) -> str:  # type: ignore[override]
+        if i < 0:
+            i += self._length
         if not 0 <= i < self._length:
             raise IndexError(i)
         at = bisect_right(self._starts, i) - 1
