@@ -59,7 +59,7 @@ from owai.errors import DataMissing, OwaiError
 # ------------------------------------------------------------------------------------------ constants
 
 CONTEXT_LENGTHS = {"4k": 4096, "8k": 8192, "16k": 16384, "32k": 32768, "64k": 65536, "128k": 131072}
-RULES = ("2024", "2025")  # haystack-size search: step search / binary search (sec 1.6)
+RULES = ("2024", "2025")  # RULER 7061a05 (step search) / RULER head c3f5e3b (binary search) (sec 1.6)
 DEFAULT_SEED = 42  # RULER's random_seed
 DEFAULT_SAMPLES = 500  # RULER's num_samples per task and length
 
@@ -326,9 +326,9 @@ def synthetic_squad(seed: int = 0, articles: int = 40, paragraphs: int = 5) -> Q
 
 
 def synthetic_squad_articles(seed: int = 0, articles: int = 40, paragraphs: int = 5) -> list[dict[str, Any]]:
-    """SQuAD's `data` list for a pool of invented facts (spec sec 1.11), built as SQuAD's JSON and read by the same
-    code: each paragraph states four facts about invented people and places, each fact a question whose
-    gold answers include a variant ("1873", "in 1873"); same-article paragraphs are the hard distractors."""
+    """SQuAD's `data` list for a pool of invented facts (spec sec 1.11): each paragraph states four
+    facts about invented people and places, each fact a question whose gold answers include a variant
+    ("1873", "in 1873"); same-article paragraphs are the hard distractors."""
     rng = random.Random(seed)
     names = iter(pseudo_words(articles * paragraphs * 8 + 10))
     data = []
@@ -355,9 +355,9 @@ def synthetic_hotpotqa(seed: int = 0, questions: int = 200) -> QAData:
 
 
 def synthetic_hotpotqa_rows(seed: int = 0, questions: int = 200) -> list[dict[str, Any]]:
-    """HotpotQA's question list for a pool (spec sec 1.11): each question composes two facts in two paragraphs ("X was
-    born in C." + "C is a city in K." -> "In which country was X born?" -> K) among 8 distractor
-    paragraphs of the same shapes, built as HotpotQA's JSON and read by the same code."""
+    """HotpotQA's question list for a pool (spec sec 1.11): each question composes two facts in two
+    paragraphs ("X was born in C." + "C is a city in K." -> "In which country was X born?" -> K)
+    among 8 distractor paragraphs of the same shapes."""
     rng = random.Random(seed)
     names = iter(pseudo_words(questions * 30 + 10))
     rows = []
@@ -832,7 +832,8 @@ class NiahTask(Task):
                 lines = []
                 for _ in range(size):
                     key = self._random(rng, self.type_k)
-                    lines.append(NEEDLE.format(type_needle_v=self.type_v, key=key, value=self._random(rng, self.type_v)))
+                    value = self._random(rng, self.type_v)
+                    lines.append(NEEDLE.format(type_needle_v=self.type_v, key=key, value=value))
             for position, needle in zip(sorted(rng.sample(range(size), len(needles)), reverse=True), needles):
                 lines.insert(position, needle)
             context = "\n".join(lines)
