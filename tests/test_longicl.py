@@ -536,3 +536,15 @@ def test_synthetic_task_shape():
         assert 8 <= len(words) <= 20 and 1 <= len(sig & set(words)) <= 2
         assert all(w.startswith(ex.label.split("_")[0]) for w in sig)  # the label shares the signature stem
     assert [q.label for q in select_queries(data, 500)].count(data.labels[0]) == 10
+
+
+def test_parse_paths_local_and_api():
+    """LongICLBench's local path reads prompt + continuation, cutting between label markers; the API
+    path reads the continuation alone and keeps a later marker in the first line."""
+    prompt = "Header: \nservice query: my card?\nintent category: "
+    out = " top_up_failed intent category: card_arrival"
+    assert parse_prediction(out, "banking77", "my card?", prompt) == "top_up_failed"
+    assert parse_prediction(out, "banking77", "my card?") == "top_up_failed intent category: card_arrival"
+    assert parse_prediction("\ncard_arrival", "banking77", "my card?") == "card_arrival"  # stripped before the first line
+    with pytest.raises(OwaiError):
+        PromptOptions(parse="chat")

@@ -603,3 +603,16 @@ def test_pair_list_equals_the_sorted_pairs() -> None:
     assert list(pairs) == sorted({f"{a}-{n}" for a in adjectives for n in nouns})
     words = R.adjective_noun_pairs()
     assert len(words) == 6_171_620 and words[0] < words[1] < words[-1]
+
+
+def test_sentences_by_punkt_and_wonderwords_lists() -> None:
+    """Punkt with NLTK's English parameters: "Dr." stays inside its sentence (the regex this replaces
+    split there), and "i.e. little" splits as NLTK 3.10's sent_tokenize splits it (values taken from
+    NLTK); wonderwords' lists are read in file order, as RULER reads them."""
+    assert R.split_sentences("Dr. Smith went home. He was tired.") == ["Dr. Smith went home.", "He was tired."]
+    assert R.split_sentences("It cost 3.5 dollars, i.e. little. Then he left.") == [
+        "It cost 3.5 dollars, i.e.", "little.", "Then he left."]
+    nouns = R.wonderwords_list("noun")
+    assert len(nouns) > 6000 and len(R.word_list()) == len(set(R.word_list())) > 8000
+    with pytest.raises(OwaiError):
+        R.wonderwords_list("adverb")
