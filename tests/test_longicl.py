@@ -189,17 +189,18 @@ def test_headers_and_exact_rendering():
     train = [Example("where is my card", "card_arrival"), Example("link my card", "card_linking")]
     data = _tiny(train)
     query = Example("card not here", "card_arrival")
-    prompt, gold = render_prompt(data, [train], query)
+    bare = PromptOptions(trailing_space=False)  # owai's variant without LongICLBench's two spaces
+    prompt, gold = render_prompt(data, [train], query, bare)
     assert gold == "card_arrival"
     assert prompt == (BANKING_HEADER + "\nservice query: where is my card\nintent category: card_arrival\n"
                       "service query: link my card\nintent category: card_linking\n"
                       "service query: card not here\nintent category:")
-    spaced, _ = render_prompt(data, [train], query, PromptOptions(delimiter=" "))
+    spaced, _ = render_prompt(data, [train], query, PromptOptions(delimiter=" ", trailing_space=False))
     assert spaced == prompt.replace("\n", " ")
-    trailing, _ = render_prompt(data, [train], query, PromptOptions(trailing_space=True))
+    trailing, _ = render_prompt(data, [train], query)  # the default: LongICLBench's spaces
     assert trailing.startswith(BANKING_HEADER + " \nservice query:") and trailing.endswith("intent category: ")
     goemo = ICLData("goemotion", [Example("so happy", "joy")], [], ["joy"])
-    assert render_prompt(goemo, [goemo.train], Example("sad now", "joy"))[0] == (
+    assert render_prompt(goemo, [goemo.train], Example("sad now", "joy"), bare)[0] == (
         GOEMOTION_HEADER + "\ncomment: so happy\nemotion category: joy\ncomment: sad now\nemotion category:")
 
 
@@ -207,11 +208,12 @@ def test_tacred_formats():
     demo = Example("Ann works at Acme .", "per:employee_of", {"subject": "Ann", "object": "Acme"})
     query = Example("Bob founded Zed .", "org:founded_by", {"subject": "Zed", "object": "Bob"})
     data = ICLData("tacred", [demo], [query], list(TACRED_RELATIONS))
-    thesis, gold = render_prompt(data, [[demo]], query)
+    bare = PromptOptions(trailing_space=False)
+    thesis, gold = render_prompt(data, [[demo]], query, bare)
     assert gold == "org:founded_by"
     assert thesis == (TACRED_HEADER + "\nsentence: Ann works at Acme .\nthe relation between Ann and Acme is: per:employee_of\n"
                       "sentence: Bob founded Zed .\nthe relation between Zed and Bob is:")
-    long, _ = render_prompt(data, [[demo]], query, PromptOptions(tacred_format="longiclbench"))
+    long, _ = render_prompt(data, [[demo]], query, PromptOptions(tacred_format="longiclbench", trailing_space=False))
     assert long == (TACRED_HEADER + "\nsentence: Ann works at Acme .\nthe subject is Ann and the object is Acme\n"
                     "the relation between the two entities is: per:employee_of\n"
                     "sentence: Bob founded Zed .\nthe subject is Zed and the object is Bob\n"
@@ -219,7 +221,7 @@ def test_tacred_formats():
     for p in (thesis, long, long.replace("\n", " ")):
         assert read_prompt(p)[1][0][1] == "per:employee_of"
         assert MajorityLast().generate(p) == " per:employee_of"
-    anon, gold = render_prompt(data, [[demo]], query, PromptOptions(labels="anonymous"))
+    anon, gold = render_prompt(data, [[demo]], query, PromptOptions(labels="anonymous", trailing_space=False))
     assert gold == "class_0" and anon.endswith("is: class_1\nsentence: Bob founded Zed .\nthe relation between Zed and Bob is:")
 
 
@@ -534,3 +536,15 @@ def test_synthetic_task_shape():
         assert 8 <= len(words) <= 20 and 1 <= len(sig & set(words)) <= 2
         assert all(w.startswith(ex.label.split("_")[0]) for w in sig)  # the label shares the signature stem
     assert [q.label for q in select_queries(data, 500)].count(data.labels[0]) == 10
+
+
+def test_parse_paths_local_and_api():
+    """LongICLBench's local path reads prompt + continuation, cutting between label markers; the API
+    path reads the continuation alone and keeps a later marker in the first line."""
+    prompt = "Header: \nservice query: my card?\nintent category: "
+    out = " top_up_failed intent category: card_arrival"
+    assert parse_prediction(out, "banking77", "my card?", prompt) == "top_up_failed"
+    assert parse_prediction(out, "banking77", "my card?") == "top_up_failed intent category: card_arrival"
+    assert parse_prediction("\ncard_arrival", "banking77", "my card?") == "card_arrival"  # stripped before the first line
+    with pytest.raises(OwaiError):
+        PromptOptions(parse="chat")

@@ -305,7 +305,8 @@ def test_search_size_rules() -> None:
     assert R.search_size(linear, 1902, 10, "2025", reserve=32) == 40
     assert R.search_size(linear, 2048, 10, "2024", cap=25, reserve=32) == 25
     assert R.search_size(linear, 2048, 10, "2025", cap=25, reserve=32) == 25
-    assert R.search_size(lambda s: 1500 + s, 2048, 10, "2025", reserve=32) == 516  # the 3x bound fits: searched above
+    assert R.search_size(lambda s: 1500 + s, 2048, 10, "2025", reserve=32) == 40  # head never searches above its 3x bound
+    assert R.search_size(lambda s: 1500 + s, 2048, 10, "2025", reserve=32, upper=600) == 516
     assert R.search_size(lambda s: 5000, 2048, 10, "2024") == 0
     assert R.search_size(lambda s: 5000, 2048, 10, "2025") == 10
     probes: list[int] = []
@@ -508,25 +509,33 @@ def test_niah_needles_in_the_prompt(name: str, essays: Path, gpt2) -> None:
     assert score(R.OracleReader(), task, 1024, 3, gpt2) == 100.0
 
 
-def test_variable_tracking_chains_resolve(gpt2) -> None:
-    task = R.synthetic_task("vt")
+@pytest.mark.parametrize("rule", R.RULES)
+def test_variable_tracking_chains_resolve(gpt2, rule: str) -> None:
+    task = R.synthetic_task("vt", rule=rule)
+    verb = "assgined" if rule == "2024" else "assigned"  # the 2024 code's typo
     for budget in (1024, 4096):
         built = task.build(3, budget, gpt2)
-        example_end = built.samples[0].prompt.rfind("Memorize and track the chain(s)")
-        assert example_end > 0 and built.samples[0].prompt.count("Memorize and track the chain(s)") == 2
+        examples = set()
         for sample in built.samples:
-            assert sample.fits and sample.tokens + 30 <= budget
-            assert sample.prompt[:example_end] == built.samples[0].prompt[:example_end]  # one shared example
+            assert sample.prompt.count("Memorize and track the chain(s)") == 2
+            example_end = sample.prompt.rfind("Memorize and track the chain(s)")
+            example = sample.prompt[:example_end]
+            separator = "\n\n\n\n" if rule == "2024" else "\n\n"  # example "\n\n" / "\n", then "\n\n" / "\n"
+            assert example.endswith(separator) and not example.endswith(separator + "\n")
+            examples.add(re.findall(r"VAR ([A-Z]{3}) =", example)[0])  # 3-letter names, redrawn per sample
+            assert sample.fits
             text = sample.prompt[example_end:]
             value = re.search(r"assigned the value (\d+) in the text above", text).group(1)
             names = sample.outputs
-            assert len(names) == 5 == len(set(names)) and all(re.fullmatch(r"[A-Z]{5}", n) for n in names)
+            assert len(names) == 5 and all(re.fullmatch(r"[A-Z]{5}", n) for n in names)
             assert f"VAR {names[0]} = {value}" in text
             positions = [text.index(f"VAR {names[0]} = {value}")]
             for j in range(1, 5):
                 positions.append(text.index(f"VAR {names[j]} = VAR {names[j - 1]} "))
             assert positions == sorted(positions)  # the chain in order
-            assert text.endswith(f"5 variables are assigned the value {value}, they are: ")
+            assert text.endswith(f"5 variables are {verb} the value {value}, they are: ")
+            assert ("again.\nThe grass" if rule == "2025" else "again.\n The grass") in text
+        assert len(examples) == 3
         assert score(R.OracleReader(), task, budget, 3, gpt2) == 100.0
 
 
@@ -583,3 +592,27 @@ def test_null_model_and_word_lists(gpt2) -> None:
     assert len(words) == len(set(words)) > 600 and words == sorted(words)
     extra = R.pseudo_words(500)
     assert len(set(extra)) == 500 and not set(extra) & set(words) and extra == R.pseudo_words(500)
+
+
+def test_pair_list_equals_the_sorted_pairs() -> None:
+    """niah's keys: indexing the adjective-noun cross product equals building and sorting it, with
+    adjectives that interleave ("blue" / "blue-eyed"), a space, duplicates and prefix words."""
+    adjectives = ["blue", "blue-eyed", "bluebird", "ad hoc", "ad", "old", "old-fashioned", "x-rated", "blue"]
+    nouns = ["eyed-cat", "cat", "dog", "a", "zebra", "cat", "-x"]
+    pairs = R._PairList(adjectives, nouns)
+    assert list(pairs) == sorted({f"{a}-{n}" for a in adjectives for n in nouns})
+    words = R.adjective_noun_pairs()
+    assert len(words) == 6_171_620 and words[0] < words[1] < words[-1]
+
+
+def test_sentences_by_punkt_and_wonderwords_lists() -> None:
+    """Punkt with NLTK's English parameters: "Dr." stays inside its sentence (the regex this replaces
+    split there), and "i.e. little" splits as NLTK 3.10's sent_tokenize splits it (values taken from
+    NLTK); wonderwords' lists are read in file order, as RULER reads them."""
+    assert R.split_sentences("Dr. Smith went home. He was tired.") == ["Dr. Smith went home.", "He was tired."]
+    assert R.split_sentences("It cost 3.5 dollars, i.e. little. Then he left.") == [
+        "It cost 3.5 dollars, i.e.", "little.", "Then he left."]
+    nouns = R.wonderwords_list("noun")
+    assert len(nouns) > 6000 and len(R.word_list()) == len(set(R.word_list())) > 8000
+    with pytest.raises(OwaiError):
+        R.wonderwords_list("adverb")

