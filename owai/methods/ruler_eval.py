@@ -91,6 +91,7 @@ class Ruler(Method):
                 raise OwaiError("a reference model needs reference_tokenizer to fit prompts to token budgets "
                                 "(e.g. a folder with GPT-2's encoder.json + vocab.bpe)")
             reference_tokenizer(cfg.reference_tokenizer)  # loads, or one line
+        check_ablation(cfg.model, cfg.ablate)  # the model's own settings before the data it is fed
         if any(t in ruler.SYNTHETIC_TASKS for t in cfg.tasks):
             essays = haystack_folder(cfg.haystack_dir)
             if any(ruler.NIAH_VARIANTS.get(t, {}).get("haystack") == "essay" for t in cfg.tasks):
@@ -98,7 +99,6 @@ class Ruler(Method):
         for task, kind, source in (("qa_1", "squad", cfg.squad), ("qa_2", "hotpotqa", cfg.hotpotqa)):
             if task in cfg.tasks and not _remote(source):
                 ruler.load_qa(kind, source if source == "synthetic" else qa_source(source))  # missing fields: one line
-        check_ablation(cfg.model, cfg.ablate)
         limit, _ = check_model(cfg.model, cfg.tokenizer)
         limit = cfg.max_tokens or limit
         too_long = [c for c in cfg.ctx if limit and ruler.parse_context_length(c) > limit]
