@@ -298,3 +298,30 @@ def test_hflm_models_and_tokenizers_are_checked_before_a_run(llama_dir, tmp_path
                                      str(tmp_path / "runs")], capsys)
         assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
         assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "gpt2", "n_positions": 1024, "n_ctx": 512},
+    {"model_type": "llama", "max_position_embeddings": 4096},
+    {"model_type": "gptj", "n_ctx": 2048},
+    {"model_type": "gemma3", "max_position_embeddings": 1200, "text_config": {"max_position_embeddings": 32768}},
+])
+def test_foreign_max_length_is_read_from_the_config_as_the_harness_reads_it(config) -> None:
+    from types import SimpleNamespace
+
+    from lm_eval.models.utils import resolve_max_length
+
+    from owai.evals.causal_lm import config_max_length
+
+    text = config.get("text_config")
+    theirs = SimpleNamespace(**{**config, "text_config": SimpleNamespace(**text) if text else None})
+    assert config_max_length(config) == resolve_max_length(theirs, None)
+
+
+def test_owai_models_keep_their_own_length_limits() -> None:
+    from owai.evals.causal_lm import config_max_length
+
+    assert config_max_length({"model_type": "owai_gpt", "position": "learned", "block_size": 16}) == 16
+    assert config_max_length({"model_type": "owai_gpt", "position": "rope", "block_size": 16}) is None
+    assert config_max_length({"model_type": "owai_memory_mosaics_v2", "max_position_embeddings": 8}) is None
+    assert config_max_length({"model_type": "mamba"}) is None  # none named: OwaiLM then uses HFLM's 2048
