@@ -18,7 +18,8 @@ and the log-likelihood suites also `loglikelihood(context, continuation) -> (flo
 
 `generate_many(prompts)` runs `batch_size` prompts at once, left-padded, for models that read
 padding as something apart (Hugging Face models, owai's GPT and Memory Mosaics v2: the padding
-is a document no real token reads); Memory Mosaics v1 and the LSTM run one prompt at a time.
+is a document no real token reads; the LSTM runs each row over its own tokens); Memory Mosaics v1
+runs one prompt at a time.
 `generate_all(model, prompts)` is how the suites call any model (reference models included).
 Prompts over `max_tokens` (minus the generation budget) are the suites' overflow, never truncated
 here. On CUDA the model runs in bfloat16 (`precision="auto"`). `ablate("long_term_memory")` switches
@@ -38,7 +39,7 @@ from owai.errors import OwaiError
 
 REFERENCE = "reference:"
 ABLATIONS = ("long_term_memory",)
-NO_PADDING = ("owai_memory_mosaics", "owai_lstm")  # model types that cannot read left-padded batches
+NO_PADDING = ("owai_memory_mosaics",)  # model types that cannot read left-padded batches
 
 
 class CausalLM:
