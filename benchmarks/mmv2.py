@@ -132,6 +132,8 @@ def generation(args) -> None:
     """Prefill a context of n tokens, then time `--new` single-token steps with the cache."""
     import torch
 
+    from owai.models.hf_cache import cache_kwargs, output_cache
+
     print(f"cached generation, {args.size} models, batch 1, {args.device}: seconds per new token after n context tokens")
     for arch in args.archs:
         model = build(arch, args.size, args.vocab, args.device).eval()
@@ -139,10 +141,10 @@ def generation(args) -> None:
             x = torch.randint(0, args.vocab, (1, n), device=args.device)
             with torch.no_grad(), torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.device == "cuda"):
                 out = model(input_ids=x, use_cache=True, logits_to_keep=1)
-                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                cache, token = output_cache(out), out.logits[:, -1:].argmax(-1)
                 start = time.perf_counter()
                 for _ in range(args.new):
-                    out = model(input_ids=token, past_key_values=cache, use_cache=True)
+                    out = model(input_ids=token, use_cache=True, **cache_kwargs(cache))
                     token = out.logits[:, -1:].argmax(-1)
                 if args.device == "cuda":
                     torch.cuda.synchronize()

@@ -216,16 +216,16 @@ def test_a_streamed_corpus_trains_and_resumes_where_it_stopped(tmp_path: Path, t
     assert losses(run, "mmv2") == before
 
 
-@pytest.mark.parametrize("arch", ["mmv2", "transformer"])
+@pytest.mark.parametrize("arch", ["mmv2", "transformer", "lstm"])
 def test_the_evaluation_interface_batches_left_padded_prompts(arch: str):
     """owai.evals.causal_lm: batch_size prompts per generate call, left-padded, give what each prompt
-    gives alone (v2 reads the padding as a document of its own; Llama masks it)."""
+    gives alone (v2 reads the padding as a document of its own; Llama masks it; the LSTM skips it)."""
     from owai.data.text import ByteTokenizer
     from owai.evals.causal_lm import CausalLM, generate_all
     from owai.models.lm import build_lm
 
     torch.manual_seed(0)
-    kw = dict(n_layer=2, n_embd=32, n_head=2, ffn_hidden=64, vocab_size=260)
+    kw = dict(n_layer=2, n_embd=32, vocab_size=260) | ({} if arch == "lstm" else dict(n_head=2, ffn_hidden=64))
     model = build_lm(arch, **kw, **({"short_window": 6, "long_delay_eval": 3} if arch == "mmv2" else {}))
     lm = CausalLM(model, ByteTokenizer(), arch, torch.device("cpu"))
     prompts = ["the cat sat", "a much longer prompt about the river", "x", "seven brown dogs ran past"]

@@ -213,3 +213,115 @@ def test_the_harnesss_own_hflm_runs_through_the_same_command(tiny_dir, tmp_path,
     results = json.loads(next((tmp_path / "runs" / "table4.1-harness").iterdir()).joinpath("results.json").read_text())
     assert results["details"]["results"]["owai_mc_smoke"]["sample_len"] == 4
     assert 0.0 <= {r["metric"]: r["measured"] for r in results["rows"]}["owai_mc_smoke.acc"] <= 1.0
+
+
+# ------------------------------------------------------------------ agreement with the harness's own HFLM (issue #35)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    """A random Llama (max_position_embeddings 64) with a character tokenizer whose BOS `<s>` (1) and
+    EOS `</s>` (2) differ and that adds the BOS as Llama's tokenizers do, saved with save_pretrained."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("llama")
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {chr(i): i - 29 for i in range(32, 127)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                            pad_token="</s>").save_pretrained(path)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=2, initializer_range=0.2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_owai_adapter_scores_a_llama_as_the_harnesss_hflm_does(llama_dir) -> None:
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from owai.evals import harness
+    from owai.evals.causal_lm import open_model
+
+    theirs = HFLM(pretrained=str(llama_dir), device="cpu", batch_size=1, dtype="float32")
+    ours = harness.OwaiLM(open_model(str(llama_dir), str(llama_dir), torch.device("cpu"), "float32"))
+    assert ours.max_length == theirs.max_length == 64  # max_position_embeddings
+    assert (ours.prefix_token_id, ours.eot_token_id) == (theirs.prefix_token_id, theirs.eot_token_id) == (1, 2)
+    for text in ("The cat sat.", "a</s>b <s> c", "<s>starts with BOS"):
+        assert ours.tok_encode(text) == theirs.tok_encode(text)
+    assert theirs.tok_encode("ab")[0] == 1 and 2 in theirs.tok_encode("a</s>b")  # BOS added, </s> a special token
+    pairs = [("The cat", " sat on the mat."), ("", "hello"), ("Question: 2+2?</s>Answer:", " 4"),
+             ("x <s> y", " z</s>")]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    for (a, greedy_a), (b, greedy_b) in zip(ours.loglikelihood(requests), theirs.loglikelihood(requests)):
+        assert a == pytest.approx(b, abs=1e-4) and greedy_a == greedy_b
+    rolling = [Instance("loglikelihood_rolling", {}, (text,), 0) for text in ("one two</s>three " * 6,)]
+    assert ours.loglikelihood_rolling(rolling)[0] == pytest.approx(theirs.loglikelihood_rolling(rolling)[0], abs=1e-3)
+
+
+def test_importing_owais_adapter_leaves_the_harnesss_own_models_usable(llama_dir) -> None:
+    """In one fresh process: import owai's adapter, then run lm-eval's own `hf` model by name."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import owai.evals.harness as h\n"
+        "from lm_eval import simple_evaluate\n"
+        f"r = simple_evaluate(model='hf', model_args='pretrained={llama_dir},dtype=float32', tasks=['owai_mc_smoke'],"
+        " limit=2, task_manager=h.task_manager(), device='cpu', batch_size=1, bootstrap_iters=0)\n"
+        "print('sample_len', r['results']['owai_mc_smoke']['sample_len'])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
+           "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "sample_len 2" in done.stdout
+
+
+def test_hflm_models_and_tokenizers_are_checked_before_a_run(llama_dir, tmp_path, capsys) -> None:
+    from tests.conftest import cli_in_process
+
+    for args, message in ((["--model", f"hflm:{tmp_path / 'nowhere'}"], "no such model directory"),
+                          (["--model", "hflm:no-one/no-model"], "not in the local Hugging Face cache"),
+                          (["--model", f"hflm:{tmp_path}"], "no config.json there"),
+                          (["--model", f"hflm:{llama_dir}", "--tokenizer", str(tmp_path / "no.json")],
+                           "no such file or directory"),
+                          (["--model", str(llama_dir), "--tokenizer", str(tmp_path / "no.json")],
+                           "no such file or directory")):
+        rc, _, err = cli_in_process(["eval", "harness", *args, "--tasks", "owai_mc_smoke", "-q", "-o",
+                                     str(tmp_path / "runs")], capsys)
+        assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "gpt2", "n_positions": 1024, "n_ctx": 512},
+    {"model_type": "llama", "max_position_embeddings": 4096},
+    {"model_type": "gptj", "n_ctx": 2048},
+    {"model_type": "gemma3", "max_position_embeddings": 1200, "text_config": {"max_position_embeddings": 32768}},
+])
+def test_foreign_max_length_is_read_from_the_config_as_the_harness_reads_it(config) -> None:
+    from types import SimpleNamespace
+
+    from lm_eval.models.utils import resolve_max_length
+
+    from owai.evals.causal_lm import config_max_length
+
+    text = config.get("text_config")
+    theirs = SimpleNamespace(**{**config, "text_config": SimpleNamespace(**text) if text else None})
+    assert config_max_length(config) == resolve_max_length(theirs, None)
+
+
+def test_owai_models_keep_their_own_length_limits() -> None:
+    from owai.evals.causal_lm import config_max_length
+
+    assert config_max_length({"model_type": "owai_gpt", "position": "learned", "block_size": 16}) == 16
+    assert config_max_length({"model_type": "owai_gpt", "position": "rope", "block_size": 16}) is None
+    assert config_max_length({"model_type": "owai_memory_mosaics_v2", "max_position_embeddings": 8}) is None
+    assert config_max_length({"model_type": "mamba"}) is None  # none named: OwaiLM then uses HFLM's 2048

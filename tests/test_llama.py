@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from owai.errors import OwaiError
+from owai.models.hf_cache import cache_kwargs, output_cache
 from owai.models.sizes import SIZES
 from owai.models.lm import (
     ARCHITECTURES,
@@ -140,7 +141,8 @@ def test_greedy_generate_with_cache_matches_full_forwards():
     with torch.no_grad():
         out = model.generate(prompt, max_new_tokens=10, do_sample=False, return_dict_in_generate=True,
                              output_logits=True)
-        assert out.past_key_values is not None and out.past_key_values.get_seq_length() >= 15  # decoded with a cache
+        cache = output_cache(out)
+        assert cache is not None and cache.get_seq_length() >= 15  # decoded with a cache
         seq = prompt
         for step in range(10):
             logits = model(input_ids=seq).logits[:, -1]
@@ -151,7 +153,7 @@ def test_greedy_generate_with_cache_matches_full_forwards():
     with torch.no_grad():
         full = model(input_ids=seq).logits
         first = model(input_ids=seq[:, :9], use_cache=True)
-        rest = model(input_ids=seq[:, 9:], past_key_values=first.past_key_values, use_cache=True).logits
+        rest = model(input_ids=seq[:, 9:], use_cache=True, **cache_kwargs(output_cache(first))).logits
     assert torch.allclose(torch.cat([first.logits, rest], 1), full, atol=1e-5, rtol=0)
 
 

@@ -688,10 +688,19 @@ class Tokenizer:
     vocab_size: int
     eot_id: int
     fingerprint: str
+    bos_id: int | None = None  # the beginning-of-sequence token of a transformers tokenizer, if it has one
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (no eot, no special-token parsing: like tiktoken encode_ordinary)."""
         raise NotImplementedError
+
+    def encode_as_transformers(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` as transformers' `tokenizer.encode` gives them (what lm-evaluation-harness's
+        HFLM scores): a special token's string inside the text is that token, and with
+        `add_special_tokens` the tokenizer's own additions (a Llama tokenizer's BOS) are made. Here:
+        EOT_TEXT is the eot token, nothing is added."""
+        parts = [self.encode(part) for part in text.split(EOT_TEXT)]
+        return [i for k, part in enumerate(parts) for i in ([self.eot_id] if k else []) + part]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """`encode` over a list (parallel where the backend allows)."""
@@ -734,8 +743,9 @@ class ByteTokenizer(Tokenizer):
 class HFTokenizer(Tokenizer):
     """A `tokenizers.Tokenizer` (GPT-2 from the hub, a local tokenizer, or a trained bpe-N)."""
 
-    def __init__(self, name: str, backend: Any, eot_id: int) -> None:
+    def __init__(self, name: str, backend: Any, eot_id: int, bos_id: int | None = None) -> None:
         self.name, self.backend, self.eot_id = name, backend, int(eot_id)
+        self.bos_id = None if bos_id is None else int(bos_id)
         backend.encode_special_tokens = True  # "<|endoftext|>" inside a document is plain text
         self.vocab_size = int(backend.get_vocab_size(with_added_tokens=True))
         self.fingerprint = hashlib.sha256(backend.to_str().encode()).hexdigest()[:16]
@@ -746,16 +756,29 @@ class HFTokenizer(Tokenizer):
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
 
+    def encode_as_transformers(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._parsing_backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @functools.cached_property
+    def _parsing_backend(self) -> Any:
+        """A copy of the backend that reads special-token strings as special tokens (transformers' default)."""
+        from tokenizers import Tokenizer as Backend
+
+        backend = Backend.from_str(self.backend.to_str())
+        backend.encode_special_tokens = False
+        return backend
+
     def decode(self, ids: Iterable[int]) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"name": self.name, "json": self.backend.to_str(), "eot_id": self.eot_id}
+        return {"name": self.name, "json": self.backend.to_str(), "eot_id": self.eot_id, "bos_id": self.bos_id}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         from tokenizers import Tokenizer as Backend
 
-        self.__init__(state["name"], Backend.from_str(state["json"]), state["eot_id"])  # type: ignore[misc]
+        self.__init__(state["name"], Backend.from_str(state["json"]), state["eot_id"],  # type: ignore[misc]
+                      state.get("bos_id"))
 
 
 def load_tokenizer(name: str, cache_dir: str | Path | None = None, training_texts: Iterable[str] | None = None,
@@ -931,7 +954,7 @@ def _from_transformers(name: str, path: Path) -> HFTokenizer:
     eot = tok.eos_token_id if tok.eos_token_id is not None else backend.token_to_id(EOT_TEXT)
     if eot is None:
         raise OwaiError(f"tokenizer {name!r} has no end-of-text token to separate documents")
-    return HFTokenizer(name, backend, eot)
+    return HFTokenizer(name, backend, eot, tok.bos_token_id)
 
 
 def _bpe(vocab: int, root: Path, texts: Iterable[str] | None, fingerprint: str | None) -> HFTokenizer:

@@ -18,7 +18,8 @@ and the log-likelihood suites also `loglikelihood(context, continuation) -> (flo
 
 `generate_many(prompts)` runs `batch_size` prompts at once, left-padded, for models that read
 padding as something apart (Hugging Face models, owai's GPT and Memory Mosaics v2: the padding
-is a document no real token reads); Memory Mosaics v1 and the LSTM run one prompt at a time.
+is a document no real token reads; the LSTM runs each row over its own tokens); Memory Mosaics v1
+runs one prompt at a time.
 `generate_all(model, prompts)` is how the suites call any model (reference models included).
 Prompts over `max_tokens` (minus the generation budget) are the suites' overflow, never truncated
 here. On CUDA the model runs in bfloat16 (`precision="auto"`). `ablate("long_term_memory")` switches
@@ -38,7 +39,7 @@ from owai.errors import OwaiError
 
 REFERENCE = "reference:"
 ABLATIONS = ("long_term_memory",)
-NO_PADDING = ("owai_memory_mosaics", "owai_lstm")  # model types that cannot read left-padded batches
+NO_PADDING = ("owai_memory_mosaics",)  # model types that cannot read left-padded batches
 
 
 class CausalLM:
@@ -52,7 +53,7 @@ class CausalLM:
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[auto_precision(precision, self.device)]
         self.model = model.to(self.device, dtype=dtype).eval()
         self.tokenizer, self.label = tokenizer, label
-        self.max_tokens = _max_tokens(self.model)
+        self.max_tokens = config_max_length(self.model.config.to_dict())
         self.ablated: set[str] = set()
         self.batch_size = 1  # prompts per generate call (generate_many)
         self.pads = getattr(self.model.config, "model_type", "") not in NO_PADDING
@@ -145,20 +146,6 @@ def generate_all(model: Any, prompts: list[str], **kwargs: Any) -> list[str]:
     return [model.generate(p, **kwargs) for p in prompts]
 
 
-def _max_tokens(model: torch.nn.Module) -> int | None:
-    """The longest input the model takes: a learned position table's length, else None (any length:
-    owai's RoPE / no-position models extrapolate; the suites then report what they measure)."""
-    from owai.models.lm import context_limit
-
-    limit = context_limit(model)
-    if limit is not None:
-        return limit
-    config = model.config
-    if getattr(config, "model_type", "") in ("gpt2", "gpt_neo", "opt", "bloom"):
-        return int(getattr(config, "n_positions", 0) or getattr(config, "max_position_embeddings", 0)) or None
-    return None
-
-
 def open_model(spec: str, tokenizer: str = "", device: torch.device | None = None, precision: str = "auto",
                reference_data: Any = None) -> Any:
     """The model `spec` names (module docstring): a CausalLM, or a reference model of the suite."""
@@ -222,15 +209,28 @@ def check_model(spec: str, tokenizer: str = "") -> tuple[int | None, Any]:
     if isinstance(rows, int) and tok.vocab_size > rows:
         raise OwaiError(f"tokenizer {name} has {tok.vocab_size} tokens but {label}'s embedding has {rows} rows: "
                         "not the model's tokenizer")
-    return _config_max_tokens(config), tok
+    return config_max_length(config), tok
 
 
-def _config_max_tokens(config: dict[str, Any]) -> int | None:
-    """`_max_tokens` read from a config.json (no model built)."""
-    if config.get("model_type") == "owai_gpt":
+# config keys that carry a model's context length: lm-evaluation-harness HFLM's, in its order, then seq_length
+SEQLEN_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "seq_length")
+
+
+def config_max_length(config: dict[str, Any]) -> int | None:
+    """The longest sequence a model config (config.json's dict) allows. owai's models: a learned
+    position table's length, else None (any length: RoPE / no-position models extrapolate; the suites
+    report what they measure). Any other architecture as lm-evaluation-harness's HFLM reads it: the
+    first of SEQLEN_KEYS set, in `text_config` for a composite model; None when none is."""
+    kind = str(config.get("model_type") or "")
+    if kind == "owai_gpt":
         return int(config["block_size"]) if config.get("position") == "learned" and config.get("block_size") else None
-    if config.get("model_type") in ("gpt2", "gpt_neo", "opt", "bloom"):
-        return int(config.get("n_positions") or config.get("max_position_embeddings") or 0) or None
+    if kind.startswith("owai_"):
+        return None
+    text = config.get("text_config") or config
+    for key in SEQLEN_KEYS:
+        value = text.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
     return None
 
 

@@ -5,7 +5,15 @@ evals.md sec 5).
 `open_model` opens (an owai run directory, a save_pretrained directory, a hub id) runs the harness's
 tasks through owai's own tokenizer, and `CausalLM.ablate("long_term_memory")` gives Tables 4.2 / 4.3's
 "without long-term memory" rows. It is registered as the harness model `owai` (the import registers it:
-the harness CLI only sees it once this module is imported, so owai calls the Python API, `evaluate`).
+the harness CLI only sees it once this module is imported, so owai calls the Python API, `evaluate`),
+after the harness's own models, which stay usable in the same process (`simple_evaluate(model="hf")`).
+
+It scores as the harness's HFLM does on the same model and tokenizer: text is encoded as transformers
+encodes it (special-token strings are special tokens, the tokenizer's BOS is added unless the text
+starts with it: `Tokenizer.encode_as_transformers`), the empty-context prefix is the BOS token, else
+the end-of-text token, and the maximum length comes from the config as HFLM reads it
+(`causal_lm.config_max_length`; HFLM's default 2048 when a foreign config has none; owai's own models
+without a position table have no limit).
 
     loglikelihood        context + continuation in one forward; the continuation's positions scored;
                          the sequence left-truncated to the model's length when it has one
@@ -87,8 +95,11 @@ def require_harness() -> Any:
 
 require_harness()  # the classes below subclass the harness's
 
+import lm_eval.models  # noqa: E402,F401  (the harness's own models first: it fills its registry only when empty)
 from lm_eval.api.model import LM, TemplateLM  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
+
+HARNESS_DEFAULT_LENGTH = 2048  # HFLM's maximum length when a model's config gives none (lm_eval.defaults)
 
 
 @register_model("owai")
@@ -108,14 +119,23 @@ class OwaiLM(TemplateLM):
             lm = open_model(pretrained, tokenizer, device, precision)
         self.lm = lm
         self._max_length = int(max_length) if max_length else lm.max_tokens
+        if self._max_length is None and not str(getattr(lm.model.config, "model_type", "")).startswith("owai_"):
+            self._max_length = HARNESS_DEFAULT_LENGTH  # a foreign model whose config names no length, as HFLM
         self.max_gen_toks = int(max_gen_toks)
         if getattr(lm.tokenizer, "eot_id", None) is None:
             raise OwaiError(f"{lm.label}: its tokenizer has no end-of-text token (the harness's prefix token)")
+        self._prefix_text = lm.tokenizer.decode([self.prefix_token_id])
 
     # -- tokens -------------------------------------------------------------------------------------
     @property
     def eot_token_id(self) -> int:
         return int(self.lm.tokenizer.eot_id)
+
+    @property
+    def prefix_token_id(self) -> int:
+        """What an empty context is scored after: the BOS token if the tokenizer has one, else end-of-text (HFLM's rule)."""
+        bos = getattr(self.lm.tokenizer, "bos_id", None)
+        return int(bos) if bos is not None else self.eot_token_id
 
     @property
     def max_length(self) -> int | None:
@@ -127,7 +147,12 @@ class OwaiLM(TemplateLM):
         return self.lm.device
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
-        return list(self.lm.tokenizer.encode(string))
+        """`string` as HFLM encodes it: the tokenizer's additions (BOS) unless asked not to or the text
+        already starts with the prefix token; special-token strings are special tokens."""
+        add = True if add_special_tokens is None else bool(add_special_tokens)
+        if add_special_tokens is None and self._prefix_text and string.startswith(self._prefix_text):
+            add = False
+        return list(self.lm.tokenizer.encode_as_transformers(string, add_special_tokens=add))
 
     def tok_decode(self, tokens: Any, **kwargs: Any) -> str:
         return self.lm.tokenizer.decode([int(t) for t in tokens])

@@ -58,6 +58,35 @@ class Config(BaseConfig):
     row: str = ""
 
 
+def check_hflm(target: str, tokenizer: str = "") -> None:
+    """Before a run, what the harness's HFLM needs for `hflm:TARGET`: accelerate (the `eval` extra), a
+    model directory or hub id (cached, or the hub answers) whose config loads, and the tokenizer given."""
+    from owai.data.text import check_tokenizer, one_line
+
+    if not target:
+        raise OwaiError("hflm: needs a Hugging Face id or a model directory after it")
+    try:
+        import accelerate  # noqa: F401  (HFLM imports it)
+    except ImportError:
+        raise OwaiError("the harness's HFLM needs accelerate: pip install 'owai[eval]'") from None
+    path = Path(target).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise OwaiError(f"hflm:{target}: no config.json there (a save_pretrained model directory)")
+    elif target.startswith((".", "/", "~")) or target.count("/") > 1:
+        raise OwaiError(f"hflm:{target}: no such model directory (and not a Hugging Face id)")
+    else:
+        check_tokenizer(target)  # a hub id: in the local cache or the hub answers, one line otherwise
+    if tokenizer:
+        check_tokenizer(tokenizer)
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(str(path) if path.exists() else target)
+    except Exception as exc:  # noqa: BLE001 - unknown model type, bad JSON, hub errors: one line
+        raise OwaiError(f"hflm:{target}: its model config does not load ({one_line(exc)})") from None
+
+
 class Harness(Method):
     Config = Config
     cli = "owai eval harness"
@@ -90,12 +119,11 @@ class Harness(Method):
                 raise OwaiError(f"unknown harness task(s) {', '.join(unknown)} (lm_eval --tasks list shows them; "
                                 "task YAML folders: --set include_path=[DIR])")
         if cfg.model.startswith(HFLM):
-            if not cfg.model[len(HFLM):]:
-                raise OwaiError("hflm: needs a Hugging Face id or a model directory after it")
             if cfg.ablate:
                 raise OwaiError("the harness's HFLM has no owai ablation switch: use an owai model path for --ablate")
+            check_hflm(cfg.model[len(HFLM):], cfg.tokenizer)
             return
-        check_model(cfg.model)
+        check_model(cfg.model, cfg.tokenizer)
         check_ablation(cfg.model, cfg.ablate)
 
     def run(self, cfg: Config, run: Run) -> Outcome:

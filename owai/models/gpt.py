@@ -36,6 +36,7 @@ except ImportError:  # pragma: no cover - older transformers
     from torch.nn import init
 
 from owai.errors import OwaiError
+from owai.models.hf_cache import given_cache, with_cache
 
 POSITIONS = ("learned", "rope", "alibi", "none")
 
@@ -330,31 +331,34 @@ class GPTForCausalLM(PreTrainedModel, GenerationMixin):
         self,
         input_ids: torch.LongTensor,
         labels: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         return_dict: bool = True,
         logits_to_keep: int = 0,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
         """input_ids (B, T) -> logits (B, T, V) for every position (or the last `logits_to_keep`).
 
         labels (B, T): HF convention, the same tokens as input_ids; shifted here so position t
         predicts labels[t+1]; -100 is ignored; loss = mean cross-entropy.
-        Cache: `use_cache` defaults to "only if `past_key_values` is given" (so training and
-        evaluation never hold keys/values they do not need); `use_cache=True` alone starts a new
-        `DynamicCache`. With a cache, input_ids are only the new tokens; the cache holds the rest
-        and is updated in place (`Cache.update(k, v, layer_idx)`) and returned.
+        Cache (`cache`, or its older name `past_key_values`; owai.models.hf_cache): `use_cache`
+        defaults to "only if a cache is given" (so training and evaluation never hold keys/values
+        they do not need); `use_cache=True` alone starts a new `DynamicCache`. With a cache,
+        input_ids are only the new tokens; the cache holds the rest and is updated in place
+        (`Cache.update(k, v, layer_idx)`) and returned.
         """
         B, T = input_ids.shape
+        cache = given_cache(cache, past_key_values)
         if use_cache is None:
-            use_cache = past_key_values is not None
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        if past_key_values is not None and not isinstance(past_key_values, Cache):
-            raise OwaiError("past_key_values must be a transformers Cache (e.g. DynamicCache), not a tuple")
-        cache = past_key_values if use_cache else None
+            use_cache = cache is not None
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if cache is not None and not isinstance(cache, Cache):
+            raise OwaiError("the cache must be a transformers Cache (e.g. DynamicCache), not a tuple")
+        cache = cache if use_cache else None
         past = cache.get_seq_length() if cache is not None else 0
 
         x, rope = self._embed(input_ids, past, position_ids)  # (B, T, C)
@@ -372,7 +376,7 @@ class GPTForCausalLM(PreTrainedModel, GenerationMixin):
             targets = F.pad(labels, (0, 1), value=-100)[:, 1:].to(logits.device)
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
 
-        out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+        out = with_cache(CausalLMOutputWithPast, cache, loss=loss, logits=logits)
         return out if return_dict else out.to_tuple()
 
     @torch.no_grad()

@@ -4,8 +4,11 @@
 
 The same interface as the other zoo models (a Hugging Face `PreTrainedModel` causal LM: forward
 with labels, save_pretrained / from_pretrained through the Auto classes), so the RegBench method
-treats it like the Memory Mosaic and the transformer. Importing this module registers
-`owai_lstm` with `AutoConfig` / `AutoModelForCausalLM`.
+treats it like the Memory Mosaic and the transformer. `generate` decodes with an `LSTMCache` (the
+recurrent state after the last token); a 2-D attention_mask whose ones are contiguous per row (left
+or right padding) runs each row over its own tokens only, from a zero state, so a left-padded row
+generates what it generates alone. Importing this module registers `owai_lstm` with `AutoConfig` /
+`AutoModelForCausalLM`.
 """
 
 from __future__ import annotations
@@ -13,10 +16,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutput
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from owai.errors import OwaiError
+from owai.models.hf_cache import StateCache, given_cache, own_generation_cache, with_cache
 
 
 class LSTMConfig(PretrainedConfig):
@@ -41,7 +46,28 @@ class LSTMConfig(PretrainedConfig):
             raise OwaiError(f"lstm config: dropout must be in [0, 1), got {self.dropout!r}")
 
 
-class LSTMForCausalLM(PreTrainedModel):
+class LSTMCache(StateCache):
+    """The LSTM's state after the last token seen: one layer entry {"h", "c"}, each (B, n_layer, C)."""
+
+    recurrent = True
+
+
+def _token_spans(attention_mask: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) mask of 1/0 -> first real position and number of real tokens per row (B,), (B,).
+    OwaiError unless each row's ones are one contiguous, non-empty run (left or right padding)."""
+    if attention_mask.dim() != 2 or attention_mask.shape[1] != T:
+        raise OwaiError(f"lstm: attention_mask must be 2-D (batch, {T}) of 1/0, got shape {tuple(attention_mask.shape)}")
+    keep = attention_mask.bool()
+    length = keep.sum(-1)
+    start = keep.long().argmax(-1)  # the first 1
+    pos = torch.arange(T, device=keep.device)
+    inside = (pos >= start[:, None]) & (pos < (start + length)[:, None])
+    if bool((length == 0).any()) or not torch.equal(inside, keep):
+        raise OwaiError("lstm: attention_mask rows must be one run of ones (left or right padding), none empty")
+    return start, length
+
+
+class LSTMForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = LSTMConfig
     main_input_name = "input_ids"
     _no_split_modules = ["LSTM"]
@@ -79,18 +105,71 @@ class LSTMForCausalLM(PreTrainedModel):
         return self.lm_head
 
     def forward(self, input_ids: torch.LongTensor, labels: torch.LongTensor | None = None,
-                return_dict: bool = True, **kwargs) -> CausalLMOutput | tuple:
+                attention_mask: torch.Tensor | None = None, cache: LSTMCache | None = None,
+                use_cache: bool | None = None, return_dict: bool = True,
+                past_key_values: LSTMCache | None = None, **kwargs) -> CausalLMOutputWithPast | tuple:
         """input_ids (B, T) -> logits (B, T, V); labels as in the other zoo models (the same tokens,
-        shifted here so position t predicts labels[t+1]; -100 ignored)."""
+        shifted here so position t predicts labels[t+1]; -100 ignored).
+
+        attention_mask (B, past+T): padded positions are skipped (their hidden outputs are zeros);
+        with a cache the new T columns must be ones. cache (or `past_key_values`):
+        the state to continue from, updated in place and returned; use_cache=True alone starts one.
+        """
+        B, T = input_ids.shape
+        cache = given_cache(cache, past_key_values)
+        if cache is not None and not isinstance(cache, LSTMCache):
+            raise OwaiError(f"lstm: the cache must be an LSTMCache, got {type(cache).__name__}")
+        if use_cache is None:
+            use_cache = cache is not None
+        if cache is None and use_cache:
+            cache = LSTMCache()
+        past = cache.get_seq_length() if cache is not None else 0
+        state = None
+        if past:
+            layer = cache.layers[0]
+            if layer["h"].shape[0] != B:
+                raise OwaiError("lstm: batch size differs from the cache's")
+            state = (layer["h"].transpose(0, 1).contiguous(), layer["c"].transpose(0, 1).contiguous())
+
         x = self.drop(self.wte(input_ids))  # (B, T, C)
-        h, _ = self.lstm(x)  # (B, T, C)
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        if padded and past:
+            if attention_mask.dim() != 2 or attention_mask.shape[1] != past + T or not bool(attention_mask[:, past:].all()):
+                raise OwaiError(f"lstm: with a cache, attention_mask must be (batch, {past + T}) with its last {T} columns 1")
+            padded = False  # the padding is in the cached past: the state already skipped it
+        if padded:
+            h, state = self._run_spans(x, *_token_spans(attention_mask, T))
+        else:
+            h, state = self.lstm(x, state)  # (B, T, C)
         logits = self.lm_head(self.drop(h))  # (B, T, V)
+        if cache is not None:
+            cache.layers = [{"h": state[0].transpose(0, 1), "c": state[1].transpose(0, 1)}]
+            cache.seen_tokens = past + T
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        out_cache = cache if use_cache else None
         if not return_dict:
-            return (loss, logits) if loss is not None else (logits,)
-        return CausalLMOutput(loss=loss, logits=logits)
+            return tuple(v for v in (loss, logits, out_cache) if v is not None)
+        return with_cache(CausalLMOutputWithPast, out_cache, loss=loss, logits=logits)
+
+    def _run_spans(self, x: torch.Tensor, start: torch.Tensor, length: torch.Tensor):
+        """The LSTM over each row's tokens start..start+length-1 only, from a zero state.
+        x (B, T, C) -> outputs (B, T, C) (zeros at padded positions) and the state (h, c)
+        after each row's last real token."""
+        B, T, C = x.shape
+        pos = torch.arange(T, device=x.device)
+        gather = (start[:, None] + pos).clamp(max=T - 1)[..., None].expand(B, T, C)  # real tokens first
+        packed = pack_padded_sequence(x.gather(1, gather), length.cpu(), batch_first=True, enforce_sorted=False)
+        out, state = self.lstm(packed)
+        out, _ = pad_packed_sequence(out, batch_first=True, total_length=T)  # (B, T, C), zeros past each length
+        back = (pos - start[:, None]).clamp(0, T - 1)[..., None].expand(B, T, C)  # position t <- row token t - start
+        inside = (pos >= start[:, None]) & (pos < (start + length)[:, None])
+        return torch.where(inside[..., None], out.gather(1, back), torch.zeros((), dtype=out.dtype)), state
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
+        """HF generate hook: an LSTMCache instead of a DynamicCache."""
+        own_generation_cache(generation_config, model_kwargs, LSTMCache, "lstm")
 
 
 AutoConfig.register(LSTMConfig.model_type, LSTMConfig, exist_ok=True)

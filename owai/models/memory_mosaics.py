@@ -48,6 +48,7 @@ from transformers import initialization as hf_init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from owai.errors import OwaiError
+from owai.models.hf_cache import CACHE_FIELD, StateCache, given_cache, own_generation_cache, with_cache
 
 # ---------------------------------------------------------------------------------------------
 # config
@@ -62,7 +63,7 @@ class MemoryMosaicsConfig(PreTrainedConfig):
 
     model_type = "owai_memory_mosaics"
     attribute_map = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = [CACHE_FIELD]
 
     vocab_size: int = 50304
     n_layer: int = 12
@@ -488,7 +489,7 @@ class MemoryMosaicsModel(nn.Module):
 # generation cache
 
 
-class MemoryMosaicsCache:
+class MemoryMosaicsCache(StateCache):
     """Incremental-decoding state, one dict per layer: keys, values, v_last, key_state (see
     ContextMemory.forward) and pmem_state (the persistent memory's leaky key sum).
 
@@ -496,32 +497,6 @@ class MemoryMosaicsCache:
     the newest raw value (its look-ahead needs the next token) and the two leaky key sums.
     Not a transformers `Cache`: the model builds it in `_prepare_cache_for_generation`.
     """
-
-    is_compileable = False
-    is_croppable = False
-
-    def __init__(self) -> None:
-        self.layers: list[dict[str, torch.Tensor]] = []
-        self.seen_tokens = 0
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.seen_tokens
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    def _apply(self, fn) -> None:
-        self.layers = [{name: fn(t) for name, t in layer.items()} for layer in self.layers]
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: keep batch rows beam_idx."""
-        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._apply(lambda t: t[indices])
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -608,27 +583,30 @@ class MemoryMosaicsForCausalLM(PreTrainedModel, GenerationMixin):
         self,
         input_ids: torch.LongTensor | None = None,
         labels: torch.LongTensor | None = None,
-        past_key_values: MemoryMosaicsCache | None = None,
+        cache: MemoryMosaicsCache | None = None,
         use_cache: bool | None = None,
         attention_mask: torch.Tensor | None = None,
         return_dict: bool | None = True,
+        past_key_values: MemoryMosaicsCache | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast | tuple:
         """input_ids (B, T) -> logits (B, T, V) for every position; loss if labels (shifted inside,
-        ignore_index -100). With past_key_values (or use_cache=True) the input continues the cached
-        sequence and the cache is updated in place and returned."""
+        ignore_index -100). With a cache (`cache`, or its older name `past_key_values`), or
+        use_cache=True, the input continues the cached sequence and the cache is updated in place
+        and returned."""
         if input_ids is None:
             raise OwaiError("memory mosaics: forward needs input_ids (inputs_embeds is not supported)")
         if kwargs.get("inputs_embeds") is not None:
             raise OwaiError("memory mosaics: inputs_embeds is not supported, pass input_ids")
         if attention_mask is not None and not torch.compiler.is_compiling() and not bool(attention_mask.all()):
             raise OwaiError("memory mosaics: padded attention_mask is not supported, use batches of equal length")
-        if past_key_values is not None and not isinstance(past_key_values, MemoryMosaicsCache):
-            kind = type(past_key_values).__name__
-            raise OwaiError(f"memory mosaics: past_key_values must be a MemoryMosaicsCache, got {kind}")
+        cache = given_cache(cache, past_key_values)
+        if cache is not None and not isinstance(cache, MemoryMosaicsCache):
+            raise OwaiError(f"memory mosaics: the cache must be a MemoryMosaicsCache, got {type(cache).__name__}")
         if use_cache is None:
-            use_cache = past_key_values is not None
-        cache = past_key_values if past_key_values is not None else (MemoryMosaicsCache() if use_cache else None)
+            use_cache = cache is not None
+        if cache is None and use_cache:
+            cache = MemoryMosaicsCache()
         past = 0
         if cache is not None:
             past = cache.get_seq_length()
@@ -652,7 +630,7 @@ class MemoryMosaicsForCausalLM(PreTrainedModel, GenerationMixin):
         out_cache = cache if use_cache else None
         if return_dict is False:
             return tuple(v for v in (loss, logits, out_cache) if v is not None)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out_cache)
+        return with_cache(CausalLMOutputWithPast, out_cache, loss=loss, logits=logits)
 
     def leaky_lambdas(self) -> torch.Tensor:
         """(n_layer, H) leaky-average coefficients lambda = exp(-10 |p_h|) of the contextual keys
@@ -676,19 +654,6 @@ class MemoryMosaicsForCausalLM(PreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
         """HF generate hook: give generation our own MemoryMosaicsCache instead of a DynamicCache."""
         own_generation_cache(generation_config, model_kwargs, MemoryMosaicsCache, "memory mosaics")
-
-
-def own_generation_cache(generation_config, model_kwargs: dict, cache_class: type, model_name: str) -> None:
-    """What a Memory Mosaics model's `_prepare_cache_for_generation` does: a `cache_class` cache for
-    `generate` (not a DynamicCache), unless generation runs without one; a cache given must be one."""
-    cache = model_kwargs.get("past_key_values")
-    if cache is not None:
-        if not isinstance(cache, cache_class):
-            raise OwaiError(f"{model_name}: generate(past_key_values=...) needs a {cache_class.__name__}")
-        return
-    if generation_config.use_cache is False:
-        return
-    model_kwargs["past_key_values"] = cache_class()
 
 
 # register for AutoConfig / AutoModelForCausalLM (no trust_remote_code: `import owai.models.memory_mosaics`)

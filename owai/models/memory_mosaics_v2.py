@@ -50,6 +50,7 @@ from transformers import initialization as hf_init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from owai.errors import OwaiError
+from owai.models.hf_cache import CACHE_FIELD, given_cache, with_cache
 from owai.models.memory_mosaics import MemoryMosaicsCache, own_generation_cache
 
 SHORT_EDGES = ("open", "closed")  # open: j >= t-h+1 (thesis main text); closed: j >= t-h (paper appendix)
@@ -65,7 +66,7 @@ class MemoryMosaicsV2Config(PreTrainedConfig):
 
     model_type = "owai_memory_mosaics_v2"
     attribute_map = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = [CACHE_FIELD]
 
     vocab_size: int = 128256
     n_layer: int = 24
@@ -509,11 +510,12 @@ class MemoryMosaicsV2ForCausalLM(PreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: MemoryMosaicsV2Cache | None = None,
+        cache: MemoryMosaicsV2Cache | None = None,
         use_cache: bool | None = None,
         long_delay: int | None = None,
         return_dict: bool | None = True,
         logits_to_keep: int = 0,
+        past_key_values: MemoryMosaicsV2Cache | None = None,
         **kwargs: Any,
     ) -> MemoryMosaicsV2Output | tuple:
         """input_ids (B, T) -> logits (B, T, V) (the last `logits_to_keep` only, if given).
@@ -523,16 +525,19 @@ class MemoryMosaicsV2ForCausalLM(PreTrainedModel, GenerationMixin):
         unmasked token). long_delay: the long-term memory's delay m for this call; None = a draw from
         long_delay_train in training mode, long_delay_eval in eval mode. labels: HF convention
         (shifted inside, -100 ignored); with a bag-of-k head the loss is L_next + bag_weight L_bag.
+        cache: as v1's (`past_key_values` is its older name; owai.models.hf_cache).
         """
         cfg = self.config
         if input_ids is None or kwargs.get("inputs_embeds") is not None:
             raise OwaiError("memory mosaics v2: forward needs input_ids (inputs_embeds is not supported)")
-        if past_key_values is not None and not isinstance(past_key_values, MemoryMosaicsV2Cache):
-            raise OwaiError(f"memory mosaics v2: past_key_values must be a MemoryMosaicsV2Cache, got {type(past_key_values).__name__}")
+        cache = given_cache(cache, past_key_values)
+        if cache is not None and not isinstance(cache, MemoryMosaicsV2Cache):
+            raise OwaiError(f"memory mosaics v2: the cache must be a MemoryMosaicsV2Cache, got {type(cache).__name__}")
         B, T = input_ids.shape
         if use_cache is None:
-            use_cache = past_key_values is not None
-        cache = past_key_values if past_key_values is not None else (MemoryMosaicsV2Cache() if use_cache else None)
+            use_cache = cache is not None
+        if cache is None and use_cache:
+            cache = MemoryMosaicsV2Cache()
         past = cache.get_seq_length() if cache is not None else 0
         if cache is not None:
             if not cache.layers:
@@ -572,7 +577,7 @@ class MemoryMosaicsV2ForCausalLM(PreTrainedModel, GenerationMixin):
         out_cache = cache if use_cache else None
         if return_dict is False:
             return tuple(v for v in (loss, logits, out_cache) if v is not None)
-        return MemoryMosaicsV2Output(loss=loss, logits=logits, past_key_values=out_cache, bag_logits=bag_logits)
+        return with_cache(MemoryMosaicsV2Output, out_cache, loss=loss, logits=logits, bag_logits=bag_logits)
 
     @staticmethod
     def _doc_starts(B: int, T: int, past: int, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,

@@ -1,0 +1,106 @@
+"""The generation cache between owai's language models and transformers' `generate`, in one place.
+
+transformers 5.x renamed the cache argument of `forward` and the cache field of the model outputs
+from `past_key_values` to `cache`: newer `generate` passes `cache=...` to the model and reads
+`outputs["cache"]`, older releases use `past_key_values`, and the new releases still accept the old
+name but log "`past_key_values`/`cache_params` are deprecated" on each use. So owai's models
+
+- accept both keyword arguments in `forward` (`given_cache`),
+- answer under the installed release's own field name (`CACHE_FIELD`, `with_cache`), so no
+  deprecation message is logged whatever the release,
+- and hand `generate` their own state caches (`StateCache`, `own_generation_cache`) under that name.
+
+Code that reads a cache from an output uses `output_cache(out)`, and code that passes one to a model
+it did not write (transformers' Llama) passes `**cache_kwargs(cache)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from owai.errors import OwaiError
+
+# "cache" on the releases that renamed it, else "past_key_values"
+CACHE_FIELD: str = (
+    "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+)
+
+
+def given_cache(cache: Any, past_key_values: Any) -> Any:
+    """The cache passed to a forward under either name (None if neither); both at once is an error."""
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise OwaiError("pass the cache once: as `cache` or as `past_key_values`, not both")
+    return cache if cache is not None else past_key_values
+
+
+def with_cache(output_class: type, cache: Any, **fields: Any):
+    """`output_class(**fields)` with `cache` under the installed release's field name."""
+    return output_class(**fields, **{CACHE_FIELD: cache})
+
+
+def output_cache(output: Any) -> Any:
+    """The cache a model output carries (None if it carries none), read without the deprecated name."""
+    return output.get(CACHE_FIELD)
+
+
+def cache_kwargs(cache: Any) -> dict[str, Any]:
+    """`{name: cache}` under the name the installed release's own models take in `forward`."""
+    return {CACHE_FIELD: cache}
+
+
+class StateCache:
+    """Incremental-decoding state of a model whose state is not keys and values per layer alone
+    (recurrent states, leaky sums): one dict of tensors per layer, batch first, and the number of
+    positions seen. Supports what `generate` does to a cache (beam reordering, batch selection and
+    repetition). Not a transformers `Cache`: a model hands it to `generate` through
+    `own_generation_cache` in its `_prepare_cache_for_generation`."""
+
+    is_compileable = False
+    is_croppable = False
+    recurrent = False  # True: a recurrent state only, no per-position entries (transformers' "linear" layers)
+
+    def __init__(self) -> None:
+        self.layers: list[dict[str, torch.Tensor]] = []
+        self.seen_tokens = 0
+
+    @property
+    def is_linear(self) -> list[bool]:
+        """transformers' per-layer flag (5.x) for a recurrent state, which `generate` never slices by position."""
+        return [self.recurrent] * len(self.layers)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def _apply(self, fn) -> None:
+        self.layers = [{name: fn(t) for name, t in layer.items()} for layer in self.layers]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: keep batch rows beam_idx."""
+        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._apply(lambda t: t[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
+
+
+def own_generation_cache(generation_config, model_kwargs: dict, cache_class: type, model_name: str) -> None:
+    """What a state-cache model's `_prepare_cache_for_generation` does: a `cache_class` cache for
+    `generate` (not a DynamicCache) under the release's cache name, unless generation runs without
+    one; a cache the caller gave must be one."""
+    cache = given_cache(model_kwargs.get("cache"), model_kwargs.get("past_key_values"))
+    if cache is not None:
+        if not isinstance(cache, cache_class):
+            raise OwaiError(f"{model_name}: generate needs a {cache_class.__name__} as its cache, got {type(cache).__name__}")
+        return
+    if generation_config.use_cache is False:
+        return
+    model_kwargs[CACHE_FIELD] = cache_class()
