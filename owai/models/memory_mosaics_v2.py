@@ -282,7 +282,7 @@ def _compiled(name: str) -> Any:
 
             _COMPILED[name] = torch.compile(flex_attention)
         else:
-            _COMPILED[name] = torch.compile(gated_key_scan)
+            _COMPILED[name] = torch.compile(gated_key_scan, dynamic=False)  # one graph per length (recursion depth)
     return _COMPILED[name]
 
 
