@@ -356,14 +356,14 @@ def flex_masks(config: MemoryMosaicsV2Config, doc_start: torch.Tensor | None, B:
     return masks
 
 
-def _flex_read(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_mask: Any, dtype: torch.dtype) -> torch.Tensor:
-    """flex_attention(q, keys, values) (B, H, T, hs) in `dtype`, scale 1 (the bandwidth is in q); a row
+def _flex_read(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_mask: Any) -> torch.Tensor:
+    """flex_attention(q, keys, values) (B, H, T, hs), one dtype, scale 1 (the bandwidth is in q); a row
     with nothing readable gives 0. Compiled (once per process) unless already inside torch.compile."""
     if torch.compiler.is_compiling():
         from torch.nn.attention.flex_attention import flex_attention as flex
     else:
         flex = _compiled("flex")
-    return flex(q.to(dtype), keys.to(dtype), values.to(dtype), block_mask=block_mask, scale=1.0)
+    return flex(q, keys, values, block_mask=block_mask, scale=1.0)
 
 
 def _bandwidth_counts(t: torch.Tensor, doc_start: torch.Tensor, lo_lag: int, hi_lag: int | None) -> torch.Tensor:
@@ -402,6 +402,14 @@ class ContextualMemory(nn.Module):
         beta0 = F.softplus(self.beta0_raw.float())[None, :, None]
         return beta1 * n.pow(alpha) + beta0
 
+    def read_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype memory reads (and the generation cache) run in: on CUDA the autocast dtype, else
+        the weights' (bf16 evaluation: flash/flex kernels, half the cache); on CPU float32 or wider."""
+        weight = self.o_proj.weight.dtype
+        if device.type != "cuda":
+            return torch.promote_types(weight, torch.float32)
+        return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else weight
+
     def lags(self, delay: int) -> tuple[int, int | None]:
         """(smallest, largest or None) lag t - j this memory stores."""
         cfg = self.config
@@ -437,7 +445,8 @@ class ContextualMemory(nn.Module):
         finished = _unit(torch.lerp(raw_v[:, :, 1:], raw_v[:, :, :-1], gamma.to(raw_v.dtype)), cfg.norm_eps)
         if cache is not None:
             k0 = cache.get("k0", past)
-            keys_all, values_all = _append(cache, "keys", keys), _append(cache, "values", finished)
+            dtype = self.read_dtype(x.device)
+            keys_all, values_all = _append(cache, "keys", keys.to(dtype)), _append(cache, "values", finished.to(dtype))
             if self.kind == "short":  # future queries t >= past+T read j >= past+T-span: drop older pairs
                 keep = max(0, (past + T - cfg.short_span) - k0)
                 cache.update(keys=cache["keys"][:, :, keep:], values=cache["values"][:, :, keep:], k0=k0 + keep)
@@ -458,17 +467,18 @@ class ContextualMemory(nn.Module):
         """Memory read for queries at absolute positions past..past+T-1 over keys/values at k0.. .
 
         block_mask (this memory's `flex_block_mask`, reads from position 0 only): one flex_attention
-        call in the autocast dtype (else the weights'); otherwise SDPA as below, same function."""
+        call; otherwise SDPA as below, same function. Both in `read_dtype`."""
         B, H, T, hs = queries.shape
         lo, hi = self.lags(delay)
         device = queries.device
         t = torch.arange(past, past + T, device=device)[None]  # (1, T)
         ds = doc_start if doc_start is not None else torch.zeros_like(t)
         beta = self.bandwidth(_bandwidth_counts(t, ds, lo, hi))  # (B|1, H, T)
-        q = queries * beta[..., None].to(queries.dtype)  # bandwidth on the query side only
+        dtype = self.read_dtype(device)
+        q = (queries * beta[..., None].to(queries.dtype)).to(dtype)  # bandwidth on the query side only
+        keys, values = keys.to(dtype), values.to(dtype)
         if block_mask is not None:
-            dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else self.o_proj.weight.dtype
-            return _flex_read(q, keys, values, block_mask, dtype)
+            return _flex_read(q, keys, values, block_mask)
         if doc_start is None and hi is None and past == 0 and k0 == 0 and T > lo:
             # one causal SDPA on delay-shifted tensors (flash kernels, O(T) memory): query row
             # i <-> t = i + lo sees keys j <= i
