@@ -357,12 +357,15 @@ def flex_masks(config: MemoryMosaicsV2Config, doc_start: torch.Tensor | None, B:
 
 
 def _flex_read(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_mask: Any) -> torch.Tensor:
-    """flex_attention(q, keys, values) (B, H, T, hs), one dtype, scale 1 (the bandwidth is in q); a row
-    with nothing readable gives 0. Compiled (once per process) unless already inside torch.compile."""
+    """flex_attention(q, keys, values) (B, H, T, hs; values T-1 rows), one dtype, scale 1 (the bandwidth
+    is in q); a row with nothing readable gives 0. Compiled (once per process) unless already inside torch.compile."""
     if torch.compiler.is_compiling():
         from torch.nn.attention.flex_attention import flex_attention as flex
     else:
         flex = _compiled("flex")
+    # the newest key's value needs the next token (values has one row fewer); that key is never
+    # readable (lag >= 1), but flex_attention wants equal lengths: a zero row
+    values = F.pad(values, (0, 0, 0, keys.shape[2] - values.shape[2]))
     return flex(q, keys, values, block_mask=block_mask, scale=1.0)
 
 
