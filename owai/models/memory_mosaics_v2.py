@@ -34,6 +34,13 @@ short-term window, the long-term prefix); without documents the long-term read i
 kernels, O(T) memory). Generation keeps a `MemoryMosaicsV2Cache`: the short-term memory only its
 last h pairs, the long-term memory all pairs (in a buffer with spare rows: a new token writes one
 row), plus each key scan's state and the newest raw value.
+
+Kernels (docs/decisions.md, issue #39): `attn_impl` auto|sdpa|flex and `scan_impl`
+auto|chunked|compiled choose how, not what, is computed. On CUDA (auto) reads from position 0 go
+through compiled flex_attention with block masks built once per forward from per-block bounds (the
+short-term window always, the long-term memory with documents), the key scan runs as one compiled
+graph, reads and the cache use the autocast dtype (else the weights'); decoding steps read their
+slice with one unmasked SDPA. On CPU the path above is unchanged.
 """
 
 from __future__ import annotations
