@@ -196,6 +196,7 @@ def throughput(args) -> None:
 
     with torch.autocast(args.device, dtype=torch.bfloat16, enabled=cuda):
         for arch in args.archs:
+            model = None
             try:
                 x = torch.randint(0, args.vocab or 4096, (args.batch, args.context), device=args.device)
                 model = train_model(arch, args)
@@ -210,8 +211,6 @@ def throughput(args) -> None:
                     times[arch] = [train_step_seconds(model, x, pos, arch == "mmv2") for _ in range(args.rounds)]
                     memory[arch] = torch.cuda.max_memory_allocated() / 1e9
                     report(arch, model)
-                    del model
-                    release()
                 else:
                     models[arch] = (model, x)
             except Exception as err:  # noqa: BLE001  (out of memory, a kernel that fails: print, go on)
@@ -220,9 +219,9 @@ def throughput(args) -> None:
 
                     traceback.print_exc()
                 print(f"  {arch:12s} failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}", flush=True)
+            if cuda:  # after the except block: its traceback no longer holds the model's tensors
                 model = None
-                if cuda:
-                    release()
+                release()
         for _ in range(args.rounds if not cuda else 0):
             for arch, (model, x) in models.items():
                 times[arch].append(train_step_seconds(model, x, pos, arch == "mmv2"))
