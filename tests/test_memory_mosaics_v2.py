@@ -297,6 +297,8 @@ def test_flex_reads_equal_sdpa_reads(edges, docs):
     memory and for the logits, at two delays (a tensor in the mask: no recompile)."""
     from owai.models.memory_mosaics_v2 import flex_masks
 
+    if edges == ("open", "inclusive") and docs is None:  # static shapes (see test_llama's flex test)
+        torch._dynamo.reset()
     torch.manual_seed(0)
     model = MemoryMosaicsV2ForCausalLM(MemoryMosaicsV2Config(**WIDE, short_edge=edges[0], long_edge=edges[1])).eval()
     ids = torch.randint(0, 50, (2, 300))
