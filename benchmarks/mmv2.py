@@ -3,8 +3,20 @@
     python benchmarks/mmv2.py memory                  # peak memory of a forward at 8k and 32k tokens, batch 1
     python benchmarks/mmv2.py throughput              # training tokens/s, v2 and transformer, rounds interleaved
     python benchmarks/mmv2.py throughput --compile    # the same with torch.compile per block (train.compile)
+    python benchmarks/mmv2.py throughput --documents  # packed documents (position_ids restarting, mean 1536)
     python benchmarks/mmv2.py generation              # cached generation time per token at growing contexts
+    python benchmarks/mmv2.py scan                    # key-scan candidates: eager chunked vs compiled, chunk sizes
     python benchmarks/mmv2.py all --device cuda       # the same on a GPU (bf16)
+
+Issue #39's GPU runs (small size: 2.04B / 1.83B parameters; MFU = 6 N tokens/s over the bf16 peak):
+
+    python benchmarks/mmv2.py throughput --device cuda --size small --context 4096 --batch 2 [--documents] [--compile]
+    python benchmarks/mmv2.py generation --device cuda --size small --contexts 4096 32768
+    python benchmarks/mmv2.py scan --device cuda --context 4096 --batch 2 --size small
+
+`--attn sdpa|flex` and `--scan chunked|compiled` pick v2's kernels (default auto: flex and the
+compiled scan on CUDA). On CUDA the models train one after the other (two do not fit together);
+on CPU their steps alternate.
 
 Prints figures, asserts nothing. Targets: forward memory growing at most 4.5x from 8k to 32k
 tokens (linear is 4x: nothing T x T); v2 training at least 0.8x the transformer's tokens/s at the
@@ -39,7 +51,8 @@ def build(arch: str, size: str, vocab: int, device: str, **extra):
     from owai.models.lm import build_sized_lm
 
     torch.manual_seed(0)
-    return build_sized_lm(arch, size, vocab_size=vocab, **extra).to(device)
+    with torch.device(device):  # initialised where it runs (a small model is 2B parameters)
+        return build_sized_lm(arch, size, vocab_size=vocab, **extra)
 
 
 def forward_memory(arch: str, size: str, vocab: int, length: int, device: str) -> dict:
@@ -47,7 +60,7 @@ def forward_memory(arch: str, size: str, vocab: int, length: int, device: str) -
     import torch
 
     model = build(arch, size, vocab, device).eval()
-    x = torch.randint(0, vocab, (1, length), device=device)
+    x = torch.randint(0, model.config.vocab_size, (1, length), device=device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() / 2**30
@@ -79,13 +92,42 @@ def memory(args) -> None:
               f"{rows[-1]['peak_gb'] / max(rows[0]['peak_gb'], 1e-9):.2f}x (linear: {args.lengths[-1] / args.lengths[0]:.1f}x)")
 
 
-def train_step_seconds(model, x, delay: bool) -> float:
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s (SXM data sheets)
+
+
+def peak_flops(device: str) -> float | None:
+    import torch
+
+    if device != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def packed_positions(batch: int, context: int, mean: int, seed: int = 0):
+    """(batch, context) position_ids of packed documents whose lengths are uniform on
+    [mean/4, 7 mean/4] (mean `mean`), the last one cut at the row's end; restarting at 0."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(batch):
+        parts, filled = [], 0
+        while filled < context:
+            n = min(int(torch.randint(mean // 4, 7 * mean // 4 + 1, (), generator=gen)), context - filled)
+            parts.append(torch.arange(n))
+            filled += n
+        rows.append(torch.cat(parts))
+    return torch.stack(rows)
+
+
+def train_step_seconds(model, x, pos, delay: bool) -> float:
     import torch
     import torch.nn.functional as F
 
     start = time.perf_counter()
     extra = {"long_delay": 128} if delay else {}
-    logits = model(input_ids=x, **extra).logits
+    logits = model(input_ids=x, position_ids=pos, **extra).logits
     F.cross_entropy(logits.float()[:, :-1].flatten(0, 1), x[:, 1:].flatten()).backward()
     model.optimizer.step()
     model.optimizer.zero_grad(set_to_none=True)
@@ -94,79 +136,204 @@ def train_step_seconds(model, x, delay: bool) -> float:
     return time.perf_counter() - start
 
 
-def throughput(args) -> None:
-    """Training steps of v2 and the transformer alternating in one process (the machine's load
-    changes both alike), after one warm-up step each; median seconds per step per architecture."""
+def out_of_memory(err: BaseException) -> bool:
+    return "out of memory" in str(err).lower() or type(err).__name__ == "OutOfMemoryError"
+
+
+def release() -> None:
+    """Free the GPU memory of a finished model (compiled graphs hold references to it)."""
+    import gc
+
+    import torch
+
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def train_model(arch: str, args):
+    """A model for training steps: AdamW, per-block compile if asked, packed-document attention."""
     import torch
 
     from owai.distributed import Parallel
     from owai.models.lm import blocks
+    from owai.models.llama import packed_document_attention
 
-    models = {}
-    for arch in ("mmv2", "transformer"):
-        model = build(arch, args.size, args.vocab, args.device).train()
-        model.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        if args.compile:  # the trainer's train.compile: torch.compile per block
-            Parallel(model, blocks=blocks(model), compile_blocks=True)
-        models[arch] = model
-    x = torch.randint(0, args.vocab, (args.batch, args.context), device=args.device)
-    times: dict[str, list[float]] = {a: [] for a in models}
-    with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.device == "cuda"):
-        for arch, model in models.items():
-            for _ in range(2 if args.compile else 1):  # warm-up (and compilation)
-                train_step_seconds(model, x, arch == "mmv2")
-        for _ in range(args.rounds):
-            for arch, model in models.items():
-                times[arch].append(train_step_seconds(model, x, arch == "mmv2"))
+    extra = {"attn_impl": args.attn, "scan_impl": args.scan} if arch == "mmv2" else {}
+    model = build(arch, args.size, args.vocab, args.device, **extra).train()
+    if args.documents:
+        packed_document_attention(model, torch.device(args.device))
+    model.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if args.compile:  # the trainer's train.compile: torch.compile per block
+        Parallel(model, blocks=blocks(model), compile_blocks=True)
+    return model
+
+
+def throughput(args) -> None:
+    """Training steps of v2 and the transformer. CPU: both models alternate in one process (the
+    machine's load changes both alike); CUDA: one model at a time (two small models and their AdamW
+    states do not fit one GPU together). Warm-up steps first; median seconds per step. An
+    out-of-memory error is printed and the next model runs."""
+    import torch
+
     tokens = args.batch * args.context
-    print(f"training tokens/s, {args.size} models, batch {args.batch} x {args.context}, {args.device}, "
-          f"{'compiled blocks' if args.compile else 'eager'}, {args.rounds} interleaved rounds (median)")
-    speed = {a: tokens / statistics.median(t) for a, t in times.items()}
-    for arch, model in models.items():
-        print(f"  {arch:12s} {sum(p.numel() for p in model.parameters()) / 1e6:6.2f}M parameters  "
-              f"{speed[arch]:9.0f} tokens/s  (step {statistics.median(times[arch]):.3f} s)")
-    print(f"  ratio v2 / transformer: {speed['mmv2'] / speed['transformer']:.2f}x")
+    pos = packed_positions(args.batch, args.context, args.doc_mean).to(args.device) if args.documents else None
+    docs = f", packed documents (mean {args.doc_mean})" if args.documents else ""
+    print(f"training tokens/s, {args.size} models, batch {args.batch} x {args.context}{docs}, {args.device}, "
+          f"{'compiled blocks' if args.compile else 'eager'}, {args.rounds} rounds (median), mmv2 attn {args.attn} scan {args.scan}")
+    peak = peak_flops(args.device)
+    cuda = args.device == "cuda"
+    warm = 2 if args.compile else 1
+    models, times, memory = {}, {a: [] for a in args.archs}, {}
+
+    def report(arch: str, model) -> None:
+        n = sum(p.numel() for p in model.parameters())
+        speed = tokens / statistics.median(times[arch])
+        mfu = f"  MFU {6 * n * speed / peak * 100:5.1f} %" if peak else ""
+        mem = f"  peak {memory[arch]:5.1f} GB" if arch in memory else ""
+        print(f"  {arch:12s} {n / 1e6:8.2f}M parameters  {speed:9.0f} tokens/s{mfu}{mem}  "
+              f"(step {statistics.median(times[arch]):.3f} s)", flush=True)
+
+    with torch.autocast(args.device, dtype=torch.bfloat16, enabled=cuda):
+        for arch in args.archs:
+            model = None
+            try:
+                x = torch.randint(0, args.vocab or 4096, (args.batch, args.context), device=args.device)
+                model = train_model(arch, args)
+                x = x % model.config.vocab_size
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                start = time.perf_counter()
+                for _ in range(warm):  # warm-up (and compilation)
+                    train_step_seconds(model, x, pos, arch == "mmv2")
+                print(f"  {arch}: warm-up {time.perf_counter() - start:.1f} s", flush=True)
+                if cuda:  # one model at a time
+                    times[arch] = [train_step_seconds(model, x, pos, arch == "mmv2") for _ in range(args.rounds)]
+                    memory[arch] = torch.cuda.max_memory_allocated() / 1e9
+                    report(arch, model)
+                else:
+                    models[arch] = (model, x)
+            except Exception as err:  # noqa: BLE001  (out of memory, a kernel that fails: print, go on)
+                if not out_of_memory(err):
+                    import traceback
+
+                    traceback.print_exc()
+                print(f"  {arch:12s} failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}", flush=True)
+            if cuda:  # after the except block: its traceback no longer holds the model's tensors
+                model = None
+                release()
+        for _ in range(args.rounds if not cuda else 0):
+            for arch, (model, x) in models.items():
+                times[arch].append(train_step_seconds(model, x, pos, arch == "mmv2"))
+    for arch, (model, _) in models.items():
+        report(arch, model)
+    speed = {a: tokens / statistics.median(t) for a, t in times.items() if t}
+    if {"mmv2", "transformer"} <= set(speed):
+        print(f"  ratio v2 / transformer: {speed['mmv2'] / speed['transformer']:.2f}x")
 
 
 def generation(args) -> None:
-    """Prefill a context of n tokens, then time `--new` single-token steps with the cache."""
+    """Prefill a context of n tokens, then time `--new` single-token steps with the cache. On CUDA the
+    weights are bf16 (the evaluation precision; no autocast)."""
     import torch
 
     from owai.models.hf_cache import cache_kwargs, output_cache
 
-    print(f"cached generation, {args.size} models, batch 1, {args.device}: seconds per new token after n context tokens")
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    print(f"cached generation, {args.size} models, batch 1, {args.device}, {dtype}: time per new token after n context tokens")
     for arch in args.archs:
-        model = build(arch, args.size, args.vocab, args.device).eval()
+        extra = {"attn_impl": args.attn, "scan_impl": args.scan} if arch == "mmv2" else {}
+        model = build(arch, args.size, args.vocab, args.device, **extra).to(dtype).eval()
         for n in args.contexts:
-            x = torch.randint(0, args.vocab, (1, n), device=args.device)
-            with torch.no_grad(), torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.device == "cuda"):
-                out = model(input_ids=x, use_cache=True, logits_to_keep=1)
-                cache, token = output_cache(out), out.logits[:, -1:].argmax(-1)
-                start = time.perf_counter()
-                for _ in range(args.new):
-                    out = model(input_ids=token, use_cache=True, **cache_kwargs(cache))
-                    token = out.logits[:, -1:].argmax(-1)
+            try:
+                x = torch.randint(0, model.config.vocab_size, (1, n), device=args.device)
+                with torch.no_grad():
+                    out = model(input_ids=x, use_cache=True, logits_to_keep=1)
+                    cache, token = output_cache(out), out.logits[:, -1:].argmax(-1)
+                    for _ in range(2):  # warm-up steps
+                        out = model(input_ids=token, use_cache=True, **cache_kwargs(cache))
+                    if args.device == "cuda":
+                        torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    for _ in range(args.new):
+                        out = model(input_ids=token, use_cache=True, **cache_kwargs(cache))
+                        token = out.logits[:, -1:].argmax(-1)
+                    if args.device == "cuda":
+                        torch.cuda.synchronize()
+                per = (time.perf_counter() - start) / args.new
+                print(f"  {arch:12s} n={n:6d}  {per * 1000:7.2f} ms/token", flush=True)
+            except Exception as err:  # noqa: BLE001
+                print(f"  {arch:12s} n={n:6d}  failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}", flush=True)
+            finally:
+                out = cache = None
                 if args.device == "cuda":
-                    torch.cuda.synchronize()
-            per = (time.perf_counter() - start) / args.new
-            print(f"  {arch:12s} n={n:6d}  {per * 1000:7.2f} ms/token")
+                    torch.cuda.empty_cache()
+        del model
+        if args.device == "cuda":
+            release()
+
+
+def scan(args) -> None:
+    """The key-scan candidates (forward + backward of eq 4.4's gated recurrence, as one memory of
+    one layer sees it): the eager chunked scan and the same as one compiled graph, at several
+    chunk sizes, without and with packed documents. ms per call, median of `--rounds`."""
+    import torch
+
+    from owai.models.memory_mosaics_v2 import _compiled, gated_key_scan
+    from owai.models.sizes import size_settings
+
+    settings = size_settings(args.size, args.vocab or 4096)
+    B, H, T = args.batch, settings["n_head"], args.context
+    hs = settings["n_embd"] // H
+    gen = torch.Generator().manual_seed(0)
+    raw = torch.randn(B, H, T, hs, generator=gen).to(args.device)
+    log_gate = torch.randn(B, H, T, generator=gen).to(args.device)
+    log_decay = -torch.randn(B, H, T, generator=gen).abs().to(args.device)
+    pos = packed_positions(B, T, args.doc_mean).to(args.device)
+    ds = torch.arange(T, device=args.device) - pos
+    print(f"key scan forward+backward, batch {B}, {H} heads, T {T}, head size {hs}, {args.device}: ms per call (median)")
+    for docs in (None, ds):
+        for chunk in args.chunks:
+            for name, fn in (("chunked", gated_key_scan), ("compiled", _compiled("scan"))):
+                try:
+                    inputs = [z.clone().requires_grad_(True) for z in (raw, log_gate, log_decay)]
+                    seconds = []
+                    for i in range(args.rounds + 2):  # 2 warm-up calls (compilation)
+                        start = time.perf_counter()
+                        rows, _ = fn(*inputs, docs, 0, None, chunk)
+                        rows.sum().backward()
+                        if args.device == "cuda":
+                            torch.cuda.synchronize()
+                        if i >= 2:
+                            seconds.append(time.perf_counter() - start)
+                    print(f"  {name:9s} chunk {chunk:3d} {'documents' if docs is not None else 'one document':13s} "
+                          f"{statistics.median(seconds) * 1000:8.2f} ms", flush=True)
+                except Exception as err:  # noqa: BLE001
+                    print(f"  {name:9s} chunk {chunk:3d} failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["memory", "throughput", "generation", "all"])
+    parser.add_argument("what", choices=["memory", "throughput", "generation", "scan", "all"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--size", default="tiny")
-    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=None, help="vocabulary (default: 4096 for tiny, the table's otherwise)")
     parser.add_argument("--archs", nargs="+", default=["mmv2", "transformer"])
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--compile", action="store_true", help="throughput: torch.compile each block (train.compile)")
+    parser.add_argument("--documents", action="store_true", help="throughput: packed documents (position_ids restarting)")
+    parser.add_argument("--doc-mean", type=int, default=1536, help="mean document length with --documents")
+    parser.add_argument("--attn", default="auto", choices=["auto", "sdpa", "flex"], help="mmv2 config attn_impl")
+    parser.add_argument("--scan", default="auto", choices=["auto", "chunked", "compiled"], help="mmv2 config scan_impl")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[16, 32, 64], help="scan: chunk sizes")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--new", type=int, default=32)
     args = parser.parse_args()
+    if args.vocab is None and args.size == "tiny":
+        args.vocab = 4096
     for what in (["memory", "throughput", "generation"] if args.what == "all" else [args.what]):
         globals()[what](args)
 

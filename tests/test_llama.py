@@ -26,6 +26,7 @@ from owai.models.llama import (
     document_ids,
     document_mask,
     llama_config,
+    packed_document_attention,
     size_config,
     transformer_lm,
 )
@@ -111,6 +112,55 @@ def test_packed_documents_do_not_see_each_other(impl):
         leaky = model(input_ids=x, position_ids=pos, use_cache=True).logits
         assert (leaky[:, 5:] - alone[:, 5:]).abs().max() > 1e-3
         assert torch.allclose(leaky[:, :5], alone[:, :5], atol=1e-5, rtol=0)
+
+
+def _packed(lengths_per_row: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(2)
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths_per_row])
+    return torch.randint(0, V, pos.shape, generator=gen), pos
+
+
+def test_packed_documents_through_flex_attention_equal_the_explicit_mask():
+    """On CUDA packed-document training reads through flex_attention (a BlockMask from the position
+    restarts, nothing T x T); its forward (compiled, on CPU here) equals the explicit 4-D mask's."""
+    torch._dynamo.reset()  # static shapes: after other flex_attention shapes in this process torch 2.13's
+    # CPU (C++) flex template is compiled with dynamic shapes, which fails to build (cur_kvSplitSize1)
+    model = tiny_model()
+    x, pos = _packed([[130, 170], [10, 1, 289]])
+    packed_document_attention(model, torch.device("cpu"))
+    assert model.config._attn_implementation == "sdpa"  # CPU: unchanged
+    with torch.no_grad():
+        reference = model(input_ids=x, position_ids=pos, attention_mask=document_mask(pos)).logits
+        packed_document_attention(model, torch.device("cuda"))  # only switches the implementation
+        assert model.config._attn_implementation == "flex_attention"
+        flex = model(input_ids=x, position_ids=pos).logits
+    assert torch.allclose(flex, reference, atol=1e-5, rtol=0), (flex - reference).abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_packed_documents_flex_equals_masked_reference():
+    """On CUDA under bf16 autocast: loss and gradients with flex_attention and packed position_ids
+    equal sdpa with the explicit document mask (bf16 tolerance)."""
+    torch.manual_seed(0)
+    model = build_lm("transformer", n_layer=2, n_embd=256, n_head=4, ffn_hidden=512, vocab_size=V).cuda().train()
+    x, pos = _packed([[1500, 2596], [700, 1, 3395]])
+    x, pos = x.cuda(), pos.cuda()
+    results = []
+    for flex in (False, True):
+        model.zero_grad(set_to_none=True)
+        kwargs = {"attention_mask": document_mask(pos, torch.bfloat16)} if not flex else {}
+        if flex:
+            packed_document_attention(model, x.device)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(input_ids=x, position_ids=pos, labels=x, **kwargs)
+        out.loss.backward()
+        results.append((out.logits.float(), out.loss.item(), {n: p.grad.float() for n, p in model.named_parameters()}))
+    (a, la, ga), (b, lb, gb) = results
+    assert model.config._attn_implementation == "flex_attention"
+    assert abs(la - lb) < 1e-2 * abs(la) and (a - b).abs().max() < 0.05 * a.abs().max()
+    for name in ga:
+        assert (ga[name] - gb[name]).norm() <= 0.05 * ga[name].norm() + 1e-6, name
 
 
 def test_document_mask_layout():

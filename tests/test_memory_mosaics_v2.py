@@ -261,6 +261,8 @@ def test_bandwidth_grows_with_stored_pairs():
     (dict(long_delay_train=[9, 3]), "long_delay_train"),
     (dict(alpha_init=1.5), "alpha_init"),
     (dict(n_layer=0), "n_layer"),
+    (dict(attn_impl="flash"), "attn_impl"),
+    (dict(scan_impl="triton"), "scan_impl"),
 ])
 def test_bad_config_is_one_line(bad, message):
     with pytest.raises(OwaiError, match=message):
@@ -275,3 +277,159 @@ def test_save_and_load_round_trip(tmp_path):
     again = AutoModelForCausalLM.from_pretrained(tmp_path)
     ids = torch.randint(0, 50, (1, 12))
     assert torch.allclose(model(input_ids=ids).logits, again(input_ids=ids).logits, atol=1e-6)
+
+
+# -- flex_attention and the compiled key scan (the CUDA paths; forward only on CPU) ---------------
+
+WIDE = dict(vocab_size=50, n_layer=2, n_embd=32, n_head=2, ffn_hidden=24, short_window=150, long_delay_eval=20,
+            scan_chunk=8, query_block=64)  # T = 300 spans three flex blocks of 128, the window two
+
+
+def packed_positions(rows: list[list[int]]) -> torch.Tensor:
+    """(B, T) positions restarting at each listed document length."""
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
+
+
+@pytest.mark.parametrize("edges", [("open", "inclusive"), ("closed", "strict")])
+@pytest.mark.parametrize("docs", [None, [[130, 170], [10, 1, 289]]], ids=["one-document", "documents"])
+def test_flex_reads_equal_sdpa_reads(edges, docs):
+    """attn_impl flex (compiled flex_attention, CPU forward) computes what the SDPA path computes, per
+    memory and for the logits, at two delays (a tensor in the mask: no recompile)."""
+    from owai.models.memory_mosaics_v2 import flex_masks
+
+    if edges == ("open", "inclusive") and docs is None:  # static shapes (see test_llama's flex test)
+        torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MemoryMosaicsV2ForCausalLM(MemoryMosaicsV2Config(**WIDE, short_edge=edges[0], long_edge=edges[1])).eval()
+    ids = torch.randint(0, 50, (2, 300))
+    pos = None if docs is None else packed_positions(docs)
+    with torch.no_grad():
+        doc_start = model._doc_starts(2, 300, 0, pos, None, None, ids.device)
+        h = model.layers[0].memory_norm(model.embed_tokens(ids))
+        for delay in (20, 37):
+            masks = flex_masks(model.config, doc_start, 2, 300, delay, ids.device)
+            for memory in (model.layers[0].short, model.layers[0].long):
+                ref = memory(h, doc_start, delay, None, 0)
+                flex = memory(h, doc_start, delay, None, 0, masks)
+                assert ref.abs().max() > 0.01
+                assert torch.allclose(flex, ref, atol=1e-5, rtol=1e-5), (memory.kind, (flex - ref).abs().max())
+            model.config.attn_impl = "sdpa"
+            ref = model(input_ids=ids, position_ids=pos, long_delay=delay).logits
+            model.config.attn_impl = "flex"
+            flex = model(input_ids=ids, position_ids=pos, long_delay=delay).logits
+            assert torch.allclose(flex, ref, atol=1e-5, rtol=1e-5), (flex - ref).abs().max()
+
+
+def test_flex_block_masks_skip_what_nothing_reads():
+    """The short-term window touches at most ceil(span/128)+1 key blocks per query block; with
+    documents the long-term memory skips the blocks before a row's document; full blocks unmasked."""
+    from owai.models.memory_mosaics_v2 import flex_block_mask
+
+    T = 1024
+    short = flex_block_mask(None, 1, T, 1, 255, torch.device("cpu"))
+    reads = short.kv_num_blocks + short.full_kv_num_blocks  # (1, 1, 8) key blocks per query block
+    assert reads.max() <= 3 and reads.min() >= 1 and short.full_kv_num_blocks.sum() > 0
+    doc_start = torch.cat([torch.zeros(600, dtype=torch.long), torch.full((424,), 600)])[None]
+    long = flex_block_mask(doc_start, 1, T, 64, None, torch.device("cpu"))
+    last = long.kv_indices[0, 0, -1, : long.kv_num_blocks[0, 0, -1]].tolist() + \
+        long.full_kv_indices[0, 0, -1, : long.full_kv_num_blocks[0, 0, -1]].tolist()
+    assert sorted(last) == [4, 5, 6, 7]  # the last query block (896..1023) reads keys 600..959 only
+
+
+def test_compiled_scan_equals_chunked_scan():
+    """scan_impl compiled (the CUDA default) is gated_key_scan as one graph: the same rows and state."""
+    from owai.models.memory_mosaics_v2 import _compiled
+
+    torch.manual_seed(3)
+    T = 70
+    raw = torch.randn(2, 2, T, 4)
+    log_gate, log_decay = 4 * torch.randn(2, 2, T), -torch.randn(2, 2, T).abs()
+    starts = [[0, 12, 29, 45, 46], [0, 33, 60]]
+    doc_start = torch.tensor([[max(s for s in row if s <= t) for t in range(T)] for row in starts])
+    with torch.no_grad():
+        rows, state = gated_key_scan(raw, log_gate, log_decay, doc_start, 0, None, 4)
+        fused_rows, fused_state = _compiled("scan")(raw, log_gate, log_decay, doc_start, 0, None, 4)
+    assert torch.allclose(fused_rows, rows, atol=1e-5) and torch.allclose(fused_state[0], state[0], atol=1e-5)
+
+
+def test_decoding_step_reads_the_same_as_a_masked_read():
+    """The unmasked SDPA of a decoding step (T = 1, no documents) equals the masked block read."""
+    model = tiny_model()
+    memory = model.layers[0].long
+    torch.manual_seed(2)
+    keys, values = F.normalize(torch.randn(1, 2, 12, 8, dtype=torch.float64), dim=-1), torch.randn(1, 2, 11, 8, dtype=torch.float64)
+    q = keys[:, :, -1:]
+    for past in (2, 11):
+        fast = memory.read(q, keys, values, 0, past, None, 3)
+        masked = memory.read(q, keys, values, 0, past, torch.zeros(1, 1, dtype=torch.long), 3)
+        assert torch.allclose(fast, masked, atol=1e-12)
+    assert fast.abs().max() > 0 and memory.read(q, keys, values, 0, 2, None, 3).abs().max() == 0
+
+
+# -- on a GPU: `pytest -m gpu tests/test_memory_mosaics_v2.py` ------------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("docs", [None, [[1500, 2596], [700, 1, 3395]]], ids=["one-document", "documents"])
+def test_gpu_flex_training_step_equals_sdpa(docs):
+    """On CUDA under bf16 autocast: loss and gradients of the flex path (and the compiled scan) equal
+    the SDPA path's (and the eager scan's) to bf16 tolerance, with and without documents."""
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=512, n_layer=2, n_embd=256, n_head=4, ffn_hidden=512)
+    model = MemoryMosaicsV2ForCausalLM(MemoryMosaicsV2Config(**cfg)).cuda().train()
+    ids = torch.randint(0, 512, (2, 4096), device="cuda")
+    pos = None if docs is None else packed_positions(docs).cuda()
+    results = {}
+    for attn, scan in (("sdpa", "chunked"), ("flex", "compiled")):
+        model.config.attn_impl, model.config.scan_impl = attn, scan
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(input_ids=ids, position_ids=pos, labels=ids, long_delay=100)
+        out.loss.backward()
+        results[attn] = (out.logits.float(), out.loss.item(), {n: p.grad.float() for n, p in model.named_parameters()})
+    (a, la, ga), (b, lb, gb) = results["sdpa"], results["flex"]
+    assert abs(la - lb) < 1e-2 * abs(la), (la, lb)
+    assert (a - b).abs().max() < 0.05 * a.abs().max(), (a - b).abs().max()
+    for name in ga:
+        scale = ga[name].norm()
+        assert (ga[name] - gb[name]).norm() <= 0.1 * scale + 1e-6, (name, (ga[name] - gb[name]).norm() / scale)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_bf16_prefill_and_decoding_equal_the_full_forward():
+    """bf16 weights on CUDA (the evaluation precision): a flex prefill plus cached SDPA steps give the
+    full forward's logits to bf16 tolerance."""
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=512, n_layer=2, n_embd=256, n_head=4, ffn_hidden=512)
+    model = MemoryMosaicsV2ForCausalLM(MemoryMosaicsV2Config(**cfg)).cuda().to(torch.bfloat16).eval()
+    ids = torch.randint(0, 512, (1, 700), device="cuda")
+    with torch.no_grad():
+        full = model(input_ids=ids).logits.float()
+        out = model(input_ids=ids[:, :600], use_cache=True)
+        cache, parts = out.past_key_values, [out.logits.float()]
+        for t in range(600, 700):
+            parts.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits.float())
+    stepped = torch.cat(parts, 1)
+    assert (stepped - full).abs().max() < 0.05 * full.abs().max(), (stepped - full).abs().max()
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_float32_evaluation_flex_equals_sdpa():
+    """float32 weights without autocast on CUDA (the end-of-training evaluation): flex_attention in
+    float32 gives the SDPA path's logits, with documents."""
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=512, n_layer=2, n_embd=256, n_head=4, ffn_hidden=512)
+    model = MemoryMosaicsV2ForCausalLM(MemoryMosaicsV2Config(**cfg)).cuda().eval()
+    ids = torch.randint(0, 512, (2, 1000), device="cuda")
+    pos = packed_positions([[300, 700], [1, 999]]).cuda()
+    with torch.no_grad():
+        model.config.attn_impl = "sdpa"
+        ref = model(input_ids=ids, position_ids=pos).logits
+        model.config.attn_impl = "flex"
+        flex = model(input_ids=ids, position_ids=pos).logits
+    assert (flex - ref).abs().max() < 1e-2 * ref.abs().max(), (flex - ref).abs().max()  # flex may use tf32

@@ -469,6 +469,8 @@ def parallel_model(cfg: Config, label: str, tokenizer_vocab: int, device: torch.
     precision = precision_for(t.precision, device)
     options = dict(mixed_precision=precision if t.parallel == "fsdp" and precision != "float32" else None,
                    activation_checkpointing=t.activation_checkpointing, compile_blocks=t.compile)
+    from owai.models.llama import packed_document_attention
+
     if t.parallel == "fsdp" and distributed.world().world_size > 1:
         kwargs = model_kwargs(cfg, label, tokenizer_vocab)
         parallel = Parallel.from_meta(lambda: build_lm(parse_arch(label)[0], **kwargs), t.parallel, device=device,
@@ -476,8 +478,12 @@ def parallel_model(cfg: Config, label: str, tokenizer_vocab: int, device: torch.
         check_vocab(parallel.module, tokenizer_vocab)
         if cfg.model.init_from:
             load_weights(parallel.module, Path(cfg.model.init_from), label)
+        if cfg.data.documents:
+            packed_document_attention(parallel.module, device)
         return parallel
     model = build_model(cfg, label, tokenizer_vocab, device)
+    if cfg.data.documents:
+        packed_document_attention(model, device)
     return Parallel(model, t.parallel, blocks=blocks(model), **options)
 
 

@@ -16,6 +16,7 @@ Auto classes with no remote code, and any Llama tool reads them. What lives here
   n_embd=.., n_head=.., ffn_hidden=.., vocab_size=..)` builds one.
 - `transformer_lm(config)`: the model (a plain `LlamaForCausalLM`, see "Cache" below).
 - `document_mask(position_ids)`: an explicit packed-document attention mask (see below).
+- `packed_document_attention(model, device)`: flex_attention for packed documents on CUDA.
 
 Assumptions (the thesis does not state them; these are Llama-3's):
 - rope_theta = 500,000 (Llama-3; Llama-2 used 10,000). rms_norm_eps = 1e-5, init N(0, 0.02)
@@ -172,6 +173,19 @@ def transformer_lm(config: LlamaConfig) -> LlamaForCausalLM:
     if model.generation_config is not None:
         model.generation_config.use_cache = True
     return model
+
+
+def packed_document_attention(model: torch.nn.Module, device: torch.device) -> None:
+    """Packed-document training on CUDA: a Llama reads through flex_attention, where transformers
+    turns the position restarts into a BlockMask (nothing T x T, fully masked blocks skipped); with
+    sdpa it would build a (B, 1, T, T) mask, which rules out the flash kernels. The same kernel as
+    Memory Mosaics v2's memory reads (attn_impl auto). Other models and devices: unchanged."""
+    if device.type != "cuda" or getattr(getattr(model, "config", None), "model_type", None) != "llama":
+        return
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("flex_attention")
+    else:  # older transformers
+        model.config._attn_implementation = "flex_attention"
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:

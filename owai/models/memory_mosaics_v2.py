@@ -34,6 +34,13 @@ short-term window, the long-term prefix); without documents the long-term read i
 kernels, O(T) memory). Generation keeps a `MemoryMosaicsV2Cache`: the short-term memory only its
 last h pairs, the long-term memory all pairs (in a buffer with spare rows: a new token writes one
 row), plus each key scan's state and the newest raw value.
+
+Kernels (docs/decisions.md, issue #39): `attn_impl` auto|sdpa|flex and `scan_impl`
+auto|chunked|compiled choose how, not what, is computed. On CUDA (auto) reads from position 0 go
+through compiled flex_attention with block masks built once per forward from per-block bounds (the
+short-term window always, the long-term memory with documents), the key scan runs as one compiled
+graph, reads and the cache use the autocast dtype (else the weights'); decoding steps read their
+slice with one unmasked SDPA. On CPU the path above is unchanged.
 """
 
 from __future__ import annotations
@@ -55,6 +62,9 @@ from owai.models.memory_mosaics import MemoryMosaicsCache, own_generation_cache
 
 SHORT_EDGES = ("open", "closed")  # open: j >= t-h+1 (thesis main text); closed: j >= t-h (paper appendix)
 LONG_EDGES = ("inclusive", "strict")  # inclusive: j <= t-m; strict: j <= t-m-1
+ATTN_IMPLS = ("auto", "sdpa", "flex")  # auto: flex on CUDA (training, prefill), sdpa elsewhere
+SCAN_IMPLS = ("auto", "chunked", "compiled")  # auto: the chunked scan as one compiled graph on CUDA
+FLEX_BLOCK = 128  # flex_attention's sparse block size (rows and columns)
 
 
 class MemoryMosaicsV2Config(PreTrainedConfig):
@@ -87,6 +97,8 @@ class MemoryMosaicsV2Config(PreTrainedConfig):
     initializer_range: float = 0.02
     scan_chunk: int = 16
     query_block: int = 256
+    attn_impl: str = "auto"  # memory reads: ATTN_IMPLS (same function, different kernels)
+    scan_impl: str = "auto"  # key scan: SCAN_IMPLS (same function, different kernels)
     bag_of_k: int = 0  # > 0: a second head predicting the bag of the next k tokens (sec 4.2.5.1)
     bag_weight: float = 0.3  # alpha of L = L_next + alpha L_bag
     bag_eta: float = 64000.0
@@ -115,6 +127,9 @@ class MemoryMosaicsV2Config(PreTrainedConfig):
             raise OwaiError(f"memory mosaics v2 config: short_edge must be one of {SHORT_EDGES}, got {self.short_edge!r}")
         if self.long_edge not in LONG_EDGES:
             raise OwaiError(f"memory mosaics v2 config: long_edge must be one of {LONG_EDGES}, got {self.long_edge!r}")
+        for name, allowed in (("attn_impl", ATTN_IMPLS), ("scan_impl", SCAN_IMPLS)):
+            if getattr(self, name) not in allowed:
+                raise OwaiError(f"memory mosaics v2 config: {name} must be one of {allowed}, got {getattr(self, name)!r}")
         lo_hi = self.long_delay_train
         if not (isinstance(lo_hi, tuple) and len(lo_hi) == 2 and 1 <= lo_hi[0] <= lo_hi[1]):
             raise OwaiError(f"memory mosaics v2 config: long_delay_train must be [min, max] with 1 <= min <= max, got {lo_hi!r}")
@@ -264,6 +279,104 @@ def _append(cache: dict, name: str, new: torch.Tensor) -> torch.Tensor:
     return buffer[:, :, :need]
 
 
+_COMPILED: dict[str, Any] = {}  # torch.compile'd kernels, created once per process on first use
+
+
+def _compiled(name: str) -> Any:
+    """torch.compile of flex_attention ("flex") or of gated_key_scan ("scan"), created lazily once."""
+    if name not in _COMPILED:
+        if name == "flex":
+            from torch.nn.attention.flex_attention import flex_attention
+
+            _COMPILED[name] = torch.compile(flex_attention)
+        else:
+            _COMPILED[name] = torch.compile(gated_key_scan, dynamic=False)  # one graph per length (recursion depth)
+    return _COMPILED[name]
+
+
+def key_scan_fn(config: MemoryMosaicsV2Config, device: torch.device, T: int) -> Any:
+    """The key scan implementation for T new positions on `device` (config.scan_impl): "compiled" =
+    gated_key_scan as one compiled graph (forward and backward), "chunked" = eager; "auto" compiles
+    on CUDA when T > scan_chunk (training, prefill) and stays eager for decoding steps. Inside an
+    outer torch.compile (compiled blocks) the plain function is traced into the outer graph."""
+    impl = config.scan_impl
+    compiled = impl == "compiled" or (impl == "auto" and device.type == "cuda" and T > config.scan_chunk)
+    return _compiled("scan") if compiled and not torch.compiler.is_compiling() else gated_key_scan
+
+
+def uses_flex(config: MemoryMosaicsV2Config, device: torch.device, past: int) -> bool:
+    """Whether memory reads from position 0 (training, evaluation, prefill) go through flex_attention:
+    attn_impl "flex", or "auto" on CUDA. Cached steps (past > 0) read through SDPA either way."""
+    impl = config.attn_impl
+    return past == 0 and (impl == "flex" or (impl == "auto" and device.type == "cuda"))
+
+
+def flex_block_mask(doc_start: torch.Tensor | None, B: int, T: int, lo_lag: int, hi_lag: int | None,
+                    device: torch.device) -> Any:
+    """flex_attention's BlockMask for T queries and T keys at positions 0..T-1: query t reads key j iff
+    lo_lag <= t - j (<= hi_lag) and j >= ds_t (doc_start (B, T), None: 0).
+
+    Built from per-block bounds ((T/128)^2 per row, no T x T mask): a (query block, key block) pair is
+    skipped when no pair in it can be readable, read unmasked when every pair is, masked otherwise.
+    lo/hi/ds enter the mask_mod as tensors, so a new delay or new documents do not recompile."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    blk = FLEX_BLOCK
+    n = -(-T // blk)
+    ds = torch.zeros(B, T, dtype=torch.long, device=device) if doc_start is None else doc_start.to(device, torch.long)
+    ds = torch.cat([ds, ds[:, -1:].expand(B, n * blk - T)], dim=1)  # (B, n*blk): mask_mod may index past T
+    first = torch.arange(n, device=device) * blk  # (n,) first position of each block
+    last = (first + blk).clamp(max=T) - 1  # (n,)
+    min_lag = first[:, None] - last[None, :]  # (n, n) query block x key block
+    max_lag = last[:, None] - first[None, :]
+    hi = T if hi_lag is None else hi_lag  # no lag reaches T
+    ds_blocks = ds.view(B, n, blk)
+    ds_lo, ds_hi = ds_blocks.amin(-1)[:, :, None], ds_blocks.amax(-1)[:, :, None]  # (B, n, 1) per query block
+    some = (max_lag >= lo_lag) & (min_lag <= hi) & (last[None, None, :] >= ds_lo)  # (B, n, n) some pair may read
+    whole = last - first + 1 == blk
+    every = (min_lag >= lo_lag) & (max_lag <= hi) & (first[None, None, :] >= ds_hi) & whole[:, None] & whole[None, :]
+    partial = some & ~every
+
+    def to_blocks(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = sel.sum(-1, dtype=torch.int32)[:, None]  # (B, 1, n)
+        order = torch.argsort((~sel).to(torch.int8), dim=-1, stable=True).to(torch.int32)[:, None]  # selected first
+        return counts.contiguous(), order.contiguous()  # (B, 1, n), (B, 1, n, n)
+
+    lo_t, hi_t = torch.tensor(lo_lag, device=device), torch.tensor(hi, device=device)
+
+    def readable(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        lag = q - kv
+        return (lag >= lo_t) & (lag <= hi_t) & (kv >= ds[b, q])
+
+    kv_n, kv_i = to_blocks(partial)
+    full_n, full_i = to_blocks(every)
+    return BlockMask.from_kv_blocks(kv_n, kv_i, full_n, full_i, BLOCK_SIZE=blk, mask_mod=readable, seq_lengths=(T, T))
+
+
+def flex_masks(config: MemoryMosaicsV2Config, doc_start: torch.Tensor | None, B: int, T: int, delay: int,
+               device: torch.device) -> dict[str, Any]:
+    """The block masks of one forward from position 0, shared by all layers: the short-term memory's
+    window always, the long-term memory's only with documents (without them its read is one causal
+    SDPA on delay-shifted tensors, flash kernels)."""
+    masks = {"short": flex_block_mask(doc_start, B, T, 1, config.short_span, device)}
+    if doc_start is not None and config.long_term_memory:
+        masks["long"] = flex_block_mask(doc_start, B, T, config.long_lag(delay), None, device)
+    return masks
+
+
+def _flex_read(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_mask: Any) -> torch.Tensor:
+    """flex_attention(q, keys, values) (B, H, T, hs; values T-1 rows), one dtype, scale 1 (the bandwidth
+    is in q); a row with nothing readable gives 0. Compiled (once per process) unless already inside torch.compile."""
+    if torch.compiler.is_compiling():
+        from torch.nn.attention.flex_attention import flex_attention as flex
+    else:
+        flex = _compiled("flex")
+    # the newest key's value needs the next token (values has one row fewer); that key is never
+    # readable (lag >= 1), but flex_attention wants equal lengths: a zero row
+    values = F.pad(values, (0, 0, 0, keys.shape[2] - values.shape[2]))
+    return flex(q, keys, values, block_mask=block_mask, scale=1.0)
+
+
 def _bandwidth_counts(t: torch.Tensor, doc_start: torch.Tensor, lo_lag: int, hi_lag: int | None) -> torch.Tensor:
     """n_t = |{j : ds_t <= j, lo_lag <= t - j, (t - j <= hi_lag)}| for absolute query positions t (B|1, T)."""
     newest = t - lo_lag  # largest readable j
@@ -300,13 +413,24 @@ class ContextualMemory(nn.Module):
         beta0 = F.softplus(self.beta0_raw.float())[None, :, None]
         return beta1 * n.pow(alpha) + beta0
 
+    def read_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype memory reads (and the generation cache) run in: on CUDA the autocast dtype, else
+        the weights' (bf16 evaluation: flash/flex kernels, half the cache); on CPU float32 or wider."""
+        weight = self.o_proj.weight.dtype
+        if device.type != "cuda":
+            return torch.promote_types(weight, torch.float32)
+        return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else weight
+
     def lags(self, delay: int) -> tuple[int, int | None]:
         """(smallest, largest or None) lag t - j this memory stores."""
         cfg = self.config
         return (1, cfg.short_span) if self.kind == "short" else (cfg.long_lag(delay), None)
 
-    def forward(self, x: torch.Tensor, doc_start: torch.Tensor | None, delay: int, cache: dict | None, past: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_start: torch.Tensor | None, delay: int, cache: dict | None, past: int,
+                masks: dict[str, Any] | None = None) -> torch.Tensor:
         """x (B, T, d) at absolute positions past..past+T-1 -> y (B, T, d).
+
+        masks: `flex_masks` of this forward (built once, shared by the layers), or None (SDPA).
 
         cache (per layer and kind, updated in place) holds for earlier positions: keys (B, H, >= N, hs)
         whose first N = keys_rows rows are the keys at absolute positions k0..k0+N-1, values (B, H, >=
@@ -321,7 +445,8 @@ class ContextualMemory(nn.Module):
         log_gate = self.gate_proj(x).transpose(1, 2)  # (B, H, T)
         log_decay = -self.decay_proj(x).abs().transpose(1, 2)  # (B, H, T)
         scan_state = cache.get("scan") if cache else None
-        directions, scan_state = gated_key_scan(raw_k, log_gate, log_decay, doc_start, past, scan_state, cfg.scan_chunk)
+        scan = key_scan_fn(cfg, x.device, T)
+        directions, scan_state = scan(raw_k, log_gate, log_decay, doc_start, past, scan_state, cfg.scan_chunk)
         keys = _unit(directions, cfg.norm_eps)  # (B, H, T, hs) fp32
         raw_v = _wide(split(self.value_proj(x)))  # (B, H, T, hs)
         gamma = self.value_mix.float()[None, :, None, None]
@@ -331,7 +456,8 @@ class ContextualMemory(nn.Module):
         finished = _unit(torch.lerp(raw_v[:, :, 1:], raw_v[:, :, :-1], gamma.to(raw_v.dtype)), cfg.norm_eps)
         if cache is not None:
             k0 = cache.get("k0", past)
-            keys_all, values_all = _append(cache, "keys", keys), _append(cache, "values", finished)
+            dtype = self.read_dtype(x.device)
+            keys_all, values_all = _append(cache, "keys", keys.to(dtype)), _append(cache, "values", finished.to(dtype))
             if self.kind == "short":  # future queries t >= past+T read j >= past+T-span: drop older pairs
                 keep = max(0, (past + T - cfg.short_span) - k0)
                 cache.update(keys=cache["keys"][:, :, keep:], values=cache["values"][:, :, keep:], k0=k0 + keep)
@@ -342,28 +468,41 @@ class ContextualMemory(nn.Module):
             cache.update(v_pending=raw_v[:, :, -1], scan=scan_state)
         else:
             keys_all, values_all, k0 = keys, finished, past
-        y = self.read(keys, keys_all, values_all, k0, past, doc_start, delay)  # (B, H, T, hs)
+        block_mask = masks.get(self.kind) if masks is not None and past == 0 and k0 == 0 else None
+        y = self.read(keys, keys_all, values_all, k0, past, doc_start, delay, block_mask)  # (B, H, T, hs)
         y = y.to(x.dtype).transpose(1, 2).reshape(B, T, d)
         return self.o_proj(y)
 
     def read(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, k0: int, past: int,
-             doc_start: torch.Tensor | None, delay: int) -> torch.Tensor:
-        """Memory read for queries at absolute positions past..past+T-1 over keys/values at k0.. ."""
+             doc_start: torch.Tensor | None, delay: int, block_mask: Any = None) -> torch.Tensor:
+        """Memory read for queries at absolute positions past..past+T-1 over keys/values at k0.. .
+
+        block_mask (this memory's `flex_block_mask`, reads from position 0 only): one flex_attention
+        call; otherwise SDPA as below, same function. Both in `read_dtype`."""
         B, H, T, hs = queries.shape
         lo, hi = self.lags(delay)
         device = queries.device
         t = torch.arange(past, past + T, device=device)[None]  # (1, T)
         ds = doc_start if doc_start is not None else torch.zeros_like(t)
         beta = self.bandwidth(_bandwidth_counts(t, ds, lo, hi))  # (B|1, H, T)
-        q = queries * beta[..., None].to(queries.dtype)  # bandwidth on the query side only
+        dtype = self.read_dtype(device)
+        q = (queries * beta[..., None].to(queries.dtype)).to(dtype)  # bandwidth on the query side only
+        keys, values = keys.to(dtype), values.to(dtype)
+        if block_mask is not None:
+            return _flex_read(q, keys, values, block_mask)
         if doc_start is None and hi is None and past == 0 and k0 == 0 and T > lo:
             # one causal SDPA on delay-shifted tensors (flash kernels, O(T) memory): query row
             # i <-> t = i + lo sees keys j <= i
             y = F.scaled_dot_product_attention(q[:, :, lo:], keys[:, :, : T - lo], values[:, :, : T - lo],
                                                is_causal=True, scale=1.0)
             return torch.cat([y.new_zeros(B, H, lo, hs), y], dim=2)
-        outs = []
         n_values = values.shape[2]
+        if T == 1 and doc_start is None:  # a decoding step: every stored pair in [first, last) is readable
+            first, last = 0 if hi is None else max(0, past - hi - k0), min(n_values, past + 1 - lo - k0)
+            if last <= first:
+                return q.new_zeros(B, H, 1, hs)
+            return F.scaled_dot_product_attention(q, keys[:, :, first:last], values[:, :, first:last], scale=1.0)
+        outs = []
         for a in range(0, T, self.config.query_block):
             b = min(a + self.config.query_block, T)
             tq = t[:, a:b]  # (1, q)
@@ -410,11 +549,14 @@ class MemoryMosaicsV2Block(nn.Module):
         self.ffn_norm = RMSNorm(config.n_embd, config.rms_norm_eps)
         self.ffn = SwiGLU(config)
 
-    def forward(self, x: torch.Tensor, doc_start: torch.Tensor | None, delay: int, cache: dict | None, past: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_start: torch.Tensor | None, delay: int, cache: dict | None, past: int,
+                masks: dict[str, Any] | None = None) -> torch.Tensor:
         h = self.memory_norm(x)
-        y = self.short(h, doc_start, delay, cache.setdefault("short", {}) if cache is not None else None, past)
+        if masks is None and uses_flex(self.config, x.device, past):
+            masks = flex_masks(self.config, doc_start, x.shape[0], x.shape[1], delay, x.device)
+        y = self.short(h, doc_start, delay, cache.setdefault("short", {}) if cache is not None else None, past, masks)
         if self.long is not None and self.config.long_term_memory:
-            y = y + self.long(h, doc_start, delay, cache.setdefault("long", {}) if cache is not None else None, past)
+            y = y + self.long(h, doc_start, delay, cache.setdefault("long", {}) if cache is not None else None, past, masks)
         x = x + y
         return x + self.ffn(self.ffn_norm(x))
 
@@ -555,8 +697,9 @@ class MemoryMosaicsV2ForCausalLM(PreTrainedModel, GenerationMixin):
             raise OwaiError(f"memory mosaics v2: long_delay must be >= 1, got {long_delay}")
 
         x = self.embed_tokens(input_ids)  # (B, T, d); no positions
+        masks = flex_masks(cfg, doc_start, B, T, long_delay, x.device) if uses_flex(cfg, x.device, past) else None
         for i, block in enumerate(self.layers):
-            x = block(x, doc_start, long_delay, cache.layers[i] if cache is not None else None, past)
+            x = block(x, doc_start, long_delay, cache.layers[i] if cache is not None else None, past, masks)
         x = self.norm(x)
         if cache is not None:
             cache.seen_tokens = past + T
