@@ -8,7 +8,8 @@
     python benchmarks/mmv2.py scan                    # key-scan candidates: eager chunked vs compiled, chunk sizes
     python benchmarks/mmv2.py all --device cuda       # the same on a GPU (bf16)
 
-Issue #39's GPU runs (small size: 2.04B / 1.83B parameters; MFU = 6 N tokens/s over the bf16 peak):
+Issue #39's GPU runs (small size: 2.04B / 1.83B parameters; MFU = tokens/s x 3 x owai.plan.forward_flops_per_token
+over the bf16 peak, as the trainer logs it):
 
     python benchmarks/mmv2.py throughput --device cuda --size small --context 4096 --batch 2 [--documents] [--compile]
     python benchmarks/mmv2.py generation --device cuda --size small --contexts 4096 32768
@@ -187,9 +188,12 @@ def throughput(args) -> None:
     models, times, memory = {}, {a: [] for a in args.archs}, {}
 
     def report(arch: str, model) -> None:
+        from owai.plan import forward_flops_per_token
+
         n = sum(p.numel() for p in model.parameters())
         speed = tokens / statistics.median(times[arch])
-        mfu = f"  MFU {6 * n * speed / peak * 100:5.1f} %" if peak else ""
+        # as the trainer logs it (and issue #39's "before" table): 3 x forward FLOPs per token at this context
+        mfu = f"  MFU {3 * forward_flops_per_token(model, args.context) * speed / peak * 100:5.1f} %" if peak else ""
         mem = f"  peak {memory[arch]:5.1f} GB" if arch in memory else ""
         print(f"  {arch:12s} {n / 1e6:8.2f}M parameters  {speed:9.0f} tokens/s{mfu}{mem}  "
               f"(step {statistics.median(times[arch]):.3f} s)", flush=True)
