@@ -186,8 +186,10 @@ def sets(*pairs: str) -> list[str]:
 
 
 def tail(proc: subprocess.CompletedProcess) -> str:
-    lines = (proc.stderr or proc.stdout or "").strip().splitlines()
-    return lines[-1][:300] if lines else f"exit {proc.returncode}"
+    """The line that says what went wrong: owai's `error:` line, else an exception line, else the last."""
+    lines = [line for line in (proc.stderr or proc.stdout or "").strip().splitlines() if line.strip()]
+    said = [line for line in lines if line.startswith("error:") or "Error" in line or "error" in line]
+    return (said or lines or [f"exit {proc.returncode}"])[-1][:300]
 
 
 def last_loss(run: Path, arch: str) -> float:
