@@ -36,6 +36,12 @@ STATUS = "status.json"
 METRICS = "metrics.jsonl"
 RESULTS = "results.json"
 HISTORY = "config_history.jsonl"
+SWEEP = "sweep.json"  # a sweep directory's plan (owai.sweep); a run directory has none
+
+
+def is_sweep_dir(path: Path) -> bool:
+    """Whether `path` is a sweep directory rather than a run directory."""
+    return (Path(path) / SWEEP).is_file()
 
 
 def config_hash(resolved: dict[str, Any]) -> str:
