@@ -1,5 +1,9 @@
 """The datasets owai knows, where it looks for them, and how to fetch and verify them.
 
+The catalogue's entries come from the modules that read the datasets (`register`): mnist,
+camelyon17, domainbed, text and classification each declare theirs, and `owai.data` imports them
+all before any of its modules runs. This module imports none of them.
+
 One lookup rule for every dataset (`locate`):
 
 1. an explicit root (a command's `--data-root DIR`, or the method's `data.root` setting): the
