@@ -158,13 +158,13 @@ def recipes_show(
 def recipes_run(
     recipe: Annotated[Optional[str], typer.Argument(help="Recipe id or path to a recipe YAML file.", show_default=False)] = None,
     recipe_option: RecipeOption = None,
-    run: RunOptions = RunOptions(),
+    opts: RunOptions = RunOptions(),
 ) -> None:
     """Run any recipe (the same path as its method's subcommand)."""
     recipe = one_recipe(recipe, recipe_option)
-    if recipe is None and run.resume is None:
+    if recipe is None and opts.resume is None:
         raise OwaiError("name a RECIPE to run (or --resume RUN_DIR)")
-    run.run(recipe, run.sets)
+    opts.run(recipe, opts.sets)
 
 
 @app.command("report")

@@ -96,14 +96,14 @@ def options(command: Command) -> Command:
             params.append(param.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=kind))
 
     @functools.wraps(command)
-    def run(**values: Any) -> Any:
+    def grouped(**values: Any) -> Any:
         for name, kind in groups.items():
             values[name] = kind(**{f.name: values.pop(f.name) for f in dataclasses.fields(kind)})
         return command(**values)
 
-    run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    run.__annotations__ = {p.name: p.annotation for p in params}
-    return typing.cast(Command, run)
+    grouped.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    grouped.__annotations__ = {p.name: p.annotation for p in params}
+    return typing.cast(Command, grouped)
 
 
 @dataclasses.dataclass(frozen=True)

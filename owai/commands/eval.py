@@ -45,10 +45,10 @@ def posloss(
     config_name: ConfigName = None,
     context: Context = None,
     data_root: DataRoot = None,
-    run: RunOptions = RunOptions(),
+    opts: RunOptions = RunOptions(),
 ) -> None:
     """Average loss at each position of the context window (Fig 3.9), for saved language models."""
-    run_eval(models, dataset, config_name, context, run.resume is None, run, data_root)
+    run_eval(models, dataset, config_name, context, opts.resume is None, opts, data_root)
 
 
 def _train_sizes(text: str) -> list[int]:
@@ -217,19 +217,19 @@ def icl(
     tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", help="Override the model's tokenizer (hub id or tokenizer.json).")] = None,
     allow_overflow: Annotated[bool, typer.Option("--allow-overflow", help="Count prompts longer than the model takes as overflows instead of refusing to start.")] = False,
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="fig4.6-icl or an ICL recipe file.")] = ICL_RECIPE,
-    run: RunOptions = RunOptions(),
+    opts: RunOptions = RunOptions(),
 ) -> None:
     """In-context classification (Figs 4.6-4.9, Table 4.6): LongICLBench's banking77 / goemotion / tacred, semantic and anonymous labels, four prompt strategies."""
     shot_list = "[" + ", ".join(csv_values(shots, "--shots")) + "]" if shots is not None else None  # numbers
-    extra = option_sets(run.sets, {"model": model, "task": task, "shots": shot_list, "n_queries": n, "data": data,
-                                   "tokenizer": tokenizer, "allow_overflow": "true" if allow_overflow else None},
+    extra = option_sets(opts.sets, {"model": model, "task": task, "shots": shot_list, "n_queries": n, "data": data,
+                                    "tokenizer": tokenizer, "allow_overflow": "true" if allow_overflow else None},
                         {"labels": ("semantic,anonymous" if labels == "both" else labels, "--labels")})
-    if run.resume is not None:
-        if extra != list(run.sets or []) or run.preset is not None or recipe != ICL_RECIPE:
+    if opts.resume is not None:
+        if extra != list(opts.sets or []) or opts.preset is not None or recipe != ICL_RECIPE:
             raise OwaiError("--resume takes the run's settings from RUN_DIR/config.yaml; drop the other options")
-        run.run(None, run.sets, methods=("icl",))
+        opts.run(None, opts.sets, methods=("icl",))
         return
-    run.run(recipe, extra, methods=("icl",))
+    opts.run(recipe, extra, methods=("icl",))
 
 
 def register(app: typer.Typer) -> None:

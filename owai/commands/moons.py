@@ -33,16 +33,16 @@ def moons(
         help="Alias of --recipe: three-moons (Figs 3.5, 3.6, B.1) or linear (Fig 3.1).", show_default=False)] = None,
     recipe: Annotated[Optional[str], typer.Option(
         "--recipe", "-r", help="three-moons (default), linear-disentanglement, or a recipe file of either method.")] = None,
-    run: RunOptions = RunOptions(),
+    opts: RunOptions = RunOptions(),
 ) -> None:
     """Predictive disentanglement, ch. 3: three moons (sec 3.3) or linear sample complexity (sec 3.1)."""
     if study is not None and recipe is not None and RECIPES[study] != recipe:
         raise OwaiError(f"the study {study.value!r} and --recipe {recipe!r} disagree; give one of them")
     chosen = recipe if recipe is not None else RECIPES[study] if study is not None else None
-    if run.resume is None:
+    if opts.resume is None:
         chosen = chosen or RECIPES[Study.three_moons]
         study_recipe(chosen, METHODS)
-    run.run(chosen, run.sets, methods=METHODS if chosen is None else None)
+    opts.run(chosen, opts.sets, methods=METHODS if chosen is None else None)
 
 
 def register(app: typer.Typer) -> None:

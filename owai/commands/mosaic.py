@@ -53,11 +53,11 @@ def mosaic_train(
     tokenizer: Tokenizer = None,
     context: Context = None,
     data_root: DataRoot = None,
-    run: RunOptions = RunOptions(),
+    opts: RunOptions = RunOptions(),
 ) -> None:
     """Pre-train Memory Mosaics and GPT2 (sec 3.5, App. B), or with --size Memory Mosaics v2 and the Llama
     transformer (ch. 4), on the same batches, then evaluate them."""
-    preset, resume = run.preset, run.resume
+    preset, resume = opts.preset, opts.resume
     if size is not None and resume is None:
         from owai.models.sizes import SIZES
 
@@ -77,13 +77,13 @@ def mosaic_train(
     ]
     if resume is not None and (any(c for c in chosen) or data_root is not None):
         raise OwaiError("--resume takes its config from the run directory; drop --arch/--depth/--dataset/--tokenizer/--context/--data-root")
-    overrides = [c for c in chosen if c] + data_root_sets(data_root) + list(run.sets or [])
+    overrides = [c for c in chosen if c] + data_root_sets(data_root) + list(opts.sets or [])
     if dry_run:
         if resume is not None:
             raise OwaiError("--dry-run plans a new run; drop --resume")
         print_plan(recipe, preset, overrides)
         return
-    run.run(None if resume is not None else recipe, overrides or None, methods=("lm_pretrain",), preset=preset)
+    opts.run(None if resume is not None else recipe, overrides or None, methods=("lm_pretrain",), preset=preset)
 
 
 def print_plan(recipe_name: str, preset: str | None, overrides: list[str]) -> None:
@@ -125,25 +125,25 @@ def mosaic_eval(
     context: Context = None,
     posloss_only: Annotated[bool, typer.Option("--posloss-only", help="Only the validation and per-position losses (Fig 3.9).")] = False,
     data_root: DataRoot = None,
-    run: RunOptions = RunOptions(),
+    opts: RunOptions = RunOptions(),
 ) -> None:
     """Evaluate saved language models: validation and per-position loss, attention plots, continuations."""
-    run_eval(models, dataset, config_name, context, posloss_only, run, data_root)
+    run_eval(models, dataset, config_name, context, posloss_only, opts, data_root)
 
 
 def run_eval(models: list[Path] | None, dataset: str | None, config_name: str | None, context: int | None,
-             posloss_only: bool, run: RunOptions, data_root: Path | None = None) -> None:
+             posloss_only: bool, opts: RunOptions, data_root: Path | None = None) -> None:
     """A new evaluation of `models`, or (--resume) the continuation of an interrupted one."""
-    if run.resume is not None:
+    if opts.resume is not None:
         if models or dataset or config_name or context is not None or posloss_only or data_root is not None:
             raise OwaiError("--resume takes its models and settings from the run directory; drop MODEL_DIR/--dataset/"
                             "--config-name/--context/--posloss-only")
-        run.run(None, run.sets, methods=("lm_eval",))
+        opts.run(None, opts.sets, methods=("lm_eval",))
         return
     if not models:
         raise OwaiError("give the model directories to evaluate (MODEL_DIR...), or --resume RUN_DIR")
-    run.run(EVAL_RECIPE, eval_overrides(models, dataset, config_name, context, posloss_only) + data_root_sets(data_root)
-            + list(run.sets or []))
+    opts.run(EVAL_RECIPE, eval_overrides(models, dataset, config_name, context, posloss_only) + data_root_sets(data_root)
+            + list(opts.sets or []))
 
 
 def eval_overrides(models: list[Path], dataset: str | None, config_name: str | None, context: int | None, posloss_only: bool) -> list[str]:
