@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from owai.errors import OwaiError
-from owai.sweep import numeric
+from owai.values import numeric
 
 HOLDS, MISSES, NA = "holds", "misses", "n/a"
 AGGREGATES: dict[str, Callable[[list[float]], float]] = {"min": min, "max": max, "mean": lambda v: sum(v) / len(v)}
@@ -417,16 +417,6 @@ def sweep_records(sweep_dir: Path, summary: dict[str, Any]) -> tuple[list[Record
     if path is not None:
         return study_records(json.loads(path.read_text())["rows"]), path.name
     return summary_records(summary), "summary.json"
-
-
-def recipe_claims(recipe_id: str, source: str | None = None) -> list[dict[str, Any]]:
-    """The claims of a recipe recorded in a run (empty if the recipe is gone)."""
-    from owai.recipes import load, recorded_name
-
-    try:
-        return load(recorded_name(recipe_id, source)).claims
-    except OwaiError:
-        return []
 
 
 def summary_counts(verdicts: list[dict[str, Any]]) -> str:

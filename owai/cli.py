@@ -17,7 +17,7 @@ import typer
 from rich.markup import escape
 
 from owai import __version__, console
-from owai.commands._common import Json, Out, Preset, Quiet, RecipeOption, Resume, Sets, one_recipe, run_recipe
+from owai.commands._common import Json, Preset, Quiet, RecipeOption, RunOptions, Sets, one_recipe, options
 from owai.errors import OwaiError
 
 
@@ -154,21 +154,17 @@ def recipes_show(
 
 
 @recipes_app.command("run")
+@options
 def recipes_run(
     recipe: Annotated[Optional[str], typer.Argument(help="Recipe id or path to a recipe YAML file.", show_default=False)] = None,
     recipe_option: RecipeOption = None,
-    preset: Preset = None,
-    sets: Sets = None,
-    out: Out = Path("runs"),
-    resume: Resume = None,
-    quiet: Quiet = False,
-    as_json: Json = False,
+    opts: RunOptions = RunOptions(),
 ) -> None:
     """Run any recipe (the same path as its method's subcommand)."""
     recipe = one_recipe(recipe, recipe_option)
-    if recipe is None and resume is None:
+    if recipe is None and opts.resume is None:
         raise OwaiError("name a RECIPE to run (or --resume RUN_DIR)")
-    run_recipe(recipe, preset, sets, out, resume, quiet, as_json)
+    opts.run(recipe, opts.sets)
 
 
 @app.command("report")

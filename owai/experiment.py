@@ -20,7 +20,7 @@ from owai.checkpoint import NonFiniteError, latest_checkpoint, load_checkpoint, 
 from owai.config import apply_overrides, build, parse_override, to_dict
 from owai.errors import DataMissing, OwaiError
 from owai.recipes import Recipe, load, recorded_name, thesis_for
-from owai.runs import Run, config_hash, ensure_writable, environment
+from owai.runs import Run, config_hash, ensure_writable, environment, is_sweep_dir
 
 
 def resolve(recipe: Recipe, preset: str | None, overrides: list[str],
@@ -146,8 +146,6 @@ def resume_hint(run: Run) -> str:
         return f"resume it with `{command}`"
     if "metrics" in nonfinite:
         return "its evaluation gave non-finite metrics; start a new run with other settings"
-    from owai.sweep import is_sweep_dir
-
     allowed = recipe.method_class().resume_overrides
     if is_sweep_dir(run.path.parent.parent):
         return "a sweep point keeps its grid's settings: sweep again with a lower learning rate"
@@ -229,8 +227,6 @@ def _prepare_resume(
     """Open the run being resumed and check, before anything is written: that it is a run of this
     command, that the `--set` overrides are resumable settings with valid values, and that every
     stage's newest checkpoint is intact, finite and this run's. Records the overrides."""
-    from owai.sweep import is_sweep_dir
-
     if preset:
         raise OwaiError("--resume takes its config from the run directory; drop --preset")
     run = Run.open(resume)

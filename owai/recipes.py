@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
+from owai.claims import check_claims
 from owai.config import apply_overrides, build, load_yaml, merge
 from owai.errors import OwaiError
 from owai.methods import Method, is_registered, method_class
@@ -182,6 +183,14 @@ def recorded_name(recipe_id: str, source: str | None) -> str:
     return source if source and Path(source).is_file() else recipe_id
 
 
+def recipe_claims(recipe_id: str, source: str | None = None) -> list[dict[str, Any]]:
+    """The claims of a recipe recorded in a run (empty if the recipe is gone)."""
+    try:
+        return load(recorded_name(recipe_id, source)).claims
+    except OwaiError:
+        return []
+
+
 def parse(text: str, source: str) -> Recipe:
     try:
         data = load_yaml(text)
@@ -213,8 +222,6 @@ def validate(recipe: Recipe) -> None:
             raise OwaiError(f"{where}: thesis {metric!r} is an empty list")
     if recipe.sweep is not None:
         _validate_sweep(recipe, where)
-    from owai.claims import check_claims
-
     check_claims(recipe.claims, recipe.id, list(recipe.presets))
     if not recipe.implemented:
         return

@@ -9,17 +9,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-
-def fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, list):
-        return "[" + ", ".join(fmt(v) for v in value) + "]"
-    return str(value)
+from owai.values import fmt
 
 
 def _thesis(row: dict[str, Any]) -> str:
@@ -61,8 +51,9 @@ def markdown(results: dict[str, Any]) -> str:
 def run_claims(run_dir: Path, results: dict[str, Any]) -> list[dict[str, Any]]:
     """The recipe's claims judged on a single run, now (so runs written before a claim existed, or
     before claims were recorded, are judged too); the run's recorded verdicts if its recipe is gone."""
-    from owai.claims import judge_all, recipe_claims, run_records
+    from owai.claims import judge_all, run_records
     from owai.errors import OwaiError
+    from owai.recipes import recipe_claims
     from owai.runs import Run
 
     try:
@@ -78,7 +69,8 @@ def run_claims(run_dir: Path, results: dict[str, Any]) -> list[dict[str, Any]]:
 def sweep_claims(sweep_dir: Path, summary: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
     """(verdicts, source of the numbers) of a sweep directory: on its study's rows if it has a
     study (bonsai.json, regbench.json, ...), else on its summary's cells."""
-    from owai.claims import judge_all, recipe_claims, sweep_records
+    from owai.claims import judge_all, sweep_records
+    from owai.recipes import recipe_claims
     from owai.sweep import open_sweep
 
     plan = open_sweep(sweep_dir)

@@ -37,6 +37,25 @@ STATUS = "status.json"
 METRICS = "metrics.jsonl"
 RESULTS = "results.json"
 HISTORY = "config_history.jsonl"
+SWEEP = "sweep.json"  # a sweep directory's plan (owai.sweep); a run directory has none
+
+
+def is_sweep_dir(path: Path) -> bool:
+    """Whether `path` is a sweep directory rather than a run directory."""
+    return (Path(path) / SWEEP).is_file()
+
+
+def model_dirs(path: Path) -> list[tuple[str, Path]]:
+    """(label, directory) of each saved model under `path`: a save_pretrained dir or a run dir
+    (its models/<arch>/, as language-model training saves them)."""
+    if not path.exists():
+        raise OwaiError(f"model path not found: {path}")
+    if (path / "config.json").is_file():
+        return [(path.name, path)]
+    found = sorted(p for p in (path / "models").glob("*") if (p / "config.json").is_file()) if (path / "models").is_dir() else []
+    if not found:
+        raise OwaiError(f"{path} holds no saved model (no config.json, no models/<arch>/config.json)")
+    return [(p.name, p) for p in found]
 
 
 def config_hash(resolved: dict[str, Any]) -> str:

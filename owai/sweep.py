@@ -28,7 +28,6 @@ import dataclasses
 import datetime as dt
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -43,10 +42,10 @@ from owai import console
 from owai.config import build, coerce, load_yaml, parse_override
 from owai.errors import OwaiError
 from owai.io import atomic_write_json
-from owai.recipes import Grid, Recipe, Selection, check_path, load, recorded_name, sub_grids
-from owai.runs import CONFIG, RESULTS, Run, config_hash, ensure_writable, new_unique_dir, timestamp
+from owai.recipes import Grid, Recipe, Selection, check_path, load, recipe_claims, recorded_name, sub_grids
+from owai.runs import CONFIG, RESULTS, SWEEP, Run, config_hash, ensure_writable, is_sweep_dir, new_unique_dir, timestamp
+from owai.values import fmt, numeric
 
-SWEEP = "sweep.json"
 SUMMARY = "summary.json"
 POINTS = "points"
 EXECUTORS = ("local", "slurm", "submitit-debug")
@@ -295,10 +294,6 @@ def create(
     return sweep
 
 
-def is_sweep_dir(path: Path) -> bool:
-    return (Path(path) / SWEEP).is_file()
-
-
 def open_sweep(path: Path) -> Sweep:
     """Load a sweep directory's plan (for --resume and report)."""
     path = Path(path)
@@ -486,15 +481,6 @@ def _run_submitit(sweep: Sweep, todo: list[Point], executor: str, opts: SlurmOpt
 # --- summary ------------------------------------------------------------------------------------
 
 
-def numeric(value: Any) -> float | None:
-    """Numbers count (booleans as 0/1, so their mean is a fraction); lists, text and null do not."""
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, (int, float)) and math.isfinite(value):
-        return float(value)
-    return None
-
-
 def _cell_label(grid: dict[str, Any]) -> str:
     return " ".join(f"{k}={_short(v)}" for k, v in grid.items()) or "all"
 
@@ -610,7 +596,7 @@ def write_study_files(sweep: Sweep, stem: str, title: str, rows: list[dict[str, 
                       figure: Any) -> Path:
     """A study's outputs in the sweep directory, atomically: <stem>.json (the rows and the recipe's
     claims judged on them), <stem>.md and figures/<stem>.png; returns the figure's path."""
-    from owai.claims import judge_all, recipe_claims, study_records
+    from owai.claims import judge_all, study_records
     from owai.io import atomic_write_figure, atomic_write_text
 
     claims = judge_all(recipe_claims(sweep.recipe, sweep.recipe_source), study_records(rows), sweep.preset)
@@ -639,7 +625,6 @@ def raise_on_failures(summary: dict[str, Any], rerun: str) -> None:
 
 
 def _mean_std(m: dict[str, Any]) -> str:
-    from owai.report import fmt
 
     return fmt(m["mean"]) if m["std"] is None else f"{fmt(m['mean'])} ± {fmt(m['std'])}"
 
@@ -670,7 +655,6 @@ def table(summary: dict[str, Any]) -> Any:
     from rich.markup import escape
     from rich.table import Table
 
-    from owai.report import fmt
 
     has_grid = any(sub_grids(summary["grid"]))
     t = Table(title=escape(_title(summary)))
@@ -713,7 +697,6 @@ def table(summary: dict[str, Any]) -> Any:
 
 
 def markdown(summary: dict[str, Any]) -> str:
-    from owai.report import fmt
 
     lines = [f"### {_title(summary)}", "", f"Sweep: `{summary['sweep_dir']}`  ",
              f"Std: {summary['std']}", "", "| grid | metric | mean ± std | n | thesis | ref |", "|---|---|---|---|---|---|"]

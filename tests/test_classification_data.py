@@ -472,7 +472,7 @@ def test_fetch_cifar_checks_the_md5_unpacks_and_verifies(capsys, monkeypatch, no
     with pytest.raises(OwaiError, match=r"bad/cifar-10-python.tar.gz has md5 \w+, expected c58f3010.* \(refused\)"):
         registry.fetch("cifar10", root, "http://mirror.test/missing/,http://mirror.test/bad/")  # the real md5
     assert list(root.iterdir()) == []  # neither the folder nor a temporary file
-    monkeypatch.setitem(registry.CIFAR_ARCHIVES, "cifar10", ("cifar-10-python.tar.gz", hashlib.md5(archive).hexdigest()))
+    monkeypatch.setitem(cl.CIFAR_ARCHIVES, "cifar10", ("cifar-10-python.tar.gz", hashlib.md5(archive).hexdigest()))
     code, out, err = cli_in_process(["data", "fetch", "cifar10", "--data-root", str(root), "--mirror",
                                      "http://mirror.test/missing/,http://mirror.test/good/", "--json"], capsys)
     assert code == 0, err
@@ -495,7 +495,7 @@ def test_fetch_refuses_an_archive_that_escapes_its_folder(monkeypatch, no_data, 
         tar.addfile(info, io.BytesIO(b"hi"))
     archive = buf.getvalue()
     monkeypatch.setattr(registry, "_download", lambda url, dest: dest.write_bytes(archive))
-    monkeypatch.setitem(registry.CIFAR_ARCHIVES, "cifar10", ("cifar-10-python.tar.gz", hashlib.md5(archive).hexdigest()))
+    monkeypatch.setitem(cl.CIFAR_ARCHIVES, "cifar10", ("cifar-10-python.tar.gz", hashlib.md5(archive).hexdigest()))
     root = tmp_path / "root"
     with pytest.raises(OwaiError, match="cannot unpack"):
         registry.fetch("cifar10", root, "http://mirror.test/")

@@ -15,8 +15,6 @@ from PIL import Image
 from owai.data.domainbed import (
     DATASET_DIRS,
     DOMAINBED,
-    IMAGENET_MEAN,
-    IMAGENET_STD,
     CachedEval,
     ImageFolderDomains,
     RotatedMNIST,
@@ -24,12 +22,11 @@ from owai.data.domainbed import (
     _adjust_hue,
     domainbed_dataset,
     eval_batches,
-    eval_transform,
     random_resized_crop_params,
     split_domain,
-    step_loader,
     train_transform,
 )
+from owai.data.images import IMAGENET_MEAN, IMAGENET_STD, eval_transform, step_loader
 from owai.data.mnist import load_mnist
 from owai.errors import OwaiError
 from owai.runtime import generator

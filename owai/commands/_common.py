@@ -1,11 +1,21 @@
-"""Options and the run-and-report path shared by the method subcommands."""
+"""Options and the run-and-report path shared by the method subcommands.
+
+Each shared option is declared once, here, as an `Annotated` type (its flags, help and panel); a
+command takes it by naming the type. Options that travel together are an `OptionGroup` (`RunOptions`:
+--preset/--set/--out/--resume/--quiet/--json; `Launch`: --workers/--executor and the SLURM options),
+which a command takes as one parameter and `@options` spreads into its command line.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+import typing
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Optional, TypeVar
 
 import typer
 
@@ -59,18 +69,72 @@ MemGb = Annotated[Optional[float], typer.Option("--mem-gb", min=0, help="Memory 
 ArrayParallelism = Annotated[Optional[int], typer.Option("--array-parallelism", min=1, help="Jobs running at once (default: all).", rich_help_panel=SLURM)]
 
 
-def execution(executor: Executor, workers: int, partition: str | None, gpus_per_node: int | None,
-              cpus_per_task: int | None, timeout_min: int | None, mem_gb: float | None,
-              array_parallelism: int | None) -> tuple[str, int, Any]:
-    """The (executor, workers, SlurmOptions) a grid runs with, checked before any directory exists."""
-    from owai import sweep as sweeps
-    from owai.errors import OwaiError
+class OptionGroup:
+    """Base of a dataclass whose fields are options several commands share, declared once.
 
-    slurm = sweeps.SlurmOptions(partition, gpus_per_node, cpus_per_task, timeout_min, mem_gb, array_parallelism)
-    if executor is Executor.local and any(v is not None for v in vars(slurm).values()):
-        raise OwaiError("SLURM options (--partition, --gpus-per-node, ...) need --executor slurm")
-    sweeps.check_executor(executor.value, workers)
-    return executor.value, workers, slurm
+    A command takes the group as one parameter (`launch: Launch = Launch()`); `@options` puts the
+    group's options in that place of the command's signature, so Typer shows and parses them like
+    the command's own, and gives the command their values as one group object."""
+
+
+Command = TypeVar("Command", bound=Callable[..., Any])
+
+
+def options(command: Command) -> Command:
+    """The command with each `OptionGroup` parameter spread into the group's options (see OptionGroup)."""
+    hints = typing.get_type_hints(command, include_extras=True)
+    params: list[inspect.Parameter] = []
+    groups: dict[str, type] = {}
+    for param in inspect.signature(command).parameters.values():
+        kind = hints.get(param.name, param.annotation)
+        if isinstance(kind, type) and issubclass(kind, OptionGroup):
+            groups[param.name] = kind
+            types = typing.get_type_hints(kind, include_extras=True)
+            params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=types[f.name])
+                       for f in dataclasses.fields(kind)]
+        else:
+            params.append(param.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=kind))
+
+    @functools.wraps(command)
+    def grouped(**values: Any) -> Any:
+        for name, kind in groups.items():
+            values[name] = kind(**{f.name: values.pop(f.name) for f in dataclasses.fields(kind)})
+        return command(**values)
+
+    grouped.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    grouped.__annotations__ = {p.name: p.annotation for p in params}
+    return typing.cast(Command, grouped)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch(OptionGroup):
+    """Where a grid's points run: this process, local worker processes, or a SLURM job array."""
+
+    workers: Workers = 1
+    executor: ExecutorOption = Executor.local
+    partition: Partition = None
+    gpus_per_node: GpusPerNode = None
+    cpus_per_task: CpusPerTask = None
+    timeout_min: TimeoutMin = None
+    mem_gb: MemGb = None
+    array_parallelism: ArrayParallelism = None
+
+    @property
+    def spreads(self) -> bool:
+        """Whether the points leave this process (more workers, or another executor)."""
+        return self.workers != 1 or self.executor is not Executor.local
+
+    def runs_on(self) -> tuple[str, int, Any]:
+        """The (executor, workers, SlurmOptions) a grid runs with, checked before any directory exists."""
+        from owai import sweep as sweeps
+        from owai.errors import OwaiError
+
+        slurm = sweeps.SlurmOptions(self.partition, self.gpus_per_node, self.cpus_per_task, self.timeout_min, self.mem_gb,
+                                    self.array_parallelism)
+        if self.executor is Executor.local and any(v is not None for v in vars(slurm).values()):
+            raise OwaiError("SLURM options (--partition, --gpus-per-node, ...) need --executor slurm")
+        sweeps.check_executor(self.executor.value, self.workers)
+        return self.executor.value, self.workers, slurm
 
 
 def run_recipe(
@@ -91,6 +155,23 @@ def run_recipe(
     elif not quiet:
         console.stdout.print(table(results))
         console.stdout.print(f"results: {run.path / 'results.json'}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions(OptionGroup):
+    """How a run is set up, where it goes and what it prints: --preset, --set, --out, --resume, --quiet, --json."""
+
+    preset: Preset = None
+    sets: Sets = None
+    out: Out = Path("runs")
+    resume: Resume = None
+    quiet: Quiet = False
+    as_json: Json = False
+
+    def run(self, recipe: str | None, sets: list[str] | None, methods: tuple[str, ...] | None = None,
+            preset: str | None = None) -> None:
+        """`run_recipe` with these options, the given `--set` overrides and (when given) preset."""
+        run_recipe(recipe, preset or self.preset, sets, self.out, self.resume, self.quiet, self.as_json, methods)
 
 
 RecipeOption = Annotated[Optional[str], typer.Option("--recipe", "-r", help="Recipe id or path to a recipe YAML file (the same as RECIPE).")]
@@ -142,6 +223,22 @@ def open_study(resume: Path, method: str, what: str, other_options: bool) -> Any
     if load(recorded_name(plan.recipe, plan.recipe_source)).method != method:
         raise OwaiError(f"{resume} is a sweep of {plan.recipe}, not {what}")
     return plan
+
+
+def run_sweep(plan: Any, runs_on: tuple[str, int, Any], rerun: str, quiet: bool, as_json: bool,
+              points: str = "points", next_step: str = "") -> None:
+    """Run a sweep's unfinished points (`runs_on` from `Launch.runs_on`), write and print its summary
+    (or JSON) and `next_step`, then report failed points with how to rerun them (`rerun`)."""
+    from owai import sweep as sweeps
+
+    console.info(f"sweep directory: {plan.path} ({len(plan.points)} {points})")
+    summary = sweeps.write_summary(plan, sweeps.run(plan, *runs_on))
+    if as_json:
+        console.emit_json(summary)
+    elif not quiet:
+        console.stdout.print(sweeps.table(summary))
+        console.stdout.print(f"summary: {plan.path / sweeps.SUMMARY}" + (f"\n{next_step}" if next_step else ""))
+    sweeps.raise_on_failures(summary, rerun)
 
 
 def run_study(plan: Any, runs_on: tuple[str, int, Any], write_study: Callable[[Any, dict[str, Any]], tuple[list[dict[str, Any]], dict[str, Any]]],

@@ -28,8 +28,7 @@ from typing import Annotated, Optional
 import typer
 
 from owai import console
-from owai.commands._common import (ArrayParallelism, CpusPerTask, DataRoot, Executor, ExecutorOption, GpusPerNode, Json, MemGb, Out,
-                                  Partition, Preset, Quiet, Sets, TimeoutMin, Workers, csv_values, data_root_sets, execution,
+from owai.commands._common import (DataRoot, Json, Launch, Out, Preset, Quiet, Sets, csv_values, data_root_sets, options,
                                   run_recipe, run_study, study_recipe)
 from owai.errors import OwaiError
 
@@ -49,6 +48,7 @@ def _study_functions(method: str):
     return module.write_study, module.study_table
 
 
+@options
 def bonsai(
     recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="A bonsai recipe id (table2.4-coloredmnist, table2.5-pi, fig2.7-anneal, fig2.8-init, table2.6-camelyon17, figA.2-twobits, ...) or file.")] = None,
     dataset: Annotated[Optional[str], typer.Option("--dataset", "-d", help="coloredmnist (Table 2.4), inverse-coloredmnist (Table 2.5), their -gray oracles, or camelyon17 (Table 2.6); comma-separated with --study.")] = None,
@@ -57,14 +57,7 @@ def bonsai(
     study: Annotated[bool, typer.Option("--study", help="Run the recipe's grid x seeds and write the selected table and figure.")] = False,
     grid: Annotated[Optional[list[str]], typer.Option("--grid", "-g", help="With --study: replace a grid key's values, --grid penalty.weight=1e3,1e4 (repeatable).")] = None,
     seeds: Annotated[Optional[str], typer.Option("--seeds", help="With --study: comma-separated seeds (default: the recipe's).")] = None,
-    workers: Workers = 1,
-    executor: ExecutorOption = Executor.local,
-    partition: Partition = None,
-    gpus_per_node: GpusPerNode = None,
-    cpus_per_task: CpusPerTask = None,
-    timeout_min: TimeoutMin = None,
-    mem_gb: MemGb = None,
-    array_parallelism: ArrayParallelism = None,
+    launch: Launch = Launch(),
     preset: Preset = None,
     sets: Sets = None,
     data_root: DataRoot = None,
@@ -78,8 +71,8 @@ def bonsai(
 
     console.configure(quiet, as_json)
     chosen = {"dataset": dataset, "method": method, "init": init}
-    runs_on = execution(executor, workers, partition, gpus_per_node, cpus_per_task, timeout_min, mem_gb, array_parallelism)
-    spread = workers != 1 or executor is not Executor.local  # options for a study's points only
+    runs_on = launch.runs_on()
+    spread = launch.spreads  # options for a study's points only
     if resume is not None:
         if recipe or any(chosen.values()) or grid or seeds is not None or preset or sets or data_root is not None:
             raise OwaiError("--resume takes its config from the run or sweep directory; drop the other options")

@@ -21,13 +21,13 @@ from typing import Annotated, Any, Optional
 import typer
 
 from owai import console
-from owai.commands._common import (DATA_ROOT_HELP, ArrayParallelism, CpusPerTask, Executor, ExecutorOption, GpusPerNode, Json, MemGb, Out,
-                                  Partition, Preset, Quiet, Sets, TimeoutMin, Workers, csv_values, data_root_sets, execution,
-                                  open_study, run_study, study_recipe)
+from owai.commands._common import (DATA_ROOT_HELP, Json, Launch, Out, Preset, Quiet, Sets, csv_values, data_root_sets, open_study,
+                                  options, run_study, study_recipe)
 
 RECIPE = "table2.8-dropout"
 
 
+@options
 def dropout_ft(
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="A dropout-ft recipe id (table2.8-dropout, table2.9-last-lr, ...) or file.")] = RECIPE,
     dataset: Annotated[Optional[str], typer.Option(
@@ -41,14 +41,7 @@ def dropout_ft(
     sets: Sets = None,
     grid: Annotated[Optional[list[str]], typer.Option("--grid", "-g", help="Replace a grid key's values: --grid train.lr=1e-3,5e-4 (repeatable).")] = None,
     seeds: Annotated[Optional[str], typer.Option("--seeds", help="Comma-separated seeds (default: the recipe's).")] = None,
-    workers: Workers = 1,
-    executor: ExecutorOption = Executor.local,
-    partition: Partition = None,
-    gpus_per_node: GpusPerNode = None,
-    cpus_per_task: CpusPerTask = None,
-    timeout_min: TimeoutMin = None,
-    mem_gb: MemGb = None,
-    array_parallelism: ArrayParallelism = None,
+    launch: Launch = Launch(),
     out: Out = Path("runs"),
     resume: Annotated[Optional[Path], typer.Option("--resume", help="Continue a dropout-ft sweep directory (skips finished points).")] = None,
     quiet: Quiet = False,
@@ -60,7 +53,7 @@ def dropout_ft(
     from owai.runtime import select_device
 
     console.configure(quiet, as_json)
-    runs_on = execution(executor, workers, partition, gpus_per_node, cpus_per_task, timeout_min, mem_gb, array_parallelism)
+    runs_on = launch.runs_on()
     if resume is not None:
         given = any(v is not None for v in (dataset, data_root, test_domain, dropout, backbone, weights, preset, sets, grid, seeds))
         plan = open_study(resume, "dropout_ft", "a dropout-ft study", given or recipe != RECIPE)

@@ -26,9 +26,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from owai import console
-from owai.commands._common import (ArrayParallelism, CpusPerTask, Executor, ExecutorOption, GpusPerNode, Json, MemGb, Out,
-                                  Partition, Preset, Quiet, Resume, Sets, DataRoot, TimeoutMin, Workers, csv_values, execution,
-                                  open_study, run_study, study_recipe)
+from owai.commands._common import (DataRoot, Json, Launch, Out, Preset, Quiet, RunOptions, Sets, csv_values, open_study, options,
+                                  run_recipe, run_study, study_recipe)
 from owai.commands.mosaic import ConfigName, Context, Dataset, Models, run_eval
 from owai.errors import OwaiError
 
@@ -39,21 +38,17 @@ REGBENCH_RECIPE = "fig3.10-regbench"
 
 
 @eval_app.command("posloss")
+@options
 def posloss(
     models: Models = None,
     dataset: Dataset = None,
     config_name: ConfigName = None,
     context: Context = None,
-    preset: Preset = None,
-    sets: Sets = None,
     data_root: DataRoot = None,
-    out: Out = Path("runs"),
-    resume: Resume = None,
-    quiet: Quiet = False,
-    as_json: Json = False,
+    opts: RunOptions = RunOptions(),
 ) -> None:
     """Average loss at each position of the context window (Fig 3.9), for saved language models."""
-    run_eval(models, dataset, config_name, context, resume is None, preset, sets, out, resume, quiet, as_json, data_root)
+    run_eval(models, dataset, config_name, context, opts.resume is None, opts, data_root)
 
 
 def _train_sizes(text: str) -> list[int]:
@@ -90,6 +85,7 @@ def regbench_grid(sub_grids: list[dict[str, list[Any]]], default_arch: str, mode
 
 
 @eval_app.command("regbench")
+@options
 def regbench(
     model: Annotated[Optional[str], typer.Option(
         "--model", "-m", help="Comma-separated models: mm, transformer, lstm, ngram (default: the recipe's).")] = None,
@@ -103,14 +99,7 @@ def regbench(
     grid: Annotated[Optional[list[str]], typer.Option(
         "--grid", "-g", help="Replace a searched parameter's values: --grid train.weight_decay=0.01,0.1 (repeatable).")] = None,
     seeds: Annotated[Optional[str], typer.Option("--seeds", help="Comma-separated training seeds (default: the recipe's).")] = None,
-    workers: Workers = 1,
-    executor: ExecutorOption = Executor.local,
-    partition: Partition = None,
-    gpus_per_node: GpusPerNode = None,
-    cpus_per_task: CpusPerTask = None,
-    timeout_min: TimeoutMin = None,
-    mem_gb: MemGb = None,
-    array_parallelism: ArrayParallelism = None,
+    launch: Launch = Launch(),
     out: Out = Path("runs"),
     resume: Annotated[Optional[Path], typer.Option("--resume", help="Continue a RegBench sweep directory (skips finished points).")] = None,
     quiet: Quiet = False,
@@ -122,7 +111,7 @@ def regbench(
     from owai.methods.regbench import sequence_model, study_table, write_study
 
     console.configure(quiet, as_json)
-    runs_on = execution(executor, workers, partition, gpus_per_node, cpus_per_task, timeout_min, mem_gb, array_parallelism)
+    runs_on = launch.runs_on()
     if resume is not None:
         given = any(v is not None for v in (model, train_size, positions, preset, sets, grid, seeds))
         plan = open_study(resume, "regbench", "a RegBench study", given or recipe != REGBENCH_RECIPE)
@@ -169,8 +158,6 @@ def harness(
     as_json: Json = False,
 ) -> None:
     """lm-evaluation-harness (Tables 4.1-4.3): the thesis's 19 benchmarks, each task's main metric (0-1), persistent / new-knowledge averages."""
-    from owai.commands._common import run_recipe
-
     extra = option_sets(sets, {"model": model, "tokenizer": tokenizer, "limit": limit, "num_fewshot": num_fewshot},
                         {"tasks": (tasks, "--tasks"), "ablate": (ablate, "--ablate")})
     run_recipe(recipe, preset, extra, out, None, quiet, as_json, methods=("harness",))
@@ -208,8 +195,6 @@ def ruler(
     as_json: Json = False,
 ) -> None:
     """RULER (Tables 4.4, 4.5, 4.7, 4.8, C.1, C.2): multi-document QA (SQuAD, HotpotQA) and synthetic recall at each context length, prompts fitted with the model's tokenizer."""
-    from owai.commands._common import run_recipe
-
     extra = option_sets(sets, {"model": model, "tokenizer": tokenizer, "haystack_dir": haystack_dir, "n": n, "seed": seed,
                                "allow_overflow": "true" if allow_overflow else None},
                         {"ctx": (ctx, "--ctx"), "tasks": (tasks, "--tasks"), "ablate": (ablate, "--ablate")})
@@ -220,6 +205,7 @@ ICL_RECIPE = "fig4.6-icl"
 
 
 @eval_app.command("icl")
+@options
 def icl(
     model: Annotated[Optional[str], typer.Option(
         "--model", "-m", help="A run or save_pretrained directory, a Hugging Face id, or reference:knn / reference:last.")] = None,
@@ -231,26 +217,19 @@ def icl(
     tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", help="Override the model's tokenizer (hub id or tokenizer.json).")] = None,
     allow_overflow: Annotated[bool, typer.Option("--allow-overflow", help="Count prompts longer than the model takes as overflows instead of refusing to start.")] = False,
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="fig4.6-icl or an ICL recipe file.")] = ICL_RECIPE,
-    preset: Preset = None,
-    sets: Sets = None,
-    out: Out = Path("runs"),
-    resume: Resume = None,
-    quiet: Quiet = False,
-    as_json: Json = False,
+    opts: RunOptions = RunOptions(),
 ) -> None:
     """In-context classification (Figs 4.6-4.9, Table 4.6): LongICLBench's banking77 / goemotion / tacred, semantic and anonymous labels, four prompt strategies."""
-    from owai.commands._common import run_recipe
-
     shot_list = "[" + ", ".join(csv_values(shots, "--shots")) + "]" if shots is not None else None  # numbers
-    extra = option_sets(sets, {"model": model, "task": task, "shots": shot_list, "n_queries": n, "data": data,
-                               "tokenizer": tokenizer, "allow_overflow": "true" if allow_overflow else None},
+    extra = option_sets(opts.sets, {"model": model, "task": task, "shots": shot_list, "n_queries": n, "data": data,
+                                    "tokenizer": tokenizer, "allow_overflow": "true" if allow_overflow else None},
                         {"labels": ("semantic,anonymous" if labels == "both" else labels, "--labels")})
-    if resume is not None:
-        if extra != list(sets or []) or preset is not None or recipe != ICL_RECIPE:
+    if opts.resume is not None:
+        if extra != list(opts.sets or []) or opts.preset is not None or recipe != ICL_RECIPE:
             raise OwaiError("--resume takes the run's settings from RUN_DIR/config.yaml; drop the other options")
-        run_recipe(None, None, sets, out, resume, quiet, as_json, methods=("icl",))
+        opts.run(None, opts.sets, methods=("icl",))
         return
-    run_recipe(recipe, preset, extra, out, None, quiet, as_json, methods=("icl",))
+    opts.run(recipe, extra, methods=("icl",))
 
 
 def register(app: typer.Typer) -> None:

@@ -8,12 +8,11 @@
 from __future__ import annotations
 
 from enum import Enum
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from owai.commands._common import Json, Out, Preset, Quiet, Resume, Sets, run_recipe, study_recipe
+from owai.commands._common import RunOptions, options, study_recipe
 from owai.errors import OwaiError
 
 
@@ -28,26 +27,22 @@ RECIPES = {Study.three_moons: "three-moons", Study.linear: "linear-disentangleme
 METHODS = ("three_moons", "linear_disentanglement")
 
 
+@options
 def moons(
     study: Annotated[Optional[Study], typer.Argument(
         help="Alias of --recipe: three-moons (Figs 3.5, 3.6, B.1) or linear (Fig 3.1).", show_default=False)] = None,
     recipe: Annotated[Optional[str], typer.Option(
         "--recipe", "-r", help="three-moons (default), linear-disentanglement, or a recipe file of either method.")] = None,
-    preset: Preset = None,
-    sets: Sets = None,
-    out: Out = Path("runs"),
-    resume: Resume = None,
-    quiet: Quiet = False,
-    as_json: Json = False,
+    opts: RunOptions = RunOptions(),
 ) -> None:
     """Predictive disentanglement, ch. 3: three moons (sec 3.3) or linear sample complexity (sec 3.1)."""
     if study is not None and recipe is not None and RECIPES[study] != recipe:
         raise OwaiError(f"the study {study.value!r} and --recipe {recipe!r} disagree; give one of them")
     chosen = recipe if recipe is not None else RECIPES[study] if study is not None else None
-    if resume is None:
+    if opts.resume is None:
         chosen = chosen or RECIPES[Study.three_moons]
         study_recipe(chosen, METHODS)
-    run_recipe(chosen, preset, sets, out, resume, quiet, as_json, methods=METHODS if chosen is None else None)
+    opts.run(chosen, opts.sets, methods=METHODS if chosen is None else None)
 
 
 def register(app: typer.Typer) -> None:

@@ -23,7 +23,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from owai.commands._common import DataRoot, Json, Out, Preset, Quiet, Resume, Sets, data_root_sets, run_recipe
+from owai.commands._common import DataRoot, RunOptions, data_root_sets, options
 from owai.errors import OwaiError
 
 TRAIN_RECIPE = "fig3.8-depth"
@@ -42,6 +42,7 @@ def _flow_list(text: str) -> str:
     return "[" + ", ".join(p.strip() for p in text.split(",") if p.strip()) + "]"
 
 
+@options
 def mosaic_train(
     recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="fig3.8-depth (default), tableB.2-gpt-search, fig3.9-posloss, figB.5-attention, tableB.4-continuations, or table4.2-pretrain (the default with --size).")] = None,
     arch: Annotated[Optional[str], typer.Option("--arch", "-a", help="Comma-separated: mm, gpt, gpt-rope, gpt-alibi; with --size: mmv2 (default), transformer.")] = None,
@@ -51,16 +52,12 @@ def mosaic_train(
     dataset: Dataset = None,
     tokenizer: Tokenizer = None,
     context: Context = None,
-    preset: Preset = None,
-    sets: Sets = None,
     data_root: DataRoot = None,
-    out: Out = Path("runs"),
-    resume: Resume = None,
-    quiet: Quiet = False,
-    as_json: Json = False,
+    opts: RunOptions = RunOptions(),
 ) -> None:
     """Pre-train Memory Mosaics and GPT2 (sec 3.5, App. B), or with --size Memory Mosaics v2 and the Llama
     transformer (ch. 4), on the same batches, then evaluate them."""
+    preset, resume = opts.preset, opts.resume
     if size is not None and resume is None:
         from owai.models.sizes import SIZES
 
@@ -80,14 +77,13 @@ def mosaic_train(
     ]
     if resume is not None and (any(c for c in chosen) or data_root is not None):
         raise OwaiError("--resume takes its config from the run directory; drop --arch/--depth/--dataset/--tokenizer/--context/--data-root")
-    overrides = [c for c in chosen if c] + data_root_sets(data_root) + list(sets or [])
+    overrides = [c for c in chosen if c] + data_root_sets(data_root) + list(opts.sets or [])
     if dry_run:
         if resume is not None:
             raise OwaiError("--dry-run plans a new run; drop --resume")
         print_plan(recipe, preset, overrides)
         return
-    run_recipe(None if resume is not None else recipe, preset, overrides or None, out, resume, quiet, as_json,
-               methods=("lm_pretrain",))
+    opts.run(None if resume is not None else recipe, overrides or None, methods=("lm_pretrain",), preset=preset)
 
 
 def print_plan(recipe_name: str, preset: str | None, overrides: list[str]) -> None:
@@ -121,38 +117,33 @@ def print_plan(recipe_name: str, preset: str | None, overrides: list[str]) -> No
                              f"FSDP ranks of 80 GiB that hold it: {gpus if gpus else 'none (activations alone exceed one)'}")
 
 
+@options
 def mosaic_eval(
     models: Models = None,
     dataset: Dataset = None,
     config_name: ConfigName = None,
     context: Context = None,
     posloss_only: Annotated[bool, typer.Option("--posloss-only", help="Only the validation and per-position losses (Fig 3.9).")] = False,
-    preset: Preset = None,
-    sets: Sets = None,
     data_root: DataRoot = None,
-    out: Out = Path("runs"),
-    resume: Resume = None,
-    quiet: Quiet = False,
-    as_json: Json = False,
+    opts: RunOptions = RunOptions(),
 ) -> None:
     """Evaluate saved language models: validation and per-position loss, attention plots, continuations."""
-    run_eval(models, dataset, config_name, context, posloss_only, preset, sets, out, resume, quiet, as_json, data_root)
+    run_eval(models, dataset, config_name, context, posloss_only, opts, data_root)
 
 
 def run_eval(models: list[Path] | None, dataset: str | None, config_name: str | None, context: int | None,
-             posloss_only: bool, preset: str | None, sets: list[str] | None, out: Path, resume: Path | None,
-             quiet: bool, as_json: bool, data_root: Path | None = None) -> None:
+             posloss_only: bool, opts: RunOptions, data_root: Path | None = None) -> None:
     """A new evaluation of `models`, or (--resume) the continuation of an interrupted one."""
-    if resume is not None:
+    if opts.resume is not None:
         if models or dataset or config_name or context is not None or posloss_only or data_root is not None:
             raise OwaiError("--resume takes its models and settings from the run directory; drop MODEL_DIR/--dataset/"
                             "--config-name/--context/--posloss-only")
-        run_recipe(None, preset, sets, out, resume, quiet, as_json, methods=("lm_eval",))
+        opts.run(None, opts.sets, methods=("lm_eval",))
         return
     if not models:
         raise OwaiError("give the model directories to evaluate (MODEL_DIR...), or --resume RUN_DIR")
-    run_recipe(EVAL_RECIPE, preset, eval_overrides(models, dataset, config_name, context, posloss_only) + data_root_sets(data_root) + list(sets or []),
-               out, None, quiet, as_json)
+    opts.run(EVAL_RECIPE, eval_overrides(models, dataset, config_name, context, posloss_only) + data_root_sets(data_root)
+            + list(opts.sets or []))
 
 
 def eval_overrides(models: list[Path], dataset: str | None, config_name: str | None, context: int | None, posloss_only: bool) -> list[str]:

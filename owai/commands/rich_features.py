@@ -27,14 +27,14 @@ from typing import Annotated, Optional
 import typer
 
 from owai import console
-from owai.commands._common import (DATA_ROOT_HELP, ArrayParallelism, CpusPerTask, Executor, ExecutorOption, GpusPerNode, Json, MemGb, Out,
-                                  Partition, Preset, Quiet, Sets, TimeoutMin, Workers, csv_values, data_root_sets, execution,
-                                  open_study, run_recipe, study_recipe)
+from owai.commands._common import (DATA_ROOT_HELP, Json, Launch, Out, Preset, Quiet, Sets, csv_values, data_root_sets, open_study,
+                                  options, run_recipe, run_sweep, study_recipe)
 
 RECIPE = "table2.2-cat-probe"
 METHOD = "rich_features"
 
 
+@options
 def rich_features(
     stage: Annotated[str, typer.Option("--stage", help="pretrain (n networks, a sweep over seeds), or evaluation stages of n pretrained networks, alone or joined by commas: distill, probe, finetune, two-stage, fewshot.")],
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="A rich-features recipe id (table2.1-weight-decay, table2.2-cat-probe, tableA.1-joint, tableA.2-resnet152, tableA.3-finetune, tableA.4-simsiam, tableA.5-swav, tableA.6-seer, tableA.7-snapshots, tableA.8-fewshot, tableA.9-fewshot-sota, fig2.4-vit) or file.")] = RECIPE,
@@ -44,14 +44,7 @@ def rich_features(
     n: Annotated[Optional[int], typer.Option("--n", min=1, help="evaluation stages: the number of networks n (must match the networks given).")] = None,
     preset: Preset = None,
     sets: Sets = None,
-    workers: Workers = 1,
-    executor: ExecutorOption = Executor.local,
-    partition: Partition = None,
-    gpus_per_node: GpusPerNode = None,
-    cpus_per_task: CpusPerTask = None,
-    timeout_min: TimeoutMin = None,
-    mem_gb: MemGb = None,
-    array_parallelism: ArrayParallelism = None,
+    launch: Launch = Launch(),
     out: Out = Path("runs"),
     resume: Annotated[Optional[Path], typer.Option("--resume", help="pretrain: a sweep directory (skips finished networks); evaluation stages: a run directory.")] = None,
     quiet: Quiet = False,
@@ -64,12 +57,11 @@ def rich_features(
     if stages_of(stage) == ["pretrain"]:
         if networks is not None or n is not None:
             raise _error("--networks and --n are options of the evaluation stages (probe, distill, ...)")
-        _pretrain(recipe, preset, sets, data_root, seeds, out, resume, quiet, as_json,
-                  execution(executor, workers, partition, gpus_per_node, cpus_per_task, timeout_min, mem_gb, array_parallelism))
+        _pretrain(recipe, preset, sets, data_root, seeds, out, resume, quiet, as_json, launch.runs_on())
         return
-    if executor is not Executor.local or workers != 1:
+    if launch.spreads:
         raise _error(f"--stage {stage} is one run: --executor and --workers apply to --stage pretrain")
-    execution(executor, workers, partition, gpus_per_node, cpus_per_task, timeout_min, mem_gb, array_parallelism)
+    launch.runs_on()
     if resume is not None:
         if any(v is not None for v in (data_root, seeds, networks, n, preset)) or recipe != RECIPE:
             raise _error("--resume takes the run's settings from RUN_DIR/config.yaml; drop the other options")
@@ -110,16 +102,8 @@ def _pretrain(recipe: str, preset: str | None, sets: list[str] | None, data_root
         study_recipe(recipe, METHOD)
         extra = [*(sets or []), "stage=pretrain", *data_root_sets(data_root)]
         plan = sweeps.create(recipe, preset, extra, [], sweeps.parse_seeds(seeds) if seeds is not None else None, out)
-    console.info(f"sweep directory: {plan.path} ({len(plan.points)} networks)")
-    outcomes = sweeps.run(plan, *runs_on)
-    summary = sweeps.write_summary(plan, outcomes)
-    if as_json:
-        console.emit_json(summary)
-    elif not quiet:
-        console.stdout.print(sweeps.table(summary))
-        console.stdout.print(f"summary: {plan.path / sweeps.SUMMARY}\n"
-                             f"probe them: owai rich-features --stage probe --networks {plan.path}")
-    sweeps.raise_on_failures(summary, f"owai rich-features --stage pretrain --resume {plan.path}")
+    run_sweep(plan, runs_on, f"owai rich-features --stage pretrain --resume {plan.path}", quiet, as_json, "networks",
+              f"probe them: owai rich-features --stage probe --networks {plan.path}")
 
 
 def register(app: typer.Typer) -> None:

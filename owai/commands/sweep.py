@@ -14,12 +14,11 @@ from typing import Annotated, Optional
 import typer
 
 from owai import console
-from owai.commands._common import (ArrayParallelism, CpusPerTask, Executor, ExecutorOption, GpusPerNode, Json, MemGb,
-                                  Partition, Preset, Quiet, RecipeOption, Sets, TimeoutMin, Workers, execution,
-                                  one_recipe)
+from owai.commands._common import Json, Launch, Preset, Quiet, RecipeOption, Sets, one_recipe, options, run_sweep
 from owai.errors import OwaiError
 
 
+@options
 def sweep(
     recipe: Annotated[Optional[str], typer.Argument(help="Recipe id or path to a recipe YAML file (omit with --resume).")] = None,
     recipe_option: RecipeOption = None,
@@ -29,14 +28,7 @@ def sweep(
         "--grid", "-g", help="Sweep a parameter: --grid train.lr=1e-2,3e-3 (repeatable; replaces that key's values in every "
         "sub-grid of the recipe's grid that has it, else adds the key to every sub-grid).")] = None,
     seeds: Annotated[Optional[str], typer.Option("--seeds", help="Comma-separated seeds, e.g. 0,1,2 (default: the preset's, else the recipe's sweep seeds).")] = None,
-    workers: Workers = 1,
-    executor: ExecutorOption = Executor.local,
-    partition: Partition = None,
-    gpus_per_node: GpusPerNode = None,
-    cpus_per_task: CpusPerTask = None,
-    timeout_min: TimeoutMin = None,
-    mem_gb: MemGb = None,
-    array_parallelism: ArrayParallelism = None,
+    launch: Launch = Launch(),
     out: Annotated[Path, typer.Option("--out", "-o", help="Root for sweep directories: OUT/<recipe>/sweep-<time>-<hash>/.")] = Path("runs"),
     resume: Annotated[Optional[Path], typer.Option("--resume", help="Continue a sweep directory: run only its unfinished points.")] = None,
     quiet: Quiet = False,
@@ -48,7 +40,7 @@ def sweep(
 
     console.configure(quiet, as_json)
     recipe = one_recipe(recipe, recipe_option)
-    runs_on = execution(executor, workers, partition, gpus_per_node, cpus_per_task, timeout_min, mem_gb, array_parallelism)
+    runs_on = launch.runs_on()
     if resume is not None:
         if recipe or preset or sets or grid or seeds is not None:
             raise OwaiError("--resume takes its plan from SWEEP_DIR/sweep.json; drop RECIPE/--preset/--set/--grid/--seeds")
@@ -57,15 +49,7 @@ def sweep(
         if not recipe:
             raise OwaiError("name a RECIPE to sweep (or --resume SWEEP_DIR)")
         plan = sweeps.create(recipe, preset, sets or [], grid or [], sweeps.parse_seeds(seeds) if seeds is not None else None, out)
-    console.info(f"sweep directory: {plan.path} ({len(plan.points)} points)")
-    outcomes = sweeps.run(plan, *runs_on)
-    summary = sweeps.write_summary(plan, outcomes)
-    if as_json:
-        console.emit_json(summary)
-    elif not quiet:
-        console.stdout.print(sweeps.table(summary))
-        console.stdout.print(f"summary: {plan.path / sweeps.SUMMARY}")
-    sweeps.raise_on_failures(summary, f"--resume {plan.path}")
+    run_sweep(plan, runs_on, f"--resume {plan.path}", quiet, as_json)
 
 
 def register(app: typer.Typer) -> None:

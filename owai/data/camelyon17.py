@@ -13,7 +13,7 @@ set `test`, and the other centres (0, 3, 4) are `train` where split == 0 and `id
 patches of the training hospitals) where split == 1.
 
 Transform: the patches are 96x96 RGB; WILDS's `image_base` = (resize, identity at 96) ToTensor and
-ImageNet normalisation, no augmentation (`owai.data.domainbed.eval_transform`).
+ImageNet normalisation, no augmentation (`owai.data.images.eval_transform`).
 
 Training batches are a function of (seed, stage, step), never of a running RNG stream, so a resumed
 stage replays exactly the batches of an uninterrupted one:
@@ -42,7 +42,9 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from owai.data.domainbed import _loader, _stack, eval_transform
+from owai.data.images import eval_transform, loader, stack, step_loader
+from owai.data.registry import Dataset as CatalogueEntry
+from owai.data.registry import register, require
 from owai.errors import OwaiError
 from owai.runtime import generator
 
@@ -69,8 +71,6 @@ def find_root(root: str | Path | None = None) -> Path:
     """The Camelyon17 folder by the data-root rule (`owai.data.registry`): the explicit `root` (a
     folder holding camelyon17/ or camelyon17_v1.0/, or that folder), else $OWAI_DATA/camelyon17, else
     <cache>/data/camelyon17; missing is one line naming `owai data fetch camelyon17`."""
-    from owai.data.registry import require
-
     return data_dir(require("camelyon17", root or None))
 
 
@@ -90,6 +90,20 @@ def download(root: str | Path) -> Path:
         tar.extractall(root, filter="data")
     archive.unlink()
     return data_dir(root)
+
+
+def _check(folder: Path) -> str:
+    """`owai data verify camelyon17`: WILDS publishes no checksum, so read metadata.csv and every split."""
+    return f"metadata.csv: {len(Camelyon17(data_dir(folder)))} patches, every split present"
+
+
+@register
+def catalogue_entries() -> list[CatalogueEntry]:
+    """Camelyon17-WILDS in the data catalogue: downloaded from CodaLab, checked by reading it."""
+    return [CatalogueEntry("camelyon17", "Camelyon17-WILDS v1.0 (455 954 patches)", "camelyon17", "10.7 GB",
+                           (f"{VERSION_DIR}/metadata.csv|metadata.csv",), urls=(DOWNLOAD_URL,),
+                           note="the WILDS release from CodaLab; also `wilds.get_dataset('camelyon17', root_dir=DIR, download=True)`",
+                           check=_check, download=download)]
 
 
 def _int(value: str, line: int, column: str, path: Path) -> int:
@@ -199,7 +213,7 @@ class Camelyon17:
 
     def batch(self, indices: torch.Tensor) -> torch.Tensor:
         """float32 (len(indices), 3, S, S)."""
-        return _stack([self.tensor(int(i)) for i in indices.tolist()])
+        return stack([self.tensor(int(i)) for i in indices.tolist()])
 
 
 # ------------------------------------------------------------------------------------------ samplers
@@ -304,8 +318,6 @@ class StepStream:
         self.next_step, self.iterator = -1, None
 
     def at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from owai.data.domainbed import step_loader
-
         if step != self.next_step or self.iterator is None:
             self.iterator = iter(step_loader(self.batches, step, self.workers))  # type: ignore[arg-type]
         x, positions, _ = next(self.iterator)
@@ -325,12 +337,12 @@ class _Items(Dataset):
 
 
 def _collate(items: list[torch.Tensor]) -> torch.Tensor:
-    return _stack(items)
+    return stack(items)
 
 
 def eval_batches(data: Camelyon17, indices: torch.Tensor, batch_size: int, workers: int = 0) -> Iterator[torch.Tensor]:
     """x batches (float32 (<=batch_size, 3, S, S)) of `indices`, in order."""
-    return iter(_loader(_Items(data, indices), workers, False, batch_size=batch_size, shuffle=False, collate_fn=_collate))
+    return iter(loader(_Items(data, indices), workers, False, batch_size=batch_size, shuffle=False, collate_fn=_collate))
 
 
 # ------------------------------------------------------------------------------------------- metrics

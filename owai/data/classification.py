@@ -44,7 +44,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from owai.data.domainbed import _image_files, _visible_dirs
+from owai.data import registry
+from owai.data.images import image_files, visible_dirs
 from owai.errors import OwaiError
 
 # -------------------------------------------------------------------------------------------- the type
@@ -162,6 +163,12 @@ CIFAR = {
                             "fine_label_names", 100, "uoft-cs/cifar100", "fine_label"),
 }
 CIFAR_PIXELS = 3 * 32 * 32
+CIFAR_URLS = ("https://www.cs.toronto.edu/~kriz/",)  # the official CIFAR page (Krizhevsky)
+# the python versions' tarballs and the md5 published beside them on that page
+CIFAR_ARCHIVES = {
+    "cifar10": ("cifar-10-python.tar.gz", "c58f30108f718f92721af3b95e74349a"),
+    "cifar100": ("cifar-100-python.tar.gz", "eb9058c3a382ffc7106e4002c42a8d85"),
+}
 
 
 def _reconstruct():
@@ -316,11 +323,11 @@ def read_image_folder(folder: str | Path, split: str = "train") -> Classificatio
     if not split_dir.is_dir():
         raise OwaiError(f"image folder {split_dir} does not exist (expected {folder}/{split}/<class>/<image>)")
     reference = folder / "train" if (folder / "train").is_dir() else split_dir
-    classes = _visible_dirs(reference)
+    classes = visible_dirs(reference)
     if not classes:
         raise OwaiError(f"image folder {reference} has no class folders")
     if reference != split_dir:
-        found = _visible_dirs(split_dir)
+        found = visible_dirs(split_dir)
         if found != classes:
             missing, extra = sorted(set(classes) - set(found)), sorted(set(found) - set(classes))
             raise OwaiError(f"{split_dir} has different class folders than {reference}: missing {missing[:5]}"
@@ -328,7 +335,7 @@ def read_image_folder(folder: str | Path, split: str = "train") -> Classificatio
     paths: list[Path] = []
     labels: list[int] = []
     for k, cls in enumerate(classes):
-        files = _image_files(split_dir / cls)
+        files = image_files(split_dir / cls)
         paths += files
         labels += [k] * len(files)
     if not paths:
@@ -537,6 +544,58 @@ def load_digits() -> ClassificationData:
                               [str(n) for n in bunch.target_names], "sklearn.datasets.load_digits")
 
 
+# ------------------------------------------------------------------------------------------ catalogue
+
+GATED = "licence-gated, owai cannot download it"
+IMAGENET_STEP = (f"ImageNet (ILSVRC2012) is {GATED}: accept the terms at https://image-net.org/download.php, "
+                 "extract ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar as train/<wnid>/*.JPEG and val/<wnid>/*.JPEG "
+                 "(validation images sorted into class folders) under $OWAI_DATA/imagenet/, or pass --data-root")
+INAT18_STEP = (f"iNaturalist 2018 is {GATED}: download train_val2018.tar.gz, train2018.json.tar.gz and val2018.json.tar.gz "
+               "(https://github.com/visipedia/inat_comp/tree/master/2018, under its terms) and extract them into "
+               "$OWAI_DATA/inat18/ (train_val2018/, train2018.json, val2018.json), or pass --data-root")
+CUB_STEP = (f"CUB-200-2011 is {GATED} (non-commercial research use): download CUB_200_2011.tgz from "
+            "https://www.vision.caltech.edu/datasets/cub_200_2011/ (https://data.caltech.edu/records/65de6-vp158) and "
+            "extract it into $OWAI_DATA/cub/ (CUB_200_2011/images.txt, classes.txt, ...), or pass --data-root")
+MINI_STEP = ("miniImageNet is built from ImageNet, which is licence-gated: put its 60 000 images in $OWAI_DATA/miniimagenet/images/ "
+             "and Ravi & Larochelle's train.csv, val.csv, test.csv (https://github.com/twitter/meta-learning-lstm, "
+             "data/miniImagenet) beside them, or pass --data-root")
+
+
+def _cifar_entry(name: str, size: str) -> registry.Dataset:
+    """A CIFAR set: the official tarball (published md5), checked by reading every pickle."""
+    layout = CIFAR[name]
+    archive, md5 = CIFAR_ARCHIVES[name]
+
+    def check(folder: Path) -> str:
+        sizes = [len(read_cifar(folder, name, split)) for split in ("train", "test")]
+        return f"{cifar_folder(folder, name).name}: {sizes[0]} train + {sizes[1]} test images, shapes and labels ok"
+
+    return registry.Dataset(name, f"{layout.title} (python version)", name, size,
+                            tuple(f"{layout.folder}/{f}|{f}" for f in layout.files), urls=CIFAR_URLS, archive=archive,
+                            archive_md5=md5, hf_id=layout.hub_id,
+                            note="the official python pickles, read without executing code", check=check)
+
+
+@registry.register
+def catalogue_entries() -> list[registry.Dataset]:
+    """The classification sets in the data catalogue: CIFAR (downloadable) and the licence-gated ones."""
+    return [
+        _cifar_entry("cifar10", "170 MB"),
+        _cifar_entry("cifar100", "169 MB"),
+        registry.Dataset("imagenet", "ImageNet ILSVRC2012 (1.28M train + 50k val, class folders)", "imagenet", "~150 GB",
+                         ("train", "val"), manual=IMAGENET_STEP, aliases=("ilsvrc2012", "imagenet1k")),
+        registry.Dataset("inat18", "iNaturalist 2018 (437k train + 24k val, 8 142 classes)", "inat18", "~120 GB",
+                         ("train2018.json", "val2018.json"), manual=INAT18_STEP, aliases=("inaturalist2018", "inat2018")),
+        registry.Dataset("cub", "CUB-200-2011 (11 788 images, 200 bird classes)", "cub", "1.1 GB",
+                         tuple(f"CUB_200_2011/{f}|{f}" for f in CUB_FILES), manual=CUB_STEP,
+                         aliases=("cub200", "cub_200_2011")),
+        registry.Dataset("miniimagenet", "miniImageNet (Ravi & Larochelle split: 64 / 16 / 20 classes x 600 images)",
+                         "miniimagenet", "~3 GB", ("images", "train.csv", "val.csv", "test.csv"), manual=MINI_STEP,
+                         aliases=("mini_imagenet",),
+                         note="the few-shot protocol of Chen et al. 2019: base = train.csv, val = val.csv, novel = test.csv"),
+    ]
+
+
 # ----------------------------------------------------------------------------------------------- load
 
 READERS = {"imagenet": read_image_folder, "cub": read_cub, "miniimagenet": read_miniimagenet, "inat18": read_inat18}
@@ -546,8 +605,6 @@ def load(name: str, split: str = "train", root: str | Path | None = None, hub_id
     """Dataset `name` (a registry name or alias, or "digits") `split`, found by the data-root rule
     (`root` = an explicit data root or the dataset's own folder). CIFAR with `hub_id` and no `root`:
     a local copy if one is found, else the hub."""
-    from owai.data import registry
-
     if name == "digits":
         return load_digits()
     name = registry.dataset(name).name

@@ -9,9 +9,9 @@ written with PIL, NumPy and torch and follow torchvision's algorithms (noted per
 Layout: `<root>/<domain>/<class>/<image>`, DomainBed's `MultipleEnvironmentImageFolder`. Domains are
 the sorted sub-directories of `root` (or a given list), classes the sorted sub-directories of a domain
 and must be the same in every domain; class `k` is the k-th sorted class name. Images are the files
-below a class folder (recursively) whose extension is in `IMAGE_EXTENSIONS` (case-insensitive), in
-sorted path order, so example indices are deterministic. Hidden entries (names starting with ".")
-are ignored at every level.
+below a class folder (recursively) whose extension is in `IMAGE_EXTENSIONS` (case-insensitive; the
+folder helpers of `owai.data.images`), in sorted path order, so example indices are deterministic.
+Hidden entries (names starting with ".") are ignored at every level.
 
 Corrupt-image rule: at indexing every image file is opened with PIL and `verify()`ed (a JPEG must
 also end with its end-of-image marker, which catches truncated files); a file that fails is
@@ -39,14 +39,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, ImageEnhance
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
+from owai.data import registry
+from owai.data.images import BILINEAR, eval_transform, image_files, loader, stack, step_loader, to_tensor, visible_dirs
 from owai.errors import DataMissing, OwaiError
 from owai.runtime import generator
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 DOMAINBED = {  # DomainBed's domain folder names per dataset, sorted as DomainBed sorts them
     "pacs": ("art_painting", "cartoon", "photo", "sketch"),
     "vlcs": ("Caltech101", "LabelMe", "SUN09", "VOC2007"),
@@ -54,8 +53,19 @@ DOMAINBED = {  # DomainBed's domain folder names per dataset, sorted as DomainBe
     "terra_incognita": ("location_100", "location_38", "location_43", "location_46"),
 }
 DATASET_DIRS = {"pacs": "PACS", "vlcs": "VLCS", "office_home": "office_home", "terra_incognita": "terra_incognita"}
+DOMAINBED_STEP = ("download it with DomainBed (`python -m domainbed.scripts.download --data_dir DIR`) and pass "
+                  "--data-root DIR, or put it under $OWAI_DATA/domainbed/")
 
-BILINEAR = Image.Resampling.BILINEAR
+
+@registry.register
+def catalogue_entries() -> list[registry.Dataset]:
+    """The DomainBed image sets in the data catalogue: a manual download, checked by their domain folders."""
+    sets = (("pacs", "0.2 GB", ()), ("vlcs", "1.1 GB", ()), ("office_home", "1.2 GB", ("officehome",)),
+            ("terra_incognita", "6.0 GB", ("terraincognita",)))
+    return [registry.Dataset(name, f"DomainBed {DATASET_DIRS[name]}", f"domainbed/{DATASET_DIRS[name]}", size,
+                             tuple(DOMAINBED[name]), manual=f"{DATASET_DIRS[name]}: {DOMAINBED_STEP}", aliases=aliases)
+            for name, size, aliases in sets]
+
 CROP_SCALE = (0.7, 1.0)
 CROP_RATIO = (3 / 4, 4 / 3)
 JITTER = 0.3  # brightness, contrast, saturation and hue of DomainBed's ColorJitter
@@ -80,20 +90,6 @@ class MultiDomainDataset:
 
     def image(self, domain: int, index: int) -> Image.Image:
         raise NotImplementedError
-
-
-def _visible_dirs(path: Path) -> list[str]:
-    return sorted(e.name for e in os.scandir(path) if e.is_dir() and not e.name.startswith("."))
-
-
-def _image_files(class_dir: Path) -> list[Path]:
-    """Files below `class_dir` (recursively) with an image extension, in sorted path order."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(class_dir, followlinks=True):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        found += [Path(dirpath) / f for f in filenames
-                  if not f.startswith(".") and f.lower().endswith(IMAGE_EXTENSIONS)]
-    return sorted(found)
 
 
 def _verifies(path: Path) -> bool:
@@ -125,7 +121,7 @@ class ImageFolderDomains(MultiDomainDataset):
         if not root.is_dir():
             raise OwaiError(f"dataset root {root} is not a directory")
         if domains is None:
-            domains = _visible_dirs(root)
+            domains = visible_dirs(root)
         else:
             domains = list(domains)
             missing = [d for d in domains if not (root / d).is_dir()]
@@ -135,11 +131,11 @@ class ImageFolderDomains(MultiDomainDataset):
                 raise OwaiError(f"domain list {domains} for {root} has duplicates")
         if len(domains) < 2:
             raise OwaiError(f"dataset root {root} has {len(domains)} domain folder(s), need at least 2")
-        classes = _visible_dirs(root / domains[0])
+        classes = visible_dirs(root / domains[0])
         if not classes:
             raise OwaiError(f"domain {domains[0]!r} in {root} has no class folders")
         for domain in domains[1:]:
-            other = _visible_dirs(root / domain)
+            other = visible_dirs(root / domain)
             if other != classes:
                 missing, extra = sorted(set(classes) - set(other)), sorted(set(other) - set(classes))
                 raise OwaiError(
@@ -154,7 +150,7 @@ class ImageFolderDomains(MultiDomainDataset):
         for domain in domains:
             files, labels, skipped = [], [], 0
             for label, cls in enumerate(classes):
-                for path in _image_files(root / domain / cls):
+                for path in image_files(root / domain / cls):
                     if _verifies(path):
                         files.append(str(path.relative_to(root)))
                         labels.append(label)
@@ -196,8 +192,6 @@ def dataset_root(name: str, root: str | Path | None = None) -> Path:
     explicit `root` (DomainBed's data_dir holding PACS/..., a root holding domainbed/, or the
     dataset folder itself), else $OWAI_DATA/domainbed/<DIR>, else <cache>/data/domainbed/<DIR>.
     Missing is one line naming the manual download step. "imagefolder" takes `root` as it is."""
-    from owai.data import registry
-
     if name not in DOMAINBED:
         if not root:
             raise OwaiError(f"data.root: the directory holding the {name} images is required (--data-root DIR)")
@@ -219,7 +213,7 @@ def count_domains(name: str, root: str | Path) -> int:
     if name in DOMAINBED:
         return len(DOMAINBED[name])
     root = Path(root).expanduser()
-    return len(_visible_dirs(root)) if root.is_dir() else 0
+    return len(visible_dirs(root)) if root.is_dir() else 0
 
 
 @functools.lru_cache(maxsize=4)
@@ -339,22 +333,6 @@ def split_domain(n: int, holdout_fraction: float, trial_seed: int, domain: int) 
 
 # ---------------------------------------------------------------------------------------- transforms
 
-_MEAN = np.asarray(IMAGENET_MEAN, dtype=np.float32)
-_STD = np.asarray(IMAGENET_STD, dtype=np.float32)
-
-
-def to_tensor(image: Image.Image) -> torch.Tensor:
-    """RGB PIL image -> float32 (3, H, W), ImageNet-normalised. Computed in NumPy: per-image torch ops
-    would go through intra-op thread pools, which cost far more than the arithmetic at this size."""
-    x = (np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0 - _MEAN) / _STD
-    return torch.from_numpy(np.ascontiguousarray(x.transpose(2, 0, 1)))
-
-
-def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """torch.stack of CPU tensors through NumPy (single-threaded; see `to_tensor`)."""
-    return torch.from_numpy(np.stack([t.numpy() for t in tensors]))
-
-
 def _uniform(lo: float, hi: float, gen: torch.Generator) -> float:
     return float(torch.empty(1).uniform_(lo, hi, generator=gen))
 
@@ -413,14 +391,6 @@ def color_jitter(image: Image.Image, gen: torch.Generator, strength: float = JIT
         else:
             image = _adjust_hue(image, hue)
     return image
-
-
-def eval_transform(image: Image.Image, size: int) -> torch.Tensor:
-    """DomainBed's eval transform: Resize((size, size)) bilinear, to tensor, normalise."""
-    image = image.convert("RGB")
-    if image.size != (size, size):
-        image = image.resize((size, size), BILINEAR)
-    return to_tensor(image)
 
 
 def train_transform(image: Image.Image, size: int, augment: bool, gen: torch.Generator) -> torch.Tensor:
@@ -521,26 +491,7 @@ class StepBatches(Dataset):
                     xs[v].append(ssl_transform(image, self.size, gen))
             ys.append(self.data.labels(domain)[chosen])
         d = torch.arange(len(self.domains)).repeat_interleave(self.batch_per_domain)
-        return _stack([x for view in xs for x in view]), torch.cat(ys), d
-
-
-def _loader(dataset: Dataset, workers: int, pin_memory: bool, **kwargs) -> DataLoader:
-    """A DataLoader with its own generator: every iterator a DataLoader starts draws a worker base
-    seed from its generator, which by default is torch's global one, so starting loaders (for an
-    evaluation, or on resume) would shift the training's dropout masks. The batches themselves are
-    keyed by step and do not use this seed."""
-    if workers < 0:
-        raise OwaiError(f"data loader workers must be >= 0, got {workers}")
-    return DataLoader(dataset, num_workers=workers, pin_memory=pin_memory, persistent_workers=False,
-                      prefetch_factor=4 if workers else None, generator=torch.Generator().manual_seed(0), **kwargs)
-
-
-def step_loader(batches: StepBatches, start: int, workers: int = 0,
-                pin_memory: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The batches of steps start, start + 1, ..., len(batches) - 1; workers build whole steps."""
-    if not 0 <= start <= len(batches):
-        raise OwaiError(f"start step {start} outside 0..{len(batches)}")
-    return iter(_loader(batches, workers, pin_memory, batch_size=None, sampler=range(start, len(batches))))
+        return stack([x for view in xs for x in view]), torch.cat(ys), d
 
 
 class StepStream:
@@ -578,7 +529,7 @@ class _EvalItems(Dataset):
 
 
 def _collate_eval(items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    return _stack([x for x, _ in items]), torch.tensor([y for _, y in items], dtype=torch.int64)
+    return stack([x for x, _ in items]), torch.tensor([y for _, y in items], dtype=torch.int64)
 
 
 def eval_batches(data: MultiDomainDataset, domain: int, indices: torch.Tensor, size: int, batch_size: int = 256,
@@ -587,7 +538,7 @@ def eval_batches(data: MultiDomainDataset, domain: int, indices: torch.Tensor, s
     if batch_size < 1:
         raise OwaiError(f"eval batch_size must be >= 1, got {batch_size}")
     items = _EvalItems(data, domain, indices, size)
-    return iter(_loader(items, workers, pin_memory, batch_size=batch_size, shuffle=False,
+    return iter(loader(items, workers, pin_memory, batch_size=batch_size, shuffle=False,
                         collate_fn=_collate_eval))
 
 

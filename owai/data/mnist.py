@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from owai.data.registry import MNIST_MIRRORS, Dataset, locate, register, require
 from owai.errors import OwaiError
 
 ENV_VAR = "OWAI_MNIST_DIR"  # legacy alias of the data-root rule (owai.data.registry)
@@ -70,6 +71,17 @@ class MNIST:
 PACKAGED_DIR = Path(__file__).resolve().parent / "mnist_t10k"  # the test split, shipped with owai
 
 
+@register
+def catalogue_entries() -> list[Dataset]:
+    """MNIST in the data catalogue: the four official gzip files (raw IDX copies count too)."""
+    gz = {k: v for k, v in OFFICIAL_MD5.items() if k.endswith(".gz")}
+    raw = {k: v for k, v in OFFICIAL_MD5.items() if not k.endswith(".gz")}
+    required = tuple(f"{name}|{name[:-3]}" for name in gz)
+    return [Dataset("mnist", "MNIST (60k train + 10k test, IDX)", "mnist", "11.6 MB", required, md5=gz, content_md5=raw,
+                    urls=MNIST_MIRRORS, hf_id=HUB_ID, legacy_env=ENV_VAR,
+                    note="without it, offline test presets use the 10k test split packaged in owai/data/mnist_t10k")]
+
+
 def split_files(split: str) -> tuple[str, ...]:
     """The registry's `required` entries for one split (gzip or raw IDX)."""
     prefix = SPLITS[split][0]
@@ -79,8 +91,6 @@ def split_files(split: str) -> tuple[str, ...]:
 def mnist_dir(split: str = "test", root: str | Path | None = None) -> Path:
     """The IDX directory holding `split` by the data-root rule (`root` = an explicit data root or
     MNIST folder); else, for the test split only, the packaged copy; else a one-line error."""
-    from owai.data.registry import locate, require
-
     if split not in SPLITS:
         raise OwaiError(f"unknown MNIST split {split!r} (known: {', '.join(SPLITS)})")
     if root:
@@ -201,8 +211,6 @@ def load_mnist(split: str = "test", root: str | Path | None = None, hub_id: str 
     mnist/) if given; else a local copy found by the data-root rule; else from `hub_id`; else (test
     split) the packaged copy. Nothing at all is a one-line error naming `owai data fetch mnist`."""
     if root is None and hub_id:
-        from owai.data.registry import locate
-
         local = locate("mnist", None, split_files(split)) if split in SPLITS else None
         if local is None:
             return load_mnist_hub(split, hub_id)

@@ -1,5 +1,9 @@
 """The datasets owai knows, where it looks for them, and how to fetch and verify them.
 
+The catalogue's entries come from the modules that read the datasets (`register`): mnist,
+camelyon17, domainbed, text and classification each declare theirs, and `owai.data` imports them
+all before any of its modules runs. This module imports none of them.
+
 One lookup rule for every dataset (`locate`):
 
 1. an explicit root (a command's `--data-root DIR`, or the method's `data.root` setting): the
@@ -50,12 +54,6 @@ MNIST_MIRRORS = (
     "https://storage.googleapis.com/cvdf-datasets/mnist/",
 )
 DOWNLOAD_TIMEOUT = 60.0  # seconds without data before a download is abandoned
-CIFAR_URLS = ("https://www.cs.toronto.edu/~kriz/",)  # the official CIFAR page (Krizhevsky)
-# the python versions' tarballs and the md5 published beside them on that page
-CIFAR_ARCHIVES = {
-    "cifar10": ("cifar-10-python.tar.gz", "c58f30108f718f92721af3b95e74349a"),
-    "cifar100": ("cifar-100-python.tar.gz", "eb9058c3a382ffc7106e4002c42a8d85"),
-}
 
 
 @dataclass(frozen=True)
@@ -68,6 +66,7 @@ class Dataset:
     size: str  # download size, for `owai data list`
     required: tuple[str, ...]  # paths (relative to the dataset folder) that must exist; "a|b": either
     md5: dict[str, str] = field(default_factory=dict)  # published checksums of files
+    content_md5: dict[str, str] = field(default_factory=dict)  # published checksums of the `md5` files decompressed
     urls: tuple[str, ...] = ()  # base URLs holding the md5 files (downloadable datasets)
     hf_id: str = ""  # Hugging Face dataset id (snapshot-downloadable, or an alternative source)
     hf_patterns: tuple[str, ...] = ()  # files of the hub repository that make up the dataset
@@ -77,6 +76,8 @@ class Dataset:
     legacy_env: str = ""
     aliases: tuple[str, ...] = ()
     note: str = ""
+    check: Callable[[Path], str] | None = field(default=None, compare=False, repr=False)  # the loader reads a copy: what it found
+    download: Callable[[Path], object] | None = field(default=None, compare=False, repr=False)  # its own download into a folder
 
     def present(self, folder: Path, required: tuple[str, ...] | None = None) -> bool:
         """Whether `folder` holds the dataset's required files (or the given subset)."""
@@ -91,89 +92,25 @@ class Dataset:
         return f"run `owai data fetch {self.name}`"
 
 
-def _mnist() -> Dataset:
-    from owai.data.mnist import OFFICIAL_MD5
-
-    gz = {k: v for k, v in OFFICIAL_MD5.items() if k.endswith(".gz")}
-    required = tuple(f"{name}|{name[:-3]}" for name in gz)
-    return Dataset("mnist", "MNIST (60k train + 10k test, IDX)", "mnist", "11.6 MB", required, md5=gz,
-                   urls=MNIST_MIRRORS, hf_id="ylecun/mnist", legacy_env="OWAI_MNIST_DIR",
-                   note="without it, offline test presets use the 10k test split packaged in owai/data/mnist_t10k")
+Entries = Callable[[], list[Dataset]]
+_ENTRIES: list[Entries] = []
 
 
-DOMAINBED_STEP = ("download it with DomainBed (`python -m domainbed.scripts.download --data_dir DIR`) and pass "
-                  "--data-root DIR, or put it under $OWAI_DATA/domainbed/")
+def register(entries: Entries) -> Entries:
+    """Add a loader module's catalogue entries (used as a decorator on a function returning them).
 
-
-def _domainbed(name: str, folder: str, domains: tuple[str, ...], size: str, aliases: tuple[str, ...]) -> Dataset:
-    return Dataset(name, f"DomainBed {folder}", f"domainbed/{folder}", size, domains, manual=f"{folder}: {DOMAINBED_STEP}",
-                   aliases=aliases)
-
-
-def _cifar(name: str, size: str) -> Dataset:
-    from owai.data.classification import CIFAR
-
-    layout = CIFAR[name]
-    archive, md5 = CIFAR_ARCHIVES[name]
-    return Dataset(name, f"{layout.title} (python version)", name, size,
-                   tuple(f"{layout.folder}/{f}|{f}" for f in layout.files), urls=CIFAR_URLS, archive=archive,
-                   archive_md5=md5, hf_id=layout.hub_id,
-                   note="the official python pickles, read without executing code")
-
-
-GATED = "licence-gated, owai cannot download it"
-IMAGENET_STEP = (f"ImageNet (ILSVRC2012) is {GATED}: accept the terms at https://image-net.org/download.php, "
-                 "extract ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar as train/<wnid>/*.JPEG and val/<wnid>/*.JPEG "
-                 "(validation images sorted into class folders) under $OWAI_DATA/imagenet/, or pass --data-root")
-INAT18_STEP = (f"iNaturalist 2018 is {GATED}: download train_val2018.tar.gz, train2018.json.tar.gz and val2018.json.tar.gz "
-               "(https://github.com/visipedia/inat_comp/tree/master/2018, under its terms) and extract them into "
-               "$OWAI_DATA/inat18/ (train_val2018/, train2018.json, val2018.json), or pass --data-root")
-CUB_STEP = (f"CUB-200-2011 is {GATED} (non-commercial research use): download CUB_200_2011.tgz from "
-            "https://www.vision.caltech.edu/datasets/cub_200_2011/ (https://data.caltech.edu/records/65de6-vp158) and "
-            "extract it into $OWAI_DATA/cub/ (CUB_200_2011/images.txt, classes.txt, ...), or pass --data-root")
-MINI_STEP = ("miniImageNet is built from ImageNet, which is licence-gated: put its 60 000 images in $OWAI_DATA/miniimagenet/images/ "
-             "and Ravi & Larochelle's train.csv, val.csv, test.csv (https://github.com/twitter/meta-learning-lstm, "
-             "data/miniImagenet) beside them, or pass --data-root")
+    Each module that reads a dataset declares it here; the registry imports none of them.
+    `owai.data` (the package's __init__, which runs before any of its modules) imports every loader,
+    so the catalogue is complete wherever the registry is used. The function is called by each
+    `catalogue()`, so an entry reflects the module's constants as they are then."""
+    if entries not in _ENTRIES:
+        _ENTRIES.append(entries)
+    return entries
 
 
 def catalogue() -> dict[str, Dataset]:
-    """Every dataset owai reads, by name."""
-    from owai.data.camelyon17 import DOWNLOAD_URL, VERSION_DIR
-    from owai.data.classification import CUB_FILES
-    from owai.data.domainbed import DOMAINBED
-
-    sets = [
-        _mnist(),
-        Dataset("camelyon17", "Camelyon17-WILDS v1.0 (455 954 patches)", "camelyon17", "10.7 GB",
-                (f"{VERSION_DIR}/metadata.csv|metadata.csv",), urls=(DOWNLOAD_URL,),
-                note="the WILDS release from CodaLab; also `wilds.get_dataset('camelyon17', root_dir=DIR, download=True)`"),
-        _domainbed("pacs", "PACS", tuple(DOMAINBED["pacs"]), "0.2 GB", ()),
-        _domainbed("vlcs", "VLCS", tuple(DOMAINBED["vlcs"]), "1.1 GB", ()),
-        _domainbed("office_home", "office_home", tuple(DOMAINBED["office_home"]), "1.2 GB", ("officehome",)),
-        _domainbed("terra_incognita", "terra_incognita", tuple(DOMAINBED["terra_incognita"]), "6.0 GB", ("terraincognita",)),
-        Dataset("babistories", "BabiStories (Memory Mosaics)", "text/babistories", "0.6 GB", (),
-                manual="BabiStories: clone https://github.com/facebookresearch/MemoryMosaics and copy its BabiStories/data "
-                       "folder to $OWAI_DATA/text/babistories (or pass --data-root)",
-                legacy_env="OWAI_BABISTORIES"),
-        Dataset("tinystories", "TinyStories V2 (GPT-4 stories)", "text/tinystories", "2.2 GB",
-                ("TinyStoriesV2-GPT4-train.txt", "TinyStoriesV2-GPT4-valid.txt"), hf_id="roneneldan/TinyStories",
-                hf_patterns=("TinyStoriesV2-GPT4-train.txt", "TinyStoriesV2-GPT4-valid.txt")),
-        Dataset("wikipedia", "Simple English Wikipedia (20231101.simple)", "text/wikipedia", "0.3 GB", (MANIFEST,),
-                hf_id="wikimedia/wikipedia", hf_patterns=("20231101.simple/*",),
-                note="the thesis's 20220301.simple dump is hub id `wikipedia` (legacy-datasets/wikipedia), read through `datasets`"),
-        _cifar("cifar10", "170 MB"),
-        _cifar("cifar100", "169 MB"),
-        Dataset("imagenet", "ImageNet ILSVRC2012 (1.28M train + 50k val, class folders)", "imagenet", "~150 GB",
-                ("train", "val"), manual=IMAGENET_STEP, aliases=("ilsvrc2012", "imagenet1k")),
-        Dataset("inat18", "iNaturalist 2018 (437k train + 24k val, 8 142 classes)", "inat18", "~120 GB",
-                ("train2018.json", "val2018.json"), manual=INAT18_STEP, aliases=("inaturalist2018", "inat2018")),
-        Dataset("cub", "CUB-200-2011 (11 788 images, 200 bird classes)", "cub", "1.1 GB",
-                tuple(f"CUB_200_2011/{f}|{f}" for f in CUB_FILES), manual=CUB_STEP, aliases=("cub200", "cub_200_2011")),
-        Dataset("miniimagenet", "miniImageNet (Ravi & Larochelle split: 64 / 16 / 20 classes x 600 images)", "miniimagenet",
-                "~3 GB", ("images", "train.csv", "val.csv", "test.csv"), manual=MINI_STEP, aliases=("mini_imagenet",),
-                note="the few-shot protocol of Chen et al. 2019: base = train.csv, val = val.csv, novel = test.csv"),
-    ]
-    return {d.name: d for d in sets}
+    """Every dataset owai reads, by name (in the order owai.data imports the loaders)."""
+    return {d.name: d for entries in _ENTRIES for d in entries()}
 
 
 def dataset(name: str) -> Dataset:
@@ -274,19 +211,14 @@ def verify(name: str, folder: Path) -> list[str]:
     if not ds.present(folder):
         raise DataMissing(missing_message(name, folder))
     checked = []
-    if ds.md5:
-        from owai.data.mnist import OFFICIAL_MD5
-
-        for file in ds.md5:
-            path = next(folder / alt for alt in (file, file[:-3]) if (folder / alt).exists())
-            checked.append(f"{path.name}: {check_md5(path, OFFICIAL_MD5, name)}")
+    for file in ds.md5:
+        path = next(folder / alt for alt in (file, file[:-3]) if (folder / alt).exists())
+        checked.append(f"{path.name}: {check_md5(path, {**ds.md5, **ds.content_md5}, name)}")
     manifest = folder / MANIFEST
     if manifest.is_file():
         checked += _verify_manifest(folder, manifest, name)
-    if name == "camelyon17":
-        checked.append(_verify_camelyon(folder))
-    if ds.archive:
-        checked.append(_verify_cifar(name, folder))
+    if ds.check is not None:
+        checked.append(ds.check(folder))
     if not checked:
         checked.append("layout ok (" + (", ".join(ds.required) or "folder present") + "); no published checksums")
     return checked
@@ -329,20 +261,6 @@ def _verify_manifest(folder: Path, manifest: Path, name: str) -> list[str]:
     return out
 
 
-def _verify_cifar(name: str, folder: Path) -> str:
-    from owai.data.classification import cifar_folder, read_cifar
-
-    sizes = [len(read_cifar(folder, name, split)) for split in ("train", "test")]
-    return f"{cifar_folder(folder, name).name}: {sizes[0]} train + {sizes[1]} test images, shapes and labels ok"
-
-
-def _verify_camelyon(folder: Path) -> str:
-    from owai.data.camelyon17 import Camelyon17, data_dir
-
-    data = Camelyon17(data_dir(folder))
-    return f"metadata.csv: {len(data)} patches, every split present"
-
-
 # -- fetch ----------------------------------------------------------------------------------------
 
 
@@ -371,13 +289,8 @@ def fetch(name: str, root: str | Path | None = None, base_url: str | None = None
         return final
     if ds.manual:
         raise OwaiError(f"{ds.title} cannot be downloaded by owai; {ds.manual}")
-    if name == "camelyon17":
-        from owai.data.camelyon17 import download
-
-        def wilds(tmp: Path) -> None:
-            download(tmp)  # WILDS publishes no checksum: `verify` reads metadata.csv and every split
-
-        return _publish(final, wilds, info)
+    if ds.download is not None:
+        return _publish(final, ds.download, info)
     if ds.archive:
         urls = mirrors(base_url) if base_url else ds.urls
         return _publish(final, lambda tmp: _fetch_archive(ds, tmp, urls, info), info)
@@ -409,8 +322,7 @@ def _publish(final: Path, fill: Callable[[Path], None], info: Callable[[str], No
 
 def _fetch_files(ds: Dataset, tmp: Path, urls: tuple[str, ...], info: Callable[[str], None]) -> None:
     """Each md5 file from the first mirror that serves it intact; a corrupted file is refused."""
-    from owai.data.mnist import OFFICIAL_MD5 as published
-
+    published = {**ds.md5, **ds.content_md5}
     for file, expected in ds.md5.items():
         problems = []
         for url in urls:

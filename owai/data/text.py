@@ -58,9 +58,9 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from owai.data import stories
+from owai.data import registry, stories
 from owai.errors import DataMissing, OwaiError
-from owai.io import atomic_write_text, cache_root  # cache_root: tokens.py uses it from here
+from owai.io import atomic_write_json, atomic_write_text, cache_root  # cache_root: tokens.py uses it from here
 
 SPLITS = ("train", "val")
 SPLIT_ALIASES = {"train": "train", "val": "val", "valid": "val", "validation": "val"}
@@ -241,6 +241,24 @@ class LocalSource(TextSource):
 # Corpora of the data catalogue (owai.data.registry) that a source may name: a local copy found by
 # the data-root rule wins; otherwise the hub id (None: no hub copy, the corpus must be local).
 NAMED_CORPORA = {"babistories": None, "tinystories": "roneneldan/TinyStories", "wikipedia": "wikipedia"}
+TINYSTORIES_FILES = ("TinyStoriesV2-GPT4-train.txt", "TinyStoriesV2-GPT4-valid.txt")
+
+
+@registry.register
+def catalogue_entries() -> list[registry.Dataset]:
+    """The text corpora in the data catalogue (BabiStories by hand; the others from the hub)."""
+    return [
+        registry.Dataset("babistories", "BabiStories (Memory Mosaics)", "text/babistories", "0.6 GB", (),
+                         manual="BabiStories: clone https://github.com/facebookresearch/MemoryMosaics and copy its "
+                                "BabiStories/data folder to $OWAI_DATA/text/babistories (or pass --data-root)",
+                         legacy_env=BABISTORIES_ENV),
+        registry.Dataset("tinystories", "TinyStories V2 (GPT-4 stories)", "text/tinystories", "2.2 GB", TINYSTORIES_FILES,
+                         hf_id=NAMED_CORPORA["tinystories"], hf_patterns=TINYSTORIES_FILES),
+        registry.Dataset("wikipedia", "Simple English Wikipedia (20231101.simple)", "text/wikipedia", "0.3 GB",
+                         (registry.MANIFEST,), hf_id="wikimedia/wikipedia", hf_patterns=("20231101.simple/*",),
+                         note="the thesis's 20220301.simple dump is hub id `wikipedia` (legacy-datasets/wikipedia), "
+                              "read through `datasets`"),
+    ]
 
 
 def resolve_source(source: str, data_root: str | Path | None = None) -> str:
@@ -248,8 +266,6 @@ def resolve_source(source: str, data_root: str | Path | None = None) -> str:
     wikipedia) becomes its local folder (explicit `data_root`, $OWAI_BABISTORIES, $OWAI_DATA/text/...,
     the cache), else its hub id, else (babistories) a one-line error with the manual step; a relative
     path that does not exist here is looked up under the data root ($OWAI_DATA, the cache)."""
-    from owai.data import registry
-
     if source in NAMED_CORPORA:
         folder = registry.locate(source, data_root)
         if folder is not None and registry.dataset(source).present(folder):
@@ -806,6 +822,39 @@ def load_tokenizer(name: str, cache_dir: str | Path | None = None, training_text
     return _from_transformers(name, path)
 
 
+TOKENIZER_SPEC = "owai_tokenizer.json"  # beside a saved model's weights: which tokenizer it was trained with
+
+
+def save_tokenizer(tokenizer: Tokenizer, directory: Path) -> None:
+    """The tokenizer beside the weights: tokenizer.json (tokenizers format) when it has one, and
+    owai_tokenizer.json naming it, so mosaic-eval needs neither the hub nor the training corpus."""
+    spec: dict[str, Any] = {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id}
+    backend = getattr(tokenizer, "backend", None)
+    if backend is not None:
+        atomic_write_text(directory / "tokenizer.json", backend.to_str())
+        spec["file"] = "tokenizer.json"
+    atomic_write_json(directory / TOKENIZER_SPEC, spec)
+
+
+def read_tokenizer_spec(path: Path) -> dict[str, Any]:
+    """The owai_tokenizer.json of a saved model directory ({} when it has none)."""
+    spec = path / TOKENIZER_SPEC
+    if not spec.is_file():
+        return {}
+    try:
+        return json.loads(spec.read_text())
+    except ValueError:
+        raise OwaiError(f"{spec} is corrupt") from None
+
+
+def tokenizer_for(path: Path, default: str) -> str:
+    """The tokenizer a saved model was trained with (see save_tokenizer), else `default`."""
+    spec = read_tokenizer_spec(path)
+    if spec.get("file") and (path / spec["file"]).is_file():
+        return str(path / spec["file"])
+    return spec.get("name", default)
+
+
 def _bpe_files(folder: Path) -> tuple[Path, Path] | None:
     """GPT-2's original byte-level BPE files (encoder.json + vocab.bpe, or vocab.json + merges.txt)
     in a folder that holds no transformers tokenizer (no tokenizer.json / tokenizer_config.json)."""
@@ -844,8 +893,6 @@ def resolve_tokenizer(name: str, data_root: str | Path | None = None) -> str:
     under the data root (`data_root`, $OWAI_DATA, the cache), e.g. `tokenizers/gpt2`, becomes that path."""
     if name == "bytes" or re.fullmatch(r"bpe-(\d+)", name) or Path(name).expanduser().exists():
         return name
-    from owai.data import registry
-
     found = registry.find_relative(name, data_root)
     return str(found) if found is not None else name
 
@@ -1008,12 +1055,3 @@ def train_bpe(texts: list[str], vocab_size: int) -> Any:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     backend.train_from_iterator(texts, trainer=trainer, length=len(texts))
     return backend
-
-
-def __getattr__(name: str) -> Any:
-    """Lazy re-exports of `owai.data.tokens` (shards and windows), which imports this module."""
-    if name in ("prepare_tokens", "PreparedTokens", "TokenWindows", "token_dtype"):
-        from owai.data import tokens
-
-        return getattr(tokens, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

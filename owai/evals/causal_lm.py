@@ -189,8 +189,8 @@ def check_model(spec: str, tokenizer: str = "") -> tuple[int | None, Any]:
 
         check_tokenizer(spec)
         return None, None
-    from owai.data.text import load_tokenizer
-    from owai.methods.language_model import model_dirs, tokenizer_for
+    from owai.data.text import load_tokenizer, tokenizer_for
+    from owai.runs import model_dirs
 
     found = model_dirs(path)
     if len(found) != 1:
@@ -242,7 +242,7 @@ def check_ablation(spec: str, names: list[str]) -> None:
     path = Path(spec).expanduser()
     if not names or spec.startswith(REFERENCE) or not path.exists():
         return
-    from owai.methods.language_model import model_dirs
+    from owai.runs import model_dirs
 
     for label, directory in model_dirs(path):
         config = json.loads((directory / "config.json").read_text())
@@ -252,8 +252,8 @@ def check_ablation(spec: str, names: list[str]) -> None:
 
 
 def _from_directory(path: Path, tokenizer: str, device: torch.device | None, precision: str) -> CausalLM:
-    from owai.data.text import load_tokenizer
-    from owai.methods.language_model import model_dirs, tokenizer_for
+    from owai.data.text import load_tokenizer, tokenizer_for
+    from owai.runs import model_dirs
     from owai.models.lm import check_vocab, load_pretrained
 
     found = model_dirs(path)

@@ -34,7 +34,7 @@ from owai.config import BaseConfig
 from owai.errors import OwaiError
 from owai.methods import Method, Outcome
 from owai.models.lm import SIZED
-from owai.runs import Run
+from owai.runs import Run, model_dirs
 from owai.runtime import generator
 
 ARCH_LABELS = {"mm": "Memory Mosaic", "gpt": "GPT2 transformer", "gpt-rope": "GPT2 + RoPE", "gpt-alibi": "GPT2 + ALiBi",
@@ -323,7 +323,8 @@ class LMData:
 def prepare_data(data: DataConfig, ev: EvalConfig, run: Run | None = None, seed: int = 0) -> LMData:
     """Tokenise the training source (rank 0 first; the other ranks then reuse its cache), or with
     data.stream open it as a packed stream and keep the first tokens of its validation split."""
-    from owai.data.text import load_tokenizer, prepare_tokens
+    from owai.data.text import load_tokenizer
+    from owai.data.tokens import prepare_tokens
 
     if data.stream:
         return _stream_data(data, run, seed)
@@ -598,6 +599,7 @@ def save_model(run: Run, arch: str, parallel: Any, data: LMData, max_shard_size:
     index, as Hugging Face shards large models) + the tokenizer spec, written atomically by rank 0.
     An FSDP model is gathered onto rank 0's CPU one parameter at a time (`full_state_on_rank0`) and
     written through a meta-device twin of the model (its class and config, no weights)."""
+    from owai.data.text import save_tokenizer
     from owai.distributed import full_state_on_rank0
 
     target = run.path / "models" / arch
@@ -623,27 +625,6 @@ def save_model(run: Run, arch: str, parallel: Any, data: LMData, max_shard_size:
         tmp.rename(target)
     distributed.barrier()
     return target
-
-
-def save_tokenizer(tokenizer: Any, directory: Path) -> None:
-    """The tokenizer beside the weights: tokenizer.json (tokenizers format) when it has one, and
-    owai_tokenizer.json naming it, so mosaic-eval needs neither the hub nor the training corpus."""
-    from owai.io import atomic_write_json, atomic_write_text
-
-    spec: dict[str, Any] = {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id}
-    backend = getattr(tokenizer, "backend", None)
-    if backend is not None:
-        atomic_write_text(directory / "tokenizer.json", backend.to_str())
-        spec["file"] = "tokenizer.json"
-    atomic_write_json(directory / "owai_tokenizer.json", spec)
-
-
-def tokenizer_for(path: Path, default: str) -> str:
-    """The tokenizer a saved model was trained with (see save_tokenizer), else `default`."""
-    spec = read_tokenizer_spec(path)
-    if spec.get("file") and (path / spec["file"]).is_file():
-        return str(path / spec["file"])
-    return spec.get("name", default)
 
 
 # -- evaluation ---------------------------------------------------------------------------------
@@ -832,6 +813,7 @@ class LanguageModelEvaluation(Method):
         _validate_common(cfg)
 
     def run(self, cfg: EvalOnlyConfig, run: Run) -> Outcome:
+        from owai.data.text import tokenizer_for
         from owai.models.lm import check_vocab, load_pretrained
 
         measured: dict[str, Any] = {}
@@ -864,18 +846,6 @@ def unique_labels(found: list[tuple[str, Path]]) -> list[tuple[str, Path]]:
     return out
 
 
-def model_dirs(path: Path) -> list[tuple[str, Path]]:
-    """(label, directory) of each saved model under `path`: a save_pretrained dir or a run dir."""
-    if not path.exists():
-        raise OwaiError(f"model path not found: {path}")
-    if (path / "config.json").is_file():
-        return [(path.name, path)]
-    found = sorted(p for p in (path / "models").glob("*") if (p / "config.json").is_file()) if (path / "models").is_dir() else []
-    if not found:
-        raise OwaiError(f"{path} holds no saved model (no config.json, no models/<arch>/config.json)")
-    return [(p.name, p) for p in found]
-
-
 def check_context(directory: Path, block_size: int) -> None:
     """A learned-position GPT cannot read windows longer than its position table."""
     try:
@@ -887,16 +857,6 @@ def check_context(directory: Path, block_size: int) -> None:
             f"context of {block_size} tokens is longer than the learned position table of {directory} "
             f"(block_size={config['block_size']}); use a smaller --context"
         )
-
-
-def read_tokenizer_spec(path: Path) -> dict[str, Any]:
-    spec = path / "owai_tokenizer.json"
-    if not spec.is_file():
-        return {}
-    try:
-        return json.loads(spec.read_text())
-    except ValueError:
-        raise OwaiError(f"{spec} is corrupt") from None
 
 
 def _validate_common(cfg: Any) -> None:

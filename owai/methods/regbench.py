@@ -388,7 +388,7 @@ def _label(arch: str) -> str:
 
 
 def study_markdown(rows: list[dict[str, Any]], title: str, command: str) -> str:
-    from owai.report import fmt
+    from owai.values import fmt
 
     lines = [f"### {title}", "", f"Command: `{command}`", "",
              "| model | train automata | accuracy | thesis | \"TVD\" (L1) | thesis | TVD (L1/2) | val loss | epoch | params | selected |",
@@ -409,7 +409,7 @@ def study_table(rows: list[dict[str, Any]], title: str) -> Any:
     from rich.markup import escape
     from rich.table import Table
 
-    from owai.report import fmt
+    from owai.values import fmt
 
     t = Table(title=escape(title))
     for name in ("model", "automata", "accuracy", "thesis", '"TVD" L1', "thesis", "TVD", "val loss", "selected"):
