@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                  "owai.methods")),  # owai.methods itself: the Method interface and the registry of names
     ("models / config / distributed", ("owai.models.*", "owai.config", "owai.distributed", "owai.runtime",
                                        "owai.optim", "owai.plan")),
-    ("io / errors", ("owai.io", "owai.errors", "owai.console", "owai.values", "owai")),
+    ("io / errors", ("owai.io", "owai.errors", "owai.console", "owai.values", "owai.trackers", "owai")),
 ]
 
 Graph = dict[str, dict[str, int]]  # module -> {imported module: first line importing it}

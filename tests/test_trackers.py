@@ -22,7 +22,7 @@ def test_tensorboard_tracker_writes_what_metrics_jsonl_holds(tmp_path, tiny_moon
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "runs"
-    code, _, err = cli_in_process(["moons", "-q", "-o", str(out), "--set", "runtime.tracker=tensorboard", *as_sets(tiny_moons)], capsys)
+    code, _, err = cli_in_process(["moons", "-q", "-o", str(out), "--tracker", "tensorboard", *as_sets(tiny_moons)], capsys)
     assert code == 0, err
     (run,) = _runs(out)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -51,7 +51,7 @@ def test_missing_tracker_package_is_one_line_before_the_run(name, tmp_path, tiny
     real = trackers.importlib.util.find_spec
     monkeypatch.setattr(trackers.importlib.util, "find_spec", lambda mod, *a: None if mod == name else real(mod, *a))
     out = tmp_path / "runs"
-    code, stdout, err = cli_in_process(["moons", "-q", "-o", str(out), "--set", f"runtime.tracker={name}", *as_sets(tiny_moons)], capsys)
+    code, stdout, err = cli_in_process(["moons", "-q", "-o", str(out), "--tracker", name, *as_sets(tiny_moons)], capsys)
     assert code == 2
     lines = [line for line in (stdout + err).splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and f"owai[{name}]" in lines[0], lines

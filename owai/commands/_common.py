@@ -27,6 +27,9 @@ Out = Annotated[Path, typer.Option("--out", "-o", help="Root for run directories
 Resume = Annotated[Optional[Path], typer.Option("--resume", help="Continue a killed or failed run from its last checkpoint (--set may then change only its optimisation settings, e.g. train.lr).")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or info; errors still print.")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (nothing else).")]
+TrackerOption = Annotated[Optional[str], typer.Option(
+    "--tracker", help="Mirror the run's metrics to tensorboard or wandb (pip install 'owai[tensorboard]' / 'owai[wandb]'); "
+                      "the same as --set runtime.tracker=NAME.", show_default=False)]
 DATA_ROOT_HELP = ("Data root: DIR/<dataset> (mnist/, camelyon17/, domainbed/PACS/, text/babistories/...) or the dataset's own "
                   "folder. Default: $OWAI_DATA/<dataset>, then the cache (`owai data list` shows what is found).")
 DataRoot = Annotated[Optional[Path], typer.Option("--data-root", help=DATA_ROOT_HELP, show_default=False)]
@@ -159,7 +162,8 @@ def run_recipe(
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions(OptionGroup):
-    """How a run is set up, where it goes and what it prints: --preset, --set, --out, --resume, --quiet, --json."""
+    """How a run is set up, where it goes and what it prints: --preset, --set, --out, --resume, --quiet, --json,
+    --tracker."""
 
     preset: Preset = None
     sets: Sets = None
@@ -167,10 +171,14 @@ class RunOptions(OptionGroup):
     resume: Resume = None
     quiet: Quiet = False
     as_json: Json = False
+    tracker: TrackerOption = None
 
     def run(self, recipe: str | None, sets: list[str] | None, methods: tuple[str, ...] | None = None,
             preset: str | None = None) -> None:
-        """`run_recipe` with these options, the given `--set` overrides and (when given) preset."""
+        """`run_recipe` with these options, the given `--set` overrides (and --tracker's) and (when
+        given) preset."""
+        if self.tracker is not None:
+            sets = [*(sets or []), f"runtime.tracker={self.tracker}"]
         run_recipe(recipe, preset or self.preset, sets, self.out, self.resume, self.quiet, self.as_json, methods)
 
 
