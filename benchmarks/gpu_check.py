@@ -158,7 +158,7 @@ def check_speed(arch: str, context: int = 2048, batch: int = 8, steps: int = 6) 
     verdict("PASS", f"speed:{arch}", f"{params:.0f}M params, T={context}, batch {batch}: {tokens_per_s:,.0f} tokens/s, "
             f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f} %'}, peak {memory:.1f} GiB",
             tokens_per_s=tokens_per_s, mfu=mfu, params_m=params, peak_gib=memory)
-    del model, opt
+    model = opt = None  # free the GPU memory before the next architecture
     torch.cuda.empty_cache()
 
 

@@ -17,6 +17,7 @@ it did not write (transformers' Llama) passes `**cache_kwargs(cache)`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,6 +36,19 @@ def given_cache(cache: Any, past_key_values: Any) -> Any:
     if cache is not None and past_key_values is not None and cache is not past_key_values:
         raise OwaiError("pass the cache once: as `cache` or as `past_key_values`, not both")
     return cache if cache is not None else past_key_values
+
+
+def forward_cache(cache: Any, past_key_values: Any, use_cache: bool | None, kind: type, make: Callable[[], Any],
+                  model: str) -> Any:
+    """The cache a forward works with: the one passed (under either name), which must be a `kind`; else
+    a new one from `make()` when `use_cache` is True; else None. `use_cache=None` means "when one was
+    passed"."""
+    cache = given_cache(cache, past_key_values)
+    if cache is not None and not isinstance(cache, kind):
+        raise OwaiError(f"{model}: the cache must be a {kind.__name__}, got {type(cache).__name__}")
+    if use_cache is None:
+        use_cache = cache is not None
+    return make() if cache is None and use_cache else cache
 
 
 def with_cache(output_class: type, cache: Any, **fields: Any):

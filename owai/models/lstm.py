@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, Pret
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from owai.errors import OwaiError
-from owai.models.hf_cache import StateCache, given_cache, own_generation_cache, with_cache
+from owai.models.hf_cache import StateCache, forward_cache, own_generation_cache, with_cache
 
 
 class LSTMConfig(PretrainedConfig):
@@ -116,13 +116,7 @@ class LSTMForCausalLM(PreTrainedModel, GenerationMixin):
         the state to continue from, updated in place and returned; use_cache=True alone starts one.
         """
         B, T = input_ids.shape
-        cache = given_cache(cache, past_key_values)
-        if cache is not None and not isinstance(cache, LSTMCache):
-            raise OwaiError(f"lstm: the cache must be an LSTMCache, got {type(cache).__name__}")
-        if use_cache is None:
-            use_cache = cache is not None
-        if cache is None and use_cache:
-            cache = LSTMCache()
+        cache = forward_cache(cache, past_key_values, use_cache, LSTMCache, LSTMCache, "lstm")
         past = cache.get_seq_length() if cache is not None else 0
         state = None
         if past:

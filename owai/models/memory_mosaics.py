@@ -48,7 +48,7 @@ from transformers import initialization as hf_init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from owai.errors import OwaiError
-from owai.models.hf_cache import CACHE_FIELD, StateCache, given_cache, own_generation_cache, with_cache
+from owai.models.hf_cache import CACHE_FIELD, StateCache, forward_cache, own_generation_cache, with_cache
 
 # ---------------------------------------------------------------------------------------------
 # config
@@ -600,13 +600,7 @@ class MemoryMosaicsForCausalLM(PreTrainedModel, GenerationMixin):
             raise OwaiError("memory mosaics: inputs_embeds is not supported, pass input_ids")
         if attention_mask is not None and not torch.compiler.is_compiling() and not bool(attention_mask.all()):
             raise OwaiError("memory mosaics: padded attention_mask is not supported, use batches of equal length")
-        cache = given_cache(cache, past_key_values)
-        if cache is not None and not isinstance(cache, MemoryMosaicsCache):
-            raise OwaiError(f"memory mosaics: the cache must be a MemoryMosaicsCache, got {type(cache).__name__}")
-        if use_cache is None:
-            use_cache = cache is not None
-        if cache is None and use_cache:
-            cache = MemoryMosaicsCache()
+        cache = forward_cache(cache, past_key_values, use_cache, MemoryMosaicsCache, MemoryMosaicsCache, "memory mosaics")
         past = 0
         if cache is not None:
             past = cache.get_seq_length()

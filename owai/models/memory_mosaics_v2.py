@@ -57,7 +57,7 @@ from transformers import initialization as hf_init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from owai.errors import OwaiError
-from owai.models.hf_cache import CACHE_FIELD, given_cache, with_cache
+from owai.models.hf_cache import CACHE_FIELD, forward_cache, with_cache
 from owai.models.memory_mosaics import MemoryMosaicsCache, own_generation_cache
 
 SHORT_EDGES = ("open", "closed")  # open: j >= t-h+1 (thesis main text); closed: j >= t-h (paper appendix)
@@ -672,14 +672,9 @@ class MemoryMosaicsV2ForCausalLM(PreTrainedModel, GenerationMixin):
         cfg = self.config
         if input_ids is None or kwargs.get("inputs_embeds") is not None:
             raise OwaiError("memory mosaics v2: forward needs input_ids (inputs_embeds is not supported)")
-        cache = given_cache(cache, past_key_values)
-        if cache is not None and not isinstance(cache, MemoryMosaicsV2Cache):
-            raise OwaiError(f"memory mosaics v2: the cache must be a MemoryMosaicsV2Cache, got {type(cache).__name__}")
+        cache = forward_cache(cache, past_key_values, use_cache, MemoryMosaicsV2Cache, MemoryMosaicsV2Cache,
+                              "memory mosaics v2")
         B, T = input_ids.shape
-        if use_cache is None:
-            use_cache = cache is not None
-        if cache is None and use_cache:
-            cache = MemoryMosaicsV2Cache()
         past = cache.get_seq_length() if cache is not None else 0
         if cache is not None:
             if not cache.layers:
