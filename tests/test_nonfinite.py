@@ -27,8 +27,8 @@ from owai.train import LoopConfig, train_loop
 
 # lr moves linearly from train.lr to train.lr_end: ending at 1.5e3 makes the tiny three-moons run
 # blow up right after its step-2 checkpoint, at step 3 or 4. The exact step depends on the float
-# arithmetic of the installed torch / numpy (1e3 blew up at step 4 under the releases of early 2026
-# and at step 5, past the step-4 checkpoint, under those of November 2026), so the tests read it from
+# arithmetic of the installed torch / numpy (1e3 blew up at step 4 in the older environment CI reused
+# and at step 5, past the step-4 checkpoint, in a fresh one of 2026-11-26), so the tests read it from
 # the run (deterministic within one install: batches are keyed by the step).
 BLOWS_UP = [*TINY_MOONS, "train.lr_end=1.5e3", "train.log_every=1"]
 
