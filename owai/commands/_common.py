@@ -28,7 +28,7 @@ Resume = Annotated[Optional[Path], typer.Option("--resume", help="Continue a kil
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or info; errors still print.")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (nothing else).")]
 TrackerOption = Annotated[Optional[str], typer.Option(
-    "--tracker", help="Mirror the run's metrics to tensorboard or wandb (pip install 'owai[tensorboard]' / 'owai[wandb]'); "
+    "--tracker", help="Mirror the run's metrics to tensorboard or wandb (pip install 'owai\\[tensorboard]' / 'owai\\[wandb]'); "
                       "the same as --set runtime.tracker=NAME.", show_default=False)]
 DATA_ROOT_HELP = ("Data root: DIR/<dataset> (mnist/, camelyon17/, domainbed/PACS/, text/babistories/...) or the dataset's own "
                   "folder. Default: $OWAI_DATA/<dataset>, then the cache (`owai data list` shows what is found).")
