@@ -4,7 +4,9 @@
     python benchmarks/gpu_check.py --only arch,speed     # a subset: arch, speed, fsdp, e2e, pytest
     python benchmarks/gpu_check.py --json-out gpu.json   # the verdicts and figures as JSON too
 
-Needs one CUDA GPU. Run from the repository root (or with owai installed). The end-to-end check
+Needs one CUDA GPU and owai installed (`pip install -e .`; on a machine whose CUDA torch you keep,
+`pip install --no-deps -e .` plus what is missing): the commands read the packaged recipes
+(`owai.recipe_files`), which a bare checkout on PYTHONPATH does not provide. The end-to-end check
 reads $OWAI_DATA (text/sotu.tar.gz, text/paul_graham_essays/, icl/banking77/); without it, that check
 says SKIP. Every line starts with PASS, FAIL or SKIP; the exit code is 1 if any check failed.
 
@@ -25,6 +27,7 @@ Checks (issue #35):
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -291,6 +294,9 @@ def main() -> int:
 
     global DEVICE
     DEVICE = args.device
+    if importlib.util.find_spec("owai.recipe_files") is None:
+        print("error: owai is not installed (the packaged recipes are missing): pip install -e . first")
+        return 2
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("SKIP all: no CUDA device")
         return 0
