@@ -2,7 +2,7 @@
 
 Each shared option is declared once, here, as an `Annotated` type (its flags, help and panel); a
 command takes it by naming the type. Options that travel together are an `OptionGroup` (`RunOptions`:
---preset/--set/--out/--resume/--quiet/--json; `Launch`: --workers/--executor and the SLURM options),
+--preset/--set/--out/--resume/--quiet/--json/--tracker; `Launch`: --workers/--executor and the SLURM options),
 which a command takes as one parameter and `@options` spreads into its command line.
 """
 
