@@ -5,6 +5,7 @@
     python benchmarks/mmv2.py throughput --compile    # the same with torch.compile per block (train.compile)
     python benchmarks/mmv2.py throughput --documents  # packed documents (position_ids restarting, mean 1536)
     python benchmarks/mmv2.py generation              # cached generation time per token at growing contexts
+    python benchmarks/mmv2.py profile --device cuda   # a decoding step's wall vs device-busy time, kernels per step
     python benchmarks/mmv2.py scan                    # key-scan candidates: eager chunked vs compiled, chunk sizes
     python benchmarks/mmv2.py all --device cuda       # the same on a GPU (bf16)
 
@@ -277,6 +278,55 @@ def generation(args) -> None:
             release()
 
 
+def profile(args) -> None:
+    """Where a cached decoding step's time goes: wall ms per step (timed without the profiler), the
+    device's busy ms per step (its kernels' summed time), kernels launched per step and the kernels
+    with the most device time. Wall far above busy means the step is launch-bound (CPU-side)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    from owai.models.hf_cache import cache_kwargs, output_cache
+
+    if args.device != "cuda":
+        print("profile: CUDA only (kernel times)")
+        return
+    steps = 8
+    print(f"cached decoding steps, {args.size} models, batch 1, bf16 weights: where the time goes ({steps} steps)")
+    for arch in args.archs:
+        extra = {"attn_impl": args.attn, "scan_impl": args.scan} if arch == "mmv2" else {}
+        model = build(arch, args.size, args.vocab, args.device, **extra).to(torch.bfloat16).eval()
+        for n in args.contexts:
+            x = torch.randint(0, model.config.vocab_size, (1, n), device=args.device)
+            with torch.no_grad():
+                out = model(input_ids=x, use_cache=True, logits_to_keep=1)
+                cache, token = output_cache(out), out.logits[:, -1:].argmax(-1)
+                for _ in range(3):
+                    out = model(input_ids=token, use_cache=True, **cache_kwargs(cache))
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(steps):
+                    out = model(input_ids=token, use_cache=True, **cache_kwargs(cache))
+                torch.cuda.synchronize()
+                wall = (time.perf_counter() - start) / steps
+                with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(steps):
+                        out = model(input_ids=token, use_cache=True, **cache_kwargs(cache))
+                    torch.cuda.synchronize()
+            kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+            busy = sum(e.self_device_time_total for e in kernels) / 1000 / steps
+            launched = sum(e.count for e in kernels) / steps
+            print(f"  {arch:12s} n={n:6d}  wall {wall * 1000:7.2f} ms/step  device busy {busy:7.2f} ms/step  "
+                  f"kernels {launched:6.0f}/step", flush=True)
+            for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]:
+                print(f"      {e.self_device_time_total / 1000 / steps:7.3f} ms  {e.count / steps:5.0f}x  {e.key[:90]}")
+            out = cache = None
+            torch.cuda.empty_cache()
+        del model
+        release()
+
+
 def scan(args) -> None:
     """The key-scan candidates (forward + backward of eq 4.4's gated recurrence, as one memory of
     one layer sees it): the eager chunked scan and the same as one compiled graph, at several
@@ -318,7 +368,7 @@ def scan(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["memory", "throughput", "generation", "scan", "all"])
+    parser.add_argument("what", choices=["memory", "throughput", "generation", "profile", "scan", "all"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--size", default="tiny")
     parser.add_argument("--vocab", type=int, default=None, help="vocabulary (default: 4096 for tiny, the table's otherwise)")

@@ -336,20 +336,76 @@ def test_flex_block_masks_skip_what_nothing_reads():
     assert sorted(last) == [4, 5, 6, 7]  # the last query block (896..1023) reads keys 600..959 only
 
 
-def test_compiled_scan_equals_chunked_scan():
-    """scan_impl compiled (the CUDA default) is gated_key_scan as one graph: the same rows and state."""
-    from owai.models.memory_mosaics_v2 import _compiled
+@pytest.mark.parametrize("T", [70, 288])
+def test_compiled_scan_equals_chunked_scan(T):
+    """scan_impl compiled (the CUDA default) is gated_key_scan as one graph, at the chunk key_scan_fn
+    picks: the same rows, state and gradients as the eager scan at the config's chunk. At T = 288 the
+    config's chunk 16 would need three levels of recursion, which torch 2.13's inductor computes
+    wrongly (rows off by ~1, gradients by ~5 %); key_scan_fn widens the chunk to ceil(sqrt(T))."""
+    from owai.models.memory_mosaics_v2 import key_scan_fn
 
+    cfg = MemoryMosaicsV2Config(**{**TINY, "scan_chunk": 16 if T > 100 else 4, "scan_impl": "compiled"})
+    fused, chunk = key_scan_fn(cfg, torch.device("cpu"), T)
+    assert chunk * chunk >= T and chunk >= cfg.scan_chunk
     torch.manual_seed(3)
-    T = 70
-    raw = torch.randn(2, 2, T, 4)
-    log_gate, log_decay = 4 * torch.randn(2, 2, T), -torch.randn(2, 2, T).abs()
-    starts = [[0, 12, 29, 45, 46], [0, 33, 60]]
+    raw = torch.randn(2, 2, T, 4, requires_grad=True)
+    log_gate = (4 * torch.randn(2, 2, T)).requires_grad_()
+    log_decay = (-torch.randn(2, 2, T).abs()).requires_grad_()
+    starts = [[0, 12, 29, 45, 46, 200], [0, 33, 60, 150]]
     doc_start = torch.tensor([[max(s for s in row if s <= t) for t in range(T)] for row in starts])
+    results = []
+    for fn, c in ((gated_key_scan, cfg.scan_chunk), (fused, chunk)):
+        rows, state = fn(raw, log_gate, log_decay, doc_start, 0, None, c)
+        rows = F.normalize(rows, dim=-1)  # rows are directions up to a factor that depends on the chunk
+        grads = torch.autograd.grad((rows * torch.linspace(-1, 1, 4)).sum() + state[1].sum(), (raw, log_gate, log_decay))
+        results.append((rows, state, grads))
+    (rows, state, grads), (f_rows, f_state, f_grads) = results
+    assert torch.allclose(f_rows, rows, atol=1e-5) and torch.allclose(f_state[0], state[0], atol=1e-5)
+    assert torch.allclose(f_state[1], state[1], rtol=1e-5, atol=1e-4)
+    for g, f in zip(grads, f_grads):
+        assert (g - f).norm() <= 1e-4 * g.norm()
+
+
+def test_one_position_scan_step_equals_the_chunked_scan():
+    """A decoding step's scan (one position after a state) is the chunked scan's function, also
+    when a document begins at that position."""
+    from owai.models.memory_mosaics_v2 import _log_space_scan
+
+    torch.manual_seed(4)
+    raw, log_gate, log_decay = torch.randn(3, 2, 1, 4), 3 * torch.randn(3, 2, 1), -2 * torch.randn(3, 2, 1).abs()
+    state = (F.normalize(torch.randn(3, 2, 4), dim=-1), 5 * torch.randn(3, 2))
+    for doc_start in (None, torch.tensor([[3], [10], [7]])):  # position 10: row 1 begins a document there
+        rows, new_state = gated_key_scan(raw, log_gate, log_decay, doc_start, 10, state, 4)
+        local = None if doc_start is None else doc_start - 10
+        ref_rows, ref_top = _log_space_scan(raw, log_gate, log_decay, local, state, 4)
+        norm = ref_rows[:, :, -1].norm(dim=-1)
+        assert torch.allclose(rows, ref_rows, atol=1e-6)
+        assert torch.allclose(new_state[0], ref_rows[:, :, -1] / norm[..., None], atol=1e-6)
+        assert torch.allclose(new_state[1], ref_top[:, :, -1] + norm.log(), atol=1e-5)
+    assert not torch.allclose(gated_key_scan(raw, log_gate, log_decay, torch.tensor([[3], [10], [7]]), 10, state, 4)[0][1],
+                              gated_key_scan(raw, log_gate, log_decay, None, 10, state, 4)[0][1])
+
+
+def test_compiled_decode_step_equals_eager():
+    """A decoding step's fused arithmetic compiled (scan_impl auto on CUDA) equals it eager, as the
+    readable count grows and once it stops growing (the short-term window full), in one graph."""
+    from owai.models.memory_mosaics_v2 import _compiled, decode_step
+
+    torch.manual_seed(5)
+    B, H, hs = 2, 4, 8
+    d = H * hs
+    weights = [torch.randn(d, d) / 6, torch.randn(H, d), torch.randn(H, d), torch.randn(d, d) / 6, torch.rand(H),
+               torch.randn(H), torch.randn(H), torch.randn(H)]
+    compiled = _compiled("decode")
     with torch.no_grad():
-        rows, state = gated_key_scan(raw, log_gate, log_decay, doc_start, 0, None, 4)
-        fused_rows, fused_state = _compiled("scan")(raw, log_gate, log_decay, doc_start, 0, None, 4)
-    assert torch.allclose(fused_rows, rows, atol=1e-5) and torch.allclose(fused_state[0], state[0], atol=1e-5)
+        for count in (5, 6, 7, 255, 255):
+            h = torch.randn(B, 1, d)
+            state = (F.normalize(torch.randn(B, H, hs), dim=-1), torch.randn(B, H), torch.randn(B, H, hs))
+            log_count = torch.tensor(math.log(count))
+            eager = decode_step(h, *weights, *state, log_count, 1e-6, torch.float32)
+            fused = compiled(h, *weights, *state, log_count, 1e-6, torch.float32)
+            for a, b in zip(eager, fused):
+                assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_decoding_step_reads_the_same_as_a_masked_read():
@@ -375,27 +431,32 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @gpu
 @pytest.mark.parametrize("docs", [None, [[1500, 2596], [700, 1, 3395]]], ids=["one-document", "documents"])
 def test_gpu_flex_training_step_equals_sdpa(docs):
-    """On CUDA under bf16 autocast: loss and gradients of the flex path (and the compiled scan) equal
-    the SDPA path's (and the eager scan's) to bf16 tolerance, with and without documents."""
+    """On CUDA under bf16 autocast: the flex path with the compiled scan is as close to float32 as the
+    SDPA path with the eager scan is, in loss, logits and every gradient, with and without documents.
+
+    (Comparing the two bf16 paths directly failed at 10.4 % against a 10 % bound for one small
+    gradient on an H200 once the compiled scan's chunk widened; both paths are bf16 roundings of one
+    function, so each is measured against the float32 reference instead.)"""
     torch.manual_seed(0)
     cfg = dict(vocab_size=512, n_layer=2, n_embd=256, n_head=4, ffn_hidden=512)
     model = MemoryMosaicsV2ForCausalLM(MemoryMosaicsV2Config(**cfg)).cuda().train()
     ids = torch.randint(0, 512, (2, 4096), device="cuda")
     pos = None if docs is None else packed_positions(docs).cuda()
     results = {}
-    for attn, scan in (("sdpa", "chunked"), ("flex", "compiled")):
+    for name, attn, scan, bf16 in (("fp32", "sdpa", "chunked", False), ("sdpa", "sdpa", "chunked", True),
+                                   ("flex", "flex", "compiled", True)):
         model.config.attn_impl, model.config.scan_impl = attn, scan
         model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
             out = model(input_ids=ids, position_ids=pos, labels=ids, long_delay=100)
         out.loss.backward()
-        results[attn] = (out.logits.float(), out.loss.item(), {n: p.grad.float() for n, p in model.named_parameters()})
-    (a, la, ga), (b, lb, gb) = results["sdpa"], results["flex"]
-    assert abs(la - lb) < 1e-2 * abs(la), (la, lb)
-    assert (a - b).abs().max() < 0.05 * a.abs().max(), (a - b).abs().max()
-    for name in ga:
-        scale = ga[name].norm()
-        assert (ga[name] - gb[name]).norm() <= 0.1 * scale + 1e-6, (name, (ga[name] - gb[name]).norm() / scale)
+        results[name] = (out.logits.float(), out.loss.item(), {n: p.grad.float() for n, p in model.named_parameters()})
+    (ref, lref, gref), (a, la, ga), (b, lb, gb) = results["fp32"], results["sdpa"], results["flex"]
+    assert abs(lb - lref) <= max(2 * abs(la - lref), 1e-3 * abs(lref)), (lref, la, lb)
+    assert (b - ref).abs().max() <= max(2 * (a - ref).abs().max(), 0.01 * ref.abs().max())
+    for name in gref:
+        sdpa_error, flex_error = (ga[name] - gref[name]).norm(), (gb[name] - gref[name]).norm()
+        assert flex_error <= max(2 * sdpa_error, 0.02 * gref[name].norm()) + 1e-6, (name, flex_error.item(), sdpa_error.item())
 
 
 @pytest.mark.gpu
@@ -433,3 +494,30 @@ def test_gpu_float32_evaluation_flex_equals_sdpa():
         model.config.attn_impl = "flex"
         flex = model(input_ids=ids, position_ids=pos).logits
     assert (flex - ref).abs().max() < 1e-2 * ref.abs().max(), (flex - ref).abs().max()  # flex may use tf32
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_compiled_scan_equals_eager_at_training_length():
+    """On CUDA the compiled key scan (at key_scan_fn's chunk) equals the eager one at 4096 positions
+    with documents, forward and gradients, in float32."""
+    from owai.models.memory_mosaics_v2 import key_scan_fn
+
+    cfg = MemoryMosaicsV2Config(vocab_size=512, n_layer=1, n_embd=256, n_head=4, ffn_hidden=512)
+    T = 4096
+    fused, chunk = key_scan_fn(cfg, torch.device("cuda"), T)
+    torch.manual_seed(0)
+    raw = torch.randn(2, 4, T, 64, device="cuda", requires_grad=True)
+    log_gate = (2 * torch.randn(2, 4, T, device="cuda")).requires_grad_()
+    log_decay = (-torch.randn(2, 4, T, device="cuda").abs()).requires_grad_()
+    doc_start = (torch.arange(T, device="cuda") - packed_positions([[1500, 2596], [700, 1, 3395]]).cuda()).long()
+    results = []
+    for fn, c in ((gated_key_scan, cfg.scan_chunk), (fused, chunk)):
+        rows, state = fn(raw, log_gate, log_decay, doc_start, 0, None, c)
+        rows = F.normalize(rows, dim=-1)
+        weights = torch.linspace(-1, 1, 64, device="cuda")
+        results.append((rows, torch.autograd.grad((rows * weights).sum() + state[1].sum(), (raw, log_gate, log_decay))))
+    (rows, grads), (f_rows, f_grads) = results
+    assert (rows - f_rows).abs().max() < 1e-4, (rows - f_rows).abs().max()
+    for g, f in zip(grads, f_grads):
+        assert (g - f).norm() <= 1e-3 * g.norm(), ((g - f).norm() / g.norm()).item()

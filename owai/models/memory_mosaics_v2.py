@@ -187,10 +187,27 @@ def gated_key_scan(raw: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.T
     """
     raw, log_gate, log_decay = _wide(raw), _wide(log_gate), _wide(log_decay)
     local_start = None if doc_start is None else doc_start - start  # < 0: the document began before `start`
-    rows, log_scale = _log_space_scan(raw, log_gate, log_decay, local_start, state, chunk)
+    if raw.shape[2] == 1 and state is not None:  # a decoding step: the recurrence's one step, a dozen ops
+        rows, log_scale = _scan_step(raw, log_gate, log_decay, local_start, state)
+    else:
+        rows, log_scale = _log_space_scan(raw, log_gate, log_decay, local_start, state, chunk)
     last = rows[:, :, -1]
     norm = torch.linalg.vector_norm(last, dim=-1).clamp_min(1e-30)
     return rows, (last / norm[..., None], log_scale[:, :, -1] + norm.log())
+
+
+def _scan_step(raw: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.Tensor, local_start: torch.Tensor | None,
+               state: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_log_space_scan` for one position (T = 1) after `state`: g k~ + lambda kbar_prev, in log space
+    with the larger exponent factored out. The same function as the chunked scan (tested), without
+    its (c x c) machinery: a decoding step is launch-bound, so fewer kernels is faster."""
+    own = log_gate  # (B, H, 1): log g_t
+    carried = log_decay + state[1][:, :, None]  # (B, H, 1): log lambda_t + log-scale of kbar_{t-1}
+    if local_start is not None:  # a document that begins at this position carries nothing over
+        carried = carried.masked_fill((local_start >= 0)[:, None, :], float("-inf"))
+    top = torch.maximum(own, carried)
+    rows = torch.exp(own - top)[..., None] * raw + torch.exp(carried - top)[..., None] * state[0][:, :, None]
+    return rows, top
 
 
 def _log_space_scan(raw: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.Tensor, local_start: torch.Tensor | None,
@@ -283,25 +300,92 @@ _COMPILED: dict[str, Any] = {}  # torch.compile'd kernels, created once per proc
 
 
 def _compiled(name: str) -> Any:
-    """torch.compile of flex_attention ("flex") or of gated_key_scan ("scan"), created lazily once."""
+    """torch.compile of flex_attention ("flex"), of gated_key_scan ("scan") or of decode_step
+    ("decode"), created lazily once per process."""
     if name not in _COMPILED:
         if name == "flex":
             from torch.nn.attention.flex_attention import flex_attention
 
             _COMPILED[name] = torch.compile(flex_attention)
-        else:
+        elif name == "scan":
             _COMPILED[name] = torch.compile(gated_key_scan, dynamic=False)  # one graph per length (recursion depth)
+        else:
+            # fixed shapes every step; the weights are arguments, so the model's memories share one
+            # graph per kind (the readable count becomes symbolic after its first change)
+            _COMPILED[name] = torch.compile(decode_step, fullgraph=True)
     return _COMPILED[name]
 
 
-def key_scan_fn(config: MemoryMosaicsV2Config, device: torch.device, T: int) -> Any:
-    """The key scan implementation for T new positions on `device` (config.scan_impl): "compiled" =
-    gated_key_scan as one compiled graph (forward and backward), "chunked" = eager; "auto" compiles
-    on CUDA when T > scan_chunk (training, prefill) and stays eager for decoding steps. Inside an
-    outer torch.compile (compiled blocks) the plain function is traced into the outer graph."""
+def decode_step(h: torch.Tensor, key_w: torch.Tensor, gate_w: torch.Tensor, decay_w: torch.Tensor, value_w: torch.Tensor,
+                value_mix: torch.Tensor, beta1_log: torch.Tensor, alpha_raw: torch.Tensor, beta0_raw: torch.Tensor,
+                scan_dir: torch.Tensor, scan_log: torch.Tensor, v_pending: torch.Tensor, log_count: torch.Tensor,
+                norm_eps: float, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The arithmetic of one cached decoding step of a memory (one position, one document), fused.
+
+    h (B, 1, d) the normed input; the weights of `ContextualMemory`; scan_dir (B, H, hs), scan_log (B, H)
+    the key scan's state; v_pending (B, H, hs) the previous position's raw value; log_count = log
+    max(n_t, 1), n_t the keys this query can read (a 0-d tensor on the device, so no Python number
+    enters the compiled graph). Returns the query (bandwidth applied), the new key, the
+    finished value of the previous position (each (B, H, 1, hs) in `dtype`), the new scan state and
+    the new raw value. The same function as ContextualMemory.forward's general path for T = 1
+    (tested): that path costs ~60 kernels per memory, which makes a decoding step launch-bound;
+    compiled, this is a handful.
+    """
+    B, H, hs = scan_dir.shape
+    raw_k = _wide(F.linear(h, key_w).view(B, H, hs))
+    own = _wide(F.linear(h, gate_w).view(B, H))  # log g_t
+    carried = _wide(-F.linear(h, decay_w).abs().view(B, H)) + scan_log  # log lambda_t + log-scale of kbar_{t-1}
+    top = torch.maximum(own, carried)
+    row = torch.exp(own - top)[..., None] * raw_k + torch.exp(carried - top)[..., None] * scan_dir  # (B, H, hs)
+    norm = torch.linalg.vector_norm(row, dim=-1).clamp_min(1e-30)
+    key = _unit(row, norm_eps)
+    raw_v = _wide(F.linear(h, value_w).view(B, H, hs))
+    finished = _unit(torch.lerp(raw_v, v_pending, value_mix.float()[None, :, None].to(raw_v.dtype)), norm_eps)
+    alpha = torch.sigmoid(alpha_raw.float())
+    beta = beta1_log.float().exp() * torch.exp(alpha * log_count) + F.softplus(beta0_raw.float())  # (H,) beta1 n^alpha + beta0
+    query = key * beta[None, :, None]
+    return (query.to(dtype)[:, :, None], key.to(dtype)[:, :, None], finished.to(dtype)[:, :, None],
+            row / norm[..., None], top + norm.log(), raw_v)
+
+
+def _compiles_scan(config: MemoryMosaicsV2Config, device: torch.device) -> bool:
+    """Whether the key scan (and a decoding step's arithmetic) run compiled: scan_impl "compiled", or
+    "auto" on CUDA; never when already inside a torch.compile."""
     impl = config.scan_impl
-    compiled = impl == "compiled" or (impl == "auto" and device.type == "cuda" and T > config.scan_chunk)
-    return _compiled("scan") if compiled and not torch.compiler.is_compiling() else gated_key_scan
+    return (impl == "compiled" or (impl == "auto" and device.type == "cuda")) and not torch.compiler.is_compiling()
+
+
+def _run_decode_step(inputs: tuple, compiled: bool) -> tuple[torch.Tensor, ...]:
+    """decode_step(*inputs), compiled when asked. Should the compiler fail (a backend error), the step
+    runs eagerly from then on, with one warning: the same function, more kernels."""
+    if compiled and "decode-failed" not in _COMPILED:
+        try:
+            return _compiled("decode")(*inputs)
+        except Exception as err:  # noqa: BLE001 - torch._dynamo's errors vary by release
+            _COMPILED["decode-failed"] = True
+            import warnings
+
+            warnings.warn(f"memory mosaics v2: compiling the decoding step failed ({type(err).__name__}: "
+                          f"{str(err).splitlines()[0][:200]}); decoding eagerly", RuntimeWarning, stacklevel=2)
+    return decode_step(*inputs)
+
+
+def key_scan_fn(config: MemoryMosaicsV2Config, device: torch.device, T: int) -> tuple[Any, int]:
+    """The key scan implementation for T new positions on `device` (config.scan_impl) and its chunk:
+    "compiled" = gated_key_scan as one compiled graph (forward and backward), "chunked" = eager; "auto"
+    compiles on CUDA when T > scan_chunk (training, prefill) and stays eager for decoding steps. Inside
+    an outer torch.compile (compiled blocks) the plain function is traced into the outer graph.
+
+    Compiled, the chunk is at least ceil(sqrt(T)), so the chunk ends need one level of recursion and
+    no more: torch 2.13's inductor miscompiles the scan at three levels (forward and gradients wrong,
+    on CPU; tests/test_memory_mosaics_v2.py), and the wider chunk is also the fastest compiled one."""
+    inside = torch.compiler.is_compiling()
+    impl = config.scan_impl
+    compiled = inside or impl == "compiled" or (impl == "auto" and device.type == "cuda" and T > config.scan_chunk)
+    if not compiled:
+        return gated_key_scan, config.scan_chunk
+    chunk = max(config.scan_chunk, math.isqrt(max(T - 1, 0)) + 1)  # ceil(sqrt(T)): n = ceil(T / chunk) <= chunk
+    return (gated_key_scan if inside else _compiled("scan")), chunk
 
 
 def uses_flex(config: MemoryMosaicsV2Config, device: torch.device, past: int) -> bool:
@@ -439,14 +523,16 @@ class ContextualMemory(nn.Module):
         """
         cfg = self.config
         B, T, d = x.shape
+        if T == 1 and doc_start is None and cache and "scan" in cache and not torch.is_grad_enabled():
+            return self._decode(x, cache, past, delay)
         H, hs = cfg.n_head, cfg.head_size
         split = lambda z: z.view(B, T, H, hs).transpose(1, 2)  # noqa: E731  (B, T, d) -> (B, H, T, hs)
         raw_k = split(self.key_proj(x))
         log_gate = self.gate_proj(x).transpose(1, 2)  # (B, H, T)
         log_decay = -self.decay_proj(x).abs().transpose(1, 2)  # (B, H, T)
         scan_state = cache.get("scan") if cache else None
-        scan = key_scan_fn(cfg, x.device, T)
-        directions, scan_state = scan(raw_k, log_gate, log_decay, doc_start, past, scan_state, cfg.scan_chunk)
+        scan, chunk = key_scan_fn(cfg, x.device, T)
+        directions, scan_state = scan(raw_k, log_gate, log_decay, doc_start, past, scan_state, chunk)
         keys = _unit(directions, cfg.norm_eps)  # (B, H, T, hs) fp32
         raw_v = _wide(split(self.value_proj(x)))  # (B, H, T, hs)
         gamma = self.value_mix.float()[None, :, None, None]
@@ -472,6 +558,37 @@ class ContextualMemory(nn.Module):
         y = self.read(keys, keys_all, values_all, k0, past, doc_start, delay, block_mask)  # (B, H, T, hs)
         y = y.to(x.dtype).transpose(1, 2).reshape(B, T, d)
         return self.o_proj(y)
+
+    def _decode(self, x: torch.Tensor, cache: dict, past: int, delay: int) -> torch.Tensor:
+        """One cached decoding step (T = 1, one document per row, no autograd): `decode_step`'s fused
+        arithmetic (compiled where the scan is, config.scan_impl), the cache's append, one SDPA over
+        the readable pairs. Same function as the general path of `forward` (tested)."""
+        cfg = self.config
+        lo, hi = self.lags(delay)
+        k0 = cache.get("k0", past)
+        first, newest = (0 if hi is None else max(0, past - hi)), past - lo  # readable absolute positions
+        count = max(1, newest - first + 1)
+        if cache.get("count") != count:  # the short-term memory's count stops changing once its window is full
+            cache.update(count=count, log_count=torch.tensor(math.log(count), dtype=torch.float32, device=x.device))
+        inputs = (x, self.key_proj.weight, self.gate_proj.weight, self.decay_proj.weight, self.value_proj.weight,
+                  self.value_mix, self.beta1_log, self.alpha_raw, self.beta0_raw, cache["scan"][0], cache["scan"][1],
+                  cache["v_pending"], cache["log_count"], cfg.norm_eps, self.read_dtype(x.device))
+        query, key, value, scan_dir, scan_log, raw_v = _run_decode_step(inputs, _compiles_scan(cfg, x.device))
+        keys, values = _append(cache, "keys", key), _append(cache, "values", value)
+        if self.kind == "short":  # future queries t >= past+1 read j >= past+1-span: drop older pairs
+            keep = max(0, (past + 1 - cfg.short_span) - k0)
+            cache.update(keys=cache["keys"][:, :, keep:], values=cache["values"][:, :, keep:], k0=k0 + keep)
+            cache["keys_rows"] -= keep
+            cache["values_rows"] = max(0, cache["values_rows"] - keep)
+        else:
+            cache["k0"] = k0
+        cache.update(v_pending=raw_v, scan=(scan_dir, scan_log))
+        lo_index, hi_index = max(0, first - k0), min(values.shape[2], newest + 1 - k0)  # [lo_index, hi_index) of the stored pairs
+        if hi_index <= lo_index:
+            y = query.new_zeros(query.shape)
+        else:
+            y = F.scaled_dot_product_attention(query, keys[:, :, lo_index:hi_index], values[:, :, lo_index:hi_index], scale=1.0)
+        return self.o_proj(y.to(x.dtype).transpose(1, 2).reshape(x.shape))
 
     def read(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, k0: int, past: int,
              doc_start: torch.Tensor | None, delay: int, block_mask: Any = None) -> torch.Tensor:
@@ -577,8 +694,8 @@ class MemoryMosaicsV2Cache(MemoryMosaicsCache):
 
     def _apply(self, fn) -> None:
         def walk(obj: Any) -> Any:
-            if isinstance(obj, torch.Tensor):
-                return fn(obj)
+            if isinstance(obj, torch.Tensor):  # batch-first; a 0-d tensor (a decoding step's log count) has no batch
+                return fn(obj) if obj.dim() else obj
             if isinstance(obj, dict):
                 return {k: walk(v) for k, v in obj.items()}
             if isinstance(obj, tuple):
