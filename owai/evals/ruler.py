@@ -651,7 +651,9 @@ def read_essays(directory: str | Path) -> str:
     files = sorted(p for p in folder.glob("*.txt") if p.is_file())
     if not files:
         raise DataMissing(f"essay haystack folder {folder} holds no .txt file")
-    return "".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
+    from owai.data.text import read_utf8
+
+    return "".join(read_utf8(p) for p in files)  # text in another encoding is refused, as mosaic-train's corpora
 
 
 def split_sentences(text: str) -> list[str]:

@@ -172,8 +172,10 @@ class LanguageModelPretraining(Method):
         for name in ("steps", "batch_size", "accumulate", "eval_every", "eval_batches", "checkpoint_every", "log_every"):
             if getattr(t, name) < 1:
                 raise OwaiError(f"train.{name} must be >= 1, got {getattr(t, name)}")
+        if not t.lr > 0:  # named before min_lr, which is bounded by it
+            raise OwaiError(f"train.lr must be > 0, got {t.lr}")
         if not 0 < t.min_lr <= t.lr:
-            raise OwaiError(f"train.min_lr must be in (0, train.lr], got {t.min_lr}")
+            raise OwaiError(f"train.min_lr must be in (0, train.lr={t.lr}], got {t.min_lr}")
         if t.warmup < 0 or len(t.betas) != 2:
             raise OwaiError("train.warmup must be >= 0 and train.betas a pair")
         if t.tokens < 0:
@@ -244,7 +246,10 @@ SHAPE_FIELDS = ("model_type", "n_layer", "n_embd", "n_head", "ffn_hidden", "long
 
 def _check_init_from(directory: Path, label: str, config: Any) -> None:
     """model.init_from must hold a saved model of this architecture and shape (vocabulary: when loaded)."""
+    from owai.models.lm import check_saved_weights
+
     source = init_source(directory, label)
+    check_saved_weights(source)  # no weights, or a truncated or corrupt file: one line naming it
     try:
         saved = json.loads((source / "config.json").read_text())
     except (OSError, ValueError):
@@ -601,6 +606,7 @@ def save_model(run: Run, arch: str, parallel: Any, data: LMData, max_shard_size:
     written through a meta-device twin of the model (its class and config, no weights)."""
     from owai.data.text import save_tokenizer
     from owai.distributed import full_state_on_rank0
+    from owai.io import share_files
 
     target = run.path / "models" / arch
     sharded = parallel.sharded and parallel.strategy == "fsdp"
@@ -620,6 +626,7 @@ def save_model(run: Run, arch: str, parallel: Any, data: LMData, max_shard_size:
         else:
             parallel.module.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
         save_tokenizer(data.tokenizer, tmp)
+        share_files(tmp)  # save_pretrained writes model.safetensors 0600; every file of a run is 0644
         if target.exists():
             shutil.rmtree(target)
         tmp.rename(target)

@@ -904,9 +904,8 @@ def _meta_backbone(backbone: str) -> torch.nn.Module:
 
 def load_network(net: Network) -> torch.nn.Module:
     """The network's backbone (torchvision keys, its base-class head) with its pretrained weights."""
-    from safetensors.torch import load_file
-
     from owai.checkpoint import load_checkpoint
+    from owai.io import read_safetensors
 
     if net.external and net.backbone.startswith("hf:"):  # a Hugging Face image model, features only
         from owai.models.hf_vision import HFImageBackbone
@@ -923,10 +922,7 @@ def load_network(net: Network) -> torch.nn.Module:
         _, state = load_checkpoint(net.checkpoint)
         weights = state["model"]
     else:
-        try:
-            weights = load_file(str(net.weights))
-        except Exception as e:  # noqa: BLE001 - a corrupt cache entry
-            raise OwaiError(f"cannot read pretrained weights {net.weights}: {type(e).__name__}") from None
+        weights = read_safetensors(net.weights)  # a corrupt cache entry: one line naming it
     return network_from_state(net.backbone, weights, net.seed, net.joint, net.label)
 
 
