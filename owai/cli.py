@@ -191,6 +191,8 @@ def report(
     from owai.report import table
     from owai.runs import Run
 
+    if markdown and as_json:
+        raise OwaiError("--markdown and --json are two output formats: give one of them")
     console.configure(quiet, as_json)
     if sweep.is_sweep_dir(run_dir):
         summary = sweep.summarise(sweep.open_sweep(run_dir))

@@ -84,8 +84,8 @@ CASES: list[tuple[str, list[str], str, dict[str, str]]] = [
     ("icl-n-0", ["eval", "icl", "--n", "0"], "--n", {}),
     ("harness-limit-negative", ["eval", "harness", "--limit", "-1"], "--limit", {}),
     ("harness-fewshot-not-a-number", ["eval", "harness", "--num-fewshot", "x"], "--num-fewshot", {}),
-    ("data-verify-no-name", ["data", "verify"], "NAME", {}),
-    ("data-fetch-no-name", ["data", "fetch"], "NAME", {}),
+    ("data-verify-no-name", ["data", "verify"], "Missing argument 'name'", {}),
+    ("data-fetch-no-name", ["data", "fetch"], "Missing argument 'name'", {}),
     ("recipes-show-set-no-value", ["recipes", "show", "table2.2-cat-probe", "--set"], "--set", {}),
     # corrupt, truncated or missing weights: one line naming the file, before any run directory
     ("ruler-truncated-weights", [*RULER, "--model", "{truncated}"], "truncated/model.safetensors", {}),

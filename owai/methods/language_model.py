@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from owai import console, distributed
-from owai.config import BaseConfig
+from owai.config import MAX_CONTEXT, MAX_LAYERS, BaseConfig, check_count
 from owai.errors import OwaiError
 from owai.methods import Method, Outcome
 from owai.models.lm import SIZED
@@ -230,8 +230,8 @@ def _validate_sized(cfg: Config) -> None:
         raise OwaiError(f"model.size must be one of {', '.join(SIZES)} (or empty), got {m.size!r}")
     if m.size and len(sized) != len(cfg.archs):
         raise OwaiError(f"model.size applies to {', '.join(SIZED)}; archs has {', '.join(a for a in cfg.archs if a not in sized)}")
-    if any(k < 2 for k in cfg.eval.lengths):
-        raise OwaiError(f"eval.lengths must be contexts of >= 2 tokens, got {cfg.eval.lengths}")
+    for length in cfg.eval.lengths:
+        check_count("eval.lengths", length, 2, MAX_CONTEXT)
     for label in sized:
         config = lm_config(parse_arch(label)[0], **model_kwargs(cfg, label, _planned_vocab(cfg)))
         if m.init_from:
@@ -814,9 +814,12 @@ class LanguageModelEvaluation(Method):
     def validate(cfg: EvalOnlyConfig) -> None:
         if not cfg.models:
             raise OwaiError("no model given: pass model directories (save_pretrained dirs or mosaic-train run dirs)")
+        from owai.models.lm import check_saved_weights
+
         for path in cfg.models:
             for _, directory in model_dirs(Path(path)):
                 check_context(directory, cfg.data.block_size)
+                check_saved_weights(directory)  # no weights, or a truncated or corrupt file: one line naming it
         _validate_common(cfg)
 
     def run(self, cfg: EvalOnlyConfig, run: Run) -> Outcome:
@@ -872,8 +875,7 @@ def _validate_common(cfg: Any) -> None:
     open_source(cfg.data.source, cfg.data.text_field, data_root=cfg.data.root or None)  # a missing path fails here, before any run directory
     if cfg.eval.source:
         open_source(cfg.eval.source, cfg.data.text_field, config_name=cfg.eval.config_name or None, data_root=cfg.data.root or None)
-    if cfg.data.block_size < 2:
-        raise OwaiError(f"data.block_size must be >= 2, got {cfg.data.block_size}")
+    check_count("data.block_size", cfg.data.block_size, 2, MAX_CONTEXT)
     ev = cfg.eval
     for name in ("posloss_windows", "val_batches", "attention_sequences", "batch_size", "max_new_tokens"):
         if getattr(ev, name) < 1:
@@ -882,6 +884,7 @@ def _validate_common(cfg: Any) -> None:
         raise OwaiError("eval.attention_multiples must be positive integers")
     m = getattr(cfg, "model", None)
     if m is not None:
+        check_count("model.n_layer", m.n_layer, 1, MAX_LAYERS)
         if min(m.n_layer, m.n_embd, m.n_head) < 1 or m.n_embd % m.n_head:
             raise OwaiError(f"model: n_embd ({m.n_embd}) must be a positive multiple of n_head ({m.n_head}), n_layer >= 1")
         if not 0 <= m.dropout < 1:
