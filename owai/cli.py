@@ -253,6 +253,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             raise
         console.stderr.print(f"internal error: {type(e).__name__}: {e} (set OWAI_DEBUG=1 for the traceback)", markup=False, soft_wrap=True)
         sys.exit(1)
+    if code == 130:  # Typer turns Ctrl-C into Exit(130)
+        _fail("interrupted", 130)
     if isinstance(code, int) and not isinstance(code, bool) and code:  # typer.Exit(code) / ctx.exit(code)
         sys.exit(code)
 

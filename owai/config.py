@@ -196,8 +196,12 @@ def _size_fields(obj: Any, prefix: str) -> list[tuple[str, str, int]]:
 
 def check_sizes(cfg: Any, path: str = "params", limit: int | None = None) -> None:
     """Reject sizes (batch, context, width, image) whose smallest possible activation memory
-    exceeds `limit` bytes (default: this machine's memory), before anything is allocated."""
+    exceeds `limit` bytes (default: this machine's memory), before anything is allocated. A context
+    length beyond MAX_CONTEXT is refused first, naming the maximum."""
     fields = _size_fields(cfg, "")
+    for field_path, name, value in fields:
+        if name in LENGTH_FIELDS and value > MAX_CONTEXT:
+            raise OwaiError(f"{path}: {field_path} must be at most {MAX_CONTEXT:,} tokens (1024k), got {value:,}")
 
     def largest(names: tuple[str, ...]) -> tuple[str, int]:
         chosen = [(p, v) for p, n, v in fields if n in names and v > 0]
