@@ -100,6 +100,9 @@ CASES: list[tuple[str, list[str], str, dict[str, str]]] = [
     ("icl-no-weights", [*ICL, "--model", "{noweights}"], "no weights", {}),
     ("harness-no-weights", [*HARNESS, "--model", "{noweights}"], "no weights", {}),
     ("init-from-no-weights", [*TINY, "--set", "model.init_from={noweights}"], "no weights", {}),
+    ("mosaic-eval-truncated-weights", ["mosaic-eval", "{truncated}", "--set", "eval.continuations=false"],
+     "truncated/model.safetensors", {}),
+    ("posloss-no-weights", ["eval", "posloss", "{noweights}"], "no weights", {}),
     # a file where a folder belongs
     ("cache-a-file-mosaic", ["mosaic-train"], "OWAI_CACHE", {"OWAI_CACHE": "{afile}"}),
     ("cache-a-file-rich-features", ["rich-features", "--stage", "pretrain"], "OWAI_CACHE", {"OWAI_CACHE": "{afile}"}),

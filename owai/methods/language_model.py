@@ -819,8 +819,10 @@ class LanguageModelEvaluation(Method):
         for path in cfg.models:
             for _, directory in model_dirs(Path(path)):
                 check_context(directory, cfg.data.block_size)
-                check_saved_weights(directory)  # no weights, or a truncated or corrupt file: one line naming it
         _validate_common(cfg)
+        for path in cfg.models:
+            for _, directory in model_dirs(Path(path)):
+                check_saved_weights(directory)  # no weights, or a truncated or corrupt file: one line naming it
 
     def run(self, cfg: EvalOnlyConfig, run: Run) -> Outcome:
         from owai.data.text import tokenizer_for
