@@ -155,6 +155,7 @@ MAX_DOCUMENTS = 1_000_000  # harness documents per task (--limit; far above any 
 MAX_LAYERS = 1024  # blocks of a language model (--depth, model.n_layer; the thesis's: <= 32)
 MAX_NETWORKS = 1024  # rich-features networks n of Cat_n / Distill_n (the thesis's: <= 10)
 MAX_EXAMPLES = 1_000_000  # RegBench training automata (the thesis's: <= 20,000)
+MAX_WORKERS = 1024  # local worker processes of a sweep (--workers)
 
 
 def check_count(name: str, value: Any, low: int, high: int) -> None:

@@ -155,6 +155,7 @@ BOUNDS: list[tuple[str, list[str], str, dict[str, str]]] = [
     ("posloss-context-0", ["eval", "posloss", "{good}", "--context", "0"], "--context", {}),
     ("rf-n-over", ["rich-features", "--stage", "probe", "--n", "1025"], "1024", {}),
     ("rf-set-n-over", ["rich-features", "--stage", "probe", "--set", "probe.n=1025"], "1,024", {}),
+    ("rf-workers-over", ["rich-features", "--stage", "pretrain", "--workers", "1025"], "1024", {}),
     ("regbench-train-size-over", ["eval", "regbench", "--train-size", "1000001"], "1,000,000", {}),
 ]
 
