@@ -20,6 +20,11 @@ from owai import __version__, console
 from owai.commands._common import Json, Preset, Quiet, RecipeOption, RunOptions, Sets, one_recipe, options
 from owai.errors import OwaiError
 
+try:  # Typer >= 0.22 parses with its own copy of Click
+    from typer._click import exceptions as click
+except ImportError:  # pragma: no cover - an older Typer on the real Click
+    from click import exceptions as click  # type: ignore[no-redef]
+
 
 def _flag_type_hidden() -> None:
     """Show flags (--quiet, --json, --help, ...) as bare switches in --help: Typer's rich help
@@ -62,6 +67,9 @@ def _root(
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = False,
 ) -> None:
     """AI for the Open-World (J. Zhang, NYU 2025): the thesis's learning principles, reproducible."""
+    from owai.io import check_cache_root
+
+    check_cache_root()  # every command: a cache that cannot hold anything is one line, before any run directory
 
 
 @recipes_app.command("list")
@@ -183,6 +191,8 @@ def report(
     from owai.report import table
     from owai.runs import Run
 
+    if markdown and as_json:
+        raise OwaiError("--markdown and --json are two output formats: give one of them")
     console.configure(quiet, as_json)
     if sweep.is_sweep_dir(run_dir):
         summary = sweep.summarise(sweep.open_sweep(run_dir))
@@ -224,17 +234,41 @@ _register_commands()
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """Console entry point: user errors become one line and exit code 2, never a traceback.
-
-    Typer's standalone mode handles usage errors (exit 2), --help and Ctrl-C itself.
-    """
+    """Console entry point (`owai` and `python -m owai`): the one error path. A user error (an
+    OwaiError, or a usage error of the command line: a missing or unknown option, a bad value) is one
+    `error:` line on stderr and exit code 2, never a traceback or the CLI library's usage box; --help,
+    --version and a bare command group print help (exit 0); Ctrl-C exits 130."""
     try:
-        app(args=argv)
+        code = app(args=sys.argv[1:] if argv is None else list(argv), prog_name="owai", standalone_mode=False)
+    except click.NoArgsIsHelpError:
+        code = 0  # the help is printed already
+    except click.ClickException as e:  # usage errors (UsageError, BadParameter, NoSuchOption, ...) included
+        _fail(usage_message(e), 2)
     except OwaiError as e:
-        console.stderr.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
-        sys.exit(e.exit_code)
+        _fail(str(e), e.exit_code)
+    except (click.Abort, KeyboardInterrupt):
+        _fail("interrupted", 130)
     except Exception as e:  # noqa: BLE001 - the last line of defence against tracebacks
         if os.environ.get("OWAI_DEBUG"):
             raise
         console.stderr.print(f"internal error: {type(e).__name__}: {e} (set OWAI_DEBUG=1 for the traceback)", markup=False, soft_wrap=True)
         sys.exit(1)
+    if code == 130:  # Typer turns Ctrl-C into Exit(130)
+        _fail("interrupted", 130)
+    if isinstance(code, int) and not isinstance(code, bool) and code:  # typer.Exit(code) / ctx.exit(code)
+        sys.exit(code)
+
+
+def usage_message(error: click.ClickException) -> str:
+    """A Click error as one line: its message (which names the option or argument and the problem),
+    then where the command's help is."""
+    text = " ".join(error.format_message().split())
+    ctx = getattr(error, "ctx", None)
+    if isinstance(error, click.UsageError) and ctx is not None:
+        text = f"{text.rstrip('.')} (see `{ctx.command_path} --help`)"
+    return text
+
+
+def _fail(message: str, code: int) -> None:
+    console.stderr.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
+    sys.exit(code)

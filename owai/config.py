@@ -146,6 +146,24 @@ def build(cls: type, data: dict[str, Any], path: str = "params") -> Any:
     return obj
 
 
+# The largest value of each size-like setting (flags and --set alike; docs/decisions.md, issue #40):
+# generous beside the thesis, small enough that a typo (10000000k) is refused before a run starts.
+MAX_CONTEXT = 1 << 20  # tokens (1024k): 8x RULER's longest length (128k), the longest context a run plans
+MAX_SAMPLES = 100_000  # RULER samples per task and length, ICL queries (both 500 in the papers)
+MAX_SHOTS = 1024  # ICL demonstrations per class, harness few-shot examples (the thesis's: <= 25)
+MAX_DOCUMENTS = 1_000_000  # harness documents per task (--limit; far above any task the thesis runs)
+MAX_LAYERS = 1024  # blocks of a language model (--depth, model.n_layer; the thesis's: <= 32)
+MAX_NETWORKS = 1024  # rich-features networks n of Cat_n / Distill_n (the thesis's: <= 10)
+MAX_EXAMPLES = 1_000_000  # RegBench training automata (the thesis's: <= 20,000)
+MAX_WORKERS = 1024  # local worker processes of a sweep (--workers)
+
+
+def check_count(name: str, value: Any, low: int, high: int) -> None:
+    """A size-like setting must be an integer in [low, high]; else one line naming it and both bounds."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise OwaiError(f"{name} must be between {low:,} and {high:,}, got {value!r}")
+
+
 # Size fields by role, by field name, in every method's config. One batch's activations need at
 # least batch x (length x width + length^2 + 3 x image^2) floats (tokens x features, one attention
 # map, one RGB input); a config whose lower bound exceeds the machine's memory cannot run.
@@ -179,8 +197,12 @@ def _size_fields(obj: Any, prefix: str) -> list[tuple[str, str, int]]:
 
 def check_sizes(cfg: Any, path: str = "params", limit: int | None = None) -> None:
     """Reject sizes (batch, context, width, image) whose smallest possible activation memory
-    exceeds `limit` bytes (default: this machine's memory), before anything is allocated."""
+    exceeds `limit` bytes (default: this machine's memory), before anything is allocated. A context
+    length beyond MAX_CONTEXT is refused first, naming the maximum."""
     fields = _size_fields(cfg, "")
+    for field_path, name, value in fields:
+        if name in LENGTH_FIELDS and value > MAX_CONTEXT:
+            raise OwaiError(f"{path}: {field_path} must be at most {MAX_CONTEXT:,} tokens (1024k), got {value:,}")
 
     def largest(names: tuple[str, ...]) -> tuple[str, int]:
         chosen = [(p, v) for p, n, v in fields if n in names and v > 0]

@@ -1,4 +1,5 @@
-"""Atomic file writes (a reader sees the old file or the new one, never half of one) and the cache root."""
+"""Atomic file writes (a reader sees the old file or the new one, never half of one), the one safe
+reader of .safetensors files, and the cache root."""
 
 from __future__ import annotations
 
@@ -32,6 +33,16 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def share_files(folder: Path) -> None:
+    """Give every file under `folder` the mode open() gives (0666 less the umask): writers that make
+    0600 files through temporary files (Hugging Face's save_pretrained) leave results only their
+    owner can read, unlike every other file of a run."""
+    mode = 0o666 & ~umask()
+    for path in Path(folder).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -78,3 +89,48 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
         return Path(cache_dir).expanduser()
     env = os.environ.get(CACHE_ENV)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "owai"
+
+
+def check_cache_root() -> Path:
+    """The cache root, refused in one line when it exists and is not a folder (OWAI_CACHE naming a file):
+    checked once, before any command writes anything."""
+    from owai.errors import OwaiError
+
+    root = cache_root()
+    if root.exists() and not root.is_dir():
+        raise OwaiError(f"the cache {root} (${CACHE_ENV}) is not a folder: point {CACHE_ENV} at a folder")
+    return root
+
+
+def _safetensors_problem(path: Path, error: BaseException) -> Exception:
+    from owai.errors import OwaiError
+
+    if isinstance(error, OSError):
+        return OwaiError(f"{path}: cannot read the weights file ({error.strerror or type(error).__name__})")
+    reason = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    return OwaiError(f"{path}: corrupt or truncated safetensors file ({reason[:200]})")
+
+
+def check_safetensors(path: str | Path) -> list[str]:
+    """The tensor names of a .safetensors file, reading only its header (cheap at any size): a missing,
+    truncated or corrupt file is one OwaiError naming it. The check before a run loads weights."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, a header that is not JSON: a bad file
+        raise _safetensors_problem(path, e) from None
+
+
+def read_safetensors(path: str | Path, device: str = "cpu") -> dict[str, Any]:
+    """Every tensor of a .safetensors file (safetensors only: no pickle, no code); a missing, truncated
+    or corrupt file is one OwaiError naming it. The one reader of weights files in owai."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        return load_file(str(path), device=device)
+    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, a header that is not JSON: a bad file
+        raise _safetensors_problem(path, e) from None

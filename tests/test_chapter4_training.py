@@ -164,7 +164,8 @@ def test_size_large_dry_run_prints_the_plan_and_a_real_run_refuses(tmp_path: Pat
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--set", "data.block_size=4000000", "--set", "train.batch_size=64"], "GiB"),  # a context the machine cannot hold
+    (["--set", "data.block_size=1000000", "--set", "train.batch_size=64"], "GiB"),  # a context the machine cannot hold
+    (["--set", "data.block_size=4000000"], "at most 1,048,576 tokens"),  # past the largest context owai plans
     (["--set", "model.vocab_size=64"], "tokenizer has"),  # a tokenizer larger than the embedding
     (["--set", "model.size=huge"], "model.size must be one of"),
     (["--set", "model.long_delay_train=[9, 3]"], "long_delay_train"),

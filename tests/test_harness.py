@@ -142,7 +142,8 @@ def test_recipe_carries_the_thesis_rows_with_the_corrected_mmv2_small_32k_readin
     ({"ablate": ["short_term_memory"]}, "ablate ['short_term_memory']: known ablations are long_term_memory"),
     ({"model": "reference:null"}, "the harness's reference model is reference:oracle"),
     ({"model": "reference:oracle", "ablate": ["long_term_memory"]}, "reference models have nothing to ablate"),
-    ({"limit": -1}, "limit and num_fewshot must be >= 0"),
+    ({"limit": -1}, "limit must be between 0 and 1,000,000, got -1"),
+    ({"num_fewshot": 1025}, "num_fewshot must be between 0 and 1,024, got 1025"),
     ({"tasks": ["arc_easy", "no_such_task"]}, "unknown harness task(s) no_such_task"),
 ])
 def test_validation_errors_are_one_line(changes, message) -> None:

@@ -105,7 +105,7 @@ def test_the_cpu_preset_runs_the_reference_model_on_the_real_banking77(shared_da
     (["-p", "paper", "--task", "synthetic"], "no model given"),
     (["--task", "synthetic", "--model", "reference:oracle"], "the ICL reference models are"),
     (["--task", "synthetic", "--model", "reference:knn", "--labels", "emoji"], "labels ['emoji']"),
-    (["--task", "synthetic", "--model", "reference:knn", "--shots", "0"], "shot counts >= 1"),
+    (["--task", "synthetic", "--model", "reference:knn", "--shots", "0"], "shots must be between 1 and 1,024, got 0"),
     (["--task", "banking77", "--model", "reference:knn", "--data", "/nonexistent/icl"], "banking77: no data at"),
     (["--task", "nowhere", "--model", "reference:knn"], "task 'nowhere'"),
 ])

@@ -97,7 +97,7 @@ def test_cpu_preset_covers_mm_transformer_and_ngram_at_100_and_500():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--train-size", "0"], "--train-size 0: the number of training automata must be >= 1"),
+        (["--train-size", "0"], "--train-size 0: the number of training automata must be between 1 and 1,000,000"),
         (["--train-size", "ten"], "--train-size 'ten'"),
         (["--model", "lstm", "--grid", "model.n_head=2,4"], "the lstm model has no setting 'n_head'"),
         (["--grid", "model.n_experts=2,4"], "unknown key 'n_experts'"),

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Optional, TypeVar
 import typer
 
 from owai import console
+from owai.config import MAX_WORKERS
 
 Preset = Annotated[Optional[str], typer.Option("--preset", "-p", help="Scale preset (cpu is the default; paper = thesis settings; tiny, where a recipe has it, = packaged data only).")]
 Sets = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a parameter: --set train.lr=1e-3 (repeatable).")]
@@ -62,7 +63,7 @@ class Executor(str, Enum):
     submitit_debug = "submitit-debug"
 
 
-Workers = Annotated[int, typer.Option("--workers", "-w", min=1, help="Local worker processes (1: run points one by one in this process).")]
+Workers = Annotated[int, typer.Option("--workers", "-w", min=1, max=MAX_WORKERS, help="Local worker processes (1: run points one by one in this process).")]
 ExecutorOption = Annotated[Executor, typer.Option("--executor", "-e", help="local, slurm (via submitit), or submitit-debug (submitit in-process).")]
 Partition = Annotated[Optional[str], typer.Option("--partition", help="SLURM partition.", rich_help_panel=SLURM)]
 GpusPerNode = Annotated[Optional[int], typer.Option("--gpus-per-node", min=0, help="GPUs per job.", rich_help_panel=SLURM)]

@@ -29,6 +29,7 @@ from owai import console
 from owai.commands._common import (DataRoot, Json, Launch, Out, Preset, Quiet, RunOptions, Sets, csv_values, open_study, options,
                                   run_recipe, run_study, study_recipe)
 from owai.commands.mosaic import ConfigName, Context, Dataset, Models, run_eval
+from owai.config import MAX_DOCUMENTS, MAX_EXAMPLES, MAX_SAMPLES, MAX_SHOTS
 from owai.errors import OwaiError
 
 eval_app = typer.Typer(help="Evaluate models: per-position loss (posloss), RegBench in-context language learning (regbench), in-context classification (icl), RULER long-context recall (ruler), lm-evaluation-harness benchmarks (harness).",
@@ -58,8 +59,8 @@ def _train_sizes(text: str) -> list[int]:
             size = int(item)
         except ValueError:
             raise OwaiError(f"--train-size {item!r}: expected a number of training automata") from None
-        if size < 1:
-            raise OwaiError(f"--train-size {size}: the number of training automata must be >= 1")
+        if not 1 <= size <= MAX_EXAMPLES:
+            raise OwaiError(f"--train-size {size}: the number of training automata must be between 1 and {MAX_EXAMPLES:,}")
         sizes.append(size)
     return sizes
 
@@ -146,8 +147,8 @@ def harness(
     model: Annotated[Optional[str], typer.Option(
         "--model", "-m", help="A run or save_pretrained directory, a Hugging Face id, reference:oracle, or hflm:ID (the harness's own HFLM).")] = None,
     tasks: Annotated[Optional[str], typer.Option("--tasks", help="Comma-separated harness tasks (default: the thesis's 19; race_middle, owai_mc_smoke, owai_gen_smoke ship with owai).")] = None,
-    limit: Annotated[Optional[int], typer.Option("--limit", min=0, help="Documents per task (0 = all).")] = None,
-    num_fewshot: Annotated[Optional[int], typer.Option("--num-fewshot", min=0, help="Shots for every task (default: each task's own).")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=0, max=MAX_DOCUMENTS, help="Documents per task (0 = all).")] = None,
+    num_fewshot: Annotated[Optional[int], typer.Option("--num-fewshot", min=0, max=MAX_SHOTS, help="Shots for every task (default: each task's own).")] = None,
     tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", help="Override the model's tokenizer (hub id or tokenizer.json).")] = None,
     ablate: Annotated[Optional[str], typer.Option("--ablate", help="Switch a part off at inference: long_term_memory (Tables 4.2, 4.3).")] = None,
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="table4.1-harness or a harness recipe file.")] = HARNESS_RECIPE,
@@ -179,9 +180,9 @@ RULER_RECIPE = "table4.4-ruler"
 def ruler(
     model: Annotated[Optional[str], typer.Option(
         "--model", "-m", help="A run or save_pretrained directory, a Hugging Face id, or reference:oracle / reference:null / reference:slot:K.")] = None,
-    ctx: Annotated[Optional[str], typer.Option("--ctx", help="Comma-separated context lengths: 4k, 8k, 16k, 32k, 64k, 128k or a number of tokens.")] = None,
+    ctx: Annotated[Optional[str], typer.Option("--ctx", help="Comma-separated context lengths: 4k, 8k, 16k, 32k, 64k, 128k or a number of tokens (at most 1024k).")] = None,
     tasks: Annotated[Optional[str], typer.Option("--tasks", help="Comma-separated tasks: qa_1, qa_2 (the thesis's), niah_*, vt, cwe, fwe.")] = None,
-    n: Annotated[Optional[int], typer.Option("--n", min=1, help="Samples per task and length (RULER: 500).")] = None,
+    n: Annotated[Optional[int], typer.Option("--n", min=1, max=MAX_SAMPLES, help="Samples per task and length (RULER: 500).")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="The haystacks' seed (RULER: 42).")] = None,
     tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", help="Override the model's tokenizer (reference models fit prompts with reference_tokenizer, GPT-2's by default).")] = None,
     haystack_dir: Annotated[Optional[str], typer.Option("--haystack-dir", help="The essay haystack: a folder of .txt essays.")] = None,
@@ -212,7 +213,7 @@ def icl(
     task: Annotated[Optional[str], typer.Option("--task", help="banking77, goemotion, tacred or synthetic (default: the recipe's).")] = None,
     shots: Annotated[Optional[str], typer.Option("--shots", help="Comma-separated shot counts, e.g. 1,2,4,8 (one demonstration per class each).")] = None,
     labels: Annotated[Optional[str], typer.Option("--labels", help="semantic, anonymous or both (comma-separated).")] = None,
-    n: Annotated[Optional[int], typer.Option("--n", min=1, help="Number of queries (LongICLBench: 500).")] = None,
+    n: Annotated[Optional[int], typer.Option("--n", min=1, max=MAX_SAMPLES, help="Number of queries (LongICLBench: 500).")] = None,
     data: Annotated[Optional[str], typer.Option("--data", help="The task's folder or a root holding icl/<task>; hf = the hub ids.")] = None,
     tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", help="Override the model's tokenizer (hub id or tokenizer.json).")] = None,
     allow_overflow: Annotated[bool, typer.Option("--allow-overflow", help="Count prompts longer than the model takes as overflows instead of refusing to start.")] = False,

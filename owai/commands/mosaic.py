@@ -24,6 +24,7 @@ from typing import Annotated, Optional
 import typer
 
 from owai.commands._common import DataRoot, RunOptions, data_root_sets, options
+from owai.config import MAX_CONTEXT, MAX_LAYERS
 from owai.errors import OwaiError
 
 TRAIN_RECIPE = "fig3.8-depth"
@@ -32,7 +33,7 @@ EVAL_RECIPE = "mosaic-eval"
 
 Dataset = Annotated[Optional[str], typer.Option("--dataset", "-d", help="owai-stories (embedded), a Hugging Face dataset id, or a local txt/jsonl/parquet/7z file or directory.")]
 Tokenizer = Annotated[Optional[str], typer.Option("--tokenizer", help="gpt2 (hub), bytes, bpe-N (trained locally), or a tokenizer directory.")]
-Context = Annotated[Optional[int], typer.Option("--context", help="Context length in tokens (data.block_size).")]
+Context = Annotated[Optional[int], typer.Option("--context", min=2, max=MAX_CONTEXT, help="Context length in tokens (data.block_size).")]
 Models = Annotated[Optional[list[Path]], typer.Argument(
     help="Model directories (save_pretrained) or mosaic-train run directories (none with --resume).", show_default=False)]
 ConfigName = Annotated[Optional[str], typer.Option("--config-name", help="Hub dataset configuration of --dataset, e.g. 20220301.simple.")]
@@ -48,7 +49,7 @@ def mosaic_train(
     arch: Annotated[Optional[str], typer.Option("--arch", "-a", help="Comma-separated: mm, gpt, gpt-rope, gpt-alibi; with --size: mmv2 (default), transformer.")] = None,
     size: Annotated[Optional[str], typer.Option("--size", help="Chapter 4's model size: tiny (CPU), small (2.0B v2 / 1.8B transformer) or large (9.9B / 8.8B).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the parameters, FLOPs and per-rank memory plan, then exit without training.")] = False,
-    depth: Annotated[Optional[int], typer.Option("--depth", help="Number of blocks Nb (model.n_layer).")] = None,
+    depth: Annotated[Optional[int], typer.Option("--depth", min=1, max=MAX_LAYERS, help="Number of blocks Nb (model.n_layer).")] = None,
     dataset: Dataset = None,
     tokenizer: Tokenizer = None,
     context: Context = None,

@@ -27,6 +27,7 @@ from typing import Annotated, Optional
 import typer
 
 from owai import console
+from owai.config import MAX_NETWORKS
 from owai.commands._common import (DATA_ROOT_HELP, Json, Launch, Out, Preset, Quiet, Sets, csv_values, data_root_sets, open_study,
                                   options, run_recipe, run_sweep, study_recipe)
 
@@ -41,7 +42,7 @@ def rich_features(
     data_root: Annotated[Optional[Path], typer.Option("--data-root", help=DATA_ROOT_HELP, show_default=False)] = None,
     seeds: Annotated[Optional[str], typer.Option("--seeds", help="The networks' seeds, comma-separated (pretrain: the sweep's; evaluation stages: the cached networks to load).")] = None,
     networks: Annotated[Optional[str], typer.Option("--networks", help="evaluation stages: comma-separated pretrain run or sweep directories (instead of the cache).")] = None,
-    n: Annotated[Optional[int], typer.Option("--n", min=1, help="evaluation stages: the number of networks n (must match the networks given).")] = None,
+    n: Annotated[Optional[int], typer.Option("--n", min=1, max=MAX_NETWORKS, help="evaluation stages: the number of networks n (must match the networks given).")] = None,
     preset: Preset = None,
     sets: Sets = None,
     launch: Launch = Launch(),
@@ -65,6 +66,7 @@ def rich_features(
     if resume is not None:
         if any(v is not None for v in (data_root, seeds, networks, n, preset)) or recipe != RECIPE:
             raise _error("--resume takes the run's settings from RUN_DIR/config.yaml; drop the other options")
+        _check_resumed_stage(resume, stage)
         run_recipe(None, None, sets, out, resume, quiet, as_json, methods=(METHOD,))
         return
     study_recipe(recipe, METHOD)
@@ -82,6 +84,18 @@ def rich_features(
     if n is not None:
         extra.append(f"probe.n={n}")
     run_recipe(recipe, preset, extra, out, None, quiet, as_json, methods=(METHOD,))
+
+
+def _check_resumed_stage(resume: Path, stage: str) -> None:
+    """--stage must name the stages of the run being resumed (its config.yaml's): a resume never
+    changes what a run computes, and a --stage that would be ignored is refused."""
+    from owai.methods.rich_features import stages_of
+    from owai.runs import Run
+
+    recorded = str(Run.open(resume).read_config().get("params", {}).get("stage", ""))
+    if stages_of(stage) != stages_of(recorded):
+        raise _error(f"--stage {stage}: {resume} is a run of --stage {recorded}; resume it with --stage {recorded} "
+                     "(or start a new run for the other stages)")
 
 
 def _error(message: str) -> Exception:

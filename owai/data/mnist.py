@@ -161,6 +161,19 @@ def _find(root: Path, prefix: str, kind: str) -> Path:
     raise OwaiError(f"MNIST file {root / stem}[.gz] not found; run `owai data fetch mnist` (or give a complete IDX directory)")
 
 
+def check_mnist_dir(root: str | Path, split: str) -> None:
+    """Before a run: the split's two files are readable MNIST. The official files are recognised by
+    their md5 (milliseconds); any other copy is decoded, so a truncated or corrupt file is one line
+    naming it before any run or sweep directory exists."""
+    root = Path(root).expanduser()
+    prefix, _ = SPLITS[split]
+    paths = [_find(root, prefix, kind) for kind in ("images-idx3-ubyte", "labels-idx1-ubyte")]
+    if all(p.name in OFFICIAL_MD5 and hashlib.md5(p.read_bytes()).hexdigest() == OFFICIAL_MD5[p.name]  # noqa: S324
+           for p in paths):
+        return
+    load_mnist_idx(root, split)
+
+
 def load_mnist_idx(root: str | Path, split: str = "test", check_md5: bool = False) -> MNIST:
     """Read split 'train' (60k) or 'test' (t10k, 10k) from an IDX directory."""
     if split not in SPLITS:

@@ -284,6 +284,10 @@ def fetch(name: str, root: str | Path | None = None, base_url: str | None = None
     ds = dataset(name)
     base = Path(root).expanduser() if root else cache_data_root()
     final = base / ds.subfolder
+    blocked = next((p for p in (final, *final.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:  # before any download: nothing can be saved under a file
+        raise OwaiError(f"{'--data-root ' + str(base) if root else 'the cache ' + str(base)}: {blocked} is a file, "
+                        "not a folder to fetch into")
     if ds.present(final) and ds.required:
         info(f"{ds.title} is already in {final}")
         return final

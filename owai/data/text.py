@@ -440,6 +440,21 @@ def _open_text(path: Path) -> TextIO:
     return opener(path, "rt", encoding="utf-8")  # type: ignore[operator]
 
 
+def not_utf8(path: Path) -> OwaiError:
+    """The one refusal of a text file that is not UTF-8 (corpora, essays): owai reads text exactly."""
+    return OwaiError(f"{path}: not UTF-8 text (wrong file format?)")
+
+
+def read_utf8(path: Path) -> str:
+    """A whole text file, strictly UTF-8: a file in another encoding (or binary) is refused in one line."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise not_utf8(path) from None
+    except OSError as exc:
+        raise OwaiError(f"{path}: cannot read ({one_line(exc)})") from None
+
+
 def _guard(path: Path, read: Callable[[], Iterator[str]]) -> Iterator[str]:
     """Turn decoding/IO failures while streaming `path` into one-line OwaiErrors naming it."""
     try:
@@ -447,7 +462,7 @@ def _guard(path: Path, read: Callable[[], Iterator[str]]) -> Iterator[str]:
     except OwaiError:
         raise
     except UnicodeDecodeError:
-        raise OwaiError(f"{path}: not UTF-8 text (wrong file format?)") from None
+        raise not_utf8(path) from None
     except (OSError, EOFError, ValueError) as exc:
         raise OwaiError(f"{path}: cannot read ({one_line(exc)})") from None
 

@@ -181,6 +181,9 @@ def check_model(spec: str, tokenizer: str = "") -> tuple[int | None, Any]:
     the suites need to find prompts that would overflow; a reference name is left to its suite."""
     import json
 
+    if spec.startswith(REFERENCE) and tokenizer:
+        raise OwaiError(f"--tokenizer {tokenizer}: the reference model {spec} has no tokenizer to override; "
+                        "drop --tokenizer, or pass a saved or hub --model")
     if spec.startswith(REFERENCE) or not spec:
         return None, None
     path = Path(spec).expanduser()
@@ -201,6 +204,9 @@ def check_model(spec: str, tokenizer: str = "") -> tuple[int | None, Any]:
         config = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError):
         raise OwaiError(f"{directory / 'config.json'} is not a model config (unreadable or not JSON)") from None
+    from owai.models.lm import check_saved_weights
+
+    check_saved_weights(directory)  # no weights, or a truncated or corrupt file: one line naming it
     name = tokenizer or tokenizer_for(directory, "")
     if not name:
         raise OwaiError(f"{directory} records no tokenizer (owai_tokenizer.json): pass one (e.g. gpt2 or a tokenizer.json)")

@@ -54,6 +54,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
+from owai.config import MAX_CONTEXT
 from owai.errors import DataMissing, OwaiError
 
 # ------------------------------------------------------------------------------------------ constants
@@ -163,6 +164,9 @@ def parse_context_length(name: str | int) -> int:
         value = int(match.group(1)) * (1024 if match.group(2) else 1)
     if value < 1:
         raise OwaiError(f"context length must be positive, got {name!r}")
+    if value > MAX_CONTEXT:
+        raise OwaiError(f"context length {name!r} is {value:,} tokens, more than the largest owai runs: "
+                        f"{MAX_CONTEXT // 1024}k ({MAX_CONTEXT:,} tokens)")
     return value
 
 
@@ -651,7 +655,9 @@ def read_essays(directory: str | Path) -> str:
     files = sorted(p for p in folder.glob("*.txt") if p.is_file())
     if not files:
         raise DataMissing(f"essay haystack folder {folder} holds no .txt file")
-    return "".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
+    from owai.data.text import read_utf8
+
+    return "".join(read_utf8(p) for p in files)  # text in another encoding is refused, as mosaic-train's corpora
 
 
 def split_sentences(text: str) -> list[str]:

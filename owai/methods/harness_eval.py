@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from owai.config import BaseConfig
+from owai.config import MAX_DOCUMENTS, MAX_SHOTS, BaseConfig, check_count
 from owai.errors import OwaiError
 from owai.methods import Method, Outcome
 from owai.runs import Run
@@ -98,9 +98,11 @@ class Harness(Method):
         reference = check_model_choice(cfg.model, "reference:oracle", cfg.ablate)
         if not cfg.tasks or len(set(cfg.tasks)) != len(cfg.tasks):
             raise OwaiError(f"tasks {cfg.tasks}: give distinct harness task names")
-        if cfg.limit < 0 or (cfg.num_fewshot is not None and cfg.num_fewshot < 0) or cfg.max_gen_toks < 1:
-            raise OwaiError(f"limit and num_fewshot must be >= 0 and max_gen_toks >= 1, got {cfg.limit}, "
-                            f"{cfg.num_fewshot} and {cfg.max_gen_toks}")
+        check_count("limit", cfg.limit, 0, MAX_DOCUMENTS)
+        if cfg.num_fewshot is not None:
+            check_count("num_fewshot", cfg.num_fewshot, 0, MAX_SHOTS)
+        if cfg.max_gen_toks < 1:
+            raise OwaiError(f"max_gen_toks must be >= 1, got {cfg.max_gen_toks}")
         for folder in cfg.include_path:
             if not Path(folder).expanduser().is_dir():
                 raise OwaiError(f"include_path {folder!r} is not a folder of task YAMLs")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from owai.config import BaseConfig
+from owai.config import MAX_CONTEXT, MAX_SAMPLES, MAX_SHOTS, BaseConfig, check_count
 from owai.errors import OwaiError
 from owai.methods import Method, Outcome
 from owai.runs import Run
@@ -79,13 +79,15 @@ class InContextClassification(Method):
         bad = [s for s in cfg.strategies if s not in known]
         if not cfg.strategies or bad:
             raise OwaiError(f"strategies {cfg.strategies}: choose from {', '.join(known)}")
-        if not cfg.shots or any(isinstance(n, bool) or n < 1 for n in cfg.shots):
-            raise OwaiError(f"shots {cfg.shots}: give shot counts >= 1")
-        for name in ("n_queries", "max_new_tokens", "synthetic_classes"):
+        if not cfg.shots:
+            raise OwaiError("shots: give one or more shot counts")
+        for shots in cfg.shots:
+            check_count("shots", shots, 1, MAX_SHOTS)
+        check_count("n_queries", cfg.n_queries, 1, MAX_SAMPLES)
+        for name in ("max_new_tokens", "synthetic_classes"):
             if getattr(cfg, name) < 1:
                 raise OwaiError(f"{name} must be >= 1, got {getattr(cfg, name)}")
-        if cfg.max_tokens < 0:
-            raise OwaiError(f"max_tokens must be >= 0, got {cfg.max_tokens}")
+        check_count("max_tokens", cfg.max_tokens, 0, MAX_CONTEXT)
         if cfg.tacred_format not in ("thesis", "longiclbench"):
             raise OwaiError(f"tacred_format {cfg.tacred_format!r}: choose thesis or longiclbench")
         data = load_task(cfg)  # missing or malformed files: one line, before any run directory

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from owai import console, distributed
-from owai.config import BaseConfig
+from owai.config import MAX_CONTEXT, MAX_LAYERS, BaseConfig, check_count
 from owai.errors import OwaiError
 from owai.methods import Method, Outcome
 from owai.models.lm import SIZED
@@ -172,8 +172,10 @@ class LanguageModelPretraining(Method):
         for name in ("steps", "batch_size", "accumulate", "eval_every", "eval_batches", "checkpoint_every", "log_every"):
             if getattr(t, name) < 1:
                 raise OwaiError(f"train.{name} must be >= 1, got {getattr(t, name)}")
+        if not t.lr > 0:  # named before min_lr, which is bounded by it
+            raise OwaiError(f"train.lr must be > 0, got {t.lr}")
         if not 0 < t.min_lr <= t.lr:
-            raise OwaiError(f"train.min_lr must be in (0, train.lr], got {t.min_lr}")
+            raise OwaiError(f"train.min_lr must be in (0, train.lr={t.lr}], got {t.min_lr}")
         if t.warmup < 0 or len(t.betas) != 2:
             raise OwaiError("train.warmup must be >= 0 and train.betas a pair")
         if t.tokens < 0:
@@ -228,8 +230,8 @@ def _validate_sized(cfg: Config) -> None:
         raise OwaiError(f"model.size must be one of {', '.join(SIZES)} (or empty), got {m.size!r}")
     if m.size and len(sized) != len(cfg.archs):
         raise OwaiError(f"model.size applies to {', '.join(SIZED)}; archs has {', '.join(a for a in cfg.archs if a not in sized)}")
-    if any(k < 2 for k in cfg.eval.lengths):
-        raise OwaiError(f"eval.lengths must be contexts of >= 2 tokens, got {cfg.eval.lengths}")
+    for length in cfg.eval.lengths:
+        check_count("eval.lengths", length, 2, MAX_CONTEXT)
     for label in sized:
         config = lm_config(parse_arch(label)[0], **model_kwargs(cfg, label, _planned_vocab(cfg)))
         if m.init_from:
@@ -244,7 +246,10 @@ SHAPE_FIELDS = ("model_type", "n_layer", "n_embd", "n_head", "ffn_hidden", "long
 
 def _check_init_from(directory: Path, label: str, config: Any) -> None:
     """model.init_from must hold a saved model of this architecture and shape (vocabulary: when loaded)."""
+    from owai.models.lm import check_saved_weights
+
     source = init_source(directory, label)
+    check_saved_weights(source)  # no weights, or a truncated or corrupt file: one line naming it
     try:
         saved = json.loads((source / "config.json").read_text())
     except (OSError, ValueError):
@@ -601,6 +606,7 @@ def save_model(run: Run, arch: str, parallel: Any, data: LMData, max_shard_size:
     written through a meta-device twin of the model (its class and config, no weights)."""
     from owai.data.text import save_tokenizer
     from owai.distributed import full_state_on_rank0
+    from owai.io import share_files
 
     target = run.path / "models" / arch
     sharded = parallel.sharded and parallel.strategy == "fsdp"
@@ -620,6 +626,7 @@ def save_model(run: Run, arch: str, parallel: Any, data: LMData, max_shard_size:
         else:
             parallel.module.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
         save_tokenizer(data.tokenizer, tmp)
+        share_files(tmp)  # save_pretrained writes model.safetensors 0600; every file of a run is 0644
         if target.exists():
             shutil.rmtree(target)
         tmp.rename(target)
@@ -807,10 +814,15 @@ class LanguageModelEvaluation(Method):
     def validate(cfg: EvalOnlyConfig) -> None:
         if not cfg.models:
             raise OwaiError("no model given: pass model directories (save_pretrained dirs or mosaic-train run dirs)")
+        from owai.models.lm import check_saved_weights
+
         for path in cfg.models:
             for _, directory in model_dirs(Path(path)):
                 check_context(directory, cfg.data.block_size)
         _validate_common(cfg)
+        for path in cfg.models:
+            for _, directory in model_dirs(Path(path)):
+                check_saved_weights(directory)  # no weights, or a truncated or corrupt file: one line naming it
 
     def run(self, cfg: EvalOnlyConfig, run: Run) -> Outcome:
         from owai.data.text import tokenizer_for
@@ -865,8 +877,7 @@ def _validate_common(cfg: Any) -> None:
     open_source(cfg.data.source, cfg.data.text_field, data_root=cfg.data.root or None)  # a missing path fails here, before any run directory
     if cfg.eval.source:
         open_source(cfg.eval.source, cfg.data.text_field, config_name=cfg.eval.config_name or None, data_root=cfg.data.root or None)
-    if cfg.data.block_size < 2:
-        raise OwaiError(f"data.block_size must be >= 2, got {cfg.data.block_size}")
+    check_count("data.block_size", cfg.data.block_size, 2, MAX_CONTEXT)
     ev = cfg.eval
     for name in ("posloss_windows", "val_batches", "attention_sequences", "batch_size", "max_new_tokens"):
         if getattr(ev, name) < 1:
@@ -875,6 +886,7 @@ def _validate_common(cfg: Any) -> None:
         raise OwaiError("eval.attention_multiples must be positive integers")
     m = getattr(cfg, "model", None)
     if m is not None:
+        check_count("model.n_layer", m.n_layer, 1, MAX_LAYERS)
         if min(m.n_layer, m.n_embd, m.n_head) < 1 or m.n_embd % m.n_head:
             raise OwaiError(f"model: n_embd ({m.n_embd}) must be a positive multiple of n_head ({m.n_head}), n_layer >= 1")
         if not 0 <= m.dropout < 1:

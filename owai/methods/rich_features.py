@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from owai import console
-from owai.config import BaseConfig
+from owai.config import MAX_NETWORKS, BaseConfig, check_count
 from owai.errors import DataMissing, OwaiError
 from owai.methods import Method, Outcome
 from owai.runs import Run
@@ -311,8 +311,7 @@ class RichFeatures(Method):
         if q.snapshots and (q.networks or len(q.snapshots) != q.n or len(set(q.snapshots)) != q.n):
             raise OwaiError(f"probe.snapshots {q.snapshots}: give probe.n={q.n} distinct epochs of one pretrain run "
                             "(its cache entries; not with probe.networks)")
-        if q.n < 1:
-            raise OwaiError(f"probe.n must be >= 1, got {q.n}")
+        check_count("probe.n", q.n, 1, MAX_NETWORKS)
         bad = [k for k in q.sizes if not 1 <= k <= q.n]
         if not q.sizes or bad or len(set(q.sizes)) != len(q.sizes):
             raise OwaiError(f"probe.sizes {q.sizes}: give distinct sizes k in 1..probe.n={q.n} (Cat_k = the first k networks)")
@@ -414,13 +413,14 @@ def _all_classes(name: str) -> list[str]:
 def check_data(name: str, root: str) -> None:
     """A one-line DataMissing (naming the fetch command or the manual step) when `name` is not here."""
     if name == "mnist":
-        from owai.data.mnist import mnist_dir
+        from owai.data.mnist import check_mnist_dir, mnist_dir
 
         for split in ("train", "test"):
             try:
-                mnist_dir(split, root or None)
+                folder = mnist_dir(split, root or None)
             except DataMissing as e:
                 raise DataMissing(f"{e} (or data.base / data.target = mnist-t10k: the packaged test file only)") from None
+            check_mnist_dir(folder, split)  # a truncated or corrupt file: one line, before the sweep's points
     elif name in ("cifar10", "cifar100"):  # a corrupt or truncated batch file: one line before any run directory
         from owai.data import registry
         from owai.data.classification import read_cifar
@@ -904,9 +904,8 @@ def _meta_backbone(backbone: str) -> torch.nn.Module:
 
 def load_network(net: Network) -> torch.nn.Module:
     """The network's backbone (torchvision keys, its base-class head) with its pretrained weights."""
-    from safetensors.torch import load_file
-
     from owai.checkpoint import load_checkpoint
+    from owai.io import read_safetensors
 
     if net.external and net.backbone.startswith("hf:"):  # a Hugging Face image model, features only
         from owai.models.hf_vision import HFImageBackbone
@@ -923,10 +922,7 @@ def load_network(net: Network) -> torch.nn.Module:
         _, state = load_checkpoint(net.checkpoint)
         weights = state["model"]
     else:
-        try:
-            weights = load_file(str(net.weights))
-        except Exception as e:  # noqa: BLE001 - a corrupt cache entry
-            raise OwaiError(f"cannot read pretrained weights {net.weights}: {type(e).__name__}") from None
+        weights = read_safetensors(net.weights)  # a corrupt cache entry: one line naming it
     return network_from_state(net.backbone, weights, net.seed, net.joint, net.label)
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from owai.config import BaseConfig
+from owai.config import MAX_CONTEXT, MAX_SAMPLES, BaseConfig, check_count
 from owai.errors import OwaiError
 from owai.methods import Method, Outcome
 from owai.runs import Run
@@ -78,8 +78,8 @@ class Ruler(Method):
             raise OwaiError("ctx: give at least one context length (4k, 8k, ... or a number of tokens)")
         for length in cfg.ctx:
             ruler.parse_context_length(length)
-        if cfg.n < 1 or cfg.max_tokens < 0:
-            raise OwaiError(f"n must be >= 1 and max_tokens >= 0, got {cfg.n} and {cfg.max_tokens}")
+        check_count("n", cfg.n, 1, MAX_SAMPLES)
+        check_count("max_tokens", cfg.max_tokens, 0, MAX_CONTEXT)
         if cfg.rule not in ruler.RULES:
             raise OwaiError(f"rule {cfg.rule!r}: choose {' or '.join(ruler.RULES)}")
         if reference:

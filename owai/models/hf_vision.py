@@ -177,13 +177,9 @@ def check_hf_source(text: str) -> None:
     if not present:
         raise OwaiError(f"hf:{source}: no weights file ({' or '.join(WEIGHT_FILES[::2])}) in the directory")
     if present[0].name == "model.safetensors":
-        from safetensors import safe_open
+        from owai.io import check_safetensors
 
-        try:
-            with safe_open(str(present[0]), "pt") as f:
-                f.keys()
-        except Exception as e:  # noqa: BLE001 - any header failure is a corrupt file to the user
-            raise OwaiError(f"hf:{source}: corrupt weights file {present[0].name} ({_one_line(e)})") from None
+        check_safetensors(present[0])
 
 
 def _normalisation(config_dir: Path | None, source: str) -> tuple[list[float], list[float], float]:

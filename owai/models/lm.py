@@ -137,10 +137,43 @@ def check_vocab(model: PreTrainedModel, tokenizer_vocab_size: int) -> None:
         )
 
 
+WEIGHTS = "model.safetensors"  # save_pretrained's weights: one file, or shards named by the index
+WEIGHTS_INDEX = "model.safetensors.index.json"
+LEGACY_WEIGHTS = "pytorch_model.bin"  # older Hugging Face directories (read with weights_only)
+
+
+def check_saved_weights(directory) -> None:
+    """Before a run loads it: a save_pretrained directory holds its weights, and each .safetensors
+    file's header reads and covers the file (cheap at any size). A missing, truncated or corrupt file
+    is one OwaiError naming it."""
+    import json
+    from pathlib import Path
+
+    from owai.io import check_safetensors
+
+    directory = Path(directory)
+    index = directory / WEIGHTS_INDEX
+    if (directory / WEIGHTS).is_file():
+        files = [directory / WEIGHTS]
+    elif index.is_file():
+        try:
+            files = [directory / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise OwaiError(f"{index} is not a weights index (unreadable, or no weight_map)") from None
+    elif (directory / LEGACY_WEIGHTS).is_file():
+        return
+    else:
+        raise OwaiError(f"{directory} holds no weights ({WEIGHTS}, {WEIGHTS_INDEX} or {LEGACY_WEIGHTS})")
+    for path in files:
+        check_safetensors(path)
+
+
 def load_pretrained(path) -> PreTrainedModel:
-    """A saved model directory (save_pretrained) back as its owai class, through the Auto classes."""
+    """A saved model directory (save_pretrained) back as its owai class, through the Auto classes;
+    its weights are checked first (`check_saved_weights`), so a bad file is one line naming it."""
     from transformers import AutoModelForCausalLM
 
+    check_saved_weights(path)
     try:
         return AutoModelForCausalLM.from_pretrained(str(path))
     except (OSError, ValueError, KeyError) as err:

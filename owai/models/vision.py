@@ -466,11 +466,13 @@ def _read_state_dict(path: Path) -> dict[str, Tensor]:
         raise OwaiError(f"weights file not found: {path}")
     try:
         if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
+            from owai.io import read_safetensors
 
-            state = load_file(str(path), device="cpu")
+            state = read_safetensors(path)
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
+    except OwaiError:
+        raise
     except Exception as e:  # noqa: BLE001 - any decoding failure is a corrupt file to the user
         raise OwaiError(f"cannot read weights file {path}: {_load_problem(e)}") from None
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
