@@ -395,7 +395,7 @@ def dry_run_plan(cfg: Config) -> list[str]:
     tokenizer's vocabulary, loaded as the run loads it, where the size takes it). An input missing
     on this machine refuses the plan when the models' vocabulary depends on it, else is noted."""
     from owai.errors import DataMissing
-    from owai.plan import GIB, forward_flops_per_token, readable, ranks_needed
+    from owai.plan import GIB, ModelShape, forward_flops_per_token, readable, ranks_needed
 
     if not any(parse_arch(a)[0] in SIZED for a in cfg.archs):
         raise OwaiError("--dry-run plans chapter 4's models (mmv2, transformer); give --size or --arch mmv2/transformer")
@@ -415,9 +415,8 @@ def dry_run_plan(cfg: Config) -> list[str]:
         source = f"tokenizer {cfg.data.tokenizer}" if vocab_from_tokenizer(cfg) else (
             "model.vocab_size" if cfg.model.vocab_size else f"size {cfg.model.size}'s")
         lines += plan.lines()
-        c = plan.model.config
-        lines.append(f"  model: {c.num_hidden_layers if hasattr(c, 'num_hidden_layers') else c.n_layer} layers, "
-                     f"d {getattr(c, 'hidden_size', None) or c.n_embd}, vocabulary {rows:,} ({source}); "
+        shape = ModelShape.of(plan.model.config)
+        lines.append(f"  model: {shape.n_layer} layers, d {shape.d}, {shape.n_head} heads, FFN {shape.ffn}, vocabulary {rows:,} ({source}); "
                      f"{total_steps(cfg):,} updates of {cfg.train.batch_size * cfg.train.accumulate * plan.world_size} sequences, "
                      f"precision {precision} on {device.type}")
         flops = ", ".join(f"{readable(forward_flops_per_token(plan.model, ctx))} at context {ctx}"
