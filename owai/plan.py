@@ -8,7 +8,8 @@ FLOPs per token (forward) = 2 x (parameters that multiply: all but the input emb
 + 4 x layers x d x (mean number of (key, value) pairs a query reads at that context length), the
 convention whose numbers match Table 4.2 (16.7B / 18.9B / 15.6B at context 256). Training costs 3x.
 
-Memory per rank (bytes), an estimate for planning, not a measurement:
+Memory per rank (bytes), an estimate for planning, not a measurement (strategy "single": one
+process; "ddp" / "fsdp" over the world size):
     parameters   fp32 master weights (4 bytes each), / world size under FSDP
     gradients    fp32, / world size under FSDP (DDP keeps them whole)
     optimizer    AdamW's two fp32 moments, / world size under FSDP
@@ -22,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,6 +59,14 @@ class ModelShape:
 
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def readable(n: float, digits: int = 1) -> str:
+    """A count at any scale in words a plan can print: 6.0M, 18.9B, 1.0T (never "0.0B")."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.{digits}f}{unit}"
+    return f"{n:.0f}"
 
 
 def readable_pairs(config, context: int) -> float:
@@ -96,10 +106,18 @@ class MemoryPlan:
     activation_bytes: float
     capacity_bytes: float | None = None
     capacity_name: str = ""
+    model: Any = None  # the meta-device model planned (for FLOPs and its config)
 
     @property
     def total_bytes(self) -> float:
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activation_bytes
+
+    @property
+    def strategy_text(self) -> str:
+        """How the run holds the model: one process, or DDP / FSDP over its ranks."""
+        if self.strategy == "single":
+            return "1 process"
+        return f"{self.strategy} over {self.world_size} ranks"
 
     @property
     def fits(self) -> bool:
@@ -107,9 +125,9 @@ class MemoryPlan:
 
     def lines(self) -> list[str]:
         """The plan as printable lines."""
-        g = lambda b: f"{b / GIB:,.1f} GiB"  # noqa: E731
+        g = lambda b: f"{b / GIB:,.1f} GiB" if abs(b) >= GIB / 10 else f"{b / 2**20:,.1f} MiB"  # noqa: E731
         out = [
-            f"{self.arch}: {self.parameters / 1e9:.2f}B parameters, {self.strategy} over {self.world_size} rank(s), "
+            f"{self.arch}: {readable(self.parameters, 2)} parameters ({self.parameters:,}), {self.strategy_text}, "
             f"micro-batch {self.micro_batch} x {self.seq_len} tokens, activation checkpointing "
             f"{'on' if self.activation_checkpointing else 'off'}",
             f"  per rank: parameters {g(self.params_bytes)}, gradients {g(self.grads_bytes)}, "

@@ -48,7 +48,7 @@ def mosaic_train(
     recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="fig3.8-depth (default), tableB.2-gpt-search, fig3.9-posloss, figB.5-attention, tableB.4-continuations, or table4.2-pretrain (the default with --size).")] = None,
     arch: Annotated[Optional[str], typer.Option("--arch", "-a", help="Comma-separated: mm, gpt, gpt-rope, gpt-alibi; with --size: mmv2 (default), transformer.")] = None,
     size: Annotated[Optional[str], typer.Option("--size", help="Chapter 4's model size: tiny (CPU), small (2.0B v2 / 1.8B transformer) or large (9.9B / 8.8B).")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the parameters, FLOPs and per-rank memory plan, then exit without training.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the run as a real run does, then print its plan (parameters, vocabulary, strategy, precision, FLOPs, memory per rank) without training.")] = False,
     depth: Annotated[Optional[int], typer.Option("--depth", min=1, max=MAX_LAYERS, help="Number of blocks Nb (model.n_layer).")] = None,
     dataset: Dataset = None,
     tokenizer: Tokenizer = None,
@@ -88,34 +88,20 @@ def mosaic_train(
 
 
 def print_plan(recipe_name: str, preset: str | None, overrides: list[str]) -> None:
-    """--dry-run: the config's chapter-4 models counted on the meta device and their per-rank memory
-    plan at this job's world size, with the fewest 80 GiB GPUs that hold them; nothing is run."""
+    """--dry-run: the config resolved and checked as a run's is (one-line refusal where the run would
+    refuse, the memory fit aside), then each chapter-4 model's plan as the run would build it:
+    parameters, vocabulary, strategy, precision, per-rank memory, FLOPs (`language_model.dry_run_plan`)."""
     from owai import console
     from owai.experiment import resolve
-    from owai.methods.language_model import model_kwargs, parse_arch, training_plans, _planned_vocab
-    from owai.models.lm import SIZED, build_lm
-    from owai.plan import GIB, forward_flops_per_token, ranks_needed
+    from owai.methods.language_model import dry_run_plan
     from owai.recipes import load
 
     recipe = load(recipe_name)
     if recipe.method != "lm_pretrain":
         raise OwaiError(f"--dry-run plans a mosaic-train recipe; {recipe.id} is a {recipe.method} recipe")
-    cfg, _ = resolve(recipe, preset, overrides, validate=False)
-    if not any(parse_arch(a)[0] in SIZED for a in cfg.archs):
-        raise OwaiError("--dry-run plans chapter 4's models (mmv2, transformer); give --size or --arch mmv2/transformer")
-    import torch
-
-    for plan, label in zip(training_plans(cfg), [a for a in cfg.archs if parse_arch(a)[0] in SIZED]):
-        with torch.device("meta"):
-            model = build_lm(parse_arch(label)[0], **model_kwargs(cfg, label, _planned_vocab(cfg)))
-        for line in plan.lines():
-            console.stdout.print(line)
-        flops = ", ".join(f"{forward_flops_per_token(model, ctx) / 1e9:.1f}B at context {ctx}"
-                          for ctx in sorted({256, cfg.data.block_size}))
-        console.stdout.print(f"  forward FLOPs per token: {flops} (training: 3x)")
-        gpus = ranks_needed(plan, 80 * GIB)
-        console.stdout.print(f"  fits a rank here: {'yes' if plan.fits else 'no'}; "
-                             f"FSDP ranks of 80 GiB that hold it: {gpus if gpus else 'none (activations alone exceed one)'}")
+    cfg, _ = resolve(recipe, preset, overrides, validate=False)  # dry_run_plan runs the run's own validation
+    for line in dry_run_plan(cfg):
+        console.stdout.print(line, markup=False, soft_wrap=True)
 
 
 @options

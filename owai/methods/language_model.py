@@ -60,11 +60,14 @@ class ModelConfig:
     """Shared by every architecture in `archs`; the thesis's GPT2-small setting by default.
 
     Chapter 4's architectures (mmv2, transformer) take `size` (owai.models.sizes: tiny, small,
-    large), else n_layer / n_embd / n_head / ffn_hidden; the fields after `ffn_hidden` are theirs."""
+    large), else n_layer / n_embd / n_head / ffn_hidden; the fields after `ffn_hidden` are theirs.
+    The dimensions hold what the run builds once the config is made (`__post_init__`): a size's, or
+    what was given, else GPT2-small's 12 / 768 / 12, so a resolved config never shows one model's
+    widths beside another's size (issue #40)."""
 
-    n_layer: int = 12
-    n_embd: int = 768
-    n_head: int = 12
+    n_layer: int | None = None  # None: the size's, else 12
+    n_embd: int | None = None  # None: the size's, else 768
+    n_head: int | None = None  # None: the size's, else 12
     dropout: float = 0.05  # MM: ic_dropout = hd_dropout; GPT: its single dropout
     bias: bool = False
     vocab_size: int = 0  # 0 = the tokenizer's vocabulary rounded up to a multiple of 64
@@ -84,6 +87,30 @@ class ModelConfig:
     bag_of_k: int = 0  # mmv2: k of the bag-of-k objective (Table 4.8); 0 = next-token loss only
     bag_weight: float = 0.3
     bag_eta: float = 64000.0
+
+    def __post_init__(self) -> None:
+        from owai.models.sizes import SIZES
+
+        if not self.size:
+            for key, value in GPT2_SMALL.items():
+                if getattr(self, key) is None:
+                    setattr(self, key, value)
+            return
+        if self.size not in SIZES:
+            raise OwaiError(f"model.size must be one of {', '.join(SIZES)} (or empty), got {self.size!r}")
+        if (self.n_layer, self.n_embd, self.n_head, self.ffn_hidden) == (*GPT2_SMALL.values(), 0):
+            self.n_layer = self.n_embd = self.n_head = None  # a config written before #40 stored the defaults beside its size
+        dims = SIZES[self.size]
+        for key in ("n_layer", "n_embd", "n_head", "ffn_hidden"):
+            value = getattr(self, key)
+            if value is not None and value != dims[key] and not (key == "ffn_hidden" and value == 0):  # ffn_hidden 0: the default
+                raise OwaiError(f"model.size={self.size} has {key}={dims[key]}, not model.{key}={value}: drop model.{key}, "
+                                f"or set model.size='' and give every width")
+            setattr(self, key, dims[key])
+
+
+# ModelConfig's dimensions without a size (the thesis's GPT2-small setting)
+GPT2_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12}
 
 
 @dataclass
@@ -156,36 +183,7 @@ class LanguageModelPretraining(Method):
 
     @staticmethod
     def validate(cfg: Config) -> None:
-        for label in cfg.archs:
-            parse_arch(label)
-        if not cfg.archs or len(set(cfg.archs)) != len(cfg.archs):
-            raise OwaiError("archs: give one or more distinct architectures")
-        from owai.data.text import LocalSource, check_tokenizer, open_source
-
-        _validate_sized(cfg)  # first: a model this machine cannot hold says so before any data is looked for
-        check_tokenizer(cfg.data.tokenizer, cfg.data.root or None)  # a bad bpe-N or an unreachable hub id fails here, at once
-        _validate_common(cfg)
-        source = open_source(cfg.data.source, cfg.data.text_field, data_root=cfg.data.root or None)
-        if isinstance(source, LocalSource):
-            source.check_nonempty()  # an empty or blank corpus fails before any run directory
-        t = cfg.train
-        for name in ("steps", "batch_size", "accumulate", "eval_every", "eval_batches", "checkpoint_every", "log_every"):
-            if getattr(t, name) < 1:
-                raise OwaiError(f"train.{name} must be >= 1, got {getattr(t, name)}")
-        if not t.lr > 0:  # named before min_lr, which is bounded by it
-            raise OwaiError(f"train.lr must be > 0, got {t.lr}")
-        if not 0 < t.min_lr <= t.lr:
-            raise OwaiError(f"train.min_lr must be in (0, train.lr={t.lr}], got {t.min_lr}")
-        if t.warmup < 0 or len(t.betas) != 2:
-            raise OwaiError("train.warmup must be >= 0 and train.betas a pair")
-        if t.tokens < 0:
-            raise OwaiError(f"train.tokens must be >= 0, got {t.tokens}")
-        if any(parse_arch(a) == ("gpt", {}) for a in cfg.archs) and cfg.model.position == "learned":
-            too_long = [k for k in cfg.eval.attention_multiples if k > 1]
-            if too_long:
-                console.info(
-                    f"note: the learned-position GPT cannot run beyond block_size; its attention at {too_long} x block_size is skipped"
-                )
+        validate_run(cfg)
 
     def run(self, cfg: Config, run: Run) -> Outcome:
         check_memory(cfg)  # on the ranks the run actually has
@@ -218,25 +216,77 @@ class LanguageModelPretraining(Method):
         return Outcome(measured, details)
 
 
-def _validate_sized(cfg: Config) -> None:
-    """Chapter-4 settings: the size and the architecture's config are checked by building the config
-    (no weights) before any run directory exists; then the memory plan must fit this machine."""
-    from owai.models.lm import lm_config
-    from owai.models.sizes import SIZES
+def validate_run(cfg: Config, *, memory: bool = True) -> None:
+    """Every check of a mosaic-train config before a run directory exists, shared by the run and
+    `--dry-run`: first the settings themselves, then (with `memory`) whether a rank of this job holds
+    each chapter-4 model (the dry run prints that plan instead of refusing), then the inputs on this
+    machine (tokenizer, data, model.init_from). A missing input is a DataMissing."""
+    check_settings(cfg)
+    if memory:
+        check_memory(cfg)  # before any data is looked for: a model this machine cannot hold says so first
+    check_inputs(cfg)
 
+
+def check_settings(cfg: Config) -> None:
+    """The config's own values (no files, no network): architectures, sizes, training, evaluation."""
+    from owai.models.lm import lm_config
+
+    for label in cfg.archs:
+        parse_arch(label)
+    if not cfg.archs or len(set(cfg.archs)) != len(cfg.archs):
+        raise OwaiError("archs: give one or more distinct architectures")
     m = cfg.model
     sized = [a for a in cfg.archs if parse_arch(a)[0] in SIZED]
-    if m.size and m.size not in SIZES:
-        raise OwaiError(f"model.size must be one of {', '.join(SIZES)} (or empty), got {m.size!r}")
     if m.size and len(sized) != len(cfg.archs):
         raise OwaiError(f"model.size applies to {', '.join(SIZED)}; archs has {', '.join(a for a in cfg.archs if a not in sized)}")
     for length in cfg.eval.lengths:
         check_count("eval.lengths", length, 2, MAX_CONTEXT)
-    for label in sized:
-        config = lm_config(parse_arch(label)[0], **model_kwargs(cfg, label, _planned_vocab(cfg)))
-        if m.init_from:
-            _check_init_from(Path(m.init_from), label, config)
-    check_memory(cfg)
+    _check_common_settings(cfg)
+    for label in sized:  # the architecture's own checks, on its config (no weights)
+        lm_config(parse_arch(label)[0], **model_kwargs(cfg, label, _planned_vocab(cfg)))
+    t = cfg.train
+    for name in ("steps", "batch_size", "accumulate", "eval_every", "eval_batches", "checkpoint_every", "log_every"):
+        if getattr(t, name) < 1:
+            raise OwaiError(f"train.{name} must be >= 1, got {getattr(t, name)}")
+    if not t.lr > 0:
+        raise OwaiError(f"train.lr must be > 0, got {t.lr}")
+    if not 0 < t.min_lr <= t.lr:
+        raise OwaiError(f"train.min_lr must be in (0, train.lr={t.lr}], got {t.min_lr}")
+    if t.warmup < 0 or len(t.betas) != 2:
+        raise OwaiError("train.warmup must be >= 0 and train.betas a pair")
+    if t.tokens < 0:
+        raise OwaiError(f"train.tokens must be >= 0, got {t.tokens}")
+    precision_for(t.precision, _run_device(cfg))
+
+
+def check_inputs(cfg: Config) -> None:
+    """What the run reads, on this machine: the tokenizer, the corpus (non-empty), model.init_from."""
+    from owai.data.text import LocalSource, check_tokenizer, open_source
+
+    check_tokenizer(cfg.data.tokenizer, cfg.data.root or None)  # a bad bpe-N or an unreachable hub id fails here, at once
+    _check_common_inputs(cfg)
+    source = open_source(cfg.data.source, cfg.data.text_field, data_root=cfg.data.root or None)
+    if isinstance(source, LocalSource):
+        source.check_nonempty()  # an empty or blank corpus fails before any run directory
+    if cfg.model.init_from:
+        from owai.models.lm import lm_config
+
+        for label in (a for a in cfg.archs if parse_arch(a)[0] in SIZED):
+            config = lm_config(parse_arch(label)[0], **model_kwargs(cfg, label, _planned_vocab(cfg)))
+            _check_init_from(Path(cfg.model.init_from), label, config)
+    if any(parse_arch(a) == ("gpt", {}) for a in cfg.archs) and cfg.model.position == "learned":
+        too_long = [k for k in cfg.eval.attention_multiples if k > 1]
+        if too_long:
+            console.info(
+                f"note: the learned-position GPT cannot run beyond block_size; its attention at {too_long} x block_size is skipped"
+            )
+
+
+def _run_device(cfg: Config) -> torch.device:
+    """The device a run of `cfg` trains on (runtime.device; under torchrun this rank's)."""
+    from owai.runtime import select_device
+
+    return distributed.device_for(select_device(cfg.runtime.device))
 
 
 # config fields that fix a chapter-4 model's parameter shapes (owai's and Llama's names)
@@ -271,14 +321,34 @@ def init_source(directory: Path, label: str) -> Path:
     return source
 
 
-def _planned_vocab(cfg: Config) -> int:
-    """The vocabulary the plan assumes before the tokenizer is loaded: model.vocab_size, else GPT-2's."""
-    return cfg.model.vocab_size or 50304
+def _planned_vocab(cfg: Config, tokenizer_vocab: int | None = None) -> int:
+    """The tokenizer vocabulary the models are planned for: `tokenizer_vocab` when the tokenizer is
+    loaded (the dry run; the run itself builds with its tokenizer), else, before it is (the memory
+    check), its size read from the name: bpe-N at most N, bytes 257, otherwise GPT-2's. Only tiny
+    and explicit widths use it; small and large have Table 4.2's vocabulary (`model_kwargs`)."""
+    import re
+
+    if tokenizer_vocab:
+        return tokenizer_vocab
+    match = re.fullmatch(r"bpe-(\d+)", cfg.data.tokenizer)
+    if match:
+        return int(match.group(1))
+    return 257 if cfg.data.tokenizer == "bytes" else 50257
 
 
-def training_plans(cfg: Config, world_size: int | None = None) -> list[Any]:
+def vocab_from_tokenizer(cfg: Config) -> bool:
+    """Whether the chapter-4 models' vocabulary is the tokenizer's (tiny, or explicit widths, without
+    model.vocab_size), so that a plan must load the tokenizer to size them."""
+    from owai.models.sizes import SIZES
+
+    m = cfg.model
+    return not m.vocab_size and not (m.size and SIZES[m.size]["vocab_size"])
+
+
+def training_plans(cfg: Config, world_size: int | None = None, tokenizer_vocab: int | None = None) -> list[Any]:
     """The memory plan (owai.plan) of each chapter-4 architecture of the run, from models built on the
-    meta device, for `world_size` ranks (default: this job's)."""
+    meta device, for `world_size` ranks (default: this job's), as the run holds them: one process,
+    or train.parallel (ddp / fsdp) over several."""
     from owai.models.lm import build_lm
     from owai.plan import device_capacity, memory_plan
 
@@ -290,10 +360,11 @@ def training_plans(cfg: Config, world_size: int | None = None) -> list[Any]:
         if arch not in SIZED:
             continue
         with torch.device("meta"):
-            model = build_lm(arch, **model_kwargs(cfg, label, _planned_vocab(cfg)))
-        plan = memory_plan(model, world, cfg.train.parallel if world > 1 else "fsdp", cfg.train.batch_size, cfg.data.block_size,
+            model = build_lm(arch, **model_kwargs(cfg, label, _planned_vocab(cfg, tokenizer_vocab)))
+        plan = memory_plan(model, world, cfg.train.parallel if world > 1 else "single", cfg.train.batch_size, cfg.data.block_size,
                            cfg.train.activation_checkpointing, device_capacity(device))
         plan.arch = ARCH_LABELS.get(label, label) + (f" {cfg.model.size}" if cfg.model.size else "")
+        plan.model = model
         plans.append(plan)
     return plans
 
@@ -309,9 +380,57 @@ def check_memory(cfg: Config) -> None:
             console.stdout.print(line)
         gpus = ranks_needed(plan, 80 * GIB)
         where = f"e.g. torchrun on >= {gpus} GPUs of 80 GiB with train.parallel=fsdp" if gpus else "more memory per rank"
-        raise OwaiError(f"{plan.arch} needs {plan.total_bytes / GIB:,.1f} GiB per rank ({plan.world_size} rank(s), "
-                        f"{plan.strategy}) but a rank here has {plan.capacity_bytes / GIB:,.1f} GiB ({plan.capacity_name}): "
+        raise OwaiError(f"{plan.arch} needs {plan.total_bytes / GIB:,.1f} GiB per rank ({plan.strategy_text}) "
+                        f"but a rank here has {plan.capacity_bytes / GIB:,.1f} GiB ({plan.capacity_name}): "
                         f"{where} (--dry-run prints the plan)")
+
+
+def run_tokenizer(data: DataConfig) -> Any:
+    """The tokenizer a run of `data` trains with (bpe-N: trained on the corpus once, then cached)."""
+    from owai.data.text import load_tokenizer
+
+    return load_tokenizer(data.tokenizer, source=data.source, text_field=data.text_field, data_root=data.root or None)
+
+
+def dry_run_plan(cfg: Config) -> list[str]:
+    """`owai mosaic-train --dry-run`: the run's own checks (`validate_run`, the memory fit excepted:
+    the plan reports it), then each chapter-4 model's plan, sized as the run will build it (the
+    tokenizer's vocabulary, loaded as the run loads it, where the size takes it). An input missing
+    on this machine refuses the plan when the models' vocabulary depends on it, else is noted."""
+    from owai.errors import DataMissing
+    from owai.plan import GIB, ModelShape, forward_flops_per_token, readable, ranks_needed
+
+    if not any(parse_arch(a)[0] in SIZED for a in cfg.archs):
+        raise OwaiError("--dry-run plans chapter 4's models (mmv2, transformer); give --size or --arch mmv2/transformer")
+    missing = None
+    try:
+        validate_run(cfg, memory=False)
+    except DataMissing as e:
+        if vocab_from_tokenizer(cfg):
+            raise
+        missing = str(e)
+    tokenizer_vocab = run_tokenizer(cfg.data).vocab_size if vocab_from_tokenizer(cfg) else None
+    device = _run_device(cfg)
+    precision = precision_for(cfg.train.precision, device)
+    lines = []
+    for plan in training_plans(cfg, tokenizer_vocab=tokenizer_vocab):
+        rows = plan.model.get_input_embeddings().weight.shape[0]
+        source = f"tokenizer {cfg.data.tokenizer}" if vocab_from_tokenizer(cfg) else (
+            "model.vocab_size" if cfg.model.vocab_size else f"size {cfg.model.size}'s")
+        lines += plan.lines()
+        shape = ModelShape.of(plan.model.config)
+        lines.append(f"  model: {shape.n_layer} layers, d {shape.d}, {shape.n_head} heads, FFN {shape.ffn}, vocabulary {rows:,} ({source}); "
+                     f"{total_steps(cfg):,} updates of {cfg.train.batch_size * cfg.train.accumulate * plan.world_size} sequences, "
+                     f"precision {precision} on {device.type}")
+        flops = ", ".join(f"{readable(forward_flops_per_token(plan.model, ctx))} at context {ctx}"
+                          for ctx in sorted({256, cfg.data.block_size}))
+        lines.append(f"  forward FLOPs per token: {flops} (training: 3x)")
+        gpus = ranks_needed(plan, 80 * GIB)
+        lines.append(f"  fits a rank here: {'yes' if plan.fits else 'no'}; with train.parallel=fsdp, ranks of 80 GiB that hold it: "
+                     f"{gpus if gpus else 'none (activations alone exceed one)'}")
+    if missing:
+        lines.append(f"not on this machine (a run here would stop before starting): {missing}")
+    return lines
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -328,14 +447,13 @@ class LMData:
 def prepare_data(data: DataConfig, ev: EvalConfig, run: Run | None = None, seed: int = 0) -> LMData:
     """Tokenise the training source (rank 0 first; the other ranks then reuse its cache), or with
     data.stream open it as a packed stream and keep the first tokens of its validation split."""
-    from owai.data.text import load_tokenizer
     from owai.data.tokens import prepare_tokens
 
     if data.stream:
         return _stream_data(data, run, seed)
 
     def build() -> LMData:
-        tokenizer = load_tokenizer(data.tokenizer, source=data.source, text_field=data.text_field, data_root=data.root or None)
+        tokenizer = run_tokenizer(data)
         prepared = prepare_tokens(data.source, tokenizer, workers=data.workers or None, text_field=data.text_field,
                                   data_root=data.root or None, val_every=data.val_every)
         train, val = prepared.windows("train", data.block_size), prepared.windows("val", data.block_size)
@@ -361,13 +479,12 @@ def _stream_data(data: DataConfig, run: Run | None, seed: int) -> LMData:
     import numpy as np
 
     from owai.data.packing import PackedStream
-    from owai.data.text import load_tokenizer
     from owai.data.tokens import TokenWindows, token_dtype
     from owai.io import atomic_write_bytes
 
     if run is None:
         raise OwaiError("data.stream needs a run directory for its validation tokens")
-    tokenizer = load_tokenizer(data.tokenizer, source=data.source, text_field=data.text_field, data_root=data.root or None)
+    tokenizer = run_tokenizer(data)
     world = distributed.world()
 
     def stream(split: str, rank: int = world.rank, world_size: int = world.world_size) -> PackedStream:
@@ -872,11 +989,12 @@ def check_context(directory: Path, block_size: int) -> None:
 
 
 def _validate_common(cfg: Any) -> None:
-    from owai.data.text import open_source
+    """The checks mosaic-train and mosaic-eval share: their settings, then their inputs."""
+    _check_common_settings(cfg)
+    _check_common_inputs(cfg)
 
-    open_source(cfg.data.source, cfg.data.text_field, data_root=cfg.data.root or None)  # a missing path fails here, before any run directory
-    if cfg.eval.source:
-        open_source(cfg.eval.source, cfg.data.text_field, config_name=cfg.eval.config_name or None, data_root=cfg.data.root or None)
+
+def _check_common_settings(cfg: Any) -> None:
     check_count("data.block_size", cfg.data.block_size, 2, MAX_CONTEXT)
     ev = cfg.eval
     for name in ("posloss_windows", "val_batches", "attention_sequences", "batch_size", "max_new_tokens"):
@@ -888,16 +1006,22 @@ def _validate_common(cfg: Any) -> None:
     if m is not None:
         check_count("model.n_layer", m.n_layer, 1, MAX_LAYERS)
         if min(m.n_layer, m.n_embd, m.n_head) < 1 or m.n_embd % m.n_head:
-            raise OwaiError(f"model: n_embd ({m.n_embd}) must be a positive multiple of n_head ({m.n_head}), n_layer >= 1")
+            raise OwaiError(f"model: n_embd ({m.n_embd}) must be a positive multiple of n_head ({m.n_head}), n_layer ({m.n_layer}) >= 1")
         if not 0 <= m.dropout < 1:
             raise OwaiError(f"model.dropout must be in [0, 1), got {m.dropout}")
-        if m.vocab_size:  # an explicit vocabulary must hold the tokenizer's
-            from owai.data.text import load_tokenizer
 
-            tokenizer = load_tokenizer(cfg.data.tokenizer, source=cfg.data.source, text_field=cfg.data.text_field,
-                                       data_root=cfg.data.root or None)
-            if tokenizer.vocab_size > m.vocab_size:
-                raise OwaiError(
-                    f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {m.vocab_size} "
-                    f"(set model.vocab_size >= {tokenizer.vocab_size}, or 0 for the tokenizer's size)"
-                )
+
+def _check_common_inputs(cfg: Any) -> None:
+    from owai.data.text import open_source
+
+    open_source(cfg.data.source, cfg.data.text_field, data_root=cfg.data.root or None)  # a missing path fails here, before any run directory
+    if cfg.eval.source:
+        open_source(cfg.eval.source, cfg.data.text_field, config_name=cfg.eval.config_name or None, data_root=cfg.data.root or None)
+    m = getattr(cfg, "model", None)
+    if m is not None and m.vocab_size:  # an explicit vocabulary must hold the tokenizer's
+        tokenizer = run_tokenizer(cfg.data)
+        if tokenizer.vocab_size > m.vocab_size:
+            raise OwaiError(
+                f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {m.vocab_size} "
+                f"(set model.vocab_size >= {tokenizer.vocab_size}, or 0 for the tokenizer's size)"
+            )
