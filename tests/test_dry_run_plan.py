@@ -34,16 +34,16 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
 BAD = [
     ("steps-negative", ["--set", "train.steps=-5"], "train.steps must be >= 1"),
     ("n-layer-zero", ["--set", "model.n_layer=0"], "model.n_layer=0"),
-    ("depth-zero", ["--depth", "0"], "model.n_layer=0"),
+    ("depth-zero", ["--depth", "0"], "--depth"),
     ("depth-other-than-the-size", ["--depth", "8"], "model.size=tiny has n_layer=4"),
     ("width-other-than-the-size", ["--set", "model.n_embd=512"], "model.size=tiny has n_embd=256"),
     ("tokenizer-unknown", ["--set", "data.tokenizer=nosuchtok"], "nosuchtok"),
     ("lr-negative", ["--set", "train.lr=-1"], "train.lr must be > 0"),
     ("arch-twice", ["--arch", "mmv2,mmv2"], "distinct architectures"),
     ("batch-negative", ["--set", "train.batch_size=-1"], "train.batch_size must be >= 1"),
-    ("context-zero", ["--context", "0"], "data.block_size must be >= 2"),
-    ("context-negative", ["--context", "-512"], "data.block_size must be >= 2"),
-    ("context-huge", ["--context", "10000000"], "model.n_embd=256 need at least"),  # the size's width, not 768
+    ("context-zero", ["--context", "0"], "--context"),
+    ("context-negative", ["--context=-512"], "--context"),
+    ("context-huge", ["--context", "1000000"], "model.n_embd=256 need at least"),  # the size's width, not 768
     ("size-with-gpt", ["--arch", "mmv2,gpt"], "model.size applies to"),
     ("bf16-on-cpu", ["--set", "train.precision=bfloat16", "--set", "runtime.device=cpu"], "needs a CUDA device"),
     ("vocab-below-tokenizer", ["--set", "model.vocab_size=64"], "tokenizer has"),
