@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from owai import console
 from owai.errors import DataMissing, OwaiError
 
 SUITE = "longicl"
@@ -797,13 +798,17 @@ def score_prompts(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Examp
 
 def sweep_strategies(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Example]], queries: Sequence[Example],
                      options: PromptOptions | None = None, strategies: Sequence[Strategy] = STRATEGIES,
-                     **kwargs: Any) -> dict[str, Any]:
+                     progress: Callable[[], Any] | None = None, **kwargs: Any) -> dict[str, Any]:
     """Every strategy's result (delimiter and shuffle taken from the strategy, the rest from
-    `options`) and the best one: {"strategies": {name: result}, "best": {"strategy", "accuracy"}}."""
+    `options`) and the best one: {"strategies": {name: result}, "best": {"strategy", "accuracy"}}.
+    `progress()` is called after each strategy (a progress bar's update)."""
     options = options or PromptOptions()
-    results = {s.name: score_prompts(model, data, shots, queries,
-                                     dataclasses.replace(options, delimiter=s.delimiter, shuffle=s.shuffle), **kwargs)
-               for s in strategies}
+    results = {}
+    for s in strategies:
+        results[s.name] = score_prompts(model, data, shots, queries,
+                                        dataclasses.replace(options, delimiter=s.delimiter, shuffle=s.shuffle), **kwargs)
+        if progress is not None:
+            progress()
     name, acc = best_strategy({k: r["accuracy"] for k, r in results.items()})
     return {"strategies": results, "best": {"strategy": name, "accuracy": acc}}
 
@@ -828,10 +833,12 @@ def evaluate(model: ICLModel, data: ICLData, shots: Sequence[int], options: Prom
     queries = select_queries(data, n_queries)
     all_shots = select_demonstrations(data, shot_counts[-1])
     results = {}
-    for n in shot_counts:
-        sweep = sweep_strategies(model, data, all_shots[:n], queries, options, strategies,
-                                 max_tokens=max_tokens, n_examples=n_examples)
-        results[str(n)] = {"n_demonstrations": sum(len(s) for s in all_shots[:n])} | sweep
+    with console.Bar(f"icl {data.task} {options.labels}", total=len(shot_counts) * len(strategies)) as bar:
+        for n in shot_counts:
+            bar.update(0, status=f"{n}-shot")
+            sweep = sweep_strategies(model, data, all_shots[:n], queries, options, strategies, progress=bar.update,
+                                     max_tokens=max_tokens, n_examples=n_examples)
+            results[str(n)] = {"n_demonstrations": sum(len(s) for s in all_shots[:n])} | sweep
     config = {
         "task": data.task,
         "shots": shot_counts,
