@@ -81,6 +81,10 @@ QUIET_ENV = {
 }
 
 
+# tqdm(iterable, desc, total, leave, file, ncols, mininterval, maxinterval, miniters, ascii, disable, ...)
+TQDM_DISABLE_POSITION = 10
+
+
 class _Silenced:
     """What `silence_libraries(True)` changed, to put back (in-process callers, tests, sweep points)."""
 
@@ -114,7 +118,10 @@ def silence_libraries(quiet: bool) -> None:
             saved.tqdm_init = tqdm.std.tqdm.__init__
 
             def quiet_init(self: Any, *args: Any, **kwargs: Any) -> None:
-                kwargs["disable"] = True
+                if len(args) > TQDM_DISABLE_POSITION:  # given positionally
+                    args = (*args[:TQDM_DISABLE_POSITION], True, *args[TQDM_DISABLE_POSITION + 1:])
+                else:
+                    kwargs["disable"] = True
                 saved.tqdm_init(self, *args, **kwargs)
 
             tqdm.std.tqdm.__init__ = quiet_init  # type: ignore[method-assign]

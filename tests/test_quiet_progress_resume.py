@@ -45,6 +45,7 @@ def test_quiet_silences_the_libraries_and_the_next_mode_restores_them(capsys) ->
         assert not caught
         assert not logger.isEnabledFor(logging.WARNING) and logger.isEnabledFor(logging.ERROR)
         assert tqdm.tqdm(range(3), disable=False).disable  # every bar, even one that asks to be shown
+        assert tqdm.tqdm(range(3), "bar", 3, True, None, None, 0.1, 10.0, None, None, False).disable  # positionally
         console.info("an info line")
     finally:
         console.configure()

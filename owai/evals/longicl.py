@@ -745,8 +745,10 @@ THESIS_TABLE_4_6 = {"banking77": (10, 0.895), "tacred": (10, 0.630), "goemotion"
 
 
 def score_prompts(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Example]], queries: Sequence[Example],
-                  options: PromptOptions, *, max_tokens: int | None = None, n_examples: int = 3) -> dict[str, Any]:
-    """One strategy, one shot count: render, check the token budget, generate, parse, score."""
+                  options: PromptOptions, *, max_tokens: int | None = None, n_examples: int = 3,
+                  progress: Callable[[int], Any] | None = None) -> dict[str, Any]:
+    """One strategy, one shot count: render, check the token budget, generate, parse, score.
+    `progress(k)` (a progress bar's update) after every k queries answered or overflowed."""
     count: Callable[[str], int] | None = getattr(model, "count_tokens", None)
     if max_tokens is not None and count is None:
         raise OwaiError("longicl: max_tokens needs a model with count_tokens(prompt)")
@@ -770,7 +772,9 @@ def score_prompts(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Examp
                 record["overflow"] = True
         pending.append((record, prompt, gold))
     shown = [(r, p, g) for r, p, g in pending if not r.get("overflow")]
-    answers = iter(generate_all(model, [p for _, p, _ in shown]))  # batched where the model can
+    answers = iter(generate_all(model, [p for _, p, _ in shown], progress=progress))  # batched where the model can
+    if progress is not None and overflow:
+        progress(overflow)
     for record, prompt, gold in pending:
         if record.get("overflow"):
             if len(examples) < n_examples:
@@ -798,17 +802,13 @@ def score_prompts(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Examp
 
 def sweep_strategies(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Example]], queries: Sequence[Example],
                      options: PromptOptions | None = None, strategies: Sequence[Strategy] = STRATEGIES,
-                     progress: Callable[[], Any] | None = None, **kwargs: Any) -> dict[str, Any]:
+                     **kwargs: Any) -> dict[str, Any]:
     """Every strategy's result (delimiter and shuffle taken from the strategy, the rest from
-    `options`) and the best one: {"strategies": {name: result}, "best": {"strategy", "accuracy"}}.
-    `progress()` is called after each strategy (a progress bar's update)."""
+    `options`) and the best one: {"strategies": {name: result}, "best": {"strategy", "accuracy"}}."""
     options = options or PromptOptions()
-    results = {}
-    for s in strategies:
-        results[s.name] = score_prompts(model, data, shots, queries,
-                                        dataclasses.replace(options, delimiter=s.delimiter, shuffle=s.shuffle), **kwargs)
-        if progress is not None:
-            progress()
+    results = {s.name: score_prompts(model, data, shots, queries,
+                                     dataclasses.replace(options, delimiter=s.delimiter, shuffle=s.shuffle), **kwargs)
+               for s in strategies}
     name, acc = best_strategy({k: r["accuracy"] for k, r in results.items()})
     return {"strategies": results, "best": {"strategy": name, "accuracy": acc}}
 
@@ -833,7 +833,7 @@ def evaluate(model: ICLModel, data: ICLData, shots: Sequence[int], options: Prom
     queries = select_queries(data, n_queries)
     all_shots = select_demonstrations(data, shot_counts[-1])
     results = {}
-    with console.Bar(f"icl {data.task} {options.labels}", total=len(shot_counts) * len(strategies)) as bar:
+    with console.Bar(f"icl {data.name} {options.labels}", total=len(shot_counts) * len(strategies) * len(queries)) as bar:
         for n in shot_counts:
             bar.update(0, status=f"{n}-shot")
             sweep = sweep_strategies(model, data, all_shots[:n], queries, options, strategies, progress=bar.update,

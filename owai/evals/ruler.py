@@ -1362,7 +1362,7 @@ def evaluate(model: Model, tasks: Sequence[Task], lengths: Sequence[str | int], 
         raise OwaiError("ruler: no context length given")
     results: dict[str, dict[str, Any]] = {}
     records: dict[str, dict[str, list]] = {}
-    with console.Bar("ruler", total=len(tasks) * len(budgets)) as bar:
+    with console.Bar("ruler", total=len(tasks) * len(budgets) * n) as bar:
         for task in tasks:
             _evaluate_task(model, task, budgets, n, seed, tokenizer, max_tokens, results, records, bar)
     out: dict[str, Any] = {
@@ -1384,7 +1384,8 @@ def evaluate(model: Model, tasks: Sequence[Task], lengths: Sequence[str | int], 
 def _evaluate_task(model: Model, task: Task, budgets: dict[str, int], n: int, seed: int, tokenizer: Tokenizer,
                    max_tokens: int | None, results: dict[str, dict[str, Any]], records: dict[str, dict[str, list]],
                    bar: console.Bar) -> None:
-    """`evaluate`'s cells of one task, one per length, into `results` and `records`; `bar` advances per cell."""
+    """`evaluate`'s cells of one task, one per length, into `results` and `records`; `bar` advances per
+    sample (answered or overflowed)."""
     metric = SAMPLE_METRICS[task.metric]
     results[task.name], records[task.name] = {}, {}
     for label, budget in budgets.items():
@@ -1396,7 +1397,9 @@ def _evaluate_task(model: Model, task: Task, budgets: dict[str, int], n: int, se
         from owai.evals.causal_lm import generate_all
 
         answers = dict(zip((s.index for s in shown),
-                           generate_all(model, [s.prompt for s in shown], max_new_tokens=task.tokens_to_generate)))
+                           generate_all(model, [s.prompt for s in shown], progress=bar.update,
+                                        max_new_tokens=task.tokens_to_generate)))
+        bar.update(len(built.samples) - len(shown))  # the overflows
         for sample in built.samples:
             if sample.index in answers:
                 prediction = postprocess(answers[sample.index])
@@ -1417,4 +1420,3 @@ def _evaluate_task(model: Model, task: Task, budgets: dict[str, int], n: int, se
             "n": count, "nulls": nulls, "overflow": overflow, "max_seq_length": budget,
             "size": built.size, "mean_tokens": round(sum(s.tokens for s in built.samples) / count, 1)}
         records[task.name][label] = rows
-        bar.update()
