@@ -172,11 +172,17 @@ def run_evaluation(recipe: str, default: str, preset: str | None, sets: list[str
     RUN_DIR with its recorded settings, which then must be all it is given (`default`: the command's
     own recipe, left as it is)."""
     if resume is not None:
-        if extra != list(sets or []) or preset is not None or recipe != default:
-            raise OwaiError("--resume takes the run's settings from RUN_DIR/config.yaml; drop the other options")
+        resume_alone(recipe, default, preset, sets, extra)
         run_recipe(None, None, sets, out, resume, quiet, as_json, methods=(method,))
         return
     run_recipe(recipe, preset, extra, out, None, quiet, as_json, methods=(method,))
+
+
+def resume_alone(recipe: str, default: str, preset: str | None, sets: list[str] | None, extra: list[str]) -> None:
+    """An evaluation resumed takes its settings from RUN_DIR: no option may set one (`extra`: the
+    overrides the command's options make, beyond the user's `sets`)."""
+    if extra != list(sets or []) or preset is not None or recipe != default:
+        raise OwaiError("--resume takes the run's settings from RUN_DIR/config.yaml; drop the other options")
 
 
 def option_sets(sets: list[str] | None, values: dict[str, Any], lists: dict[str, tuple[str | None, str]]) -> list[str]:
@@ -242,8 +248,7 @@ def icl(
                                     "tokenizer": tokenizer, "allow_overflow": "true" if allow_overflow else None},
                         {"labels": ("semantic,anonymous" if labels == "both" else labels, "--labels")})
     if opts.resume is not None:
-        if extra != list(opts.sets or []) or opts.preset is not None or recipe != ICL_RECIPE:
-            raise OwaiError("--resume takes the run's settings from RUN_DIR/config.yaml; drop the other options")
+        resume_alone(recipe, ICL_RECIPE, opts.preset, opts.sets, extra)
         opts.run(None, opts.sets, methods=("icl",))
         return
     opts.run(recipe, extra, methods=("icl",))
