@@ -1,16 +1,20 @@
 """Terminal output: one Rich console, the --quiet / --json switches, progress bars.
 
---quiet hides progress bars and informational lines; errors still go to stderr.
---json keeps stdout for exactly one JSON document (the command's result); everything
-human-readable goes to stderr or is suppressed.
+Streams: stdout carries only a command's result (its table, or with --json one JSON document);
+informational lines and progress go to stderr, so `owai ... > result.txt` keeps the result alone.
+--quiet silences everything but errors: owai's info lines and progress, and the libraries' too
+(Python warnings, library logging below ERROR, every tqdm bar: transformers' "Loading weights",
+lm-evaluation-harness's, the hub's and datasets'), for this process and the processes it starts.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -56,18 +60,93 @@ state = _State()
 
 
 def configure(quiet: bool = False, as_json: bool = False) -> None:
-    """Set the output mode for this process (called once per command)."""
+    """Set the output mode for this process (called once per command; a sweep point sets quiet and
+    restores the mode after). Quiet also silences the libraries (`silence_libraries`)."""
     state.quiet = quiet
     state.json = as_json
+    silence_libraries(quiet)
     _fit_width(stdout)
     _fit_width(stderr)
 
 
+# What --quiet sets for the processes this one starts (torchrun ranks, sweep workers, the harness's
+# own subprocesses), which import the libraries afresh: they read these at import.
+QUIET_ENV = {
+    "PYTHONWARNINGS": "ignore",
+    "TQDM_DISABLE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+}
+
+
+# tqdm(iterable, desc, total, leave, file, ncols, mininterval, maxinterval, miniters, ascii, disable, ...)
+TQDM_DISABLE_POSITION = 10
+
+
+class _Silenced:
+    """What `silence_libraries(True)` changed, to put back (in-process callers, tests, sweep points)."""
+
+    def __init__(self) -> None:
+        self.filters = list(warnings.filters)
+        self.logging_disable = logging.root.manager.disable
+        self.environ = {key: os.environ.get(key) for key in QUIET_ENV}
+        self.tqdm_init: Any = None
+
+
+_silenced: _Silenced | None = None
+
+
+def silence_libraries(quiet: bool) -> None:
+    """Under --quiet, nothing but errors from the libraries either: Python warnings ignored (e.g.
+    transformers' FutureWarnings), logging below ERROR off (lm-evaluation-harness's notices,
+    transformers' and the hub's messages), every tqdm bar disabled (all the libraries' bars are tqdm,
+    and some pass disable=False explicitly, so tqdm's own __init__ is wrapped), and QUIET_ENV set
+    for child processes. `quiet=False` puts back what a previous `silence_libraries(True)` changed."""
+    global _silenced
+    if quiet and _silenced is None:
+        saved = _Silenced()
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)
+        os.environ.update(QUIET_ENV)
+        try:
+            import tqdm.std
+        except ImportError:  # no tqdm, no bars
+            pass
+        else:
+            saved.tqdm_init = tqdm.std.tqdm.__init__
+
+            def quiet_init(self: Any, *args: Any, **kwargs: Any) -> None:
+                if len(args) > TQDM_DISABLE_POSITION:  # given positionally
+                    args = (*args[:TQDM_DISABLE_POSITION], True, *args[TQDM_DISABLE_POSITION + 1:])
+                else:
+                    kwargs["disable"] = True
+                saved.tqdm_init(self, *args, **kwargs)
+
+            tqdm.std.tqdm.__init__ = quiet_init  # type: ignore[method-assign]
+        _silenced = saved
+    elif not quiet and _silenced is not None:
+        saved, _silenced = _silenced, None
+        warnings.filters[:] = saved.filters
+        getattr(warnings, "_filters_mutated", lambda: None)()  # as catch_warnings does on exit
+        logging.disable(saved.logging_disable)
+        for key, value in saved.environ.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if saved.tqdm_init is not None:
+            import tqdm.std
+
+            tqdm.std.tqdm.__init__ = saved.tqdm_init  # type: ignore[method-assign]
+
+
 def info(message: str) -> None:
-    """A human-readable status line: stdout normally, stderr under --json, nothing under --quiet."""
+    """A human-readable status line on stderr (stdout carries only the result); nothing under --quiet."""
     if state.quiet:
         return
-    (stderr if state.json else stdout).print(message)
+    stderr.print(message)
 
 
 def emit_json(obj: Any) -> None:

@@ -59,7 +59,9 @@ def as_sets(settings: list[str]) -> list[str]:
 
 
 def cli_in_process(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """Run `owai ARGS` in this process: (exit code, stdout, stderr)."""
+    """Run `owai ARGS` in this process: (exit code, stdout, stderr). The output mode is reset after
+    it (a command's --quiet also silences the libraries, for the rest of its process)."""
+    from owai import console
     from owai.cli import main
 
     try:
@@ -67,6 +69,8 @@ def cli_in_process(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple
         code = 0
     except SystemExit as e:
         code = e.code or 0
+    finally:
+        console.configure()
     out, err = capsys.readouterr()
     return code, out, err
 

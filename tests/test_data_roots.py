@@ -131,7 +131,8 @@ def test_a_corrupted_download_is_refused_and_leaves_nothing(capsys, no_data, fak
         (www / name).write_bytes(data if "labels" not in name else b"tampered")
     root = tmp_path / "root"
     code, _, err = cli_in_process(["data", "fetch", "mnist", "--data-root", str(root), "--mirror", url], capsys)
-    assert code == 2 and "refused" in err and len(err.strip().splitlines()) == 1
+    *progress, error = err.strip().splitlines()  # the "downloading ..." lines (stderr), then one error line
+    assert code == 2 and "refused" in error and error.startswith("error:") and not any("error" in p for p in progress)
     assert list(root.iterdir()) == []  # neither the folder nor a temporary file
     assert not (no_data / "data").exists()
 

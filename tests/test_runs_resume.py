@@ -118,4 +118,4 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     assert len(env["resumed"]) == 1
 
     again = run_owai("moons", "--resume", str(run_dir))
-    assert again.returncode == 0 and "already complete" in again.stdout
+    assert again.returncode == 0 and "already complete" in again.stderr  # an info line: stderr

@@ -3,7 +3,8 @@
 Each shared option is declared once, here, as an `Annotated` type (its flags, help and panel); a
 command takes it by naming the type. Options that travel together are an `OptionGroup` (`RunOptions`:
 --preset/--set/--out/--resume/--quiet/--json/--tracker; `Launch`: --workers/--executor and the SLURM options),
-which a command takes as one parameter and `@options` spreads into its command line.
+which a command takes as one parameter and `@options` spreads into its command line; `EvalRunOptions`
+is RunOptions with the --set / --resume help of an evaluation command.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ import typer
 from owai import console
 from owai.config import MAX_WORKERS
 
-Preset = Annotated[Optional[str], typer.Option("--preset", "-p", help="Scale preset (cpu is the default; paper = thesis settings; tiny, where a recipe has it, = packaged data only).")]
+Preset = Annotated[Optional[str], typer.Option("--preset", "-p", help="Scale preset of the recipe: cpu (the default), paper (the thesis's settings), tiny where a recipe has it (a run scale: the data that ships with owai only; not mosaic-train's --size tiny, a model size).")]
 Sets = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a parameter: --set train.lr=1e-3 (repeatable).")]
+EvalSets = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override an evaluation setting: --set runtime.device=cpu (repeatable; `owai recipes show RECIPE` lists them).")]
 Out = Annotated[Path, typer.Option("--out", "-o", help="Root for run directories: OUT/<recipe>/<time>-<hash>/.")]
 Resume = Annotated[Optional[Path], typer.Option("--resume", help="Continue a killed or failed run from its last checkpoint (--set may then change only its optimisation settings, e.g. train.lr).")]
+EvalResume = Annotated[Optional[Path], typer.Option("--resume", help="Finish a killed or failed evaluation RUN_DIR with its recorded settings (evaluated again from the start, the same results as an uninterrupted run; a complete run is reported as it is). Takes no other settings.", show_default=False)]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or info; errors still print.")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (nothing else).")]
 TrackerOption = Annotated[Optional[str], typer.Option(
@@ -181,6 +184,15 @@ class RunOptions(OptionGroup):
         if self.tracker is not None:
             sets = [*(sets or []), f"runtime.tracker={self.tracker}"]
         run_recipe(recipe, preset or self.preset, sets, self.out, self.resume, self.quiet, self.as_json, methods)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalRunOptions(RunOptions):
+    """RunOptions of an evaluation command: its --set and --resume say what they do for an evaluation
+    (an evaluation has no optimisation settings, and resuming evaluates again with the recorded ones)."""
+
+    sets: EvalSets = None
+    resume: EvalResume = None
 
 
 RecipeOption = Annotated[Optional[str], typer.Option("--recipe", "-r", help="Recipe id or path to a recipe YAML file (the same as RECIPE).")]

@@ -60,10 +60,9 @@ def dropout_ft(
     else:
         rec = study_recipe(recipe, "dropout_ft")
         extra_sets = [*(sets or [])]
-        if pretrain_off(rec, preset, dataset, weights, extra_sets):
+        no_pretrain = pretrain_off(rec, preset, dataset, weights, extra_sets)
+        if no_pretrain:
             extra_sets.append("pretrain.steps=0")
-            console.info("pretrain stage off: a real dataset or --weights replaces the preset's offline pre-training "
-                         f"(the backbone starts from model.weights={weights if weights is not None else ''!r})")
         extra_sets += data_root_sets(data_root)
         if backbone is not None:
             extra_sets.append(f"model.backbone={backbone}")
@@ -75,6 +74,9 @@ def dropout_ft(
             if text is not None:
                 extra_grid.append(f"{key}={','.join(csv_values(text, option))}")
         plan = sweeps.create(recipe, preset, extra_sets, extra_grid, sweeps.parse_seeds(seeds) if seeds is not None else None, out)
+        if no_pretrain:  # said once the study is valid: bad input stays one line on stderr
+            console.info("pretrain stage off: a real dataset or --weights replaces the preset's offline pre-training "
+                         f"(the backbone starts from model.weights={weights if weights is not None else ''!r})")
     device = select_device("auto")
     run_study(plan, runs_on, lambda sweep, summary: write_study(sweep, summary, device), study_table, "dropout_ft.md",
               f"owai dropout-ft --resume {plan.path}", quiet, as_json)

@@ -14,7 +14,9 @@
         in-context classification (Figs 4.6-4.9, Table 4.6): LongICLBench's tasks, best of four prompt strategies
 
 `owai eval posloss` takes `--data-root` (named corpora, relative paths); `owai eval regbench` (and
-`owai moons`) generate their data, so they have no data flag.
+`owai moons`) generate their data, so they have no data flag. `--resume RUN_DIR` finishes a killed
+evaluation (posloss, ruler, harness, icl: evaluated again with its recorded settings) or study
+(regbench: its unfinished points).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from owai import console
-from owai.commands._common import (DataRoot, Json, Launch, Out, Preset, Quiet, RunOptions, Sets, csv_values, open_study, options,
-                                  run_recipe, run_study, study_recipe)
+from owai.commands._common import (DataRoot, EvalResume, EvalRunOptions, EvalSets, Json, Launch, Out, Preset, Quiet, Sets,
+                                  csv_values, open_study, options, run_recipe, run_study, study_recipe)
 from owai.commands.mosaic import ConfigName, Context, Dataset, Models, run_eval
 from owai.config import MAX_DOCUMENTS, MAX_EXAMPLES, MAX_SAMPLES, MAX_SHOTS
 from owai.errors import OwaiError
@@ -46,7 +48,7 @@ def posloss(
     config_name: ConfigName = None,
     context: Context = None,
     data_root: DataRoot = None,
-    opts: RunOptions = RunOptions(),
+    opts: EvalRunOptions = EvalRunOptions(),
 ) -> None:
     """Average loss at each position of the context window (Fig 3.9), for saved language models."""
     run_eval(models, dataset, config_name, context, opts.resume is None, opts, data_root)
@@ -153,15 +155,35 @@ def harness(
     ablate: Annotated[Optional[str], typer.Option("--ablate", help="Switch a part off at inference: long_term_memory (Tables 4.2, 4.3).")] = None,
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="table4.1-harness or a harness recipe file.")] = HARNESS_RECIPE,
     preset: Preset = None,
-    sets: Sets = None,
+    sets: EvalSets = None,
     out: Out = Path("runs"),
+    resume: EvalResume = None,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
     """lm-evaluation-harness (Tables 4.1-4.3): the thesis's 19 benchmarks, each task's main metric (0-1), persistent / new-knowledge averages."""
     extra = option_sets(sets, {"model": model, "tokenizer": tokenizer, "limit": limit, "num_fewshot": num_fewshot},
                         {"tasks": (tasks, "--tasks"), "ablate": (ablate, "--ablate")})
-    run_recipe(recipe, preset, extra, out, None, quiet, as_json, methods=("harness",))
+    run_evaluation(recipe, HARNESS_RECIPE, preset, sets, extra, out, resume, quiet, as_json, "harness")
+
+
+def run_evaluation(recipe: str, default: str, preset: str | None, sets: list[str] | None, extra: list[str], out: Path,
+                   resume: Path | None, quiet: bool, as_json: bool, method: str) -> None:
+    """Run the evaluation recipe with the options' overrides `extra`, or (--resume) finish the run
+    RUN_DIR with its recorded settings, which then must be all it is given (`default`: the command's
+    own recipe, left as it is)."""
+    if resume is not None:
+        resume_alone(recipe, default, preset, sets, extra)
+        run_recipe(None, None, sets, out, resume, quiet, as_json, methods=(method,))
+        return
+    run_recipe(recipe, preset, extra, out, None, quiet, as_json, methods=(method,))
+
+
+def resume_alone(recipe: str, default: str, preset: str | None, sets: list[str] | None, extra: list[str]) -> None:
+    """An evaluation resumed takes its settings from RUN_DIR: no option may set one (`extra`: the
+    overrides the command's options make, beyond the user's `sets`)."""
+    if extra != list(sets or []) or preset is not None or recipe != default:
+        raise OwaiError("--resume takes the run's settings from RUN_DIR/config.yaml; drop the other options")
 
 
 def option_sets(sets: list[str] | None, values: dict[str, Any], lists: dict[str, tuple[str | None, str]]) -> list[str]:
@@ -190,8 +212,9 @@ def ruler(
     allow_overflow: Annotated[bool, typer.Option("--allow-overflow", help="Count prompts longer than the model takes as overflows (the thesis's x) instead of refusing to start.")] = False,
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="table4.4-ruler or a RULER recipe file.")] = RULER_RECIPE,
     preset: Preset = None,
-    sets: Sets = None,
+    sets: EvalSets = None,
     out: Out = Path("runs"),
+    resume: EvalResume = None,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
@@ -199,7 +222,7 @@ def ruler(
     extra = option_sets(sets, {"model": model, "tokenizer": tokenizer, "haystack_dir": haystack_dir, "n": n, "seed": seed,
                                "allow_overflow": "true" if allow_overflow else None},
                         {"ctx": (ctx, "--ctx"), "tasks": (tasks, "--tasks"), "ablate": (ablate, "--ablate")})
-    run_recipe(recipe, preset, extra, out, None, quiet, as_json, methods=("ruler",))
+    run_evaluation(recipe, RULER_RECIPE, preset, sets, extra, out, resume, quiet, as_json, "ruler")
 
 
 ICL_RECIPE = "fig4.6-icl"
@@ -218,7 +241,7 @@ def icl(
     tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", help="Override the model's tokenizer (hub id or tokenizer.json).")] = None,
     allow_overflow: Annotated[bool, typer.Option("--allow-overflow", help="Count prompts longer than the model takes as overflows instead of refusing to start.")] = False,
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="fig4.6-icl or an ICL recipe file.")] = ICL_RECIPE,
-    opts: RunOptions = RunOptions(),
+    opts: EvalRunOptions = EvalRunOptions(),
 ) -> None:
     """In-context classification (Figs 4.6-4.9, Table 4.6): LongICLBench's banking77 / goemotion / tacred, semantic and anonymous labels, four prompt strategies."""
     shot_list = "[" + ", ".join(csv_values(shots, "--shots")) + "]" if shots is not None else None  # numbers
@@ -226,8 +249,7 @@ def icl(
                                     "tokenizer": tokenizer, "allow_overflow": "true" if allow_overflow else None},
                         {"labels": ("semantic,anonymous" if labels == "both" else labels, "--labels")})
     if opts.resume is not None:
-        if extra != list(opts.sets or []) or opts.preset is not None or recipe != ICL_RECIPE:
-            raise OwaiError("--resume takes the run's settings from RUN_DIR/config.yaml; drop the other options")
+        resume_alone(recipe, ICL_RECIPE, opts.preset, opts.sets, extra)
         opts.run(None, opts.sets, methods=("icl",))
         return
     opts.run(recipe, extra, methods=("icl",))

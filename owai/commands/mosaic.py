@@ -47,7 +47,7 @@ def _flow_list(text: str) -> str:
 def mosaic_train(
     recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="fig3.8-depth (default), tableB.2-gpt-search, fig3.9-posloss, figB.5-attention, tableB.4-continuations, or table4.2-pretrain (the default with --size).")] = None,
     arch: Annotated[Optional[str], typer.Option("--arch", "-a", help="Comma-separated: mm, gpt, gpt-rope, gpt-alibi; with --size: mmv2 (default), transformer.")] = None,
-    size: Annotated[Optional[str], typer.Option("--size", help="Chapter 4's model size: tiny (CPU), small (2.0B v2 / 1.8B transformer) or large (9.9B / 8.8B).")] = None,
+    size: Annotated[Optional[str], typer.Option("--size", help="Chapter 4's model size: tiny (about 6M parameters, for a CPU: runs the cpu preset), small (2.0B v2 / 1.8B transformer) or large (9.9B / 8.8B). A model size, unlike --preset tiny (a recipe's run scale).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the run as a real run does, then print its plan (parameters, vocabulary, strategy, precision, FLOPs, memory per rank) without training.")] = False,
     depth: Annotated[Optional[int], typer.Option("--depth", min=1, max=MAX_LAYERS, help="Number of blocks Nb (model.n_layer).")] = None,
     dataset: Dataset = None,

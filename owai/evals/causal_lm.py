@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -137,13 +137,26 @@ class CausalLM:
             self.ablated.discard(name)
 
 
-def generate_all(model: Any, prompts: list[str], **kwargs: Any) -> list[str]:
+def generate_all(model: Any, prompts: list[str], progress: Callable[[int], Any] | None = None, **kwargs: Any) -> list[str]:
     """The continuations of `prompts` from any suite model: batched through `generate_many` where the
-    model has it, else one `generate(prompt, **kwargs)` each."""
+    model has it, else one `generate(prompt, **kwargs)` each. With `progress` (a progress bar's
+    update), `progress(k)` after every k prompts answered: the prompts go to the model `batch_size`
+    at a time, the batches `generate_many` makes itself, so the answers are the same."""
+    prompts = list(prompts)
     many = getattr(model, "generate_many", None)
-    if many is not None:
-        return many(list(prompts), **kwargs)
-    return [model.generate(p, **kwargs) for p in prompts]
+
+    def answer(batch: list[str]) -> list[str]:
+        return many(batch, **kwargs) if many is not None else [model.generate(p, **kwargs) for p in batch]
+
+    if progress is None:
+        return answer(prompts)
+    step = max(1, int(getattr(model, "batch_size", 1) or 1))
+    out: list[str] = []
+    for start in range(0, len(prompts), step):
+        batch = prompts[start:start + step]
+        out += answer(batch)
+        progress(len(batch))
+    return out
 
 
 def open_model(spec: str, tokenizer: str = "", device: torch.device | None = None, precision: str = "auto",

@@ -178,7 +178,7 @@ class OwaiLM(TemplateLM):
         """(sum of log p(continuation | context), every continuation token the argmax) per request
         `((context, continuation), context_tokens, continuation_tokens)`."""
         out = []
-        for key, context, continuation in requests:
+        for key, context, continuation in _track(requests, "harness loglikelihood", disable_tqdm):
             answer = self._score(list(context), list(continuation))
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, answer)
@@ -190,19 +190,19 @@ class OwaiLM(TemplateLM):
 
         window = self._max_length or ROLLING_WINDOW
         out = []
-        for request in requests:
+        for request in _track(requests, "harness loglikelihood_rolling", disable_tqdm):
             (text,) = request.args
             windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
                 token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=window,
                 context_len=1)]
-            total = sum(ll for ll, _ in self._loglikelihood_tokens([(None, c, t) for c, t in windows]))
+            total = sum(ll for ll, _ in self._loglikelihood_tokens([(None, c, t) for c, t in windows], disable_tqdm=True))
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
             out.append(total)
         return out
 
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
         out = []
-        for request in requests:
+        for request in _track(requests, "harness generate_until", disable_tqdm):
             context, kwargs = request.args
             kwargs = dict(kwargs or {})
             until = kwargs.get("until") or []
@@ -275,6 +275,13 @@ class OracleLM(LM):
             _, gold = self._gold(request)
             out.append(str(gold[0] if isinstance(gold, list) else gold))
         return out
+
+
+def _track(requests: list, description: str, disable: bool) -> Any:
+    """The requests with owai's progress bar (the harness's `disable_tqdm` switches it off)."""
+    from owai import console
+
+    return requests if disable else console.track(requests, total=len(requests), description=description)
 
 
 def task_manager(include_path: list[str] | None = None) -> Any:

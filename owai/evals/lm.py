@@ -14,7 +14,7 @@ every end-of-text token, so a window crossing documents is read as the model was
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from importlib import resources
 from typing import Any
 
@@ -94,9 +94,11 @@ def attention_profile(model: torch.nn.Module, windows: Iterable[torch.Tensor], d
 
 @torch.no_grad()
 def continuations(
-    model: torch.nn.Module, tokenizer: Any, prompts: list[str], device: torch.device, max_new_tokens: int = 48, beams: tuple[int, ...] = (1, 2)
+    model: torch.nn.Module, tokenizer: Any, prompts: list[str], device: torch.device, max_new_tokens: int = 48,
+    beams: tuple[int, ...] = (1, 2), progress: Callable[[], Any] | None = None,
 ) -> list[dict[str, str]]:
     """Continue each prompt greedily (beams=1) and with beam search; stops at end-of-text.
+    `progress()` is called after each prompt (a progress bar's update).
 
     A model with a learned position table (`context_limit`) sees only the prompt's last
     `limit - max_new_tokens` tokens, as the reference crops its context to block_size."""
@@ -130,6 +132,8 @@ def continuations(
                 new = new[: new.index(tokenizer.eot_id)]
             row["greedy" if beam == 1 else f"beam{beam}"] = tokenizer.decode(new)
         rows.append(row)
+        if progress is not None:
+            progress()
     return rows
 
 

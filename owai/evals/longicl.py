@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from owai import console
 from owai.errors import DataMissing, OwaiError
 
 SUITE = "longicl"
@@ -744,8 +745,10 @@ THESIS_TABLE_4_6 = {"banking77": (10, 0.895), "tacred": (10, 0.630), "goemotion"
 
 
 def score_prompts(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Example]], queries: Sequence[Example],
-                  options: PromptOptions, *, max_tokens: int | None = None, n_examples: int = 3) -> dict[str, Any]:
-    """One strategy, one shot count: render, check the token budget, generate, parse, score."""
+                  options: PromptOptions, *, max_tokens: int | None = None, n_examples: int = 3,
+                  progress: Callable[[int], Any] | None = None) -> dict[str, Any]:
+    """One strategy, one shot count: render, check the token budget, generate, parse, score.
+    `progress(k)` (a progress bar's update) after every k queries answered or overflowed."""
     count: Callable[[str], int] | None = getattr(model, "count_tokens", None)
     if max_tokens is not None and count is None:
         raise OwaiError("longicl: max_tokens needs a model with count_tokens(prompt)")
@@ -769,7 +772,9 @@ def score_prompts(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Examp
                 record["overflow"] = True
         pending.append((record, prompt, gold))
     shown = [(r, p, g) for r, p, g in pending if not r.get("overflow")]
-    answers = iter(generate_all(model, [p for _, p, _ in shown]))  # batched where the model can
+    answers = iter(generate_all(model, [p for _, p, _ in shown], progress=progress))  # batched where the model can
+    if progress is not None and overflow:
+        progress(overflow)
     for record, prompt, gold in pending:
         if record.get("overflow"):
             if len(examples) < n_examples:
@@ -828,10 +833,12 @@ def evaluate(model: ICLModel, data: ICLData, shots: Sequence[int], options: Prom
     queries = select_queries(data, n_queries)
     all_shots = select_demonstrations(data, shot_counts[-1])
     results = {}
-    for n in shot_counts:
-        sweep = sweep_strategies(model, data, all_shots[:n], queries, options, strategies,
-                                 max_tokens=max_tokens, n_examples=n_examples)
-        results[str(n)] = {"n_demonstrations": sum(len(s) for s in all_shots[:n])} | sweep
+    with console.Bar(f"icl {data.name} {options.labels}", total=len(shot_counts) * len(strategies) * len(queries)) as bar:
+        for n in shot_counts:
+            bar.update(0, status=f"{n}-shot")
+            sweep = sweep_strategies(model, data, all_shots[:n], queries, options, strategies, progress=bar.update,
+                                     max_tokens=max_tokens, n_examples=n_examples)
+            results[str(n)] = {"n_demonstrations": sum(len(s) for s in all_shots[:n])} | sweep
     config = {
         "task": data.task,
         "shots": shot_counts,

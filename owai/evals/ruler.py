@@ -54,6 +54,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
+from owai import console
 from owai.config import MAX_CONTEXT
 from owai.errors import DataMissing, OwaiError
 
@@ -1367,38 +1368,9 @@ def evaluate(model: Model, tasks: Sequence[Task], lengths: Sequence[str | int], 
         raise OwaiError("ruler: no context length given")
     results: dict[str, dict[str, Any]] = {}
     records: dict[str, dict[str, list]] = {}
-    for task in tasks:
-        metric = SAMPLE_METRICS[task.metric]
-        results[task.name], records[task.name] = {}, {}
-        for label, budget in budgets.items():
-            built = task.build(n, budget, tokenizer, seed)
-            scores, rows, nulls, overflow = [], [], 0, 0
-            shown = [s for s in built.samples
-                     if s.fits and (max_tokens is None or s.tokens + task.tokens_to_generate <= max_tokens)]
-            from owai.evals.causal_lm import generate_all
-
-            answers = dict(zip((s.index for s in shown),
-                               generate_all(model, [s.prompt for s in shown], max_new_tokens=task.tokens_to_generate)))
-            for sample in built.samples:
-                if sample.index in answers:
-                    prediction = postprocess(answers[sample.index])
-                    score = metric(prediction, sample.outputs)
-                    nulls += prediction == ""
-                else:
-                    prediction, score = None, 0.0
-                    overflow += 1
-                scores.append(score)
-                digest = hashlib.sha256(sample.prompt.encode()).hexdigest()[:16]
-                rows.append({"index": sample.index, "prompt_sha256": digest,
-                             "tokens": sample.tokens, "size": sample.size, "prediction": prediction,
-                             "outputs": list(sample.outputs), "score": score, "overflow": prediction is None,
-                             **({"gold_slots": sample.info["gold_slots"]} if "gold_slots" in sample.info else {})})
-            count = len(scores)
-            results[task.name][label] = {
-                "score": None if overflow == count else round(100 * sum(scores) / count, 2),
-                "n": count, "nulls": nulls, "overflow": overflow, "max_seq_length": budget,
-                "size": built.size, "mean_tokens": round(sum(s.tokens for s in built.samples) / count, 1)}
-            records[task.name][label] = rows
+    with console.Bar("ruler", total=len(tasks) * len(budgets) * n) as bar:
+        for task in tasks:
+            _evaluate_task(model, task, budgets, n, seed, tokenizer, max_tokens, results, records, bar)
     out: dict[str, Any] = {
         "suite": "ruler",
         "config": {"tasks": {t.name: t.describe() for t in tasks}, "lengths": budgets, "n": n, "seed": seed,
@@ -1413,3 +1385,44 @@ def evaluate(model: Model, tasks: Sequence[Task], lengths: Sequence[str | int], 
     if keep_records:
         out["records"] = records
     return out
+
+
+def _evaluate_task(model: Model, task: Task, budgets: dict[str, int], n: int, seed: int, tokenizer: Tokenizer,
+                   max_tokens: int | None, results: dict[str, dict[str, Any]], records: dict[str, dict[str, list]],
+                   bar: console.Bar) -> None:
+    """`evaluate`'s cells of one task, one per length, into `results` and `records`; `bar` advances per
+    sample (answered or overflowed)."""
+    metric = SAMPLE_METRICS[task.metric]
+    results[task.name], records[task.name] = {}, {}
+    for label, budget in budgets.items():
+        bar.update(0, status=f"{task.name} {label}")
+        built = task.build(n, budget, tokenizer, seed)
+        scores, rows, nulls, overflow = [], [], 0, 0
+        shown = [s for s in built.samples
+                 if s.fits and (max_tokens is None or s.tokens + task.tokens_to_generate <= max_tokens)]
+        from owai.evals.causal_lm import generate_all
+
+        answers = dict(zip((s.index for s in shown),
+                           generate_all(model, [s.prompt for s in shown], progress=bar.update,
+                                        max_new_tokens=task.tokens_to_generate)))
+        bar.update(len(built.samples) - len(shown))  # the overflows
+        for sample in built.samples:
+            if sample.index in answers:
+                prediction = postprocess(answers[sample.index])
+                score = metric(prediction, sample.outputs)
+                nulls += prediction == ""
+            else:
+                prediction, score = None, 0.0
+                overflow += 1
+            scores.append(score)
+            digest = hashlib.sha256(sample.prompt.encode()).hexdigest()[:16]
+            rows.append({"index": sample.index, "prompt_sha256": digest,
+                         "tokens": sample.tokens, "size": sample.size, "prediction": prediction,
+                         "outputs": list(sample.outputs), "score": score, "overflow": prediction is None,
+                         **({"gold_slots": sample.info["gold_slots"]} if "gold_slots" in sample.info else {})})
+        count = len(scores)
+        results[task.name][label] = {
+            "score": None if overflow == count else round(100 * sum(scores) / count, 2),
+            "n": count, "nulls": nulls, "overflow": overflow, "max_seq_length": budget,
+            "size": built.size, "mean_tokens": round(sum(s.tokens for s in built.samples) / count, 1)}
+        records[task.name][label] = rows

@@ -158,6 +158,7 @@ class _Generator:
 
     def __init__(self, model: Any, max_new_tokens: int) -> None:
         self.model, self.max_new_tokens = model, max_new_tokens
+        self.batch_size = getattr(model, "batch_size", 1)  # generate_all's progress steps: the model's batches
         if hasattr(model, "count_tokens"):
             self.count_tokens = model.count_tokens
 

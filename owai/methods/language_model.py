@@ -757,7 +757,9 @@ def save_model(run: Run, arch: str, parallel: Any, data: LMData, max_shard_size:
 def evaluate_model(ev: EvalConfig, run: Run, label: str, model: torch.nn.Module, data: LMData, device: torch.device,
                    eot: int | None = None) -> Outcome:
     """Validation loss, per-position loss (also at `ev.lengths`, and without the long-term memory when
-    asked), attention profiles and continuations of one model. `eot`: read documents apart."""
+    asked), attention profiles and continuations of one model. `eot`: read documents apart. One
+    progress bar (owai.console) counts every batch of every pass: the evaluation of a large model
+    takes minutes."""
     from owai.evals import lm as lme
     from owai.models.lm import context_limit
 
@@ -769,47 +771,70 @@ def evaluate_model(ev: EvalConfig, run: Run, label: str, model: torch.nn.Module,
     ablations = [""]
     if ev.without_long_term and getattr(model.config, "long_term_memory", False):
         ablations.append("_no_ltm")
-    for suffix in ablations:
-        if suffix:
-            model.config.long_term_memory = False  # the evaluation interface's ablation: weights untouched
-        measured["val_loss" + suffix] = lme.validation_loss(model, val, device, eot)
-        windows = data.posloss.sequential(max_windows=ev.posloss_windows, batch_size=ev.batch_size)
-        curve, n = lme.per_position_loss(model, windows, device, eot)
-        details["posloss" + suffix] = curve
-        details["posloss_windows"] = n
-        measured["posloss_first50" + suffix] = lme.mean_over(curve, 0, 50)
-        measured["posloss_after50" + suffix] = lme.mean_over(curve, 50)
-        for length in ev.lengths:  # extrapolation: windows of `length` tokens, the model trained at `block`
-            windows = data.posloss.with_block_size(length).sequential(
-                max_windows=max(1, ev.posloss_windows * block // length), batch_size=max(1, ev.batch_size * block // length))
-            curve, n = lme.per_position_loss(model, windows, device, eot)
-            details[f"posloss_{length}{suffix}"] = curve
-            details[f"posloss_{length}_windows"] = n
-            measured[f"loss_{length}{suffix}"] = lme.mean_over(curve, 0)
-            measured[f"loss_{length}_beyond{suffix}"] = lme.mean_over(curve, block)  # positions past the training context
-        if suffix:
-            model.config.long_term_memory = True
     limit = context_limit(model)
-    profiles = {}
-    for k in ev.attention_multiples if hasattr(model, "last_token_attention") else []:
-        length = k * block
-        if limit is not None and length > limit:
-            continue
-        windows = data.val.with_block_size(length).sequential(max_windows=ev.attention_sequences, batch_size=ev.batch_size)
-        profile, n_seq = lme.attention_profile(model, lme.only_inputs(windows), device)
-        profiles[length] = profile
-        details[f"attention_{length}"] = {"sequences": n_seq, "mean_over_heads": profile.mean(1).tolist()}
-    lambdas = model.leaky_lambdas().tolist() if hasattr(model, "leaky_lambdas") else None
-    if lambdas is not None:
-        details["leaky_lambda"] = lambdas  # Fig B.7: per layer and head
-    if distributed.is_main() and profiles:
-        plot_attention(run, label, profiles, block, lambdas)
-    if ev.continuations:
-        rows = lme.continuations(model, data.tokenizer, lme.eldan_li_prompts(), device, ev.max_new_tokens)
-        details["continuations"] = rows
-        if distributed.is_main():
-            write_continuations(run, label, rows)
+    extrapolation = [(length, max(1, ev.posloss_windows * block // length), max(1, ev.batch_size * block // length))
+                     for length in ev.lengths]  # (window length, windows, batch size)
+    attention = [k * block for k in (ev.attention_multiples if hasattr(model, "last_token_attention") else [])
+                 if limit is None or k * block <= limit]
+    prompts = lme.eldan_li_prompts() if ev.continuations else []
+    total = len(ablations) * (len(val) + _batch_count(data.posloss, block, ev.posloss_windows, ev.batch_size)
+                              + sum(_batch_count(data.posloss, *shape) for shape in extrapolation))
+    total += sum(_batch_count(data.val, length, ev.attention_sequences, ev.batch_size) for length in attention) + len(prompts)
+    with console.Bar(f"evaluate {label}", total=total) as bar:
+        for suffix in ablations:
+            if suffix:
+                model.config.long_term_memory = False  # the evaluation interface's ablation: weights untouched
+            bar.update(0, status=f"validation loss{suffix}")
+            measured["val_loss" + suffix] = lme.validation_loss(model, _counted(val, bar), device, eot)
+            bar.update(0, status=f"per-position loss{suffix}")
+            windows = data.posloss.sequential(max_windows=ev.posloss_windows, batch_size=ev.batch_size)
+            curve, n = lme.per_position_loss(model, _counted(windows, bar), device, eot)
+            details["posloss" + suffix] = curve
+            details["posloss_windows"] = n
+            measured["posloss_first50" + suffix] = lme.mean_over(curve, 0, 50)
+            measured["posloss_after50" + suffix] = lme.mean_over(curve, 50)
+            for length, max_windows, batch_size in extrapolation:  # windows of `length` tokens, the model trained at `block`
+                bar.update(0, status=f"per-position loss at {length}{suffix}")
+                windows = data.posloss.with_block_size(length).sequential(max_windows=max_windows, batch_size=batch_size)
+                curve, n = lme.per_position_loss(model, _counted(windows, bar), device, eot)
+                details[f"posloss_{length}{suffix}"] = curve
+                details[f"posloss_{length}_windows"] = n
+                measured[f"loss_{length}{suffix}"] = lme.mean_over(curve, 0)
+                measured[f"loss_{length}_beyond{suffix}"] = lme.mean_over(curve, block)  # positions past the training context
+            if suffix:
+                model.config.long_term_memory = True
+        profiles = {}
+        for length in attention:
+            bar.update(0, status=f"attention at {length}")
+            windows = data.val.with_block_size(length).sequential(max_windows=ev.attention_sequences, batch_size=ev.batch_size)
+            profile, n_seq = lme.attention_profile(model, lme.only_inputs(_counted(windows, bar)), device)
+            profiles[length] = profile
+            details[f"attention_{length}"] = {"sequences": n_seq, "mean_over_heads": profile.mean(1).tolist()}
+        lambdas = model.leaky_lambdas().tolist() if hasattr(model, "leaky_lambdas") else None
+        if lambdas is not None:
+            details["leaky_lambda"] = lambdas  # Fig B.7: per layer and head
+        if distributed.is_main() and profiles:
+            plot_attention(run, label, profiles, block, lambdas)
+        if prompts:
+            bar.update(0, status="continuations")
+            rows = lme.continuations(model, data.tokenizer, prompts, device, ev.max_new_tokens, progress=bar.update)
+            details["continuations"] = rows
+            if distributed.is_main():
+                write_continuations(run, label, rows)
     return Outcome(measured, details)
+
+
+def _batch_count(windows: Any, length: int, max_windows: int, batch_size: int) -> int:
+    """How many batches `windows.sequential(length, max_windows, batch_size)` yields (for the bar)."""
+    available = max(0, (int(windows.n_tokens) - 1) // length)
+    return math.ceil(min(available, max_windows) / batch_size)
+
+
+def _counted(batches: Any, bar: console.Bar) -> Any:
+    """`batches`, advancing `bar` after each one."""
+    for batch in batches:
+        yield batch
+        bar.update()
 
 
 # -- figures and tables -------------------------------------------------------------------------
