@@ -133,3 +133,21 @@ def test_bad_chains_are_one_line(args: list[str], message: str, no_data: Path, s
                                  capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = cli_in_process(["rich-features", *args, "--dry-run"], capsys)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("stage, key", [("distill", "distill.lr"), ("probe-net0", "probe.lr"), ("pretrain", "pretrain.lr"),
+                                        ("finetune-cat4", "finetune.lr"), ("ft-net1", "finetune.lr")])
+def test_a_nan_names_the_failed_stages_own_learning_rate(stage: str, key: str, tmp_path: Path) -> None:
+    """A NaN in distill suggests `--set distill.lr=...` (issue #40: it named pretrain.lr)."""
+    from owai.experiment import resolve, resume_hint
+    from owai.recipes import load
+    from owai.runs import Run
+
+    rec = load("tableA.8-fewshot")
+    _, resolved = resolve(rec, None, ["stage=distill,probe,fewshot"], validate=False)
+    run = Run.create(tmp_path, rec.id, resolved)
+    run.set_status("failed", error="non-finite loss", nonfinite={"stage": stage, "step": 3, "checkpoint": None})
+    value = {"distill.lr": 0.05, "probe.lr": 0.01, "pretrain.lr": 0.05, "finetune.lr": 0.01}[key]
+    assert f"--set {key}={value / 10:g}`" in resume_hint(run)
+    run.set_status("failed", error="non-finite loss", nonfinite={"stage": "two-stage-head4", "step": 3, "checkpoint": None})
+    assert "start a new run" in resume_hint(run)

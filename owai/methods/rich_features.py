@@ -269,6 +269,16 @@ class RichFeatures(Method):
     cli = "owai rich-features"
     resume_overrides = ("pretrain.lr", "probe.lr", "finetune.lr", "distill.lr")
 
+    @classmethod
+    def lr_override(cls, stage: str) -> str | None:
+        """Each training stage's own learning rate: ft-net{i} fine-tunes at finetune.lr; the two-stage
+        head's finetune.head_lr cannot change on resume (None)."""
+        if stage.startswith("ft-"):
+            return "finetune.lr"
+        if stage.startswith("two-stage"):
+            return None
+        return super().lr_override(stage)
+
     @staticmethod
     def validate(cfg: Config) -> None:
         check_settings(cfg)
