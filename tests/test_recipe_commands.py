@@ -151,3 +151,35 @@ def test_a_nan_names_the_failed_stages_own_learning_rate(stage: str, key: str, t
     assert f"--set {key}={value / 10:g}`" in resume_hint(run)
     run.set_status("failed", error="non-finite loss", nonfinite={"stage": "two-stage-head4", "step": 3, "checkpoint": None})
     assert "start a new run" in resume_hint(run)
+
+
+# Table 2.2's recipe at miniature scale: the packaged MNIST file, 10 images per class, 16 px, two
+# networks and two baselines, a few updates each
+TINY22 = ["data.base=mnist-t10k", "data.target=mnist-t10k", "data.limit_per_class=10", "data.image_size=16",
+          "data.eval_batch_size=64", "pretrain.epochs=1.0", "pretrain.batch_size=16", "pretrain.milestones=[0.5]",
+          "pretrain.checkpoint_every=2", "probe.n=2", "probe.sizes=[1,2]", "probe.epochs=2", "probe.milestones=[1]",
+          "probe.batch_size=8", "probe.checkpoint_every=2", "probe.log_every=2", "probe.baselines=[wide2,joint2]"]
+
+
+def test_the_chain_runs_from_an_empty_cache_then_reuses_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           one_thread: None, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.conftest import as_sets
+
+    monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
+    args = ["rich-features", *as_sets(TINY22), "-o", str(tmp_path / "runs"), "--json"]
+    code, out, err = cli_in_process(args, capsys)
+    assert code == 0, err
+    first = json.loads(out)
+    measured = {r["metric"]: r["measured"] for r in first["rows"]}
+    assert {"cat1.acc", "cat2.acc", "single.acc", "wide2.acc", "joint2.acc"} <= set(measured)
+    assert {c["id"]: c["verdict"] for c in first["claims"]}["cat2-beats-wide2"] in ("holds", "misses")
+    assert len(list((tmp_path / "cache" / "pretrained").glob("*.safetensors"))) == 4  # 2 networks, 2 baselines
+    sweeps = sorted((tmp_path / "runs" / "table2.2-cat-probe").glob("sweep-*"))
+    assert len(sweeps) == 2
+    code, out, err = cli_in_process(args[:-1], capsys)  # again: the networks come from the cache
+    assert code == 0, err
+    assert out.count("in the cache, skipped") == 2
+    assert sorted((tmp_path / "runs" / "table2.2-cat-probe").glob("sweep-*")) == sweeps
+    runs = [p for p in (tmp_path / "runs" / "table2.2-cat-probe").iterdir() if not p.name.startswith("sweep-")]
+    again = [json.loads((p / "results.json").read_text()) for p in runs]
+    assert len(runs) == 2 and again[0]["rows"] == again[1]["rows"]  # deterministic: the same table twice
