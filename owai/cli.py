@@ -105,6 +105,8 @@ def recipes_list(
             rest = (rest[1:] if rest and not rest[0].startswith("-") else rest) + ["--recipe", r.id]
         if "--study" in options and r.sweep is not None and "--study" not in rest:
             rest.append("--study")
+        inputs = [p for p in getattr(cmd, "params", []) if p.param_type_name == "argument" and p.nargs == -1]
+        rest += [f"{(p.metavar or p.name.upper())}..." for p in inputs]  # what the user must give (mosaic-eval's models)
         return " ".join(["owai", *words[:depth], *rest])
 
     last = latest_verdicts(runs) if runs is not None else {}

@@ -132,7 +132,7 @@ def nonfinite_metrics(measured: dict[str, Any]) -> list[str]:
 
 def resume_hint(run: Run) -> str:
     """How to continue an unfinished run: a plain resume, or, for a run that failed on non-finite
-    training state, a resume with a lower learning rate (the first of the method's resume_overrides)."""
+    training state, a resume with a lower learning rate of the stage that failed (`Method.lr_override`)."""
     plain = f"resume it with --resume {run.path}"
     try:
         resolved = run.read_config()
@@ -149,9 +149,9 @@ def resume_hint(run: Run) -> str:
     allowed = recipe.method_class().resume_overrides
     if is_sweep_dir(run.path.parent.parent):
         return "a sweep point keeps its grid's settings: sweep again with a lower learning rate"
-    if not allowed:
+    key = recipe.method_class().lr_override(str(nonfinite.get("stage", "")))
+    if not allowed or key is None:
         return f"{recipe.method} settings cannot change on resume: start a new run with a lower learning rate"
-    key = allowed[0]
     value: Any = resolved["params"]
     for part in key.split("."):
         value = value.get(part) if isinstance(value, dict) else None

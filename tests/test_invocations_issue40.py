@@ -207,8 +207,13 @@ def test_parse_errors_go_through_the_console_script_too() -> None:
 def test_an_interrupted_command_exits_130(monkeypatch, capsys) -> None:
     import owai.commands.data as data
 
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
+    real, calls = data.console.configure, []
+
+    def interrupted(*args, **kwargs):  # Ctrl-C inside the command; cli_in_process's own reset runs normally
+        calls.append(args)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(data.console, "configure", interrupted)
     code, _, stderr = cli_in_process(["data", "list"], capsys)

@@ -4,6 +4,8 @@
     owai data fetch mnist                download the official MNIST files into the cache, md5-verified
     owai data fetch mnist --data-root ~/data      ... into ~/data/mnist instead
     owai data verify mnist               check a local copy against its checksums
+    owai data verify banking77           ... sha256 of fixed files (banking77, goemotions, sotu, gpt2, the essays)
+    owai data fetch gpt2                 GPT-2's tokenizer files from OpenAI, sha256-verified
 
 Lookup rule (every data-reading command, `--data-root` on each): an explicit `--data-root DIR`
 (DIR/<dataset>, or the dataset's own folder), else $OWAI_DATA/<dataset>, else the cache
@@ -20,7 +22,7 @@ import typer
 from owai import console
 from owai.commands._common import DataRoot, Json, Quiet
 
-data_app = typer.Typer(help="Datasets: list where they are found, fetch them (verified), verify local copies.",
+data_app = typer.Typer(help="Datasets and tokenizers: list where they are found, fetch them (verified), verify local copies.",
                        no_args_is_help=True)
 
 Name = Annotated[str, typer.Argument(help="Dataset name (see `owai data list`).", show_default=False)]
@@ -28,7 +30,7 @@ Name = Annotated[str, typer.Argument(help="Dataset name (see `owai data list`)."
 
 @data_app.command("list")
 def data_list(data_root: DataRoot = None, quiet: Quiet = False, as_json: Json = False) -> None:
-    """Every dataset owai knows: found or not, where it looks, its size, how to get it."""
+    """Every dataset and tokenizer owai reads: found or not, verified, where it looks, its size, how to get it."""
     from rich.table import Table
 
     from owai.data.registry import status
@@ -44,7 +46,8 @@ def data_list(data_root: DataRoot = None, quiet: Quiet = False, as_json: Json = 
     for row in rows:
         found = "[green]yes[/green]" if row["found"] == "yes" else "[red]no[/red]"
         verified = {"yes": "[green]yes[/green]", "FAILED": "[red]FAILED[/red]"}.get(row["verified"], row["verified"])
-        table.add_row(row["name"], found, verified, row["where"], row["size"], row["get"] + (f"; {row['note']}" if row["note"] else ""))
+        name = row["name"] + (" (tokenizer)" if row["kind"] == "tokenizer" else "")
+        table.add_row(name, found, verified, row["where"], row["size"], row["get"] + (f"; {row['note']}" if row["note"] else ""))
     console.stdout.print(table)
 
 

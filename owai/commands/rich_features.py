@@ -1,5 +1,8 @@
 """`owai rich-features`: rich representations from networks that differ only by seed (thesis §2.1-2.2, A.1-A.4).
 
+    owai rich-features                                       Table 2.2 in one command: its networks, baselines, probe
+    owai rich-features -r tableA.8-fewshot                   any recipe's whole chain (networks reused from the cache)
+    owai rich-features -r tableA.8-fewshot --dry-run         the chain's steps, validated, as --stage commands
     owai rich-features --stage pretrain                      Table 2.2's cpu preset: 4 ResNet-18s on MNIST 0-4
     owai rich-features --stage probe                         Cat_1/2/4 probes on MNIST 5-9 (the cached networks)
     owai rich-features --stage probe --networks SWEEP_DIR    the networks of a pretrain sweep (or run directories)
@@ -13,6 +16,9 @@
     owai rich-features --stage pretrain --resume SWEEP_DIR   finish a killed pretrain sweep (finished networks are skipped)
     owai rich-features --stage probe --resume RUN_DIR        finish a killed evaluation run (same result as uninterrupted)
 
+Without --stage the recipe's chain runs (`chain:` in its params, `plan_chain`): a pretrain sweep of
+the networks its evaluation stages read (and of Table 2.2's wide / joint baselines), skipped when
+they are all in the cache, then each evaluation run. Every step is validated before the first runs.
 `pretrain` runs the recipe's seeds (and grid) as a sweep (one point = one network, cached in
 <cache>/pretrained/); the evaluation stages (distill, probe, finetune, two-stage, fewshot; several
 joined by commas) are one run that loads n of them (results.json: cat{k}.acc, single.acc,
@@ -37,24 +43,34 @@ METHOD = "rich_features"
 
 @options
 def rich_features(
-    stage: Annotated[str, typer.Option("--stage", help="pretrain (n networks, a sweep over seeds), or evaluation stages of n pretrained networks, alone or joined by commas: distill, probe, finetune, two-stage, fewshot.")],
+    stage: Annotated[Optional[str], typer.Option("--stage", help="pretrain (n networks, a sweep over seeds), or evaluation stages of n pretrained networks, alone or joined by commas: distill, probe, finetune, two-stage, fewshot. Without it: the recipe's whole chain (its networks and baselines, reused from the cache, then its evaluation stages).", show_default=False)] = None,
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="A rich-features recipe id (table2.1-weight-decay, table2.2-cat-probe, tableA.1-joint, tableA.2-resnet152, tableA.3-finetune, tableA.4-simsiam, tableA.5-swav, tableA.6-seer, tableA.7-snapshots, tableA.8-fewshot, tableA.9-fewshot-sota, fig2.4-vit) or file.")] = RECIPE,
     data_root: Annotated[Optional[Path], typer.Option("--data-root", help=DATA_ROOT_HELP, show_default=False)] = None,
-    seeds: Annotated[Optional[str], typer.Option("--seeds", help="The networks' seeds, comma-separated (pretrain: the sweep's; evaluation stages: the cached networks to load).")] = None,
+    seeds: Annotated[Optional[str], typer.Option("--seeds", help="The networks' seeds, comma-separated (pretrain: the sweep's; evaluation stages: the cached networks to load; without --stage: the networks the chain trains and loads).")] = None,
     networks: Annotated[Optional[str], typer.Option("--networks", help="evaluation stages: comma-separated pretrain run or sweep directories (instead of the cache).")] = None,
     n: Annotated[Optional[int], typer.Option("--n", min=1, max=MAX_NETWORKS, help="evaluation stages: the number of networks n (must match the networks given).")] = None,
     preset: Preset = None,
     sets: Sets = None,
     launch: Launch = Launch(),
     out: Out = Path("runs"),
-    resume: Annotated[Optional[Path], typer.Option("--resume", help="pretrain: a sweep directory (skips finished networks); evaluation stages: a run directory.")] = None,
+    resume: Annotated[Optional[Path], typer.Option("--resume", help="pretrain: a sweep directory (skips finished networks); evaluation stages: a run directory (without --stage: either).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate every step (the recipe's chain, or --stage) and print them as --stage commands; run nothing.")] = False,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
-    """Rich representations (Tables 2.1, 2.2, A.1-A.9, Fig 2.4): pretrain n networks that differ by seed, then probe, distill, fine-tune or few-shot them."""
+    """Rich representations (Tables 2.1, 2.2, A.1-A.9, Fig 2.4): pretrain n networks that differ by seed, then probe, distill, fine-tune or few-shot them. Without --stage, the recipe's whole chain."""
     from owai.methods.rich_features import stages_of
 
     console.configure(quiet, as_json)
+    if dry_run and resume is not None:
+        raise _error("--dry-run plans a new run; drop --resume")
+    if stage is None and resume is not None:
+        from owai.runs import is_sweep_dir
+
+        stage = "pretrain" if is_sweep_dir(resume) else "probe"  # --resume reads the rest from the directory
+    if stage is None or dry_run:
+        _chain(recipe, stage, preset, _eval_sets(sets, data_root, networks, n, None), seeds, out, launch, dry_run, quiet, as_json)
+        return
     if stages_of(stage) == ["pretrain"]:
         if networks is not None or n is not None:
             raise _error("--networks and --n are options of the evaluation stages (probe, distill, ...)")
@@ -70,7 +86,14 @@ def rich_features(
         run_recipe(None, None, sets, out, resume, quiet, as_json, methods=(METHOD,))
         return
     study_recipe(recipe, METHOD)
-    extra = [*(sets or []), f"stage={stage}", *data_root_sets(data_root)]
+    extra = [*_eval_sets(sets, data_root, networks, n, seeds), f"stage={stage}"]
+    run_recipe(recipe, preset, extra, out, None, quiet, as_json, methods=(METHOD,))
+
+
+def _eval_sets(sets: list[str] | None, data_root: Path | None, networks: str | None, n: int | None,
+               seeds: str | None) -> list[str]:
+    """The --set overrides of an evaluation run: the user's, the data root, --networks, --n, --seeds."""
+    extra = [*(sets or []), *data_root_sets(data_root)]
     if networks is not None:
         dirs = [str(Path(p).expanduser().resolve()) for p in csv_values(networks, "--networks")]
         extra.append("probe.networks=[" + ", ".join(f"'{d}'" for d in dirs) + "]")
@@ -83,7 +106,54 @@ def rich_features(
             extra.append(f"probe.n={len(chosen)}")
     if n is not None:
         extra.append(f"probe.n={n}")
-    run_recipe(recipe, preset, extra, out, None, quiet, as_json, methods=(METHOD,))
+    return extra
+
+
+def _chain(recipe: str, stage: str | None, preset: str | None, extra: list[str], seeds: str | None, out: Path,
+           launch: Launch, dry_run: bool, quiet: bool, as_json: bool) -> None:
+    """The recipe's chain (or the one --stage, with --dry-run): every step validated first, then the
+    pretrain sweeps whose networks are not all cached, then the evaluation runs, the last one printed."""
+    from owai import sweep as sweeps
+    from owai.methods.rich_features import plan_chain
+
+    rec = study_recipe(recipe, METHOD)
+    if stage is not None:
+        from owai.methods.rich_features import stages_of
+
+        extra = [*extra, f"chain=['{','.join(stages_of(stage))}']"]
+    steps = plan_chain(recipe, preset, extra, sweeps.parse_seeds(seeds) if seeds is not None else None)
+    preset_name = preset or rec.default_preset
+    if all(s.stage == "pretrain" for s in steps) and any(x.startswith(("probe.networks=", "probe.n=")) for x in extra):
+        raise _error("--networks and --n are options of the evaluation stages (probe, distill, ...)")
+    if dry_run:
+        rows = [{"stage": s.stage, "what": s.what, "cached": s.cached, "command": s.command(rec.id, preset_name)}
+                for s in steps]
+        if as_json:
+            console.emit_json(rows)
+        elif not quiet:
+            for i, row in enumerate(rows, 1):
+                note = " (in the cache: skipped)" if row["cached"] else ""
+                console.stdout.print(f"{i}. {row['what']}{note}: {row['command']}", markup=False, soft_wrap=True)
+        return
+    if launch.spreads and not any(s.stage == "pretrain" for s in steps):
+        raise _error("--executor and --workers apply to pretrain sweeps; this chain has none")
+    runs_on = launch.runs_on()
+    for i, step in enumerate(steps):
+        last = i == len(steps) - 1
+        if step.stage != "pretrain":
+            console.info(f"step {i + 1}/{len(steps)}: {step.what}")
+            run_recipe(recipe, preset, step.sets, out, None, quiet, as_json, methods=(METHOD,))
+            continue
+        if step.cached:
+            console.info(f"step {i + 1}/{len(steps)}: {step.what}: in the cache, skipped")
+            continue
+        plan = sweeps.create(recipe, preset, step.sets, [], step.seeds, out, grid=step.grid)
+        rerun = f"owai rich-features --stage pretrain --resume {plan.path}, then this command again"
+        if last:
+            run_sweep(plan, runs_on, rerun, quiet, as_json, "networks")
+            continue
+        console.info(f"step {i + 1}/{len(steps)}: {step.what}: sweep directory {plan.path}")
+        sweeps.raise_on_failures(sweeps.write_summary(plan, sweeps.run(plan, *runs_on)), rerun)
 
 
 def _check_resumed_stage(resume: Path, stage: str) -> None:

@@ -593,7 +593,34 @@ def catalogue_entries() -> list[registry.Dataset]:
                          "miniimagenet", "~3 GB", ("images", "train.csv", "val.csv", "test.csv"), manual=MINI_STEP,
                          aliases=("mini_imagenet",),
                          note="the few-shot protocol of Chen et al. 2019: base = train.csv, val = val.csv, novel = test.csv"),
+        # the in-context classification sets of `owai eval icl` (owai.evals.longicl; the sha256 are of
+        # owai's reference copies: the official rows in the official order)
+        registry.Dataset("banking77", "BANKING77 (13,083 banking queries, 77 intents; in-context classification)",
+                         "icl/banking77", "1.1 MB", tuple(BANKING77_SHA256), sha256=BANKING77_SHA256,
+                         hf_id="PolyAI/banking77", ids=("legacy-datasets/banking77",),
+                         manual="copy train.csv, test.csv and categories.json of banking_data/ in "
+                                "github.com/PolyAI-LDN/task-specific-datasets to $OWAI_DATA/icl/banking77 (or `owai eval "
+                                "icl --set data=hf` reads the hub id)"),
+        registry.Dataset("goemotions", "GoEmotions (54,263 Reddit comments, 28 emotions; in-context classification)",
+                         "icl/goemotions", "4.4 MB", tuple(GOEMOTIONS_SHA256), sha256=GOEMOTIONS_SHA256,
+                         hf_id="google-research-datasets/go_emotions", aliases=("goemotion",), ids=("go_emotions",),
+                         manual="copy train.tsv, dev.tsv and test.tsv of github.com/google-research/google-research "
+                                "goemotions/data, and its emotions.txt as labels.txt, to $OWAI_DATA/icl/goemotions (or "
+                                "`owai eval icl --set data=hf` reads the hub id)"),
+        registry.Dataset("tacred", "TACRED as LongICLBench processed it (41 relations)", "icl/tacred", "~10 MB",
+                         ("train_tacred.json", "test_tacred.json"),
+                         manual="TACRED is licence-gated (LDC2018T24): put LongICLBench's processed train_tacred.json and "
+                                "test_tacred.json in $OWAI_DATA/icl/tacred"),
     ]
+
+
+BANKING77_SHA256 = {"train.csv": "b06e26ac675513959a63135f11b94ea7786ed02da65db93a5650d8838cbc664b",
+                    "test.csv": "d12d6e3bc4c3103966ae786dc435913c0c563dfa328f5a3646d0e62cfeeb474d",
+                    "categories.json": "53261da888122daf2d120d925458631d9619e15d82e56052e7a42e535ce32b63"}
+GOEMOTIONS_SHA256 = {"train.tsv": "1c254a142be5c00e80d819b9ae1bbd36d94b2eeb8f4b1271846508d57e57d9c5",
+                     "dev.tsv": "575489c079c9de1097062a01738f998590d6b7ead66dd1c9fd1d2ba01fd8bc62",
+                     "test.tsv": "0587b2dd8b27b97352adbfc3fb083d46005c8946657fdc2b1ca8b1cc7f1f8be4",
+                     "labels.txt": "45c3ef86782d2a4d7fedcd6d8c111aa0d0e94720689bd164fac94fefb4495a89"}
 
 
 # ----------------------------------------------------------------------------------------------- load

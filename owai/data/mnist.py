@@ -79,6 +79,7 @@ def catalogue_entries() -> list[Dataset]:
     required = tuple(f"{name}|{name[:-3]}" for name in gz)
     return [Dataset("mnist", "MNIST (60k train + 10k test, IDX)", "mnist", "11.6 MB", required, md5=gz, content_md5=raw,
                     urls=MNIST_MIRRORS, hf_id=HUB_ID, legacy_env=ENV_VAR,
+                    ids=("coloredmnist", "inverse-coloredmnist", "rotated-mnist", "mnist-train"),  # sets built from it
                     note="without it, offline test presets use the 10k test split packaged in owai/data/mnist_t10k")]
 
 

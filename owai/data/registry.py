@@ -21,6 +21,12 @@ nowhere is a one-line `OwaiError` naming `owai data fetch NAME`, or the manual s
 owai cannot download (the DomainBed image sets, BabiStories, the licence-gated image sets: ImageNet,
 iNaturalist 2018, CUB-200-2011, miniImageNet).
 
+Entries cover tokenizers too (GPT-2's BPE files), and the inputs read straight from the hub (a hub
+tokenizer, a streamed corpus: `ids` names them; `entry_for` maps any config value to its entry), so
+`owai data list` names everything a recipe reads. Files that are fixed have their sha256 here
+(`sha256` per file, `tree_sha256` for a folder of many: the digest of its sorted "path sha256" lines),
+checked by `verify` and by a fetch from a plain URL.
+
 Fetching writes into a temporary directory beside the destination, verifies every file (published
 md5 where there is one), then renames the directory into place: a failed or corrupted download
 leaves nothing behind. Downloads without published checksums (Hugging Face snapshots) record the
@@ -76,6 +82,11 @@ class Dataset:
     legacy_env: str = ""
     aliases: tuple[str, ...] = ()
     note: str = ""
+    sha256: dict[str, str] = field(default_factory=dict)  # fixed files: their sha256 (fetched from `urls` when there are urls)
+    tree_sha256: str = ""  # a fixed folder of many files: sha256 of its sorted "relative/path sha256" lines
+    tree_glob: str = "*"  # which files `tree_sha256` covers
+    ids: tuple[str, ...] = ()  # other names a config reads it by: hub ids, paths under a data root, tokenizer names
+    kind: str = "dataset"  # or "tokenizer"
     check: Callable[[Path], str] | None = field(default=None, compare=False, repr=False)  # the loader reads a copy: what it found
     download: Callable[[Path], object] | None = field(default=None, compare=False, repr=False)  # its own download into a folder
 
@@ -120,6 +131,34 @@ def dataset(name: str) -> Dataset:
         if name == d.name or name in d.aliases:
             return d
     raise OwaiError(f"unknown dataset {name!r} (known: {', '.join(sets)})")
+
+
+# Inputs owai makes itself (no file to list): generated or packaged data, built tokenizers, "" (unset).
+GENERATED = ("", "owai-stories", "bytes", "synthetic", "mnist-t10k", "digits", "hf")
+
+
+def entry_for(value: str) -> Dataset | None:
+    """The catalogue entry a config value reads: a name or alias, a hub id or other id (`ids`), or a
+    path under a data root (the entry's folder or a file in it, e.g. text/sotu.tar.gz); None if none."""
+    text = str(value).strip()
+    text = text[3:] if text.startswith("hf:") else text
+    for d in catalogue().values():
+        names = {d.name, *d.aliases, *d.ids, d.hf_id} - {""}
+        base = text.split(":", 1)[0] if ":" in text and not text.startswith(("/", "~")) else text
+        if text in names or base in names:
+            return d
+        rel = text.rstrip("/")
+        if rel == d.subfolder or any(rel == f"{d.subfolder}/{f}" for f in (*d.required, *d.sha256)):
+            return d
+    return None
+
+
+def generated(value: str) -> bool:
+    """Whether a config value names an input owai makes itself (GENERATED, bpe-N, owai-stories:N)."""
+    import re
+
+    text = str(value).strip()
+    return text in GENERATED or bool(re.fullmatch(r"bpe-\d+|owai-stories:\d+", text))
 
 
 def cache_data_root() -> Path:
@@ -214,6 +253,17 @@ def verify(name: str, folder: Path) -> list[str]:
     for file in ds.md5:
         path = next(folder / alt for alt in (file, file[:-3]) if (folder / alt).exists())
         checked.append(f"{path.name}: {check_md5(path, {**ds.md5, **ds.content_md5}, name)}")
+    for file, expected in ds.sha256.items():
+        got = file_digest(folder / file, "sha256")
+        if got != expected:
+            raise OwaiError(f"{folder / file} has sha256 {got[:16]}..., expected {expected[:16]}...; {_refetch(ds)}")
+        checked.append(f"{file}: sha256 ok")
+    if ds.tree_sha256:
+        got, count = tree_digest(folder, ds.tree_glob)
+        if got != ds.tree_sha256:
+            raise OwaiError(f"{folder}: its {count} {ds.tree_glob} files have tree sha256 {got[:16]}..., expected "
+                            f"{ds.tree_sha256[:16]}... (a file added, missing or changed); {_refetch(ds)}")
+        checked.append(f"{count} {ds.tree_glob} files: tree sha256 ok")
     manifest = folder / MANIFEST
     if manifest.is_file():
         checked += _verify_manifest(folder, manifest, name)
@@ -222,6 +272,19 @@ def verify(name: str, folder: Path) -> list[str]:
     if not checked:
         checked.append("layout ok (" + (", ".join(ds.required) or "folder present") + "); no published checksums")
     return checked
+
+
+def tree_digest(folder: Path, glob: str = "*") -> tuple[str, int]:
+    """(sha256 of the sorted "relative/path sha256" lines of the files under `folder` matching `glob`,
+    their number): one checksum for a fixed folder of many files."""
+    files = sorted(p for p in folder.rglob(glob) if p.is_file() and p.name != MANIFEST)
+    lines = "".join(f"{p.relative_to(folder).as_posix()} {file_digest(p, 'sha256')}\n" for p in files)
+    return hashlib.sha256(lines.encode()).hexdigest(), len(files)
+
+
+def _refetch(ds: Dataset) -> str:
+    """How to replace a copy that fails its checksum."""
+    return f"delete it and run `owai data fetch {ds.name}`" if not ds.manual else f"get a fresh copy: {ds.manual}"
 
 
 def check_md5(path: Path, published: dict[str, str], name: str) -> str:
@@ -300,7 +363,33 @@ def fetch(name: str, root: str | Path | None = None, base_url: str | None = None
         return _publish(final, lambda tmp: _fetch_archive(ds, tmp, urls, info), info)
     if ds.md5:
         return _publish(final, lambda tmp: _fetch_files(ds, tmp, mirrors(base_url), info), info)
+    if ds.sha256 and ds.urls:
+        return _publish(final, lambda tmp: _fetch_sha256(ds, tmp, mirrors(base_url) if base_url else ds.urls, info), info)
+    if not ds.hf_patterns:
+        raise OwaiError(f"{ds.title} is read from the hub (hf:{ds.hf_id}) when used; there is nothing to fetch")
     return _publish(final, lambda tmp: _fetch_hub(ds, tmp, info), info)
+
+
+def _fetch_sha256(ds: Dataset, tmp: Path, urls: tuple[str, ...], info: Callable[[str], None]) -> None:
+    """Each file of `ds.sha256` from the first URL that serves it with that sha256; others are refused."""
+    for file, expected in ds.sha256.items():
+        problems = []
+        for url in urls:
+            dest = tmp / file
+            try:
+                info(f"downloading {url}{file}")
+                _download(url + file, dest)
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                dest.unlink(missing_ok=True)
+                problems.append(f"{url}{file}: {getattr(exc, 'reason', None) or exc}")
+                continue
+            got = file_digest(dest, "sha256")
+            if got == expected:
+                break
+            dest.unlink()
+            problems.append(f"{url}{file} has sha256 {got[:16]}..., expected {expected[:16]}... (refused)")
+        else:
+            raise OwaiError(f"cannot fetch {ds.name} file {file}: " + "; ".join(problems))
 
 
 def _publish(final: Path, fill: Callable[[Path], None], info: Callable[[str], None]) -> Path:
@@ -418,12 +507,12 @@ def status(root: str | Path | None = None) -> list[dict[str, str]]:
         if ds.hf_id and not ds.manual:
             how += f" (hub: {ds.hf_id})"
         verified = "-"
-        if found and ds.md5:  # cheap (MNIST: 11 MB); larger sets: `owai data verify NAME`
+        if found and (ds.md5 or ds.sha256 or ds.tree_sha256):  # cheap (a few MB each); larger sets: `owai data verify NAME`
             try:
                 verify(ds.name, folder)  # type: ignore[arg-type]
                 verified = "yes"
             except OwaiError:
                 verified = "FAILED"
-        rows.append({"name": ds.name, "found": "yes" if found else "no", "verified": verified, "where": where,
-                     "size": ds.size, "get": how, "note": ds.note})
+        rows.append({"name": ds.name, "kind": ds.kind, "found": "yes" if found else "no", "verified": verified,
+                     "where": where, "size": ds.size, "get": how, "note": ds.note, "reads": list(ds.ids)})
     return rows

@@ -258,7 +258,48 @@ def catalogue_entries() -> list[registry.Dataset]:
                          (registry.MANIFEST,), hf_id="wikimedia/wikipedia", hf_patterns=("20231101.simple/*",),
                          note="the thesis's 20220301.simple dump is hub id `wikipedia` (legacy-datasets/wikipedia), "
                               "read through `datasets`"),
+        registry.Dataset("sotu", "State of the Union addresses, 1790-2021 (233 .txt files in one tar.gz)", "text", "3.7 MB",
+                         ("sotu.tar.gz",), sha256={"sotu.tar.gz": SOTU_SHA256}, ids=("text/sotu.tar.gz",),
+                         manual="put the tarball of the 233 addresses (one YEAR_name_party.txt each, public domain) at "
+                                "$OWAI_DATA/text/sotu.tar.gz (or under --data-root)",
+                         note="table4.2-pretrain's cpu corpus (data.source=text/sotu.tar.gz); the sha256 is owai's reference copy's"),
+        registry.Dataset("paul_graham_essays", "Paul Graham essays (RULER's essay haystack: 49 of its list)",
+                         "text/paul_graham_essays", "0.7 MB", (), tree_sha256=ESSAYS_TREE_SHA256, tree_glob="*.txt",
+                         aliases=("essays",), ids=("text/paul_graham_essays",),
+                         manual="RULER's scripts/data/synthetic/json/download_paulgraham_essay.py fetches them; put the "
+                                ".txt essays in $OWAI_DATA/text/paul_graham_essays (or give --haystack-dir DIR)",
+                         note="eval ruler's essay haystack (haystack_dir); the tree sha256 is of the 49 essays of owai's reference copy"),
+        registry.Dataset("squad", "SQuAD v2 dev (RULER qa_1)", "text/squad", "4.4 MB", ("dev-v2.0.json",),
+                         hf_id=SQUAD_HUB_ID, ids=("squad_v2",),
+                         manual="eval ruler reads the hub id (squad=hf) through `datasets`; or put the official "
+                                "dev-v2.0.json (rajpurkar.github.io/SQuAD-explorer) here and give --set squad=text/squad/dev-v2.0.json"),
+        registry.Dataset("hotpotqa", "HotpotQA dev, distractor setting (RULER qa_2)", "text/hotpotqa", "44 MB",
+                         ("hotpot_dev_distractor_v1.json",), hf_id=HOTPOTQA_HUB_ID, ids=("hotpot_qa",),
+                         manual="eval ruler reads the hub id (hotpotqa=hf) through `datasets`; or put the official "
+                                "hotpot_dev_distractor_v1.json (hotpotqa.github.io) here and give --set hotpotqa=PATH"),
+        registry.Dataset("fineweb-edu", "FineWeb-Edu (chapter 4's pre-training corpus)", "text/fineweb-edu", "streamed",
+                         (), hf_id="HuggingFaceFW/fineweb-edu",
+                         manual="streamed from the hub by `owai mosaic-train` (data.source=HuggingFaceFW/fineweb-edu); a "
+                                "local copy (parquet or jsonl files) is given as --dataset DIR"),
+        registry.Dataset("gpt2", "GPT-2 BPE tokenizer (encoder.json + vocab.bpe, 50,257 tokens)", "tokenizers/gpt2", "1.5 MB",
+                         ("encoder.json", "vocab.bpe"), sha256=GPT2_SHA256, urls=(GPT2_URL,), kind="tokenizer",
+                         ids=("openai-community/gpt2",),
+                         note="tokenizer=tokenizers/gpt2 reads this folder; tokenizer=gpt2 the hub id (Hugging Face cache)"),
+        registry.Dataset("llama3-tokenizer", "Llama-3 tokenizer (Meta-Llama-3-8B, 128,256 tokens)", "tokenizers/llama3", "9 MB",
+                         ("tokenizer.json",), hf_id="meta-llama/Meta-Llama-3-8B", kind="tokenizer",
+                         manual="gated: accept Meta's licence at huggingface.co/meta-llama/Meta-Llama-3-8B and log in "
+                                "(`hf auth login`); chapter 4's paper presets read it from the Hugging Face cache, or give "
+                                "--tokenizer DIR (a folder with its tokenizer.json)"),
     ]
+
+
+SOTU_SHA256 = "4fe4773bd3be7f59bb6e880408e692d5704c7cd5fe8a9b3be31f0080cd1b9431"
+ESSAYS_TREE_SHA256 = "c7b87e82f1e8ce4663435ed6f0e4e98cfa47fbe46712bbb11f09aa32ff27ea48"  # registry.tree_digest of the 49 .txt
+SQUAD_HUB_ID, HOTPOTQA_HUB_ID = "rajpurkar/squad_v2", "hotpotqa/hotpot_qa"  # = owai.evals.ruler's (test_data_roots checks)
+# GPT-2's files as OpenAI publishes them (the sha256 tiktoken checks too)
+GPT2_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+GPT2_SHA256 = {"encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+               "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"}
 
 
 def resolve_source(source: str, data_root: str | Path | None = None) -> str:

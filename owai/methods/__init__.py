@@ -52,6 +52,16 @@ class Method:
     # e.g. a lower train.lr after the run failed on NaN; they stay out of the checkpoints' config hash.
     resume_overrides: ClassVar[tuple[str, ...]] = ()
 
+    @classmethod
+    def lr_override(cls, stage: str) -> str | None:
+        """The resume override that lowers the learning rate of training stage `stage` (where a run
+        hit NaN): the one whose section is the stage's name or its first word ("probe-net0" ->
+        probe.lr), else the first; None when no override reaches that stage."""
+        for key in cls.resume_overrides:
+            if key.split(".")[0] in (stage, stage.split("-")[0]):
+                return key
+        return cls.resume_overrides[0] if cls.resume_overrides else None
+
     @staticmethod
     def validate(cfg: Any) -> None:
         """Reject impossible settings (sizes, ranges) with an OwaiError; called before any run

@@ -236,6 +236,11 @@ class Config(BaseConfig):
     # "pretrain" (one network), or evaluation stages of n pretrained networks, alone or chained with
     # commas in any order (run as distill, probe, finetune, two-stage, fewshot): e.g. "probe,fewshot"
     stage: str = "pretrain"
+    # what `owai rich-features --recipe ID` runs when no --stage is given, in order: "pretrain" (the
+    # networks the later steps read from the cache, Table 2.2's baselines included; without a later
+    # step, the recipe's own sweep) and evaluation stages joined by commas, one run each. [] = `stage`
+    # alone. Finished networks are reused through the cache (`plan_chain`)
+    chain: list[str] = field(default_factory=list)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
@@ -264,120 +269,264 @@ class RichFeatures(Method):
     cli = "owai rich-features"
     resume_overrides = ("pretrain.lr", "probe.lr", "finetune.lr", "distill.lr")
 
+    @classmethod
+    def lr_override(cls, stage: str) -> str | None:
+        """Each training stage's own learning rate: ft-net{i} fine-tunes at finetune.lr; the two-stage
+        head's finetune.head_lr cannot change on resume (None)."""
+        if stage.startswith("ft-"):
+            return "finetune.lr"
+        if stage.startswith("two-stage"):
+            return None
+        return super().lr_override(stage)
+
     @staticmethod
     def validate(cfg: Config) -> None:
-        from owai.data.classification import disjoint_split
-        from owai.models.vision import BACKBONES
-
-        d, m, p, q = cfg.data, cfg.model, cfg.pretrain, cfg.probe
-        for name in (d.base, d.target):
-            if name not in DATASETS:
-                raise OwaiError(f"data.base / data.target {name!r}: choose one of {', '.join(DATASETS)}")
-        if m.backbone not in BACKBONES:
-            raise OwaiError(f"unknown backbone {m.backbone!r}; known: {', '.join(sorted(BACKBONES))}")
-        native = _native_size(m.backbone)  # (probe.weights name their own models)
-        if native and native != d.image_size and not (q.weights and cfg.stage != "pretrain"):
-            raise OwaiError(f"{m.backbone} is built for {native} px images: set data.image_size={native}")
-        if isinstance(m.joint, bool) or m.joint < 1:
-            raise OwaiError(f"model.joint must be >= 1 (backbones trained as one network), got {m.joint}")
-        for name in ("image_size", "eval_batch_size"):
-            if getattr(d, name) < 1:
-                raise OwaiError(f"data.{name} must be >= 1, got {getattr(d, name)}")
-        if d.workers < 0 or d.limit_per_class < 0:
-            raise OwaiError("data.workers and data.limit_per_class must be >= 0")
-        for what, name, classes in (("base", d.base, d.base_classes), ("target", d.target, d.target_classes)):
-            if name in DIGIT_SETS:
-                unknown = [c for c in classes if c not in DIGITS]
-                if unknown:
-                    raise OwaiError(f"data.{what}_classes: {name} has classes 0-9, not {', '.join(map(repr, unknown))}")
-        # one label space: the probe's classes must be new ones, unless pre-training never saw a label
-        # (SimSiam) or happened elsewhere (probe.weights: SwAV, SEER, ViT ImageNet-21k -> ImageNet)
-        if _same_labels(d.base, d.target) and p.objective == "supervised" and not (q.weights and cfg.stage != "pretrain"):
-            disjoint_split(d.base_classes or _all_classes(d.base), d.target_classes or _all_classes(d.target))
-        if not (p.epochs > 0 and p.batch_size >= 1 and p.lr > 0 and p.weight_decay >= 0 and 0 <= p.momentum < 1
-                and p.gamma > 0 and p.checkpoint_every >= 1 and p.log_every >= 1):
-            raise OwaiError("pretrain: need epochs > 0, batch_size >= 1, lr > 0, weight_decay >= 0, 0 <= momentum < 1, "
-                            "gamma > 0, checkpoint_every >= 1, log_every >= 1")
-        if not 0 < d.target_fraction <= 1:
-            raise OwaiError(f"data.target_fraction must be in (0, 1], got {d.target_fraction}")
-        for name in ("ssl_dim", "ssl_pred_dim", "ssl_proj_layers"):
-            v = getattr(p, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise OwaiError(f"pretrain.{name} must be an integer >= 1, got {v!r}")
-        if p.objective == "simsiam" and cfg.stage == "pretrain" and (p.batch_size < 2 or p.snapshots):
-            raise OwaiError("pretrain.objective=simsiam needs batch_size >= 2 (BatchNorm in the projector) and no snapshots")
-        if any(not 0 < e <= p.epochs for e in p.snapshots) or len(set(p.snapshots)) != len(p.snapshots):
-            raise OwaiError(f"pretrain.snapshots {p.snapshots}: give distinct epochs in (0, pretrain.epochs={p.epochs}]")
-        if q.snapshots and (q.networks or len(q.snapshots) != q.n or len(set(q.snapshots)) != q.n):
-            raise OwaiError(f"probe.snapshots {q.snapshots}: give probe.n={q.n} distinct epochs of one pretrain run "
-                            "(its cache entries; not with probe.networks)")
-        check_count("probe.n", q.n, 1, MAX_NETWORKS)
-        bad = [k for k in q.sizes if not 1 <= k <= q.n]
-        if not q.sizes or bad or len(set(q.sizes)) != len(q.sizes):
-            raise OwaiError(f"probe.sizes {q.sizes}: give distinct sizes k in 1..probe.n={q.n} (Cat_k = the first k networks)")
-        if not (q.epochs >= 1 and q.batch_size >= 2 and q.lr > 0 and q.weight_decay >= 0 and 0 <= q.momentum < 1
-                and q.gamma > 0 and q.checkpoint_every >= 1 and q.log_every >= 1):
-            raise OwaiError("probe: need epochs >= 1, batch_size >= 2 (BatchNorm1d), lr > 0, weight_decay >= 0, "
-                            "0 <= momentum < 1, gamma > 0, checkpoint_every >= 1, log_every >= 1")
-        if sum(bool(x) for x in (q.seeds or q.snapshots, q.networks, q.weights)) > 1:
-            raise OwaiError("give one source of networks: probe.seeds / probe.snapshots (cache entries), "
-                            "probe.networks (run directories) or probe.weights (checkpoint files)")
-        if q.snapshots and len(q.seeds) > 1:
-            raise OwaiError(f"probe.snapshots are of one pretrain run: give one seed, not {q.seeds}")
-        if q.seeds and len(q.seeds) != q.n and not q.snapshots:
-            raise OwaiError(f"probe.n={q.n} but {len(q.seeds)} seeds given ({q.seeds})")
-        if len(set(q.seeds)) != len(q.seeds):
-            raise OwaiError(f"probe.seeds {q.seeds} has duplicates: Cat_n's networks differ by seed")
-        stages = stages_of(cfg.stage)
-        f, s, k = cfg.finetune, cfg.distill, cfg.fewshot
-        if not (f.epochs > 0 and f.batch_size >= 1 and f.lr > 0 and 0 <= f.min_lr <= f.lr and 0 <= f.momentum < 1
-                and f.weight_decay >= 0 and f.head_epochs > 0 and f.head_lr > 0 and f.checkpoint_every >= 1
-                and f.log_every >= 1):
-            raise OwaiError("finetune: need epochs > 0, batch_size >= 1, lr > 0, 0 <= min_lr <= lr, 0 <= momentum < 1, "
-                            "weight_decay >= 0, head_epochs > 0, head_lr > 0, checkpoint_every >= 1, log_every >= 1")
-        if not (s.tau > 0 and 0 <= s.alpha <= 1 and s.epochs > 0 and s.batch_size >= 1 and s.lr > 0
-                and s.warmup_epochs >= 0 and s.warmup_lr > 0 and s.gamma > 0 and 0 <= s.momentum < 1
-                and s.weight_decay >= 0 and s.checkpoint_every >= 1 and s.log_every >= 1):
-            raise OwaiError("distill: need tau > 0, 0 <= alpha <= 1, epochs > 0, batch_size >= 1, lr > 0, warmup_epochs >= 0, "
-                            "warmup_lr > 0, gamma > 0, 0 <= momentum < 1, weight_decay >= 0, checkpoint_every >= 1, log_every >= 1")
-        bad_heads = [h for h in k.heads if h not in ("linear", "cosine")]
-        if not k.heads or bad_heads:
-            raise OwaiError(f"fewshot.heads {k.heads}: choose from linear, cosine")
-        if not k.shots or any(isinstance(x, bool) or x < 1 for x in k.shots) or len(set(k.shots)) != len(k.shots):
-            raise OwaiError(f"fewshot.shots {k.shots}: give distinct shot counts >= 1")
-        if not (k.ways >= 2 and k.queries >= 1 and k.episodes >= 1 and k.lr > 0 and k.epochs >= 1
-                and k.batch_size >= 1 and k.weight_decay >= 0 and k.seed >= 0):
-            raise OwaiError("fewshot: need ways >= 2, queries >= 1, episodes >= 1, lr > 0, epochs >= 1, batch_size >= 1, "
-                            "weight_decay >= 0, seed >= 0")
-        if stages == ["pretrain"]:
-            check_data(d.base, d.root)
-            if p.transfer_probe:
-                check_data(d.target, d.root)
-            return
-        check_data(d.target, d.root)
-        if "distill" in stages:
-            check_data(d.base, d.root)
-        nets = find_networks(cfg)  # missing, unfinished, mismatched or overlapping networks: one line, nothing written
-        if "probe" in stages:
-            for name in cfg.probe.baselines:
-                baseline_network(cfg, name)
-        if "distill" in stages and s.target == "logits" and any(net.external or not net.n_classes for net in nets):
-            raise OwaiError("distill.target=logits needs the networks' base-class heads; these are features only "
-                            "(probe.weights or self-supervised): set distill.target=features (TH A.3.3)")
-        if "distill" in stages and s.target == "features" and s.alpha != 1:
-            raise OwaiError("distill.target=features has no labels term: leave distill.alpha at 1")
-        n_base = base_class_count(cfg)
-        for net in nets if "distill" in stages and n_base and s.target == "logits" else []:
-            if net.n_classes and net.n_classes != n_base:
-                raise OwaiError(f"{net.label} has a {net.n_classes}-class head; distill reads data.base {d.base} with "
-                                f"{n_base} classes (set data.base / data.base_classes as in pre-training)")
-        if "fewshot" in stages:
-            check_episodes(cfg)
+        check_settings(cfg)
+        check_networks(cfg)
 
     def run(self, cfg: Config, run: Run) -> Outcome:
         if stages_of(cfg.stage) == ["pretrain"]:
             return run_pretrain(cfg, run)
         return run_chain(cfg, run)
+
+
+def check_settings(cfg: Config) -> None:
+    """Every check of `validate` but the pretrained networks' presence: settings, data and few-shot
+    episodes (a chain validates its evaluation steps with this before their networks exist)."""
+    from owai.data.classification import disjoint_split
+    from owai.models.vision import BACKBONES
+
+    d, m, p, q = cfg.data, cfg.model, cfg.pretrain, cfg.probe
+    for name in (d.base, d.target):
+        if name not in DATASETS:
+            raise OwaiError(f"data.base / data.target {name!r}: choose one of {', '.join(DATASETS)}")
+    if m.backbone not in BACKBONES:
+        raise OwaiError(f"unknown backbone {m.backbone!r}; known: {', '.join(sorted(BACKBONES))}")
+    native = _native_size(m.backbone)  # (probe.weights name their own models)
+    if native and native != d.image_size and not (q.weights and cfg.stage != "pretrain"):
+        raise OwaiError(f"{m.backbone} is built for {native} px images: set data.image_size={native}")
+    if isinstance(m.joint, bool) or m.joint < 1:
+        raise OwaiError(f"model.joint must be >= 1 (backbones trained as one network), got {m.joint}")
+    for name in ("image_size", "eval_batch_size"):
+        if getattr(d, name) < 1:
+            raise OwaiError(f"data.{name} must be >= 1, got {getattr(d, name)}")
+    if d.workers < 0 or d.limit_per_class < 0:
+        raise OwaiError("data.workers and data.limit_per_class must be >= 0")
+    for what, name, classes in (("base", d.base, d.base_classes), ("target", d.target, d.target_classes)):
+        if name in DIGIT_SETS:
+            unknown = [c for c in classes if c not in DIGITS]
+            if unknown:
+                raise OwaiError(f"data.{what}_classes: {name} has classes 0-9, not {', '.join(map(repr, unknown))}")
+    # one label space: the probe's classes must be new ones, unless pre-training never saw a label
+    # (SimSiam) or happened elsewhere (probe.weights: SwAV, SEER, ViT ImageNet-21k -> ImageNet)
+    if _same_labels(d.base, d.target) and p.objective == "supervised" and not (q.weights and cfg.stage != "pretrain"):
+        disjoint_split(d.base_classes or _all_classes(d.base), d.target_classes or _all_classes(d.target))
+    if not (p.epochs > 0 and p.batch_size >= 1 and p.lr > 0 and p.weight_decay >= 0 and 0 <= p.momentum < 1
+            and p.gamma > 0 and p.checkpoint_every >= 1 and p.log_every >= 1):
+        raise OwaiError("pretrain: need epochs > 0, batch_size >= 1, lr > 0, weight_decay >= 0, 0 <= momentum < 1, "
+                        "gamma > 0, checkpoint_every >= 1, log_every >= 1")
+    if not 0 < d.target_fraction <= 1:
+        raise OwaiError(f"data.target_fraction must be in (0, 1], got {d.target_fraction}")
+    for name in ("ssl_dim", "ssl_pred_dim", "ssl_proj_layers"):
+        v = getattr(p, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise OwaiError(f"pretrain.{name} must be an integer >= 1, got {v!r}")
+    if p.objective == "simsiam" and cfg.stage == "pretrain" and (p.batch_size < 2 or p.snapshots):
+        raise OwaiError("pretrain.objective=simsiam needs batch_size >= 2 (BatchNorm in the projector) and no snapshots")
+    if any(not 0 < e <= p.epochs for e in p.snapshots) or len(set(p.snapshots)) != len(p.snapshots):
+        raise OwaiError(f"pretrain.snapshots {p.snapshots}: give distinct epochs in (0, pretrain.epochs={p.epochs}]")
+    if q.snapshots and (q.networks or len(q.snapshots) != q.n or len(set(q.snapshots)) != q.n):
+        raise OwaiError(f"probe.snapshots {q.snapshots}: give probe.n={q.n} distinct epochs of one pretrain run "
+                        "(its cache entries; not with probe.networks)")
+    check_count("probe.n", q.n, 1, MAX_NETWORKS)
+    bad = [k for k in q.sizes if not 1 <= k <= q.n]
+    if not q.sizes or bad or len(set(q.sizes)) != len(q.sizes):
+        raise OwaiError(f"probe.sizes {q.sizes}: give distinct sizes k in 1..probe.n={q.n} (Cat_k = the first k networks)")
+    if not (q.epochs >= 1 and q.batch_size >= 2 and q.lr > 0 and q.weight_decay >= 0 and 0 <= q.momentum < 1
+            and q.gamma > 0 and q.checkpoint_every >= 1 and q.log_every >= 1):
+        raise OwaiError("probe: need epochs >= 1, batch_size >= 2 (BatchNorm1d), lr > 0, weight_decay >= 0, "
+                        "0 <= momentum < 1, gamma > 0, checkpoint_every >= 1, log_every >= 1")
+    if sum(bool(x) for x in (q.seeds or q.snapshots, q.networks, q.weights)) > 1:
+        raise OwaiError("give one source of networks: probe.seeds / probe.snapshots (cache entries), "
+                        "probe.networks (run directories) or probe.weights (checkpoint files)")
+    if q.snapshots and len(q.seeds) > 1:
+        raise OwaiError(f"probe.snapshots are of one pretrain run: give one seed, not {q.seeds}")
+    if q.seeds and len(q.seeds) != q.n and not q.snapshots:
+        raise OwaiError(f"probe.n={q.n} but {len(q.seeds)} seeds given ({q.seeds})")
+    if len(set(q.seeds)) != len(q.seeds):
+        raise OwaiError(f"probe.seeds {q.seeds} has duplicates: Cat_n's networks differ by seed")
+    stages = stages_of(cfg.stage)
+    f, s, k = cfg.finetune, cfg.distill, cfg.fewshot
+    if not (f.epochs > 0 and f.batch_size >= 1 and f.lr > 0 and 0 <= f.min_lr <= f.lr and 0 <= f.momentum < 1
+            and f.weight_decay >= 0 and f.head_epochs > 0 and f.head_lr > 0 and f.checkpoint_every >= 1
+            and f.log_every >= 1):
+        raise OwaiError("finetune: need epochs > 0, batch_size >= 1, lr > 0, 0 <= min_lr <= lr, 0 <= momentum < 1, "
+                        "weight_decay >= 0, head_epochs > 0, head_lr > 0, checkpoint_every >= 1, log_every >= 1")
+    if not (s.tau > 0 and 0 <= s.alpha <= 1 and s.epochs > 0 and s.batch_size >= 1 and s.lr > 0
+            and s.warmup_epochs >= 0 and s.warmup_lr > 0 and s.gamma > 0 and 0 <= s.momentum < 1
+            and s.weight_decay >= 0 and s.checkpoint_every >= 1 and s.log_every >= 1):
+        raise OwaiError("distill: need tau > 0, 0 <= alpha <= 1, epochs > 0, batch_size >= 1, lr > 0, warmup_epochs >= 0, "
+                        "warmup_lr > 0, gamma > 0, 0 <= momentum < 1, weight_decay >= 0, checkpoint_every >= 1, log_every >= 1")
+    bad_heads = [h for h in k.heads if h not in ("linear", "cosine")]
+    if not k.heads or bad_heads:
+        raise OwaiError(f"fewshot.heads {k.heads}: choose from linear, cosine")
+    if not k.shots or any(isinstance(x, bool) or x < 1 for x in k.shots) or len(set(k.shots)) != len(k.shots):
+        raise OwaiError(f"fewshot.shots {k.shots}: give distinct shot counts >= 1")
+    if not (k.ways >= 2 and k.queries >= 1 and k.episodes >= 1 and k.lr > 0 and k.epochs >= 1
+            and k.batch_size >= 1 and k.weight_decay >= 0 and k.seed >= 0):
+        raise OwaiError("fewshot: need ways >= 2, queries >= 1, episodes >= 1, lr > 0, epochs >= 1, batch_size >= 1, "
+                        "weight_decay >= 0, seed >= 0")
+    for step in cfg.chain:
+        stages_of(step)  # each a stage or a comma-joined chain of evaluation stages
+    if len(set(cfg.chain)) != len(cfg.chain) or any(x.strip() == "pretrain" for x in cfg.chain[1:]):
+        raise OwaiError(f"chain {cfg.chain}: give each step once, pretrain (if any) first")
+    if stages == ["pretrain"]:
+        check_data(d.base, d.root)
+        if p.transfer_probe:
+            check_data(d.target, d.root)
+        return
+    check_data(d.target, d.root)
+    if "distill" in stages:
+        check_data(d.base, d.root)
+    if "distill" in stages and s.target == "features" and s.alpha != 1:
+        raise OwaiError("distill.target=features has no labels term: leave distill.alpha at 1")
+    if "probe" in stages:
+        for name in cfg.probe.baselines:
+            baseline_config(cfg, name)
+    if "fewshot" in stages:
+        check_episodes(cfg)
+
+
+def check_networks(cfg: Config) -> None:
+    """The evaluation stages' networks: present, finished and fitting (`find_networks`), the baselines
+    in the cache, and base-class heads where distill needs them. One line each, before any run directory."""
+    stages = stages_of(cfg.stage)
+    if stages == ["pretrain"]:
+        return
+    d, s = cfg.data, cfg.distill
+    nets = find_networks(cfg)  # missing, unfinished, mismatched or overlapping networks: one line, nothing written
+    if "probe" in stages:
+        for name in cfg.probe.baselines:
+            baseline_network(cfg, name)
+    if "distill" in stages and s.target == "logits" and any(net.external or not net.n_classes for net in nets):
+        raise OwaiError("distill.target=logits needs the networks' base-class heads; these are features only "
+                        "(probe.weights or self-supervised): set distill.target=features (TH A.3.3)")
+    n_base = base_class_count(cfg)
+    for net in nets if "distill" in stages and n_base and s.target == "logits" else []:
+        if net.n_classes and net.n_classes != n_base:
+            raise OwaiError(f"{net.label} has a {net.n_classes}-class head; distill reads data.base {d.base} with "
+                            f"{n_base} classes (set data.base / data.base_classes as in pre-training)")
+
+
+# -- the recipe's chain -------------------------------------------------------------------------
+
+
+@dataclass
+class ChainStep:
+    """One step of `owai rich-features --recipe ID` without --stage: a sweep of pretrain runs, or one
+    run of evaluation stages."""
+
+    stage: str  # "pretrain", or evaluation stages joined by commas (run order)
+    what: str  # for messages: "4 networks (seeds 0, 1, 2, 3)", "baselines wide2, joint2", "probe"
+    sets: list[str]  # the sweep's or run's --set overrides (stage included)
+    seeds: list[int] | None = None  # pretrain: the sweep's seeds (None: the recipe's)
+    grid: Any = None  # pretrain: the sweep's grid (None: the recipe's)
+    entries: list[Path] = field(default_factory=list)  # pretrain: the cache files its points write
+
+    @property
+    def cached(self) -> bool:
+        """A pretrain step whose every network (and snapshot) is already in the cache: skipped."""
+        return bool(self.entries) and all(path.is_file() for path in self.entries)
+
+    def command(self, recipe: str, preset: str) -> str:
+        """The equivalent `--stage` command line (for messages and --dry-run)."""
+        words = ["owai rich-features", f"--stage {self.stage}", f"-r {recipe}", f"-p {preset}"]
+        if self.seeds is not None:
+            words.append("--seeds " + ",".join(map(str, self.seeds)))
+        words += [f"--set {x}" for x in self.sets if not x.startswith("stage=")]
+        cells = [f"{k}={v}" for sub in self.grid for k, vs in sub.items() for v in vs] if isinstance(self.grid, list) else []
+        return "; ".join(" ".join([*words, f"--set {cell}"]) for cell in cells) if cells else " ".join(words)
+
+
+def chain_steps(cfg: Config) -> list[str]:
+    """The recipe's chain (Config.chain, else its `stage` alone), each step in run order."""
+    return [",".join(stages_of(step)) for step in (cfg.chain or [cfg.stage])]
+
+
+def cached_seeds(cfg: Config) -> list[int]:
+    """The seeds of the networks an evaluation config reads from the cache ([] when it reads run
+    directories or checkpoint files)."""
+    q = cfg.probe
+    if q.networks or q.weights:
+        return []
+    if q.snapshots:
+        return [(q.seeds or [0])[0]]
+    return list(q.seeds or range(q.n))
+
+
+def cache_entries(cfg: Config) -> list[Path]:
+    """The cache files the pretrain run of `cfg` (its seed) writes: the final weights and its snapshots."""
+    return [weights_path(cfg, cfg.seed), *(snapshot_path(cfg, cfg.seed, e) for e in cfg.pretrain.snapshots)]
+
+
+def plan_chain(recipe: str, preset: str | None, sets: list[str], seeds: list[int] | None = None) -> list[ChainStep]:
+    """The steps that run recipe `recipe` from an empty cache with one command, each validated as
+    far as it can be before the earlier steps ran: every pretrain sweep point fully (`sweep.plan`),
+    an evaluation step's settings, data and episodes (`check_settings`) and, when no pretrain step
+    makes them, its networks (`check_networks`). Nothing is written.
+
+    A pretrain step trains the networks the evaluation steps read from the cache (their seeds,
+    `cached_seeds`; Table 2.2's baselines `probe.baselines` as a second sweep at the first seed);
+    before any evaluation step reads the cache it is skipped, and with no evaluation step it is the
+    recipe's own sweep (grid and seeds; `seeds` replaces them). With evaluation steps, `seeds` are
+    the networks': probe.seeds (and probe.n)."""
+    from owai import sweep as sweeps
+    from owai.experiment import resolve
+    from owai.recipes import load
+
+    rec = load(recipe)
+    base, resolved = resolve(rec, preset, sets, validate=False)
+    preset = resolved["preset"]
+    chain = chain_steps(base)
+    evals = [step for step in chain if step != "pretrain"]
+    if seeds is not None and evals:
+        sets = [*sets, f"probe.seeds={list(seeds)}", f"probe.n={len(seeds)}"]
+    configs = {step: resolve(rec, preset, [*sets, f"stage={step}"], validate=False)[0] for step in evals}
+
+    def sweep_step(what: str, step_seeds: list[int] | None, grid: Any) -> ChainStep:
+        step_sets = [*sets, "stage=pretrain"]
+        points = sweeps.plan(rec, preset, step_sets, None, step_seeds, grid)  # validates every point
+        entries = [path for point in points
+                   for path in cache_entries(resolve(rec, preset, point.overrides, validate=False)[0])]
+        return ChainStep("pretrain", what, step_sets, step_seeds, grid, entries)
+
+    steps: list[ChainStep] = []
+    for step in chain:
+        if step == "pretrain":
+            if not evals:
+                steps.append(sweep_step("networks (the recipe's sweep)", seeds, None))
+                continue
+            needed = sorted({s for cfg in configs.values() for s in cached_seeds(cfg)})
+            if needed:
+                steps.append(sweep_step(f"{len(needed)} network(s), seeds {', '.join(map(str, needed))}", needed, {}))
+            grids: dict[int, list[dict[str, list[Any]]]] = {}
+            names: dict[int, list[str]] = {}
+            for cfg in configs.values():
+                for name in cfg.probe.baselines if "probe" in stages_of(cfg.stage) else []:
+                    _, how, seed = baseline_config(cfg, name)
+                    key, value = how.split("=", 1)
+                    if name not in names.setdefault(seed, []):
+                        names[seed].append(name)
+                        grids.setdefault(seed, []).append({key: [int(value) if key == "model.joint" else value]})
+            for seed, grid in grids.items():
+                steps.append(sweep_step(f"baselines {', '.join(names[seed])} (seed {seed})", [seed], grid))
+            continue
+        cfg = configs[step]
+        check_settings(cfg)
+        if not any(s.stage == "pretrain" for s in steps) or not cached_seeds(cfg):
+            check_networks(cfg)
+        steps.append(ChainStep(step, step, [*sets, f"stage={step}"]))
+    return steps
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -948,9 +1097,9 @@ def network_from_state(backbone: str, state: dict[str, torch.Tensor], seed: int,
 WIDE = {"resnet18": "resnet18_w{k}", "resnet50": "resnet50_w{k}"}  # model.backbone -> its wide variants
 
 
-def baseline_network(cfg: Config, name: str) -> Network:
-    """Baseline `name` ("wide{k}" or "joint{k}") as a Network: the cache entry of this config's
-    pre-training with the wide backbone or model.joint=k, at the first network's seed."""
+def baseline_config(cfg: Config, name: str) -> tuple[Config, str, int]:
+    """Baseline `name` ("wide{k}" or "joint{k}"): (this config with the wide backbone or model.joint=k,
+    the override that pretrains it, the seed it is pretrained at: the first network's)."""
     import dataclasses
     import re
 
@@ -966,14 +1115,22 @@ def baseline_network(cfg: Config, name: str) -> Network:
         if backbone not in BACKBONES:
             raise OwaiError(f"probe.baselines: {model.backbone} has no {k}x wide variant (known: "
                             f"{', '.join(b for b in BACKBONES if '_w' in b)})")
-        model, how = dataclasses.replace(model, backbone=backbone), f"--set model.backbone={backbone}"
+        model, how = dataclasses.replace(model, backbone=backbone), f"model.backbone={backbone}"
     else:
-        model, how = dataclasses.replace(model, joint=k), f"--set model.joint={k}"
-    seed = (cfg.probe.seeds or [0])[0]
-    path = weights_path(dataclasses.replace(cfg, model=model), seed)
+        model, how = dataclasses.replace(model, joint=k), f"model.joint={k}"
+    return dataclasses.replace(cfg, model=model), how, (cfg.probe.seeds or [0])[0]
+
+
+def baseline_network(cfg: Config, name: str) -> Network:
+    """Baseline `name` ("wide{k}" or "joint{k}") as a Network: the cache entry of this config's
+    pre-training with the wide backbone or model.joint=k, at the first network's seed."""
+    variant, how, seed = baseline_config(cfg, name)
+    model = variant.model
+    path = weights_path(variant, seed)
     if not path.is_file():
         raise DataMissing(f"baseline {name} (seed {seed}) is not in the cache ({path}); run `owai rich-features "
-                          f"--stage pretrain --seeds {seed} {how}` with the same settings first")
+                          f"--stage pretrain --seeds {seed} --set {how}` with the same settings first (or run the "
+                          "whole recipe without --stage)")
     return Network(seed, f"{name} ({path})", model.backbone, head_classes(cfg), None, path, model.joint)
 
 
