@@ -76,7 +76,6 @@ CASES: list[tuple[str, list[str], str, dict[str, str]]] = [
     # parse errors: the CLI library's usage box becomes one line naming the option
     ("mosaic-context-not-a-number", ["mosaic-train", "--context", "3q"], "--context", {}),
     ("mosaic-unknown-flag", ["mosaic-train", "--nosuchflag"], "--nosuchflag", {}),
-    ("rf-no-stage", ["rich-features"], "--stage", {}),
     ("rf-n-0", ["rich-features", "--stage", "probe", "--n", "0"], "--n", {}),
     ("rf-workers-0", ["rich-features", "--stage", "pretrain", "--workers", "0"], "--workers", {}),
     ("rf-executor-nope", ["rich-features", "--stage", "pretrain", "--executor", "nope"], "--executor", {}),
