@@ -179,7 +179,7 @@ def test_scoring_by_teacher_forcing(pieces):
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    text = corpus(tmp_path_factory.mktemp("corpus") / "docs.jsonl", docs=200)
+    text = corpus(tmp_path_factory.mktemp("corpus") / "docs.jsonl", docs=300)
     out = tmp_path_factory.mktemp("recall-runs")
     proc = run_owai("recipes", "run", str(RECIPE), "-p", "tiny", "-q", "-o", str(out), *as_sets([f"data.source={text}"]))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -191,19 +191,20 @@ def test_tiny_pipeline_trains_both_models_and_measures_every_point(tiny_run):
     results = json.loads((tiny_run / "results.json").read_text())
     rows = {r["metric"]: r["measured"] for r in results["rows"]}
     for arch in ("mmv2", "transformer"):
-        for length in (256, 512, 1024):
-            for name in (f"{arch}.recall.{length}", f"{arch}.recall.{length}.near", f"{arch}.recall.{length}.mid"):
+        for scale in ("1x", "4x", "8x"):  # 256, 1024 and 2048 tokens, trained at 256
+            for name in (f"{arch}.recall.{scale}", f"{arch}.recall.{scale}.near", f"{arch}.recall.{scale}.mid"):
                 assert 0.0 <= rows[name] <= 1.0
             for labels in ("semantic", "anonymous"):
-                for shots in (1, 2):
-                    assert 0.0 <= rows[f"{arch}.icl.{labels}.{length}.{shots}shot"] <= 1.0
-        assert f"{arch}.recall.512.far" in rows and f"{arch}.recall.256.far" not in rows  # far: lengths >= 2x training
-    assert "mmv2.recall_no_ltm.1024.far" in rows and "transformer.recall_no_ltm.1024" not in rows
+                for shots in (1, 8):
+                    assert 0.0 <= rows[f"{arch}.icl.{labels}.{scale}.{shots}shot"] <= 1.0
+        assert f"{arch}.recall.4x.far" in rows and f"{arch}.recall.1x.far" not in rows  # far: lengths >= 2x training
+    assert "mmv2.recall_no_ltm.8x.far" in rows and "transformer.recall_no_ltm.8x" not in rows
     assert rows["recall.chance"] == pytest.approx(1 / 90) and rows["icl.chance"] == 0.5
     assert (tiny_run / "figures" / "recall.png").stat().st_size > 10_000
     assert (tiny_run / "models" / "mmv2" / "config.json").is_file()
     verdicts = {c["id"]: c["verdict"] for c in results["claims"]}
-    assert len(verdicts) == 9 and set(verdicts.values()) <= {"holds", "misses", "n/a"}
+    # every claim judged (the tiny run's lengths are 1x / 4x / 8x too); its models are too small to learn
+    assert len(verdicts) == 9 and set(verdicts.values()) <= {"holds", "misses"}
     evals = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
     assert {r["stage"] for r in evals} >= {"mmv2-eval", "transformer-eval"}
 

@@ -13,8 +13,10 @@ episodes planted in the validation split's text (the same episodes for every mod
     in-context    accuracy per label kind (semantic, anonymous) and number of demonstrations per
                   class at each length (Figs 4.6-4.9, Table 4.6)
 
-Metrics: `{arch}.recall.{L}` (all queries), `{arch}.recall.{L}.{bucket}`, `{arch}.recall_no_ltm...`,
-`{arch}.icl.{labels}.{L}.{shots}shot`, `{arch}.val_loss` (text), `recall.chance`, `icl.chance`.
+Metrics, each length named by its multiple of the training context (`scale`: 512 -> "1x", 4096 ->
+"8x" at block 512): `{arch}.recall.{scale}` (all queries), `{arch}.recall.{scale}.{bucket}`,
+`{arch}.recall_no_ltm...`, `{arch}.icl.{labels}.{scale}.{shots}shot`, `{arch}.val_loss` (text),
+`recall.chance`, `icl.chance`.
 """
 
 from __future__ import annotations
@@ -131,6 +133,11 @@ class RecallPretraining(LanguageModelPretraining):
         return Outcome(measured, details)
 
 
+def scale(length: int, block: int) -> str:
+    """A length as the metrics name it: its multiple of the training context ("4x"), else the length."""
+    return f"{length // block}x" if length % block == 0 else str(length)
+
+
 # -- episodes -----------------------------------------------------------------------------------
 
 
@@ -239,10 +246,10 @@ def evaluate(cfg: Config, model: torch.nn.Module, data: LMData, suite: dict[str,
                 episodes = suite[f"recall/{length}"]
                 correct = score(model, episodes, device, max(1, r.batch_size * cfg.data.block_size // length))
                 for group, (acc, n) in accuracy_by_group(episodes, correct).items():
-                    name = f"recall{suffix}.{length}" + ("" if group == "all" else f".{group}")
+                    name = f"recall{suffix}.{scale(length, cfg.data.block_size)}" + ("" if group == "all" else f".{group}")
                     measured[name] = acc
                     details[f"{name}.n"] = n
-                details[f"recall{suffix}.{length}.queries"] = [
+                details[f"recall{suffix}.{scale(length, cfg.data.block_size)}.queries"] = [
                     {"distance": q.distance, "bucket": q.group, "correct": ok}
                     for ep, marks in zip(episodes, correct) for q, ok in zip(ep.queries, marks)]
         finally:
@@ -254,8 +261,9 @@ def evaluate(cfg: Config, model: torch.nn.Module, data: LMData, suite: dict[str,
         _, labels, length, shots = key.split("/")
         correct = score(model, episodes, device, max(1, r.batch_size * cfg.data.block_size // int(length)))
         groups = accuracy_by_group(episodes, correct)
-        measured[f"icl.{labels}.{length}.{shots}shot"] = groups["all"][0]
-        details[f"icl.{labels}.{length}.{shots}shot"] = {g: {"acc": a, "n": n} for g, (a, n) in groups.items()}
+        name = f"icl.{labels}.{scale(int(length), cfg.data.block_size)}.{shots}shot"
+        measured[name] = groups["all"][0]
+        details[name] = {g: {"acc": a, "n": n} for g, (a, n) in groups.items()}
     return Outcome(measured, details)
 
 
@@ -271,16 +279,16 @@ def plot(run: Run, cfg: Config, measured: dict[str, Any]) -> None:
     for arch in cfg.archs:
         for k, length in enumerate(r.lengths):
             for suffix, marker in (("", "o"), ("_no_ltm", "x")):
-                xs = [b for b in ("near", "mid", "far") if f"{arch}.recall{suffix}.{length}.{b}" in measured]
+                xs = [b for b in ("near", "mid", "far") if f"{arch}.recall{suffix}.{scale(length, block)}.{b}" in measured]
                 if not xs:
                     continue
-                label = f"{ARCH_LABELS.get(arch, arch)}{' without long-term memory' if suffix else ''}, {length // block}x"
-                axes[0].plot(xs, [measured[f"{arch}.recall{suffix}.{length}.{b}"] for b in xs], styles[k % 3] if not suffix else ":",
+                label = f"{ARCH_LABELS.get(arch, arch)}{' without long-term memory' if suffix else ''}, {scale(length, block)}"
+                axes[0].plot(xs, [measured[f"{arch}.recall{suffix}.{scale(length, block)}.{b}"] for b in xs], styles[k % 3] if not suffix else ":",
                              marker=marker, color=colors.get(arch), alpha=1 - 0.25 * k, label=label)
             for ax, labels in zip(axes[1:], LABEL_KINDS):
-                ys = [measured.get(f"{arch}.icl.{labels}.{length}.{s}shot") for s in r.shots]
+                ys = [measured.get(f"{arch}.icl.{labels}.{scale(length, block)}.{s}shot") for s in r.shots]
                 ax.plot(r.shots, ys, styles[k % 3], marker="o", color=colors.get(arch), alpha=1 - 0.25 * k,
-                        label=f"{ARCH_LABELS.get(arch, arch)}, {length // block}x")
+                        label=f"{ARCH_LABELS.get(arch, arch)}, {scale(length, block)}")
     axes[0].axhline(measured["recall.chance"], color="grey", linewidth=0.8)
     axes[0].set_title(f"recall by distance (near < {cfg.episodes.window} <= mid < {block} <= far)")
     axes[0].set_ylabel("exact-match recall")
