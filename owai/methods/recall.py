@@ -62,6 +62,7 @@ class RecallEvalConfig:
     batch_size: int = 4
     without_long_term: bool = True  # mmv2: recall again with the long-term memory off (Table C.1)
     val_batches: int = 8  # text validation-loss batches
+    probe_episodes: int = 8  # at each training evaluation, recall and accuracy at 1x on this many episodes (0: none)
 
 
 @dataclass
@@ -119,7 +120,8 @@ class RecallPretraining(LanguageModelPretraining):
             parallel = parallel_model(cfg, arch, data.tokenizer.vocab_size, device)
             details[f"{arch}.parameters"] = sum(p.numel() for p in parallel.module.parameters())
             console.info(f"{ARCH_LABELS.get(arch, arch)}: {details[f'{arch}.parameters']:,} parameters")
-            summary = train_model(cfg, run, arch, parallel, data, device, batches=mixture(cfg, data, pieces))
+            summary = train_model(cfg, run, arch, parallel, data, device, batches=mixture(cfg, data, pieces),
+                                  probe=lambda model: learning_probe(cfg, model, suite, device))
             save_model(run, arch, parallel, data)
             model = parallel.module.eval()
             measured[f"{arch}.train_loss"] = summary["final_loss"]
@@ -265,6 +267,22 @@ def evaluate(cfg: Config, model: torch.nn.Module, data: LMData, suite: dict[str,
         measured[name] = groups["all"][0]
         details[name] = {g: {"acc": a, "n": n} for g, (a, n) in groups.items()}
     return Outcome(measured, details)
+
+
+def learning_probe(cfg: Config, model: torch.nn.Module, suite: dict[str, list[Any]], device: torch.device) -> dict[str, float]:
+    """At each training evaluation: recall and classification (the most shots, anonymous labels) at
+    the training length, on the first `recall.probe_episodes` evaluation episodes (a learning curve
+    in metrics.jsonl: when, if ever, the tasks are learnt)."""
+    from owai.evals.recall import accuracy_by_group, score
+
+    r, block = cfg.recall, cfg.data.block_size
+    out: dict[str, float] = {}
+    if not r.probe_episodes or block not in r.lengths:
+        return out
+    for name, key in (("recall_1x", f"recall/{block}"), ("icl_anonymous_1x", f"icl/anonymous/{block}/{max(r.shots)}")):
+        episodes = suite[key][:r.probe_episodes]
+        out[name] = accuracy_by_group(episodes, score(model, episodes, device, r.batch_size))["all"][0]
+    return out
 
 
 def plot(run: Run, cfg: Config, measured: dict[str, Any]) -> None:
