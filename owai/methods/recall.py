@@ -313,6 +313,7 @@ def plot(run: Run, cfg: Config, measured: dict[str, Any]) -> None:
     for ax, labels in zip(axes[1:], LABEL_KINDS):
         ax.axhline(measured["icl.chance"], color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(r.shots, [str(n) for n in r.shots])
         ax.set_xlabel("demonstrations per class")
         ax.set_title(f"in-context classification, {labels} labels")
     axes[1].set_ylabel("accuracy")
