@@ -23,6 +23,7 @@ REGISTRY: dict[str, str] = {
     "coloredmnist": "owai.methods.coloredmnist:ColoredMNISTInvariance",
     "lm_pretrain": "owai.methods.language_model:LanguageModelPretraining",
     "lm_eval": "owai.methods.language_model:LanguageModelEvaluation",
+    "lm_recall": "owai.methods.recall:RecallPretraining",
     "regbench": "owai.methods.regbench:RegBench",
     "dropout_ft": "owai.methods.dropout_ft:DropoutFineTuning",
     "camelyon17": "owai.methods.camelyon17:Camelyon17Bonsai",

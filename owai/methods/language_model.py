@@ -642,9 +642,12 @@ def precision_for(name: str, device: torch.device) -> str:
     return name
 
 
-def train_model(cfg: Config, run: Run, arch: str, parallel: Any, data: LMData, device: torch.device) -> dict[str, Any]:
+def train_model(cfg: Config, run: Run, arch: str, parallel: Any, data: LMData, device: torch.device,
+                batches: Any = None, probe: Any = None) -> dict[str, Any]:
     """Pre-train one architecture (stage `arch`, held by `parallel`) through the shared training
-    loop; returns the loop's summary. The trained model stays where it is (`parallel.module`): after
+    loop; returns the loop's summary. `batches(step, micro) -> (x, y)`, this rank's rows, replaces
+    the random windows of the training split (a training mixture, e.g. owai.methods.recall's);
+    `probe(model) -> {name: number}` adds its numbers to every evaluation line (a learning curve). The trained model stays where it is (`parallel.module`): after
     an FSDP run still sharded, so evaluation runs in lockstep on every rank and save_model gathers
     it one parameter at a time; nothing ever holds a 9.9B model whole on one device."""
     from owai.evals.lm import validation_loss
@@ -668,6 +671,8 @@ def train_model(cfg: Config, run: Run, arch: str, parallel: Any, data: LMData, d
         if stream is not None:  # the next packed rows (the loop asks in order; resume restores the position)
             batch = stream.next_batch(t.batch_size)
             x, y = batch["input_ids"].to(device), batch["labels"].to(device)
+        elif batches is not None:
+            x, y = (t.to(device, non_blocking=True) for t in batches(step, micro))
         else:
             x, y = global_batch(data.train, cfg, step, micro, device)
         inputs: dict[str, Any] = {"input_ids": x}
@@ -698,6 +703,8 @@ def train_model(cfg: Config, run: Run, arch: str, parallel: Any, data: LMData, d
             logged = {"val_loss": distributed.mean_across_ranks(v, device)}
             if train_probe:
                 logged["train_eval_loss"] = distributed.mean_across_ranks(validation_loss(parallel.module, train_probe, device, eot), device)
+            if probe is not None:
+                logged.update(probe(parallel.module))
             run.log(arch, done, **logged)
 
     loop = LoopConfig(
