@@ -344,7 +344,7 @@ def test_recipes_list_commands_name_the_recipe_and_quiet_flags(capsys):
     assert rows["table2.4-coloredmnist"]["command"] == "owai bonsai --recipe table2.4-coloredmnist --study"
     assert rows["fig3.10-regbench"]["command"] == "owai eval regbench --recipe fig3.10-regbench"
     assert rows["figA.2-twobits"]["command"] == "owai bonsai --recipe figA.2-twobits"
-    assert rows["mosaic-eval"]["command"] == "owai mosaic-eval"  # one recipe, no --recipe option
+    assert rows["mosaic-eval"]["command"] == "owai mosaic-eval MODELS..."  # one recipe, no --recipe option; the models are the user's
     assert all(r["claims"] > 0 for r in rows.values())
     code, out, _ = cli_in_process(["recipes", "show", "three-moons", "--quiet"], capsys)
     assert code == 0 and "claims:" in out

@@ -157,9 +157,14 @@ class Camelyon17Bonsai(Method):
         d, t, b, p = cfg.data, cfg.train, cfg.bonsai, cfg.penalty
         from owai.data.camelyon17 import find_root
 
-        find_root(d.root)  # missing data fails before a run directory exists, naming `owai data fetch camelyon17`
+        root = find_root(d.root)  # missing data fails before a run directory exists, naming `owai data fetch camelyon17`
         if not 0 < d.fraction <= 1:
             raise OwaiError(f"data.fraction must be in (0, 1], got {d.fraction}")
+        from owai.data.camelyon17 import Camelyon17
+
+        # metadata columns, empty splits and missing patches: one line before any run directory
+        # (reading metadata.csv and listing the patch folders takes seconds for the full release)
+        Camelyon17(root, d.fraction, d.fraction_seed, d.image_size)
         for name in ("image_size", "batch_size", "n_groups_per_batch", "eval_batch_size"):
             if getattr(d, name) < 1:
                 raise OwaiError(f"data.{name} must be >= 1, got {getattr(d, name)}")
