@@ -178,7 +178,7 @@ def test_the_chain_runs_from_an_empty_cache_then_reuses_it(tmp_path: Path, monke
     assert len(sweeps) == 2
     code, out, err = cli_in_process(args[:-1], capsys)  # again: the networks come from the cache
     assert code == 0, err
-    assert out.count("in the cache, skipped") == 2
+    assert err.count("in the cache, skipped") == 2  # info lines are on stderr
     assert sorted((tmp_path / "runs" / "table2.2-cat-probe").glob("sweep-*")) == sweeps
     runs = [p for p in (tmp_path / "runs" / "table2.2-cat-probe").iterdir() if not p.name.startswith("sweep-")]
     again = [json.loads((p / "results.json").read_text()) for p in runs]
