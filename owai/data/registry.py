@@ -372,7 +372,18 @@ def fetch(name: str, root: str | Path | None = None, base_url: str | None = None
 
 def _fetch_sha256(ds: Dataset, tmp: Path, urls: tuple[str, ...], info: Callable[[str], None]) -> None:
     """Each file of `ds.sha256` from the first URL that serves it with that sha256; others are refused."""
-    for file, expected in ds.sha256.items():
+    def refused(dest: Path, file: str) -> str | None:
+        got, expected = file_digest(dest, "sha256"), ds.sha256[file]
+        return None if got == expected else f"has sha256 {got[:16]}..., expected {expected[:16]}..."
+
+    _fetch_checked(ds, tmp, urls, info, tuple(ds.sha256), refused)
+
+
+def _fetch_checked(ds: Dataset, tmp: Path, urls: tuple[str, ...], info: Callable[[str], None], files: tuple[str, ...],
+                   refused: Callable[[Path, str], str | None]) -> None:
+    """Each of `files` from the first URL that serves it and passes its check (`refused`: None, or why
+    the downloaded copy is refused); a file no URL serves intact is one error naming every attempt."""
+    for file in files:
         problems = []
         for url in urls:
             dest = tmp / file
@@ -383,11 +394,11 @@ def _fetch_sha256(ds: Dataset, tmp: Path, urls: tuple[str, ...], info: Callable[
                 dest.unlink(missing_ok=True)
                 problems.append(f"{url}{file}: {getattr(exc, 'reason', None) or exc}")
                 continue
-            got = file_digest(dest, "sha256")
-            if got == expected:
+            why = refused(dest, file)
+            if why is None:
                 break
             dest.unlink()
-            problems.append(f"{url}{file} has sha256 {got[:16]}..., expected {expected[:16]}... (refused)")
+            problems.append(f"{url}{file} {why} (refused)")
         else:
             raise OwaiError(f"cannot fetch {ds.name} file {file}: " + "; ".join(problems))
 
@@ -416,26 +427,15 @@ def _publish(final: Path, fill: Callable[[Path], None], info: Callable[[str], No
 def _fetch_files(ds: Dataset, tmp: Path, urls: tuple[str, ...], info: Callable[[str], None]) -> None:
     """Each md5 file from the first mirror that serves it intact; a corrupted file is refused."""
     published = {**ds.md5, **ds.content_md5}
-    for file, expected in ds.md5.items():
-        problems = []
-        for url in urls:
-            dest = tmp / file
-            try:
-                info(f"downloading {url}{file}")
-                _download(url + file, dest)
-            except (urllib.error.URLError, OSError, ValueError) as exc:
-                dest.unlink(missing_ok=True)
-                problems.append(f"{url}{file}: {getattr(exc, 'reason', None) or exc}")
-                continue
-            got = file_digest(dest, "md5")
-            try:
-                check_md5(dest, published, ds.name)
-                break
-            except OwaiError:
-                dest.unlink()
-                problems.append(f"{url}{file} has md5 {got}, expected {expected} (refused)")
-        else:
-            raise OwaiError(f"cannot fetch {ds.name} file {file}: " + "; ".join(problems))
+
+    def refused(dest: Path, file: str) -> str | None:
+        try:
+            check_md5(dest, published, ds.name)
+            return None
+        except OwaiError:
+            return f"has md5 {file_digest(dest, 'md5')}, expected {ds.md5[file]}"
+
+    _fetch_checked(ds, tmp, urls, info, tuple(ds.md5), refused)
 
 
 def _fetch_archive(ds: Dataset, tmp: Path, urls: tuple[str, ...], info: Callable[[str], None]) -> None:
