@@ -33,7 +33,9 @@ def test_every_packaged_recipe_validates_with_cpu_and_paper_presets(monkeypatch,
     have_data = (SHARED_DATA / "mnist").is_dir()
     monkeypatch.setenv("OWAI_BABISTORIES", str(tmp_path))  # paper presets name the BabiStories release
     (tmp_path / "traindataset.txt").write_text('"Once upon a time."\n')
-    (tmp_path / "metadata.csv").write_text("")  # a Camelyon root is recognised by its metadata.csv
+    from camelyon_tree import make_camelyon
+
+    make_camelyon(tmp_path, train_per_center=2, id_val_per_center=1, eval_per_center=1, size=8)  # validation reads metadata and patches
     from domainbed_tree import make_tree
     from owai.data.domainbed import DATASET_DIRS, DOMAINBED
 
