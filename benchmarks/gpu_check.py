@@ -273,7 +273,8 @@ def check_e2e(work: Path) -> None:
 
 
 def check_pytest() -> None:
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                           "tests"],
                           capture_output=True, text=True, cwd=ROOT, timeout=400)
     summary = (proc.stdout.strip().splitlines() or ["no output"])[-1]
     ran = " passed" in summary or " failed" in summary

@@ -3,14 +3,29 @@ or in this process with pytest's captured output)."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# The tests' own cache: never the user's ~/.cache/owai (a stale tokenizer or token cache there would
+# hide what a fresh machine does), one per test process, removed at exit. Tests that need a
+# particular cache (`no_data`, the chains) point OWAI_CACHE elsewhere themselves.
+_TEST_CACHE = tempfile.mkdtemp(prefix="owai-test-cache-")
+atexit.register(shutil.rmtree, _TEST_CACHE, ignore_errors=True)
+os.environ["OWAI_CACHE"] = _TEST_CACHE
+
+# Under pytest-xdist (`-n N`, as pyproject's addopts ask) the workers share the cores: each process,
+# and every `owai` subprocess it starts, gets cores / N intra-op threads instead of all of them.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 
 # The real data: $OWAI_DATA when it is set (as .ci/run does), else the shared/data beside the
 # repository (CI clones the repo with shared/ next to it), which the tests then name in $OWAI_DATA.

@@ -169,7 +169,7 @@ def test_unknown_hub_id_fails_fast_offline(monkeypatch):
         with pytest.raises(OwaiError, match="not found locally or on the Hugging Face hub") as e:
             fn("hf:owai-no-such-org/no-such-model")
         assert "owai-no-such-org/no-such-model" in str(e.value) and "\n" not in str(e.value)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30  # no retries (a loaded machine still answers well within this)
 
 
 def test_check_passes_local_checkpoints(checkpoints):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import time
 from pathlib import Path
 
 import numpy as np
@@ -56,10 +55,8 @@ def test_stories_are_deterministic_and_repeat_their_cast() -> None:
     assert len({r.text.split(".")[0] for r in records}) > 350  # openings vary
 
 
-def test_default_splits_are_fast_and_disjoint() -> None:
-    start = time.perf_counter()
+def test_default_splits_have_their_sizes_and_are_disjoint() -> None:
     train, val = default_story_splits()
-    assert time.perf_counter() - start < 10
     assert (len(train), len(val)) == (stories.DEFAULT_TRAIN_STORIES, stories.DEFAULT_VAL_STORIES)
     assert 5e6 < sum(map(len, train)) < 3e7
     assert not set(val[:100]) & set(train)

@@ -677,12 +677,14 @@ class OneDomain:
         return self.data.image(index)
 
 
-def _batches(cfg: Config, data: Any) -> Any:
-    """Eval-transformed (x, y) batches of every example of `data`, in order."""
+def _batches(cfg: Config, data: Any, description: str = "evaluate") -> Any:
+    """Eval-transformed (x, y) batches of every example of `data`, in order, with progress on stderr
+    (a line every 30 s off a terminal: extracting a wide network's features takes minutes on a CPU)."""
     from owai.data.domainbed import eval_batches
 
-    return eval_batches(OneDomain(data), 0, torch.arange(len(data)), cfg.data.image_size, cfg.data.eval_batch_size,
-                        cfg.data.workers, torch.cuda.is_available())
+    batches = eval_batches(OneDomain(data), 0, torch.arange(len(data)), cfg.data.image_size, cfg.data.eval_batch_size,
+                           cfg.data.workers, torch.cuda.is_available())
+    return console.track(batches, math.ceil(len(data) / cfg.data.eval_batch_size), f"{description} {len(data)} images")
 
 
 def _precision(cfg: Config, device: torch.device) -> str:
@@ -1161,7 +1163,7 @@ def extract(cfg: Config, cat: Any, data: Any, device: torch.device) -> tuple[lis
     """The n feature blocks [(N, d_i)] (float32, CPU) of every example of `data`, and its labels."""
     blocks: list[list[torch.Tensor]] = [[] for _ in cat.backbones]
     labels = []
-    for x, y in _batches(cfg, data):
+    for x, y in _batches(cfg, data, "features of"):
         for i, z in enumerate(cat.per_network(x.to(device))):
             blocks[i].append(z.float().cpu())
         labels.append(y)
