@@ -21,6 +21,11 @@ _TEST_CACHE = tempfile.mkdtemp(prefix="owai-test-cache-")
 atexit.register(shutil.rmtree, _TEST_CACHE, ignore_errors=True)
 os.environ["OWAI_CACHE"] = _TEST_CACHE
 
+# Off a terminal, as CI runs: no inherited terminal size (pytest-xdist's workers set COLUMNS=80 and
+# LINES=24, which owai's console honours and would wrap its tables and long paths at 80 columns).
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
+
 # Under pytest-xdist (`-n N`, as pyproject's addopts ask) the workers share the cores: each process,
 # and every `owai` subprocess it starts, gets cores / N intra-op threads instead of all of them.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):

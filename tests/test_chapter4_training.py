@@ -120,6 +120,7 @@ def test_a_corrupt_checkpoint_is_refused_in_one_line(trained: Path, tmp_path: Pa
     assert proc.stderr.strip().count("\n") == 0 and "step-000008" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow  # a full end-to-end path (tens of seconds); `pytest -m slow`
 def test_two_fsdp_processes_train_like_one(tmp_path: Path, text_file: Path):
     """FSDP2 over 2 gloo processes (meta-device build, per-block shards, sharded checkpoints) gives
     the losses of 1 process with the same global batch; the sharded model is then evaluated in
@@ -149,6 +150,7 @@ def test_two_fsdp_processes_train_like_one(tmp_path: Path, text_file: Path):
     assert all(torch.allclose(one[k], two[k], atol=1e-4) for k in one)
 
 
+@pytest.mark.slow  # a full end-to-end path (tens of seconds); `pytest -m slow`
 def test_size_large_dry_run_prints_the_plan_and_a_real_run_refuses(tmp_path: Path):
     dry = run_owai("mosaic-train", "--size", "large", "--dry-run", "-o", str(tmp_path))
     assert dry.returncode == 0, dry.stderr

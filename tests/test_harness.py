@@ -167,6 +167,7 @@ def test_a_missing_harness_is_one_line(monkeypatch) -> None:
         harness.require_harness()
 
 
+@pytest.mark.slow  # a full end-to-end path (tens of seconds); `pytest -m slow`
 def test_the_cpu_preset_oracle_and_a_saved_model_through_the_command(tiny_dir, tmp_path, capsys) -> None:
     from tests.conftest import cli_in_process
 
@@ -194,6 +195,7 @@ def test_errors_through_the_command_are_one_line_and_write_nothing(tiny_dir, tmp
         assert not tmp_path.joinpath("table4.1-harness").exists()
 
 
+@pytest.mark.slow  # a full end-to-end path (tens of seconds); `pytest -m slow`
 def test_the_harnesss_own_hflm_runs_through_the_same_command(tiny_dir, tmp_path, capsys) -> None:
     """`--model hflm:DIR`: lm-eval's HFLM on a transformers directory (with its own tokenizer files)."""
     import shutil
@@ -265,6 +267,7 @@ def test_owai_adapter_scores_a_llama_as_the_harnesss_hflm_does(llama_dir) -> Non
     assert ours.loglikelihood_rolling(rolling)[0] == pytest.approx(theirs.loglikelihood_rolling(rolling)[0], abs=1e-3)
 
 
+@pytest.mark.slow  # a full end-to-end path (tens of seconds); `pytest -m slow`
 def test_importing_owais_adapter_leaves_the_harnesss_own_models_usable(llama_dir) -> None:
     """In one fresh process: import owai's adapter, then run lm-eval's own `hf` model by name."""
     import os

@@ -182,7 +182,8 @@ def test_eval_posloss_subcommand(trained: Path, tmp_path: Path):
     assert not list(Path(result["run_dir"]).glob("continuations_*.md"))
 
 
-@pytest.mark.parametrize("recipe", ["tableB.2-gpt-search", "fig3.9-posloss", "figB.5-attention", "tableB.4-continuations"])
+@pytest.mark.parametrize("recipe", ["tableB.2-gpt-search", "fig3.9-posloss", pytest.param("figB.5-attention", marks=pytest.mark.slow),
+                                    pytest.param("tableB.4-continuations", marks=pytest.mark.slow)])
 def test_every_lm_recipe_runs_its_cpu_preset_shrunk(recipe: str, tmp_path: Path):
     """Each recipe's own cpu preset, shrunk by TINY_LM: RoPE/ALiBi GPTs included (Fig B.6)."""
     tiny = [s for s in TINY_LM if not s.startswith(("eval.attention", "eval.max_new"))] + ["train.steps=6", "train.eval_every=3", "train.checkpoint_every=3"]

@@ -336,7 +336,7 @@ def test_flex_block_masks_skip_what_nothing_reads():
     assert sorted(last) == [4, 5, 6, 7]  # the last query block (896..1023) reads keys 600..959 only
 
 
-@pytest.mark.parametrize("T", [70, 288])
+@pytest.mark.parametrize("T", [70, pytest.param(288, marks=pytest.mark.slow)])  # 288: three recursion levels, 30 s
 def test_compiled_scan_equals_chunked_scan(T):
     """scan_impl compiled (the CUDA default) is gated_key_scan as one graph, at the chunk key_scan_fn
     picks: the same rows, state and gradients as the eager scan at the config's chunk. At T = 288 the

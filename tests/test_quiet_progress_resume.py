@@ -119,6 +119,7 @@ def test_eval_ruler_resumes_a_killed_run_to_the_same_results(shared_data, tmp_pa
     assert rc == 2 and "owai recipes run table4.4-ruler --resume" in err
 
 
+@pytest.mark.slow  # a full end-to-end path (tens of seconds); `pytest -m slow`
 def test_eval_harness_resumes_a_killed_run_to_the_same_results(tiny_lm, tmp_path, capsys, monkeypatch) -> None:
     pytest.importorskip("lm_eval")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

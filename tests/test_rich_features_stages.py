@@ -268,6 +268,7 @@ def test_joint_network_trains_every_backbone_under_one_head() -> None:
         assert torch.allclose(z, torch.cat([a(x), b(x)], 1))
 
 
+@pytest.mark.slow  # a full end-to-end path (tens of seconds); `pytest -m slow`
 def test_wide_and_joint_baselines_are_probed_beside_cat(cache, tmp_path, capsys) -> None:
     for extra in (["model.joint=2"], ["model.backbone=resnet18_w2"]):
         code, _, err = _cli(["--stage", "pretrain", "--seeds", "0", *as_sets([*TINY, *extra]), "-o", str(tmp_path / "pre")],

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import TINY_MOONS, run_owai
 
 SETS = sum((["--set", s] for s in TINY_MOONS), [])
@@ -79,6 +81,7 @@ def test_close_compares_structures_and_floats():
     assert not _close({"a": 1}, {"a": 1, "b": 2}) and not _close([1, 2], [1, 2, 3]) and not _close("x", "y")
 
 
+@pytest.mark.slow  # a full end-to-end path (tens of seconds); `pytest -m slow`
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     """Kill a training run with SIGKILL mid-way; --resume must end with the same numbers."""
     sets = [

@@ -80,7 +80,7 @@ from torch import nn
 
 from owai.config import BaseConfig
 from owai.data.colored_mnist import ColoredMNIST, accuracy, load_colored_mnist, training_pool_size, variant
-from owai.data.mnist import mnist_dir
+from owai.data.mnist import check_mnist_dir, mnist_dir
 from owai.errors import DataMissing, OwaiError
 from owai.methods import Method, Outcome
 from owai.methods.bonsai import BonsaiConfig, cached_representation, check_config, fresh_mlp, init_from, train_phase
@@ -377,9 +377,10 @@ def check_mnist(data: DataConfig) -> None:
     copy) the hub answers; else one line naming `owai data fetch mnist`, before any run directory."""
     if data.root or not data.hub_id:
         try:
-            mnist_dir(mnist_file(data), data.root or None)
+            folder = mnist_dir(mnist_file(data), data.root or None)
         except DataMissing as e:  # the thesis's split: say that the packaged split needs no download
             raise DataMissing(f"{e} (or --preset tiny: the packaged 10k test split)") from None
+        check_mnist_dir(folder, mnist_file(data))  # the official files by md5, any other copy decoded: a bad file is one line here
         return
     from owai.data.mnist import split_files
     from owai.data.registry import locate, missing_message
