@@ -9,6 +9,7 @@ A recipe's `claims:` list states what the thesis claims, each as one predicate k
       op: "<"
       right: 266.7                                # a number or a metric reference
       presets: [paper]                            # optional: only runs at these presets are judged
+      given: {left: heads3.val.acc, op: ">", right: 0.5}   # optional: judged only where this holds
 
 Kinds (each a small class in `KINDS`, checked strictly when the recipe loads):
   compare    left OP right (+ offset): an inequality between two metrics, or a metric and a number
@@ -19,7 +20,9 @@ Kinds (each a small class in `KINDS`, checked strictly when the recipe loads):
 A metric reference is a metric name (`heads3.val.accurate_from`), a mapping `{metric: NAME, where:
 {field: value}}` that picks one record of a study (e.g. `{metric: accuracy, where: {arch: mm,
 num_examples: 1000}}`), or an aggregate `{min|max|mean: [references]}` over the references that were
-measured. The records come from the run (`records`): a single run is one record of its results rows
+measured. `given` (a `compare` without its own id and text) is a claim's premise: a claim about a
+fall from a 1x score, say, means nothing when the 1x score is at chance, so when the premise fails
+the verdict is "n/a" with the premise's numbers, neither "holds" nor "misses". The records come from the run (`records`): a single run is one record of its results rows
 (plus its params as dotted keys); a study is one record per row of its <study>.json (nested fields
 flattened to dotted keys; a row with `metric` and `mean` also holds its mean under that metric name),
 and a sweep without a study one record per grid cell (the selected cells when it selects). A missing
@@ -40,7 +43,7 @@ from owai.values import numeric
 HOLDS, MISSES, NA = "holds", "misses", "n/a"
 AGGREGATES: dict[str, Callable[[list[float]], float]] = {"min": min, "max": max, "mean": lambda v: sum(v) / len(v)}
 OPS: dict[str, Callable[[float, float], bool]] = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
-COMMON_KEYS = ("id", "text", "kind", "presets")
+COMMON_KEYS = ("id", "text", "kind", "presets", "given")
 
 Record = dict[str, Any]
 
@@ -316,6 +319,11 @@ def check_claim(spec: dict[str, Any], where: str, presets: list[str]) -> None:
         bad = [p for p in own if p not in presets]
         if bad:
             raise OwaiError(f"{where}: preset {bad[0]!r} is not a preset of the recipe ({', '.join(presets)})")
+    if "given" in spec:
+        given = spec["given"]
+        if not isinstance(given, dict) or set(Compare.required) - set(given) or set(given) - {*Compare.required, *Compare.optional}:
+            raise OwaiError(f"{where}: given must be a mapping {{left, op, right[, offset]}} (a compare)")
+        Compare.check(given, f"{where}: given")
     kind.check(spec, where)
 
 
@@ -329,6 +337,10 @@ def judge(spec: dict[str, Any], records: list[Record], preset: str | None = None
     if spec.get("presets") and preset is not None and preset not in spec["presets"]:
         return Verdict(**base, verdict=NA, numbers={}, detail=f"judged at preset {', '.join(spec['presets'])} only")
     try:
+        if "given" in spec:
+            premise, premise_detail = Compare.test(spec["given"], lambda ref: resolve(ref, records, numbers))
+            if not premise:
+                return Verdict(**base, verdict=NA, numbers=numbers, detail=f"premise fails, not judged: not {premise_detail}")
         holds, detail = KINDS[spec["kind"]].test(spec, lambda ref: resolve(ref, records, numbers))
     except Missing as e:
         return Verdict(**base, verdict=NA, numbers=numbers, detail=str(e))

@@ -92,6 +92,16 @@ def test_presets_restrict_where_a_claim_is_judged():
     assert v.verdict == C.NA and "paper" in v.detail
 
 
+def test_a_failed_premise_makes_the_claim_not_judged_with_its_numbers():
+    spec = {"kind": "direction", "from": "t1", "to": "t8", "direction": "down", "min_change": 0.3,
+            "given": {"left": "t1", "op": ">=", "right": 0.3}}
+    assert verdict(spec, {"t1": 0.8, "t8": 0.1}).verdict == C.HOLDS
+    assert verdict(spec, {"t1": 0.8, "t8": 0.7}).verdict == C.MISSES
+    v = verdict(spec, {"t1": 0.0, "t8": 0.0})  # nothing learnt at 1x: no fall to judge, neither holds nor misses
+    assert v.verdict == C.NA and v.detail.startswith("premise fails") and "0 >= 0.3" in v.detail and v.numbers == {"t1": 0.0}
+    assert verdict(spec, {"t8": 0.0}).verdict == C.NA  # premise not measured
+
+
 # --- schema ---------------------------------------------------------------------------------------
 
 BASE = (Path(__file__).resolve().parents[1] / "recipes" / "figA.2-twobits.yaml").read_text().split("\nclaims:")[0]
@@ -115,6 +125,8 @@ GOOD = {"id": "x", "text": "t", "kind": "compare", "left": "a", "op": "<", "righ
     ({**GOOD, "extra": 1}, "claim x: unknown key 'extra'"),
     ({**GOOD, "presets": ["gpu"]}, "claim x: preset 'gpu' is not a preset"),
     ({**GOOD, "text": ""}, "claim x: text must be a non-empty string"),
+    ({**GOOD, "given": {"left": "a", "op": "<"}}, "claim x: given must be a mapping"),
+    ({**GOOD, "given": {"left": "a", "op": "~", "right": 1}}, "claim x: given: op must be one of"),
     ({"id": "x", "text": "t", "kind": "close", "metric": "a", "target": 1}, "give exactly one of tol"),
     ({"id": "x", "text": "t", "kind": "close", "metric": "a", "target": 1, "tol": -1}, "tol must be a number >= 0"),
     ({"id": "x", "text": "t", "kind": "order", "order": "up", "metrics": ["a", "b"]}, "order must be increasing"),

@@ -185,27 +185,15 @@ def recall_episode(rng: np.random.Generator, pieces: Pieces, filler: np.ndarray,
         answer_at[int(i)] = len(block)
         block += pieces.word(values[i]) + pieces.end
     block_start = length - len(block)
-    for _ in range(50):
-        sizes, ranges = [], []
-        for i, name in enumerate(names):
-            fact = lead[i] + pieces.word(values[i]) + pieces.end
-            answer = block_start + answer_at[i]
-            lo_v, hi_v = len(lead[i]), block_start - len(fact) + len(lead[i])  # value positions that fit before the block
-            if name:
-                lo_d, hi_d = spans[name]
-                lo_v = max(lo_v, answer - (hi_d - 1 if hi_d is not None else answer))
-                hi_v = min(hi_v, answer - max(lo_d, 1))
-            sizes.append(len(fact))
-            ranges.append((lo_v - len(lead[i]), hi_v - len(lead[i])))
-        # the tightest ranges first, so rejection rarely fails
-        rank = sorted(range(len(names)), key=lambda j: ranges[j][1] - ranges[j][0])
-        starts = _place(rng, block_start, [sizes[j] for j in rank], [ranges[j] for j in rank], [])
-        if starts is not None:
-            break
+    facts = [lead[i] + pieces.word(values[i]) + pieces.end for i in range(len(names))]
+    if buckets is None:
+        start_of = _spread(rng, block_start, facts)
     else:
-        raise OwaiError(f"cannot plant {len(names)} facts ({', '.join(n or 'any' for n in names)}) in {length} tokens")
-    start_of = {j: s for j, s in zip(rank, starts)}
-    placed = [(start_of[i], lead[i] + pieces.word(values[i]) + pieces.end) for i in range(len(names))]
+        start_of = _in_buckets(rng, block_start, facts, [len(t) for t in lead], [block_start + answer_at[i] for i in range(len(names))],
+                               [spans[n] for n in names])
+        if start_of is None:
+            raise OwaiError(f"cannot plant {len(names)} facts ({', '.join(names)}) in {length} tokens")
+    placed = [(start_of[i], facts[i]) for i in range(len(names))]
     placed.append((block_start, tuple(block)))
     tokens, used = _fill(length, placed, filler)
     queries = []
@@ -216,6 +204,39 @@ def recall_episode(rng: np.random.Generator, pieces: Pieces, filler: np.ndarray,
                              bucket_of(start - source, window, train_length), keys[i]))
     queries.sort(key=lambda q: q.start)
     return Episode(tokens, queries, [(s, s + len(t)) for s, t in placed[:-1]], used)
+
+
+def _spread(rng: np.random.Generator, room_end: int, facts: list[tuple[int, ...]]) -> dict[int, int]:
+    """Training: the facts anywhere in [0, room_end), in random order with uniform random text gaps
+    between them (so any number of facts that fits is placed, however dense)."""
+    room = room_end - sum(len(f) for f in facts)
+    if room < 0:
+        raise OwaiError(f"cannot plant {len(facts)} facts before their queries: they take {room_end - room} tokens, "
+                        f"{max(room_end, 0)} are left")
+    start_of, offset = {}, 0
+    for cut, i in zip(np.sort(rng.integers(0, room + 1, size=len(facts))), rng.permutation(len(facts))):
+        start_of[int(i)] = int(cut) + offset
+        offset += len(facts[int(i)])
+    return start_of
+
+
+def _in_buckets(rng: np.random.Generator, room_end: int, facts: list[tuple[int, ...]], leads: list[int], answers: list[int],
+                spans: list[tuple[int, int | None]]) -> dict[int, int] | None:
+    """Evaluation: fact i's value at a distance from its answer (position `answers[i]`) inside
+    `spans[i]` = [lo, hi), no fact overlapping another or the queries; None when sampling fails."""
+    for _ in range(50):
+        ranges = []
+        for fact, lead, answer, (lo_d, hi_d) in zip(facts, leads, answers, spans):
+            lo_v, hi_v = lead, room_end - len(fact) + lead  # value positions that fit before the queries
+            lo_v = max(lo_v, answer - (hi_d - 1 if hi_d is not None else answer))
+            hi_v = min(hi_v, answer - max(lo_d, 1))
+            ranges.append((lo_v - lead, hi_v - lead))
+        # the tightest ranges first, so rejection rarely fails
+        rank = sorted(range(len(facts)), key=lambda j: ranges[j][1] - ranges[j][0])
+        starts = _place(rng, room_end, [len(facts[j]) for j in rank], [ranges[j] for j in rank], [])
+        if starts is not None:
+            return {j: s for j, s in zip(rank, starts)}
+    return None
 
 
 def invented_words(rng: np.random.Generator, n: int, taken: set[str] | None = None) -> list[str]:
