@@ -149,13 +149,27 @@ def test_dense_training_recall_episodes_plant_every_fact_once_before_its_query(p
         recall_episode(np.random.default_rng(0), pieces, filler(513), 513, None, 30)
 
 
+def test_icl_queries_beyond_one_per_class_take_classes_in_turn_and_never_repeat_an_item(pieces):
+    for seed in range(10):
+        ep = icl_episode(np.random.default_rng(seed), pieces, filler(1024), 1024, 1, "anonymous", 4, 8, n_queries=8)
+        assert len(ep.queries) == 8 and len({q.key for q in ep.queries}) == 8  # a repeat could copy the first's answer
+        answers = [q.answer for q in ep.queries]
+        assert all(answers.count(a) == 2 for a in answers)  # two queries per class
+    # more queries than items: repeats only once a class's items are all asked
+    ep = icl_episode(np.random.default_rng(0), pieces, filler(1024), 1024, 1, "anonymous", 2, 2, n_queries=6)
+    assert len(ep.queries) == 6 and len({q.key for q in ep.queries}) == 4
+
+
 def test_training_episodes_fit_and_mix(pieces):
     rng = np.random.default_rng(0)
     kinds = set()
     for _ in range(40):
-        ep = training_episode(rng, pieces, filler(513), 513, 0.5, 8, 8, 4, 8)
+        ep = training_episode(rng, pieces, filler(513), 513, 0.5, 8, 8, 4, 8, queries_per_class=2)
         assert ep.tokens.shape == (513,) and ep.queries
-        kinds.add(ep.queries[0].group in ("seen", "unseen"))
+        icl = ep.queries[0].group in ("seen", "unseen")
+        kinds.add(icl)
+        if icl:
+            assert len(ep.queries) == 8 and len({q.key for q in ep.queries}) == 8
     assert kinds == {True, False}
 
 

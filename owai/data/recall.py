@@ -256,7 +256,7 @@ def icl_episode(rng: np.random.Generator, pieces: Pieces, filler: np.ndarray, le
     """`length` tokens of text carrying `shots` demonstrations per class (items of each class taken
     in a random cycle, so `shots` >= items_per_class shows every item), spread at random through
     the text, then `n_queries` queries (classes in turn, items uniform over the class's items: an
-    item shown or not)."""
+    item shown or not; no item asked twice while the class has unasked items)."""
     if labels not in ("semantic", "anonymous"):
         raise OwaiError(f"labels must be semantic or anonymous, got {labels!r}")
     if classes < 2 or items_per_class < 1 or shots < 1 or n_queries < 1:
@@ -285,6 +285,8 @@ def icl_episode(rng: np.random.Generator, pieces: Pieces, filler: np.ndarray, le
     for q in range(n_queries):
         c = (int(rng.integers(classes)) + q) % classes if q == 0 else (asked[0][0] + q) % classes
         w = items[c][int(rng.integers(items_per_class))]
+        while any(w == a[1] for a in asked) and sum(a[0] == c for a in asked) < items_per_class:
+            w = items[c][int(rng.integers(items_per_class))]  # no item asked twice: a second query could copy the first's answer
         block += pieces.input + pieces.word(w) + pieces.label
         asked.append((c, w, len(block)))
         block += pieces.word(names[c]) + pieces.end
@@ -313,12 +315,12 @@ def icl_episode(rng: np.random.Generator, pieces: Pieces, filler: np.ndarray, le
 
 
 def training_episode(rng: np.random.Generator, pieces: Pieces, filler: np.ndarray, length: int, icl_share: float,
-                     max_facts: int, max_shots: int, classes: int, items_per_class: int) -> Episode:
+                     max_facts: int, max_shots: int, classes: int, items_per_class: int, queries_per_class: int = 1) -> Episode:
     """One episode of the training mixture: in-context classification with probability `icl_share`
-    (shots uniform in 1..max_shots, labels semantic or anonymous), else recall (1..max_facts facts
-    anywhere before their queries)."""
+    (shots uniform in 1..max_shots, labels semantic or anonymous, `queries_per_class` queries per
+    class), else recall (1..max_facts facts anywhere before their queries)."""
     if rng.random() < icl_share:
         shots = int(rng.integers(1, max_shots + 1))
         labels = "semantic" if rng.random() < 0.5 else "anonymous"
-        return icl_episode(rng, pieces, filler, length, shots, labels, classes, items_per_class, n_queries=classes)
+        return icl_episode(rng, pieces, filler, length, shots, labels, classes, items_per_class, n_queries=classes * queries_per_class)
     return recall_episode(rng, pieces, filler, length, None, int(rng.integers(1, max_facts + 1)))

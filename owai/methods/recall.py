@@ -50,6 +50,7 @@ class EpisodeConfig:
     classes: int = 4  # in-context classification: classes per episode (chance 1 / classes)
     items_per_class: int = 8  # invented items per class
     max_shots: int = 8  # training: 1..max_shots demonstrations per class
+    queries_per_class: int = 1  # training: classification queries per class (distinct items; evaluation asks one)
 
 
 @dataclass
@@ -81,7 +82,7 @@ class RecallPretraining(LanguageModelPretraining):
         e, r = cfg.episodes, cfg.recall
         if not 0 <= e.fraction <= 1 or not 0 <= e.icl_share <= 1:
             raise OwaiError("episodes.fraction and episodes.icl_share must be in [0, 1]")
-        for name in ("max_facts", "window", "items_per_class", "max_shots"):
+        for name in ("max_facts", "window", "items_per_class", "max_shots", "queries_per_class"):
             if getattr(e, name) < 1:
                 raise OwaiError(f"episodes.{name} must be >= 1, got {getattr(e, name)}")
         if e.classes < 2:
@@ -91,6 +92,7 @@ class RecallPretraining(LanguageModelPretraining):
         for name in ("episodes", "queries_per_bucket", "icl_episodes", "batch_size", "val_batches"):
             if getattr(r, name) < 1:
                 raise OwaiError(f"recall.{name} must be >= 1, got {getattr(r, name)}")
+
         if not r.lengths or min(r.lengths) < cfg.data.block_size:
             raise OwaiError(f"recall.lengths must be contexts of >= data.block_size ({cfg.data.block_size}), got {r.lengths}")
         if not r.shots or min(r.shots) < 1:
@@ -162,7 +164,8 @@ def _episode_shapes(cfg: Config, encode: Callable[[str], list[int]], filler: np.
         if e.fraction > 0 and e.icl_share < 1:
             recall_episode(rng, pieces, filler, block + 1, None, e.max_facts, e.window, block)
         if e.fraction > 0 and e.icl_share > 0:
-            icl_episode(rng, pieces, filler, block + 1, e.max_shots, "anonymous", e.classes, e.items_per_class, e.classes)
+            icl_episode(rng, pieces, filler, block + 1, e.max_shots, "anonymous", e.classes, e.items_per_class,
+                        e.classes * e.queries_per_class)
         for length in r.lengths:
             recall_episode(rng, pieces, filler, length, eval_buckets(cfg, length), 0, e.window, block)
             icl_episode(rng, pieces, filler, length, max(r.shots), "anonymous", e.classes, e.items_per_class, e.classes)
@@ -191,7 +194,7 @@ def mixture(cfg: Config, data: LMData, pieces: Any) -> Callable[[int, int], tupl
             filler = torch.cat([fx, fy[:, -1:]], 1).numpy()
             rng = np.random.default_rng(derive_seed(cfg.seed, "episodes", step, micro))
             episodes = [training_episode(rng, pieces, filler[i], block + 1, e.icl_share, e.max_facts, e.max_shots, e.classes,
-                                         e.items_per_class).tokens for i in range(n_episodes)]
+                                         e.items_per_class, e.queries_per_class).tokens for i in range(n_episodes)]
             parts.append(torch.from_numpy(np.stack(episodes)))
         full = torch.cat(parts, 0)
         mine = full[world.rank * cfg.train.batch_size:(world.rank + 1) * cfg.train.batch_size]
