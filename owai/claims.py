@@ -22,11 +22,12 @@ A metric reference is a metric name (`heads3.val.accurate_from`), a mapping `{me
 num_examples: 1000}}`), or an aggregate `{min|max|mean: [references]}` over the references that were
 measured. `given` (a `compare` without its own id and text) is a claim's premise: a claim about a
 fall from a 1x score, say, means nothing when the 1x score is at chance, so when the premise fails
-the verdict is "n/a" with the premise's numbers, neither "holds" nor "misses". The records come from the run (`records`): a single run is one record of its results rows
-(plus its params as dotted keys); a study is one record per row of its <study>.json (nested fields
-flattened to dotted keys; a row with `metric` and `mean` also holds its mean under that metric name),
-and a sweep without a study one record per grid cell (the selected cells when it selects). A missing
-metric makes the verdict "n/a" (not measured), never "holds". Nothing is evaluated as code.
+the verdict is "n/a" with the premise's numbers, neither "holds" nor "misses". The records come
+from the run (`records`): a single run is one record of its results rows (plus its params as
+dotted keys); a study is one record per row of its <study>.json (nested fields flattened to dotted
+keys; a row with `metric` and `mean` also holds its mean under that metric name), and a sweep
+without a study one record per grid cell (the selected cells when it selects). A missing metric
+makes the verdict "n/a" (not measured), never "holds". Nothing is evaluated as code.
 """
 
 from __future__ import annotations

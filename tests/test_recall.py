@@ -149,15 +149,22 @@ def test_dense_training_recall_episodes_plant_every_fact_once_before_its_query(p
         recall_episode(np.random.default_rng(0), pieces, filler(513), 513, None, 30)
 
 
-def test_icl_queries_beyond_one_per_class_take_classes_in_turn_and_never_repeat_an_item(pieces):
-    for seed in range(10):
+def test_icl_query_classes_are_drawn_on_their_own_and_items_never_repeat(pieces):
+    # classes in turn would leak: the answers already in the query block tell the next one
+    sequences = []
+    for seed in range(30):
         ep = icl_episode(np.random.default_rng(seed), pieces, filler(1024), 1024, 1, "anonymous", 4, 8, n_queries=8)
         assert len(ep.queries) == 8 and len({q.key for q in ep.queries}) == 8  # a repeat could copy the first's answer
-        answers = [q.answer for q in ep.queries]
-        assert all(answers.count(a) == 2 for a in answers)  # two queries per class
+        sequences.append(tuple(q.answer for q in ep.queries))
+    # some episode asks a class twice within its first 4 queries, and query 5 is not always query 1's class
+    assert any(len(set(s[:4])) < 4 for s in sequences) and any(s[4] != s[0] for s in sequences)
     # more queries than items: repeats only once a class's items are all asked
     ep = icl_episode(np.random.default_rng(0), pieces, filler(1024), 1024, 1, "anonymous", 2, 2, n_queries=6)
-    assert len(ep.queries) == 6 and len({q.key for q in ep.queries}) == 4
+    assert len(ep.queries) == 6 and len({q.key for q in ep.queries}) <= 4
+    counts = {a: [q.answer for q in ep.queries].count(a) for a in {q.answer for q in ep.queries}}
+    for q_ans, n in counts.items():
+        keys = {q.key for q in ep.queries if q.answer == q_ans}
+        assert len(keys) == min(n, 2)
 
 
 def test_training_episodes_fit_and_mix(pieces):

@@ -255,8 +255,8 @@ def icl_episode(rng: np.random.Generator, pieces: Pieces, filler: np.ndarray, le
                 labels: str = "semantic", classes: int = 4, items_per_class: int = 8, n_queries: int = 4) -> Episode:
     """`length` tokens of text carrying `shots` demonstrations per class (items of each class taken
     in a random cycle, so `shots` >= items_per_class shows every item), spread at random through
-    the text, then `n_queries` queries (classes in turn, items uniform over the class's items: an
-    item shown or not; no item asked twice while the class has unasked items)."""
+    the text, then `n_queries` queries (each of a class drawn uniformly, its item uniform over the
+    class's items: an item shown or not; no item asked twice while the class has unasked items)."""
     if labels not in ("semantic", "anonymous"):
         raise OwaiError(f"labels must be semantic or anonymous, got {labels!r}")
     if classes < 2 or items_per_class < 1 or shots < 1 or n_queries < 1:
@@ -282,8 +282,10 @@ def icl_episode(rng: np.random.Generator, pieces: Pieces, filler: np.ndarray, le
 
     block: list[int] = []
     asked: list[tuple[int, str, int]] = []
-    for q in range(n_queries):
-        c = (int(rng.integers(classes)) + q) % classes if q == 0 else (asked[0][0] + q) % classes
+    for _ in range(n_queries):
+        # each query's class drawn on its own: with classes in turn, the answers already given in the
+        # block would tell the next one (the last class left, or the label from `classes` queries back)
+        c = int(rng.integers(classes))
         w = items[c][int(rng.integers(items_per_class))]
         while any(w == a[1] for a in asked) and sum(a[0] == c for a in asked) < items_per_class:
             w = items[c][int(rng.integers(items_per_class))]  # no item asked twice: a second query could copy the first's answer

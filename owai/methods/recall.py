@@ -92,7 +92,6 @@ class RecallPretraining(LanguageModelPretraining):
         for name in ("episodes", "queries_per_bucket", "icl_episodes", "batch_size", "val_batches"):
             if getattr(r, name) < 1:
                 raise OwaiError(f"recall.{name} must be >= 1, got {getattr(r, name)}")
-
         if not r.lengths or min(r.lengths) < cfg.data.block_size:
             raise OwaiError(f"recall.lengths must be contexts of >= data.block_size ({cfg.data.block_size}), got {r.lengths}")
         if not r.shots or min(r.shots) < 1:
