@@ -89,7 +89,8 @@ def check_number_or_ref(value: Any, where: str) -> None:
 
 
 def label(ref: Any) -> str:
-    """A reference as a reader sees it: `accuracy[arch=mm]`, `min(a, b)`, or the number."""
+    """A reference as a reader sees it: `accuracy[arch=mm]`, `min(a, b)`, or the number (an
+    aggregate names its members, so two aggregates in one claim never share a label)."""
     if isinstance(ref, (int, float)):
         return f"{ref:g}"
     if isinstance(ref, str):
@@ -98,7 +99,7 @@ def label(ref: Any) -> str:
         sel = ",".join(f"{k}={v}" for k, v in (ref.get("where") or {}).items())
         return f"{ref['metric']}[{sel}]" if sel else ref["metric"]
     (agg, members), = ref.items()
-    return f"{agg}({label(members[0])})" if len(members) == 1 else f"{agg} of {len(members)}"
+    return f"{agg}({', '.join(label(m) for m in members)})"
 
 
 def _pick(records: list[Record], name: str, where: dict[str, Any]) -> float:

@@ -57,7 +57,11 @@ def test_a_missing_metric_is_not_measured_never_holds():
 def test_aggregates_use_the_measured_members_and_need_one():
     spec = {"kind": "compare", "left": {"min": ["a", "b", "c"]}, "op": ">", "right": 0.5}
     v = verdict(spec, {"a": 0.7, "b": 0.6})  # c missing: min over a and b
-    assert v.verdict == C.HOLDS and v.numbers["min of 3"] == 0.6
+    assert v.verdict == C.HOLDS and v.numbers["min(a, b, c)"] == 0.6
+    # two aggregates of one claim keep their own values
+    both = verdict({"kind": "compare", "left": {"max": ["a", "b"]}, "op": ">", "right": {"max": ["c", "d"]}},
+                   {"a": 0.3, "b": 0.2, "c": 0.1, "d": 0.0})
+    assert both.numbers["max(a, b)"] == 0.3 and both.numbers["max(c, d)"] == 0.1
     assert verdict(spec, {"a": 0.7, "b": 0.4}).verdict == C.MISSES
     assert verdict(spec, {"d": 1.0}).verdict == C.NA
     assert verdict({**spec, "left": {"mean": ["a", "b"]}}, {"a": 0.4, "b": 0.8}).verdict == C.HOLDS
