@@ -224,15 +224,15 @@ def _in_buckets(rng: np.random.Generator, room_end: int, facts: list[tuple[int, 
                 spans: list[tuple[int, int | None]]) -> dict[int, int] | None:
     """Evaluation: fact i's value at a distance from its answer (position `answers[i]`) inside
     `spans[i]` = [lo, hi), no fact overlapping another or the queries; None when sampling fails."""
+    ranges = []  # each fact's start range; a function of the shapes alone, so computed once for every try
+    for fact, lead, answer, (lo_d, hi_d) in zip(facts, leads, answers, spans):
+        lo_v, hi_v = lead, room_end - len(fact) + lead  # value positions that fit before the queries
+        lo_v = max(lo_v, answer - (hi_d - 1 if hi_d is not None else answer))
+        hi_v = min(hi_v, answer - max(lo_d, 1))
+        ranges.append((lo_v - lead, hi_v - lead))
+    # the tightest ranges first, so rejection rarely fails
+    rank = sorted(range(len(facts)), key=lambda j: ranges[j][1] - ranges[j][0])
     for _ in range(50):
-        ranges = []
-        for fact, lead, answer, (lo_d, hi_d) in zip(facts, leads, answers, spans):
-            lo_v, hi_v = lead, room_end - len(fact) + lead  # value positions that fit before the queries
-            lo_v = max(lo_v, answer - (hi_d - 1 if hi_d is not None else answer))
-            hi_v = min(hi_v, answer - max(lo_d, 1))
-            ranges.append((lo_v - lead, hi_v - lead))
-        # the tightest ranges first, so rejection rarely fails
-        rank = sorted(range(len(facts)), key=lambda j: ranges[j][1] - ranges[j][0])
         starts = _place(rng, room_end, [len(facts[j]) for j in rank], [ranges[j] for j in rank], [])
         if starts is not None:
             return {j: s for j, s in zip(rank, starts)}
