@@ -248,7 +248,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         _fail(usage_message(e), 2)
     except OwaiError as e:
         _fail(str(e), e.exit_code)
-    except (click.Abort, KeyboardInterrupt):
+    except (typer.Abort, KeyboardInterrupt):  # typer.Abort: Click's Abort under every Typer (its own copy has none)
         _fail("interrupted", 130)
     except Exception as e:  # noqa: BLE001 - the last line of defence against tracebacks
         if os.environ.get("OWAI_DEBUG"):

@@ -219,6 +219,24 @@ def test_an_interrupted_command_exits_130(monkeypatch, capsys) -> None:
     assert code == 130 and len(stderr.strip().splitlines()) == 1, stderr
 
 
+def test_an_internal_error_is_one_line_through_the_console_script(monkeypatch, capsys) -> None:
+    """The last line of defence: an unexpected exception is one `internal error:` line, exit 1, no
+    traceback (each `except` of `main` must resolve under the installed Typer for that)."""
+    import owai.cli
+    import owai.commands.data as data
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(data.console, "configure", broken)
+    monkeypatch.delenv("OWAI_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        owai.cli.main(["data", "list"])
+    stderr = capsys.readouterr().err
+    assert exit_.value.code == 1 and stderr.strip().splitlines() == [stderr.strip()], stderr
+    assert stderr.startswith("internal error: RuntimeError: boom") and "Traceback" not in stderr
+
+
 def test_saved_model_weights_are_readable_by_all(tmp_path: Path) -> None:
     """models/<arch>/model.safetensors is written 0644 (as the umask gives) like every other file of a run."""
     from types import SimpleNamespace
