@@ -6,7 +6,7 @@
     python benchmarks/mmv2.py throughput --documents  # packed documents (position_ids restarting, mean 1536)
     python benchmarks/mmv2.py generation              # cached generation time per token at growing contexts
     python benchmarks/mmv2.py profile --device cuda   # a decoding step's wall vs device-busy time, kernels per step
-    python benchmarks/mmv2.py scan                    # key-scan candidates: eager chunked vs compiled, chunk sizes
+    python benchmarks/mmv2.py scan                    # key-scan candidates: eager chunked, compiled (chunk sizes), Triton (CUDA)
     python benchmarks/mmv2.py all --device cuda       # the same on a GPU (bf16)
 
 Issue #39's GPU runs (small size: 2.04B / 1.83B parameters; MFU = tokens/s x 3 x owai.plan.forward_flops_per_token
@@ -16,8 +16,8 @@ over the bf16 peak, as the trainer logs it):
     python benchmarks/mmv2.py generation --device cuda --size small --contexts 4096 32768
     python benchmarks/mmv2.py scan --device cuda --context 4096 --batch 2 --size small
 
-`--attn sdpa|flex` and `--scan chunked|compiled` pick v2's kernels (default auto: flex and the
-compiled scan on CUDA). On CUDA the models train one after the other (two do not fit together);
+`--attn sdpa|flex` and `--scan chunked|compiled|triton` pick v2's kernels (default auto: flex and
+the compiled scan on CUDA). On CUDA the models train one after the other (two do not fit together);
 on CPU their steps alternate.
 
 Prints figures, asserts nothing. Targets: forward memory growing at most 4.5x from 8k to 32k
@@ -330,9 +330,13 @@ def profile(args) -> None:
 def scan(args) -> None:
     """The key-scan candidates (forward + backward of eq 4.4's gated recurrence, as one memory of
     one layer sees it): the eager chunked scan and the same as one compiled graph, at several
-    chunk sizes, without and with packed documents. ms per call, median of `--rounds`."""
+    chunk sizes, and owai's Triton kernel (its own chunking; on CUDA only: on the CPU it would run in
+    Triton's interpreter), without and with packed documents. ms per call, median of `--rounds`."""
+    import functools
+
     import torch
 
+    from owai.models import key_scan_triton
     from owai.models.memory_mosaics_v2 import _compiled, gated_key_scan
     from owai.models.sizes import size_settings
 
@@ -345,10 +349,14 @@ def scan(args) -> None:
     log_decay = -torch.randn(B, H, T, generator=gen).abs().to(args.device)
     pos = packed_positions(B, T, args.doc_mean).to(args.device)
     ds = torch.arange(T, device=args.device) - pos
+    candidates = [("chunked", gated_key_scan, args.chunks), ("compiled", _compiled("scan"), args.chunks)]
+    if args.device == "cuda" and key_scan_triton.available():
+        candidates.append(("triton", functools.partial(gated_key_scan, kernel="triton"), [0]))
     print(f"key scan forward+backward, batch {B}, {H} heads, T {T}, head size {hs}, {args.device}: ms per call (median)")
     for docs in (None, ds):
-        for chunk in args.chunks:
-            for name, fn in (("chunked", gated_key_scan), ("compiled", _compiled("scan"))):
+        for name, fn, chunks in candidates:
+            for chunk in chunks:
+                label = f"{name:9s} {'chunk %3d' % chunk if chunk else 'own chunks':10s} {'documents' if docs is not None else 'one document':13s}"
                 try:
                     inputs = [z.clone().requires_grad_(True) for z in (raw, log_gate, log_decay)]
                     seconds = []
@@ -360,10 +368,9 @@ def scan(args) -> None:
                             torch.cuda.synchronize()
                         if i >= 2:
                             seconds.append(time.perf_counter() - start)
-                    print(f"  {name:9s} chunk {chunk:3d} {'documents' if docs is not None else 'one document':13s} "
-                          f"{statistics.median(seconds) * 1000:8.2f} ms", flush=True)
+                    print(f"  {label} {statistics.median(seconds) * 1000:8.2f} ms", flush=True)
                 except Exception as err:  # noqa: BLE001
-                    print(f"  {name:9s} chunk {chunk:3d} failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+                    print(f"  {label} failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
 
 
 def main() -> None:
@@ -381,7 +388,7 @@ def main() -> None:
     parser.add_argument("--documents", action="store_true", help="throughput: packed documents (position_ids restarting)")
     parser.add_argument("--doc-mean", type=int, default=1536, help="mean document length with --documents")
     parser.add_argument("--attn", default="auto", choices=["auto", "sdpa", "flex"], help="mmv2 config attn_impl")
-    parser.add_argument("--scan", default="auto", choices=["auto", "chunked", "compiled"], help="mmv2 config scan_impl")
+    parser.add_argument("--scan", default="auto", choices=["auto", "chunked", "compiled", "triton"], help="mmv2 config scan_impl")
     parser.add_argument("--chunks", type=int, nargs="+", default=[16, 32, 64], help="scan: chunk sizes")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--new", type=int, default=32)

@@ -32,6 +32,13 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 
+# Triton kernels (v2's scan_impl triton) run on CPU tensors only in Triton's interpreter, which is
+# chosen when triton is first imported (torch._dynamo imports it): without CUDA, choose it now.
+import torch  # noqa: E402  (after OMP_NUM_THREADS)
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # The real data: $OWAI_DATA when it is set (as .ci/run does), else the shared/data beside the
 # repository (CI clones the repo with shared/ next to it), which the tests then name in $OWAI_DATA.
 # owai itself never looks there. Tests that need real data skip with a reason when it is absent.

@@ -36,15 +36,18 @@ last h pairs, the long-term memory all pairs (in a buffer with spare rows: a new
 row), plus each key scan's state and the newest raw value.
 
 Kernels (docs/decisions.md, issue #39): `attn_impl` auto|sdpa|flex and `scan_impl`
-auto|chunked|compiled choose how, not what, is computed. On CUDA (auto) reads from position 0 go
+auto|chunked|compiled|triton choose how, not what, is computed. On CUDA (auto) reads from position 0 go
 through compiled flex_attention with block masks built once per forward from per-block bounds (the
 short-term window always, the long-term memory with documents), the key scan runs as one compiled
 graph, reads and the cache use the autocast dtype (else the weights'); decoding steps read their
-slice with one unmasked SDPA. On CPU the path above is unchanged.
+slice with one unmasked SDPA. `scan_impl: triton` runs the key scan as owai's own Triton kernel
+(owai.models.key_scan_triton: a custom op with its backward, also inside compiled blocks). On CPU
+the path above is unchanged.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -63,7 +66,7 @@ from owai.models.memory_mosaics import MemoryMosaicsCache, own_generation_cache
 SHORT_EDGES = ("open", "closed")  # open: j >= t-h+1 (thesis main text); closed: j >= t-h (paper appendix)
 LONG_EDGES = ("inclusive", "strict")  # inclusive: j <= t-m; strict: j <= t-m-1
 ATTN_IMPLS = ("auto", "sdpa", "flex")  # auto: flex on CUDA (training, prefill), sdpa elsewhere
-SCAN_IMPLS = ("auto", "chunked", "compiled")  # auto: the chunked scan as one compiled graph on CUDA
+SCAN_IMPLS = ("auto", "chunked", "compiled", "triton")  # auto: the chunked scan as one compiled graph on CUDA
 FLEX_BLOCK = 128  # flex_attention's sparse block size (rows and columns)
 
 
@@ -175,7 +178,7 @@ def _unit(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def gated_key_scan(raw: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.Tensor, doc_start: torch.Tensor | None,
-                   start: int, state: tuple[torch.Tensor, torch.Tensor] | None, chunk: int,
+                   start: int, state: tuple[torch.Tensor, torch.Tensor] | None, chunk: int, kernel: str = "chunked",
                    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The gated recurrence kbar_t = g_t k~_t + lambda_t kbar_{t-1} (eq 4.4), up to a positive factor per row.
 
@@ -183,14 +186,18 @@ def gated_key_scan(raw: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.T
     log lambda (<= 0); doc_start (B, T) absolute document start of each position (None: 0); state =
     (direction (B, H, hs), log-scale (B, H)) of kbar at position start-1, or None. Returns the
     directions of kbar (B, H, T, hs) fp32 (each row's scale dropped: only Norm(kbar) is used) and the
-    new state.
+    new state. kernel "triton": the whole scan as owai.models.key_scan_triton's kernel (same function),
+    else `_log_space_scan` (`chunk` positions per chunk).
     """
-    raw, log_gate, log_decay = _wide(raw), _wide(log_gate), _wide(log_decay)
     local_start = None if doc_start is None else doc_start - start  # < 0: the document began before `start`
     if raw.shape[2] == 1 and state is not None:  # a decoding step: the recurrence's one step, a dozen ops
-        rows, log_scale = _scan_step(raw, log_gate, log_decay, local_start, state)
+        rows, log_scale = _scan_step(_wide(raw), _wide(log_gate), _wide(log_decay), local_start, state)
+    elif kernel == "triton":  # reads raw in its own dtype
+        from owai.models.key_scan_triton import triton_log_space_scan
+
+        rows, log_scale = triton_log_space_scan(raw, log_gate, log_decay, local_start, state)
     else:
-        rows, log_scale = _log_space_scan(raw, log_gate, log_decay, local_start, state, chunk)
+        rows, log_scale = _log_space_scan(_wide(raw), _wide(log_gate), _wide(log_decay), local_start, state, chunk)
     last = rows[:, :, -1]
     norm = torch.linalg.vector_norm(last, dim=-1).clamp_min(1e-30)
     return rows, (last / norm[..., None], log_scale[:, :, -1] + norm.log())
@@ -350,9 +357,10 @@ def decode_step(h: torch.Tensor, key_w: torch.Tensor, gate_w: torch.Tensor, deca
 
 def _compiles_scan(config: MemoryMosaicsV2Config, device: torch.device) -> bool:
     """Whether the key scan (and a decoding step's arithmetic) run compiled: scan_impl "compiled", or
-    "auto" on CUDA; never when already inside a torch.compile."""
+    "auto" or "triton" on CUDA (a decoding step is one position: no scan); never inside a torch.compile."""
     impl = config.scan_impl
-    return (impl == "compiled" or (impl == "auto" and device.type == "cuda")) and not torch.compiler.is_compiling()
+    on_cuda = impl in ("auto", "triton") and device.type == "cuda"
+    return (impl == "compiled" or on_cuda) and not torch.compiler.is_compiling()
 
 
 def _run_decode_step(inputs: tuple, compiled: bool) -> tuple[torch.Tensor, ...]:
@@ -373,14 +381,20 @@ def _run_decode_step(inputs: tuple, compiled: bool) -> tuple[torch.Tensor, ...]:
 def key_scan_fn(config: MemoryMosaicsV2Config, device: torch.device, T: int) -> tuple[Any, int]:
     """The key scan implementation for T new positions on `device` (config.scan_impl) and its chunk:
     "compiled" = gated_key_scan as one compiled graph (forward and backward), "chunked" = eager; "auto"
-    compiles on CUDA when T > scan_chunk (training, prefill) and stays eager for decoding steps. Inside
+    compiles on CUDA when T > scan_chunk (training, prefill) and stays eager for decoding steps; "triton"
+    = owai.models.key_scan_triton's kernel (on the CPU in Triton's interpreter: tests only). Inside
     an outer torch.compile (compiled blocks) the plain function is traced into the outer graph.
 
     Compiled, the chunk is at least ceil(sqrt(T)), so the chunk ends need one level of recursion and
     no more: torch 2.13's inductor miscompiles the scan at three levels (forward and gradients wrong,
     on CPU; tests/test_memory_mosaics_v2.py), and the wider chunk is also the fastest compiled one."""
-    inside = torch.compiler.is_compiling()
     impl = config.scan_impl
+    if impl == "triton":  # one custom op (opaque inside an outer torch.compile), forward and backward
+        from owai.models import key_scan_triton
+
+        key_scan_triton.require(device)
+        return functools.partial(gated_key_scan, kernel="triton"), config.scan_chunk
+    inside = torch.compiler.is_compiling()
     compiled = inside or impl == "compiled" or (impl == "auto" and device.type == "cuda" and T > config.scan_chunk)
     if not compiled:
         return gated_key_scan, config.scan_chunk

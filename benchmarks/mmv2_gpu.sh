@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Memory Mosaics v2 against the Llama transformer on one GPU: issue #39's figures in one call
+# (about 8 minutes on an H100 or H200; each step has its own time limit, so one that hangs does not
+# take the rest with it). Needs owai installed (`pip install -e .`) and one CUDA GPU.
+#
+#     bash benchmarks/mmv2_gpu.sh            # prints everything; a copy of each step's output in $OUT/mmv2_gpu/
+#
+# Steps, in order of what they decide:
+#   pytest      the `gpu` tests of v2 and Llama: flex vs SDPA, compiled and Triton key scans vs eager,
+#               the bf16 training step (each kernel path against float32), bf16 prefill + decoding
+#   scan        benchmarks/mmv2.py scan: the key-scan candidates (chunked, compiled, Triton), ms per call
+#   triton-*    training throughput, small size, batch 2 x 4096, packed documents, --scan triton,
+#               compiled blocks and eager (the issue's targets: 0.9x / MFU 40 % / 0.7x)
+#   generation  cached generation ms per token at 4k and 32k context (target: at most 1.3x)
+# The compiled default (--scan auto) was measured on an H200 on 2026-11-26 (docs/results.md).
+set -u
+cd "$(dirname "$0")/.."
+out="${OUT:-.}/mmv2_gpu"
+mkdir -p "$out"
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name: $* (limit ${limit}s)"
+    local start=$SECONDS
+    timeout "$limit" "$@" 2>&1 | tee "$out/$name.txt"
+    echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+python -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
+bench="python benchmarks/mmv2.py"
+small="--device cuda --size small --context 4096 --batch 2"
+step pytest 180 python -m pytest -q -o addopts= -m gpu tests/test_memory_mosaics_v2.py tests/test_llama.py
+step scan 60 $bench scan $small --chunks 64 --rounds 5
+step triton-compiled 120 $bench throughput $small --documents --rounds 3 --compile --scan triton
+step triton-eager 90 $bench throughput $small --documents --rounds 3 --scan triton
+step generation 100 $bench generation --device cuda --size small --contexts 4096 32768 --new 32
