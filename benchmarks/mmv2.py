@@ -5,6 +5,7 @@
     python benchmarks/mmv2.py throughput --compile    # the same with torch.compile per block (train.compile)
     python benchmarks/mmv2.py throughput --documents  # packed documents (position_ids restarting, mean 1536)
     python benchmarks/mmv2.py generation              # cached generation time per token at growing contexts
+    python benchmarks/mmv2.py generation --graphs     # the same with both decoding steps as CUDA graphs (generate)
     python benchmarks/mmv2.py profile --device cuda   # a decoding step's wall vs device-busy time, kernels per step
     python benchmarks/mmv2.py scan                    # key-scan candidates: eager chunked, compiled (chunk sizes), Triton (CUDA)
     python benchmarks/mmv2.py all --device cuda       # the same on a GPU (bf16)
@@ -239,12 +240,15 @@ def throughput(args) -> None:
 
 def generation(args) -> None:
     """Prefill a context of n tokens, then time `--new` single-token steps with the cache. On CUDA the
-    weights are bf16 (the evaluation precision; no autocast)."""
+    weights are bf16 (the evaluation precision; no autocast). `--graphs`: both models decode through
+    `generate` with their whole step replayed as a CUDA graph (generation_graphs)."""
     import torch
 
     from owai.models.hf_cache import cache_kwargs, output_cache
 
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    if args.graphs:
+        return generation_graphs(args, dtype)
     print(f"cached generation, {args.size} models, batch 1, {args.device}, {dtype}: time per new token after n context tokens")
     for arch in args.archs:
         extra = {"attn_impl": args.attn, "scan_impl": args.scan} if arch == "mmv2" else {}
@@ -271,6 +275,67 @@ def generation(args) -> None:
                 print(f"  {arch:12s} n={n:6d}  failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}", flush=True)
             finally:
                 out = cache = None
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+        del model
+        if args.device == "cuda":
+            release()
+
+
+def generation_graphs(args, dtype) -> None:
+    """Decoding with CUDA graphs, both models through `generate`, greedy: v2's StaticDecoder
+    (static_decoding auto; on the CPU "on", the same buffers without a graph) and the transformer's
+    StaticCache with transformers' own compiled decoding step (torch.compile "reduce-overhead", which
+    records CUDA graphs). A stopping criterion clocks every step (after a device sync); time per
+    token = the median step, so neither the prefill nor a first step's capture counts. One warm-up
+    call first (compilation); the same cache length in every call, so nothing recompiles."""
+    import torch
+    from transformers import StaticCache, StoppingCriteria, StoppingCriteriaList
+
+    from owai.models.hf_cache import cache_kwargs
+    from owai.models.memory_mosaics_v2 import MemoryMosaicsV2Cache
+
+    class Clock(StoppingCriteria):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    print(f"cached generation with CUDA graphs, {args.size} models, batch 1, {args.device}, {dtype}: "
+          f"median time per new token after n context tokens")
+    for arch in args.archs:
+        extra = {"attn_impl": args.attn, "scan_impl": args.scan} if arch == "mmv2" else {}
+        model = build(arch, args.size, args.vocab, args.device, **extra).to(dtype).eval()
+        if arch == "mmv2" and args.device != "cuda":
+            model.config.static_decoding = "on"
+        for n in args.contexts:
+            static = None
+            try:
+                x = torch.randint(0, model.config.vocab_size, (1, n), device=args.device)
+                length = n + args.new + 2
+                static = StaticCache(config=model.config, max_cache_len=length) if arch != "mmv2" else None
+                for _ in range(2):  # a warm-up call (compilation), then the timed one
+                    if static is not None:
+                        static.reset()
+                        cache = static
+                    else:
+                        cache = MemoryMosaicsV2Cache()
+                        cache.capacity = length
+                    clock = Clock()
+                    model.generate(x, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0,
+                                   eos_token_id=None, stopping_criteria=StoppingCriteriaList([clock]), **cache_kwargs(cache))
+                    if arch == "mmv2" and cache.decoder is None:
+                        raise RuntimeError("the StaticDecoder was not used")
+                per = statistics.median(b - a for a, b in zip(clock.times, clock.times[1:]))
+                print(f"  {arch:12s} n={n:6d}  {per * 1000:7.2f} ms/token (graphs)", flush=True)
+            except Exception as err:  # noqa: BLE001
+                print(f"  {arch:12s} n={n:6d}  failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}", flush=True)
+            finally:
+                static = cache = None
                 if args.device == "cuda":
                     torch.cuda.empty_cache()
         del model
@@ -392,6 +457,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, nargs="+", default=[16, 32, 64], help="scan: chunk sizes")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--graphs", action="store_true", help="generation: both models decode with CUDA graphs, through generate")
     args = parser.parse_args()
     if args.vocab is None and args.size == "tiny":
         args.vocab = 4096

@@ -190,6 +190,77 @@ def test_cached_generation_equals_full_forward(steps, grad):
         assert long["keys"].shape[2] > 21  # spare rows: the next token is written, not concatenated
 
 
+@pytest.mark.parametrize("prefill", [1, 4, 12])
+def test_static_decoding_equals_the_cached_steps(prefill):
+    """static_decoding on (CPU: the StaticDecoder's buffers without a CUDA graph): after a prefill,
+    steps on fixed slots (the short-term ring wraps several times, the long-term memory reads from
+    its delay on) give the full forward's logits, and generate builds the decoder with its
+    max_length as the capacity (not with beams). Misuse is one error."""
+    from owai.models.hf_cache import cache_kwargs
+    from owai.models.memory_mosaics_v2 import MemoryMosaicsV2Cache, StaticDecoder
+
+    model = tiny_model(static_decoding="on").eval()
+    ids = torch.randint(0, 50, (2, 30))
+    full = model(input_ids=ids).logits
+    logits = {}
+    for mode in ("off", "on"):
+        model.config.static_decoding = mode
+        cache = MemoryMosaicsV2Cache()
+        cache.capacity = 31
+        with torch.no_grad():
+            parts = [model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True).logits]
+            for t in range(prefill, 30):
+                parts.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+        logits[mode] = torch.cat(parts, 1)
+    assert isinstance(cache.decoder, StaticDecoder) and cache.decoder.graph is None
+    assert torch.allclose(logits["on"], logits["off"], atol=1e-12)  # the dynamic cache's steps
+    assert torch.allclose(logits["on"], full, atol=1e-7)  # (the steps' closed-form scan: 1e-8 from the chunked one here)
+    with torch.no_grad():
+        with pytest.raises(OwaiError, match="one token per row"):
+            model(input_ids=ids[:, :2], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)  # position 30: the last slot
+        with pytest.raises(OwaiError, match="past the static decoder's capacity"):
+            model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+    with pytest.raises(OwaiError, match="cannot be reordered"):
+        cache.reorder_cache(torch.tensor([1, 0]))
+
+    given = MemoryMosaicsV2Cache()
+    static = model.generate(input_ids=ids[:, :prefill], max_new_tokens=9, do_sample=False, **cache_kwargs(given))
+    assert given.decoder is not None and given.decoder.capacity == prefill + 9
+    model.config.static_decoding = "off"
+    plain = MemoryMosaicsV2Cache()
+    assert torch.equal(static, model.generate(input_ids=ids[:, :prefill], max_new_tokens=9, do_sample=False, **cache_kwargs(plain)))
+    assert plain.decoder is None
+    model.config.static_decoding = "on"
+    beams = MemoryMosaicsV2Cache()
+    model.generate(input_ids=ids[:1, :prefill], max_new_tokens=3, num_beams=2, do_sample=False, **cache_kwargs(beams))
+    assert beams.capacity is None and beams.decoder is None
+
+
+def test_a_static_decoder_that_cannot_be_built_falls_back_to_the_dynamic_cache(monkeypatch):
+    """static_decoding auto where the graphed step fails to build (a capture or compiler error on
+    CUDA): one warning, generation continues on the untouched dynamic cache, and no later generate
+    tries again."""
+    import owai.models.memory_mosaics_v2 as v2
+
+    model = tiny_model().eval()
+    ids = torch.randint(0, 50, (1, 6))
+    expected = model.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(v2.MemoryMosaicsV2ForCausalLM, "_graphs_fit", lambda self, device: "graphs-failed" not in v2._COMPILED)
+    monkeypatch.setattr(v2.StaticDecoder, "__init__", broken)
+    monkeypatch.setattr(v2, "_COMPILED", {})
+    with pytest.warns(RuntimeWarning, match="could not be built .*stream is capturing"):
+        first = model.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
+    second = model.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(first, expected) and torch.equal(second, expected) and len(calls) == 1
+
+
 def test_generate_greedy_matches_argmax_and_left_padding():
     model = tiny_model().float()
     ids = torch.randint(1, 50, (1, 9))
@@ -263,6 +334,7 @@ def test_bandwidth_grows_with_stored_pairs():
     (dict(n_layer=0), "n_layer"),
     (dict(attn_impl="flash"), "attn_impl"),
     (dict(scan_impl="cuda"), "scan_impl"),
+    (dict(static_decoding="yes"), "static_decoding"),
 ])
 def test_bad_config_is_one_line(bad, message):
     with pytest.raises(OwaiError, match=message):
@@ -478,6 +550,33 @@ def test_gpu_bf16_prefill_and_decoding_equal_the_full_forward():
             parts.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits.float())
     stepped = torch.cat(parts, 1)
     assert (stepped - full).abs().max() < 0.05 * full.abs().max(), (stepped - full).abs().max()
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_static_decoding_replays_a_cuda_graph():
+    """bf16 weights on CUDA, static_decoding auto: the decoding step is captured as a CUDA graph once
+    and its replays give the dynamic cache's logits to bf16 tolerance (the short-term ring wraps,
+    the long-term memory reads; batch 2)."""
+    from owai.models.memory_mosaics_v2 import MemoryMosaicsV2Cache
+
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=512, n_layer=2, n_embd=256, n_head=4, ffn_hidden=512)
+    model = MemoryMosaicsV2ForCausalLM(MemoryMosaicsV2Config(**cfg)).cuda().to(torch.bfloat16).eval()
+    ids = torch.randint(0, 512, (2, 700), device="cuda")
+    logits = {}
+    for mode in ("off", "auto"):
+        model.config.static_decoding = mode
+        cache = MemoryMosaicsV2Cache()
+        cache.capacity = 700
+        with torch.no_grad():
+            parts = [model(input_ids=ids[:, :300], past_key_values=cache, use_cache=True).logits[:, -1:].float()]
+            for t in range(300, 700):
+                parts.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits.float())
+        logits[mode] = torch.cat(parts, 1)
+    assert cache.decoder is not None and cache.decoder.graph is not None
+    off, graphed = logits["off"], logits["auto"]
+    assert (graphed - off).abs().max() < 0.05 * off.abs().max(), (graphed - off).abs().max()
 
 
 @pytest.mark.gpu

@@ -42,7 +42,9 @@ short-term window always, the long-term memory with documents), the key scan run
 graph, reads and the cache use the autocast dtype (else the weights'); decoding steps read their
 slice with one unmasked SDPA. `scan_impl: triton` runs the key scan as owai's own Triton kernel
 (owai.models.key_scan_triton: a custom op with its backward, also inside compiled blocks). On CPU
-the path above is unchanged.
+the path above is unchanged. `static_decoding` (auto: on CUDA, unsharded models): once `generate`
+knows the length, decoding steps run on a `StaticDecoder`, buffers allocated once and reads masked
+by a position tensor, so the whole step is captured as one CUDA graph and replayed.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ SHORT_EDGES = ("open", "closed")  # open: j >= t-h+1 (thesis main text); closed:
 LONG_EDGES = ("inclusive", "strict")  # inclusive: j <= t-m; strict: j <= t-m-1
 ATTN_IMPLS = ("auto", "sdpa", "flex")  # auto: flex on CUDA (training, prefill), sdpa elsewhere
 SCAN_IMPLS = ("auto", "chunked", "compiled", "triton")  # auto: the chunked scan as one compiled graph on CUDA
+STATIC_DECODING = ("auto", "on", "off")  # auto: on CUDA when generate knows the length (StaticDecoder)
 FLEX_BLOCK = 128  # flex_attention's sparse block size (rows and columns)
 
 
@@ -102,6 +105,7 @@ class MemoryMosaicsV2Config(PreTrainedConfig):
     query_block: int = 256
     attn_impl: str = "auto"  # memory reads: ATTN_IMPLS (same function, different kernels)
     scan_impl: str = "auto"  # key scan: SCAN_IMPLS (same function, different kernels)
+    static_decoding: str = "auto"  # STATIC_DECODING: generation steps on preallocated buffers, CUDA-graphed
     bag_of_k: int = 0  # > 0: a second head predicting the bag of the next k tokens (sec 4.2.5.1)
     bag_weight: float = 0.3  # alpha of L = L_next + alpha L_bag
     bag_eta: float = 64000.0
@@ -130,7 +134,7 @@ class MemoryMosaicsV2Config(PreTrainedConfig):
             raise OwaiError(f"memory mosaics v2 config: short_edge must be one of {SHORT_EDGES}, got {self.short_edge!r}")
         if self.long_edge not in LONG_EDGES:
             raise OwaiError(f"memory mosaics v2 config: long_edge must be one of {LONG_EDGES}, got {self.long_edge!r}")
-        for name, allowed in (("attn_impl", ATTN_IMPLS), ("scan_impl", SCAN_IMPLS)):
+        for name, allowed in (("attn_impl", ATTN_IMPLS), ("scan_impl", SCAN_IMPLS), ("static_decoding", STATIC_DECODING)):
             if getattr(self, name) not in allowed:
                 raise OwaiError(f"memory mosaics v2 config: {name} must be one of {allowed}, got {getattr(self, name)!r}")
         lo_hi = self.long_delay_train
@@ -303,7 +307,7 @@ def _append(cache: dict, name: str, new: torch.Tensor) -> torch.Tensor:
     return buffer[:, :, :need]
 
 
-_COMPILED: dict[str, Any] = {}  # torch.compile'd kernels, created once per process on first use
+_COMPILED: dict[str, Any] = {}  # torch.compile'd kernels, created once per process on first use (and failure flags)
 
 
 def _compiled(name: str) -> Any:
@@ -537,6 +541,8 @@ class ContextualMemory(nn.Module):
         """
         cfg = self.config
         B, T, d = x.shape
+        if cache is not None and "slot_pos" in cache:  # a StaticDecoder's buffers
+            return self._decode_static(x, cache, delay)
         if T == 1 and doc_start is None and cache and "scan" in cache and not torch.is_grad_enabled():
             return self._decode(x, cache, past, delay)
         H, hs = cfg.n_head, cfg.head_size
@@ -602,6 +608,35 @@ class ContextualMemory(nn.Module):
             y = query.new_zeros(query.shape)
         else:
             y = F.scaled_dot_product_attention(query, keys[:, :, lo_index:hi_index], values[:, :, lo_index:hi_index], scale=1.0)
+        return self.o_proj(y.to(x.dtype).transpose(1, 2).reshape(x.shape))
+
+    def _decode_static(self, x: torch.Tensor, state: dict, delay: int) -> torch.Tensor:
+        """`_decode` on a StaticDecoder's buffers: no shape, index or Python number depends on the
+        position, which is the 0-d tensor state["t"], so the step can be captured as a CUDA graph.
+
+        state: keys, values (B, H, S, hs) with S slots (the long-term memory: one per position; the
+        short-term memory: a ring of span + 1), slot_pos (S,) the position whose key (and, once the
+        next token is known, value) a slot holds (-1: none), the scan state and pending raw value."""
+        lo, hi = self.lags(delay)
+        t = state["t"]
+        slots = state["keys"].shape[2]
+        first = torch.zeros_like(t) if hi is None else (t - hi).clamp(min=0)  # readable positions: [first, t - lo]
+        log_count = (t - lo - first + 1).clamp(min=1).float().log()
+        inputs = (x, self.key_proj.weight, self.gate_proj.weight, self.decay_proj.weight, self.value_proj.weight,
+                  self.value_mix, self.beta1_log, self.alpha_raw, self.beta0_raw, state["scan_dir"], state["scan_log"],
+                  state["v_pending"], log_count, self.config.norm_eps, self.read_dtype(x.device))
+        query, key, value, scan_dir, scan_log, raw_v = _run_decode_step(inputs, _compiles_scan(self.config, x.device))
+        key_slot, value_slot = (t % slots).view(1), ((t - 1) % slots).view(1)  # position t's key, t-1's finished value
+        state["keys"].index_copy_(2, key_slot, key)
+        state["values"].index_copy_(2, value_slot, value)
+        state["slot_pos"].index_copy_(0, key_slot, t.view(1))
+        state["scan_dir"].copy_(scan_dir)
+        state["scan_log"].copy_(scan_log)
+        state["v_pending"].copy_(raw_v)
+        readable = (state["slot_pos"] >= first) & (state["slot_pos"] <= t - lo)  # (S,); empty slots hold -1
+        y = F.scaled_dot_product_attention(query, state["keys"], state["values"], attn_mask=readable.view(1, 1, 1, slots),
+                                           scale=1.0)
+        y = torch.where(readable.any(), y, 0.0)  # nothing readable: 0 (the masked softmax gave NaN)
         return self.o_proj(y.to(x.dtype).transpose(1, 2).reshape(x.shape))
 
     def read(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, k0: int, past: int,
@@ -705,8 +740,14 @@ class MemoryMosaicsV2Cache(MemoryMosaicsCache):
         super().__init__()
         self.layers: list[dict[str, dict]] = []  # type: ignore[assignment]
         self.doc_start: torch.Tensor | None = None  # (B,) absolute
+        self.capacity: int | None = None  # positions a StaticDecoder may hold (generate's max_length)
+        self.decoder: StaticDecoder | None = None  # once decoding steps run on it, it holds the state
 
     def _apply(self, fn) -> None:
+        if self.decoder is not None:
+            raise OwaiError("memory mosaics v2: a cache whose steps run on a StaticDecoder cannot be reordered or "
+                            "resized (beam search: static_decoding is off)")
+
         def walk(obj: Any) -> Any:
             if isinstance(obj, torch.Tensor):  # batch-first; a 0-d tensor (a decoding step's log count) has no batch
                 return fn(obj) if obj.dim() else obj
@@ -719,6 +760,87 @@ class MemoryMosaicsV2Cache(MemoryMosaicsCache):
         self.layers = walk(self.layers)
         if self.doc_start is not None:
             self.doc_start = fn(self.doc_start)
+
+
+class StaticDecoder:
+    """Cached decoding steps (one token per row, one document per row, no autograd) on buffers
+    allocated once, from a prefilled cache: each memory's pairs sit in fixed slots (the long-term
+    memory one per position up to `capacity`, the short-term memory a ring of span + 1), reads are
+    one SDPA over all slots with a mask computed from the position tensor, so every step is the same
+    kernels on the same addresses. On CUDA the step is captured once as a CUDA graph and replayed: a
+    step of the 2B model launches ~3,000 kernels and is launch-bound eagerly (docs/results.md). The
+    same function as the dynamic cache's steps (ContextualMemory._decode; tested)."""
+
+    def __init__(self, model: "MemoryMosaicsV2ForCausalLM", cache: MemoryMosaicsV2Cache, capacity: int) -> None:
+        cfg = model.config
+        self.model, self.position, self.capacity = model, cache.get_seq_length(), capacity
+        if not 0 < self.position < capacity:
+            raise OwaiError(f"memory mosaics v2: a static decoder needs a prefilled cache shorter than its capacity "
+                            f"({self.position} positions, capacity {capacity})")
+        device = model.lm_head.weight.device
+        self.t = torch.tensor(self.position, device=device)  # the next position, advanced on the device by each step
+        self.layers = []
+        for block, layer in zip(model.layers, cache.layers):
+            memories = {"short": block.short} | ({"long": block.long} if block.long is not None and cfg.long_term_memory else {})
+            self.layers.append({kind: self._slots(memory, layer[kind], capacity) for kind, memory in memories.items()})
+        self.ids = torch.zeros(self.layers[0]["short"]["keys"].shape[0], 1, dtype=torch.long, device=device)  # (B, 1)
+        self.graph = self.logits = None
+        if device.type == "cuda":
+            self._capture()
+
+    def _slots(self, memory: ContextualMemory, stored: dict, capacity: int) -> dict:
+        """One memory's fixed-slot state from its dynamic cache entry."""
+        keys, values = stored["keys"][:, :, :stored["keys_rows"]], stored["values"][:, :, :stored["values_rows"]]
+        k0 = stored.get("k0", 0)
+        B, H, n, hs = keys.shape
+        # the long-term memory: one slot per position, rounded up to 64 (aligned rows for the SDPA
+        # kernels' masks); the short-term memory: a ring holding positions t - span .. t
+        slots = -(-capacity // 64) * 64 if memory.kind == "long" else memory.config.short_span + 1
+        positions = torch.arange(k0, k0 + n, device=keys.device)
+        index = positions % slots
+        state = {"t": self.t, "keys": keys.new_zeros(B, H, slots, hs), "values": keys.new_zeros(B, H, slots, hs),
+                 "slot_pos": torch.full((slots,), -1, dtype=torch.long, device=keys.device)}
+        state["keys"][:, :, index] = keys
+        state["values"][:, :, index[:values.shape[2]]] = values
+        state["slot_pos"][index] = positions
+        state.update(scan_dir=stored["scan"][0].clone(), scan_log=stored["scan"][1].clone(), v_pending=stored["v_pending"].clone())
+        return state
+
+    def _step(self, ids: torch.Tensor, delay: int) -> torch.Tensor:
+        """One position: the model's blocks on the static state, then t += 1. ids (B, 1) -> logits (B, 1, V)."""
+        model = self.model
+        x = model.embed_tokens(ids)
+        for block, state in zip(model.layers, self.layers):
+            x = block(x, None, delay, state, self.position, None)
+        self.t.add_(1)
+        return model.lm_head(model.norm(x))
+
+    def _capture(self) -> None:
+        """Record the step as a CUDA graph: one eager step on a side stream first (compilation, library
+        workspaces), its effect on the state undone, then the capture (which runs nothing)."""
+        small = [(state[k], state[k].clone()) for layer in self.layers for state in layer.values()
+                 for k in ("scan_dir", "scan_log", "v_pending")] + [(self.t, self.t.clone())]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._step(self.ids, self.model.config.long_delay_eval)
+        torch.cuda.current_stream().wait_stream(stream)
+        for tensor, saved in small:  # the warm-up's key and value rows are rewritten by the first real step
+            tensor.copy_(saved)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._step(self.ids, self.model.config.long_delay_eval)
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits (B, 1, V) of the next position given its tokens ids (B, 1)."""
+        if self.position >= self.capacity:
+            raise OwaiError(f"memory mosaics v2: generation ran past the static decoder's capacity ({self.capacity} positions)")
+        self.position += 1
+        if self.graph is None:
+            return self._step(ids, self.model.config.long_delay_eval)
+        self.ids.copy_(ids)
+        self.graph.replay()
+        return self.logits.clone()
 
 
 @dataclass
@@ -822,17 +944,22 @@ class MemoryMosaicsV2ForCausalLM(PreTrainedModel, GenerationMixin):
         if long_delay < 1:
             raise OwaiError(f"memory mosaics v2: long_delay must be >= 1, got {long_delay}")
 
-        x = self.embed_tokens(input_ids)  # (B, T, d); no positions
-        masks = flex_masks(cfg, doc_start, B, T, long_delay, x.device) if uses_flex(cfg, x.device, past) else None
-        for i, block in enumerate(self.layers):
-            x = block(x, doc_start, long_delay, cache.layers[i] if cache is not None else None, past, masks)
-        x = self.norm(x)
-        if cache is not None:
-            cache.seen_tokens = past + T
-            cache.doc_start = doc_start[:, -1] if doc_start is not None else None
-        kept = x[:, -logits_to_keep:] if logits_to_keep else x
-        logits = self.lm_head(kept)
-        bag_logits = self.bag_head(kept) if self.bag_head is not None else None
+        decoder = self._static_decoder(cache, T, past, doc_start, long_delay, labels, input_ids.device)
+        if decoder is not None:  # a decoding step on preallocated buffers (CUDA: a graph replay)
+            logits, bag_logits = decoder.step(input_ids), None
+            cache.seen_tokens = past + 1
+        else:
+            x = self.embed_tokens(input_ids)  # (B, T, d); no positions
+            masks = flex_masks(cfg, doc_start, B, T, long_delay, x.device) if uses_flex(cfg, x.device, past) else None
+            for i, block in enumerate(self.layers):
+                x = block(x, doc_start, long_delay, cache.layers[i] if cache is not None else None, past, masks)
+            x = self.norm(x)
+            if cache is not None:
+                cache.seen_tokens = past + T
+                cache.doc_start = doc_start[:, -1] if doc_start is not None else None
+            kept = x[:, -logits_to_keep:] if logits_to_keep else x
+            logits = self.lm_head(kept)
+            bag_logits = self.bag_head(kept) if self.bag_head is not None else None
 
         loss = None
         if labels is not None:
@@ -847,6 +974,50 @@ class MemoryMosaicsV2ForCausalLM(PreTrainedModel, GenerationMixin):
         if return_dict is False:
             return tuple(v for v in (loss, logits, out_cache) if v is not None)
         return with_cache(MemoryMosaicsV2Output, out_cache, loss=loss, logits=logits, bag_logits=bag_logits)
+
+    def _static_decoder(self, cache: MemoryMosaicsV2Cache | None, T: int, past: int, doc_start: torch.Tensor | None,
+                        long_delay: int, labels: torch.Tensor | None, device: torch.device) -> StaticDecoder | None:
+        """The cache's StaticDecoder for this call, built at the first eligible step: one new token per row
+        after a prefill, one document per row, inference (no labels, no autograd, the evaluation delay),
+        a capacity known (generate's max_length, greedy or sampling: no beams) and static_decoding on
+        (auto: on CUDA). None: the general path."""
+        if cache is None:
+            return None
+        eligible = (T == 1 and past > 0 and doc_start is None and labels is None and not torch.is_grad_enabled()
+                    and long_delay == self.config.long_delay_eval)
+        if cache.decoder is not None:
+            if not eligible:
+                raise OwaiError("memory mosaics v2: a cache whose steps run on a StaticDecoder takes one token per row "
+                                "per call, without documents, labels or gradients")
+            return cache.decoder
+        mode = self.config.static_decoding
+        if not (eligible and cache.capacity and (mode == "on" or (mode == "auto" and self._graphs_fit(device)))):
+            return None
+        try:
+            cache.decoder = StaticDecoder(self, cache, cache.capacity)
+        except Exception as err:  # noqa: BLE001 - capture and compiler errors vary by release
+            if mode == "on" or isinstance(err, OwaiError):
+                raise
+            # the dynamic cache is untouched until a decoder exists: decode on it, and stop trying
+            cache.capacity = None
+            _COMPILED["graphs-failed"] = True
+            import warnings
+
+            warnings.warn(f"memory mosaics v2: a CUDA-graph decoding step could not be built ({type(err).__name__}: "
+                          f"{str(err).splitlines()[0][:200] if str(err) else ''}); decoding without one", RuntimeWarning, stacklevel=2)
+            return None
+        for layer in cache.layers:  # the decoder holds the state from here on: free the dynamic buffers
+            layer.clear()
+        return cache.decoder
+
+    def _graphs_fit(self, device: torch.device) -> bool:
+        """static_decoding auto: on CUDA, for a model that is not sharded (FSDP's hooks gather weights
+        with collectives, which a captured graph would replay on one rank only)."""
+        if device.type != "cuda" or "graphs-failed" in _COMPILED:
+            return False
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            return False
+        return not any(type(p).__name__ == "DTensor" for p in self.parameters())
 
     @staticmethod
     def _doc_starts(B: int, T: int, past: int, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
@@ -872,8 +1043,12 @@ class MemoryMosaicsV2ForCausalLM(PreTrainedModel, GenerationMixin):
         return None
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
-        """HF generate hook: our own cache instead of a DynamicCache."""
+        """HF generate hook: our own cache instead of a DynamicCache; without beams, its capacity for a
+        StaticDecoder is the generation's max_length."""
         own_generation_cache(generation_config, model_kwargs, MemoryMosaicsV2Cache, "memory mosaics v2")
+        cache = model_kwargs.get(CACHE_FIELD)
+        if isinstance(cache, MemoryMosaicsV2Cache) and cache.capacity is None and (generation_config.num_beams or 1) == 1:
+            cache.capacity = generation_config.max_length
 
 AutoConfig.register(MemoryMosaicsV2Config.model_type, MemoryMosaicsV2Config, exist_ok=True)
 AutoModelForCausalLM.register(MemoryMosaicsV2Config, MemoryMosaicsV2ForCausalLM, exist_ok=True)
