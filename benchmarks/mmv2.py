@@ -241,40 +241,26 @@ def throughput(args) -> None:
 def generation(args) -> None:
     """Prefill a context of n tokens, then time `--new` single-token steps with the cache. On CUDA the
     weights are bf16 (the evaluation precision; no autocast). `--graphs`: both models decode through
-    `generate` with their whole step replayed as a CUDA graph (generation_graphs)."""
+    `generate` with their whole step replayed as a CUDA graph (`graphed_steps`); else `cached_steps`."""
     import torch
 
-    from owai.models.hf_cache import cache_kwargs, output_cache
-
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    if args.graphs:
-        return generation_graphs(args, dtype)
-    print(f"cached generation, {args.size} models, batch 1, {args.device}, {dtype}: time per new token after n context tokens")
+    timed = graphed_steps if args.graphs else cached_steps
+    print(f"cached generation{' with CUDA graphs' if args.graphs else ''}, {args.size} models, batch 1, {args.device}, "
+          f"{dtype}: time per new token after n context tokens")
     for arch in args.archs:
         extra = {"attn_impl": args.attn, "scan_impl": args.scan} if arch == "mmv2" else {}
         model = build(arch, args.size, args.vocab, args.device, **extra).to(dtype).eval()
+        if args.graphs and arch == "mmv2" and args.device != "cuda":
+            model.config.static_decoding = "on"  # the StaticDecoder's buffers without a graph
         for n in args.contexts:
             try:
                 x = torch.randint(0, model.config.vocab_size, (1, n), device=args.device)
-                with torch.no_grad():
-                    out = model(input_ids=x, use_cache=True, logits_to_keep=1)
-                    cache, token = output_cache(out), out.logits[:, -1:].argmax(-1)
-                    for _ in range(2):  # warm-up steps
-                        out = model(input_ids=token, use_cache=True, **cache_kwargs(cache))
-                    if args.device == "cuda":
-                        torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    for _ in range(args.new):
-                        out = model(input_ids=token, use_cache=True, **cache_kwargs(cache))
-                        token = out.logits[:, -1:].argmax(-1)
-                    if args.device == "cuda":
-                        torch.cuda.synchronize()
-                per = (time.perf_counter() - start) / args.new
+                per = timed(model, arch, x, args)
                 print(f"  {arch:12s} n={n:6d}  {per * 1000:7.2f} ms/token", flush=True)
             except Exception as err:  # noqa: BLE001
                 print(f"  {arch:12s} n={n:6d}  failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}", flush=True)
             finally:
-                out = cache = None
                 if args.device == "cuda":
                     torch.cuda.empty_cache()
         del model
@@ -282,13 +268,36 @@ def generation(args) -> None:
             release()
 
 
-def generation_graphs(args, dtype) -> None:
-    """Decoding with CUDA graphs, both models through `generate`, greedy: v2's StaticDecoder
-    (static_decoding auto; on the CPU "on", the same buffers without a graph) and the transformer's
-    StaticCache with transformers' own compiled decoding step (torch.compile "reduce-overhead", which
-    records CUDA graphs). A stopping criterion clocks every step (after a device sync); time per
-    token = the median step, so neither the prefill nor a first step's capture counts. One warm-up
-    call first (compilation); the same cache length in every call, so nothing recompiles."""
+def cached_steps(model, arch: str, x, args) -> float:
+    """Seconds per step of `--new` forward calls with the model's cache after a prefill of x (two
+    warm-up steps first)."""
+    import torch
+
+    from owai.models.hf_cache import cache_kwargs, output_cache
+
+    with torch.no_grad():
+        out = model(input_ids=x, use_cache=True, logits_to_keep=1)
+        cache, token = output_cache(out), out.logits[:, -1:].argmax(-1)
+        for _ in range(2):  # warm-up steps
+            out = model(input_ids=token, use_cache=True, **cache_kwargs(cache))
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.new):
+            out = model(input_ids=token, use_cache=True, **cache_kwargs(cache))
+            token = out.logits[:, -1:].argmax(-1)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+    return (time.perf_counter() - start) / args.new
+
+
+def graphed_steps(model, arch: str, x, args) -> float:
+    """Seconds per step of greedy `generate` with CUDA-graphed decoding: v2's StaticDecoder
+    (static_decoding auto), the transformer's StaticCache with transformers' own compiled decoding
+    step (torch.compile "reduce-overhead", which records CUDA graphs). A stopping criterion clocks
+    every step after a device sync; the median step counts, so neither the prefill nor the first
+    step's capture does. A warm-up call first (compilation); the same cache length in every call, so
+    nothing recompiles."""
     import torch
     from transformers import StaticCache, StoppingCriteria, StoppingCriteriaList
 
@@ -305,42 +314,21 @@ def generation_graphs(args, dtype) -> None:
             self.times.append(time.perf_counter())
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
-    print(f"cached generation with CUDA graphs, {args.size} models, batch 1, {args.device}, {dtype}: "
-          f"median time per new token after n context tokens")
-    for arch in args.archs:
-        extra = {"attn_impl": args.attn, "scan_impl": args.scan} if arch == "mmv2" else {}
-        model = build(arch, args.size, args.vocab, args.device, **extra).to(dtype).eval()
-        if arch == "mmv2" and args.device != "cuda":
-            model.config.static_decoding = "on"
-        for n in args.contexts:
-            static = None
-            try:
-                x = torch.randint(0, model.config.vocab_size, (1, n), device=args.device)
-                length = n + args.new + 2
-                static = StaticCache(config=model.config, max_cache_len=length) if arch != "mmv2" else None
-                for _ in range(2):  # a warm-up call (compilation), then the timed one
-                    if static is not None:
-                        static.reset()
-                        cache = static
-                    else:
-                        cache = MemoryMosaicsV2Cache()
-                        cache.capacity = length
-                    clock = Clock()
-                    model.generate(x, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0,
-                                   eos_token_id=None, stopping_criteria=StoppingCriteriaList([clock]), **cache_kwargs(cache))
-                    if arch == "mmv2" and cache.decoder is None:
-                        raise RuntimeError("the StaticDecoder was not used")
-                per = statistics.median(b - a for a, b in zip(clock.times, clock.times[1:]))
-                print(f"  {arch:12s} n={n:6d}  {per * 1000:7.2f} ms/token (graphs)", flush=True)
-            except Exception as err:  # noqa: BLE001
-                print(f"  {arch:12s} n={n:6d}  failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}", flush=True)
-            finally:
-                static = cache = None
-                if args.device == "cuda":
-                    torch.cuda.empty_cache()
-        del model
-        if args.device == "cuda":
-            release()
+    length = x.shape[1] + args.new + 2
+    static = StaticCache(config=model.config, max_cache_len=length) if arch != "mmv2" else None
+    for _ in range(2):  # a warm-up call (compilation), then the timed one
+        if static is not None:
+            static.reset()
+            cache = static
+        else:
+            cache = MemoryMosaicsV2Cache()
+            cache.capacity = length
+        clock = Clock()
+        model.generate(x, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0,
+                       eos_token_id=None, stopping_criteria=StoppingCriteriaList([clock]), **cache_kwargs(cache))
+        if arch == "mmv2" and cache.decoder is None:
+            raise RuntimeError("the StaticDecoder was not used")
+    return statistics.median(b - a for a, b in zip(clock.times, clock.times[1:]))
 
 
 def profile(args) -> None:

@@ -190,6 +190,24 @@ def test_cached_generation_equals_full_forward(steps, grad):
         assert long["keys"].shape[2] > 21  # spare rows: the next token is written, not concatenated
 
 
+def stepped_logits(model: MemoryMosaicsV2ForCausalLM, ids: torch.Tensor, prefill: int, capacity: int):
+    """{mode: (logits (B, T, V), cache)} for static_decoding "off", then the model's own mode: a
+    prefill of `prefill` tokens, then one cached step per remaining token of ids (B, T)."""
+    from owai.models.memory_mosaics_v2 import MemoryMosaicsV2Cache
+
+    results = {}
+    for mode in ("off", model.config.static_decoding):
+        model.config.static_decoding = mode
+        cache = MemoryMosaicsV2Cache()
+        cache.capacity = capacity
+        with torch.no_grad():
+            parts = [model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True).logits]
+            parts += [model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits
+                      for t in range(prefill, ids.shape[1])]
+        results[mode] = (torch.cat(parts, 1), cache)
+    return results
+
+
 @pytest.mark.parametrize("prefill", [1, 4, 12])
 def test_static_decoding_equals_the_cached_steps(prefill):
     """static_decoding on (CPU: the StaticDecoder's buffers without a CUDA graph): after a prefill,
@@ -202,19 +220,10 @@ def test_static_decoding_equals_the_cached_steps(prefill):
     model = tiny_model(static_decoding="on").eval()
     ids = torch.randint(0, 50, (2, 30))
     full = model(input_ids=ids).logits
-    logits = {}
-    for mode in ("off", "on"):
-        model.config.static_decoding = mode
-        cache = MemoryMosaicsV2Cache()
-        cache.capacity = 31
-        with torch.no_grad():
-            parts = [model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True).logits]
-            for t in range(prefill, 30):
-                parts.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
-        logits[mode] = torch.cat(parts, 1)
-    assert isinstance(cache.decoder, StaticDecoder) and cache.decoder.graph is None
-    assert torch.allclose(logits["on"], logits["off"], atol=1e-12)  # the dynamic cache's steps
-    assert torch.allclose(logits["on"], full, atol=1e-7)  # (the steps' closed-form scan: 1e-8 from the chunked one here)
+    (off, plain_cache), (on, cache) = stepped_logits(model, ids, prefill, 31).values()
+    assert plain_cache.decoder is None and isinstance(cache.decoder, StaticDecoder) and cache.decoder.graph is None
+    assert torch.allclose(on, off, atol=1e-12)  # the dynamic cache's steps
+    assert torch.allclose(on, full, atol=1e-7)  # (the steps' closed-form scan: 1e-8 from the chunked one here)
     with torch.no_grad():
         with pytest.raises(OwaiError, match="one token per row"):
             model(input_ids=ids[:, :2], past_key_values=cache, use_cache=True)
@@ -558,24 +567,13 @@ def test_gpu_static_decoding_replays_a_cuda_graph():
     """bf16 weights on CUDA, static_decoding auto: the decoding step is captured as a CUDA graph once
     and its replays give the dynamic cache's logits to bf16 tolerance (the short-term ring wraps,
     the long-term memory reads; batch 2)."""
-    from owai.models.memory_mosaics_v2 import MemoryMosaicsV2Cache
-
     torch.manual_seed(0)
     cfg = dict(vocab_size=512, n_layer=2, n_embd=256, n_head=4, ffn_hidden=512)
     model = MemoryMosaicsV2ForCausalLM(MemoryMosaicsV2Config(**cfg)).cuda().to(torch.bfloat16).eval()
     ids = torch.randint(0, 512, (2, 700), device="cuda")
-    logits = {}
-    for mode in ("off", "auto"):
-        model.config.static_decoding = mode
-        cache = MemoryMosaicsV2Cache()
-        cache.capacity = 700
-        with torch.no_grad():
-            parts = [model(input_ids=ids[:, :300], past_key_values=cache, use_cache=True).logits[:, -1:].float()]
-            for t in range(300, 700):
-                parts.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits.float())
-        logits[mode] = torch.cat(parts, 1)
+    (off, _), (graphed, cache) = stepped_logits(model, ids, 300, 700).values()
     assert cache.decoder is not None and cache.decoder.graph is not None
-    off, graphed = logits["off"], logits["auto"]
+    off, graphed = off[:, 299:].float(), graphed[:, 299:].float()
     assert (graphed - off).abs().max() < 0.05 * off.abs().max(), (graphed - off).abs().max()
 
 
