@@ -192,3 +192,24 @@ def test_a_model_with_the_triton_scan_is_the_model_with_the_chunked_scan():
         for t in range(20, 30):
             parts.append(model(input_ids=ids[:1, t:t + 1], past_key_values=cache, use_cache=True).logits)
     assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5)
+
+
+@pytest.mark.slow  # ~1 min in the interpreter
+def test_the_kernel_at_training_length():
+    """The `gpu` test's shapes in the interpreter: 4,096 positions in two documents, head size 128
+    (the kernel's 128-wide vector), rows and gradients against the float64 chunked scan."""
+    g = torch.Generator().manual_seed(0)
+    T, hs = 4096, 128
+    raw, log_gate, log_decay = torch.randn(1, 2, T, hs, generator=g), 2 * torch.randn(1, 2, T, generator=g), -torch.randn(1, 2, T, generator=g).abs()
+    doc_start = torch.arange(T) - torch.cat([torch.arange(1500), torch.arange(2596)])[None]
+    weights = torch.linspace(-1, 1, hs, dtype=torch.float64)
+    results = []
+    for kernel, dtype in (("chunked", torch.float64), ("triton", torch.float32)):
+        leaves = [x.to(dtype).requires_grad_(True) for x in (raw, log_gate, log_decay)]
+        rows, (_, log_scale) = gated_key_scan(*leaves, doc_start, 0, None, 64, kernel=kernel)
+        rows = F.normalize(rows.double(), dim=-1)
+        results.append((rows, torch.autograd.grad((rows * weights).sum() + log_scale.double().sum(), leaves)))
+    (rows, grads), (got_rows, got_grads) = results
+    assert (rows - got_rows).abs().max() < 1e-6
+    for a, b in zip(grads, got_grads):
+        assert (a - b.double()).norm() <= 1e-5 * a.norm()
