@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from owai.models.lm import load_pretrained
-from tests.conftest import as_if_killed, run_owai
+from tests.conftest import as_if_killed, cli_in_process, run_owai
 from tests.test_language_model import lm_cache, losses, only_run, sets, torchrun  # noqa: F401  (lm_cache: one token cache)
 
 WORDS = ("the cat sat on a mat while seven brown dogs ran past the old mill and every child saw the river "
@@ -173,19 +173,22 @@ def test_size_large_dry_run_prints_the_plan_and_a_real_run_refuses(tmp_path: Pat
     (["--set", "model.long_delay_train=[9, 3]"], "long_delay_train"),
     (["--set", "eval.lengths=[1]"], "eval.lengths"),
 ])
-def test_bad_input_is_one_line(extra: list[str], message: str, tmp_path: Path, text_file: Path):
-    proc = run_owai("mosaic-train", "-r", "table4.2-pretrain", "-o", str(tmp_path / "out"), "--dataset", str(text_file),
-                    *sets(*TINY_V2), *extra)
-    assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr and proc.stderr.strip().count("\n") == 0, proc.stderr
+def test_bad_input_is_one_line(extra: list[str], message: str, tmp_path: Path, text_file: Path, capsys):
+    # in process (each `owai` subprocess costs ~10 s of imports; the console script's own one-line path
+    # is tests/test_invocations_issue40.py's)
+    code, _, err = cli_in_process(["mosaic-train", "-r", "table4.2-pretrain", "-o", str(tmp_path / "out"), "--dataset",
+                                   str(text_file), *sets(*TINY_V2), *extra], capsys)
+    assert code == 2, err
+    assert message in err and err.strip().count("\n") == 0, err
     assert not (tmp_path / "out").exists()
 
 
-def test_an_empty_corpus_is_one_line(tmp_path: Path):
+def test_an_empty_corpus_is_one_line(tmp_path: Path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")
-    proc = run_owai("mosaic-train", "-r", "table4.2-pretrain", "-o", str(tmp_path / "out"), "--dataset", str(empty), *sets(*TINY_V2))
-    assert proc.returncode == 2 and "no text" in proc.stderr and proc.stderr.strip().count("\n") == 0, proc.stderr
+    code, _, err = cli_in_process(["mosaic-train", "-r", "table4.2-pretrain", "-o", str(tmp_path / "out"), "--dataset",
+                                   str(empty), *sets(*TINY_V2)], capsys)
+    assert code == 2 and "no text" in err and err.strip().count("\n") == 0, err
 
 
 def test_table_4_2_flops_per_token():

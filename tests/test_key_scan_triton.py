@@ -41,14 +41,13 @@ def inputs(T: int, docs: bool, state: bool, seed: int = 0, dtype=torch.float32):
     return raw, log_gate, log_decay, doc_start, entering
 
 
-CASES = [(1, False, True), (5, False, False), (40, True, True), (300, True, True)]
+CASES = [(1, False, True), (5, False, False), (40, True, True)]  # two levels of chunk ends: the slow test at 4,096
 
 
 @pytest.mark.parametrize("T, docs, state", CASES)
 def test_the_kernel_computes_the_chunked_scan(T, docs, state):
     """kbar_t = rows_t exp(log-scale_t): the same direction and log-norm as the float64 chunked scan,
-    with document resets, an entering state, T = 1 and T past two levels of chunk ends (300: 17 chunks
-    of 18, whose ends are scanned in chunks of 16)."""
+    with document resets, an entering state, T = 1 and several chunks (40: 3 chunks of 16)."""
     raw, log_gate, log_decay, doc_start, entering = inputs(T, docs, state)
     local = None if doc_start is None else doc_start - 10
     wide = None if entering is None else tuple(x.double() for x in entering)
@@ -72,7 +71,7 @@ def loss_and_grads(kernel: str, raw, log_gate, log_decay, doc_start, entering, w
     return loss.item(), [x.grad for x in leaves + ([] if state is None else list(state))]
 
 
-@pytest.mark.parametrize("T, docs, state", [(5, False, True), (40, True, True), (120, True, False)])
+@pytest.mark.parametrize("T, docs, state", [(5, False, True), (40, True, True), (70, True, False)])
 def test_the_gradient_is_the_chunked_scans(T, docs, state):
     """The custom backward (the reverse-time scan plus the max-plus adjoint of the log-scale) gives the
     float64 chunked scan's autograd gradients for k~, log g, log lambda and the entering state."""

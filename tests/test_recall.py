@@ -13,7 +13,7 @@ import torch
 from owai.data.recall import (KEYS, Pieces, bucket_of, buckets_for, icl_episode, recall_episode, training_episode)
 from owai.errors import OwaiError
 from owai.evals.recall import accuracy_by_group, score
-from tests.conftest import as_sets, run_owai
+from tests.conftest import as_sets, cli_in_process, run_owai
 from tests.test_chapter4_training import corpus
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "table4.4-recall.yaml"
@@ -260,15 +260,16 @@ def test_owai_report_prints_the_verdicts(tiny_run):
     assert "holds" in proc.stdout or "misses" in proc.stdout
 
 
-def test_episodes_that_cannot_fit_are_refused_before_a_run_directory(tmp_path):
+def test_episodes_that_cannot_fit_are_refused_before_a_run_directory(tmp_path, capsys):
+    # in process (the console script's own one-line path: tests/test_invocations_issue40.py)
     text = corpus(tmp_path / "docs.jsonl", docs=40)
-    proc = run_owai("recipes", "run", str(RECIPE), "-p", "tiny", "-o", str(tmp_path / "out"),
-                    *as_sets([f"data.source={text}", "episodes.max_shots=40"]))
-    assert proc.returncode == 2 and proc.stderr.startswith("error: episodes do not fit")
-    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
-    proc = run_owai("recipes", "run", str(RECIPE), "-p", "tiny", "-o", str(tmp_path / "out"),
-                    *as_sets([f"data.source={text}", "data.documents=true"]))
-    assert proc.returncode == 2 and "data.documents must be false" in proc.stderr and not (tmp_path / "out").exists()
+    code, _, err = cli_in_process(["recipes", "run", str(RECIPE), "-p", "tiny", "-o", str(tmp_path / "out"),
+                                   *as_sets([f"data.source={text}", "episodes.max_shots=40"])], capsys)
+    assert code == 2 and err.startswith("error: episodes do not fit")
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    code, _, err = cli_in_process(["recipes", "run", str(RECIPE), "-p", "tiny", "-o", str(tmp_path / "out"),
+                                   *as_sets([f"data.source={text}", "data.documents=true"])], capsys)
+    assert code == 2 and "data.documents must be false" in err and not (tmp_path / "out").exists()
 
 
 def test_every_preset_of_the_recipe_validates():
