@@ -92,10 +92,10 @@ def test_the_gradient_is_the_chunked_scans(T, docs, state):
         assert (got[2].permute(1, 0, 2)[:, starts] == 0).all()
 
 
-def sequential_scan(raw, log_gate, log_decay, state):
-    """The op's contract written out step by step (float64, autograd): m_t = max(log g_t, log lambda_t +
-    m_{t-1}), r_t = e^{log g_t - m_t} k~_t + e^{log lambda_t + m_{t-1} - m_t} r_{t-1}."""
-    r, m = state if state is not None else (raw.new_zeros(raw[:, :, 0].shape), raw.new_full(raw.shape[:2], float("-inf")))
+def sequential_scan(raw, log_gate, log_decay, state_dir, state_log):
+    """The op's contract written out step by step (float64, autograd; gated_scan's arguments): m_t =
+    max(log g_t, log lambda_t + m_{t-1}), r_t = e^{log g_t - m_t} k~_t + e^{log lambda_t + m_{t-1} - m_t} r_{t-1}."""
+    r, m = state_dir, state_log
     rows, logs = [], []
     for t in range(raw.shape[2]):
         carried = log_decay[:, :, t] + m
@@ -118,7 +118,7 @@ def test_the_op_differentiates_its_log_scale_too():
     grads = []
     for fn, dtype in ((sequential_scan, torch.float64), (key_scan_triton.gated_scan, torch.float32)):
         leaves = [x.to(dtype).requires_grad_(True) for x in (raw, log_gate, log_decay, *entering)]
-        rows, m = fn(*leaves[:3], *leaves[3:]) if fn is key_scan_triton.gated_scan else fn(*leaves[:3], tuple(leaves[3:]))
+        rows, m = fn(*leaves)
         ((w_rows * rows.double()).sum() + (w_log * m.double()).sum()).backward()
         grads.append([x.grad.double().nan_to_num(posinf=0.0, neginf=0.0) for x in leaves])
     for name, a, b in zip(["k~", "log g", "log lambda", "state direction", "state log-scale"], *grads):

@@ -140,7 +140,7 @@ def _launch(k: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.Tensor, en
 def _scan(k: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.Tensor, state_dir: torch.Tensor | None,
           state_log: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(r, m) of every position (module docstring), from the state (dir (B, H, HS), log (B, H)) or nothing."""
-    B, H, T, HS = k.shape
+    B, H, T, _ = k.shape
     chunk = max(MIN_CHUNK, math.isqrt(max(T - 1, 0)) + 1)  # ceil(sqrt(T)): about as many chunks as positions per chunk
     state = None if state_dir is None else (state_dir[:, :, None], state_log[:, :, None])
     if T <= chunk:
@@ -150,10 +150,17 @@ def _scan(k: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.Tensor, stat
     pad = n_chunks * chunk - T
     chunk_decay = torch.nn.functional.pad(log_decay.float(), (0, pad)).view(B, H, n_chunks, chunk).sum(-1)  # -inf: a reset inside
     end_dir, end_m = _scan(ends, end_log, chunk_decay, state_dir, state_log)  # the recurrence at each chunk's end
-    first_dir = end_dir.new_zeros(B, H, 1, HS) if state_dir is None else state_dir[:, :, None].float()
-    first_log = end_m.new_full((B, H, 1), float("-inf")) if state_log is None else state_log[:, :, None].float()
-    entering = (torch.cat([first_dir, end_dir[:, :, :-1]], dim=2), torch.cat([first_log, end_m[:, :, :-1]], dim=2))
-    return _launch(k, log_gate, log_decay, entering, chunk, True)
+    return _launch(k, log_gate, log_decay, _before(end_dir, end_m, state_dir, state_log), chunk, True)
+
+
+def _before(rows: torch.Tensor, log_scale: torch.Tensor, state_dir: torch.Tensor | None,
+            state_log: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence's value before each of N positions, (B, H, N, HS) and (B, H, N) float32: the
+    entering state (nothing: zeros at log-scale -inf) at the first, then rows and log_scale shifted by one."""
+    B, H, _, HS = rows.shape
+    first_dir = rows.new_zeros(B, H, 1, HS) if state_dir is None else state_dir[:, :, None].float()
+    first_log = log_scale.new_full((B, H, 1), float("-inf")) if state_log is None else state_log[:, :, None].float()
+    return torch.cat([first_dir, rows[:, :, :-1]], dim=2), torch.cat([first_log, log_scale[:, :, :-1]], dim=2)
 
 
 @torch.library.custom_op("owai::gated_key_scan", mutates_args=())
@@ -189,13 +196,9 @@ def _reverse_scan(grad: torch.Tensor, log_coef: torch.Tensor) -> torch.Tensor:
 
 def _backward(ctx, grad_rows: torch.Tensor | None, grad_log: torch.Tensor | None):
     k, log_gate, log_decay, state_dir, state_log, rows, m = ctx.saved_tensors
-    B, H, T, HS = k.shape
     grad_rows = torch.zeros_like(rows) if grad_rows is None else grad_rows.float()
     grad_log = torch.zeros_like(m) if grad_log is None else grad_log.float()
-    first_log = m.new_full((B, H, 1), float("-inf")) if state_log is None else state_log[:, :, None].float()
-    first_dir = rows.new_zeros(B, H, 1, HS) if state_dir is None else state_dir[:, :, None].float()
-    m_prev = torch.cat([first_log, m[:, :, :-1]], dim=2)
-    rows_prev = torch.cat([first_dir, rows[:, :, :-1]], dim=2)
+    rows_prev, m_prev = _before(rows, m, state_dir, state_log)
     own, carried = log_gate.float(), log_decay.float() + m_prev
     a, b = torch.exp(own - m), torch.exp(carried - m)  # each row's two coefficients, <= 1
 

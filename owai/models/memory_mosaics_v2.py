@@ -590,10 +590,8 @@ class ContextualMemory(nn.Module):
         count = max(1, newest - first + 1)
         if cache.get("count") != count:  # the short-term memory's count stops changing once its window is full
             cache.update(count=count, log_count=torch.tensor(math.log(count), dtype=torch.float32, device=x.device))
-        inputs = (x, self.key_proj.weight, self.gate_proj.weight, self.decay_proj.weight, self.value_proj.weight,
-                  self.value_mix, self.beta1_log, self.alpha_raw, self.beta0_raw, cache["scan"][0], cache["scan"][1],
-                  cache["v_pending"], cache["log_count"], cfg.norm_eps, self.read_dtype(x.device))
-        query, key, value, scan_dir, scan_log, raw_v = _run_decode_step(inputs, _compiles_scan(cfg, x.device))
+        query, key, value, scan_dir, scan_log, raw_v = self._fused_step(x, cache["scan"][0], cache["scan"][1],
+                                                                        cache["v_pending"], cache["log_count"])
         keys, values = _append(cache, "keys", key), _append(cache, "values", value)
         if self.kind == "short":  # future queries t >= past+1 read j >= past+1-span: drop older pairs
             keep = max(0, (past + 1 - cfg.short_span) - k0)
@@ -610,6 +608,15 @@ class ContextualMemory(nn.Module):
             y = F.scaled_dot_product_attention(query, keys[:, :, lo_index:hi_index], values[:, :, lo_index:hi_index], scale=1.0)
         return self.o_proj(y.to(x.dtype).transpose(1, 2).reshape(x.shape))
 
+    def _fused_step(self, x: torch.Tensor, scan_dir: torch.Tensor, scan_log: torch.Tensor, v_pending: torch.Tensor,
+                    log_count: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`decode_step` with this memory's weights (compiled where the scan is, config.scan_impl): the
+        arithmetic both decoding paths share."""
+        inputs = (x, self.key_proj.weight, self.gate_proj.weight, self.decay_proj.weight, self.value_proj.weight,
+                  self.value_mix, self.beta1_log, self.alpha_raw, self.beta0_raw, scan_dir, scan_log, v_pending,
+                  log_count, self.config.norm_eps, self.read_dtype(x.device))
+        return _run_decode_step(inputs, _compiles_scan(self.config, x.device))
+
     def _decode_static(self, x: torch.Tensor, state: dict, delay: int) -> torch.Tensor:
         """`_decode` on a StaticDecoder's buffers: no shape, index or Python number depends on the
         position, which is the 0-d tensor state["t"], so the step can be captured as a CUDA graph.
@@ -622,10 +629,8 @@ class ContextualMemory(nn.Module):
         slots = state["keys"].shape[2]
         first = torch.zeros_like(t) if hi is None else (t - hi).clamp(min=0)  # readable positions: [first, t - lo]
         log_count = (t - lo - first + 1).clamp(min=1).float().log()
-        inputs = (x, self.key_proj.weight, self.gate_proj.weight, self.decay_proj.weight, self.value_proj.weight,
-                  self.value_mix, self.beta1_log, self.alpha_raw, self.beta0_raw, state["scan_dir"], state["scan_log"],
-                  state["v_pending"], log_count, self.config.norm_eps, self.read_dtype(x.device))
-        query, key, value, scan_dir, scan_log, raw_v = _run_decode_step(inputs, _compiles_scan(self.config, x.device))
+        query, key, value, scan_dir, scan_log, raw_v = self._fused_step(x, state["scan_dir"], state["scan_log"],
+                                                                        state["v_pending"], log_count)
         key_slot, value_slot = (t % slots).view(1), ((t - 1) % slots).view(1)  # position t's key, t-1's finished value
         state["keys"].index_copy_(2, key_slot, key)
         state["values"].index_copy_(2, value_slot, value)
@@ -806,12 +811,13 @@ class StaticDecoder:
         state.update(scan_dir=stored["scan"][0].clone(), scan_log=stored["scan"][1].clone(), v_pending=stored["v_pending"].clone())
         return state
 
-    def _step(self, ids: torch.Tensor, delay: int) -> torch.Tensor:
-        """One position: the model's blocks on the static state, then t += 1. ids (B, 1) -> logits (B, 1, V)."""
+    def _step(self, ids: torch.Tensor) -> torch.Tensor:
+        """One position: the model's blocks on the static state at the evaluation delay, then t += 1.
+        ids (B, 1) -> logits (B, 1, V)."""
         model = self.model
         x = model.embed_tokens(ids)
         for block, state in zip(model.layers, self.layers):
-            x = block(x, None, delay, state, self.position, None)
+            x = block(x, None, model.config.long_delay_eval, state, self.position, None)
         self.t.add_(1)
         return model.lm_head(model.norm(x))
 
@@ -823,13 +829,13 @@ class StaticDecoder:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._step(self.ids, self.model.config.long_delay_eval)
+            self._step(self.ids)
         torch.cuda.current_stream().wait_stream(stream)
         for tensor, saved in small:  # the warm-up's key and value rows are rewritten by the first real step
             tensor.copy_(saved)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.logits = self._step(self.ids, self.model.config.long_delay_eval)
+            self.logits = self._step(self.ids)
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits (B, 1, V) of the next position given its tokens ids (B, 1)."""
@@ -837,7 +843,7 @@ class StaticDecoder:
             raise OwaiError(f"memory mosaics v2: generation ran past the static decoder's capacity ({self.capacity} positions)")
         self.position += 1
         if self.graph is None:
-            return self._step(ids, self.model.config.long_delay_eval)
+            return self._step(ids)
         self.ids.copy_(ids)
         self.graph.replay()
         return self.logits.clone()
