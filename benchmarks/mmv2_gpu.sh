@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # Memory Mosaics v2 against the Llama transformer on one GPU: issue #39's figures in one call
 # (about 8 minutes on an H100 or H200; each step has its own time limit, so one that hangs does not
-# take the rest with it). Needs owai installed (`pip install -e .`) and one CUDA GPU.
+# take the rest with it). Needs owai installed and one CUDA GPU. On a machine whose CUDA torch and
+# triton you keep, install owai without its pins (transformers >= 5.4 must be there):
 #
+#     pip install --no-deps --no-build-isolation -e .
 #     bash benchmarks/mmv2_gpu.sh            # prints everything; a copy of each step's output in $OUT/mmv2_gpu/
+#
+# The Triton kernel is compiled for sm_80 and sm_90 on the CPU test machines already (tests/
+# test_key_scan_triton.py, ahead of time with triton's ptxas): a kernel that does not build fails
+# there, before any GPU time is spent.
 #
 # Steps, in order of what they decide (limits sum to 570 s, inside one 10-minute device call):
 #   pytest             the `gpu` tests of v2 and Llama: flex vs SDPA, compiled and Triton key scans vs

@@ -2,7 +2,8 @@
 
 On this CPU machine the kernel runs in Triton's interpreter (conftest chooses it before triton is
 imported), which executes the same kernel source, so value and gradient are checked here against the
-float64 chunked scan; tests/test_memory_mosaics_v2.py's `gpu` tests check it compiled on CUDA.
+float64 chunked scan; the last test compiles it for sm_80 and sm_90 without a GPU (what the
+interpreter does not check), and tests/test_memory_mosaics_v2.py's `gpu` tests run it compiled on CUDA.
 """
 
 from __future__ import annotations
@@ -212,3 +213,63 @@ def test_the_kernel_at_training_length():
     assert (rows - got_rows).abs().max() < 1e-6
     for a, b in zip(grads, got_grads):
         assert (a - b.double()).norm() <= 1e-5 * a.norm()
+
+
+
+# Run in a fresh process with TRITON_INTERPRET=0: in a process whose triton interprets (this one,
+# without CUDA), its compiler failed here with errors that changed from run to run.
+_COMPILE_FOR = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from owai.models import key_scan_triton as ks
+
+kernel = ks._scan_kernel
+assert type(kernel).__name__ == "JITFunction", type(kernel)
+pointers = ("K", "LG", "LD", "S_DIR", "S_LOG", "R", "M")  # the other arguments are int32 sizes and strides
+# (keys' dtype, entering state, every row stored, head size, arguments equal to 1, which triton's
+# launcher turns into constants: the backward's size-1 vector, contiguous gates)
+variants = [(k, s, a, 128, {}) for k in ("*bf16", "*fp32") for s in (False, True) for a in (False, True)]
+variants.append(("*fp32", False, True, 1, {"HS": 1, "sk_t": 1, "sg_t": 1, "sd_t": 1}))
+for arch in map(int, sys.argv[1:]):
+    for k_type, has_state, store_all, head_size, ones in variants:
+        block = ks.block_size(head_size)
+        constants = {"HAS_STATE": has_state, "STORE_ALL": store_all, "BLOCK_D": block, **ones}
+        signature = {p.name: "constexpr" if p.name in constants else "*fp32" if p.name in pointers else "i32" for p in kernel.params}
+        signature["K"] = k_type
+        source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants)
+        binary = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": ks.num_warps(block)})
+        assert binary.asm["cubin"] and f".target sm_{arch}" in binary.asm["ptx"], (arch, k_type)
+        print("compiled", arch, k_type, has_state, store_all, block, len(binary.asm["cubin"]), "bytes")
+"""
+
+
+def _nvidia_compiler() -> bool:
+    """Whether this triton can compile for NVIDIA GPUs without one (its CUDA backend and ptxas)."""
+    import os
+    from pathlib import Path
+
+    import triton
+
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    return "nvidia" in getattr(triton.backends, "backends", {}) and (bundled.exists() or "TRITON_PTXAS_PATH" in os.environ)
+
+
+@pytest.mark.skipif(not _nvidia_compiler(), reason="no triton CUDA backend with ptxas")
+def test_the_kernel_compiles_to_gpu_machine_code(tmp_path):
+    """The interpreter runs the kernel as Python and misses what only the compiler checks (types of
+    loop-carried values, block shapes, what lowers to PTX). Here the kernel is compiled ahead of time,
+    without a GPU, to machine code for sm_80 (A100) and sm_90 (H100/H200) by triton's own compiler
+    and ptxas, in every variant the op launches: keys in bf16 (autocast) and float32 (the chunk ends,
+    the backward), with and without an entering state, storing every row or the chunk ends, at head
+    size 128, and the backward's vector of size 1 with the arguments equal to 1 as constants."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR, "80", "90"], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == 18

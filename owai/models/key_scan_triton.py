@@ -113,6 +113,16 @@ if triton is not None:
             tl.store(M + bh * NC + chunk, m)
 
 
+def block_size(head_size: int) -> int:
+    """The kernel's vector width for a head size: a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(head_size))
+
+
+def num_warps(block: int) -> int:
+    """Warps per program: one (row, head) vector of `block` floats needs few threads."""
+    return 1 if block <= 64 else 2
+
+
 def _launch(k: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.Tensor, entering: tuple | None, chunk: int,
             store_all: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass of `_scan_kernel` over chunks of `chunk` positions; entering = (dir (B, H, NC, HS),
@@ -128,12 +138,12 @@ def _launch(k: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.Tensor, en
         s_dir, s_log = R, M  # unused (HAS_STATE false)
     else:
         s_dir, s_log = entering[0].float().contiguous(), entering[1].float().contiguous()
-    block = max(16, triton.next_power_of_2(HS))
+    block = block_size(HS)
     _scan_kernel[(B * H, n_chunks)](
         k, log_gate, log_decay, s_dir, s_log, R, M, H, T, HS, chunk, n_chunks,
         k.stride(0), k.stride(1), k.stride(2), log_gate.stride(0), log_gate.stride(1), log_gate.stride(2),
         log_decay.stride(0), log_decay.stride(1), log_decay.stride(2),
-        HAS_STATE=entering is not None, STORE_ALL=store_all, BLOCK_D=block, num_warps=1 if block <= 64 else 2)
+        HAS_STATE=entering is not None, STORE_ALL=store_all, BLOCK_D=block, num_warps=num_warps(block))
     return R, M
 
 
