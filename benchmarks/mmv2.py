@@ -5,8 +5,9 @@
     python benchmarks/mmv2.py throughput --compile    # the same with torch.compile per block (train.compile)
     python benchmarks/mmv2.py throughput --documents  # packed documents (position_ids restarting, mean 1536)
     python benchmarks/mmv2.py generation              # cached generation time per token at growing contexts
-    python benchmarks/mmv2.py generation --graphs     # the same with both decoding steps as CUDA graphs (generate)
+    python benchmarks/mmv2.py generation --graphs     # both decoding steps as CUDA graphs (generate), then as above
     python benchmarks/mmv2.py profile --device cuda   # a decoding step's wall vs device-busy time, kernels per step
+    python benchmarks/mmv2.py profile --train         # a training step's time by kernel family (matmuls, attention, scan, ...)
     python benchmarks/mmv2.py scan                    # key-scan candidates: eager chunked, compiled (chunk sizes), Triton (CUDA)
     python benchmarks/mmv2.py all --device cuda       # the same on a GPU (bf16)
 
@@ -16,6 +17,7 @@ over the bf16 peak, as the trainer logs it):
     python benchmarks/mmv2.py throughput --device cuda --size small --context 4096 --batch 2 [--documents] [--compile]
     python benchmarks/mmv2.py generation --device cuda --size small --contexts 4096 32768
     python benchmarks/mmv2.py scan --device cuda --context 4096 --batch 2 --size small
+    python benchmarks/mmv2.py profile --train --device cuda --size small --context 4096 --batch 2 --documents --scan triton
 
 `--attn sdpa|flex` and `--scan chunked|compiled|triton` pick v2's kernels (default auto: flex and
 the compiled scan on CUDA). On CUDA the models train one after the other (two do not fit together);
@@ -35,6 +37,7 @@ the cpu preset of recipe table4.2-pretrain).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import resource
 import statistics
@@ -241,25 +244,29 @@ def throughput(args) -> None:
 def generation(args) -> None:
     """Prefill a context of n tokens, then time `--new` single-token steps with the cache. On CUDA the
     weights are bf16 (the evaluation precision; no autocast). `--graphs`: both models decode through
-    `generate` with their whole step replayed as a CUDA graph (`graphed_steps`); else `cached_steps`."""
+    `generate` with their whole step replayed as a CUDA graph (`graphed_steps`), then, in the same
+    process, with the dynamic cache (`cached_steps`: the figures to compare with should a graph
+    fail); else `cached_steps` only."""
     import torch
 
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    timed = graphed_steps if args.graphs else cached_steps
-    print(f"cached generation{' with CUDA graphs' if args.graphs else ''}, {args.size} models, batch 1, {args.device}, "
-          f"{dtype}: time per new token after n context tokens")
+    graphs = "graphs" if args.device == "cuda" else "static buffers: no graphs off CUDA"
+    timers = [(graphs, graphed_steps), ("dynamic cache", cached_steps)] if args.graphs else [(None, cached_steps)]
+    print(f"cached generation{' with CUDA graphs, then the dynamic cache' if args.graphs else ''}, {args.size} models, "
+          f"batch 1, {args.device}, {dtype}: time per new token after n context tokens")
     for arch in args.archs:
         extra = {"attn_impl": args.attn, "scan_impl": args.scan} if arch == "mmv2" else {}
         model = build(arch, args.size, args.vocab, args.device, **extra).to(dtype).eval()
         if args.graphs and arch == "mmv2" and args.device != "cuda":
             model.config.static_decoding = "on"  # the StaticDecoder's buffers without a graph
-        for n in args.contexts:
+        for n, (label, timed) in itertools.product(args.contexts, timers):
+            how = f"  ({label})" if label else ""
             try:
                 x = torch.randint(0, model.config.vocab_size, (1, n), device=args.device)
                 per = timed(model, arch, x, args)
-                print(f"  {arch:12s} n={n:6d}  {per * 1000:7.2f} ms/token", flush=True)
+                print(f"  {arch:12s} n={n:6d}  {per * 1000:7.2f} ms/token{how}", flush=True)
             except Exception as err:  # noqa: BLE001
-                print(f"  {arch:12s} n={n:6d}  failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}", flush=True)
+                print(f"  {arch:12s} n={n:6d}  failed{how}: {type(err).__name__}: {str(err).splitlines()[0][:200]}", flush=True)
             finally:
                 if args.device == "cuda":
                     torch.cuda.empty_cache()
@@ -331,10 +338,82 @@ def graphed_steps(model, arch: str, x, args) -> float:
     return statistics.median(b - a for a, b in zip(clock.times, clock.times[1:]))
 
 
+KERNEL_FAMILIES = (  # (family, marks in a lower-cased kernel or op name), first match wins
+    ("key scan (owai's Triton kernel)", ("_scan_kernel", "owai::gated_key_scan")),
+    ("matmuls", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("attention (flash, flex)", ("flash", "fmha", "flex", "attention", "triton_tem", "scaled_dot_product")),
+    ("optimizer (AdamW)", ("multi_tensor", "foreach", "adam")),
+    ("fused by inductor", ("triton_",)),
+)
+
+
+def kernel_family(name: str) -> str:
+    """The family of a CUDA kernel (or, on CPU, an aten op) by its name: where a training step's time goes."""
+    lowered = name.lower()
+    return next((family for family, marks in KERNEL_FAMILIES if any(m in lowered for m in marks)),
+                "other (unfused elementwise, reductions, copies)")
+
+
+def profile_training(args) -> None:
+    """Where a training step's time goes (throughput's step: AdamW, `--compile`, `--documents`,
+    `--scan`): wall ms per step (median of 2, without the profiler), then one profiled step: the
+    device's busy ms (its kernels' summed time; on CPU the aten ops' self time), kernels per step,
+    the time per kernel family and the kernels with the most time. One model at a time."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    cuda = args.device == "cuda"
+    tokens = args.batch * args.context
+    pos = packed_positions(args.batch, args.context, args.doc_mean).to(args.device) if args.documents else None
+    docs = f", packed documents (mean {args.doc_mean})" if args.documents else ""
+    print(f"training step, {args.size} models, batch {args.batch} x {args.context}{docs}, {args.device}, "
+          f"{'compiled blocks' if args.compile else 'eager'}, mmv2 attn {args.attn} scan {args.scan}: where the time goes")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for arch in args.archs:
+        model = None
+        try:
+            model = train_model(arch, args)
+            x = torch.randint(0, model.config.vocab_size, (args.batch, args.context), device=args.device)
+            with torch.autocast(args.device, dtype=torch.bfloat16, enabled=cuda):
+                for _ in range(2 if args.compile else 1):  # warm-up (and compilation)
+                    train_step_seconds(model, x, pos, arch == "mmv2")
+                wall = statistics.median(train_step_seconds(model, x, pos, arch == "mmv2") for _ in range(2))
+                with profiler(activities=activities) as prof:
+                    train_step_seconds(model, x, pos, arch == "mmv2")
+            if cuda:
+                kernels = [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
+                           if e.device_type == DeviceType.CUDA]
+            else:
+                kernels = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages() if e.key.startswith("aten::")]
+            busy = sum(t for _, t, _ in kernels) / 1000
+            print(f"  {arch:12s} wall {wall * 1000:8.1f} ms/step ({tokens / wall:7.0f} tokens/s)  "
+                  f"{'device busy' if cuda else 'aten self time'} {busy:8.1f} ms  "
+                  f"{'kernels' if cuda else 'ops'} {sum(c for *_, c in kernels):6d}/step", flush=True)
+            families: dict[str, float] = {}
+            for key, t, _ in kernels:
+                families[kernel_family(key)] = families.get(kernel_family(key), 0.0) + t / 1000
+            for family, ms in sorted(families.items(), key=lambda kv: -kv[1]):
+                print(f"      {ms:8.1f} ms  {100 * ms / max(busy, 1e-9):5.1f} %  {family}")
+            for key, t, count in sorted(kernels, key=lambda k: -k[1])[:12]:
+                print(f"      {t / 1000:8.2f} ms  {count:5d}x  {key[:100]}", flush=True)
+        except Exception as err:  # noqa: BLE001  (out of memory, a kernel that fails: print, go on)
+            if not out_of_memory(err):
+                import traceback
+
+                traceback.print_exc()
+            print(f"  {arch:12s} failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}", flush=True)
+        model = None
+        if cuda:
+            release()
+
+
 def profile(args) -> None:
     """Where a cached decoding step's time goes: wall ms per step (timed without the profiler), the
     device's busy ms per step (its kernels' summed time), kernels launched per step and the kernels
-    with the most device time. Wall far above busy means the step is launch-bound (CPU-side)."""
+    with the most device time. Wall far above busy means the step is launch-bound (CPU-side).
+    `--train`: a training step instead (profile_training)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
@@ -342,6 +421,8 @@ def profile(args) -> None:
 
     from owai.models.hf_cache import cache_kwargs, output_cache
 
+    if args.train:
+        return profile_training(args)
     if args.device != "cuda":
         print("profile: CUDA only (kernel times)")
         return
@@ -446,6 +527,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--graphs", action="store_true", help="generation: both models decode with CUDA graphs, through generate")
+    parser.add_argument("--train", action="store_true", help="profile: a training step (as throughput's) instead of decoding steps")
     args = parser.parse_args()
     if args.vocab is None and args.size == "tiny":
         args.vocab = 4096

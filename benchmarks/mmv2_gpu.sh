@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Memory Mosaics v2 against the Llama transformer on one GPU: issue #39's figures in one call
-# (about 8 minutes on an H100 or H200; each step has its own time limit, so one that hangs does not
+# (under 10 minutes on an H100 or H200; each step has its own time limit, so one that hangs does not
 # take the rest with it). Needs owai installed and one CUDA GPU. On a machine whose CUDA torch and
 # triton you keep, install owai without its pins (transformers >= 5.4 must be there):
 #
@@ -11,19 +11,22 @@
 # test_key_scan_triton.py, ahead of time with triton's ptxas): a kernel that does not build fails
 # there, before any GPU time is spent.
 #
-# Steps, in order of what they decide (limits sum to 570 s, inside one 10-minute device call):
+# Steps, in order of what they decide (limits sum to 580 s, inside one 10-minute device call):
 #   pytest             the `gpu` tests of v2 and Llama: flex vs SDPA, compiled and Triton key scans vs
 #                      eager, the bf16 training step (each kernel path against float32), bf16 prefill
 #                      + decoding, the StaticDecoder's CUDA graph against the dynamic cache
 #   scan               benchmarks/mmv2.py scan: the key-scan candidates (chunked, compiled, Triton), ms per call
 #   triton-compiled    training throughput, small size, batch 2 x 4096, packed documents, --scan triton,
 #                      compiled blocks (the issue's targets: 0.9x the transformer, MFU 40 %)
-#   generation-graphs  both models' decoding steps as CUDA graphs, 4k and 32k context (target: <= 1.3x)
+#   generation-graphs  both models' decoding steps as CUDA graphs, 4k and 32k context (target: <= 1.3x),
+#                      then the dynamic-cache decoding of the earlier measurements, in the same process
 #   triton-eager       as triton-compiled, eager blocks (target: 0.7x)
-#   generation         the dynamic-cache decoding of the earlier measurements, in the same call
+#   profile-train      one eager training step of each model (Triton scan, documents) by kernel family:
+#                      matmuls, attention, the scan, optimizer, unfused elementwise (what is left to fuse)
 # The compiled default (--scan auto) was measured on an H200 on 2026-11-26 (docs/results.md).
 set -u
 cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1  # a step cut at its limit keeps what it printed (pytest -v: each verdict as it comes)
 out="${OUT:-.}/mmv2_gpu"
 mkdir -p "$out"
 step() {  # step NAME SECONDS COMMAND...
@@ -38,9 +41,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
 bench="python benchmarks/mmv2.py"
 small="--device cuda --size small --context 4096 --batch 2"
-step pytest 150 python -m pytest -q -o addopts= -m gpu tests/test_memory_mosaics_v2.py tests/test_llama.py
-step scan 45 $bench scan $small --chunks 64 --rounds 5
+step pytest 150 python -m pytest -v --tb=short -o addopts= -m gpu tests/test_memory_mosaics_v2.py tests/test_llama.py
+step scan 40 $bench scan $small --chunks 64 --rounds 5
 step triton-compiled 110 $bench throughput $small --documents --rounds 3 --compile --scan triton
-step generation-graphs 110 $bench generation --graphs --device cuda --size small --contexts 4096 32768 --new 32
-step triton-eager 80 $bench throughput $small --documents --rounds 3 --scan triton
-step generation 75 $bench generation --device cuda --size small --contexts 4096 32768 --new 32
+step generation-graphs 130 $bench generation --graphs --device cuda --size small --contexts 4096 32768 --new 32
+step triton-eager 75 $bench throughput $small --documents --rounds 3 --scan triton
+step profile-train 75 $bench profile --train $small --documents --scan triton
