@@ -215,7 +215,6 @@ def test_the_kernel_at_training_length():
         assert (a - b.double()).norm() <= 1e-5 * a.norm()
 
 
-
 # Run in a fresh process with TRITON_INTERPRET=0: in a process whose triton interprets (this one,
 # without CUDA), its compiler failed here with errors that changed from run to run.
 _COMPILE_FOR = """
