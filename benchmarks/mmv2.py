@@ -175,6 +175,30 @@ def train_model(arch: str, args):
     return model
 
 
+def training_setting(args):
+    """The packed documents' position_ids (or None) and the line describing a training benchmark's
+    setting, shared by `throughput` and `profile --train`."""
+    pos = packed_positions(args.batch, args.context, args.doc_mean).to(args.device) if args.documents else None
+    docs = f", packed documents (mean {args.doc_mean})" if args.documents else ""
+    return pos, (f"{args.size} models, batch {args.batch} x {args.context}{docs}, {args.device}, "
+                 f"{'compiled blocks' if args.compile else 'eager'}")
+
+
+def warm_up_steps(args) -> int:
+    """Untimed training steps before timing: two when blocks compile (the second step's graphs)."""
+    return 2 if args.compile else 1
+
+
+def print_failure(arch: str, err: BaseException) -> None:
+    """One line for a model that failed (out of memory, a kernel error), with the traceback unless it
+    ran out of memory; the benchmark goes on with the next model."""
+    if not out_of_memory(err):
+        import traceback
+
+        traceback.print_exc()
+    print(f"  {arch:12s} failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}", flush=True)
+
+
 def throughput(args) -> None:
     """Training steps of v2 and the transformer. CPU: both models alternate in one process (the
     machine's load changes both alike); CUDA: one model at a time (two small models and their AdamW
@@ -183,13 +207,11 @@ def throughput(args) -> None:
     import torch
 
     tokens = args.batch * args.context
-    pos = packed_positions(args.batch, args.context, args.doc_mean).to(args.device) if args.documents else None
-    docs = f", packed documents (mean {args.doc_mean})" if args.documents else ""
-    print(f"training tokens/s, {args.size} models, batch {args.batch} x {args.context}{docs}, {args.device}, "
-          f"{'compiled blocks' if args.compile else 'eager'}, {args.rounds} rounds (median), mmv2 attn {args.attn} scan {args.scan}")
+    pos, setting = training_setting(args)
+    print(f"training tokens/s, {setting}, {args.rounds} rounds (median), mmv2 attn {args.attn} scan {args.scan}")
     peak = peak_flops(args.device)
     cuda = args.device == "cuda"
-    warm = 2 if args.compile else 1
+    warm = warm_up_steps(args)
     models, times, memory = {}, {a: [] for a in args.archs}, {}
 
     def report(arch: str, model) -> None:
@@ -223,11 +245,7 @@ def throughput(args) -> None:
                 else:
                     models[arch] = (model, x)
             except Exception as err:  # noqa: BLE001  (out of memory, a kernel that fails: print, go on)
-                if not out_of_memory(err):
-                    import traceback
-
-                    traceback.print_exc()
-                print(f"  {arch:12s} failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}", flush=True)
+                print_failure(arch, err)
             if cuda:  # after the except block: its traceback no longer holds the model's tensors
                 model = None
                 release()
@@ -366,10 +384,8 @@ def profile_training(args) -> None:
 
     cuda = args.device == "cuda"
     tokens = args.batch * args.context
-    pos = packed_positions(args.batch, args.context, args.doc_mean).to(args.device) if args.documents else None
-    docs = f", packed documents (mean {args.doc_mean})" if args.documents else ""
-    print(f"training step, {args.size} models, batch {args.batch} x {args.context}{docs}, {args.device}, "
-          f"{'compiled blocks' if args.compile else 'eager'}, mmv2 attn {args.attn} scan {args.scan}: where the time goes")
+    pos, setting = training_setting(args)
+    print(f"training step, {setting}, mmv2 attn {args.attn} scan {args.scan}: where the time goes")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     for arch in args.archs:
         model = None
@@ -377,7 +393,7 @@ def profile_training(args) -> None:
             model = train_model(arch, args)
             x = torch.randint(0, model.config.vocab_size, (args.batch, args.context), device=args.device)
             with torch.autocast(args.device, dtype=torch.bfloat16, enabled=cuda):
-                for _ in range(2 if args.compile else 1):  # warm-up (and compilation)
+                for _ in range(warm_up_steps(args)):  # warm-up (and compilation)
                     train_step_seconds(model, x, pos, arch == "mmv2")
                 wall = statistics.median(train_step_seconds(model, x, pos, arch == "mmv2") for _ in range(2))
                 with profiler(activities=activities) as prof:
@@ -393,17 +409,14 @@ def profile_training(args) -> None:
                   f"{'kernels' if cuda else 'ops'} {sum(c for *_, c in kernels):6d}/step", flush=True)
             families: dict[str, float] = {}
             for key, t, _ in kernels:
-                families[kernel_family(key)] = families.get(kernel_family(key), 0.0) + t / 1000
+                family = kernel_family(key)
+                families[family] = families.get(family, 0.0) + t / 1000
             for family, ms in sorted(families.items(), key=lambda kv: -kv[1]):
                 print(f"      {ms:8.1f} ms  {100 * ms / max(busy, 1e-9):5.1f} %  {family}")
             for key, t, count in sorted(kernels, key=lambda k: -k[1])[:12]:
                 print(f"      {t / 1000:8.2f} ms  {count:5d}x  {key[:100]}", flush=True)
         except Exception as err:  # noqa: BLE001  (out of memory, a kernel that fails: print, go on)
-            if not out_of_memory(err):
-                import traceback
-
-                traceback.print_exc()
-            print(f"  {arch:12s} failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}", flush=True)
+            print_failure(arch, err)
         model = None
         if cuda:
             release()

@@ -8,6 +8,11 @@ interpreter does not check), and tests/test_memory_mosaics_v2.py's `gpu` tests r
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -245,9 +250,6 @@ for arch in map(int, sys.argv[1:]):
 
 def _nvidia_compiler() -> bool:
     """Whether this triton can compile for NVIDIA GPUs without one (its CUDA backend and ptxas)."""
-    import os
-    from pathlib import Path
-
     import triton
 
     bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -262,11 +264,6 @@ def test_the_kernel_compiles_to_gpu_machine_code(tmp_path):
     and ptxas, in every variant the op launches: keys in bf16 (autocast) and float32 (the chunk ends,
     the backward), with and without an entering state, storing every row or the chunk ends, at head
     size 128, and the backward's vector of size 1 with the arguments equal to 1 as constants."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
     done = subprocess.run([sys.executable, "-c", _COMPILE_FOR, "80", "90"], capture_output=True, text=True, env=env,
                           cwd=Path(__file__).resolve().parents[1], timeout=300)
