@@ -31,7 +31,11 @@ sys.path.insert(0, str(ROOT))  # this checkout's owai, before any installed copy
 
 def extract_revision(ref: str, into: Path) -> None:
     """`owai/` of git revision `ref` as the package `owai_before` under `into`."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "owai"], check=True, capture_output=True).stdout
+    done = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "owai"], capture_output=True)
+    if done.returncode != 0:
+        print(f"error: git archive of {ref!r} failed: {done.stderr.decode().strip()}", file=sys.stderr)
+        raise SystemExit(2)
+    archive = done.stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     (into / "owai").rename(into / "owai_before")
     for path in (into / "owai_before").rglob("*.py"):
