@@ -20,7 +20,8 @@
 #                      compiled blocks (the issue's targets: 0.9x the transformer, MFU 40 %)
 #   generation-graphs  both models' decoding steps as CUDA graphs, 4k and 32k context (target: <= 1.3x),
 #                      then the dynamic-cache decoding of the earlier measurements, in the same process
-#   triton-eager       as triton-compiled, eager blocks (target: 0.7x)
+#   triton-eager       as triton-compiled, eager blocks: the kernel inside each memory's compiled
+#                      inputs graph (memory_inputs; target: 0.7x)
 #   profile-train      one eager training step of each model (Triton scan, documents) by kernel family:
 #                      matmuls, attention, the scan, optimizer, unfused elementwise (what is left to fuse)
 # The compiled default (--scan auto) was measured on an H200 on 2026-11-26 (docs/results.md).
@@ -45,5 +46,5 @@ step pytest 150 python -m pytest -v --tb=short -o addopts= -m gpu tests/test_mem
 step scan 40 $bench scan $small --chunks 64 --rounds 5
 step triton-compiled 110 $bench throughput $small --documents --rounds 3 --compile --scan triton
 step generation-graphs 130 $bench generation --graphs --device cuda --size small --contexts 4096 32768 --new 32
-step triton-eager 75 $bench throughput $small --documents --rounds 3 --scan triton
-step profile-train 75 $bench profile --train $small --documents --scan triton
+step triton-eager 90 $bench throughput $small --documents --rounds 3 --scan triton
+step profile-train 60 $bench profile --train $small --documents --scan triton

@@ -6,6 +6,7 @@ revision's? Both run in one process, with steps alternating, so the machine's lo
     python benchmarks/mmv2_paired.py --before acd097d --documents           # packed documents
     python benchmarks/mmv2_paired.py --before acd097d --batch 1 --context 4096 --rounds 8
     python benchmarks/mmv2_paired.py --before acd097d --control             # A/A: the revision against itself
+    python benchmarks/mmv2_paired.py --before 8c32a6d --scan compiled       # both with scan_impl compiled (CUDA's path)
 
 The earlier revision's `owai` package is extracted with `git archive` into a temporary folder and
 renamed `owai_before` (its own imports rewritten to match), so both import side by side. Both tiny
@@ -53,6 +54,8 @@ def main() -> None:
     parser.add_argument("--documents", action="store_true", help="packed documents (as benchmarks/mmv2.py throughput)")
     parser.add_argument("--doc-mean", type=int, default=256, help="mean document length with --documents")
     parser.add_argument("--control", action="store_true", help="A/A: both models from --before")
+    parser.add_argument("--scan", default="auto", choices=["auto", "chunked", "compiled"],
+                        help="both models' scan_impl (auto: the CPU default, eager)")
     args = parser.parse_args()
 
     import torch
@@ -67,7 +70,7 @@ def main() -> None:
 
     def make(builder):
         torch.manual_seed(0)
-        model = builder("mmv2", "tiny", vocab_size=4096).train()
+        model = builder("mmv2", "tiny", vocab_size=4096, scan_impl=args.scan).train()
         model.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         return model
 
@@ -80,7 +83,7 @@ def main() -> None:
     pos = packed_positions(args.batch, args.context, args.doc_mean) if args.documents else None
     docs = f", packed documents (mean {args.doc_mean})" if args.documents else ""
     after = f"{args.before} (A/A control)" if args.control else "this checkout"
-    print(f"tiny v2 training steps, batch {args.batch} x {args.context}{docs}, cpu: before = {args.before}, "
+    print(f"tiny v2 training steps, batch {args.batch} x {args.context}{docs}, scan_impl {args.scan}, cpu: before = {args.before}, "
           f"after = {after}, {args.rounds} alternating rounds")
     for name, model in models.items():
         with torch.no_grad():

@@ -4,6 +4,7 @@ and the two windows written here from the spec, plus causality, documents, cachi
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -445,6 +446,83 @@ def test_compiled_scan_equals_chunked_scan(T):
     assert torch.allclose(f_state[1], state[1], rtol=1e-5, atol=1e-4)
     for g, f in zip(grads, f_grads):
         assert (g - f).norm() <= 1e-4 * g.norm()
+
+
+@pytest.mark.parametrize("phase", ["training", pytest.param("cached", marks=pytest.mark.slow)])  # 45 s / 40 s
+def test_compiled_memory_inputs_equal_eager(phase):
+    """scan_impl compiled (CUDA's path for training and prefill): each memory's work between its
+    projections and its read (`memory_inputs`: the key scan, unit norms, the value mix, the bandwidth)
+    runs as one inductor graph, and gives the eager model's function. training: loss, logits and
+    every gradient with documents; cached: a prefill, a 20-token continuation (the pending value
+    and the scan's state enter the graph) and decoding steps."""
+    ids = torch.randint(0, 50, (2, 70), generator=torch.Generator().manual_seed(0))
+    pos = packed_positions([[30, 40], [5, 1, 64]])
+    results = {}
+    for impl in ("chunked", "compiled"):
+        model = tiny_model().float()
+        model.config.scan_impl = impl
+        if phase == "training":
+            out = model.train()(input_ids=ids, position_ids=pos, labels=ids, long_delay=6)
+            out.loss.backward()
+            results[impl] = [out.logits] + [p.grad for p in model.parameters()]
+            continue
+        with torch.no_grad():
+            first = model(input_ids=ids[:, :40], use_cache=True)
+            cache = first.past_key_values
+            parts = [first.logits, model(input_ids=ids[:, 40:60], past_key_values=cache, use_cache=True).logits]
+            parts += [model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(60, 64)]
+        results[impl] = [torch.cat(parts, 1)]
+    for eager, compiled in zip(results["chunked"], results["compiled"]):
+        assert (eager - compiled).norm() <= 1e-5 * eager.norm(), ((eager - compiled).norm() / eager.norm()).item()
+
+
+def test_compiled_memory_inputs_take_bf16_projections_as_on_a_gpu():
+    """Under CUDA autocast a memory's projections arrive in bf16 and its reads run in bf16: the
+    compiled `memory_inputs` (inductor) takes and returns those dtypes, forward and backward (bf16
+    gradients for the projections), and equals the eager function to bf16 rounding, with documents."""
+    from owai.models.memory_mosaics_v2 import _compiled, memory_inputs
+
+    B, T, H, hs = 2, 70, 2, 8
+    g = torch.Generator().manual_seed(7)
+    key, value = torch.randn(B, T, H * hs, generator=g).bfloat16(), torch.randn(B, T, H * hs, generator=g).bfloat16()
+    gate, decay = (3 * torch.randn(B, T, H, generator=g)).bfloat16(), torch.randn(B, T, H, generator=g).bfloat16()
+    params = [torch.rand(H, generator=g), torch.randn(H, generator=g), torch.randn(H, generator=g), torch.randn(H, generator=g)]
+    doc_start = (torch.arange(T) - packed_positions([[30, 40], [5, 1, 64]])).long()
+    weights = torch.linspace(-1, 1, hs)
+    results = []
+    for fn in (memory_inputs, _compiled("inputs")):
+        leaves = [t.clone().requires_grad_() for t in (key, gate, decay, value, *params)]
+        q, k, v, (s_dir, s_log), v_last = fn(*leaves[:4], None, doc_start, 0, None, 9, "chunked", *leaves[4:],
+                                             (4, None), 1e-6, torch.bfloat16)
+        assert q.dtype == k.dtype == v.dtype == torch.bfloat16 and v.shape == (B, H, T - 1, hs)
+        loss = ((q.float() + k.float()) * weights).sum() + (v.float() * weights).sum() + s_log.sum() + v_last.sum()
+        grads = torch.autograd.grad(loss, leaves)
+        assert all(g.dtype == t.dtype for g, t in zip(grads, leaves))
+        results.append([q, k, v, s_dir, s_log, *grads])
+    for eager, compiled in zip(*results):
+        eager, compiled = eager.float(), compiled.float()
+        assert eager.norm() > 0 and (eager - compiled).norm() <= 1e-2 * eager.norm(), (eager - compiled).norm() / eager.norm()
+
+
+def test_a_compilation_that_fails_runs_eagerly_with_one_warning(monkeypatch):
+    """Should compiling a memory's inputs fail (a backend error on some machine), the model warns once
+    and computes the same function eagerly from then on."""
+    from owai.models import memory_mosaics_v2 as v2
+
+    def broken(*args):
+        raise RuntimeError("backend compiler failed\nmore detail")
+
+    monkeypatch.setattr(v2, "_COMPILED", {"inputs": broken})
+    ids = torch.randint(0, 50, (2, 23), generator=torch.Generator().manual_seed(0))
+    model = tiny_model()
+    reference = model(input_ids=ids).logits
+    model.config.scan_impl = "compiled"
+    with pytest.warns(RuntimeWarning, match="compiling a memory's inputs .* failed .*backend compiler failed"):
+        assert torch.allclose(model(input_ids=ids).logits, reference, atol=1e-10)  # the compiled chunk: wider
+    assert v2._COMPILED.get("inputs-failed")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.allclose(model(input_ids=ids).logits, reference, atol=1e-10)
 
 
 def test_one_position_scan_step_equals_the_chunked_scan():

@@ -38,8 +38,10 @@ row), plus each key scan's state and the newest raw value.
 Kernels (docs/decisions.md, issue #39): `attn_impl` auto|sdpa|flex and `scan_impl`
 auto|chunked|compiled|triton choose how, not what, is computed. On CUDA (auto) reads from position 0 go
 through compiled flex_attention with block masks built once per forward from per-block bounds (the
-short-term window always, the long-term memory with documents), the key scan runs as one compiled
-graph, reads and the cache use the autocast dtype (else the weights'); decoding steps read their
+short-term window always, the long-term memory with documents), each memory's work between its
+projections and its read (`memory_inputs`: the key scan, the unit norms, the value mix, the
+bandwidth) runs as one compiled graph, reads and the cache use the autocast dtype (else the
+weights'); decoding steps read their
 slice with one unmasked SDPA. `scan_impl: triton` runs the key scan as owai's own Triton kernel
 (owai.models.key_scan_triton: a custom op with its backward, also inside compiled blocks). On CPU
 the path above is unchanged. `static_decoding` (auto: on CUDA, unsharded models): once `generate`
@@ -311,15 +313,15 @@ _COMPILED: dict[str, Any] = {}  # torch.compile'd kernels, created once per proc
 
 
 def _compiled(name: str) -> Any:
-    """torch.compile of flex_attention ("flex"), of gated_key_scan ("scan") or of decode_step
-    ("decode"), created lazily once per process."""
+    """torch.compile of flex_attention ("flex"), of gated_key_scan ("scan"), of memory_inputs
+    ("inputs") or of decode_step ("decode"), created lazily once per process."""
     if name not in _COMPILED:
         if name == "flex":
             from torch.nn.attention.flex_attention import flex_attention
 
             _COMPILED[name] = torch.compile(flex_attention)
-        elif name == "scan":
-            _COMPILED[name] = torch.compile(gated_key_scan, dynamic=False)  # one graph per length (recursion depth)
+        elif name in ("scan", "inputs"):  # one graph per length (the scan's recursion depth)
+            _COMPILED[name] = torch.compile(gated_key_scan if name == "scan" else memory_inputs, dynamic=False)
         else:
             # fixed shapes every step; the weights are arguments, so the model's memories share one
             # graph per kind (the readable count becomes symbolic after its first change)
@@ -359,6 +361,46 @@ def decode_step(h: torch.Tensor, key_w: torch.Tensor, gate_w: torch.Tensor, deca
             row / norm[..., None], top + norm.log(), raw_v)
 
 
+def memory_inputs(key: torch.Tensor, gate: torch.Tensor, decay: torch.Tensor, value: torch.Tensor,
+                  v_pending: torch.Tensor | None, doc_start: torch.Tensor | None, past: int,
+                  scan_state: tuple[torch.Tensor, torch.Tensor] | None, chunk: int, kernel: str,
+                  value_mix: torch.Tensor, beta1_log: torch.Tensor, alpha_raw: torch.Tensor, beta0_raw: torch.Tensor,
+                  lags: tuple[int, int | None], norm_eps: float, dtype: torch.dtype) -> tuple[Any, ...]:
+    """A memory's work between its projections and its read, for T positions at past..past+T-1.
+
+    key, value (B, T, d) and gate, decay (B, T, H): the outputs of W_phi, W_psi, W_g, W_lambda;
+    v_pending (B, H, hs) the raw value of position past-1 (a cache's), or None; doc_start (B, T) or
+    None; scan_state the key scan's state at past-1, or None; chunk, kernel: gated_key_scan's; the
+    bandwidth's parameters; lags = ContextualMemory.lags. Returns, in `dtype`: the queries (the keys
+    with the bandwidth beta1 n^alpha + beta0 applied, (B, H, T, hs)), the keys, the finished values
+    gamma v~_t + (1 - gamma) v~_{t+1} of the positions whose next token is here (T - 1 rows, or T with
+    v_pending); then the scan's new state and the last raw value (B, H, hs), in float32 or wider.
+
+    One function so that it runs as one compiled graph where the key scan is compiled
+    (`memory_inputs_plan`: on CUDA). Eagerly this float32 work (unit norms, the value mix, the
+    bandwidth, the casts) is dozens of kernels over (B, H, T, hs) tensors per memory and layer,
+    forward and backward; compiled it fuses around the scan, as compiled blocks fuse it.
+    """
+    B, T, d = key.shape
+    H = gate.shape[-1]
+    split = lambda z: z.view(B, T, H, d // H).transpose(1, 2)  # noqa: E731  (B, T, d) -> (B, H, T, hs)
+    log_gate = gate.transpose(1, 2)  # (B, H, T)
+    log_decay = -decay.abs().transpose(1, 2)  # (B, H, T), <= 0
+    directions, scan_state = gated_key_scan(split(key), log_gate, log_decay, doc_start, past, scan_state, chunk, kernel)
+    keys = _unit(directions, norm_eps)  # (B, H, T, hs) float32
+    raw_v = _wide(split(value))  # (B, H, T, hs)
+    if v_pending is not None:  # the pending position past-1 gets its value now that x_past is known
+        raw_v = torch.cat([v_pending[:, :, None], raw_v], dim=2)  # positions past-1 ..
+    gamma = value_mix.float()[None, :, None, None]
+    # gamma v~_t + (1 - gamma) v~_{t+1}, as one op
+    finished = _unit(torch.lerp(raw_v[:, :, 1:], raw_v[:, :, :-1], gamma.to(raw_v.dtype)), norm_eps)
+    t = torch.arange(past, past + T, device=key.device)[None]  # (1, T) absolute query positions
+    counts = _bandwidth_counts(t, doc_start if doc_start is not None else torch.zeros_like(t), *lags)
+    beta = bandwidth_of(counts, beta1_log, alpha_raw, beta0_raw)  # (B|1, H, T)
+    queries = (keys * beta[..., None].to(keys.dtype)).to(dtype)  # bandwidth on the query side only
+    return queries, keys.to(dtype), finished.to(dtype), scan_state, raw_v[:, :, -1]
+
+
 def _compiles_scan(config: MemoryMosaicsV2Config, device: torch.device) -> bool:
     """Whether the key scan (and a decoding step's arithmetic) run compiled: scan_impl "compiled", or
     "auto" or "triton" on CUDA (a decoding step is one position: no scan); never inside a torch.compile."""
@@ -367,43 +409,65 @@ def _compiles_scan(config: MemoryMosaicsV2Config, device: torch.device) -> bool:
     return (impl == "compiled" or on_cuda) and not torch.compiler.is_compiling()
 
 
-def _run_decode_step(inputs: tuple, compiled: bool) -> tuple[torch.Tensor, ...]:
-    """decode_step(*inputs), compiled when asked. Should the compiler fail (a backend error), the step
-    runs eagerly from then on, with one warning: the same function, more kernels."""
-    if compiled and "decode-failed" not in _COMPILED:
+_FAILED_WHAT = {"inputs": "a memory's inputs (the key scan and its elementwise work)", "decode": "the decoding step"}
+
+
+def _run_compiled(name: str, fn: Any, inputs: tuple, compiled: bool) -> Any:
+    """fn(*inputs), through _compiled(name) (fn compiled) when `compiled`. Should compiling fail when
+    called (a backend error), fn runs eagerly from then on, with one warning: the same function, more
+    kernels. (A failure in compiling the backward surfaces in backward().)"""
+    if compiled and name + "-failed" not in _COMPILED:
         try:
-            return _compiled("decode")(*inputs)
+            return _compiled(name)(*inputs)
         except Exception as err:  # noqa: BLE001 - torch._dynamo's errors vary by release
-            _COMPILED["decode-failed"] = True
+            _COMPILED[name + "-failed"] = True
             import warnings
 
-            warnings.warn(f"memory mosaics v2: compiling the decoding step failed ({type(err).__name__}: "
-                          f"{str(err).splitlines()[0][:200]}); decoding eagerly", RuntimeWarning, stacklevel=2)
-    return decode_step(*inputs)
+            warnings.warn(f"memory mosaics v2: compiling {_FAILED_WHAT[name]} failed ({type(err).__name__}: "
+                          f"{str(err).splitlines()[0][:200]}); running it eagerly", RuntimeWarning, stacklevel=2)
+    return fn(*inputs)
 
 
-def key_scan_fn(config: MemoryMosaicsV2Config, device: torch.device, T: int) -> tuple[Any, int]:
-    """The key scan implementation for T new positions on `device` (config.scan_impl) and its chunk:
-    "compiled" = gated_key_scan as one compiled graph (forward and backward), "chunked" = eager; "auto"
-    compiles on CUDA when T > scan_chunk (training, prefill) and stays eager for decoding steps; "triton"
-    = owai.models.key_scan_triton's kernel (on the CPU in Triton's interpreter: tests only). Inside
-    an outer torch.compile (compiled blocks) the plain function is traced into the outer graph.
+def _scan_plan(config: MemoryMosaicsV2Config, device: torch.device, T: int) -> tuple[bool, int]:
+    """(compile, chunk) for a key scan over T new positions on `device` (config.scan_impl): whether the
+    scan (and `memory_inputs` around it) runs as a compiled graph of its own, and the chunked scan's
+    chunk. "compiled" compiles everywhere; "auto" on CUDA when T > scan_chunk (training, prefill), never
+    for decoding steps; "triton" (owai.models.key_scan_triton's kernel) on CUDA, where the elementwise
+    work around the kernel then fuses; "chunked" never. Inside an outer torch.compile (compiled blocks)
+    nothing compiles on its own: the plain functions are traced into the outer graph.
 
-    Compiled, the chunk is at least ceil(sqrt(T)), so the chunk ends need one level of recursion and
-    no more: torch 2.13's inductor miscompiles the scan at three levels (forward and gradients wrong,
-    on CPU; tests/test_memory_mosaics_v2.py), and the wider chunk is also the fastest compiled one."""
+    A compiled chunked scan uses a chunk of at least ceil(sqrt(T)), so the chunk ends need one level of
+    recursion and no more: torch 2.13's inductor miscompiles the scan at three levels (forward and
+    gradients wrong, on CPU; tests/test_memory_mosaics_v2.py), and the wider chunk is also the
+    fastest compiled one."""
     impl = config.scan_impl
-    if impl == "triton":  # one custom op (opaque inside an outer torch.compile), forward and backward
+    inside = torch.compiler.is_compiling()
+    if impl == "triton":  # one custom op (opaque inside a compiled graph), forward and backward
         from owai.models import key_scan_triton
 
         key_scan_triton.require(device)
-        return functools.partial(gated_key_scan, kernel="triton"), config.scan_chunk
-    inside = torch.compiler.is_compiling()
+        return device.type == "cuda" and not inside, config.scan_chunk
     compiled = inside or impl == "compiled" or (impl == "auto" and device.type == "cuda" and T > config.scan_chunk)
     if not compiled:
-        return gated_key_scan, config.scan_chunk
-    chunk = max(config.scan_chunk, math.isqrt(max(T - 1, 0)) + 1)  # ceil(sqrt(T)): n = ceil(T / chunk) <= chunk
-    return (gated_key_scan if inside else _compiled("scan")), chunk
+        return False, config.scan_chunk
+    return not inside, max(config.scan_chunk, math.isqrt(max(T - 1, 0)) + 1)  # ceil(sqrt(T)): n = ceil(T / chunk) <= chunk
+
+
+def key_scan_fn(config: MemoryMosaicsV2Config, device: torch.device, T: int) -> tuple[Any, int]:
+    """The key scan alone for T new positions on `device` and its chunk (`_scan_plan`): gated_key_scan,
+    compiled as a graph of its own or not, or through the Triton kernel. The model runs the scan inside
+    `memory_inputs` (`memory_inputs_plan`); this is for the tests and the scan benchmark."""
+    compile_, chunk = _scan_plan(config, device, T)
+    if config.scan_impl == "triton":
+        return functools.partial(gated_key_scan, kernel="triton"), chunk
+    return (_compiled("scan") if compile_ else gated_key_scan), chunk
+
+
+def memory_inputs_plan(config: MemoryMosaicsV2Config, device: torch.device, T: int) -> tuple[bool, int, str]:
+    """(compile, chunk, kernel) for `memory_inputs` over T new positions on `device`: one compiled graph
+    where the key scan is compiled (`_scan_plan`), with the scan's chunk and kernel ("triton" or "chunked")."""
+    compile_, chunk = _scan_plan(config, device, T)
+    return compile_, chunk, ("triton" if config.scan_impl == "triton" else "chunked")
 
 
 def uses_flex(config: MemoryMosaicsV2Config, device: torch.device, past: int) -> bool:
@@ -486,6 +550,16 @@ def _bandwidth_counts(t: torch.Tensor, doc_start: torch.Tensor, lo_lag: int, hi_
     return (newest - oldest + 1).clamp(min=0)
 
 
+def bandwidth_of(n: torch.Tensor, beta1_log: torch.Tensor, alpha_raw: torch.Tensor, beta0_raw: torch.Tensor) -> torch.Tensor:
+    """beta = beta1 n^alpha + beta0 for counts n (B|1, T) -> (B|1, H, T) fp32 (n clamped to >= 1), from
+    the parameters beta1 = exp(beta1_log), alpha = sigmoid(alpha_raw), beta0 = softplus(beta0_raw) (H,)."""
+    n = n.clamp(min=1).float()[:, None, :]  # (B, 1, T)
+    beta1 = beta1_log.float().exp()[None, :, None]
+    alpha = torch.sigmoid(alpha_raw.float())[None, :, None]
+    beta0 = F.softplus(beta0_raw.float())[None, :, None]
+    return beta1 * n.pow(alpha) + beta0
+
+
 # ---------------------------------------------------------------------------------------------
 # modules
 
@@ -508,12 +582,8 @@ class ContextualMemory(nn.Module):
         self.o_proj = nn.Linear(d, d, bias=False)
 
     def bandwidth(self, n: torch.Tensor) -> torch.Tensor:
-        """beta = beta1 n^alpha + beta0 for counts n (B|1, T) -> (B|1, H, T) fp32 (n clamped to >= 1)."""
-        n = n.clamp(min=1).float()[:, None, :]  # (B, 1, T)
-        beta1 = self.beta1_log.float().exp()[None, :, None]
-        alpha = torch.sigmoid(self.alpha_raw.float())[None, :, None]
-        beta0 = F.softplus(self.beta0_raw.float())[None, :, None]
-        return beta1 * n.pow(alpha) + beta0
+        """beta = beta1 n^alpha + beta0 for counts n (B|1, T) -> (B|1, H, T) fp32 (`bandwidth_of`)."""
+        return bandwidth_of(n, self.beta1_log, self.alpha_raw, self.beta0_raw)
 
     def read_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype memory reads (and the generation cache) run in: on CUDA the autocast dtype, else
@@ -545,25 +615,15 @@ class ContextualMemory(nn.Module):
             return self._decode_static(x, cache, delay)
         if T == 1 and doc_start is None and cache and "scan" in cache and not torch.is_grad_enabled():
             return self._decode(x, cache, past, delay)
-        H, hs = cfg.n_head, cfg.head_size
-        split = lambda z: z.view(B, T, H, hs).transpose(1, 2)  # noqa: E731  (B, T, d) -> (B, H, T, hs)
-        raw_k = split(self.key_proj(x))
-        log_gate = self.gate_proj(x).transpose(1, 2)  # (B, H, T)
-        log_decay = -self.decay_proj(x).abs().transpose(1, 2)  # (B, H, T)
-        scan_state = cache.get("scan") if cache else None
-        scan, chunk = key_scan_fn(cfg, x.device, T)
-        directions, scan_state = scan(raw_k, log_gate, log_decay, doc_start, past, scan_state, chunk)
-        keys = _unit(directions, cfg.norm_eps)  # (B, H, T, hs) fp32
-        raw_v = _wide(split(self.value_proj(x)))  # (B, H, T, hs)
-        gamma = self.value_mix.float()[None, :, None, None]
-        if cache:  # the pending position past-1 gets its value now that x_past is known
-            raw_v = torch.cat([cache["v_pending"][:, :, None], raw_v], dim=2)  # positions past-1 ..
-        # gamma v~_t + (1 - gamma) v~_{t+1}, as one op
-        finished = _unit(torch.lerp(raw_v[:, :, 1:], raw_v[:, :, :-1], gamma.to(raw_v.dtype)), cfg.norm_eps)
+        compile_, chunk, kernel = memory_inputs_plan(cfg, x.device, T)
+        inputs = (self.key_proj(x), self.gate_proj(x), self.decay_proj(x), self.value_proj(x),
+                  cache["v_pending"] if cache else None, doc_start, past, cache.get("scan") if cache else None,
+                  chunk, kernel, self.value_mix, self.beta1_log, self.alpha_raw, self.beta0_raw, self.lags(delay),
+                  cfg.norm_eps, self.read_dtype(x.device))
+        queries, keys, finished, scan_state, v_last = _run_compiled("inputs", memory_inputs, inputs, compile_)
         if cache is not None:
             k0 = cache.get("k0", past)
-            dtype = self.read_dtype(x.device)
-            keys_all, values_all = _append(cache, "keys", keys.to(dtype)), _append(cache, "values", finished.to(dtype))
+            keys_all, values_all = _append(cache, "keys", keys), _append(cache, "values", finished)
             if self.kind == "short":  # future queries t >= past+T read j >= past+T-span: drop older pairs
                 keep = max(0, (past + T - cfg.short_span) - k0)
                 cache.update(keys=cache["keys"][:, :, keep:], values=cache["values"][:, :, keep:], k0=k0 + keep)
@@ -571,11 +631,11 @@ class ContextualMemory(nn.Module):
                 cache["values_rows"] = max(0, cache["values_rows"] - keep)
             else:
                 cache["k0"] = k0
-            cache.update(v_pending=raw_v[:, :, -1], scan=scan_state)
+            cache.update(v_pending=v_last, scan=scan_state)
         else:
             keys_all, values_all, k0 = keys, finished, past
         block_mask = masks.get(self.kind) if masks is not None and past == 0 and k0 == 0 else None
-        y = self.read(keys, keys_all, values_all, k0, past, doc_start, delay, block_mask)  # (B, H, T, hs)
+        y = self.read(queries, keys_all, values_all, k0, past, doc_start, delay, block_mask)  # (B, H, T, hs)
         y = y.to(x.dtype).transpose(1, 2).reshape(B, T, d)
         return self.o_proj(y)
 
@@ -615,7 +675,7 @@ class ContextualMemory(nn.Module):
         inputs = (x, self.key_proj.weight, self.gate_proj.weight, self.decay_proj.weight, self.value_proj.weight,
                   self.value_mix, self.beta1_log, self.alpha_raw, self.beta0_raw, scan_dir, scan_log, v_pending,
                   log_count, self.config.norm_eps, self.read_dtype(x.device))
-        return _run_decode_step(inputs, _compiles_scan(self.config, x.device))
+        return _run_compiled("decode", decode_step, inputs, _compiles_scan(self.config, x.device))
 
     def _decode_static(self, x: torch.Tensor, state: dict, delay: int) -> torch.Tensor:
         """`_decode` on a StaticDecoder's buffers: no shape, index or Python number depends on the
@@ -644,21 +704,18 @@ class ContextualMemory(nn.Module):
         y = torch.where(readable.any(), y, 0.0)  # nothing readable: 0 (the masked softmax gave NaN)
         return self.o_proj(y.to(x.dtype).transpose(1, 2).reshape(x.shape))
 
-    def read(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, k0: int, past: int,
+    def read(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, k0: int, past: int,
              doc_start: torch.Tensor | None, delay: int, block_mask: Any = None) -> torch.Tensor:
-        """Memory read for queries at absolute positions past..past+T-1 over keys/values at k0.. .
+        """Memory read for queries q (B, H, T, hs), the bandwidth applied (`memory_inputs`), at absolute
+        positions past..past+T-1 over keys/values at k0.. .
 
         block_mask (this memory's `flex_block_mask`, reads from position 0 only): one flex_attention
-        call; otherwise SDPA as below, same function. Both in `read_dtype`."""
-        B, H, T, hs = queries.shape
+        call; otherwise SDPA as below, same function. All three in one dtype (`read_dtype`)."""
+        B, H, T, hs = q.shape
         lo, hi = self.lags(delay)
-        device = queries.device
+        device = q.device
         t = torch.arange(past, past + T, device=device)[None]  # (1, T)
         ds = doc_start if doc_start is not None else torch.zeros_like(t)
-        beta = self.bandwidth(_bandwidth_counts(t, ds, lo, hi))  # (B|1, H, T)
-        dtype = self.read_dtype(device)
-        q = (queries * beta[..., None].to(queries.dtype)).to(dtype)  # bandwidth on the query side only
-        keys, values = keys.to(dtype), values.to(dtype)
         if block_mask is not None:
             return _flex_read(q, keys, values, block_mask)
         if doc_start is None and hi is None and past == 0 and k0 == 0 and T > lo:
