@@ -418,12 +418,15 @@ def test_flex_block_masks_skip_what_nothing_reads():
     assert sorted(last) == [4, 5, 6, 7]  # the last query block (896..1023) reads keys 600..959 only
 
 
-@pytest.mark.parametrize("T", [70, pytest.param(288, marks=pytest.mark.slow)])  # 288: three recursion levels, 30 s
+@pytest.mark.slow  # 30 s each; the model compiles the scan inside memory_inputs, checked in the default run
+@pytest.mark.parametrize("T", [70, 288])  # 288: three recursion levels at the config's chunk
 def test_compiled_scan_equals_chunked_scan(T):
-    """scan_impl compiled (the CUDA default) is gated_key_scan as one graph, at the chunk key_scan_fn
-    picks: the same rows, state and gradients as the eager scan at the config's chunk. At T = 288 the
-    config's chunk 16 would need three levels of recursion, which torch 2.13's inductor computes
-    wrongly (rows off by ~1, gradients by ~5 %); key_scan_fn widens the chunk to ceil(sqrt(T))."""
+    """The key scan alone compiled (key_scan_fn: `benchmarks/mmv2.py scan`'s candidate) is gated_key_scan
+    as one graph, at the chunk key_scan_fn picks: the same rows, state and gradients as the eager scan
+    at the config's chunk. At T = 288 the config's chunk 16 would need three levels of recursion,
+    which torch 2.13's inductor computes wrongly (rows off by ~1, gradients by ~5 %); key_scan_fn
+    widens the chunk to ceil(sqrt(T)). The model's own compiled path (the scan inside
+    `memory_inputs`) is test_compiled_memory_inputs_equal_eager."""
     from owai.models.memory_mosaics_v2 import key_scan_fn
 
     cfg = MemoryMosaicsV2Config(**{**TINY, "scan_chunk": 16 if T > 100 else 4, "scan_impl": "compiled"})
