@@ -451,7 +451,7 @@ def test_compiled_scan_equals_chunked_scan(T):
         assert (g - f).norm() <= 1e-4 * g.norm()
 
 
-@pytest.mark.parametrize("phase", ["training", pytest.param("cached", marks=pytest.mark.slow)])  # 45 s / 40 s
+@pytest.mark.parametrize("phase", ["training", pytest.param("cached", marks=pytest.mark.slow)])  # ~50 s / 40 s, cold
 def test_compiled_memory_inputs_equal_eager(phase):
     """scan_impl compiled (CUDA's path for training and prefill): each memory's work between its
     projections and its read (`memory_inputs`: the key scan, unit norms, the value mix, the bandwidth)
