@@ -451,13 +451,16 @@ def test_compiled_scan_equals_chunked_scan(T):
         assert (g - f).norm() <= 1e-4 * g.norm()
 
 
-@pytest.mark.parametrize("phase", ["training", pytest.param("cached", marks=pytest.mark.slow)])  # ~50 s / 40 s, cold
+@pytest.mark.parametrize("phase", ["training", pytest.param("cached", marks=pytest.mark.slow)])  # ~30 s / 20 s, cold
 def test_compiled_memory_inputs_equal_eager(phase):
     """scan_impl compiled (CUDA's path for training and prefill): each memory's work between its
     projections and its read (`memory_inputs`: the key scan, unit norms, the value mix, the bandwidth)
     runs as one inductor graph, and gives the eager model's function. training: loss, logits and
-    every gradient with documents; cached: a prefill, a 20-token continuation (the pending value
-    and the scan's state enter the graph) and decoding steps."""
+    every gradient with documents, and a step at another long-term delay (drawn per training step)
+    reuses the graph, whichever memory calls it; cached: a prefill, a 20-token continuation (the
+    pending value and the scan's state enter the graph) and decoding steps."""
+    from owai.models import memory_mosaics_v2 as v2
+
     ids = torch.randint(0, 50, (2, 70), generator=torch.Generator().manual_seed(0))
     pos = packed_positions([[30, 40], [5, 1, 64]])
     results = {}
@@ -467,7 +470,12 @@ def test_compiled_memory_inputs_equal_eager(phase):
         if phase == "training":
             out = model.train()(input_ids=ids, position_ids=pos, labels=ids, long_delay=6)
             out.loss.backward()
-            results[impl] = [out.logits] + [p.grad for p in model.parameters()]
+            results[impl] = [out.logits] + [p.grad.clone() for p in model.parameters()]
+            if impl == "compiled":  # a recompilation would raise, and the model would fall back with a warning
+                with torch._dynamo.config.patch(error_on_recompile=True), warnings.catch_warnings():
+                    warnings.simplefilter("error")
+                    model(input_ids=ids, position_ids=pos, labels=ids, long_delay=9).loss.backward()
+                assert "inputs-failed" not in v2._COMPILED
             continue
         with torch.no_grad():
             first = model(input_ids=ids[:, :40], use_cache=True)
@@ -483,7 +491,7 @@ def test_compiled_memory_inputs_take_bf16_projections_as_on_a_gpu():
     """Under CUDA autocast a memory's projections arrive in bf16 and its reads run in bf16: the
     compiled `memory_inputs` (inductor) takes and returns those dtypes, forward and backward (bf16
     gradients for the projections), and equals the eager function to bf16 rounding, with documents."""
-    from owai.models.memory_mosaics_v2 import _compiled, memory_inputs
+    from owai.models.memory_mosaics_v2 import _bandwidth_counts, _compiled, memory_inputs
 
     B, T, H, hs = 2, 70, 2, 8
     g = torch.Generator().manual_seed(7)
@@ -491,12 +499,13 @@ def test_compiled_memory_inputs_take_bf16_projections_as_on_a_gpu():
     gate, decay = (3 * torch.randn(B, T, H, generator=g)).bfloat16(), torch.randn(B, T, H, generator=g).bfloat16()
     params = [torch.rand(H, generator=g), torch.randn(H, generator=g), torch.randn(H, generator=g), torch.randn(H, generator=g)]
     doc_start = (torch.arange(T) - packed_positions([[30, 40], [5, 1, 64]])).long()
+    counts = _bandwidth_counts(torch.arange(T)[None], doc_start, 4, None)  # a long-term memory at delay 4
     weights = torch.linspace(-1, 1, hs)
     results = []
     for fn in (memory_inputs, _compiled("inputs")):
         leaves = [t.clone().requires_grad_() for t in (key, gate, decay, value, *params)]
         q, k, v, (s_dir, s_log), v_last = fn(*leaves[:4], None, doc_start, 0, None, 9, "chunked", *leaves[4:],
-                                             (4, None), 1e-6, torch.bfloat16)
+                                             counts, 1e-6, torch.bfloat16)
         assert q.dtype == k.dtype == v.dtype == torch.bfloat16 and v.shape == (B, H, T - 1, hs)
         loss = ((q.float() + k.float()) * weights).sum() + (v.float() * weights).sum() + s_log.sum() + v_last.sum()
         grads = torch.autograd.grad(loss, leaves)

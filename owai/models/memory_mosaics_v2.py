@@ -365,14 +365,16 @@ def memory_inputs(key: torch.Tensor, gate: torch.Tensor, decay: torch.Tensor, va
                   v_pending: torch.Tensor | None, doc_start: torch.Tensor | None, past: int,
                   scan_state: tuple[torch.Tensor, torch.Tensor] | None, chunk: int, kernel: str,
                   value_mix: torch.Tensor, beta1_log: torch.Tensor, alpha_raw: torch.Tensor, beta0_raw: torch.Tensor,
-                  lags: tuple[int, int | None], norm_eps: float, dtype: torch.dtype) -> tuple[Any, ...]:
+                  counts: torch.Tensor, norm_eps: float, dtype: torch.dtype) -> tuple[Any, ...]:
     """A memory's work between its projections and its read, for T positions at past..past+T-1.
 
     key, value (B, T, d) and gate, decay (B, T, H): the outputs of W_phi, W_psi, W_g, W_lambda;
     v_pending (B, H, hs) the raw value of position past-1 (a cache's), or None; doc_start (B, T) or
     None; scan_state the key scan's state at past-1, or None; chunk, kernel: gated_key_scan's; the
-    bandwidth's parameters; lags = ContextualMemory.lags. Returns, in `dtype`: the queries (the keys
-    with the bandwidth beta1 n^alpha + beta0 applied, (B, H, T, hs)), the keys, the finished values
+    bandwidth's parameters; counts (B|1, T) the keys n_t each query can read (`_bandwidth_counts`; a
+    tensor, so the long-term memory's delay, drawn per training step, is not a constant of the
+    graph and both memories share one). Returns, in `dtype`: the queries (the keys with the
+    bandwidth beta1 n^alpha + beta0 applied, (B, H, T, hs)), the keys, the finished values
     gamma v~_t + (1 - gamma) v~_{t+1} of the positions whose next token is here (T - 1 rows, or T with
     v_pending); then the scan's new state and the last raw value (B, H, hs), in float32 or wider.
 
@@ -394,8 +396,6 @@ def memory_inputs(key: torch.Tensor, gate: torch.Tensor, decay: torch.Tensor, va
     gamma = value_mix.float()[None, :, None, None]
     # gamma v~_t + (1 - gamma) v~_{t+1}, as one op
     finished = _unit(torch.lerp(raw_v[:, :, 1:], raw_v[:, :, :-1], gamma.to(raw_v.dtype)), norm_eps)
-    t = torch.arange(past, past + T, device=key.device)[None]  # (1, T) absolute query positions
-    counts = _bandwidth_counts(t, doc_start if doc_start is not None else torch.zeros_like(t), *lags)
     beta = bandwidth_of(counts, beta1_log, alpha_raw, beta0_raw)  # (B|1, H, T)
     queries = (keys * beta[..., None].to(keys.dtype)).to(dtype)  # bandwidth on the query side only
     return queries, keys.to(dtype), finished.to(dtype), scan_state, raw_v[:, :, -1]
@@ -616,9 +616,11 @@ class ContextualMemory(nn.Module):
         if T == 1 and doc_start is None and cache and "scan" in cache and not torch.is_grad_enabled():
             return self._decode(x, cache, past, delay)
         compile_, chunk, kernel = memory_inputs_plan(cfg, x.device, T)
+        t = torch.arange(past, past + T, device=x.device)[None]  # (1, T) absolute query positions
+        counts = _bandwidth_counts(t, doc_start if doc_start is not None else torch.zeros_like(t), *self.lags(delay))
         inputs = (self.key_proj(x), self.gate_proj(x), self.decay_proj(x), self.value_proj(x),
                   cache["v_pending"] if cache else None, doc_start, past, cache.get("scan") if cache else None,
-                  chunk, kernel, self.value_mix, self.beta1_log, self.alpha_raw, self.beta0_raw, self.lags(delay),
+                  chunk, kernel, self.value_mix, self.beta1_log, self.alpha_raw, self.beta0_raw, counts,
                   cfg.norm_eps, self.read_dtype(x.device))
         queries, keys, finished, scan_state, v_last = _run_compiled("inputs", memory_inputs, inputs, compile_)
         if cache is not None:
