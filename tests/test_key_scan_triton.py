@@ -170,6 +170,31 @@ def test_the_op_traces_whole_into_a_compiled_graph():
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_the_kernel_inside_a_memorys_compiled_inputs():
+    """Eager blocks on CUDA with scan_impl triton run the op inside `memory_inputs` compiled by
+    inductor (the elementwise work fused around it): that graph, here inductor's for the CPU with the
+    op in the interpreter, gives the eager chunked function's outputs and gradients, with documents."""
+    from owai.models.memory_mosaics_v2 import _bandwidth_counts, _compiled, memory_inputs
+
+    T, d = 40, H * HS
+    g = torch.Generator().manual_seed(5)
+    key, value = torch.randn(B, T, d, generator=g), torch.randn(B, T, d, generator=g)
+    gate, decay = 2 * torch.randn(B, T, H, generator=g), 0.5 * torch.randn(B, T, H, generator=g)
+    params = [torch.rand(H, generator=g), torch.randn(H, generator=g), torch.randn(H, generator=g), torch.randn(H, generator=g)]
+    doc_start = inputs(T, True, False)[3] - 10
+    counts = _bandwidth_counts(torch.arange(T)[None], doc_start, 3, None)
+    weights = torch.linspace(-1, 1, HS)
+    results = []
+    for fn, kernel in ((memory_inputs, "chunked"), (_compiled("inputs"), "triton")):
+        leaves = [t.clone().requires_grad_() for t in (key, gate, decay, value, *params)]
+        q, k, v, (_, s_log), _ = fn(*leaves[:4], None, doc_start, 0, None, 7, kernel, *leaves[4:], counts, 1e-6,
+                                    torch.float32)
+        loss = ((q + k) * weights).sum() + (v * weights).sum() + s_log.sum()
+        results.append([q, k, v, *torch.autograd.grad(loss, leaves)])
+    for ref, got in zip(*results):
+        assert ref.norm() > 0 and (got - ref).norm() <= 1e-5 * ref.norm(), ((got - ref).norm() / ref.norm()).item()
+
+
 def test_a_model_with_the_triton_scan_is_the_model_with_the_chunked_scan():
     """scan_impl triton against chunked in a whole model: logits, loss gradients (with documents),
     and a prefill plus cached decoding steps against the full forward."""
