@@ -170,6 +170,7 @@ def test_the_op_traces_whole_into_a_compiled_graph():
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # ~22 s of inductor, cold; on a GPU the `gpu` bf16 training step runs this path
 def test_the_kernel_inside_a_memorys_compiled_inputs():
     """Eager blocks on CUDA with scan_impl triton run the op inside `memory_inputs` compiled by
     inductor (the elementwise work fused around it): that graph, here inductor's for the CPU with the
