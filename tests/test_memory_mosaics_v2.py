@@ -327,12 +327,17 @@ def test_gated_scan_resumes_from_its_state_across_documents():
 
 
 def test_bandwidth_grows_with_stored_pairs():
+    from owai.models.memory_mosaics_v2 import bandwidth_of
+
+    def bandwidth(mem, n):  # a memory's beta = beta1 n^alpha + beta0 for counts n (B|1, T) -> (B|1, H, T)
+        return bandwidth_of(n, mem.beta1_log, mem.alpha_raw, mem.beta0_raw)
+
     model = tiny_model()
     mem = model.layers[0].short
-    beta = mem.bandwidth(torch.tensor([[1, 10, 100]]))  # (1, H, 3)
+    beta = bandwidth(mem, torch.tensor([[1, 10, 100]]))  # (1, H, 3)
     assert (beta[..., 1:] > beta[..., :-1]).all()
     fresh = MemoryMosaicsV2ForCausalLM(MemoryMosaicsV2Config(**TINY)).layers[0].long
-    b1 = fresh.bandwidth(torch.tensor([[1]]))
+    b1 = bandwidth(fresh, torch.tensor([[1]]))
     assert torch.allclose(b1, torch.full_like(b1, math.exp(2) + 1e-3), rtol=1e-5)
 
 
@@ -421,17 +426,18 @@ def test_flex_block_masks_skip_what_nothing_reads():
 @pytest.mark.slow  # 30 s each; the model compiles the scan inside memory_inputs, checked in the default run
 @pytest.mark.parametrize("T", [70, 288])  # 288: three recursion levels at the config's chunk
 def test_compiled_scan_equals_chunked_scan(T):
-    """The key scan alone compiled (key_scan_fn: `benchmarks/mmv2.py scan`'s candidate) is gated_key_scan
-    as one graph, at the chunk key_scan_fn picks: the same rows, state and gradients as the eager scan
-    at the config's chunk. At T = 288 the config's chunk 16 would need three levels of recursion,
-    which torch 2.13's inductor computes wrongly (rows off by ~1, gradients by ~5 %); key_scan_fn
-    widens the chunk to ceil(sqrt(T)). The model's own compiled path (the scan inside
-    `memory_inputs`) is test_compiled_memory_inputs_equal_eager."""
-    from owai.models.memory_mosaics_v2 import key_scan_fn
+    """The key scan alone compiled (`_compiled("scan")`: `benchmarks/mmv2.py scan`'s candidate) is
+    gated_key_scan as one graph, at the chunk memory_inputs_plan picks: the same rows, state and
+    gradients as the eager scan at the config's chunk. At T = 288 the config's chunk 16 would need
+    three levels of recursion, which torch 2.13's inductor computes wrongly (rows off by ~1,
+    gradients by ~5 %); memory_inputs_plan widens the chunk to ceil(sqrt(T)). The model's own
+    compiled path (the scan inside `memory_inputs`) is test_compiled_memory_inputs_equal_eager."""
+    from owai.models.memory_mosaics_v2 import _compiled, memory_inputs_plan
 
     cfg = MemoryMosaicsV2Config(**{**TINY, "scan_chunk": 16 if T > 100 else 4, "scan_impl": "compiled"})
-    fused, chunk = key_scan_fn(cfg, torch.device("cpu"), T)
-    assert chunk * chunk >= T and chunk >= cfg.scan_chunk
+    compiles, chunk, _ = memory_inputs_plan(cfg, torch.device("cpu"), T)
+    fused = _compiled("scan")
+    assert compiles and chunk * chunk >= T and chunk >= cfg.scan_chunk
     torch.manual_seed(3)
     raw = torch.randn(2, 2, T, 4, requires_grad=True)
     log_gate = (4 * torch.randn(2, 2, T)).requires_grad_()
@@ -689,13 +695,16 @@ def test_gpu_float32_evaluation_flex_equals_sdpa():
 @gpu
 @pytest.mark.parametrize("impl", ["compiled", "triton"])
 def test_gpu_compiled_scan_equals_eager_at_training_length(impl):
-    """On CUDA the compiled key scan (at key_scan_fn's chunk) and the Triton kernel equal the eager
-    scan at 4096 positions with documents, forward and gradients, in float32."""
-    from owai.models.memory_mosaics_v2 import key_scan_fn
+    """On CUDA the compiled key scan (at memory_inputs_plan's chunk) and the Triton kernel equal the
+    eager scan at 4096 positions with documents, forward and gradients, in float32."""
+    import functools
+
+    from owai.models.memory_mosaics_v2 import _compiled, memory_inputs_plan
 
     cfg = MemoryMosaicsV2Config(vocab_size=512, n_layer=1, n_embd=256, n_head=4, ffn_hidden=512, scan_impl=impl)
     T = 4096
-    fused, chunk = key_scan_fn(cfg, torch.device("cuda"), T)
+    _, chunk, kernel = memory_inputs_plan(cfg, torch.device("cuda"), T)
+    fused = _compiled("scan") if kernel == "chunked" else functools.partial(gated_key_scan, kernel=kernel)
     torch.manual_seed(0)
     raw = torch.randn(2, 4, T, 64, device="cuda", requires_grad=True)
     log_gate = (2 * torch.randn(2, 4, T, device="cuda")).requires_grad_()

@@ -51,7 +51,6 @@ by a position tensor, so the whole step is captured as one CUDA graph and replay
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -428,13 +427,13 @@ def _run_compiled(name: str, fn: Any, inputs: tuple, compiled: bool) -> Any:
     return fn(*inputs)
 
 
-def _scan_plan(config: MemoryMosaicsV2Config, device: torch.device, T: int) -> tuple[bool, int]:
-    """(compile, chunk) for a key scan over T new positions on `device` (config.scan_impl): whether the
-    scan (and `memory_inputs` around it) runs as a compiled graph of its own, and the chunked scan's
-    chunk. "compiled" compiles everywhere; "auto" on CUDA when T > scan_chunk (training, prefill), never
-    for decoding steps; "triton" (owai.models.key_scan_triton's kernel) on CUDA, where the elementwise
-    work around the kernel then fuses; "chunked" never. Inside an outer torch.compile (compiled blocks)
-    nothing compiles on its own: the plain functions are traced into the outer graph.
+def memory_inputs_plan(config: MemoryMosaicsV2Config, device: torch.device, T: int) -> tuple[bool, int, str]:
+    """(compile, chunk, kernel) for `memory_inputs` over T new positions on `device` (config.scan_impl):
+    whether it runs as one compiled graph, the chunked scan's chunk, and the scan's kernel ("triton"
+    or "chunked"). "compiled" compiles everywhere; "auto" on CUDA when T > scan_chunk (training,
+    prefill), never for decoding steps; "triton" (owai.models.key_scan_triton's kernel) on CUDA, where
+    the elementwise work around the kernel then fuses; "chunked" never. Inside an outer torch.compile
+    (compiled blocks) nothing compiles on its own: the plain function is traced into the outer graph.
 
     A compiled chunked scan uses a chunk of at least ceil(sqrt(T)), so the chunk ends need one level of
     recursion and no more: torch 2.13's inductor miscompiles the scan at three levels (forward and
@@ -446,28 +445,11 @@ def _scan_plan(config: MemoryMosaicsV2Config, device: torch.device, T: int) -> t
         from owai.models import key_scan_triton
 
         key_scan_triton.require(device)
-        return device.type == "cuda" and not inside, config.scan_chunk
+        return device.type == "cuda" and not inside, config.scan_chunk, "triton"
     compiled = inside or impl == "compiled" or (impl == "auto" and device.type == "cuda" and T > config.scan_chunk)
     if not compiled:
-        return False, config.scan_chunk
-    return not inside, max(config.scan_chunk, math.isqrt(max(T - 1, 0)) + 1)  # ceil(sqrt(T)): n = ceil(T / chunk) <= chunk
-
-
-def key_scan_fn(config: MemoryMosaicsV2Config, device: torch.device, T: int) -> tuple[Any, int]:
-    """The key scan alone for T new positions on `device` and its chunk (`_scan_plan`): gated_key_scan,
-    compiled as a graph of its own or not, or through the Triton kernel. The model runs the scan inside
-    `memory_inputs` (`memory_inputs_plan`); this is for the tests and the scan benchmark."""
-    compile_, chunk = _scan_plan(config, device, T)
-    if config.scan_impl == "triton":
-        return functools.partial(gated_key_scan, kernel="triton"), chunk
-    return (_compiled("scan") if compile_ else gated_key_scan), chunk
-
-
-def memory_inputs_plan(config: MemoryMosaicsV2Config, device: torch.device, T: int) -> tuple[bool, int, str]:
-    """(compile, chunk, kernel) for `memory_inputs` over T new positions on `device`: one compiled graph
-    where the key scan is compiled (`_scan_plan`), with the scan's chunk and kernel ("triton" or "chunked")."""
-    compile_, chunk = _scan_plan(config, device, T)
-    return compile_, chunk, ("triton" if config.scan_impl == "triton" else "chunked")
+        return False, config.scan_chunk, "chunked"
+    return not inside, max(config.scan_chunk, math.isqrt(max(T - 1, 0)) + 1), "chunked"  # ceil(sqrt(T)): n <= chunk
 
 
 def uses_flex(config: MemoryMosaicsV2Config, device: torch.device, past: int) -> bool:
@@ -580,10 +562,6 @@ class ContextualMemory(nn.Module):
         self.beta0_raw = nn.Parameter(torch.empty(H))  # beta0 = softplus(.)
         self.alpha_raw = nn.Parameter(torch.empty(H))  # alpha = sigmoid(.)
         self.o_proj = nn.Linear(d, d, bias=False)
-
-    def bandwidth(self, n: torch.Tensor) -> torch.Tensor:
-        """beta = beta1 n^alpha + beta0 for counts n (B|1, T) -> (B|1, H, T) fp32 (`bandwidth_of`)."""
-        return bandwidth_of(n, self.beta1_log, self.alpha_raw, self.beta0_raw)
 
     def read_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype memory reads (and the generation cache) run in: on CUDA the autocast dtype, else
