@@ -11,6 +11,7 @@ An unknown key, a wrong type or a bad `--set` path raises `OwaiError` naming the
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -141,8 +142,9 @@ def build(cls: type, data: dict[str, Any], path: str = "params") -> Any:
     if missing:
         raise OwaiError(f"{path}: missing required key {missing[0]!r}")
     obj = cls(**kwargs)
-    if isinstance(obj, BaseConfig):  # a method's whole config: sizes must fit in memory
+    if isinstance(obj, BaseConfig):  # a method's whole config: sizes must fit in memory, rates in their ranges
         check_sizes(obj, path)
+        check_ranges(obj, path)
     return obj
 
 
@@ -183,23 +185,59 @@ def memory_bytes() -> int:
         return 1 << 40
 
 
-def _size_fields(obj: Any, prefix: str) -> list[tuple[str, str, int]]:
-    """(dotted path, field name, value) of every int field below dataclass `obj`."""
+def _number_fields(obj: Any, prefix: str, kinds: tuple[type, ...] = (int,)) -> list[tuple[str, str, Any]]:
+    """(dotted path, field name, value) of every field below dataclass `obj` holding one of `kinds`."""
     found = []
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
-            found += _size_fields(value, f"{prefix}{f.name}.")
-        elif isinstance(value, int) and not isinstance(value, bool):
+            found += _number_fields(value, f"{prefix}{f.name}.", kinds)
+        elif isinstance(value, kinds) and not isinstance(value, bool):
             found.append((f"{prefix}{f.name}", f.name, value))
     return found
+
+
+# Optimisation settings by role, by field name, in every method's config (as the size fields above):
+# a learning rate is > 0 (its schedule's end points >= 0), a regulariser's strength or a count of
+# threads or worker processes >= 0, a dropout
+# or momentum in [0, 1), a fraction in [0, 1]; no float setting is NaN or infinite. A method's own
+# `validate` adds what is specific to it (min_lr <= lr, a fraction that must be above 0, ...).
+SCHEDULE_END_FIELDS = ("min_lr", "warmup_lr", "lr_end")
+NON_NEGATIVE_FIELDS = ("weight_decay", "l2", "grad_clip", "clip", "threads", "workers")  # counts: 0 = the default
+UNIT_INTERVAL_FIELDS = ("dropout", "momentum")
+
+
+def _setting_range(name: str) -> tuple[str, typing.Callable[[float], bool]] | None:
+    """(what the value must be, test) for field `name`, or None where its role sets no range."""
+    if name in SCHEDULE_END_FIELDS:
+        return ">= 0", lambda v: v >= 0
+    if name == "lr" or name.endswith("_lr"):
+        return "> 0", lambda v: v > 0
+    if name in NON_NEGATIVE_FIELDS or name.endswith("_weight_decay"):
+        return ">= 0", lambda v: v >= 0
+    if name in UNIT_INTERVAL_FIELDS:
+        return "in [0, 1)", lambda v: 0 <= v < 1
+    if name.endswith(("fraction", "_share", "_ratio")):
+        return "in [0, 1]", lambda v: 0 <= v <= 1
+    return None
+
+
+def check_ranges(cfg: Any, path: str = "params") -> None:
+    """Reject a NaN or infinite float setting, and a rate or probability outside its range (by the
+    field's name, `_setting_range`), in one line naming it, before a run starts training on it."""
+    for field_path, name, value in _number_fields(cfg, "", (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise OwaiError(f"{path}.{field_path} must be a finite number, got {value!r}")
+        rule = _setting_range(name)
+        if rule is not None and not rule[1](value):
+            raise OwaiError(f"{path}.{field_path} must be {rule[0]}, got {value!r}")
 
 
 def check_sizes(cfg: Any, path: str = "params", limit: int | None = None) -> None:
     """Reject sizes (batch, context, width, image) whose smallest possible activation memory
     exceeds `limit` bytes (default: this machine's memory), before anything is allocated. A context
     length beyond MAX_CONTEXT is refused first, naming the maximum."""
-    fields = _size_fields(cfg, "")
+    fields = _number_fields(cfg, "")
     for field_path, name, value in fields:
         if name in LENGTH_FIELDS and value > MAX_CONTEXT:
             raise OwaiError(f"{path}: {field_path} must be at most {MAX_CONTEXT:,} tokens (1024k), got {value:,}")

@@ -214,7 +214,10 @@ def _prepare(
     recipe = load(recipe_name)
     if not recipe.implemented:
         raise OwaiError(f"recipe {recipe.id!r} needs method {recipe.method!r}, which is not implemented yet")
-    _, resolved = resolve(recipe, preset, overrides)
+    cfg, resolved = resolve(recipe, preset, overrides)
+    from owai.runtime import select_device  # this machine runs it: a device it lacks is refused here
+
+    select_device(cfg.runtime.device)
     ensure_writable(out if run_dir is None else Path(run_dir).parent)
     run = Run.create(out, recipe.id, resolved) if run_dir is None else Run.create_at(run_dir, resolved)
     console.info(f"run directory: {run.path}")

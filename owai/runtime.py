@@ -40,9 +40,8 @@ def generator(*parts: object, device: str | torch.device = "cpu") -> torch.Gener
 
 
 def setup(runtime: Runtime, seed: int) -> tuple[torch.device, torch.dtype]:
-    """Apply a Runtime config: threads, determinism, seed. Returns (device, dtype)."""
-    if runtime.threads < 0:
-        raise OwaiError(f"runtime.threads must be >= 0, got {runtime.threads}")
+    """Apply a Runtime config (runtime.threads >= 0: config.check_ranges): threads, determinism,
+    seed. Returns (device, dtype)."""
     if runtime.threads:
         torch.set_num_threads(runtime.threads)
     if runtime.deterministic:

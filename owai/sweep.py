@@ -195,6 +195,7 @@ class _Design:
     seeds: list[int]
     points: list[Point]
     select: Selection | None
+    devices: set[str]  # the points' runtime.device settings
 
 
 def _design(
@@ -229,7 +230,7 @@ def _design(
         if any(key not in sub for sub in subs):
             raise OwaiError(f"select.per {key!r} is not a key of every sub-grid of the sweep grid")
 
-    points, seen = [], set()
+    points, seen, devices = [], set(), set()
     for sub in subs:
         cells: list[dict[str, Any]] = [{}]
         for key, values in sub.items():
@@ -247,12 +248,12 @@ def _design(
                 digest = hashlib.sha256(json.dumps(own).encode()).hexdigest()[:8]
                 point = Point(id=f"{slug}-{digest}", label=label, grid=cell, seed=seed, overrides=[*sets, *own])
                 try:
-                    resolve(recipe, preset, point.overrides)
+                    devices.add(resolve(recipe, preset, point.overrides)[0].runtime.device)
                 except OwaiError as e:
                     raise OwaiError(f"sweep point {label}: {e}") from None
                 points.append(point)
     final: Grid = subs[0] if isinstance(written, dict) else subs
-    return _Design(preset_name, final, seeds, points, selection)
+    return _Design(preset_name, final, seeds, points, selection, devices)
 
 
 def plan(
@@ -272,12 +273,19 @@ def create(
     recipe_name: str, preset: str | None = None, sets: list[str] | None = None,
     grid_overrides: list[str] | dict[str, list[Any]] | None = None, seeds: list[int] | None = None,
     out: Path = Path("runs"), grid: Grid | None = None, select: Selection | dict[str, Any] | None = None,
+    executor: str = "local",
 ) -> Sweep:
     """Plan a sweep, then make its directory and write sweep.json (nothing is created on error).
-    `grid` and `select` replace the recipe's (preset's) sweep grid and selection."""
+    `grid` and `select` replace the recipe's (preset's) sweep grid and selection. With the local
+    executor the points run on this machine, so a runtime.device it lacks is refused here."""
     recipe = load(recipe_name)
     sets = list(sets or [])
     d = _design(recipe, preset, sets, grid_overrides or [], seeds, grid, select)
+    if executor == "local":
+        from owai.runtime import select_device
+
+        for device in sorted(d.devices):
+            select_device(device)
     ensure_writable(out)
     parent = Path(out) / recipe.id
     spec = {"recipe": recipe.id, "preset": d.preset, "sets": sets, "grid": d.grid, "seeds": d.seeds}

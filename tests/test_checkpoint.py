@@ -84,7 +84,7 @@ def test_foreign_file_is_rejected(tmp_path):
 
 def test_runtime_device_dtype_and_seeds():
     from owai import runtime
-    from owai.config import Runtime
+    from owai.config import BaseConfig, Runtime, build
 
     assert runtime.derive_seed(1, "train", 5) == runtime.derive_seed(1, "train", 5)
     assert runtime.derive_seed(1, "train", 5) != runtime.derive_seed(1, "train", 6)
@@ -99,8 +99,8 @@ def test_runtime_device_dtype_and_seeds():
     if not torch.cuda.is_available():
         with pytest.raises(OwaiError, match="no CUDA device"):
             runtime.select_device("cuda")
-    with pytest.raises(OwaiError, match="threads"):
-        runtime.setup(Runtime(threads=-1), seed=0)
+    with pytest.raises(OwaiError, match=r"^params\.runtime\.threads must be >= 0, got -1$"):  # refused when built
+        build(BaseConfig, {"runtime": {"threads": -1}})
 
 
 def test_checkpoint_files_are_readable_by_others(tmp_path):

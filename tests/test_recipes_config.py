@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -257,3 +258,41 @@ def test_coloredmnist_cpu_presets_use_the_thesis_split_and_tiny_the_packaged_one
     assert tiny.data.split == "offline" and training_pool_size(mnist_file(tiny.data)) == 8_000
     assert r.default_preset == "cpu"
     assert {"cpu", "tiny"} <= set(r.sweep.presets), "each scale has its own study grid"
+
+
+def _rate_settings() -> list[tuple[str, str, str, float, bool]]:
+    """(method, dotted field path, what it must be, a value outside that, is a float) for every float or int
+    setting of every method's config that has a range by its role (config._setting_range)."""
+    from owai.config import _number_fields, _setting_range
+    from owai.methods import REGISTRY, method_class
+
+    found = []
+    for method in REGISTRY:
+        for path, name, value in _number_fields(method_class(method).Config(), "", (int, float)):
+            rule = _setting_range(name)
+            if rule is not None:
+                bad = 1.0 if rule[0] == "in [0, 1)" else -1 if isinstance(value, int) else -0.5
+                found.append((method, path, rule[0], bad, isinstance(value, float)))
+    return found
+
+
+def test_every_method_refuses_rates_and_probabilities_out_of_range():
+    """A learning rate <= 0, a negative weight decay or thread count, a dropout or momentum of 1 or
+    more, a fraction outside [0, 1], and a NaN / infinite float are one-line errors naming the setting, whichever
+    method's config holds them; the recipes' own values all pass (the test above)."""
+    from owai.methods import method_class
+
+    settings = _rate_settings()
+    methods = {m for m, *_ in settings}
+    assert {"three_moons", "coloredmnist", "lm_pretrain", "lm_recall", "regbench", "dropout_ft", "camelyon17",
+            "rich_features"} <= methods, methods
+    paths = {p for _, p, *_ in settings}
+    assert {"train.lr", "train.weight_decay", "model.dropout", "train.momentum", "train.lr_end", "finetune.head_lr",
+            "episodes.fraction", "episodes.icl_share", "train.min_lr_ratio", "runtime.threads", "data.workers"} <= paths, paths
+    for method, path, must, bad, is_float in settings:
+        schema = method_class(method).Config
+        with pytest.raises(OwaiError, match=rf"^params\.{path} must be {re.escape(must)}, got {bad!r}$"):
+            build(schema, apply_overrides(schema, {}, [f"{path}={bad}"]), path="params")
+        for text in (".nan", "-.inf") if is_float else ():
+            with pytest.raises(OwaiError, match=rf"^params\.{path} must be a finite number, got -?(nan|inf)$"):
+                build(schema, apply_overrides(schema, {}, [f"{path}={text}"]), path="params")

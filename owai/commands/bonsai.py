@@ -110,7 +110,7 @@ def bonsai(
     wanted = {key: csv_values(value, f"--{key}") for key, value in chosen.items() if value is not None}
     write, table = _study_functions(rec_method)
     plan = sweeps.create(recipe, preset, list(sets or []), list(grid or []), sweeps.parse_seeds(seeds) if seeds is not None else None,
-                         out, grid=restricted_grid(recipe, preset, wanted) if wanted else None)
+                         out, grid=restricted_grid(recipe, preset, wanted) if wanted else None, executor=runs_on[0])
     run_study(plan, runs_on, write, table, f"{plan.recipe}.md", f"owai bonsai --resume {plan.path}", quiet, as_json)
 
 

@@ -73,7 +73,8 @@ def dropout_ft(
                                   ("model.dropout", dropout, "--dropout")):
             if text is not None:
                 extra_grid.append(f"{key}={','.join(csv_values(text, option))}")
-        plan = sweeps.create(recipe, preset, extra_sets, extra_grid, sweeps.parse_seeds(seeds) if seeds is not None else None, out)
+        plan = sweeps.create(recipe, preset, extra_sets, extra_grid, sweeps.parse_seeds(seeds) if seeds is not None else None, out,
+                             executor=runs_on[0])
         if no_pretrain:  # said once the study is valid: bad input stays one line on stderr
             console.info("pretrain stage off: a real dataset or --weights replaces the preset's offline pre-training "
                          f"(the backbone starts from model.weights={weights if weights is not None else ''!r})")

@@ -136,7 +136,7 @@ def regbench(
         extra = [f"eval.positions={positions}"] if positions is not None else []
         plan = sweeps.create(recipe, preset, [*(sets or []), *extra], grid or [],
                              sweeps.parse_seeds(seeds) if seeds is not None else None, out, grid=study,
-                             select={"metric": "val_loss", "mode": "min", "per": per})
+                             select={"metric": "val_loss", "mode": "min", "per": per}, executor=runs_on[0])
     run_study(plan, runs_on, write_study, study_table, "regbench.md", f"owai eval regbench --resume {plan.path}",
               quiet, as_json)
 

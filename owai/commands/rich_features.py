@@ -147,7 +147,7 @@ def _chain(recipe: str, stage: str | None, preset: str | None, extra: list[str],
         if step.cached:
             console.info(f"step {i + 1}/{len(steps)}: {step.what}: in the cache, skipped")
             continue
-        plan = sweeps.create(recipe, preset, step.sets, [], step.seeds, out, grid=step.grid)
+        plan = sweeps.create(recipe, preset, step.sets, [], step.seeds, out, grid=step.grid, executor=runs_on[0])
         rerun = f"owai rich-features --stage pretrain --resume {plan.path}, then this command again"
         if last:
             run_sweep(plan, runs_on, rerun, quiet, as_json, "networks")
@@ -185,7 +185,8 @@ def _pretrain(recipe: str, preset: str | None, sets: list[str] | None, data_root
     else:
         study_recipe(recipe, METHOD)
         extra = [*(sets or []), "stage=pretrain", *data_root_sets(data_root)]
-        plan = sweeps.create(recipe, preset, extra, [], sweeps.parse_seeds(seeds) if seeds is not None else None, out)
+        plan = sweeps.create(recipe, preset, extra, [], sweeps.parse_seeds(seeds) if seeds is not None else None, out,
+                             executor=runs_on[0])
     run_sweep(plan, runs_on, f"owai rich-features --stage pretrain --resume {plan.path}", quiet, as_json, "networks",
               f"probe them: owai rich-features --stage probe --networks {plan.path}")
 

@@ -48,7 +48,8 @@ def sweep(
     else:
         if not recipe:
             raise OwaiError("name a RECIPE to sweep (or --resume SWEEP_DIR)")
-        plan = sweeps.create(recipe, preset, sets or [], grid or [], sweeps.parse_seeds(seeds) if seeds is not None else None, out)
+        plan = sweeps.create(recipe, preset, sets or [], grid or [], sweeps.parse_seeds(seeds) if seeds is not None else None, out,
+                             executor=runs_on[0])
     run_sweep(plan, runs_on, f"--resume {plan.path}", quiet, as_json)
 
 

@@ -111,8 +111,6 @@ def check_config(cfg: BonsaiConfig) -> None:
         raise OwaiError(f"bonsai.val_fraction must be in (0, 1), got {cfg.val_fraction}")
     if cfg.val_every < 1:
         raise OwaiError(f"bonsai.val_every must be >= 1, got {cfg.val_every}")
-    if cfg.l2 is not None and cfg.l2 < 0:
-        raise OwaiError(f"bonsai.l2 must be >= 0, got {cfg.l2}")
 
 
 # --- the pieces -------------------------------------------------------------------------------------

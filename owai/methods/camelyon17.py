@@ -182,13 +182,10 @@ class Camelyon17Bonsai(Method):
                 raise OwaiError(f"train.{name} must be >= 1, got {getattr(t, name)}")
         if b.synthesis_epochs < 1:
             raise OwaiError(f"bonsai.synthesis_epochs must be >= 1, got {b.synthesis_epochs}")
-        if not (t.lr > 0 and b.synthesis_lr > 0 and t.weight_decay >= 0 and b.synthesis_weight_decay >= 0
-                and 0 <= t.momentum < 1 and b.dro_eta >= 0):
-            raise OwaiError("need lr > 0, weight decays >= 0, 0 <= momentum < 1, bonsai.dro_eta >= 0")
+        if b.dro_eta < 0:  # learning rates, weight decays, momentum: config.check_ranges
+            raise OwaiError(f"bonsai.dro_eta must be >= 0, got {b.dro_eta}")
         if p.weight < 0 or p.anneal_iters < 0 or p.clove_width <= 0:
             raise OwaiError("penalty: need weight >= 0, anneal_iters >= 0, clove_width > 0")
-        if cfg.downstream.weight_decay is not None and cfg.downstream.weight_decay < 0:
-            raise OwaiError(f"downstream.weight_decay must be >= 0, got {cfg.downstream.weight_decay}")
 
     def run(self, cfg: Config, run: Run) -> Outcome:
         from owai.data.camelyon17 import Camelyon17, find_root

@@ -354,10 +354,6 @@ def check(cfg: ColoredMNISTConfig) -> None:
                         ("train.checkpoint_every", t.checkpoint_every), ("train.log_every", t.log_every)]:
         if value < 1:
             raise OwaiError(f"{name} must be >= 1, got {value}")
-    if not t.lr > 0:
-        raise OwaiError(f"train.lr must be > 0, got {t.lr}")
-    if t.l2 is not None and t.l2 < 0:
-        raise OwaiError(f"train.l2 must be >= 0, got {t.l2}")
     if cfg.init == "erm" and key != "erm":
         if p.anneal_iters < 1:
             raise OwaiError("init=erm needs penalty.anneal_iters >= 1 ERM steps (init=rand is anneal 0)")

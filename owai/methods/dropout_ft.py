@@ -152,8 +152,6 @@ class DropoutFineTuning(Method):
             _check_test_domain(d.test_domain, d.dataset, [f"rot{a:g}" for a in d.angles])
         if m.backbone not in BACKBONES:
             raise OwaiError(f"unknown backbone {m.backbone!r}; known: {', '.join(sorted(BACKBONES))}")
-        if not 0 <= m.dropout < 1:
-            raise OwaiError(f"model.dropout must be in [0, 1), got {m.dropout}")
         if p.steps < 0:
             raise OwaiError(f"pretrain.steps must be >= 0, got {p.steps}")
         if p.steps and d.dataset != "rotated-mnist":

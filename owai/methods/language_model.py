@@ -248,9 +248,7 @@ def check_settings(cfg: Config) -> None:
     for name in ("steps", "batch_size", "accumulate", "eval_every", "eval_batches", "checkpoint_every", "log_every"):
         if getattr(t, name) < 1:
             raise OwaiError(f"train.{name} must be >= 1, got {getattr(t, name)}")
-    if not t.lr > 0:
-        raise OwaiError(f"train.lr must be > 0, got {t.lr}")
-    if not 0 < t.min_lr <= t.lr:
+    if not 0 < t.min_lr <= t.lr:  # lr > 0: config.check_ranges
         raise OwaiError(f"train.min_lr must be in (0, train.lr={t.lr}], got {t.min_lr}")
     if t.warmup < 0 or len(t.betas) != 2:
         raise OwaiError("train.warmup must be >= 0 and train.betas a pair")
@@ -1039,8 +1037,6 @@ def _check_common_settings(cfg: Any) -> None:
         check_count("model.n_layer", m.n_layer, 1, MAX_LAYERS)
         if min(m.n_layer, m.n_embd, m.n_head) < 1 or m.n_embd % m.n_head:
             raise OwaiError(f"model: n_embd ({m.n_embd}) must be a positive multiple of n_head ({m.n_head}), n_layer ({m.n_layer}) >= 1")
-        if not 0 <= m.dropout < 1:
-            raise OwaiError(f"model.dropout must be in [0, 1), got {m.dropout}")
 
 
 def _check_common_inputs(cfg: Any) -> None:

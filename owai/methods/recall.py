@@ -80,8 +80,6 @@ class RecallPretraining(LanguageModelPretraining):
     def validate(cfg: Config) -> None:
         LanguageModelPretraining.validate(cfg)
         e, r = cfg.episodes, cfg.recall
-        if not 0 <= e.fraction <= 1 or not 0 <= e.icl_share <= 1:
-            raise OwaiError("episodes.fraction and episodes.icl_share must be in [0, 1]")
         for name in ("max_facts", "window", "items_per_class", "max_shots", "queries_per_class"):
             if getattr(e, name) < 1:
                 raise OwaiError(f"episodes.{name} must be >= 1, got {getattr(e, name)}")

@@ -112,8 +112,9 @@ class ThreeMoons(Method):
 def check(cfg: ThreeMoonsConfig) -> None:
     """Reject impossible sizes before any work."""
     d, e = cfg.data, cfg.eval
-    if not cfg.model.heads or any(h not in (1, 3) for h in cfg.model.heads):
-        raise OwaiError(f"model.heads must be a non-empty subset of [1, 3], got {cfg.model.heads}")
+    heads = cfg.model.heads
+    if not heads or any(h not in (1, 3) for h in heads) or len(set(heads)) != len(heads):
+        raise OwaiError(f"model.heads must be a non-empty subset of [1, 3], got {heads}")
     if not d.train_periods or not d.val_periods:
         raise OwaiError("data.train_periods and data.val_periods must be non-empty")
     for p in d.train_periods + d.val_periods:
