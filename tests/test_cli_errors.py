@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-import torch
 import yaml
 
 from conftest import TINY_MOONS, run_owai
@@ -140,17 +138,3 @@ def test_study_commands_check_their_recipe_and_resume_alone(tmp_path, capsys):
         code, _, err = cli_in_process([*args, "--out", str(tmp_path / "runs")], capsys)
         assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, (args, err)
     assert no_runs(tmp_path / "runs") and not any((moons / "points").iterdir())
-
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-@pytest.mark.parametrize("command", [["moons"], ["sweep", "three-moons", "--seeds", "0"]])
-def test_a_device_this_machine_lacks_is_refused_before_a_run(tmp_path, command):
-    """Found by trying bad inputs on every command: `owai moons --set runtime.device=cuda` made its
-    run directory before refusing, and a local sweep made its directory, then failed every point.
-    (A negative learning rate or thread count, which moons took, is refused when the config is
-    built: tests/test_recipes_config.py.)"""
-    proc = run_owai(*command, "--set", "runtime.device=cuda", "--out", str(tmp_path / "runs"))
-    assert_one_line_error(proc, "runtime.device is 'cuda' but no CUDA device is available")
-    assert proc.returncode == 2
-    assert not (tmp_path / "runs").exists()
