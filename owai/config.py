@@ -5,7 +5,9 @@ settings. A resolved config is built from layers, each checked against that sche
 
     dataclass defaults <- recipe `params` <- recipe preset <- `--set a.b=value` overrides
 
-An unknown key, a wrong type or a bad `--set` path raises `OwaiError` naming the dotted path.
+An unknown key, a wrong type or a bad `--set` path raises `OwaiError` naming the dotted path; so
+does, for a method's whole config, a size that cannot fit in memory (`check_sizes`) or a rate or
+probability outside its range (`check_ranges`).
 """
 
 from __future__ import annotations
@@ -199,9 +201,9 @@ def _number_fields(obj: Any, prefix: str, kinds: tuple[type, ...] = (int,)) -> l
 
 # Optimisation settings by role, by field name, in every method's config (as the size fields above):
 # a learning rate is > 0 (its schedule's end points >= 0), a regulariser's strength or a count of
-# threads or worker processes >= 0, a dropout
-# or momentum in [0, 1), a fraction in [0, 1]; no float setting is NaN or infinite. A method's own
-# `validate` adds what is specific to it (min_lr <= lr, a fraction that must be above 0, ...).
+# threads or worker processes >= 0, a dropout or momentum in [0, 1), a fraction in [0, 1]; no float
+# setting is NaN or infinite. A method's own `validate` adds what is specific to it (min_lr <= lr, a
+# fraction that must be above 0, ...).
 SCHEDULE_END_FIELDS = ("min_lr", "warmup_lr", "lr_end")
 NON_NEGATIVE_FIELDS = ("weight_decay", "l2", "grad_clip", "clip", "threads", "workers")  # counts: 0 = the default
 UNIT_INTERVAL_FIELDS = ("dropout", "momentum")
