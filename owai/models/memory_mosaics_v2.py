@@ -353,8 +353,8 @@ def decode_step(h: torch.Tensor, key_w: torch.Tensor, gate_w: torch.Tensor, deca
     key = _unit(row, norm_eps)
     raw_v = _wide(F.linear(h, value_w).view(B, H, hs))
     finished = _unit(torch.lerp(raw_v, v_pending, value_mix.float()[None, :, None].to(raw_v.dtype)), norm_eps)
-    alpha = torch.sigmoid(alpha_raw.float())
-    beta = beta1_log.float().exp() * torch.exp(alpha * log_count) + F.softplus(beta0_raw.float())  # (H,) beta1 n^alpha + beta0
+    beta1, alpha, beta0 = bandwidth_parameters(beta1_log, alpha_raw, beta0_raw)
+    beta = beta1 * torch.exp(alpha * log_count) + beta0  # (H,) beta1 n^alpha + beta0
     query = key * beta[None, :, None]
     return (query.to(dtype)[:, :, None], key.to(dtype)[:, :, None], finished.to(dtype)[:, :, None],
             row / norm[..., None], top + norm.log(), raw_v)
@@ -532,13 +532,18 @@ def _bandwidth_counts(t: torch.Tensor, doc_start: torch.Tensor, lo_lag: int, hi_
     return (newest - oldest + 1).clamp(min=0)
 
 
+def bandwidth_parameters(beta1_log: torch.Tensor, alpha_raw: torch.Tensor,
+                         beta0_raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(beta1, alpha, beta0) (H,) fp32 of the bandwidth beta1 n^alpha + beta0, from the memory's raw
+    parameters: beta1 = exp(beta1_log) > 0, alpha = sigmoid(alpha_raw) in (0, 1), beta0 = softplus(beta0_raw) > 0."""
+    return beta1_log.float().exp(), torch.sigmoid(alpha_raw.float()), F.softplus(beta0_raw.float())
+
+
 def bandwidth_of(n: torch.Tensor, beta1_log: torch.Tensor, alpha_raw: torch.Tensor, beta0_raw: torch.Tensor) -> torch.Tensor:
-    """beta = beta1 n^alpha + beta0 for counts n (B|1, T) -> (B|1, H, T) fp32 (n clamped to >= 1), from
-    the parameters beta1 = exp(beta1_log), alpha = sigmoid(alpha_raw), beta0 = softplus(beta0_raw) (H,)."""
+    """beta = beta1 n^alpha + beta0 for counts n (B|1, T) -> (B|1, H, T) fp32 (n clamped to >= 1);
+    a decoding step (`decode_step`) takes the same parameters with log n."""
     n = n.clamp(min=1).float()[:, None, :]  # (B, 1, T)
-    beta1 = beta1_log.float().exp()[None, :, None]
-    alpha = torch.sigmoid(alpha_raw.float())[None, :, None]
-    beta0 = F.softplus(beta0_raw.float())[None, :, None]
+    beta1, alpha, beta0 = (p[None, :, None] for p in bandwidth_parameters(beta1_log, alpha_raw, beta0_raw))
     return beta1 * n.pow(alpha) + beta0
 
 
