@@ -601,8 +601,7 @@ class ContextualMemory(nn.Module):
         compile_, chunk, kernel = memory_inputs_plan(cfg, x.device, T)
         t = torch.arange(past, past + T, device=x.device)[None]  # (1, T) absolute query positions
         counts = _bandwidth_counts(t, doc_start if doc_start is not None else torch.zeros_like(t), *self.lags(delay))
-        inputs = (self.key_proj(x), self.gate_proj(x), self.decay_proj(x), self.value_proj(x),
-                  cache["v_pending"] if cache else None, doc_start, past, cache.get("scan") if cache else None,
+        inputs = (*self.projections(x), cache["v_pending"] if cache else None, doc_start, past, cache.get("scan") if cache else None,
                   chunk, kernel, self.value_mix, self.beta1_log, self.alpha_raw, self.beta0_raw, counts,
                   cfg.norm_eps, self.read_dtype(x.device))
         queries, keys, finished, scan_state, v_last = _run_compiled("inputs", memory_inputs, inputs, compile_)
@@ -623,6 +622,18 @@ class ContextualMemory(nn.Module):
         y = self.read(queries, keys_all, values_all, k0, past, doc_start, delay, block_mask)  # (B, H, T, hs)
         y = y.to(x.dtype).transpose(1, 2).reshape(B, T, d)
         return self.o_proj(y)
+
+    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """W_phi x, W_g x, W_lambda x, W_psi x ((B, T, d), (B, T, H), (B, T, H), (B, T, d)) as one matmul
+        over the four weights stacked: x is read once (under autocast also cast, and saved for the
+        backward, once rather than four times) and its gradient is one matmul, not four summed. A
+        decoding step keeps four (`decode_step`): stacking would copy the weights at every token."""
+        d, H = self.config.n_embd, self.config.n_head
+        stacked = torch.cat([self.key_proj.weight, self.gate_proj.weight, self.decay_proj.weight, self.value_proj.weight])
+        key, gate, decay, value = F.linear(x, stacked).split([d, H, H, d], dim=-1)
+        # the narrow gate and decay as their own tensors: a view saved for the backward (|decay| keeps
+        # its input) would keep the whole (B, T, 2d + 2H) output alive
+        return key, gate.contiguous(), decay.contiguous(), value
 
     def _decode(self, x: torch.Tensor, cache: dict, past: int, delay: int) -> torch.Tensor:
         """One cached decoding step (T = 1, one document per row, no autograd): `decode_step`'s fused
