@@ -522,6 +522,37 @@ def test_compiled_memory_inputs_take_bf16_projections_as_on_a_gpu():
         assert eager.norm() > 0 and (eager - compiled).norm() <= 1e-2 * eager.norm(), (eager - compiled).norm() / eager.norm()
 
 
+def test_bf16_reads_under_autocast_enter_the_output_projection_as_they_are(monkeypatch):
+    """Under CUDA autocast a memory's read comes out in bf16 (`read_dtype`) and o_proj computes in
+    bf16: the read goes in as it is, with no float32 round trip of (B, T, d). Forced here with CPU
+    autocast and bf16 reads, documents included: o_proj sees bf16, and a training step's loss and
+    gradients stay within bf16 rounding of the float32 reads'."""
+    from owai.models.memory_mosaics_v2 import ContextualMemory
+
+    model = tiny_model(seed=3).float().train()
+    ids = torch.randint(0, 50, (2, 40), generator=torch.Generator().manual_seed(3))
+    pos = packed_positions([[15, 25], [40]])
+    seen = []
+    for module in model.modules():
+        if isinstance(module, ContextualMemory):
+            module.o_proj.register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+    results = []
+    for read in (None, torch.bfloat16):  # CPU's reads (float32, SDPA under autocast gives bf16), then CUDA's
+        if read is not None:
+            monkeypatch.setattr(ContextualMemory, "read_dtype", lambda self, device: read)
+        seen.clear()
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, position_ids=pos, labels=ids, long_delay=4).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    assert seen == [torch.bfloat16] * 4, seen  # 2 layers x 2 memories, the bf16 reads
+    (loss32, grads32), (loss16, grads16) = results
+    assert torch.isfinite(loss16) and abs(loss16 - loss32) <= 1e-2 * loss32
+    a, b = torch.cat([g.flatten() for g in grads32]), torch.cat([g.flatten() for g in grads16])
+    assert torch.isfinite(b).all() and (a - b).norm() <= 2e-2 * a.norm(), ((a - b).norm() / a.norm()).item()
+
+
 def test_a_compilation_that_fails_runs_eagerly_with_one_warning(monkeypatch):
     """Should compiling a memory's inputs fail (a backend error on some machine), the model warns once
     and computes the same function eagerly from then on."""

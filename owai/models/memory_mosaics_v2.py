@@ -620,8 +620,10 @@ class ContextualMemory(nn.Module):
             keys_all, values_all, k0 = keys, finished, past
         block_mask = masks.get(self.kind) if masks is not None and past == 0 and k0 == 0 else None
         y = self.read(queries, keys_all, values_all, k0, past, doc_start, delay, block_mask)  # (B, H, T, hs)
-        y = y.to(x.dtype).transpose(1, 2).reshape(B, T, d)
-        return self.o_proj(y)
+        y = y.transpose(1, 2).reshape(B, T, d)
+        # under autocast o_proj computes in the autocast dtype, which a CUDA read already has: no
+        # float32 round trip of (B, T, d) forward and backward; without autocast, the weights' dtype
+        return self.o_proj(y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype))
 
     def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """W_phi x, W_g x, W_lambda x, W_psi x ((B, T, d), (B, T, H), (B, T, H), (B, T, d)) as one matmul
