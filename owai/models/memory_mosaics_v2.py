@@ -593,7 +593,7 @@ class ContextualMemory(nn.Module):
         (B, H, hs) raw value of position past-1, scan (direction, log-scale), k0.
         """
         cfg = self.config
-        B, T, d = x.shape
+        T = x.shape[1]
         if cache is not None and "slot_pos" in cache:  # a StaticDecoder's buffers
             return self._decode_static(x, cache, delay)
         if T == 1 and doc_start is None and cache and "scan" in cache and not torch.is_grad_enabled():
@@ -620,9 +620,13 @@ class ContextualMemory(nn.Module):
             keys_all, values_all, k0 = keys, finished, past
         block_mask = masks.get(self.kind) if masks is not None and past == 0 and k0 == 0 else None
         y = self.read(queries, keys_all, values_all, k0, past, doc_start, delay, block_mask)  # (B, H, T, hs)
-        y = y.transpose(1, 2).reshape(B, T, d)
-        # under autocast o_proj computes in the autocast dtype, which a CUDA read already has: no
-        # float32 round trip of (B, T, d) forward and backward; without autocast, the weights' dtype
+        return self.output(y, x)
+
+    def output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o_proj of a read y (B, H, T, hs), for inputs x (B, T, d). Under autocast o_proj computes in the
+        autocast dtype, which a CUDA read already has: y goes in as it is, with no float32 round trip
+        of (B, T, d) forward and backward. Without autocast it computes in the weights' dtype (x's)."""
+        y = y.transpose(1, 2).reshape(x.shape)
         return self.o_proj(y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype))
 
     def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -664,7 +668,7 @@ class ContextualMemory(nn.Module):
             y = query.new_zeros(query.shape)
         else:
             y = F.scaled_dot_product_attention(query, keys[:, :, lo_index:hi_index], values[:, :, lo_index:hi_index], scale=1.0)
-        return self.o_proj(y.to(x.dtype).transpose(1, 2).reshape(x.shape))
+        return self.output(y, x)
 
     def _fused_step(self, x: torch.Tensor, scan_dir: torch.Tensor, scan_log: torch.Tensor, v_pending: torch.Tensor,
                     log_count: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -700,7 +704,7 @@ class ContextualMemory(nn.Module):
         y = F.scaled_dot_product_attention(query, state["keys"], state["values"], attn_mask=readable.view(1, 1, 1, slots),
                                            scale=1.0)
         y = torch.where(readable.any(), y, 0.0)  # nothing readable: 0 (the masked softmax gave NaN)
-        return self.o_proj(y.to(x.dtype).transpose(1, 2).reshape(x.shape))
+        return self.output(y, x)
 
     def read(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, k0: int, past: int,
              doc_start: torch.Tensor | None, delay: int, block_mask: Any = None) -> torch.Tensor:
