@@ -113,7 +113,12 @@ CASES = [
 @pytest.mark.parametrize("source,kw,clamp", CASES)
 def test_matches_naive_float64_beyond_training_length(source, kw, clamp):
     """Exact equations (float64): random official weights incl. random per-head scalars, one head past
-    the key-scale clamp; T = 512 (training length) and 1100 (beyond it), leaky chunk 16."""
+    the key-scale clamp; T = 512 (training length) and 1100 (beyond it), leaky chunk 16.
+
+    Per position the error is the largest over the vocabulary. Its median must be float64's (< 1e-11:
+    a wrong epsilon or scale moves every position by more). Its max may be larger: the Library's unit
+    norms have no epsilon, and at a few positions of T = 1100 the float64 reference itself moves by up
+    to 1.4e-8 when its weights move by 1e-15 relative (docs/decisions.md)."""
     overrides = {} if clamp is None else dict(key_scale_max_exp=clamp)
     model, sd = _converted(source, torch.float64, overrides, **kw)
     naive = NaiveMemoryMosaics(sd, source) if clamp is None else NaiveMemoryMosaics(sd, source, nano_clamp=clamp)
@@ -122,7 +127,9 @@ def test_matches_naive_float64_beyond_training_length(source, kw, clamp):
         got = model(ids).logits
         want = naive.logits(ids)
         assert got.shape == (B, T, 61)
-        assert (got - want).abs().max().item() < 1e-8
+        per_position = (got - want).abs().amax(-1).flatten()
+        assert per_position.median().item() < 1e-11
+        assert per_position.max().item() < 1e-7
 
 
 def test_matches_naive_post_ln():
