@@ -247,6 +247,27 @@ def test_static_decoding_equals_the_cached_steps(prefill):
     assert beams.capacity is None and beams.decoder is None
 
 
+def test_a_static_decoders_warm_up_leaves_no_trace(monkeypatch):
+    """Before its CUDA graph is captured, a StaticDecoder runs one eager step on placeholder ids and
+    undoes it. The same warm-up on the CPU: the steps after it equal the dynamic cache's, the short-term
+    ring wrapping and the long-term memory reading."""
+    from owai.models.memory_mosaics_v2 import StaticDecoder
+
+    built = StaticDecoder.__init__
+
+    def warmed(self, *args, **kwargs):
+        built(self, *args, **kwargs)
+        self.ids.fill_(7)  # a placeholder unlike any real token: what it writes must not survive
+        self._warm_up()
+
+    monkeypatch.setattr(StaticDecoder, "__init__", warmed)
+    model = tiny_model(static_decoding="on").eval()
+    ids = torch.randint(0, 50, (2, 30))
+    (off, _), (on, cache) = stepped_logits(model, ids, 12, 31).values()
+    assert isinstance(cache.decoder, StaticDecoder)
+    assert torch.allclose(on, off, atol=1e-12)
+
+
 def test_a_static_decoder_that_cannot_be_built_falls_back_to_the_dynamic_cache(monkeypatch):
     """static_decoding auto where the graphed step fails to build (a capture or compiler error on
     CUDA): one warning, generation continues on the untouched dynamic cache, and no later generate

@@ -880,18 +880,25 @@ class StaticDecoder:
         self.t.add_(1)
         return model.lm_head(model.norm(x))
 
-    def _capture(self) -> None:
-        """Record the step as a CUDA graph: one eager step on a side stream first (compilation, library
-        workspaces), its effect on the state undone, then the capture (which runs nothing)."""
+    def _warm_up(self) -> None:
+        """One eager step on the placeholder ids (compilation, library workspaces), its effect on the
+        state undone: the scan states, pending values and position are restored, and the key and value
+        rows it wrote are the slots the first real step rewrites. Device-agnostic, so the CPU tests
+        check what the capture relies on."""
         small = [(state[k], state[k].clone()) for layer in self.layers for state in layer.values()
                  for k in ("scan_dir", "scan_log", "v_pending")] + [(self.t, self.t.clone())]
+        self._step(self.ids)
+        for tensor, saved in small:
+            tensor.copy_(saved)
+
+    def _capture(self) -> None:
+        """Record the step as a CUDA graph: the warm-up on a side stream first, then the capture (which
+        runs nothing)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._step(self.ids)
+            self._warm_up()
         torch.cuda.current_stream().wait_stream(stream)
-        for tensor, saved in small:  # the warm-up's key and value rows are rewritten by the first real step
-            tensor.copy_(saved)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits = self._step(self.ids)
