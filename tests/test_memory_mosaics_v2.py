@@ -257,7 +257,7 @@ def test_a_static_decoders_warm_up_leaves_no_trace(monkeypatch):
 
     def warmed(self, *args, **kwargs):
         built(self, *args, **kwargs)
-        self.ids.fill_(7)  # a placeholder unlike any real token: what it writes must not survive
+        self.ids.fill_(7)  # a placeholder token: nothing it writes may survive the warm-up
         self._warm_up()
 
     monkeypatch.setattr(StaticDecoder, "__init__", warmed)
