@@ -1,0 +1,97 @@
+"""Memory traffic of one Memory Mosaics v2 memory at the small size, measured on the CPU with the
+dtypes CUDA gives it (bf16 autocast): what the GPU's memory-bound work scales with, without a GPU.
+
+    python benchmarks/mmv2_bytes.py saved   [--kind short|long] [--scan chunked|compiled]
+    python benchmarks/mmv2_bytes.py written [--kind short|long]
+
+`saved`: the bytes autograd keeps for the backward of one memory's forward (distinct storages).
+`written`: the bytes every aten op writes in one memory's forward and backward, the reads forced to
+bf16 as on CUDA (`ContextualMemory.read_dtype`).
+
+Both: d 2048, 16 heads (the small size), batch 2 x 4096 tokens in packed documents, the input not a
+leaf (as the RMSNorm output it is in the model: autocast caches the casts of leaves only), long-term
+delay 64. To compare revisions, run the same command with PYTHONPATH at a worktree of the other
+(docs/results.md, issue #39).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from owai.models.memory_mosaics_v2 import ContextualMemory, MemoryMosaicsV2Config
+
+BATCH, CONTEXT, DELAY = 2, 4096, 64
+DOCUMENTS = [[1000, 2000, 1096], [1536, 2560]]  # each row's document lengths, summing to CONTEXT
+
+
+def doc_starts() -> torch.Tensor:
+    """(BATCH, CONTEXT) the position at which each token's document starts."""
+    rows = [torch.cat([torch.full((n,), sum(row[:i])) for i, n in enumerate(row)]) for row in DOCUMENTS]
+    return torch.stack(rows)
+
+
+def memory_and_input(kind: str, scan: str) -> tuple[ContextualMemory, torch.Tensor]:
+    torch.manual_seed(0)
+    config = MemoryMosaicsV2Config(vocab_size=512, n_layer=1, n_embd=2048, n_head=16, ffn_hidden=6144, scan_impl=scan)
+    return ContextualMemory(config, kind), torch.randn(BATCH, CONTEXT, config.n_embd, requires_grad=True)
+
+
+def saved(kind: str, scan: str) -> None:
+    memory, leaf = memory_and_input(kind, scan)
+    storages: dict[tuple[int, torch.dtype], int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storages[(tensor.untyped_storage().data_ptr(), tensor.dtype)] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        memory(leaf * 1.0, doc_starts(), DELAY, None, 0)
+    print(f"{kind} memory, {scan} scan: {sum(storages.values()) / 2**20:,.0f} MiB saved for the backward "
+          f"in {len(storages)} storages")
+
+
+class _Written(TorchDispatchMode):
+    """Counts the bytes of every aten op's outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.bytes += sum(t.numel() * t.element_size() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        return out
+
+
+def written(kind: str) -> None:
+    memory, leaf = memory_and_input(kind, "chunked")
+    ContextualMemory.read_dtype = lambda self, device: torch.bfloat16  # CUDA's reads under autocast
+    with _Written() as counter:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = memory(leaf * 1.0, doc_starts(), DELAY, None, 0)
+        forward = counter.bytes
+        y.float().sum().backward()
+    print(f"{kind} memory: {forward / 2**20:,.0f} MiB written forward, {counter.bytes / 2**20:,.0f} MiB "
+          f"forward and backward")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("measure", choices=["saved", "written"])
+    parser.add_argument("--kind", choices=["short", "long"], default=None,
+                        help="which memory (default: short for saved, long for written)")
+    parser.add_argument("--scan", choices=["chunked", "compiled"], default="chunked",
+                        help="saved only: the eager chunked scan, or the compiled memory inputs (CUDA's default)")
+    args = parser.parse_args()
+    if args.measure == "saved":
+        saved(args.kind or "short", args.scan)
+    else:
+        written(args.kind or "long")
+
+
+if __name__ == "__main__":
+    main()
