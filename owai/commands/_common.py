@@ -89,11 +89,12 @@ Command = TypeVar("Command", bound=Callable[..., Any])
 
 def options(command: Command) -> Command:
     """The command with each `OptionGroup` parameter spread into the group's options (see OptionGroup)."""
-    hints = typing.get_type_hints(command, include_extras=True)
     params: list[inspect.Parameter] = []
     groups: dict[str, type] = {}
-    for param in inspect.signature(command).parameters.values():
-        kind = hints.get(param.name, param.annotation)
+    # inspect's eval_str, not typing.get_type_hints(command): on Python 3.10 the latter wraps the type of
+    # a parameter whose default is None in Optional[...], which hides its Annotated typer.Option from Typer
+    for param in inspect.signature(command, eval_str=True).parameters.values():
+        kind = param.annotation
         if isinstance(kind, type) and issubclass(kind, OptionGroup):
             groups[param.name] = kind
             types = typing.get_type_hints(kind, include_extras=True)
