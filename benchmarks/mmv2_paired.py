@@ -7,6 +7,7 @@ revision's? Both run in one process, with steps alternating, so the machine's lo
     python benchmarks/mmv2_paired.py --before acd097d --batch 1 --context 4096 --rounds 8
     python benchmarks/mmv2_paired.py --before acd097d --control             # A/A: the revision against itself
     python benchmarks/mmv2_paired.py --before 8c32a6d --scan compiled       # both with scan_impl compiled (CUDA's path)
+    python benchmarks/mmv2_paired.py --before 57d34e2 --numerics --documents # the same function? (no timing)
 
 The earlier revision's `owai` package is extracted with `git archive` into a temporary folder and
 renamed `owai_before` (its own imports rewritten to match), so both import side by side. Both tiny
@@ -14,6 +15,12 @@ models are built with seed 0 and must start with equal parameters; their first l
 Each round runs one AdamW step of each on the same batch, the order flipping every round. Prints
 the median step of each and the median of the per-round ratios after / before (1.0: as fast; the
 `--control` run shows the machine's own spread). Asserts nothing but the equal start.
+
+`--numerics` times nothing: it asks whether a change kept the function. Each revision computes, in
+float32 on the same inputs, a training forward's loss and logits and every parameter's gradient, then
+in eval mode a prefill of half the context, a continuation of a quarter, and 10 one-token decoding
+steps (one document per row; the dynamic cache, as on the CPU). Printed: how many of those tensors
+are bit-identical, and the largest difference of each kind, max |after - before| / max |before|.
 """
 
 from __future__ import annotations
@@ -25,6 +32,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's owai, before any installed copy
@@ -56,6 +67,7 @@ def main() -> None:
     parser.add_argument("--control", action="store_true", help="A/A: both models from --before")
     parser.add_argument("--scan", default="auto", choices=["auto", "chunked", "compiled"],
                         help="both models' scan_impl (auto: the CPU default, eager)")
+    parser.add_argument("--numerics", action="store_true", help="compare the two revisions' tensors instead of timing")
     args = parser.parse_args()
 
     import torch
@@ -83,6 +95,11 @@ def main() -> None:
     pos = packed_positions(args.batch, args.context, args.doc_mean) if args.documents else None
     docs = f", packed documents (mean {args.doc_mean})" if args.documents else ""
     after = f"{args.before} (A/A control)" if args.control else "this checkout"
+    if args.numerics:
+        print(f"tiny v2, float32, batch {args.batch} x {args.context}{docs}, scan_impl {args.scan}, cpu: before = {args.before}, "
+              f"after = {after}")
+        compare({name: tensors_of(model, x, pos) for name, model in models.items()})
+        return
     print(f"tiny v2 training steps, batch {args.batch} x {args.context}{docs}, scan_impl {args.scan}, cpu: before = {args.before}, "
           f"after = {after}, {args.rounds} alternating rounds")
     for name, model in models.items():
@@ -102,6 +119,49 @@ def main() -> None:
               f"({args.batch * args.context / statistics.median(seconds):.0f} tokens/s)")
     print(f"  after / before, median of the paired rounds: {statistics.median(ratios):.3f} "
           f"(rounds: {' '.join(f'{r:.2f}' for r in ratios)})")
+
+
+def tensors_of(model, x, pos, delay: int = 64, steps: int = 10) -> dict[str, "torch.Tensor"]:
+    """A model's float32 tensors on x (B, T): training loss, logits and gradients; then the logits
+    of a prefill (T/2), a continuation (T/4) and `steps` decoding steps, on its own cache."""
+    import torch
+
+    cache_class = sys.modules[type(model).__module__].MemoryMosaicsV2Cache  # the revision's own
+    model.train()
+    out = model(input_ids=x, position_ids=pos, labels=x, long_delay=delay)
+    out.loss.backward()
+    tensors = {"loss": out.loss.detach(), "logits": out.logits.detach()}
+    tensors |= {f"grad {name}": p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    T = x.shape[1]
+    prefill, continuation = T // 2, T // 4
+    cache = cache_class()
+    with torch.no_grad():
+        tensors["prefill"] = model(input_ids=x[:, :prefill], past_key_values=cache, use_cache=True).logits
+        at = prefill + continuation
+        tensors["continuation"] = model(input_ids=x[:, prefill:at], past_key_values=cache, use_cache=True).logits
+        for t in range(steps):
+            tensors[f"step {t}"] = model(input_ids=x[:, at + t:at + t + 1], past_key_values=cache, use_cache=True).logits
+    return tensors
+
+
+def compare(runs: dict[str, dict[str, "torch.Tensor"]]) -> None:
+    """Print how many tensors the two revisions share bit for bit, and the largest relative difference
+    of each kind (loss and logits, gradients, cached logits)."""
+    before, after = runs["before"], runs["after"]
+    if before.keys() != after.keys():
+        raise SystemExit(f"error: the revisions computed different tensors: {sorted(before.keys() ^ after.keys())}")
+    if any(before[k].shape != after[k].shape for k in before):
+        raise SystemExit(f"error: tensors of different shapes: {[k for k in before if before[k].shape != after[k].shape]}")
+    same = sum(bool((before[k] == after[k]).all()) for k in before)
+    print(f"  bit-identical: {same} of {len(before)} tensors")
+    kinds = {"training loss and logits": ("loss", "logits"), "gradients": ("grad ",),
+             "cached logits (prefill, continuation, steps)": ("prefill", "continuation", "step ")}
+    for kind, prefixes in kinds.items():
+        worst = max(((after[k] - before[k]).abs().max().item() / max(before[k].abs().max().item(), 1e-30), k)
+                    for k in before if k.startswith(prefixes))
+        print(f"  {kind}: " + (f"largest difference {worst[0]:.2e} relative ({worst[1]})" if worst[0] else "bit-identical"))
 
 
 if __name__ == "__main__":
