@@ -6,7 +6,7 @@
 # installed and one CUDA GPU. On a machine whose CUDA torch and triton you keep, install owai without
 # its pins (transformers >= 5.4 must be there):
 #
-#     pip install --no-deps --no-build-isolation -e .
+#     python3 -m pip install --no-deps --no-build-isolation -e .
 #     bash benchmarks/mmv2_gpu.sh            # prints everything; a copy of each step's output in $OUT/mmv2_gpu/
 #
 # The Triton kernel is compiled for sm_80 and sm_90 on the CPU test machines already (tests/
@@ -33,6 +33,7 @@ set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1  # a step cut at its limit keeps what it printed (pytest -v: each verdict as it comes)
 out="${OUT:-.}/mmv2_gpu"
+py="${PYTHON:-python3}"  # the interpreter that holds torch (the lent machines: python3; $PYTHON to choose another)
 mkdir -p "$out"
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2
@@ -44,10 +45,10 @@ step() {  # step NAME SECONDS COMMAND...
     echo "=== $name: exit $status after $((SECONDS - start)) s"
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-python -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
-bench="python benchmarks/mmv2.py"
+"$py" -c "import sys, numpy, torch, triton, transformers; print('python', sys.version.split()[0], 'numpy', numpy.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
+bench="$py benchmarks/mmv2.py"
 small="--device cuda --size small --context 4096 --batch 2"
-step pytest 150 python -m pytest -v --tb=short -o addopts= -m gpu tests/test_memory_mosaics_v2.py tests/test_llama.py
+step pytest 150 "$py" -m pytest -v --tb=short -o addopts= -m gpu tests/test_memory_mosaics_v2.py tests/test_llama.py
 step scan 40 $bench scan $small --chunks 64 --rounds 5
 step triton-compiled 110 $bench throughput $small --documents --rounds 3 --compile --scan triton
 scan=triton
