@@ -6,8 +6,11 @@
 # installed and one CUDA GPU. On a machine whose CUDA torch and triton you keep, install owai without
 # its pins (transformers >= 5.4 must be there):
 #
-#     python3 -m pip install --no-deps --no-build-isolation -e .
+#     python3 -m pip install --no-deps --no-build-isolation -e . || export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 #     bash benchmarks/mmv2_gpu.sh            # prints everything; a copy of each step's output in $OUT/mmv2_gpu/
+#
+# (The install builds with the machine's own setuptools, which must be >= 77; should it fail, the
+# steps below run owai from the checkout: they read none of its packaged data.)
 #
 # The Triton kernel is compiled for sm_80 and sm_90 on the CPU test machines already (tests/
 # test_key_scan_triton.py, ahead of time with triton's ptxas): a kernel that does not build fails
