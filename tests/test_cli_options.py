@@ -82,7 +82,7 @@ def test_options_does_not_rely_on_get_type_hints_of_functions(monkeypatch):
     command = options(_a_command)
     parameters = inspect.signature(command).parameters
     name = parameters["name"].annotation
-    assert typing.get_origin(name) is Annotated and name.__metadata__[0].param_decls == ("-n",)
+    assert typing.get_origin(name) is Annotated and name.__metadata__[0].help == "A name."
     assert typing.get_origin(parameters["preset"].annotation) is Annotated  # a group's option, spread
 
 
