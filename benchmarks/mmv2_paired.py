@@ -95,13 +95,12 @@ def main() -> None:
     pos = packed_positions(args.batch, args.context, args.doc_mean) if args.documents else None
     docs = f", packed documents (mean {args.doc_mean})" if args.documents else ""
     after = f"{args.before} (A/A control)" if args.control else "this checkout"
+    setting = f"batch {args.batch} x {args.context}{docs}, scan_impl {args.scan}, cpu: before = {args.before}, after = {after}"
     if args.numerics:
-        print(f"tiny v2, float32, batch {args.batch} x {args.context}{docs}, scan_impl {args.scan}, cpu: before = {args.before}, "
-              f"after = {after}")
+        print(f"tiny v2, float32, {setting}")
         compare({name: tensors_of(model, x, pos) for name, model in models.items()})
         return
-    print(f"tiny v2 training steps, batch {args.batch} x {args.context}{docs}, scan_impl {args.scan}, cpu: before = {args.before}, "
-          f"after = {after}, {args.rounds} alternating rounds")
+    print(f"tiny v2 training steps, {setting}, {args.rounds} alternating rounds")
     for name, model in models.items():
         with torch.no_grad():
             logits = model(input_ids=x, position_ids=pos, long_delay=128).logits
