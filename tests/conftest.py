@@ -32,12 +32,37 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 
-# Triton kernels (v2's scan_impl triton) run on CPU tensors only in Triton's interpreter, which is
-# chosen when triton is first imported (torch._dynamo imports it): without CUDA, choose it now.
-import torch  # noqa: E402  (after OMP_NUM_THREADS)
+import torch  # noqa: E402  (after OMP_NUM_THREADS; importing torch does not look for CUDA yet)
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# The reason a `gpu` test skips: CUDA missing, or hidden from this run (cuda_hidden).
+NEEDS_CUDA = "needs CUDA: `pytest -m gpu` runs the gpu tests with the GPU visible (other runs hide it: tests/conftest.py)"
+
+
+def cuda_hidden(markexpr: str) -> bool:
+    """Whether a run with this `-m` expression hides CUDA from its tests: every run that selects a test
+    not marked `gpu` (the default run, `-m slow`, none), so that on a GPU machine they run as on the
+    CPU machines where their expected values were taken, and an `owai` they start picks the CPU.
+    `-m gpu` alone sees the GPU."""
+    if not markexpr.strip():
+        return True
+    try:
+        from _pytest.mark.expression import Expression  # pytest's own -m parser (not public API)
+
+        selects = Expression.compile(markexpr).evaluate
+        return any(selects(lambda name, *_, marks=marks, **__: name in marks) for marks in ((), ("slow",)))
+    except Exception:  # the parser moved: by the words
+        return "gpu" not in markexpr.replace("(", " ").replace(")", " ").split()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Hide CUDA as `cuda_hidden` says, before anything asks for it (xdist's workers and the `owai`
+    processes the tests start inherit the environment). Then Triton kernels (v2's scan_impl triton)
+    run on CPU tensors in Triton's interpreter, which must be chosen before triton is first imported
+    (torch._dynamo imports it)."""
+    if cuda_hidden(config.option.markexpr or ""):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The real data: $OWAI_DATA when it is set (as .ci/run does), else the shared/data beside the
 # repository (CI clones the repo with shared/ next to it), which the tests then name in $OWAI_DATA.

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import NEEDS_CUDA
 from owai.errors import OwaiError
 from owai.models.memory_mosaics_v2 import MemoryMosaicsV2Config, MemoryMosaicsV2ForCausalLM, gated_key_scan
 
@@ -653,7 +654,7 @@ def test_decoding_step_reads_the_same_as_a_masked_read():
 
 # -- on a GPU: `pytest -m gpu tests/test_memory_mosaics_v2.py` ------------------------------------
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_CUDA)
 
 
 @pytest.mark.gpu
