@@ -1,5 +1,5 @@
 """Shared test helpers: a tiny three-moons config, `--set` lists, and CLI runners (in a subprocess,
-or in this process with pytest's captured output)."""
+or in this process with pytest's captured output). Also which runs see CUDA: only `-m gpu` (cuda_hidden)."""
 
 from __future__ import annotations
 
