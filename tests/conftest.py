@@ -34,8 +34,6 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 
 import torch  # noqa: E402  (after OMP_NUM_THREADS; importing torch does not look for CUDA yet)
 
-# The reason a `gpu` test skips: CUDA missing, or hidden from this run (cuda_hidden).
-NEEDS_CUDA = "needs CUDA: `pytest -m gpu` runs the gpu tests with the GPU visible (other runs hide it: tests/conftest.py)"
 
 
 def cuda_hidden(markexpr: str) -> bool:
@@ -63,6 +61,17 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test marked `gpu` skips where the run has no CUDA, missing or hidden (cuda_hidden)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: `pytest -m gpu` runs the gpu tests with the GPU visible "
+                                   "(other runs hide it: tests/conftest.py)")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
 
 # The real data: $OWAI_DATA when it is set (as .ci/run does), else the shared/data beside the
 # repository (CI clones the repo with shared/ next to it), which the tests then name in $OWAI_DATA.

@@ -1,7 +1,7 @@
 """The test runs hide CUDA from every test but the `gpu` ones (tests/conftest.py, `cuda_hidden`): on a
 GPU machine the default run must run as on the CPU machines where its expected values were taken,
 and `pytest -m gpu` must see the GPU. Checked with the real conftest in a scratch folder, on probe
-tests that record what they saw, in this process's pytest and under pytest-xdist's workers."""
+tests whose process records what it saw, in one process and under pytest-xdist's workers."""
 
 from __future__ import annotations
 
@@ -17,31 +17,35 @@ import pytest
 from conftest import cuda_hidden
 
 PROBES = '''
-import json, os, subprocess, sys
-from pathlib import Path
-
 import pytest
 
 
-def record(name):
-    child = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES'))"],
-                           capture_output=True, text=True, check=True).stdout.strip()
-    seen = {"here": os.environ.get("CUDA_VISIBLE_DEVICES"), "child": child}
-    (Path(__file__).parent / "seen" / name).write_text(json.dumps(seen))
-
-
 def test_plain():
-    record("plain")
+    pass
 
 
 @pytest.mark.slow
 def test_slow():
-    record("slow")
+    pass
 
 
 @pytest.mark.gpu
-def test_gpu():
-    record("gpu")
+def test_gpu():  # skips without CUDA (conftest): what it saw is recorded when it is selected
+    pass
+'''
+
+# What each selected probe's process saw, and a process it starts: recorded when collection ends
+# (after -m has deselected), since a gpu probe skips before any fixture of its own could run.
+RECORDER = '''
+import json, os, subprocess, sys
+
+
+def pytest_collection_finish(session):
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES'))"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    seen = {"here": os.environ.get("CUDA_VISIBLE_DEVICES"), "child": child}
+    for item in session.items:
+        (session.config.rootpath / "seen" / item.name.removeprefix("test_")).write_text(json.dumps(seen))
 '''
 
 
@@ -54,20 +58,25 @@ def test_only_runs_of_gpu_tests_alone_see_cuda(markexpr, hidden):
 
 
 def _run(folder: Path, *args: str) -> dict[str, dict[str, str]]:
-    """pytest on the probes with `args`; what each probe that ran saw."""
+    """pytest on the probes with `args`; what each selected probe's process saw."""
     seen = folder / "seen"
     shutil.rmtree(seen, ignore_errors=True)
     seen.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "PYTEST_ADDOPTS")}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), env.get("PYTHONPATH")]))  # the recorder
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "probe_recorder", *args],
                           cwd=folder, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return {p.name: json.loads(p.read_text()) for p in seen.iterdir()}
+    saw = {p.name: json.loads(p.read_text()) for p in seen.iterdir()}
+    if saw.get("gpu", {}).get("here") == "":  # CUDA hidden: the gpu probe skips, saying why (-rs)
+        assert "SKIPPED" in proc.stdout and "needs CUDA: `pytest -m gpu`" in proc.stdout, proc.stdout
+    return saw
 
 
 def test_the_default_run_hides_cuda_and_a_gpu_run_does_not(tmp_path):
     shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
     (tmp_path / "test_probes.py").write_text(PROBES)
+    (tmp_path / "probe_recorder.py").write_text(RECORDER)
     # the project's addopts (-m 'not slow', xdist workers) and markers
     (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -m 'not slow' -n 2\nmarkers =\n    slow: slow\n    gpu: gpu\n")
     hidden = {"here": "", "child": ""}

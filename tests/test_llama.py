@@ -9,7 +9,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from conftest import NEEDS_CUDA
 from owai.errors import OwaiError
 from owai.models.hf_cache import cache_kwargs, output_cache
 from owai.models.sizes import SIZES
@@ -139,7 +138,6 @@ def test_packed_documents_through_flex_attention_equal_the_explicit_mask():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_CUDA)
 def test_gpu_packed_documents_flex_equals_masked_reference():
     """On CUDA under bf16 autocast: loss and gradients with flex_attention and packed position_ids
     equal sdpa with the explicit document mask (bf16 tolerance)."""

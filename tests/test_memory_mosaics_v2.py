@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import NEEDS_CUDA
 from owai.errors import OwaiError
 from owai.models.memory_mosaics_v2 import MemoryMosaicsV2Config, MemoryMosaicsV2ForCausalLM, gated_key_scan
 
@@ -654,11 +653,7 @@ def test_decoding_step_reads_the_same_as_a_masked_read():
 
 # -- on a GPU: `pytest -m gpu tests/test_memory_mosaics_v2.py` ------------------------------------
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_CUDA)
-
-
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("docs", [None, [[1500, 2596], [700, 1, 3395]]], ids=["one-document", "documents"])
 def test_gpu_flex_training_step_equals_sdpa(docs):
     """On CUDA under bf16 autocast: the flex path with the compiled scan is as close to float32 as the
@@ -692,7 +687,6 @@ def test_gpu_flex_training_step_equals_sdpa(docs):
 
 
 @pytest.mark.gpu
-@gpu
 def test_gpu_bf16_prefill_and_decoding_equal_the_full_forward():
     """bf16 weights on CUDA (the evaluation precision): a flex prefill plus cached SDPA steps give the
     full forward's logits to bf16 tolerance."""
@@ -711,7 +705,6 @@ def test_gpu_bf16_prefill_and_decoding_equal_the_full_forward():
 
 
 @pytest.mark.gpu
-@gpu
 def test_gpu_static_decoding_replays_a_cuda_graph():
     """bf16 weights on CUDA, static_decoding auto: the decoding step is captured as a CUDA graph once
     and its replays give the dynamic cache's logits to bf16 tolerance (the short-term ring wraps,
@@ -727,7 +720,6 @@ def test_gpu_static_decoding_replays_a_cuda_graph():
 
 
 @pytest.mark.gpu
-@gpu
 def test_gpu_float32_evaluation_flex_equals_sdpa():
     """float32 weights without autocast on CUDA (the end-of-training evaluation): flex_attention in
     float32 gives the SDPA path's logits, with documents."""
@@ -745,7 +737,6 @@ def test_gpu_float32_evaluation_flex_equals_sdpa():
 
 
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("impl", ["compiled", "triton"])
 def test_gpu_compiled_scan_equals_eager_at_training_length(impl):
     """On CUDA the compiled key scan (at memory_inputs_plan's chunk) and the Triton kernel equal the
