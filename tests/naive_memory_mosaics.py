@@ -244,7 +244,6 @@ class NaiveMemoryMosaics:
         return self._linear(y, p + ".c_proj"), atts
 
     def _persistent(self, x, i: int):
-        hs = self.C // self.H
         lib = self.source == "library"
         p = f"blocks.{i}.pmem" if lib else f"mosaic.h.{i}.mlp"
         keys = self._keys(x, p, power=2)

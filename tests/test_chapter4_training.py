@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from owai.models.lm import load_pretrained
-from tests.conftest import as_if_killed, cli_in_process, run_owai
-from tests.test_language_model import lm_cache, losses, only_run, sets, torchrun  # noqa: F401  (lm_cache: one token cache)
+from conftest import as_if_killed, cli_in_process, run_owai
+from test_language_model import lm_cache, losses, only_run, sets, torchrun  # noqa: F401  (lm_cache: one token cache)
 
 WORDS = ("the cat sat on a mat while seven brown dogs ran past the old mill and every child saw the river "
          "turn gold under a quiet evening sky").split()

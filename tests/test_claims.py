@@ -13,7 +13,7 @@ import yaml
 from owai import claims as C
 from owai import recipes
 from owai.errors import OwaiError
-from tests.conftest import cli_in_process
+from conftest import cli_in_process
 
 
 def verdict(spec: dict[str, Any], record: dict[str, Any], preset: str | None = None) -> C.Verdict:

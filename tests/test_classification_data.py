@@ -114,7 +114,7 @@ def test_a_malicious_pickle_is_refused_without_running_it(tmp_path, kind, where)
     marker = tmp_path / "pwned"
     if kind == "os.system":
         payload = _Payload(os.system, f"touch {marker}")
-        refs = rf"(posix|os|nt)\.system"
+        refs = r"(posix|os|nt)\.system"
     else:
         payload = _Payload(builtins.eval, f"__import__('pathlib').Path({str(marker)!r}).touch()")
         refs = r"builtins\.eval"

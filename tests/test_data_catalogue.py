@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import cli_in_process
+from conftest import cli_in_process
 
 # config keys (the last parts of a dotted path) whose values name data or a tokenizer a method reads
 DATA_KEYS = {"data.base", "data.target", "data.dataset", "dataset", "data.source", "data.tokenizer", "data.hub_id",

@@ -19,8 +19,8 @@ from owai.methods.dropout_ft import (
     lr_schedule,
 )
 from owai.models.vision import FineTuneClassifier, build_backbone
-from tests.conftest import as_sets, cli_in_process
-from tests.domainbed_tree import make_tree
+from conftest import as_sets, cli_in_process
+from domainbed_tree import make_tree
 
 # A miniature fine-tuning run on the generated tree: ResNet-18 at 16 px, 6 updates, evaluation every 2.
 TINY = [

@@ -24,7 +24,7 @@ def offline(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    from tests.conftest import save_tiny_gpt2
+    from conftest import save_tiny_gpt2
 
     return save_tiny_gpt2(tmp_path_factory.mktemp("lm"), positions=256)
 
@@ -169,7 +169,7 @@ def test_a_missing_harness_is_one_line(monkeypatch) -> None:
 
 @pytest.mark.slow  # a full end-to-end path (tens of seconds); `pytest -m slow`
 def test_the_cpu_preset_oracle_and_a_saved_model_through_the_command(tiny_dir, tmp_path, capsys) -> None:
-    from tests.conftest import cli_in_process
+    from conftest import cli_in_process
 
     rc, _, err = cli_in_process(["eval", "harness", "-q", "-o", str(tmp_path / "a")], capsys)
     assert rc == 0, err
@@ -185,7 +185,7 @@ def test_the_cpu_preset_oracle_and_a_saved_model_through_the_command(tiny_dir, t
 
 
 def test_errors_through_the_command_are_one_line_and_write_nothing(tiny_dir, tmp_path, capsys) -> None:
-    from tests.conftest import cli_in_process
+    from conftest import cli_in_process
 
     for args, message in ((["-p", "paper"], "no model given"),
                           (["--model", str(tiny_dir), "--ablate", "long_term_memory"], "has no long_term_memory to switch off"),
@@ -200,7 +200,7 @@ def test_the_harnesss_own_hflm_runs_through_the_same_command(tiny_dir, tmp_path,
     """`--model hflm:DIR`: lm-eval's HFLM on a transformers directory (with its own tokenizer files)."""
     import shutil
 
-    from tests.conftest import cli_in_process
+    from conftest import cli_in_process
     from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -289,7 +289,7 @@ def test_importing_owais_adapter_leaves_the_harnesss_own_models_usable(llama_dir
 
 
 def test_hflm_models_and_tokenizers_are_checked_before_a_run(llama_dir, tmp_path, capsys) -> None:
-    from tests.conftest import cli_in_process
+    from conftest import cli_in_process
 
     for args, message in ((["--model", f"hflm:{tmp_path / 'nowhere'}"], "no such model directory"),
                           (["--model", "hflm:no-one/no-model"], "not in the local Hugging Face cache"),

@@ -232,7 +232,7 @@ RICH = [
 
 
 def _rich(args: list[str], capsys) -> tuple[int, str, str]:
-    from tests.conftest import as_sets, cli_in_process
+    from conftest import as_sets, cli_in_process
 
     recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "tableA.6-seer.yaml")
     return cli_in_process(["rich-features", "-r", recipe, "-p", "cpu", *as_sets(RICH), *args, "-q"], capsys)

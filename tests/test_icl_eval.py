@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from owai.errors import OwaiError
-from tests.conftest import cli_in_process
+from conftest import cli_in_process
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def tiny_lm(tmp_path_factory) -> Path:
     """A 2-layer GPT-2 over owai's byte tokenizer, saved as a save_pretrained directory that records
     its tokenizer (owai_tokenizer.json), as mosaic-train's model directories do."""
-    from tests.conftest import save_tiny_gpt2
+    from conftest import save_tiny_gpt2
 
     return save_tiny_gpt2(tmp_path_factory.mktemp("tiny-lm"))
 

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-OWAI = Path(__file__).resolve().parents[1] / "owai"
+import owai
+
+OWAI = Path(owai.__file__).resolve().parent  # the package the tests import: the checkout's, or an installed one
 
 # The layers, top to bottom. "pkg.*" names a package and everything in it; a plain name, one module
 # (an exact name wins over a package pattern, a longer pattern over a shorter one).
@@ -29,7 +31,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                  "owai.methods")),  # owai.methods itself: the Method interface and the registry of names
     ("models / config / distributed", ("owai.models.*", "owai.config", "owai.distributed", "owai.runtime",
                                        "owai.optim", "owai.plan")),
-    ("io / errors", ("owai.io", "owai.errors", "owai.console", "owai.values", "owai.trackers", "owai")),
+    ("io / errors", ("owai.io", "owai.errors", "owai.console", "owai.values", "owai.trackers", "owai",
+                     "owai.recipe_files")),  # the recipes/ folder, installed as a package of data files
 ]
 
 Graph = dict[str, dict[str, int]]  # module -> {imported module: first line importing it}
@@ -163,14 +166,22 @@ def _describe(graph: Graph, knot: set[str]) -> str:
     return f"{path}  (the knot: {', '.join(sorted(knot))})"
 
 
-def test_no_import_circles() -> None:
+def owai_graph() -> Graph:
+    """owai's graph, checked to be the whole package (a wrong root would give an empty graph, which
+    has no circle and no upward import)."""
     graph = import_graph(OWAI)
+    assert {"owai.cli", "owai.commands.moons", "owai.models.memory_mosaics_v2", "owai.io"} <= set(graph), OWAI
+    return graph
+
+
+def test_no_import_circles() -> None:
+    graph = owai_graph()
     found = knots(graph)
     assert not found, "imports in a circle (module:line of each import):\n" + "\n".join(_describe(graph, k) for k in found)
 
 
 def test_every_module_has_a_layer_and_imports_point_down() -> None:
-    graph = import_graph(OWAI)
+    graph = owai_graph()
     unplaced = [m for m in graph if layer_of(m) is None]
     assert not unplaced, f"modules without a layer (add them to LAYERS and docs/architecture.md): {unplaced}"
     up = upward_imports(graph)

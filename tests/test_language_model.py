@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import as_if_killed, run_owai
+from conftest import as_if_killed, run_owai
 
 TINY_LM = [
     "data.source=owai-stories:1500",

@@ -13,8 +13,9 @@ import torch
 from owai.data.packing import NO_TOKEN, PackedStream, default_special_ids, document_positions
 from owai.data.text import HubSource, LocalSource, Tokenizer, load_tokenizer, open_source
 from owai.errors import OwaiError
+from conftest import SHARED_DATA
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED = SHARED_DATA  # $OWAI_DATA, else the shared/data beside the checkout (tests/conftest.py)
 KEYS = ("input_ids", "labels", "position_ids")
 
 

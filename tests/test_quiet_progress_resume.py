@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import as_if_killed, cli_in_process, run_owai, save_tiny_gpt2
+from conftest import as_if_killed, cli_in_process, run_owai, save_tiny_gpt2
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,7 +65,7 @@ def test_mosaic_train_evaluation_shows_progress_on_stderr_and_no_deprecation(tmp
     both chapter-4 models, not quiet: a progress line per batch (OWAI_PROGRESS_SECONDS=0) that
     reaches 100%, info lines on stderr, the results table alone on stdout, and no
     "`past_key_values` ... deprecated" from transformers."""
-    from tests.test_chapter4_training import TINY_V2, corpus
+    from test_chapter4_training import TINY_V2, corpus
 
     text = corpus(tmp_path / "docs.jsonl", docs=60)
     sets = [s for s in TINY_V2 if not s.startswith(("eval.continuations", "eval.lengths", "eval.without"))]

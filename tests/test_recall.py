@@ -13,8 +13,8 @@ import torch
 from owai.data.recall import (KEYS, Pieces, bucket_of, buckets_for, icl_episode, recall_episode, training_episode)
 from owai.errors import OwaiError
 from owai.evals.recall import accuracy_by_group, score
-from tests.conftest import as_sets, cli_in_process, run_owai
-from tests.test_chapter4_training import corpus
+from conftest import as_sets, cli_in_process, run_owai
+from test_chapter4_training import corpus
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "table4.4-recall.yaml"
 FILLER_ID = 10_000  # filler tokens are >= this, so no piece of text can repeat a planted fact

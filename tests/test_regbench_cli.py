@@ -11,8 +11,8 @@ import pytest
 from owai import sweep as sweeps
 from owai.cli import main
 from owai.runs import Run
-from tests.conftest import as_sets
-from tests.conftest import cli_in_process as cli
+from conftest import as_sets
+from conftest import cli_in_process as cli
 
 TINY = [
     "data.num_test_examples=16", "data.max_len_per_example=8", "data.min_num_in_context_examples=4",

@@ -14,7 +14,7 @@ from owai.errors import OwaiError
 from owai.experiment import execute, resolve
 from owai.recipes import load
 from owai.runs import Run
-from tests.conftest import as_if_killed
+from conftest import as_if_killed
 
 # short sequences, few automata, few epochs: a run takes seconds
 TINY = [

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import as_sets, cli_in_process
+from conftest import as_sets, cli_in_process
 
 RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "table2.2-cat-probe.yaml")
 # ResNet-18 at 16 px; 8 images per class of the packaged MNIST file's digits 0-4 (pretrain) and 5-9

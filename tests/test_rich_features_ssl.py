@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import as_sets, cli_in_process
+from conftest import as_sets, cli_in_process
 
 RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "tableA.4-simsiam.yaml")
 # SimSiam on the packaged MNIST file's digits 0-4 (8 images per class), ResNet-18 at 16 px, a few updates

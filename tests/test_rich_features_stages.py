@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import as_sets, cli_in_process
+from conftest import as_sets, cli_in_process
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 FEWSHOT = str(RECIPES / "tableA.8-fewshot.yaml")
@@ -233,7 +233,7 @@ def test_weight_decay_sweep_measures_transfer_and_judges_its_claims(tmp_path, mo
 
 @pytest.mark.parametrize("stage", ["probe", "pretrain"])
 def test_a_corrupt_cifar_file_is_one_line_before_any_run(cache, tmp_path, capsys, stage) -> None:
-    from tests.test_classification_data import make_cifar10
+    from test_classification_data import make_cifar10
 
     folder, _, _ = make_cifar10(tmp_path / "data")
     good = (folder / "data_batch_3").read_bytes()

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_in_process, save_tiny_gpt2
-from tests.test_ruler import essay_hotpot, essay_squad, write_json
+from conftest import cli_in_process, save_tiny_gpt2
+from test_ruler import essay_hotpot, essay_squad, write_json
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def qa_files(tmp_path_factory) -> dict[str, Path]:
     """SQuAD v2 and HotpotQA dev files of real English sentences, in the official formats."""
-    from tests.conftest import SHARED_DATA
+    from conftest import SHARED_DATA
 
     if not SHARED_DATA.is_dir():
         pytest.skip("../shared/data not present")

@@ -28,7 +28,7 @@ from owai.checkpoint import (
 from owai.distributed import Parallel
 from owai.errors import OwaiError
 from owai.models.lm import blocks, build_lm
-from tests import dist_train_worker as worker
+import dist_train_worker as worker
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8  # checkpoints every 4 steps

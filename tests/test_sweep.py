@@ -14,8 +14,8 @@ from owai import sweep as sweeps
 from owai.cli import main
 from owai.errors import OwaiError
 from owai.runs import Run
-from tests.conftest import as_sets
-from tests.conftest import cli_in_process as cli
+from conftest import as_sets
+from conftest import cli_in_process as cli
 
 TINY = [
     "train.steps=4", "train.batch_size=2", "train.checkpoint_every=2",

@@ -28,7 +28,7 @@ from owai.methods.twobits import (
     radius_below,
     representation,
 )
-from tests.conftest import cli_in_process, run_owai
+from conftest import cli_in_process, run_owai
 
 ENVS = [list(e) for e in TRAINING_ENVIRONMENTS]
 POINTS = [(0.0, 0.0), (0.3, -0.7), (1.2, 0.5), (-0.9, 1.1), (0.9459, 0.3846)]
