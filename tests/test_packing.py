@@ -9,13 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import SHARED_DATA  # $OWAI_DATA, else the shared/data beside the checkout
 
 from owai.data.packing import NO_TOKEN, PackedStream, default_special_ids, document_positions
 from owai.data.text import HubSource, LocalSource, Tokenizer, load_tokenizer, open_source
 from owai.errors import OwaiError
-from conftest import SHARED_DATA
 
-SHARED = SHARED_DATA  # $OWAI_DATA, else the shared/data beside the checkout (tests/conftest.py)
 KEYS = ("input_ids", "labels", "position_ids")
 
 
@@ -25,7 +24,7 @@ KEYS = ("input_ids", "labels", "position_ids")
 @pytest.fixture(scope="module")
 def essays() -> Path:
     """The real essay corpus (117 documents, ~147k GPT-2 tokens); skips where shared data is absent."""
-    path = SHARED / "text" / "paul_graham_essays"
+    path = SHARED_DATA / "text" / "paul_graham_essays"
     if not path.is_dir():
         pytest.skip(f"{path} not present")
     return path
@@ -34,7 +33,7 @@ def essays() -> Path:
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     """GPT-2 through load_tokenizer, from the original encoder.json + vocab.bpe of the shared folder."""
-    folder = SHARED / "tokenizers" / "gpt2"
+    folder = SHARED_DATA / "tokenizers" / "gpt2"
     if not folder.is_dir():
         pytest.skip(f"{folder} not present")
     return load_tokenizer(str(folder))

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import dist_train_worker as worker
 
 from owai.checkpoint import (
     SHARDED_FORMAT,
@@ -28,7 +29,6 @@ from owai.checkpoint import (
 from owai.distributed import Parallel
 from owai.errors import OwaiError
 from owai.models.lm import blocks, build_lm
-import dist_train_worker as worker
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8  # checkpoints every 4 steps
