@@ -40,7 +40,7 @@ import yaml
 
 from owai import console
 from owai.config import build, coerce, load_yaml, parse_override
-from owai.errors import OwaiError
+from owai.errors import DataMissing, OwaiError
 from owai.io import atomic_write_json
 from owai.recipes import Grid, Recipe, Selection, check_path, load, recipe_claims, recorded_name, sub_grids
 from owai.runs import CONFIG, RESULTS, SWEEP, Run, config_hash, ensure_writable, is_sweep_dir, new_unique_dir, timestamp
@@ -203,14 +203,17 @@ def _design(
     seeds: list[int] | None, grid: Grid | None = None, select: Selection | dict[str, Any] | None = None,
 ) -> _Design:
     """The sweep's preset, grid, seeds, points and selection, every point validated against the
-    method schema."""
+    method schema. Settings first, inputs last: a bad grid value is named before an input that the
+    base config or a point reads and this machine lacks (DataMissing), so a typo is not hidden
+    behind a download."""
     from owai.experiment import resolve
 
     if not recipe.implemented:
         raise OwaiError(f"recipe {recipe.id!r} needs method {recipe.method!r}, which is not implemented yet")
     if any(_is_seed(s) for s in sets):
         raise OwaiError("a sweep sets the seed itself: choose seeds with --seeds, not --set seed=...")
-    cfg, resolved = resolve(recipe, preset, sets)  # the base --sets, checked once
+    cfg, resolved = resolve(recipe, preset, sets, missing_ok=True)  # the base --sets, checked once
+    missing = resolved.get("missing")  # raised once every setting has been checked
     preset_name = resolved["preset"]
     spec = recipe.sweep
     written = coerce(Grid, grid, "grid") if grid is not None else (spec.grid_for(preset_name) if spec else {})
@@ -248,10 +251,15 @@ def _design(
                 digest = hashlib.sha256(json.dumps(own).encode()).hexdigest()[:8]
                 point = Point(id=f"{slug}-{digest}", label=label, grid=cell, seed=seed, overrides=[*sets, *own])
                 try:
-                    devices.add(resolve(recipe, preset, point.overrides)[0].runtime.device)
+                    point_cfg, point_resolved = resolve(recipe, preset, point.overrides, missing_ok=True)
                 except OwaiError as e:
                     raise OwaiError(f"sweep point {label}: {e}") from None
+                devices.add(point_cfg.runtime.device)
+                if missing is None and "missing" in point_resolved:
+                    missing = f"sweep point {label}: {point_resolved['missing']}"
                 points.append(point)
+    if missing is not None:
+        raise DataMissing(missing)
     final: Grid = subs[0] if isinstance(written, dict) else subs
     return _Design(preset_name, final, seeds, points, selection, devices)
 

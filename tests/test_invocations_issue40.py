@@ -11,6 +11,7 @@ rich-features probe run. Every case stops in validation, so the table runs in-pr
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -37,6 +38,12 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     shutil.copytree(good, tmp / "noweights")
     (tmp / "noweights" / "model.safetensors").unlink()
     made["noweights"] = tmp / "noweights"
+    made["hay"] = tmp / "hay"  # what the RULER cases read besides the input they spoil: no real data needed
+    made["hay"].mkdir()
+    for i in range(3):
+        (made["hay"] / f"essay{i}.txt").write_text(f"Essay {i} is about startups, growth and the people who build them. " * 200)
+    made["corpus"] = tmp / "corpus.jsonl"  # likewise, the mosaic-train cases' corpus
+    made["corpus"].write_text("".join(json.dumps({"text": f"document {i}: " + "a few words " * 50}) + "\n" for i in range(40)))
     made["badhay"] = tmp / "badhay"
     made["badhay"].mkdir()
     (made["badhay"] / "essay.txt").write_bytes(b"An essay \xff\xfe\x80 in no encoding at all. " * 200)
@@ -67,6 +74,10 @@ def _probe_run(out: Path) -> Path:
 
 
 RULER = ["eval", "ruler", "--tasks", "niah_single_1", "--ctx", "1k", "--n", "1"]
+# the inputs a run reads besides the one a case spoils, generated (the real essays and GPT-2 BPE, the
+# State of the Union corpus): each case reaches its own check on a machine without the real data
+RULER_INPUTS = ["--haystack-dir", "{hay}", "--set", "reference_tokenizer=bytes"]
+TINY_INPUTS = ["--set", "data.source={corpus}"]
 ICL = ["eval", "icl", "--task", "synthetic", "--shots", "1", "--n", "2"]
 HARNESS = ["eval", "harness", "--tasks", "owai_mc_smoke", "--limit", "1"]
 TINY = ["mosaic-train", "--size", "tiny"]
@@ -87,18 +98,18 @@ CASES: list[tuple[str, list[str], str, dict[str, str]]] = [
     ("data-fetch-no-name", ["data", "fetch"], "Missing argument 'name'", {}),
     ("recipes-show-set-no-value", ["recipes", "show", "table2.2-cat-probe", "--set"], "--set", {}),
     # corrupt, truncated or missing weights: one line naming the file, before any run directory
-    ("ruler-truncated-weights", [*RULER, "--model", "{truncated}"], "truncated/model.safetensors", {}),
-    ("ruler-corrupt-weights", [*RULER, "--model", "{corrupt}"], "corrupt/model.safetensors", {}),
+    ("ruler-truncated-weights", [*RULER, *RULER_INPUTS, "--model", "{truncated}"], "truncated/model.safetensors", {}),
+    ("ruler-corrupt-weights", [*RULER, *RULER_INPUTS, "--model", "{corrupt}"], "corrupt/model.safetensors", {}),
     ("icl-truncated-weights", [*ICL, "--model", "{truncated}"], "truncated/model.safetensors", {}),
     ("icl-corrupt-weights", [*ICL, "--model", "{corrupt}"], "corrupt/model.safetensors", {}),
     ("harness-truncated-weights", [*HARNESS, "--model", "{truncated}"], "truncated/model.safetensors", {}),
     ("harness-corrupt-weights", [*HARNESS, "--model", "{corrupt}"], "corrupt/model.safetensors", {}),
-    ("init-from-truncated", [*TINY, "--set", "model.init_from={truncated}"], "truncated/model.safetensors", {}),
-    ("init-from-corrupt", [*TINY, "--set", "model.init_from={corrupt}"], "corrupt/model.safetensors", {}),
-    ("ruler-no-weights", [*RULER, "--model", "{noweights}"], "no weights", {}),
+    ("init-from-truncated", [*TINY, *TINY_INPUTS, "--set", "model.init_from={truncated}"], "truncated/model.safetensors", {}),
+    ("init-from-corrupt", [*TINY, *TINY_INPUTS, "--set", "model.init_from={corrupt}"], "corrupt/model.safetensors", {}),
+    ("ruler-no-weights", [*RULER, *RULER_INPUTS, "--model", "{noweights}"], "no weights", {}),
     ("icl-no-weights", [*ICL, "--model", "{noweights}"], "no weights", {}),
     ("harness-no-weights", [*HARNESS, "--model", "{noweights}"], "no weights", {}),
-    ("init-from-no-weights", [*TINY, "--set", "model.init_from={noweights}"], "no weights", {}),
+    ("init-from-no-weights", [*TINY, *TINY_INPUTS, "--set", "model.init_from={noweights}"], "no weights", {}),
     ("mosaic-eval-truncated-weights", ["mosaic-eval", "{truncated}", "--set", "eval.continuations=false"],
      "truncated/model.safetensors", {}),
     ("posloss-no-weights", ["eval", "posloss", "{noweights}"], "no weights", {}),
@@ -112,13 +123,14 @@ CASES: list[tuple[str, list[str], str, dict[str, str]]] = [
     ("rf-pretrain-corrupt-mnist", ["rich-features", "--stage", "pretrain", "--data-root", "{badmnist}"],
      "train-images-idx3-ubyte.gz", {}),
     # silently accepted before
-    ("ruler-reference-tokenizer", [*RULER, "--model", "reference:oracle", "--tokenizer", "/nonexistent"], "--tokenizer", {}),
+    ("ruler-reference-tokenizer", [*RULER, *RULER_INPUTS, "--model", "reference:oracle", "--tokenizer", "/nonexistent"], "--tokenizer", {}),
     ("icl-reference-tokenizer", [*ICL, "--model", "reference:knn", "--tokenizer", "/nonexistent"], "--tokenizer", {}),
     ("harness-reference-tokenizer", [*HARNESS, "--model", "reference:oracle", "--tokenizer", "/nonexistent"],
      "--tokenizer", {}),
     ("harness-model-tokenizer-missing", [*HARNESS, "--model", "{good}", "--tokenizer", "/nonexistent"], "/nonexistent", {}),
     ("ruler-haystack-not-utf8", ["eval", "ruler", "--tasks", "niah_single_2", "--ctx", "1k", "--n", "1",
-                                 "--model", "reference:oracle", "--haystack-dir", "{badhay}"], "not UTF-8", {}),
+                                 "--model", "reference:oracle", "--haystack-dir", "{badhay}", "--set", "reference_tokenizer=bytes"],
+     "not UTF-8", {}),
     ("report-markdown-and-json", ["report", "{probe_run}", "--markdown", "--json"], "--markdown", {}),
     ("rf-resume-other-stage", ["rich-features", "--stage", "distill", "--resume", "{probe_run}"], "probe", {}),
     ("rf-resume-run-as-pretrain", ["rich-features", "--stage", "pretrain", "--resume", "{probe_run}"], "error", {}),

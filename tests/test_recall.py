@@ -13,7 +13,7 @@ import torch
 from owai.data.recall import (KEYS, Pieces, bucket_of, buckets_for, icl_episode, recall_episode, training_episode)
 from owai.errors import OwaiError
 from owai.evals.recall import accuracy_by_group, score
-from conftest import as_sets, cli_in_process, run_owai
+from conftest import SHARED_DATA, as_sets, cli_in_process, run_owai
 from test_chapter4_training import corpus
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "table4.4-recall.yaml"
@@ -278,8 +278,9 @@ def test_every_preset_of_the_recipe_validates():
 
     r = recipes.load(str(RECIPE))
     assert {"cpu", "paper", "tiny"} <= set(r.presets) and r.method == "lm_recall"
+    have_data = (SHARED_DATA / "text" / "sotu.tar.gz").is_file()  # else all but the corpus (`missing_ok`)
     for preset in r.presets:
-        cfg, resolved = resolve(r, preset, [])
-        assert resolved["preset"] == preset
-    cpu, _ = resolve(r, "cpu", [])
+        cfg, resolved = resolve(r, preset, [], missing_ok=not have_data)
+        assert resolved["preset"] == preset and ("missing" in resolved) == (not have_data)
+    cpu, _ = resolve(r, "cpu", [], missing_ok=not have_data)
     assert cpu.data.block_size == 512 and cpu.recall.lengths == [512, 2048, 4096] and cpu.model.size == "tiny"

@@ -445,3 +445,19 @@ def test_union_sweep_with_selection_on_the_cli(tmp_path: Path, capsys) -> None:
     scores = [next(m["mean"] for m in g["metrics"] if m["metric"] == "heads3.disentanglement") for g in summary["groups"]]
     assert group["candidates"] == 3 and group["score"] == max(scores)
     assert group["grid"] == summary["groups"][scores.index(max(scores))]["grid"]
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--dropout", "1.5"], "model.dropout=1.5"),  # a range, checked where the config is built
+    (["--test-domain", "99"], "data.test_domain 99: rotated-mnist has 4 domains"),  # the method's validate
+])
+def test_a_bad_grid_value_is_named_before_the_missing_data(no_data, tmp_path, capsys, args, named):
+    """On a machine without the data a study reads, a bad value in its grid is the error, not the
+    download: settings first, inputs last (owai.sweep._design). Without the bad value, the
+    missing data is the error, as before."""
+    out = tmp_path / "runs"
+    code, _, err = cli(["dropout-ft", *args, "--out", str(out)], capsys)
+    assert code == 2 and named in err and "not found" not in err, err
+    code, _, err = cli(["dropout-ft", "--out", str(out)], capsys)
+    assert code == 2 and "MNIST" in err and "not found" in err and "owai data fetch mnist" in err, err
+    assert not out.exists()
