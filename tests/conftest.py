@@ -35,7 +35,6 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 import torch  # noqa: E402  (after OMP_NUM_THREADS; importing torch does not look for CUDA yet)
 
 
-
 def cuda_hidden(markexpr: str) -> bool:
     """Whether a run with this `-m` expression hides CUDA from its tests: every run that selects a test
     not marked `gpu` (the default run, `-m slow`, none), so that on a GPU machine they run as on the

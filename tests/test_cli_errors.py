@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from conftest import TINY_MOONS, run_owai
+from conftest import TINY_MOONS, cli_in_process, run_owai
 from owai import recipes
 
 
@@ -120,7 +120,6 @@ def test_study_commands_check_their_recipe_and_resume_alone(tmp_path, capsys):
     """dropout-ft and eval regbench: a recipe of another method, --resume with plan options,
     --resume of another method's sweep, and executor options that do not go together are each a
     one-line error."""
-    from conftest import cli_in_process
     from owai import sweep as sweeps
 
     moons = sweeps.create("three-moons", None, [], [], [0], tmp_path / "sweeps").path

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from owai.errors import OwaiError
-from conftest import cli_in_process
+from conftest import cli_in_process, save_tiny_gpt2
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -20,8 +20,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def tiny_lm(tmp_path_factory) -> Path:
     """A 2-layer GPT-2 over owai's byte tokenizer, saved as a save_pretrained directory that records
     its tokenizer (owai_tokenizer.json), as mosaic-train's model directories do."""
-    from conftest import save_tiny_gpt2
-
     return save_tiny_gpt2(tmp_path_factory.mktemp("tiny-lm"))
 
 

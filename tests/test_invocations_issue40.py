@@ -11,7 +11,6 @@ rich-features probe run. Every case stops in validation, so the table runs in-pr
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import stat
@@ -19,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SHARED_DATA, cli_in_process, save_tiny_gpt2
+from conftest import SHARED_DATA, cli_in_process, run_owai, save_tiny_gpt2
+from test_chapter4_training import corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -42,8 +42,7 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     made["hay"].mkdir()
     for i in range(3):
         (made["hay"] / f"essay{i}.txt").write_text(f"Essay {i} is about startups, growth and the people who build them. " * 200)
-    made["corpus"] = tmp / "corpus.jsonl"  # likewise, the mosaic-train cases' corpus
-    made["corpus"].write_text("".join(json.dumps({"text": f"document {i}: " + "a few words " * 50}) + "\n" for i in range(40)))
+    made["corpus"] = corpus(tmp / "corpus.jsonl")  # likewise, the mosaic-train cases' corpus
     made["badhay"] = tmp / "badhay"
     made["badhay"].mkdir()
     (made["badhay"] / "essay.txt").write_bytes(b"An essay \xff\xfe\x80 in no encoding at all. " * 200)
@@ -204,8 +203,6 @@ def test_each_malformed_invocation_is_one_line_and_writes_nothing(case: str, arg
 def test_parse_errors_go_through_the_console_script_too() -> None:
     """`python -m owai` (the console script's `main`): a usage error is one line, exit 2; --help,
     --version and no arguments print help, exit 0."""
-    from conftest import run_owai
-
     proc = run_owai("eval", "ruler", "--n", "0")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
     assert proc.stderr.startswith("error:") and "--n" in proc.stderr

@@ -18,7 +18,7 @@ import click
 import pytest
 import typer
 
-from conftest import cli_in_process
+from conftest import as_sets, cli_in_process
 
 
 def _parse(words: list[str]) -> tuple[click.Command, dict]:
@@ -163,8 +163,6 @@ TINY22 = ["data.base=mnist-t10k", "data.target=mnist-t10k", "data.limit_per_clas
 
 def test_the_chain_runs_from_an_empty_cache_then_reuses_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                            one_thread: None, capsys: pytest.CaptureFixture[str]) -> None:
-    from conftest import as_sets
-
     monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
     args = ["rich-features", *as_sets(TINY22), "-o", str(tmp_path / "runs"), "--json"]
     code, out, err = cli_in_process(args, capsys)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_in_process, save_tiny_gpt2
+from conftest import SHARED_DATA, cli_in_process, save_tiny_gpt2
 from test_ruler import essay_hotpot, essay_squad, write_json
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -18,8 +18,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def qa_files(tmp_path_factory) -> dict[str, Path]:
     """SQuAD v2 and HotpotQA dev files of real English sentences, in the official formats."""
-    from conftest import SHARED_DATA
-
     if not SHARED_DATA.is_dir():
         pytest.skip("../shared/data not present")
     from owai.evals import ruler as R
