@@ -57,7 +57,7 @@ def clone(name: str) -> Path:
 def imported_from(folder: Path, *names: str, stubs: tuple[str, ...] = ()) -> Iterator[list[types.ModuleType]]:
     """Import `names` from `folder`, with `stubs` (modules the reference imports at its top but the
     compared code never calls: torchvision, BackPACK) as empty stand-ins; afterwards sys.path and
-    sys.modules are as they were, so no reference module outlives the test."""
+    sys.modules are as they were, so no reference module stays importable after the test."""
 
     class Stub(types.ModuleType):
         def __getattr__(self, attr: str) -> types.ModuleType:
