@@ -50,7 +50,7 @@ def clone(name: str) -> Path:
     path = Path(root) / name
     if not root or not path.is_dir():
         pytest.skip(f"needs the official code at $OWAI_REFERENCE_CODE/{name}: {CLONES[name]}")
-    return path
+    return path.resolve()
 
 
 @contextlib.contextmanager
@@ -65,7 +65,7 @@ def imported_from(folder: Path, *names: str, stubs: tuple[str, ...] = ()) -> Ite
                 raise AttributeError(attr)
             return Stub(attr)
 
-    before = dict(sys.modules)
+    replaced = {name: sys.modules[name] for name in stubs if name in sys.modules}
     sys.path.insert(0, str(folder))
     try:
         for stub in stubs:
@@ -73,9 +73,19 @@ def imported_from(folder: Path, *names: str, stubs: tuple[str, ...] = ()) -> Ite
         yield [importlib.import_module(n) for n in names]
     finally:
         sys.path.remove(str(folder))
-        for key in set(sys.modules) - set(before):
-            del sys.modules[key]
-        sys.modules.update(before)
+        for key, module in list(sys.modules.items()):  # the clone's modules only: torch's lazy imports stay
+            if key in stubs or folder in Path(getattr(module, "__file__", None) or "/").resolve().parents:
+                del sys.modules[key]
+        sys.modules.update(replaced)
+
+
+def test_reference_modules_do_not_stay_imported():
+    folder = clone("MemoryMosaics") / "nanoMosaics"
+    before = sys.modules.get("torchvision")
+    with imported_from(folder, "mosaic_model", stubs=("torchvision",)) as (nano,):
+        assert sys.modules["mosaic_model"] is nano and sys.modules["torchvision"] is not before
+    assert "mosaic_model" not in sys.modules and sys.modules.get("torchvision") is before
+    assert "torch.nn.functional" in sys.modules  # what the clone's import pulled in from torch stays
 
 
 # ------------------------------------------------------------------ Memory Mosaics v1
