@@ -56,8 +56,9 @@ def clone(name: str) -> Path:
 @contextlib.contextmanager
 def imported_from(folder: Path, *names: str, stubs: tuple[str, ...] = ()) -> Iterator[list[types.ModuleType]]:
     """Import `names` from `folder`, with `stubs` (modules the reference imports at its top but the
-    compared code never calls: torchvision, BackPACK) as empty stand-ins; afterwards sys.path and
-    sys.modules are as they were, so no reference module stays importable after the test."""
+    compared code never calls: torchvision, BackPACK) as empty stand-ins. Afterwards sys.path is as it
+    was, and the clone's own modules and the stand-ins are gone from sys.modules (the torch modules
+    they pulled in stay), so no reference module stays importable after the test."""
 
     class Stub(types.ModuleType):
         def __getattr__(self, attr: str) -> types.ModuleType:
@@ -91,8 +92,6 @@ def test_reference_modules_do_not_stay_imported():
 # ------------------------------------------------------------------ Memory Mosaics v1
 
 V, C, H, LAYERS, P, T = 61, 32, 4, 2, 24, 256  # T: the reference models' block size (they go no further)
-
-
 IDS, TARGETS = (torch.randint(0, V, (3, T), generator=torch.Generator().manual_seed(seed)) for seed in (0, 1))
 
 
@@ -103,11 +102,10 @@ def _owai_model(sd: dict[str, torch.Tensor], source: str, **overrides) -> Memory
     return model.double().eval()
 
 
-def _same_gradients(owai_model: torch.nn.Module, reference: torch.nn.Module) -> int:
+def _same_gradients(owai_model: torch.nn.Module, reference: torch.nn.Module) -> None:
     """Every owai parameter is some reference parameter (same values, reshaped): their gradients
-    must agree. Returns how many were compared."""
+    must agree."""
     ref = dict(reference.named_parameters())
-    compared = 0
     for name, p in owai_model.named_parameters():
         twin = next((r for r in ref.values() if r.numel() == p.numel()
                      and torch.equal(r.detach().reshape(p.shape), p.detach())), None)
@@ -116,8 +114,6 @@ def _same_gradients(owai_model: torch.nn.Module, reference: torch.nn.Module) -> 
         assert scale > 0, name
         err = float((twin.grad.reshape(p.shape) - p.grad).abs().max())
         assert err <= 1e-9 * scale, f"{name}: gradient differs by {err:.2e} (scale {scale:.2e})"
-        compared += 1
-    return compared
 
 
 def _agree(case: str, want: torch.Tensor, model: MemoryMosaicsForCausalLM, reference: torch.nn.Module,
@@ -132,7 +128,7 @@ def _agree(case: str, want: torch.Tensor, model: MemoryMosaicsForCausalLM, refer
     if sharp_bound is None:
         F.cross_entropy(want.flatten(0, 1), TARGETS.flatten()).backward()
         F.cross_entropy(got.flatten(0, 1), TARGETS.flatten()).backward()
-        assert _same_gradients(model, reference) == len(list(model.parameters()))
+        _same_gradients(model, reference)
 
 
 # sharp=True puts head 0's bandwidth exponent past the Library's clamp (5): scores of e^10 x a cosine,
