@@ -6,10 +6,15 @@
 - The invariance trainers: RFC's ColoredMNIST trainers (TjuJianyu/RFC, `coloredmnist/train.py`) from
   owai's initial weights on owai's ColoredMNIST environments, against `owai bonsai`'s whole training
   run (`execute`), 30 full-batch Adam steps across the anneal step, in float64: the final weights.
+- Three Moons (MemoryMosaics/ThreeMoons, MLX): the reference's data against owai's; its
+  `ContextMemory` against owai's `MoonMemory` (outputs and gradients); its training loop from owai's
+  initial weights on owai's batches against `owai moons`'s whole run; and its two generation routines
+  against owai's two error curves, on owai's trained weights. Float64, as far as MLX's float64 goes.
 
 The reference code is not part of owai and is never copied into it: set $OWAI_REFERENCE_CODE to a
-folder holding the clones `MemoryMosaics/` and `RFC/`; without them these tests skip. The reference
-modules are imported from there for the test only, and removed from `sys.modules` afterwards.
+folder holding the clones `MemoryMosaics/` and `RFC/`; without them these tests skip, and the Three
+Moons ones also skip without MLX (`pip install 'mlx[cpu]'`). The reference modules are imported from
+there for the test only, and removed from `sys.modules` afterwards.
 """
 
 from __future__ import annotations
@@ -30,11 +35,14 @@ import torch
 import torch.nn.functional as F
 
 import owai.methods.coloredmnist as owai_cmnist
+import owai.methods.three_moons as owai_moons
 from owai.checkpoint import latest_checkpoint, load_checkpoint
+from owai.data.moons import TRAIN_PERIODS, VAL_PERIODS, lcm_periods, sample_sequences, time_step
 from owai.experiment import execute, resolve
 from owai.methods.bonsai import fresh_mlp
 from owai.models.memory_mosaics import MemoryMosaicsForCausalLM
 from owai.models.memory_mosaics_convert import convert_official_state_dict
+from owai.models.moon_memory import MoonMemory, MoonMemoryConfig, clipped_mse
 from owai.recipes import load
 from naive_memory_mosaics import random_official_state_dict
 
@@ -196,7 +204,17 @@ TWO_LOGITS = ("rsc", "lff")
 
 
 @pytest.fixture
-def float64(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def default_float64() -> Iterator[None]:
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(default)
+
+
+@pytest.fixture
+def float64(monkeypatch: pytest.MonkeyPatch, default_float64: None) -> None:
     """Both runs in float64. In float32, Adam turns summation-order rounding in near-zero gradients
     into differences of up to 1e-4 after 30 steps (measured): a bound that loose would let real
     differences through."""
@@ -209,12 +227,6 @@ def float64(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         return data
 
     monkeypatch.setattr(owai_cmnist, "load_data", load_float64)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(default)
 
 
 @pytest.mark.parametrize("method", list(TRAINERS))
@@ -268,3 +280,186 @@ def test_rfc_trainer_equals_owai_bonsai(method, tmp_path, monkeypatch, float64):
           f"each tensor moved >= {least_moved:.1e}")
     assert least_moved > 1e-3
     assert errors[worst] <= 1e-9, f"{method}: owai and RFC differ by {errors[worst]:.2e} in {worst} after {STEPS} steps"
+
+
+# ------------------------------------------------------------------ Three Moons (MLX)
+
+MOON_STEPS, MOON_BATCH = 30, 4
+# the reference's ContextMemory settings (ThreeMoons/train_planets-{1head,3heads}.py, which differ only
+# in n_head and h_dim)
+MOON_REFERENCE = dict(input_dim=6, bias=False, block_size=800, v_shift=1, v_ban=0, complex=True, norm_keys=False,
+                      scale_keys=False, norm_vals=False, attn_scale=50, out_proj=True, out_sum=False, emb=False)
+MOON_MAPS = {"k_lin": "key", "v_lin": "value", "out_proj": "out"}  # reference module -> owai ComplexLinear
+
+
+def mlx() -> tuple[types.ModuleType, types.ModuleType, types.ModuleType]:
+    """mlx.core, mlx.nn and mlx.optimizers, or skip: the Three Moons reference is MLX code."""
+    reason = ("needs MLX for the Three Moons reference: pip install 'mlx[cpu]' (tested with 0.32.4, whose Adam "
+              "is 0.9's; the reference pins 0.9, which has no Linux build)")
+    modules = ("mlx.core", "mlx.nn", "mlx.optimizers")
+    return tuple(pytest.importorskip(m, reason=reason) for m in modules)  # type: ignore[return-value]
+
+
+def context_memory(reference: types.ModuleType, heads: int, weights: dict[str, torch.Tensor]):
+    """The reference's ContextMemory holding owai's weights, in float64 (owai's real 6x6 matrices
+    [[r, s], [-s, r]] already lie in the subspace that its `complexify` projects onto)."""
+    mx, _, _ = mlx()
+    model = reference.ContextMemory(SimpleNamespace(n_head=heads, h_dim=6 // heads, **MOON_REFERENCE))
+    owai_model = MoonMemory(MoonMemoryConfig(n_heads=heads))
+    owai_model.load_state_dict(weights)
+    for name, owai_name in MOON_MAPS.items():
+        matrix = getattr(owai_model, owai_name).real_matrix().detach().double().numpy()
+        getattr(model, name).weight = mx.array(matrix, dtype=mx.float64)
+    return model
+
+
+def reference_loss(mx: types.ModuleType):
+    """The reference script's `loss_fn` (train_planets-*.py): the clipped MSE over every position."""
+    def loss_fn(model, x, y):
+        yhat, _, _ = model(x)
+        return mx.clip(yhat - y, a_min=-0.5, a_max=0.5).square().mean()
+    return loss_fn
+
+
+def test_planets_dataset_equals_owai_moons_data(monkeypatch):
+    """The period split, the time step and the sequences of `owai moons`'s recipe against the reference's
+    PlanetsDataset (train_planets-*.py's settings: block 800, 3 periods per block, observer "sun")."""
+    folder = clone("MemoryMosaics") / "ThreeMoons"
+    mlx()  # planets.py imports mlx.core
+    with imported_from(folder, "planets") as (planets,):
+        train, val = (planets.PlanetsDataset(block_size=800, split=split, min_periods_in_block_size=3, observer="sun")
+                      for split in ("train", "val"))
+    data = resolve(load("three-moons"), "cpu", [])[0].data
+    train_sets, val_sets = ([tuple(p) for p in sets] for sets in (data.train_periods, data.val_periods))
+    assert [tuple(p) for p in val.all_periods] == val_sets
+    ref_train = [tuple(p) for p in train.all_periods]
+    # numpy's unstable argsort may order the lcm ties differently on another CPU (docs/decisions.md)
+    assert [lcm_periods(p) for p in ref_train] == [lcm_periods(p) for p in train_sets]
+    assert ref_train[5] == train_sets[5]  # the training panel of Figures 3.5 and 3.6
+    print(f"parity planets: training split in the same order as owai's: {ref_train == train_sets}")
+    dt = time_step(train_sets + val_sets, data.block_size, data.min_periods_in_block)
+    assert train.linspace[1] - train.linspace[0] == pytest.approx(dt, rel=1e-12)
+
+    draws = []  # owai's two torch.randint calls: the period set and the start of each sequence
+    randint = torch.randint
+    monkeypatch.setattr(torch, "randint", lambda *a, **k: draws.append((a, randint(*a, **k))) or draws[-1][1])
+    seqs = sample_sequences(train_sets, 16, data.block_size + 1, dt, torch.Generator().manual_seed(0), data.phase,
+                            block_size=data.block_size)
+    monkeypatch.setattr(torch, "randint", randint)
+    (_, choice), ((high, _), start) = draws
+    train.all_periods = [list(p) for p in train_sets]  # the split is compared above: here, the sequences
+    ranges = []
+    for i in range(16):
+        monkeypatch.setattr(planets.np.random, "randint", lambda lo, hi, s=int(start[i]): ranges.append((lo, hi)) or s)
+        x, y, _, _ = train.get(int(choice[i]))
+        assert float(abs(torch.from_numpy(planets.np.array(x)) - seqs[i, :800]).max()) <= 1e-6
+        assert float(abs(torch.from_numpy(planets.np.array(y)) - seqs[i, 1:]).max()) <= 1e-6
+    assert set(ranges) == {(0, high)}  # the same range of starts
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+def test_context_memory_equals_owai_moon_memory(heads, default_float64):
+    mx, nn, _ = mlx()
+    with imported_from(clone("MemoryMosaics") / "ThreeMoons", "model") as (reference,):
+        torch.manual_seed(heads)
+        owai_model = MoonMemory(MoonMemoryConfig(n_heads=heads))
+        model = context_memory(reference, heads, owai_model.state_dict())
+    dt = time_step(TRAIN_PERIODS + VAL_PERIODS, 800, 3)
+    seq = sample_sequences(TRAIN_PERIODS, 4, 801, dt, torch.Generator().manual_seed(1), block_size=800).double()
+    x, y = (mx.array(t.numpy(), dtype=mx.float64) for t in (seq[:, :-1], seq[:, 1:]))
+    want, _, _ = model(x)
+    got = owai_model(seq[:, :-1])
+    err = float(abs(torch.from_numpy(reference.np.array(want)) - got.detach()).max())
+    loss, grads = nn.value_and_grad(model, reference_loss(mx))(model, x, y)
+    owai_loss = clipped_mse(got, seq[:, 1:])
+    owai_loss.backward()
+    # the reference's gradient is on its raw 6x6 entries: r and s fill two cells of each 2x2 block
+    worst = 0.0
+    for name, owai_name in MOON_MAPS.items():
+        g = torch.from_numpy(reference.np.array(grads[name]["weight"]))
+        lin = getattr(owai_model, owai_name)
+        assert torch.equal(g[1::2, 1::2], g[0::2, 0::2]) and torch.equal(g[1::2, 0::2], -g[0::2, 1::2])
+        for mine, theirs in ((lin.r.grad, 2 * g[0::2, 0::2]), (lin.s.grad, 2 * g[0::2, 1::2])):
+            worst = max(worst, float(abs(mine - theirs).max() / mine.abs().max()))
+    print(f"parity ContextMemory / owai MoonMemory heads={heads}: max |output diff| {err:.1e}, "
+          f"max relative gradient diff {worst:.1e}")
+    # MLX's float64 exp is accurate to ~1e-7 (relative), not to float64's 1e-16
+    assert err <= 1e-6 and worst <= 1e-6
+    assert abs(loss.item() - owai_loss.item()) <= 1e-9
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+def test_reference_training_and_metrics_equal_owai_moons(heads, tmp_path, monkeypatch, default_float64):
+    """`owai moons`'s whole run against the reference's training loop (its script's loop, written out:
+    the script trains at import) on owai's batches from owai's initial weights, and both error curves
+    against the reference's generation routines on owai's trained weights."""
+    mx, nn, optim = mlx()
+    batches, inits = [], []
+    sample = owai_moons.sample_sequences
+
+    def recorded(*args, **kwargs):
+        batches.append(sample(*args, **kwargs).double())
+        return batches[-1]
+
+    class Recorded(MoonMemory):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            inits.append({k: v.clone() for k, v in self.state_dict().items()})
+
+    monkeypatch.setattr(owai_moons, "sample_sequences", recorded)
+    monkeypatch.setattr(owai_moons, "MoonMemory", Recorded)
+    settings = [f"model.heads=[{heads}]", f"train.steps={MOON_STEPS}", f"train.batch_size={MOON_BATCH}",
+                "train.selection_sequences=3", "eval.n_sequences=2", "eval.chunk=2", "eval.tau_stride=97",
+                "train.checkpoint_every=1000", "train.log_every=1000"]
+    run, results = execute("three-moons", "cpu", settings, out=tmp_path / "runs")
+    cfg, _ = resolve(load("three-moons"), "cpu", settings)
+    _, state = load_checkpoint(latest_checkpoint(run.path / "checkpoints" / f"heads{heads}-r0"))
+    trained = state["model"]
+    steps = [b for b in batches if len(b) == MOON_BATCH]
+    panels = [b for b in batches if len(b) == 2]
+    assert len(inits) == 1 and len(steps) == MOON_STEPS and len(panels) == 2
+
+    with imported_from(clone("MemoryMosaics") / "ThreeMoons", "model") as (reference,):
+        model = context_memory(reference, heads, inits[0])
+        check = context_memory(reference, heads, trained)
+    t = cfg.train
+    optimizer = optim.AdamW(learning_rate=optim.linear_schedule(t.lr, t.lr_end, t.steps), betas=(0.9, 0.999),
+                            weight_decay=0)
+    loss_and_grad = nn.value_and_grad(model, reference_loss(mx))
+    for batch in steps:
+        x = mx.array(batch.numpy(), dtype=mx.float64)
+        _, grads = loss_and_grad(model, x[:, :-1], x[:, 1:])
+        optimizer.update(model, grads)
+        mx.eval(model.parameters())
+    errors, least_moved = {}, math.inf
+    for name, owai_name in MOON_MAPS.items():
+        weight = torch.from_numpy(reference.np.array(reference.complexify(getattr(model, name).weight)))
+        for part, theirs in (("r", weight[0::2, 0::2]), ("s", weight[0::2, 1::2])):
+            key = f"{owai_name}.{part}"
+            least_moved = min(least_moved, float((trained[key] - inits[0][key]).abs().max()))
+            errors[key] = float((trained[key] - theirs).abs().max())
+    worst = max(errors, key=errors.get)
+    print(f"parity Three Moons training heads={heads}: max |weight diff| {errors[worst]:.1e} ({worst}); "
+          f"each matrix moved >= {least_moved:.1e}")
+    assert least_moved > 0.05
+    assert errors[worst] <= 1e-5, f"owai and the reference differ by {errors[worst]:.2e} in {worst}"
+
+    curves = results["details"]["variants"][f"heads{heads}"]["curves"]
+    n_gen, diffs = cfg.eval.n_gen, {"reference": [], "exact": []}
+    for panel, seq in zip(("train", "val"), panels):
+        x, y = mx.array(seq[:, :-1].numpy(), dtype=mx.float64), seq[:, 1:]
+        for tau, cached, exact in zip(curves["tau"], curves[panel]["reference"], curves[panel]["exact"]):
+            if tau > 800 - n_gen - 1:  # plotctx's last context length
+                continue
+            window = slice(tau - 1, tau - 1 + n_gen)
+            # plotctx: gend[t] predicts y[t] = x[t + 1], and is compared with y[t - 1]
+            gend = torch.from_numpy(reference.np.array(check.generate(x[:, :tau], n_gen)))
+            shifted = slice(tau, tau + n_gen)
+            diffs["reference"].append(abs(float((y[:, window] - gend[:, shifted]).abs().mean()) - cached))
+            # generate_nocache stores every value from the fed-back input: out[t] predicts y[t]
+            out = torch.from_numpy(reference.np.array(check.generate_nocache(x[:, :tau], n_gen)))
+            diffs["exact"].append(abs(float((y[:, window] - out[:, window]).abs().mean()) - exact))
+    print(f"parity Three Moons curves heads={heads}: {len(diffs['exact'])} contexts, max |error diff| "
+          f"{max(diffs['reference']):.1e} (reference metric vs generate), "
+          f"{max(diffs['exact']):.1e} (exact vs generate_nocache)")
+    assert len(diffs["exact"]) == 16 and max(diffs["reference"] + diffs["exact"]) <= 1e-5

@@ -17,6 +17,8 @@ from owai.methods.three_moons import (
     permutation_score,
     transition_points,
 )
+from owai.models.moon_memory import MoonMemory, MoonMemoryConfig
+from owai.runtime import generator
 
 DT = 0.0225
 
@@ -93,3 +95,31 @@ def test_three_memories_drop_at_each_period(identity_curves):
     # after the slowest period (and long before the lcm) three memories predict far better than one
     after = tau.index(round(max(periods)) + 12)
     assert err3[after] < 0.5 * err1[after]
+
+
+@pytest.mark.parametrize("metric", ["reference", "exact"])
+def test_metrics_follow_their_definitions(metric):
+    """`reference` is the published `plotctx`, written here in its own indexing: gend holds the prompt's
+    outputs and then the cached steps' (gend[t] predicts x[t+1]), and for each context tau it takes
+    mean |y[tau-1 : tau-1+G] - gend[tau : tau+G]| with y[t] = x[t+1]. `exact` compares the prediction of
+    x[tau+g] with x[tau+g]. Both from the step-by-step generation of test_moon_memory."""
+    from test_moon_memory import naive_rollout
+
+    torch.manual_seed(7)
+    model = MoonMemory(MoonMemoryConfig(n_heads=3, beta=8.0))
+    cfg = ThreeMoonsConfig()
+    cfg.data.block_size, cfg.eval.n_gen, cfg.eval.tau_stride, cfg.eval.metrics = 40, 5, 4, [metric]
+    cfg.eval.n_sequences = cfg.eval.chunk = 3
+    panels = {"val": VAL_PERIODS[0]}
+    curves = evaluate(cfg, model, panels, DT, torch.device("cpu"))
+    seq = sample_sequences([VAL_PERIODS[0]], 3, 41, DT, generator(cfg.seed, "eval", "val"), block_size=40)
+    G, want = cfg.eval.n_gen, []
+    with torch.no_grad():
+        for tau in curves["tau"]:
+            if metric == "exact":
+                want.append((naive_rollout(model, seq, tau, G, False) - seq[:, tau : tau + G]).abs().mean())
+                continue
+            gend = torch.cat([model(seq[:, :tau]), naive_rollout(model, seq, tau, G + 1, True)[:, 1:]], 1)
+            y = seq[:, 1:]
+            want.append((y[:, tau - 1 : tau - 1 + G] - gend[:, tau : tau + G]).abs().mean())
+    np.testing.assert_allclose(curves["val"][metric], torch.stack(want).numpy(), rtol=1e-5, atol=1e-6)
