@@ -10,15 +10,19 @@
   `ContextMemory` against owai's `MoonMemory` (outputs and gradients); its training loop from owai's
   initial weights on owai's batches against `owai moons`'s whole run; and its two generation routines
   against owai's two error curves, on owai's trained weights. Float64, as far as MLX's float64 goes.
+- RegBench's scoring (berlino/seq_icl): its logged `dfa_accuracy`, `model_dfa_diff` and 3-gram
+  numbers, computed by its own code on owai's automata, against owai's RegBench metrics.
 
 The reference code is not part of owai and is never copied into it: set $OWAI_REFERENCE_CODE to a
-folder holding the clones `MemoryMosaics/` and `RFC/`; without them these tests skip, and the Three
-Moons ones also skip without MLX (`pip install 'mlx[cpu]'`). The reference modules are imported from
-there for the test only, and removed from `sys.modules` afterwards.
+folder holding the clones `MemoryMosaics/`, `RFC/` and `seq_icl/`; without them these tests skip, and
+the Three Moons and RegBench ones also skip without MLX or pythomata (`pip install 'mlx[cpu]'
+pythomata`). The reference modules are imported from there for the test only, and removed from
+`sys.modules` afterwards.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
 import importlib.util
@@ -38,6 +42,8 @@ import owai.methods.coloredmnist as owai_cmnist
 import owai.methods.three_moons as owai_moons
 from owai.checkpoint import latest_checkpoint, load_checkpoint
 from owai.data.moons import TRAIN_PERIODS, VAL_PERIODS, lcm_periods, sample_sequences, time_step
+from owai.data.regbench import make_regbench
+from owai.evals.regbench import exact_distributions, ngram_backoff_probs, regbench_metrics
 from owai.experiment import execute, resolve
 from owai.methods.bonsai import fresh_mlp
 from owai.models.memory_mosaics import MemoryMosaicsForCausalLM
@@ -49,6 +55,7 @@ from naive_memory_mosaics import random_official_state_dict
 CLONES = {
     "MemoryMosaics": "git clone https://github.com/facebookresearch/MemoryMosaics (tested at 1fff63b)",
     "RFC": "git clone https://github.com/TjuJianyu/RFC (tested at de4a5a4)",
+    "seq_icl": "git clone https://github.com/berlino/seq_icl (tested at 9b9223d)",
 }
 
 
@@ -463,3 +470,92 @@ def test_reference_training_and_metrics_equal_owai_moons(heads, tmp_path, monkey
           f"{max(diffs['reference']):.1e} (reference metric vs generate), "
           f"{max(diffs['exact']):.1e} (exact vs generate_nocache)")
     assert len(diffs["exact"]) == 16 and max(diffs["reference"] + diffs["exact"]) <= 1e-5
+
+
+# ------------------------------------------------------------------ RegBench scoring (seq_icl)
+
+
+def reference_definitions(path: Path, names: tuple[str, ...], namespace: dict) -> dict:
+    """Run the named top-level definitions of a reference file (or `Class.method`, as a plain function)
+    verbatim in `namespace`. For files whose imports pull in a whole training stack: seq_icl's eval.py
+    imports Lightning, Hydra and wandb, and its dfa.py the package of every dataset (torchvision)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: dict[str, ast.stmt] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            found[node.name] = node
+        if isinstance(node, ast.ClassDef):
+            found.update({f"{node.name}.{f.name}": f for f in node.body if isinstance(f, ast.FunctionDef)})
+    for name in names:
+        exec(compile(ast.Module(body=[found[name]], type_ignores=[]), str(path), "exec"), namespace)
+    return namespace
+
+
+def seq_icl_scoring() -> dict:
+    """seq_icl's DFA and Vocab (src/dataloaders/dfa.py), `get_dfa_probs` (analyze.py), its n-gram
+    (ngram.py) and the Lightning module's two scoring methods (eval.py): `_get_dfa_accuracy` gives
+    `dfa_accuracy`, `_writes_to_file` gives `model_dfa_diff` and the n-gram's numbers."""
+    import gzip
+    import pickle
+    import typing
+
+    import numpy as np
+
+    root = clone("seq_icl")
+    pythomata = pytest.importorskip("pythomata", reason="needs pythomata for seq_icl's DFA: pip install pythomata")
+    ns = {"np": np, "torch": torch, "os": os, "gzip": gzip, "pickle": pickle, "Tuple": typing.Tuple,
+          "Dict": typing.Dict, "SimpleDFA": pythomata.SimpleDFA}
+    reference_definitions(root / "src" / "dataloaders" / "dfa.py", ("DFA", "Vocab"), ns)
+    reference_definitions(root / "analyze.py", ("get_uniform_probs", "get_dfa_probs"), ns)
+    with imported_from(root, "ngram") as (ngram,):
+        ns["predict_with_n_gram_back_off"] = ngram.predict_with_n_gram_back_off
+    methods = ("SequenceLightningModule._get_dfa_accuracy", "SequenceLightningModule._writes_to_file")
+    return reference_definitions(root / "eval.py", methods, ns)
+
+
+@pytest.mark.parametrize("sharp", [False, True])
+def test_seq_icl_scores_equal_owai_regbench_metrics(sharp, tmp_path, monkeypatch):
+    """One batch of owai's RegBench test automata, scored by seq_icl's own code and by owai: the model's
+    `dfa_accuracy` and `model_dfa_diff` (owai's accuracy and "tvd"), and the in-context 3-gram's L1 to the
+    automaton and its accuracy. `sharp` puts most of each row's mass on legal symbols, so the accuracy is
+    neither near 0 nor near 1."""
+    import numpy as np
+
+    ref = seq_icl_scoring()
+    data = make_regbench(num_examples=20, num_test_examples=16, seed=8)  # 89 n-gram rows that sum to < 1
+    inputs, labels, pfas = data.test.batch(range(8))
+    cfg = data.config
+    vocab = ref["Vocab"](cfg.vocab_size - 2, special_vocabs={"seperator": "|", "noop": "."})
+    assert vocab.vocab == list(cfg.symbols)  # the same ids: "." 0, letters 1-18, "|" 19
+    dfas = [ref["DFA"](pfa.num_states, tuple(vocab.non_special_vocab),
+                       tuple({vocab.get_vocab(sym): nxt for sym, nxt in row} for row in pfa.transitions),
+                       np.random.default_rng(0)) for pfa in pfas]
+    true = exact_distributions(inputs, pfas)
+    logits = torch.randn(*true.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    if sharp:
+        logits += 3.0 * torch.from_numpy(true > 0)
+    module = SimpleNamespace(task=SimpleNamespace(dataset=SimpleNamespace(vocab=vocab)), current_epoch=0)
+    y = torch.from_numpy(labels)
+    batch = (torch.from_numpy(inputs), y)
+    _, dfa_accuracy = ref["_get_dfa_accuracy"](module, logits, y, batch, dfas)
+    monkeypatch.chdir(tmp_path)  # _writes_to_file writes its generations/ there
+    _, model_dfa_diff, dfa_ngram_diff, _, ngram_accuracy = ref["_writes_to_file"](module, "test", logits, y, batch,
+                                                                                   dfas, ngram=3)
+    mine = regbench_metrics(logits, inputs, pfas, from_logits=True)
+    ngram_probs = ngram_backoff_probs(inputs, cfg.vocab_size, cfg.sep_id)
+    ngram = regbench_metrics(ngram_probs, inputs, pfas)
+    # seq_icl's n-gram sums its counts in set order, so which of two tied symbols wins its argmax depends
+    # on the process's hash seed: the accuracies may differ by the positions where a legal and an illegal
+    # symbol tie for the maximum
+    top = ngram_probs >= ngram_probs.max(axis=-1, keepdims=True) - 1e-9
+    legal = exact_distributions(inputs, pfas) > 0
+    ties = int(((top & legal).any(-1) & (top & ~legal).any(-1) & (inputs != 0)).sum())
+    print(f"parity seq_icl sharp={sharp}: dfa_accuracy {dfa_accuracy:.4f} / owai {mine['accuracy']:.4f}, "
+          f"model_dfa_diff {model_dfa_diff:.4f} / {mine['tvd']:.4f}, 3-gram L1 {dfa_ngram_diff:.4f} / "
+          f"{ngram['tvd']:.4f}, 3-gram accuracy {ngram_accuracy:.4f} / {ngram['accuracy']:.4f} "
+          f"({ties} legal-illegal ties)")
+    assert 0.05 < dfa_accuracy < 0.95 if sharp else dfa_accuracy < 0.5
+    assert mine["accuracy"] == pytest.approx(dfa_accuracy, abs=1e-12)
+    assert mine["tvd"] == pytest.approx(model_dfa_diff, rel=1e-9)
+    assert ngram["tvd"] == pytest.approx(dfa_ngram_diff, rel=1e-9)
+    assert abs(ngram["accuracy"] - ngram_accuracy) * ngram["num_accuracy_positions"] <= ties

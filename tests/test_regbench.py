@@ -147,9 +147,14 @@ def test_position_rules(data):
 
 def test_ngram_baseline_between_uniform_and_oracle(data):
     x, _, pfas = data.test.batch()
-    probs = ngram_backoff_probs(x, 20, data.config.sep_id)
+    probs = ngram_backoff_probs(x, 20, data.config.sep_id)  # as seq_icl scores it: some rows sum to < 1
     nonpad = x != 0
-    np.testing.assert_allclose(probs.sum(-1)[nonpad], 1.0, atol=1e-9)
+    sums = probs.sum(-1)[nonpad]
+    assert (sums <= 1 + 1e-9).all() and (sums < 1 - 1e-3).any()
+    renormalised = ngram_backoff_probs(x, 20, data.config.sep_id, normalize=True)
+    np.testing.assert_allclose(renormalised.sum(-1)[nonpad], 1.0, atol=1e-9)
+    short = sums < 1 - 1e-9  # rows already summing to 1 are the same either way
+    np.testing.assert_allclose(renormalised[nonpad][~short], probs[nonpad][~short], atol=1e-12)
     assert (probs[..., data.config.sep_id] == 0).all()
     m = regbench_metrics(probs, x, pfas)
     u = regbench_metrics(uniform_probs(x, 20), x, pfas)

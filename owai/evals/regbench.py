@@ -124,7 +124,7 @@ def _backoff_dist(prefix: tuple, n: int, counts: dict, vocab: list[int], totals1
 
 
 def ngram_backoff_probs(
-    input_ids, vocab_size: int, sep_id: int, n: int = 3, normalize: bool = True
+    input_ids, vocab_size: int, sep_id: int, n: int = 3, normalize: bool = False
 ) -> np.ndarray:
     """(N, T, V) in-context n-gram-with-backoff predictions; no training, no access to the PFA.
 
@@ -134,8 +134,10 @@ def ngram_backoff_probs(
     `predict_with_n_gram_back_off` (same numbers, linear instead of quadratic in T).
 
     When every seen symbol already follows the prefix, the reference's rule leaves the leftover
-    mass unassigned (rows sum to < 1); `normalize=True` (default) renormalises each row, as
-    seq_icl's n-gram distance functions do before comparing with the PFA.
+    mass unassigned (rows sum to < 1). The default keeps those rows as they are: seq_icl scores its
+    n-gram so (`_writes_to_file`'s `dfa_ngram_diff` and `n_gram_dfa_acc`, the numbers it logs;
+    tests/test_official_code.py runs that code beside this). `normalize=True` renormalises each row,
+    as seq_icl's `prob_distance_dfa_ngram` does, which its scripts import but never call.
     """
     if n < 1:
         raise OwaiError("regbench: n-gram order must be >= 1")
