@@ -2,7 +2,8 @@
 
 - Memory Mosaics v1: the Library's `StackAssoMem` and nanoMosaics' `MemoryMosaic`
   (facebookresearch/MemoryMosaics), loaded with one random official-format state dict, against owai's
-  model built from it by `convert_official_state_dict`: logits and gradients in float64.
+  model built from it by `convert_official_state_dict`: logits and gradients in float64. Also the
+  RegBench plug-in (ICLL/) against the model `owai eval regbench` builds for `mm`.
 - The invariance trainers: RFC's ColoredMNIST trainers (TjuJianyu/RFC, `coloredmnist/train.py`) from
   owai's initial weights on owai's ColoredMNIST environments, against `owai bonsai`'s whole training
   run (`execute`), 30 full-batch Adam steps across the anneal step, in float64: the final weights.
@@ -45,6 +46,10 @@ from owai.data.moons import TRAIN_PERIODS, VAL_PERIODS, lcm_periods, sample_sequ
 from owai.data.regbench import make_regbench
 from owai.evals.regbench import exact_distributions, ngram_backoff_probs, regbench_metrics
 from owai.experiment import execute, resolve
+from owai.methods.regbench import Config as RegBenchConfig
+from owai.methods.regbench import build_model as build_regbench_model
+from owai.methods.regbench import max_input_length as regbench_max_input_length
+from owai.methods.regbench import zoo_settings as regbench_zoo_settings
 from owai.methods.bonsai import fresh_mlp
 from owai.models.memory_mosaics import MemoryMosaicsForCausalLM
 from owai.models.memory_mosaics_convert import convert_official_state_dict
@@ -89,9 +94,19 @@ def imported_from(folder: Path, *names: str, stubs: tuple[str, ...] = ()) -> Ite
         yield [importlib.import_module(n) for n in names]
     finally:
         sys.path.remove(str(folder))
-        for key, module in list(sys.modules.items()):  # the clone's modules only: torch's lazy imports stay
-            if key in stubs or folder in Path(getattr(module, "__file__", None) or "/").resolve().parents:
-                del sys.modules[key]
+
+        def from_clone(module: types.ModuleType) -> bool:  # its file, or a namespace package's folders
+            places = [getattr(module, "__file__", None) or "/"]
+            try:
+                places += [p for p in getattr(module, "__path__", None) or () if isinstance(p, str)]
+            except TypeError:  # torch.classes has a __path__ that cannot be iterated
+                pass
+            return any(folder == Path(p).resolve() or folder in Path(p).resolve().parents for p in places)
+
+        # the clone's modules only (torch's lazy imports stay), all found before any goes: a namespace
+        # package's __path__ is recomputed from its parent's entry
+        for key in [k for k, m in list(sys.modules.items()) if k in stubs or from_clone(m)]:
+            del sys.modules[key]
         sys.modules.update(replaced)
 
 
@@ -101,6 +116,9 @@ def test_reference_modules_do_not_stay_imported():
     with imported_from(folder, "mosaic_model", stubs=("torchvision",)) as (nano,):
         assert sys.modules["mosaic_model"] is nano and sys.modules["torchvision"] is not before
     assert "mosaic_model" not in sys.modules and sys.modules.get("torchvision") is before
+    with imported_from(clone("MemoryMosaics") / "ICLL", "src.models.sequence") as (package,):
+        assert not getattr(package, "__file__", None)  # a namespace package: known by its folders only
+    assert not any(name == "src" or name.startswith("src.") for name in sys.modules)
     assert "torch.nn.functional" in sys.modules  # what the clone's import pulled in from torch stays
 
 
@@ -182,6 +200,48 @@ def test_nanomosaics_model_equals_owai(bias, sharp):
     model = _owai_model(sd, "nano")
     want, _ = reference(IDS, targets=TARGETS)  # with targets it returns every position's logits
     _agree(f"nanoMosaics bias={bias} sharp={sharp}", want, model, reference, sharp_bound=1e-8 if sharp else None)
+
+
+def test_regbench_plugin_equals_owai_regbench_mm(monkeypatch):
+    """The Memory Mosaics RegBench plug-in (ICLL/src/models/sequence/mm.py, sized by
+    configs/experiment/dfa/mm.yaml) against the model `owai eval regbench` builds for `mm` by default:
+    one random Library state dict in both, logits in float64 at the data's longest input."""
+    import yaml
+
+    folder = clone("MemoryMosaics")
+    sizes = yaml.safe_load((folder / "ICLL" / "configs" / "experiment" / "dfa" / "mm.yaml").read_text())
+    half, plugin_model = sizes["n_halfembd"], sizes["model"]
+    # the yaml's own expressions: n_embd = 2 n_halfembd, pmem_size = 7 n_halfembd (3.5 C)
+    C, H, L, P = 2 * half, plugin_model["n_head"], plugin_model["n_layer"], 7 * half
+    cfg = RegBenchConfig()
+    settings = regbench_zoo_settings(cfg)
+    assert (settings["n_embd"], settings["n_head"], settings["n_layer"]) == (C, H, L)
+    assert settings["ic_dropout"] == plugin_model["ic_dropout"] and settings["hd_dropout"] == plugin_model["hd_dropout"]
+    V = cfg.data.vocab_size
+    sd = random_official_state_dict("library", V=V, C=C, H=H, L=L, P=P, bias=False, sharp=False)
+    with imported_from(folder / "Library", "memory_mosaics.models.memory_mosaics") as (library,):
+        # the plug-in moves itself to CUDA in its constructor; here it stays on the CPU
+        to = library.StackAssoMem.to
+        monkeypatch.setattr(library.StackAssoMem, "to",
+                            lambda self, *a, **k: self if a[:1] == ("cuda",) else to(self, *a, **k))
+        with imported_from(folder / "ICLL", "src.models.sequence.mm") as (plugin_module,):
+            plugin = plugin_module.StackAssoMem(V, n_head=H, n_embd=C, n_layer=L, block_size=plugin_model["block_size"],
+                                                pmem_size=P, ic_dropout=plugin_model["ic_dropout"],
+                                                hd_dropout=plugin_model["hd_dropout"])
+    plugin.load_state_dict(sd, strict=True)
+    plugin = plugin.double().eval()
+    _, weights = convert_official_state_dict(sd, "library", leaky_chunk=16)
+    model = build_regbench_model(cfg, torch.device("cpu"))
+    model.load_state_dict(weights, strict=True)  # the same shapes: pmem 3.5 C, the value kernel, tied embeddings
+    model = model.double().eval()
+    T = regbench_max_input_length(cfg.data)
+    ids = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(0))
+    want, got = plugin(ids)[0].logits, model(ids).logits
+    err = float((want - got).detach().abs().max())
+    print(f"parity ICLL plug-in / owai regbench mm: {T} tokens, max |logit diff| {err:.1e} "
+          f"(logits up to {float(want.detach().abs().max()):.2f})")
+    # owai's unit norms add 1e-10 where the Library's add nothing (docs/decisions.md, the converter)
+    assert err <= 1e-7
 
 
 # ------------------------------------------------------------------ RFC's ColoredMNIST trainers
