@@ -25,16 +25,20 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import gzip
 import importlib
 import importlib.util
 import math
 import os
+import pickle
 import sys
 import types
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -46,11 +50,11 @@ from owai.data.moons import TRAIN_PERIODS, VAL_PERIODS, lcm_periods, sample_sequ
 from owai.data.regbench import make_regbench
 from owai.evals.regbench import exact_distributions, ngram_backoff_probs, regbench_metrics
 from owai.experiment import execute, resolve
+from owai.methods.bonsai import fresh_mlp
 from owai.methods.regbench import Config as RegBenchConfig
 from owai.methods.regbench import build_model as build_regbench_model
 from owai.methods.regbench import max_input_length as regbench_max_input_length
 from owai.methods.regbench import zoo_settings as regbench_zoo_settings
-from owai.methods.bonsai import fresh_mlp
 from owai.models.memory_mosaics import MemoryMosaicsForCausalLM
 from owai.models.memory_mosaics_convert import convert_official_state_dict
 from owai.models.moon_memory import MoonMemory, MoonMemoryConfig, clipped_mse
@@ -417,10 +421,10 @@ def test_planets_dataset_equals_owai_moons_data(monkeypatch):
     train.all_periods = [list(p) for p in train_sets]  # the split is compared above: here, the sequences
     ranges = []
     for i in range(16):
-        monkeypatch.setattr(planets.np.random, "randint", lambda lo, hi, s=int(start[i]): ranges.append((lo, hi)) or s)
+        monkeypatch.setattr(np.random, "randint", lambda lo, hi, s=int(start[i]): ranges.append((lo, hi)) or s)
         x, y, _, _ = train.get(int(choice[i]))
-        assert float(abs(torch.from_numpy(planets.np.array(x)) - seqs[i, :800]).max()) <= 1e-6
-        assert float(abs(torch.from_numpy(planets.np.array(y)) - seqs[i, 1:]).max()) <= 1e-6
+        assert float(abs(torch.from_numpy(np.array(x)) - seqs[i, :800]).max()) <= 1e-6
+        assert float(abs(torch.from_numpy(np.array(y)) - seqs[i, 1:]).max()) <= 1e-6
     assert set(ranges) == {(0, high)}  # the same range of starts
 
 
@@ -436,14 +440,14 @@ def test_context_memory_equals_owai_moon_memory(heads, default_float64):
     x, y = (mx.array(t.numpy(), dtype=mx.float64) for t in (seq[:, :-1], seq[:, 1:]))
     want, _, _ = model(x)
     got = owai_model(seq[:, :-1])
-    err = float(abs(torch.from_numpy(reference.np.array(want)) - got.detach()).max())
+    err = float(abs(torch.from_numpy(np.array(want)) - got.detach()).max())
     loss, grads = nn.value_and_grad(model, reference_loss(mx))(model, x, y)
     owai_loss = clipped_mse(got, seq[:, 1:])
     owai_loss.backward()
     # the reference's gradient is on its raw 6x6 entries: r and s fill two cells of each 2x2 block
     worst = 0.0
     for name, owai_name in MOON_MAPS.items():
-        g = torch.from_numpy(reference.np.array(grads[name]["weight"]))
+        g = torch.from_numpy(np.array(grads[name]["weight"]))
         lin = getattr(owai_model, owai_name)
         assert torch.equal(g[1::2, 1::2], g[0::2, 0::2]) and torch.equal(g[1::2, 0::2], -g[0::2, 1::2])
         for mine, theirs in ((lin.r.grad, 2 * g[0::2, 0::2]), (lin.s.grad, 2 * g[0::2, 1::2])):
@@ -500,7 +504,7 @@ def test_reference_training_and_metrics_equal_owai_moons(heads, tmp_path, monkey
         mx.eval(model.parameters())
     errors, least_moved = {}, math.inf
     for name, owai_name in MOON_MAPS.items():
-        weight = torch.from_numpy(reference.np.array(reference.complexify(getattr(model, name).weight)))
+        weight = torch.from_numpy(np.array(reference.complexify(getattr(model, name).weight)))
         for part, theirs in (("r", weight[0::2, 0::2]), ("s", weight[0::2, 1::2])):
             key = f"{owai_name}.{part}"
             least_moved = min(least_moved, float((trained[key] - inits[0][key]).abs().max()))
@@ -520,11 +524,11 @@ def test_reference_training_and_metrics_equal_owai_moons(heads, tmp_path, monkey
                 continue
             window = slice(tau - 1, tau - 1 + n_gen)
             # plotctx: gend[t] predicts y[t] = x[t + 1], and is compared with y[t - 1]
-            gend = torch.from_numpy(reference.np.array(check.generate(x[:, :tau], n_gen)))
+            gend = torch.from_numpy(np.array(check.generate(x[:, :tau], n_gen)))
             shifted = slice(tau, tau + n_gen)
             diffs["reference"].append(abs(float((y[:, window] - gend[:, shifted]).abs().mean()) - cached))
             # generate_nocache stores every value from the fed-back input: out[t] predicts y[t]
-            out = torch.from_numpy(reference.np.array(check.generate_nocache(x[:, :tau], n_gen)))
+            out = torch.from_numpy(np.array(check.generate_nocache(x[:, :tau], n_gen)))
             diffs["exact"].append(abs(float((y[:, window] - out[:, window]).abs().mean()) - exact))
     print(f"parity Three Moons curves heads={heads}: {len(diffs['exact'])} contexts, max |error diff| "
           f"{max(diffs['reference']):.1e} (reference metric vs generate), "
@@ -555,12 +559,6 @@ def seq_icl_scoring() -> dict:
     """seq_icl's DFA and Vocab (src/dataloaders/dfa.py), `get_dfa_probs` (analyze.py), its n-gram
     (ngram.py) and the Lightning module's two scoring methods (eval.py): `_get_dfa_accuracy` gives
     `dfa_accuracy`, `_writes_to_file` gives `model_dfa_diff` and the n-gram's numbers."""
-    import gzip
-    import pickle
-    import typing
-
-    import numpy as np
-
     root = clone("seq_icl")
     pythomata = pytest.importorskip("pythomata", reason="needs pythomata for seq_icl's DFA: pip install pythomata")
     ns = {"np": np, "torch": torch, "os": os, "gzip": gzip, "pickle": pickle, "Tuple": typing.Tuple,
@@ -579,8 +577,6 @@ def test_seq_icl_scores_equal_owai_regbench_metrics(sharp, tmp_path, monkeypatch
     `dfa_accuracy` and `model_dfa_diff` (owai's accuracy and "tvd"), and the in-context 3-gram's L1 to the
     automaton and its accuracy. `sharp` puts most of each row's mass on legal symbols, so the accuracy is
     neither near 0 nor near 1."""
-    import numpy as np
-
     ref = seq_icl_scoring()
     data = make_regbench(num_examples=20, num_test_examples=16, seed=8)  # 89 n-gram rows that sum to < 1
     inputs, labels, pfas = data.test.batch(range(8))
