@@ -123,3 +123,20 @@ def test_metrics_follow_their_definitions(metric):
             y = seq[:, 1:]
             want.append((y[:, tau - 1 : tau - 1 + G] - gend[:, tau : tau + G]).abs().mean())
     np.testing.assert_allclose(curves["val"][metric], torch.stack(want).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_headline_gives_the_published_procedures_accurate_from_beside_the_exact_one():
+    """The figures' own measurement (the `reference` metric) is reported beside the headline metric,
+    so the recipe can judge a claim on each; a run with only one metric reports only that one."""
+    from owai.methods.three_moons import headline
+
+    def info(exact: float, published: float) -> dict:
+        return {"lcm_steps": 266.7, "exact": {"accurate_from": exact, "transitions": []},
+                "reference": {"accurate_from": published, "transitions": []}}
+
+    var = {"panels": {"val": info(175.0, 133.0)}, "matrices": {"score": 1.0, "consistent": True}}
+    out = headline(3, var, "exact")
+    assert out["heads3.val.accurate_from"] == 175.0 and out["heads3.val.accurate_from_published"] == 133.0
+    assert "heads3.val.accurate_from_published" not in headline(3, var, "reference")
+    del var["panels"]["val"]["reference"]
+    assert "heads3.val.accurate_from_published" not in headline(3, var, "exact")
