@@ -28,7 +28,6 @@ import contextlib
 import gzip
 import importlib
 import importlib.util
-import math
 import os
 import pickle
 import sys
@@ -46,7 +45,7 @@ import torch.nn.functional as F
 import owai.methods.coloredmnist as owai_cmnist
 import owai.methods.three_moons as owai_moons
 from owai.checkpoint import latest_checkpoint, load_checkpoint
-from owai.data.moons import TRAIN_PERIODS, VAL_PERIODS, lcm_periods, sample_sequences, time_step
+from owai.data.moons import lcm_periods, sample_sequences, time_step
 from owai.data.regbench import make_regbench
 from owai.evals.regbench import exact_distributions, ngram_backoff_probs, regbench_metrics
 from owai.experiment import execute, resolve
@@ -60,6 +59,7 @@ from owai.models.memory_mosaics_convert import convert_official_state_dict
 from owai.models.moon_memory import MoonMemory, MoonMemoryConfig, clipped_mse
 from owai.recipes import load
 from naive_memory_mosaics import random_official_state_dict
+from test_moon_memory import moons
 
 CLONES = {
     "MemoryMosaics": "git clone https://github.com/facebookresearch/MemoryMosaics (tested at 1fff63b)",
@@ -105,7 +105,7 @@ def imported_from(folder: Path, *names: str, stubs: tuple[str, ...] = ()) -> Ite
                 places += [p for p in getattr(module, "__path__", None) or () if isinstance(p, str)]
             except TypeError:  # torch.classes has a __path__ that cannot be iterated
                 pass
-            return any(folder == Path(p).resolve() or folder in Path(p).resolve().parents for p in places)
+            return any(Path(p).resolve().is_relative_to(folder) for p in places)
 
         # the clone's modules only (torch's lazy imports stay), all found before any goes: a namespace
         # package's __path__ is recomputed from its parent's entry
@@ -124,6 +124,17 @@ def test_reference_modules_do_not_stay_imported():
         assert not getattr(package, "__file__", None)  # a namespace package: known by its folders only
     assert not any(name == "src" or name.startswith("src.") for name in sys.modules)
     assert "torch.nn.functional" in sys.modules  # what the clone's import pulled in from torch stays
+
+
+def _weights_gap(trained: dict[str, torch.Tensor], initial: dict[str, torch.Tensor],
+                 theirs: dict[str, torch.Tensor]) -> tuple[str, float, float]:
+    """After two runs from the same `initial` weights: the key where owai's `trained` and the
+    reference's `theirs` differ most, that difference, and the least any compared tensor moved (a
+    tensor that never moves would make the comparison vacuous)."""
+    errors = {key: float((trained[key] - w).abs().max()) for key, w in theirs.items()}
+    least_moved = min(float((trained[key] - initial[key]).abs().max()) for key in theirs)
+    worst = max(errors, key=errors.get)
+    return worst, errors[worst], least_moved
 
 
 # ------------------------------------------------------------------ Memory Mosaics v1
@@ -340,17 +351,13 @@ def test_rfc_trainer_equals_owai_bonsai(method, tmp_path, monkeypatch, float64):
     getattr(rfc, trainer_name)(mlp, top, STEPS, envs, test_envs, lossf, pen["anneal_iters"], pen["weight"],
                                pen["anneal_val"], cfg.train.lr, details["l2"], verbose=False, eval_steps=1000,
                                **kwargs)
-    errors, least_moved = {}, math.inf
-    for name, layer in ref.items():
-        for part in ("weight", "bias"):
-            key = f"{name}.{part}"
-            least_moved = min(least_moved, float((trained[key] - initial[key]).abs().max()))
-            errors[key] = float((trained[key] - getattr(layer, part).detach()).abs().max())
-    worst = max(errors, key=errors.get)
-    print(f"parity RFC {trainer_name} / owai {method}: max |weight diff| {errors[worst]:.1e} ({worst}); "
+    theirs = {f"{name}.{part}": getattr(layer, part).detach() for name, layer in ref.items()
+              for part in ("weight", "bias")}
+    worst, err, least_moved = _weights_gap(trained, initial, theirs)
+    print(f"parity RFC {trainer_name} / owai {method}: max |weight diff| {err:.1e} ({worst}); "
           f"each tensor moved >= {least_moved:.1e}")
     assert least_moved > 1e-3
-    assert errors[worst] <= 1e-9, f"{method}: owai and RFC differ by {errors[worst]:.2e} in {worst} after {STEPS} steps"
+    assert err <= 1e-9, f"{method}: owai and RFC differ by {err:.2e} in {worst} after {STEPS} steps"
 
 
 # ------------------------------------------------------------------ Three Moons (MLX)
@@ -382,6 +389,15 @@ def context_memory(reference: types.ModuleType, heads: int, weights: dict[str, t
         matrix = getattr(owai_model, owai_name).real_matrix().detach().double().numpy()
         getattr(model, name).weight = mx.array(matrix, dtype=mx.float64)
     return model
+
+
+def from_mlx(array) -> torch.Tensor:
+    return torch.from_numpy(np.array(array))
+
+
+def complex_parts(matrix: torch.Tensor) -> dict[str, torch.Tensor]:
+    """owai's (r, s) from a real 6x6 matrix (or its gradient) whose 2x2 blocks are [[r, s], [-s, r]]."""
+    return {"r": matrix[0::2, 0::2], "s": matrix[0::2, 1::2]}
 
 
 def reference_loss(mx: types.ModuleType):
@@ -423,8 +439,8 @@ def test_planets_dataset_equals_owai_moons_data(monkeypatch):
     for i in range(16):
         monkeypatch.setattr(np.random, "randint", lambda lo, hi, s=int(start[i]): ranges.append((lo, hi)) or s)
         x, y, _, _ = train.get(int(choice[i]))
-        assert float(abs(torch.from_numpy(np.array(x)) - seqs[i, :800]).max()) <= 1e-6
-        assert float(abs(torch.from_numpy(np.array(y)) - seqs[i, 1:]).max()) <= 1e-6
+        assert float(abs(from_mlx(x) - seqs[i, :800]).max()) <= 1e-6
+        assert float(abs(from_mlx(y) - seqs[i, 1:]).max()) <= 1e-6
     assert set(ranges) == {(0, high)}  # the same range of starts
 
 
@@ -435,23 +451,22 @@ def test_context_memory_equals_owai_moon_memory(heads, default_float64):
         torch.manual_seed(heads)
         owai_model = MoonMemory(MoonMemoryConfig(n_heads=heads))
         model = context_memory(reference, heads, owai_model.state_dict())
-    dt = time_step(TRAIN_PERIODS + VAL_PERIODS, 800, 3)
-    seq = sample_sequences(TRAIN_PERIODS, 4, 801, dt, torch.Generator().manual_seed(1), block_size=800).double()
+    seq = moons(4, 801, seed=1).double()
     x, y = (mx.array(t.numpy(), dtype=mx.float64) for t in (seq[:, :-1], seq[:, 1:]))
     want, _, _ = model(x)
     got = owai_model(seq[:, :-1])
-    err = float(abs(torch.from_numpy(np.array(want)) - got.detach()).max())
+    err = float(abs(from_mlx(want) - got.detach()).max())
     loss, grads = nn.value_and_grad(model, reference_loss(mx))(model, x, y)
     owai_loss = clipped_mse(got, seq[:, 1:])
     owai_loss.backward()
     # the reference's gradient is on its raw 6x6 entries: r and s fill two cells of each 2x2 block
     worst = 0.0
     for name, owai_name in MOON_MAPS.items():
-        g = torch.from_numpy(np.array(grads[name]["weight"]))
-        lin = getattr(owai_model, owai_name)
+        g = from_mlx(grads[name]["weight"])
         assert torch.equal(g[1::2, 1::2], g[0::2, 0::2]) and torch.equal(g[1::2, 0::2], -g[0::2, 1::2])
-        for mine, theirs in ((lin.r.grad, 2 * g[0::2, 0::2]), (lin.s.grad, 2 * g[0::2, 1::2])):
-            worst = max(worst, float(abs(mine - theirs).max() / mine.abs().max()))
+        for part, theirs in complex_parts(g).items():
+            mine = getattr(getattr(owai_model, owai_name), part).grad
+            worst = max(worst, float(abs(mine - 2 * theirs).max() / mine.abs().max()))
     print(f"parity ContextMemory / owai MoonMemory heads={heads}: max |output diff| {err:.1e}, "
           f"max relative gradient diff {worst:.1e}")
     # MLX's float64 exp is accurate to ~1e-7 (relative), not to float64's 1e-16
@@ -502,18 +517,13 @@ def test_reference_training_and_metrics_equal_owai_moons(heads, tmp_path, monkey
         _, grads = loss_and_grad(model, x[:, :-1], x[:, 1:])
         optimizer.update(model, grads)
         mx.eval(model.parameters())
-    errors, least_moved = {}, math.inf
-    for name, owai_name in MOON_MAPS.items():
-        weight = torch.from_numpy(np.array(reference.complexify(getattr(model, name).weight)))
-        for part, theirs in (("r", weight[0::2, 0::2]), ("s", weight[0::2, 1::2])):
-            key = f"{owai_name}.{part}"
-            least_moved = min(least_moved, float((trained[key] - inits[0][key]).abs().max()))
-            errors[key] = float((trained[key] - theirs).abs().max())
-    worst = max(errors, key=errors.get)
-    print(f"parity Three Moons training heads={heads}: max |weight diff| {errors[worst]:.1e} ({worst}); "
+    theirs = {f"{owai_name}.{part}": w for name, owai_name in MOON_MAPS.items()
+              for part, w in complex_parts(from_mlx(reference.complexify(getattr(model, name).weight))).items()}
+    worst, err, least_moved = _weights_gap(trained, inits[0], theirs)
+    print(f"parity Three Moons training heads={heads}: max |weight diff| {err:.1e} ({worst}); "
           f"each matrix moved >= {least_moved:.1e}")
     assert least_moved > 0.05
-    assert errors[worst] <= 1e-5, f"owai and the reference differ by {errors[worst]:.2e} in {worst}"
+    assert err <= 1e-5, f"owai and the reference differ by {err:.2e} in {worst}"
 
     curves = results["details"]["variants"][f"heads{heads}"]["curves"]
     n_gen, diffs = cfg.eval.n_gen, {"reference": [], "exact": []}
@@ -524,11 +534,11 @@ def test_reference_training_and_metrics_equal_owai_moons(heads, tmp_path, monkey
                 continue
             window = slice(tau - 1, tau - 1 + n_gen)
             # plotctx: gend[t] predicts y[t] = x[t + 1], and is compared with y[t - 1]
-            gend = torch.from_numpy(np.array(check.generate(x[:, :tau], n_gen)))
+            gend = from_mlx(check.generate(x[:, :tau], n_gen))
             shifted = slice(tau, tau + n_gen)
             diffs["reference"].append(abs(float((y[:, window] - gend[:, shifted]).abs().mean()) - cached))
             # generate_nocache stores every value from the fed-back input: out[t] predicts y[t]
-            out = torch.from_numpy(np.array(check.generate_nocache(x[:, :tau], n_gen)))
+            out = from_mlx(check.generate_nocache(x[:, :tau], n_gen))
             diffs["exact"].append(abs(float((y[:, window] - out[:, window]).abs().mean()) - exact))
     print(f"parity Three Moons curves heads={heads}: {len(diffs['exact'])} contexts, max |error diff| "
           f"{max(diffs['reference']):.1e} (reference metric vs generate), "

@@ -13,6 +13,7 @@ from owai.methods.three_moons import (
     accurate_from,
     disentanglement,
     evaluate,
+    headline,
     identity_check,
     permutation_score,
     transition_points,
@@ -128,8 +129,6 @@ def test_metrics_follow_their_definitions(metric):
 def test_headline_gives_the_published_procedures_accurate_from_beside_the_exact_one():
     """The figures' own measurement (the `reference` metric) is reported beside the headline metric,
     so the recipe can judge a claim on each; a run with only one metric reports only that one."""
-    from owai.methods.three_moons import headline
-
     def info(exact: float, published: float) -> dict:
         return {"lcm_steps": 266.7, "exact": {"accurate_from": exact, "transitions": []},
                 "reference": {"accurate_from": published, "transitions": []}}
