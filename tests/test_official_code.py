@@ -11,13 +11,16 @@
   `ContextMemory` against owai's `MoonMemory` (outputs and gradients); its training loop from owai's
   initial weights on owai's batches against `owai moons`'s whole run; and its two generation routines
   against owai's two error curves, on owai's trained weights. Float64, as far as MLX's float64 goes.
-- RegBench's scoring (berlino/seq_icl): its logged `dfa_accuracy`, `model_dfa_diff` and 3-gram
-  numbers, computed by its own code on owai's automata, against owai's RegBench metrics.
+- RegBench (berlino/seq_icl): its data module against `make_regbench`, token for token; and its
+  logged `dfa_accuracy`, `model_dfa_diff` and 3-gram numbers, computed by its own code on owai's
+  automata, against owai's RegBench metrics.
+- nanoMosaics' weight-decay groups and learning-rate schedule against owai's.
 
 The reference code is not part of owai and is never copied into it: set $OWAI_REFERENCE_CODE to a
 folder holding the clones `MemoryMosaics/`, `RFC/` and `seq_icl/`; without them these tests skip, and
 the Three Moons and RegBench ones also skip without MLX or pythomata (`pip install 'mlx[cpu]'
-pythomata`). The reference modules are imported from there for the test only, and removed from
+pythomata`), and RFC's Fishr without BackPACK (`pip install --no-deps backpack-for-pytorch einops
+unfoldNd`). The reference modules are imported from there for the test only, and removed from
 `sys.modules` afterwards.
 """
 
@@ -28,6 +31,7 @@ import contextlib
 import gzip
 import importlib
 import importlib.util
+import math
 import os
 import pickle
 import sys
@@ -46,7 +50,8 @@ import owai.methods.coloredmnist as owai_cmnist
 import owai.methods.three_moons as owai_moons
 from owai.checkpoint import latest_checkpoint, load_checkpoint
 from owai.data.moons import lcm_periods, sample_sequences, time_step
-from owai.data.regbench import make_regbench
+from owai.data.regbench import RegBenchConfig as RegBenchDataConfig
+from owai.data.regbench import make_regbench, minimize
 from owai.evals.regbench import exact_distributions, ngram_backoff_probs, regbench_metrics
 from owai.experiment import execute, resolve
 from owai.methods.bonsai import fresh_mlp
@@ -54,9 +59,11 @@ from owai.methods.regbench import Config as RegBenchConfig
 from owai.methods.regbench import build_model as build_regbench_model
 from owai.methods.regbench import max_input_length as regbench_max_input_length
 from owai.methods.regbench import zoo_settings as regbench_zoo_settings
+from owai.models.lm import decay_param_groups
 from owai.models.memory_mosaics import MemoryMosaicsForCausalLM
 from owai.models.memory_mosaics_convert import convert_official_state_dict
 from owai.models.moon_memory import MoonMemory, MoonMemoryConfig, clipped_mse
+from owai.optim import warmup_cosine_schedule
 from owai.recipes import load
 from naive_memory_mosaics import random_official_state_dict
 from test_moon_memory import moons
@@ -217,6 +224,42 @@ def test_nanomosaics_model_equals_owai(bias, sharp):
     _agree(f"nanoMosaics bias={bias} sharp={sharp}", want, model, reference, sharp_bound=1e-8 if sharp else None)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_nanomosaics_weight_decay_groups_equal_owai(bias, capsys):
+    """nanoMosaics' `configure_optimizers` decays every tensor but those with < 2 dims or a trailing
+    (1, 1); owai's `decay_param_groups` decays what has >= 2 dims on its own shapes. Both must pick
+    the same weights: each owai parameter's reference twins (same values) sit in its group."""
+    with imported_from(clone("MemoryMosaics") / "nanoMosaics", "mosaic_model") as (nano,):
+        sd = random_official_state_dict("nano", V=V, C=C, H=H, L=LAYERS, P=P, bias=bias)
+        reference = nano.MemoryMosaic(nano.MemoryMosaicConfig(block_size=T, vocab_size=V, n_layer=LAYERS, n_head=H,
+                                                              n_embd=C, pmem_size=P, bias=bias))
+        reference.load_state_dict({k: v for k, v in sd.items() if "v_featurizer" in k
+                                   or not k.endswith((".coef", ".attn.bias"))}, strict=False)
+        theirs = reference.configure_optimizers(0.1, 6e-4, (0.9, 0.95), "cpu").param_groups
+    capsys.readouterr()  # its group counts, printed
+    ours = decay_param_groups(_owai_model(sd, "nano"), 0.1)
+    assert [g["weight_decay"] for g in theirs] == [g["weight_decay"] for g in ours] == [0.1, 0.0]
+    for decays, group in zip((True, False), ours):
+        for p in group["params"]:
+            twins = [i for i, g in enumerate(theirs) for r in g["params"]
+                     if r.numel() == p.numel() and torch.equal(r.detach().double().reshape(p.shape), p.detach())]
+            assert twins and set(twins) == {0 if decays else 1}, (tuple(p.shape), decays, twins)
+    count = [sum(p.numel() for p in g["params"]) for g in theirs], [sum(p.numel() for p in g["params"]) for g in ours]
+    assert count[0] == count[1], count
+
+
+def test_nanomosaics_lr_schedule_equals_owai():
+    """nanoMosaics' `get_lr` (train.py, which trains at import: the function alone is run) against
+    `warmup_cosine_schedule`, which `owai mosaic-train` calls with the update's 0-based index, as
+    train.py calls get_lr(iter_num): warmup from 0, the cosine, and min_lr past the decay."""
+    ns = reference_definitions(clone("MemoryMosaics") / "nanoMosaics" / "train.py", ("get_lr",), {
+        "math": math, "learning_rate": 6e-4, "warmup_iters": 20, "lr_decay_iters": 100, "min_lr": 6e-5})
+    ours = warmup_cosine_schedule(6e-4, 20, 100, 6e-5)
+    lrs = [(ns["get_lr"](k), ours(k)) for k in range(130)]
+    assert lrs[0] == (0.0, 0.0) and lrs[20][0] == 6e-4 and lrs[129][0] == 6e-5
+    assert all(a == b for a, b in lrs)  # the same float operations in the same order
+
+
 def test_regbench_plugin_equals_owai_regbench_mm(monkeypatch):
     """The Memory Mosaics RegBench plug-in (ICLL/src/models/sequence/mm.py, sized by
     configs/experiment/dfa/mm.yaml) against the model `owai eval regbench` builds for `mm` by default:
@@ -275,6 +318,7 @@ TRAINERS = {
     "sd": ("sd_train", {"hparams": {"lr_s2_decay": 500}}, []),
     "fish": ("gm_train", {}, []),
     "rerm": ("dro_train", {}, []),
+    "fishr": ("fishr_train", {}, []),
     # RFC's CLOvE steps on the last 512-example minibatch of a reshuffled epoch, owai on one random
     # 512-example minibatch: with 500 images per environment both take the whole environment
     "clove": ("clove_train", {"hparams": {"batch_size": 500}}, ["data.train_size=1000"]),
@@ -283,6 +327,25 @@ TRAINERS = {
     "lff": ("lff_train", {"freeze_featurizer": True}, []),
 }
 TWO_LOGITS = ("rsc", "lff")
+
+
+def backpack_for_fishr(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RFC's Fishr takes per-example head gradients from BackPACK, or skip. RFC calls
+    `loss.backward(inputs=<head parameters>, create_graph=True)`. BackPACK >= 1.4 computes nothing
+    there, since module backward hooks do not fire when `inputs` leaves out the module's input
+    (f-dangel/backpack#233), and RFC and DomainBed pinned 1.3.0, which does not import under torch
+    2.x. So `inputs` is dropped for the run. Its only effect in RFC is that the featurizer's .grad
+    fills too, and RFC's optimizer.zero_grad() clears it before every step's backward."""
+    pytest.importorskip("backpack", reason="RFC's Fishr needs BackPACK: pip install --no-deps "
+                        "backpack-for-pytorch einops unfoldNd (tested with 1.7.1; its torchvision "
+                        "requirement would pull another torch)")
+    backward = torch.Tensor.backward
+
+    def backward_without_inputs(self, *args, **kwargs):
+        kwargs.pop("inputs", None)
+        return backward(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "backward", backward_without_inputs)
 
 
 @pytest.fixture
@@ -334,10 +397,13 @@ def test_rfc_trainer_equals_owai_bonsai(method, tmp_path, monkeypatch, float64):
     label = (lambda e: e.y.long()) if two_logits else (lambda e: e.y.reshape(-1, 1))
     envs = [{"images": e.x.reshape(len(e.x), -1), "labels": label(e)} for e in data.train]
     test_envs = [{"images": e.x.reshape(len(e.x), -1), "labels": label(e)} for e in data.test]
-    with imported_from(rfc_code, "train", "models", "utils", stubs=RFC_STUBS) as (
-            rfc, rfc_models, rfc_utils):
+    stubs = RFC_STUBS
+    if method == "fishr":
+        backpack_for_fishr(monkeypatch)
+        stubs = tuple(s for s in RFC_STUBS if s.split(".")[0] != "backpack")
+    with imported_from(rfc_code, "train", "models", "utils", stubs=stubs) as (rfc, rfc_models, rfc_utils):
         mlp = rfc_models.MLP(cfg.model.hidden)
-        top = rfc_models.TopMLP(cfg.model.hidden, n_targets=2 if two_logits else 1)
+        top = rfc_models.TopMLP(cfg.model.hidden, n_targets=2 if two_logits else 1, fishr=method == "fishr")
     ref = {"featurizer.lin1": mlp._main[0], "featurizer.lin2": mlp._main[2], "head": top.lin1}
     with torch.no_grad():
         for name, layer in ref.items():
@@ -625,3 +691,81 @@ def test_seq_icl_scores_equal_owai_regbench_metrics(sharp, tmp_path, monkeypatch
     assert mine["tvd"] == pytest.approx(model_dfa_diff, rel=1e-9)
     assert ngram["tvd"] == pytest.approx(dfa_ngram_diff, rel=1e-9)
     assert abs(ngram["accuracy"] - ngram_accuracy) * ngram["num_accuracy_positions"] <= ties
+
+
+class _InsertionOrderedSet(dict):
+    """A `set` for seq_icl's generator that iterates in insertion order. Like its set, it never merges
+    two DFAs: they hash by their table but compare by identity."""
+
+    def __init__(self, items=()):
+        super().__init__(dict.fromkeys(items))
+
+    def add(self, item) -> None:
+        self[item] = None
+
+
+def seq_icl_generator() -> type:
+    """seq_icl's `ICLDFADataModule` (src/dataloaders/dfa.py), with the two orders that depend on the
+    process's PYTHONHASHSEED there fixed to owai's, and nothing else changed:
+    - its `set` of candidate DFAs iterates in hash order, and its shuffle then acts on that order; here
+      the set iterates in insertion order (owai shuffles the candidates as drawn);
+    - pythomata's `minimize().trim()` leaves each state's outgoing symbols in an order that comes from
+      iterating a set of strings, and `DFA.sample` picks by index in that order; here they are sorted
+      (owai's order, by id)."""
+    root = clone("seq_icl")
+    pythomata = pytest.importorskip("pythomata", reason="needs pythomata for seq_icl's DFA: pip install pythomata")
+    ns = {"np": np, "torch": torch, "Tuple": typing.Tuple, "Dict": typing.Dict, "SimpleDFA": pythomata.SimpleDFA,
+          "Dataset": torch.utils.data.Dataset, "DataLoader": torch.utils.data.DataLoader,
+          "SequenceDataset": type("SequenceDataset", (), {})}
+    source = root / "src" / "dataloaders" / "dfa.py"
+    reference_definitions(source, ("DFA", "RandomDFASampler", "Vocab", "Tokenizer", "SimpleDataset"), ns)
+    trim = ns["DFA"]._trim
+
+    def trim_then_sort_symbols(self):
+        trim(self)
+        table = self.dfa._transition_function
+        for state in table:
+            table[state] = dict(sorted(table[state].items()))
+        return self
+
+    ns["DFA"]._trim = trim_then_sort_symbols
+    return reference_definitions(source, ("ICLDFADataModule",), dict(ns, set=_InsertionOrderedSet))["ICLDFADataModule"]
+
+
+def _language(dfa, vocab) -> tuple:
+    """A seq_icl DFA's automaton as owai's canonical minimised table (start state first)."""
+    table, start = dfa.dfa._transition_function, dfa.dfa._initial_state
+    states = [start, *sorted(s for s in table if s != start)]
+    index = {s: i for i, s in enumerate(states)}
+    return minimize([{vocab.get_id(a): index[t] for a, t in table.get(s, {}).items()} for s in states])
+
+
+# (training automata, held-out automata): the cpu preset's first size; 2,000 candidates of which two
+# repeat a language (seq_icl keeps both); too few candidates (10 x 30 < 305), so both scale the split
+# sizes down, to an odd held-out count
+@pytest.mark.parametrize("num_examples, num_test_examples", [(100, 500), (1000, 1000), (30, 275)])
+def test_seq_icl_generator_equals_owai_regbench(num_examples, num_test_examples):
+    """seq_icl's RegBench data module against `make_regbench`, with the same settings and seed: the
+    same automata in the same splits, and the same padded inputs and labels, token for token."""
+    generator = seq_icl_generator()
+    settings = dict(num_examples=num_examples, num_test_examples=num_test_examples, seed=0)
+    cfg = RegBenchDataConfig(**settings)  # the other settings: seq_icl's icl_dfa.yaml defaults
+    module = generator(vocab_size=cfg.vocab_size, max_num_nodes=cfg.max_num_nodes,
+                       max_num_in_context_examples=cfg.max_num_in_context_examples,
+                       min_num_in_context_examples=cfg.min_num_in_context_examples,
+                       max_outgoing_edges=cfg.max_outgoing_edges, max_len_per_example=cfg.max_len_per_example,
+                       input_seq_len=4096, **settings)
+    module.setup()
+    data = make_regbench(cfg)
+    assert (module.num_examples, module.num_test_examples) == (data.num_examples, data.num_test_examples)
+    for name in ("train", "test", "val"):
+        theirs, ours = module.dataset[name], getattr(data, name)
+        inputs, labels, pfas = ours.torch_batch()
+        assert [_language(dfa, module.vocab) for dfa in theirs.dfas] == [p.transitions for p in pfas], name
+        assert theirs.inputs.shape == inputs.shape and torch.equal(theirs.inputs, inputs), name
+        assert torch.equal(theirs.targets, labels), name
+    print(f"parity seq_icl ICLDFADataModule / owai make_regbench ({num_examples}, {num_test_examples}): "
+          f"{data.num_examples} / {len(data.test)} / {len(data.val)} automata, {data.num_unique} languages among "
+          f"{data.num_candidates} candidates, {sum(len(s) for s in data.train.sequences)} training tokens: identical")
+    if num_examples == 1000:
+        assert data.num_unique < data.num_candidates  # the case keeps repeated languages, as seq_icl does

@@ -56,8 +56,31 @@ def test_same_seed_identical(data):
 def test_splits_disjoint_and_sizes(data):
     tr, va, te = (set(_tables(s)) for s in (data.train, data.val, data.test))
     assert len(data.train) == 30 and len(data.val) == 10 and len(data.test) == 10
-    assert len(tr) == 30 and len(va) == 10 and len(te) == 10  # deduplicated
+    assert len(tr) == 30 and len(va) == 10 and len(te) == 10  # no two automata repeat a language here
     assert not (tr & va) and not (tr & te) and not (va & te)
+    assert data.num_candidates == data.num_unique == 50
+
+
+# one edge per state over 2 letters and 2-3 states: few languages, so candidates repeat them
+REPEATING = dict(vocab_size=4, max_num_nodes=3, max_outgoing_edges=2, num_examples=6, num_test_examples=4, seed=0)
+
+
+def test_candidates_repeat_as_in_seq_icl_unless_dedup():
+    """seq_icl keeps every candidate (its DFAs never compare equal): the first 10 fill the splits even
+    though they hold 4 languages. `dedup=True` draws on (up to 10 x 6) until 10 languages."""
+    kept = make_regbench(**REPEATING)
+    assert (kept.num_candidates, kept.num_unique) == (10, 4)
+    assert (len(kept.train), len(kept.test), len(kept.val)) == (6, 2, 2)
+    assert len(set(_tables(kept.train))) < 6
+    deduped = make_regbench(**REPEATING, dedup=True)
+    assert deduped.num_candidates > 10 and deduped.num_unique == 10
+    tables = _tables(deduped.train) + _tables(deduped.test) + _tables(deduped.val)
+    assert len(tables) == len(set(tables)) == 10
+
+
+def test_odd_held_out_count_goes_to_val():
+    d = make_regbench(num_examples=4, num_test_examples=5, seed=0)
+    assert (len(d.train), len(d.test), len(d.val)) == (4, 2, 3)
 
 
 def test_iid_variant_uses_training_automata():

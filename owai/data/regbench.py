@@ -11,10 +11,15 @@ Vocabulary (ids from sorting the symbols): `.` (pad / no-op) = 0, letters `a..r`
 Labels: `labels = ids[1:]` with separator targets and padding set to `IGNORE_INDEX = -100`
 (the reference's / PyTorch's ignore value), inputs padded with `.` (id 0).
 
-Splits: the master RNG's shuffle of the unique (minimised, deduplicated) DFAs gives train =
-first `num_examples`, test = next `num_test_examples // 2`, val = last `num_test_examples // 2`
-(disjoint automata). With `iid=True` (thesis Table B.3) val and test instead hold one *new*
-sequence from each training automaton.
+Splits: the master RNG's shuffle of the first `num_examples + num_test_examples` candidate DFAs
+(minimised) gives train = first `num_examples`, test = next `num_test_examples // 2`, val = the
+rest. Like seq_icl, candidates are not deduplicated: its `set` of DFAs never merges two, since its
+DFA class has a hash but no `__eq__`. So a held-out automaton can, rarely, have a training
+automaton's language (0.1 % of candidates at 2,000, 1.2 % at 41,000); `dedup=True` (an owai
+option) skips such repeats. With the same seed the candidates, the splits and the token sequences
+are seq_icl's, up to two orders that depend on PYTHONHASHSEED there (tests/test_official_code.py).
+With `iid=True` (thesis Table B.3) val and test instead hold one *new* sequence from each training
+automaton.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class RegBenchConfig:
     max_len_per_example: int = 50  # exclusive upper bound: string lengths 1..49
     seed: int = 0
     iid: bool = False  # Table B.3: val/test sequences drawn from the training automata
+    dedup: bool = False  # owai option: skip candidates whose minimised automaton repeats an earlier one
 
     def __post_init__(self) -> None:
         n_letters = self.vocab_size - 2
@@ -205,7 +211,7 @@ def minimize(transitions: list[dict[int, int]]) -> Table:
     """Trim (keep states reachable from 0) and Moore-minimise a partial, all-accepting DFA.
 
     The result is canonically relabelled (BFS from state 0, symbols in increasing order), so two
-    DFAs with the same language get the identical table: the table is the deduplication key.
+    DFAs with the same language get the identical table (the key for `dedup` and for comparing languages).
     """
     reach, queue = {0}, deque([0])
     while queue:
@@ -286,7 +292,7 @@ class RegBenchData:
     val: RegBenchSplit
     test: RegBenchSplit
     num_candidates: int  # candidate DFAs drawn
-    num_unique: int  # unique minimised DFAs among them
+    num_unique: int  # distinct minimised DFAs among them
     num_examples: int  # after the reference's proportional scale-down (if too few unique)
     num_test_examples: int
 
@@ -322,7 +328,8 @@ def make_regbench(config: RegBenchConfig | None = None, **overrides) -> RegBench
     master = np.random.default_rng(cfg.seed)
     letters = list(cfg.letter_ids)
     wanted = cfg.num_examples + (0 if cfg.iid else cfg.num_test_examples)
-    unique: dict[Table, tuple[int, np.random.Generator]] = {}
+    candidates: list[tuple[Table, int, np.random.Generator]] = []  # (minimised table, raw states, string rng)
+    seen: set[Table] = set()
     n_cand = 0
     for _ in range(10 * cfg.num_examples):  # the reference's candidate budget
         n_cand += 1
@@ -333,37 +340,33 @@ def make_regbench(config: RegBenchConfig | None = None, **overrides) -> RegBench
         raw = sample_raw_dfa(num_nodes, alphabet, cfg.max_outgoing_edges, sampler)
         table = minimize(raw)
         dfa_rng = np.random.default_rng(int(sampler.integers(0, 2**32)))
-        if table not in unique:
-            unique[table] = (num_nodes, dfa_rng)
-        if len(unique) >= wanted:
+        if not (cfg.dedup and table in seen):
+            candidates.append((table, num_nodes, dfa_rng))
+        seen.add(table)
+        if len(candidates) >= wanted:
             break
-    tables = list(unique)
-    perm = master.permutation(len(tables))
-    tables = [tables[i] for i in perm]
+    candidates = [candidates[i] for i in master.permutation(len(candidates))]  # seq_icl: rng.shuffle
     n_ex, n_test = cfg.num_examples, (0 if cfg.iid else cfg.num_test_examples)
-    if len(tables) < n_ex + n_test:  # reference: scale the split sizes down proportionally
-        n_ex = (len(tables) * cfg.num_examples) // (cfg.num_examples + n_test)
-        n_test = len(tables) - n_ex
+    if len(candidates) < n_ex + n_test:  # reference: scale the split sizes down proportionally
+        n_ex = (len(candidates) * cfg.num_examples) // (cfg.num_examples + n_test)
+        n_test = len(candidates) - n_ex
         if n_ex < 1:
-            raise OwaiError("regbench: too few unique automata for the requested split sizes")
-    pfas = {
-        t: PFA(t, cfg.vocab_size, cfg.sep_id, num_states_raw=unique[t][0]) for t in tables
-    }
-    rngs = {t: unique[t][1] for t in tables}
-    train_t = tables[:n_ex]
+            raise OwaiError("regbench: too few automata for the requested split sizes")
+    pfas = [PFA(t, cfg.vocab_size, cfg.sep_id, num_states_raw=n) for t, n, _ in candidates]
+    rngs = [r for _, _, r in candidates]
+    train_ids = range(n_ex)  # positions in the shuffled candidates
     if cfg.iid:
-        test_t, val_t = train_t, train_t
+        test_ids = val_ids = train_ids
         n_test_out = 2 * n_ex
-    else:
-        test_t = tables[n_ex : n_ex + n_test // 2]
-        val_t = tables[n_ex + n_test - n_test // 2 : n_ex + n_test]
+    else:  # seq_icl: test the next n_test // 2, val the rest (one more when n_test is odd)
+        test_ids, val_ids = range(n_ex, n_ex + n_test // 2), range(n_ex + n_test // 2, n_ex + n_test)
         n_test_out = n_test
 
-    def split(ts: list[Table]) -> RegBenchSplit:
-        seqs = [_sequence(pfas[t], cfg, master, rngs[t]) for t in ts]
-        return RegBenchSplit(seqs, [pfas[t] for t in ts], cfg.pad_id, cfg.sep_id)
+    def split(ids: range) -> RegBenchSplit:
+        seqs = [_sequence(pfas[i], cfg, master, rngs[i]) for i in ids]
+        return RegBenchSplit(seqs, [pfas[i] for i in ids], cfg.pad_id, cfg.sep_id)
 
-    train = split(train_t)  # order as in the reference: train, test, val
-    test = split(test_t)
-    val = split(val_t)
-    return RegBenchData(cfg, train, val, test, n_cand, len(unique), n_ex, n_test_out)
+    train = split(train_ids)  # order as in the reference: train, test, val
+    test = split(test_ids)
+    val = split(val_ids)
+    return RegBenchData(cfg, train, val, test, n_cand, len(seen), n_ex, n_test_out)

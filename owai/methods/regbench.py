@@ -190,7 +190,8 @@ class RegBench(Method):
             "train_tokens": int(sum(len(s) - 1 for s in data.train.sequences)),
         }
         if data.num_examples != cfg.data.num_examples:
-            console.info(f"only {data.num_unique} unique automata: splits scaled to {data.num_examples} train / {data.num_test_examples} test+val")
+            console.info(f"only {data.num_candidates} candidate automata ({data.num_unique} languages): splits scaled "
+                         f"to {data.num_examples} train / {data.num_test_examples} test+val, as seq_icl scales them")
         spec = sequence_model(cfg.arch)
         if spec.zoo is None:  # the in-context n-gram: nothing to train
             def predict(x: torch.Tensor) -> np.ndarray:
