@@ -1,7 +1,7 @@
 """RegBench (in-context language learning; Akyurek et al. 2024; thesis sec 3.5, Fig 3.10, Table B.3).
 
-Distributionally faithful re-implementation of the `berlino/seq_icl` `ICLDFADataModule` generator
-(spec: shared/specs/evals.md sec 3.1). One "environment" is a random DFA turned into a PFA by
+owai's implementation of the `berlino/seq_icl` `ICLDFADataModule` generator (spec:
+shared/specs/evals.md sec 3.1), draw for draw. One "environment" is a random DFA turned into a PFA by
 choosing uniformly among the outgoing edges of the current state; each environment yields one
 sequence of 10..19 strings (lengths 1..49) joined by the separator `|`.
 
