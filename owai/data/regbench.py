@@ -293,7 +293,7 @@ class RegBenchData:
     test: RegBenchSplit
     num_candidates: int  # candidate DFAs drawn
     num_unique: int  # distinct minimised DFAs among them
-    num_examples: int  # after the reference's proportional scale-down (if too few unique)
+    num_examples: int  # after the reference's proportional scale-down (if too few candidates)
     num_test_examples: int
 
     @property
