@@ -14,7 +14,7 @@
 - RegBench (berlino/seq_icl): its data module against `make_regbench`, token for token; and its
   logged `dfa_accuracy`, `model_dfa_diff` and 3-gram numbers, computed by its own code on owai's
   automata, against owai's RegBench metrics.
-- nanoMosaics' weight-decay groups and learning-rate schedule against owai's.
+- The weight-decay groups and learning-rate schedules of nanoMosaics and the Library against owai's.
 
 The reference code is not part of owai and is never copied into it: set $OWAI_REFERENCE_CODE to a
 folder holding the clones `MemoryMosaics/`, `RFC/` and `seq_icl/`; without them these tests skip, and
@@ -224,20 +224,31 @@ def test_nanomosaics_model_equals_owai(bias, sharp):
     _agree(f"nanoMosaics bias={bias} sharp={sharp}", want, model, reference, sharp_bound=1e-8 if sharp else None)
 
 
+@pytest.mark.parametrize("source", ["nano", "library"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_nanomosaics_weight_decay_groups_equal_owai(bias, capsys):
-    """nanoMosaics' `configure_optimizers` decays every tensor but those with < 2 dims or a trailing
-    (1, 1); owai's `decay_param_groups` decays what has >= 2 dims on its own shapes. Both must pick
-    the same weights: each owai parameter's reference twins (same values) sit in its group."""
-    with imported_from(clone("MemoryMosaics") / "nanoMosaics", "mosaic_model") as (nano,):
-        sd = random_official_state_dict("nano", V=V, C=C, H=H, L=LAYERS, P=P, bias=bias)
-        reference = nano.MemoryMosaic(nano.MemoryMosaicConfig(block_size=T, vocab_size=V, n_layer=LAYERS, n_head=H,
-                                                              n_embd=C, pmem_size=P, bias=bias))
-        reference.load_state_dict({k: v for k, v in sd.items() if "v_featurizer" in k
-                                   or not k.endswith((".coef", ".attn.bias"))}, strict=False)
+def test_reference_weight_decay_groups_equal_owai(source, bias, capsys):
+    """The references' `configure_optimizers` against owai's `decay_param_groups`, on one converted model.
+    nanoMosaics decays every tensor but those with < 2 dims or a trailing (1, 1); the Library (the
+    thesis's training code) every tensor but those with < 2 dims or "time_" or "gate" in the name;
+    owai what has >= 2 dims on its own shapes. All must pick the same weights: each owai parameter's
+    reference twins (same values) sit in its group."""
+    folder = clone("MemoryMosaics") / ("nanoMosaics" if source == "nano" else "Library")
+    module = "mosaic_model" if source == "nano" else "memory_mosaics.models.memory_mosaics"
+    with imported_from(folder, module) as (code,):
+        sd = random_official_state_dict(source, V=V, C=C, H=H, L=LAYERS, P=P, bias=bias)
+        if source == "nano":
+            reference = code.MemoryMosaic(code.MemoryMosaicConfig(block_size=T, vocab_size=V, n_layer=LAYERS, n_head=H,
+                                                                  n_embd=C, pmem_size=P, bias=bias))
+            reference.load_state_dict({k: v for k, v in sd.items() if "v_featurizer" in k
+                                       or not k.endswith((".coef", ".attn.bias"))}, strict=False)
+        else:
+            reference = code.StackAssoMem(V, n_head=H, n_embd=C, n_layer=LAYERS, block_size=T, ic_dropout=0.0,
+                                          hd_dropout=0.0, bias=bias, pmem_size=P, config=SimpleNamespace(skip_tokens=0))
+            reference.load_state_dict(sd, strict=True)
         theirs = reference.configure_optimizers(0.1, 6e-4, (0.9, 0.95), "cpu").param_groups
     capsys.readouterr()  # its group counts, printed
-    ours = decay_param_groups(_owai_model(sd, "nano"), 0.1)
+    overrides = {} if source == "nano" else {"norm_eps": 0.0}
+    ours = decay_param_groups(_owai_model(sd, source, **overrides), 0.1)
     assert [g["weight_decay"] for g in theirs] == [g["weight_decay"] for g in ours] == [0.1, 0.0]
     for decays, group in zip((True, False), ours):
         for p in group["params"]:
@@ -248,15 +259,24 @@ def test_nanomosaics_weight_decay_groups_equal_owai(bias, capsys):
     assert count[0] == count[1], count
 
 
-def test_nanomosaics_lr_schedule_equals_owai():
-    """nanoMosaics' `get_lr` (train.py, which trains at import: the function alone is run) against
-    `warmup_cosine_schedule`, which `owai mosaic-train` calls with the update's 0-based index, as
-    train.py calls get_lr(iter_num): warmup from 0, the cosine, and min_lr past the decay."""
-    ns = reference_definitions(clone("MemoryMosaics") / "nanoMosaics" / "train.py", ("get_lr",), {
-        "math": math, "learning_rate": 6e-4, "warmup_iters": 20, "lr_decay_iters": 100, "min_lr": 6e-5})
-    ours = warmup_cosine_schedule(6e-4, 20, 100, 6e-5)
-    lrs = [(ns["get_lr"](k), ours(k)) for k in range(130)]
-    assert lrs[0] == (0.0, 0.0) and lrs[20][0] == 6e-4 and lrs[129][0] == 6e-5
+@pytest.mark.parametrize("source", ["nanoMosaics", "Library"])
+def test_reference_lr_schedule_equals_owai(source):
+    """The references' cosine schedule against `warmup_cosine_schedule`, which `owai mosaic-train` calls
+    with the update's 0-based index, as both training scripts call theirs with iter_num: warmup from 0,
+    the cosine, and min_lr past the decay. nanoMosaics' `get_lr` lives in train.py, which trains at
+    import, and the Library's `get_cosine_lr` in utils.py, which starts logging and distributed
+    helpers: the function alone is run."""
+    peak, warmup, decay_steps, floor = 6e-4, 20, 100, 6e-5
+    if source == "nanoMosaics":
+        ns = reference_definitions(clone("MemoryMosaics") / "nanoMosaics" / "train.py", ("get_lr",), {
+            "math": math, "learning_rate": peak, "warmup_iters": warmup, "lr_decay_iters": decay_steps, "min_lr": floor})
+        theirs = ns["get_lr"]
+    else:
+        ns = reference_definitions(clone("MemoryMosaics") / "Library" / "utils.py", ("get_cosine_lr",), {"math": math})
+        theirs = lambda k: ns["get_cosine_lr"](k, peak, floor, decay_steps, warmup)  # noqa: E731
+    ours = warmup_cosine_schedule(peak, warmup, decay_steps, floor)
+    lrs = [(theirs(k), ours(k)) for k in range(130)]
+    assert lrs[0] == (0.0, 0.0) and lrs[20][0] == peak and lrs[129][0] == floor
     assert all(a == b for a, b in lrs)  # the same float operations in the same order
 
 
