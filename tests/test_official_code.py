@@ -14,7 +14,8 @@
 - RegBench (berlino/seq_icl): its data module against `make_regbench`, token for token; and its
   logged `dfa_accuracy`, `model_dfa_diff` and 3-gram numbers, computed by its own code on owai's
   automata, against owai's RegBench metrics.
-- The weight-decay groups and learning-rate schedules of nanoMosaics and the Library against owai's.
+- The weight-decay groups and learning-rate schedules of nanoMosaics and the Library, and the Library's
+  training windows, against owai's.
 
 The reference code is not part of owai and is never copied into it: set $OWAI_REFERENCE_CODE to a
 folder holding the clones `MemoryMosaics/`, `RFC/` and `seq_icl/`; without them these tests skip, and
@@ -52,6 +53,7 @@ from owai.checkpoint import latest_checkpoint, load_checkpoint
 from owai.data.moons import lcm_periods, sample_sequences, time_step
 from owai.data.regbench import RegBenchConfig as RegBenchDataConfig
 from owai.data.regbench import make_regbench, minimize
+from owai.data.tokens import TokenWindows
 from owai.evals.regbench import exact_distributions, ngram_backoff_probs, regbench_metrics
 from owai.experiment import execute, resolve
 from owai.methods.bonsai import fresh_mlp
@@ -278,6 +280,25 @@ def test_reference_lr_schedule_equals_owai(source):
     lrs = [(theirs(k), ours(k)) for k in range(130)]
     assert lrs[0] == (0.0, 0.0) and lrs[20][0] == peak and lrs[129][0] == floor
     assert all(a == b for a, b in lrs)  # the same float operations in the same order
+
+
+def test_library_stories_dataset_equals_owai_token_windows(tmp_path):
+    """The Library's training windows (`StoriesDataset`: a uint16 memmap of train.bin, x = data[i:i+T],
+    y = data[i+1:i+T+1], over len - T - 2 offsets) against owai's `TokenWindows` on the same file: as many
+    offsets, and the same window at each offset owai's evaluation reads. For training both draw offsets
+    uniformly with replacement (the Library's RandomSampler(replacement=True), owai's keyed
+    torch.randint), through the same window code."""
+    tokens = np.random.default_rng(0).integers(0, 50257, size=5000, dtype=np.uint16)
+    tokens.tofile(tmp_path / "train.bin")
+    with imported_from(clone("MemoryMosaics") / "Library", "memory_mosaics.data.dataset") as (dataset,):
+        theirs = dataset.StoriesDataset(str(tmp_path), block_size=T, split="train")
+    ours = TokenWindows(tmp_path / "train.bin", np.uint16, T)
+    assert len(theirs) == ours.n_offsets == 5000 - T - 2
+    windows = list(ours.sequential())  # offsets 0, T, 2T, ...: the evaluation windows
+    assert len(windows) == (5000 - 1) // T
+    for k, (x, y) in enumerate(windows):
+        want_x, want_y = theirs[k * T]
+        assert torch.equal(x[0], want_x) and torch.equal(y[0], want_y), k
 
 
 def test_regbench_plugin_equals_owai_regbench_mm(monkeypatch):
