@@ -6,7 +6,8 @@
   RegBench plug-in (ICLL/) against the model `owai eval regbench` builds for `mm`.
 - The invariance trainers: RFC's ColoredMNIST trainers (TjuJianyu/RFC, `coloredmnist/train.py`) from
   owai's initial weights on owai's ColoredMNIST environments, against `owai bonsai`'s whole training
-  run (`execute`), 30 full-batch Adam steps across the anneal step, in float64: the final weights.
+  run (`execute`), 30 full-batch Adam steps across the anneal step, in float64: the final weights. PI.py
+  (a script: its three stages written out with the clone's own pieces) against `owai bonsai`'s PI run.
 - Three Moons (MemoryMosaics/ThreeMoons, MLX): the reference's data against owai's; its
   `ContextMemory` against owai's `MoonMemory` (outputs and gradients); its training loop from owai's
   initial weights on owai's batches against `owai moons`'s whole run; and its two generation routines
@@ -67,6 +68,7 @@ from owai.models.memory_mosaics_convert import convert_official_state_dict
 from owai.models.moon_memory import MoonMemory, MoonMemoryConfig, clipped_mse
 from owai.optim import warmup_cosine_schedule
 from owai.recipes import load
+from owai.runtime import generator
 from naive_memory_mosaics import random_official_state_dict
 from test_moon_memory import moons
 
@@ -465,6 +467,92 @@ def test_rfc_trainer_equals_owai_bonsai(method, tmp_path, monkeypatch, float64):
           f"each tensor moved >= {least_moved:.1e}")
     assert least_moved > 1e-3
     assert err <= 1e-9, f"{method}: owai and RFC differ by {err:.2e} in {worst} after {STEPS} steps"
+
+
+def rfc_pi(rfc_models, rfc_utils, envs: list[dict], fit: list[torch.Tensor], stage_inits: list[dict],
+           final_init: dict, hidden: int, lr: float, l2: float, steps1: int, steps3: int) -> list[torch.nn.Module]:
+    """RFC's predict-then-interpolate (coloredmnist/PI.py). PI.py is a script that trains at import,
+    so its three stages are written out here, as it runs them, with its own MLP, TopMLP, mean_nll and
+    correct_pred. The initial weights and each environment's 90 % (`fit`; PI.py shuffles with numpy's
+    global RNG) come from owai's run. Returns the stage models and the final model."""
+    def model_from(weights: dict) -> torch.nn.Module:
+        mlp, top = rfc_models.MLP(hidden_dim=hidden), rfc_models.TopMLP(hidden_dim=hidden, n_top_layers=2, n_targets=1)
+        with torch.no_grad():
+            for name, layer in {"featurizer.lin1": mlp._main[0], "featurizer.lin2": mlp._main[2],
+                                "head": top.lin1}.items():
+                layer.weight.copy_(weights[f"{name}.weight"])
+                layer.bias.copy_(weights[f"{name}.bias"])
+        return torch.nn.Sequential(mlp, top)
+
+    def step(model, optimizer, loss) -> None:
+        weight_norm = 0
+        for w in model.parameters():
+            weight_norm += w.norm().pow(2)
+        loss = loss + l2 * weight_norm
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    models = []  # stage 1: one model per environment, on 90 % of it
+    for env, keep, weights in zip(envs, fit, stage_inits):
+        x, y = env["images"][keep], env["labels"][keep]
+        model = model_from(weights)
+        optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+        for _ in range(steps1):
+            step(model, optimizer, rfc_utils.mean_nll(model(x), y))
+        models.append(model)
+    created = []  # stage 2: each model splits its own environment into correct / incorrect
+    for env, model in zip(envs, models):
+        x, y = env["images"], env["labels"]
+        model.eval()
+        correct, incorrect = rfc_utils.correct_pred(model(x), y)
+        created += [(x[correct], y[correct]), (x[incorrect], y[incorrect])]
+    model = model_from(final_init)  # stage 3: the hard max over the groups
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    for _ in range(steps3):
+        losses = torch.stack([rfc_utils.mean_nll(model(x), y) for x, y in created])
+        step(model, optimizer, losses[torch.argmax(losses)])
+    return [*models, model]
+
+
+def test_rfc_pi_equals_owai_pi(tmp_path, monkeypatch, float64):
+    """`owai bonsai --method pi` (table2.5-pi on ColoredMNIST, init rand) against RFC's PI.py from the same
+    initial weights and hold-outs: 10 stage-1 steps per environment, then 30 RERM steps. The weights of
+    both stage models and of the final model (the groups alone could hide a stage-1 difference)."""
+    rfc_code = clone("RFC") / "coloredmnist"
+    steps1 = 10
+    settings = ["dataset=coloredmnist", f"train.steps={STEPS}", f"penalty.options={{steps1: {steps1}}}",
+                "train.eval_every=1000", "train.checkpoint_every=1000", "train.log_every=1000"]
+    monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
+    run, results = execute("table2.5-pi", "tiny", settings, out=tmp_path / "runs")
+    cfg, _ = resolve(load("table2.5-pi"), "tiny", settings)
+    details = results["details"]
+    assert details["pi"]["steps1"] == steps1 and len(details["pi"]["groups"]) == 4  # no group is empty
+    data = owai_cmnist.load_data(cfg)
+    envs = [{"images": e.x.reshape(len(e.x), -1), "labels": e.y.reshape(-1, 1)} for e in data.train]
+    fit = []
+    for i, e in enumerate(data.train):  # owai's hold-out draw (pi_groups_for): the first 90 % of a keyed order
+        order = torch.randperm(len(e.y), generator=generator(cfg.seed, "pi", "holdout", i))
+        fit.append(order[: len(e.y) - int(round(0.1 * len(e.y)))])
+    stage_inits = [fresh_mlp((cfg.seed, "pi", i), cfg.model.hidden, 1, "cpu").state_dict() for i in range(len(envs))]
+    initial = fresh_mlp((cfg.seed, "init"), cfg.model.hidden, 1, "cpu").state_dict()
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    with imported_from(rfc_code, "models", "utils", stubs=RFC_STUBS) as (rfc_models, rfc_utils):
+        models = rfc_pi(rfc_models, rfc_utils, envs, fit, stage_inits, initial, cfg.model.hidden, cfg.train.lr,
+                        details["l2"], steps1, STEPS)
+    stages = [f"pi.env{i + 1}" for i in range(len(envs))] + ["train"]
+    for stage, start, model in zip(stages, [*stage_inits, initial], models):
+        _, state = load_checkpoint(latest_checkpoint(run.path / "checkpoints" / stage))
+        mlp, top = model[0], model[1]
+        theirs = {f"{name}.{part}": getattr(layer, part).detach() for name, layer in
+                  {"featurizer.lin1": mlp._main[0], "featurizer.lin2": mlp._main[2], "head": top.lin1}.items()
+                  for part in ("weight", "bias")}
+        worst, err, least_moved = _weights_gap(state["model"], start, theirs)
+        print(f"parity RFC PI.py / owai pi, {stage}: max |weight diff| {err:.1e} ({worst}); "
+              f"each tensor moved >= {least_moved:.1e}")
+        assert least_moved > 1e-3
+        assert err <= 1e-9, f"pi {stage}: owai and RFC differ by {err:.2e} in {worst}"
+    print(f"parity RFC PI.py / owai pi: groups {details['pi']['groups']}")
 
 
 # ------------------------------------------------------------------ Three Moons (MLX)
