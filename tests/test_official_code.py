@@ -7,7 +7,8 @@
 - The invariance trainers: RFC's ColoredMNIST trainers (TjuJianyu/RFC, `coloredmnist/train.py`) from
   owai's initial weights on owai's ColoredMNIST environments, against `owai bonsai`'s whole training
   run (`execute`), 30 full-batch Adam steps across the anneal step, in float64: the final weights. PI.py
-  (a script: its three stages written out with the clone's own pieces) against `owai bonsai`'s PI run.
+  (a script: its three stages written out with the clone's own pieces) against `owai bonsai`'s PI run,
+  and RFC's Bonsai (its trainers, the scripts' glue written out) against `owai bonsai --init bonsai`.
 - Three Moons (MemoryMosaics/ThreeMoons, MLX): the reference's data against owai's; its
   `ContextMemory` against owai's `MoonMemory` (outputs and gradients); its training loop from owai's
   initial weights on owai's batches against `owai moons`'s whole run; and its two generation routines
@@ -40,6 +41,7 @@ import sys
 import types
 import typing
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -417,6 +419,32 @@ def float64(monkeypatch: pytest.MonkeyPatch, default_float64: None) -> None:
     monkeypatch.setattr(owai_cmnist, "load_data", load_float64)
 
 
+def _rfc_model(rfc_models, weights: dict, hidden: int, n_targets: int, fishr: bool = False):
+    """RFC's MLP and TopMLP holding owai-format `weights` (featurizer.lin1/lin2, head)."""
+    mlp, top = rfc_models.MLP(hidden_dim=hidden), rfc_models.TopMLP(hidden_dim=hidden, n_targets=n_targets, fishr=fishr)
+    with torch.no_grad():
+        for name, layer in _rfc_layers(mlp, top).items():
+            layer.weight.copy_(weights[f"{name}.weight"])
+            layer.bias.copy_(weights[f"{name}.bias"])
+    return mlp, top
+
+
+def _rfc_layers(mlp, top) -> dict:
+    return {"featurizer.lin1": mlp._main[0], "featurizer.lin2": mlp._main[2], "head": top.lin1}
+
+
+def _rfc_weights(mlp, top) -> dict[str, torch.Tensor]:
+    """An RFC (MLP, TopMLP) pair's weights under owai's names."""
+    return {f"{name}.{part}": getattr(layer, part).detach().clone() for name, layer in _rfc_layers(mlp, top).items()
+            for part in ("weight", "bias")}
+
+
+def _rfc_envs(environments, two_logits: bool = False) -> list[dict]:
+    """owai's ColoredMNIST environments as RFC's dicts: flat images, labels (n, 1) float or (n,) long."""
+    return [{"images": e.x.reshape(len(e.x), -1), "labels": e.y.long() if two_logits else e.y.reshape(-1, 1)}
+            for e in environments]
+
+
 @pytest.mark.parametrize("method", list(TRAINERS))
 def test_rfc_trainer_equals_owai_bonsai(method, tmp_path, monkeypatch, float64):
     rfc_code = clone("RFC") / "coloredmnist"
@@ -437,21 +465,13 @@ def test_rfc_trainer_equals_owai_bonsai(method, tmp_path, monkeypatch, float64):
         trained = {k.removeprefix("debiased."): v for k, v in trained.items() if k.startswith("debiased.")}
 
     data = owai_cmnist.load_data(cfg)
-    label = (lambda e: e.y.long()) if two_logits else (lambda e: e.y.reshape(-1, 1))
-    envs = [{"images": e.x.reshape(len(e.x), -1), "labels": label(e)} for e in data.train]
-    test_envs = [{"images": e.x.reshape(len(e.x), -1), "labels": label(e)} for e in data.test]
+    envs, test_envs = _rfc_envs(data.train, two_logits), _rfc_envs(data.test, two_logits)
     stubs = RFC_STUBS
     if method == "fishr":
         backpack_for_fishr(monkeypatch)
         stubs = tuple(s for s in RFC_STUBS if s.split(".")[0] != "backpack")
     with imported_from(rfc_code, "train", "models", "utils", stubs=stubs) as (rfc, rfc_models, rfc_utils):
-        mlp = rfc_models.MLP(cfg.model.hidden)
-        top = rfc_models.TopMLP(cfg.model.hidden, n_targets=2 if two_logits else 1, fishr=method == "fishr")
-    ref = {"featurizer.lin1": mlp._main[0], "featurizer.lin2": mlp._main[2], "head": top.lin1}
-    with torch.no_grad():
-        for name, layer in ref.items():
-            layer.weight.copy_(initial[f"{name}.weight"])
-            layer.bias.copy_(initial[f"{name}.bias"])
+        mlp, top = _rfc_model(rfc_models, initial, cfg.model.hidden, 2 if two_logits else 1, fishr=method == "fishr")
     # gm_train reads its schedule from a module-level `flags` (RFC's argparse namespace)
     rfc.flags = SimpleNamespace(l2_regularizer_weight=details["l2"], penalty_weight=pen["weight"],
                                 penalty_anneal_iters=pen["anneal_iters"], anneal_val=pen["anneal_val"])
@@ -460,9 +480,7 @@ def test_rfc_trainer_equals_owai_bonsai(method, tmp_path, monkeypatch, float64):
     getattr(rfc, trainer_name)(mlp, top, STEPS, envs, test_envs, lossf, pen["anneal_iters"], pen["weight"],
                                pen["anneal_val"], cfg.train.lr, details["l2"], verbose=False, eval_steps=1000,
                                **kwargs)
-    theirs = {f"{name}.{part}": getattr(layer, part).detach() for name, layer in ref.items()
-              for part in ("weight", "bias")}
-    worst, err, least_moved = _weights_gap(trained, initial, theirs)
+    worst, err, least_moved = _weights_gap(trained, initial, _rfc_weights(mlp, top))
     print(f"parity RFC {trainer_name} / owai {method}: max |weight diff| {err:.1e} ({worst}); "
           f"each tensor moved >= {least_moved:.1e}")
     assert least_moved > 1e-3
@@ -470,19 +488,13 @@ def test_rfc_trainer_equals_owai_bonsai(method, tmp_path, monkeypatch, float64):
 
 
 def rfc_pi(rfc_models, rfc_utils, envs: list[dict], fit: list[torch.Tensor], stage_inits: list[dict],
-           final_init: dict, hidden: int, lr: float, l2: float, steps1: int, steps3: int) -> list[torch.nn.Module]:
+           final_init: dict, hidden: int, lr: float, l2: float, steps1: int, steps3: int) -> list[tuple]:
     """RFC's predict-then-interpolate (coloredmnist/PI.py). PI.py is a script that trains at import,
     so its three stages are written out here, as it runs them, with its own MLP, TopMLP, mean_nll and
     correct_pred. The initial weights and each environment's 90 % (`fit`; PI.py shuffles with numpy's
-    global RNG) come from owai's run. Returns the stage models and the final model."""
-    def model_from(weights: dict) -> torch.nn.Module:
-        mlp, top = rfc_models.MLP(hidden_dim=hidden), rfc_models.TopMLP(hidden_dim=hidden, n_top_layers=2, n_targets=1)
-        with torch.no_grad():
-            for name, layer in {"featurizer.lin1": mlp._main[0], "featurizer.lin2": mlp._main[2],
-                                "head": top.lin1}.items():
-                layer.weight.copy_(weights[f"{name}.weight"])
-                layer.bias.copy_(weights[f"{name}.bias"])
-        return torch.nn.Sequential(mlp, top)
+    global RNG) come from owai's run. Returns the (mlp, top) of the stage models and the final model."""
+    def model_from(weights: dict) -> torch.nn.Module:  # PI.py's n_top_layers=2: TopMLP has one layer anyway
+        return torch.nn.Sequential(*_rfc_model(rfc_models, weights, hidden, 1))
 
     def step(model, optimizer, loss) -> None:
         weight_norm = 0
@@ -512,7 +524,7 @@ def rfc_pi(rfc_models, rfc_utils, envs: list[dict], fit: list[torch.Tensor], sta
     for _ in range(steps3):
         losses = torch.stack([rfc_utils.mean_nll(model(x), y) for x, y in created])
         step(model, optimizer, losses[torch.argmax(losses)])
-    return [*models, model]
+    return [(m[0], m[1]) for m in (*models, model)]
 
 
 def test_rfc_pi_equals_owai_pi(tmp_path, monkeypatch, float64):
@@ -529,7 +541,7 @@ def test_rfc_pi_equals_owai_pi(tmp_path, monkeypatch, float64):
     details = results["details"]
     assert details["pi"]["steps1"] == steps1 and len(details["pi"]["groups"]) == 4  # no group is empty
     data = owai_cmnist.load_data(cfg)
-    envs = [{"images": e.x.reshape(len(e.x), -1), "labels": e.y.reshape(-1, 1)} for e in data.train]
+    envs = _rfc_envs(data.train)
     fit = []
     for i, e in enumerate(data.train):  # owai's hold-out draw (pi_groups_for): the first 90 % of a keyed order
         order = torch.randperm(len(e.y), generator=generator(cfg.seed, "pi", "holdout", i))
@@ -543,16 +555,109 @@ def test_rfc_pi_equals_owai_pi(tmp_path, monkeypatch, float64):
     stages = [f"pi.env{i + 1}" for i in range(len(envs))] + ["train"]
     for stage, start, model in zip(stages, [*stage_inits, initial], models):
         _, state = load_checkpoint(latest_checkpoint(run.path / "checkpoints" / stage))
-        mlp, top = model[0], model[1]
-        theirs = {f"{name}.{part}": getattr(layer, part).detach() for name, layer in
-                  {"featurizer.lin1": mlp._main[0], "featurizer.lin2": mlp._main[2], "head": top.lin1}.items()
-                  for part in ("weight", "bias")}
-        worst, err, least_moved = _weights_gap(state["model"], start, theirs)
+        worst, err, least_moved = _weights_gap(state["model"], start, _rfc_weights(*model))
         print(f"parity RFC PI.py / owai pi, {stage}: max |weight diff| {err:.1e} ({worst}); "
               f"each tensor moved >= {least_moved:.1e}")
         assert least_moved > 1e-3
         assert err <= 1e-9, f"pi {stage}: owai and RFC differ by {err:.2e} in {worst}"
     print(f"parity RFC PI.py / owai pi: groups {details['pi']['groups']}")
+
+
+def rfc_bonsai(rfc, rfc_models, rfc_utils, envs: list[dict], test_envs: list[dict], init: dict, init_heads: dict,
+               balance: Any, hidden: int, lr: float, l2: float, steps: tuple[int, int, int]) -> list[tuple]:
+    """RFC's Bonsai for ColoredMNIST as coloredmnist_rfc.sh chains it: round 0 (run_exp.py --methods erm),
+    round 1 (--methods dro, groups from round 0), the synthesis (run_exp_syn.py, groups and pseudo-labels
+    from both rounds) and the averaged head. The trainers are the clone's erm_train, dro_train and
+    syn_train. run_exp.py and run_exp_syn.py are scripts, so their glue is written out here: the
+    correct/incorrect groups, the pseudo-labels, the balance trick's resampling and the head average.
+    `balance(n_agree, n_disagree)` gives the positions run_exp_syn.py draws with np.random.choice.
+    Returns the (mlp, top) of both rounds and of the synthesis, then the averaged head's weights."""
+    x = torch.cat([env["images"] for env in envs])
+    y = torch.cat([env["labels"] for env in envs])
+    erm_steps, rerm_steps, syn_steps = steps
+    args = (rfc_utils.mean_nll, 0, 0.0, 1, lr, l2)  # lossf, no anneal, weight 0, anneal_val 1
+    out, groups, pseudolabels = [], [], []
+    for k, n_steps in enumerate((erm_steps, rerm_steps)):
+        mlp, top = _rfc_model(rfc_models, init, hidden, 1)
+        if k == 0:
+            rfc.erm_train(mlp, top, n_steps, envs, test_envs, *args, verbose=False, eval_steps=10**9)
+        else:  # run_exp.py with --group_dirs: one environment per value of round 0's group
+            group = groups[0]
+            split = [{"images": x[group == v], "labels": y[group == v]} for v in np.unique(group)]
+            rfc.dro_train(mlp, top, n_steps, split, test_envs, *args, verbose=False, eval_steps=10**9)
+        with torch.no_grad():  # run_exp.py's end: group = correct, pseudo-label = the prediction
+            group, _ = rfc_utils.correct_pred(top(mlp(x)), y)
+        pseudo = np.copy(y.numpy().flatten())
+        pseudo[~group] = 1 - pseudo[~group]
+        groups.append(group)
+        pseudolabels.append(pseudo)
+        out.append((mlp, top))
+    n_groups = len(groups)  # run_exp_syn.py
+    votes = np.array(groups).T.astype(int)
+    agree = (votes.sum(axis=1) == n_groups) | (votes.sum(axis=1) == 0)
+    pseudolabel = torch.tensor(np.array(pseudolabels).T, dtype=x.dtype)  # FloatTensor there: 0/1 either way
+    posidx, negidx = balance(int(agree.sum()), int((~agree).sum()))
+    xs = torch.cat([x[agree][posidx], x[~agree][negidx]])
+    ys = torch.cat([pseudolabel[agree][posidx], pseudolabel[~agree][negidx]])
+    mlp, top = _rfc_model(rfc_models, init_heads, hidden, n_groups)
+    rfc.syn_train(mlp, top, syn_steps, [{"images": xs, "labels": ys}], test_envs, *args, verbose=False,
+                  eval_steps=10**9, hparams={"ntasks": n_groups})
+    out.append((mlp, top))
+    weight, bias = top.lin1.weight.detach()[:1].clone(), top.lin1.bias.detach()[:1].clone()
+    for i in range(1, n_groups):
+        weight += top.lin1.weight.detach()[i:i + 1]
+        bias += top.lin1.bias.detach()[i:i + 1]
+    out.append((weight / n_groups, bias / n_groups))
+    return out
+
+
+def test_rfc_bonsai_equals_owai_bonsai(tmp_path, monkeypatch, float64):
+    """`owai bonsai --init bonsai --method vrex` (table2.4, ColoredMNIST) against RFC's Bonsai scripts and
+    then its vrex_train from the Bonsai representation: the same initial weights and resampling draws;
+    10 steps per Bonsai phase, 30 vREx steps. Each phase's weights and the downstream model's."""
+    rfc_code = clone("RFC") / "coloredmnist"
+    steps = (10, 10, 10)
+    settings = ["method=vrex", "init=bonsai", f"train.steps={STEPS}", "bonsai.stopping=fixed",
+                f"bonsai.erm_steps={steps[0]}", f"bonsai.rerm_steps={steps[1]}", f"bonsai.synthesis_steps={steps[2]}",
+                "train.eval_every=1000", "train.checkpoint_every=1000", "train.log_every=1000"]
+    monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
+    run, results = execute(RECIPE, "tiny", settings, out=tmp_path / "runs")
+    cfg, _ = resolve(load(RECIPE), "tiny", settings)
+    details = results["details"]
+    pen = details["penalty"]
+    assert pen["anneal_iters"] == 0 and details["bonsai"]["synthesis_steps"] == steps[2]
+    data = owai_cmnist.load_data(cfg)
+    envs, test_envs = _rfc_envs(data.train), _rfc_envs(data.test)
+    n = sum(len(e.y) for e in data.train)
+
+    def balance(n_agree: int, n_disagree: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # owai's draws (balanced_indices, generator(seed, "bonsai", "balance")): n/2 uniform positions in
+        # each side, with replacement, as np.random.choice(np.arange(side), n // 2, replace=True) draws them
+        gen = generator(cfg.seed, "bonsai", "balance")
+        return torch.randint(n_agree, (n // 2,), generator=gen), torch.randint(n_disagree, (n - n // 2,), generator=gen)
+
+    init = fresh_mlp((cfg.seed, "init"), cfg.model.hidden, 1, "cpu").state_dict()
+    init_heads = fresh_mlp((cfg.seed, "init"), cfg.model.hidden, 2, "cpu").state_dict()
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    with imported_from(rfc_code, "train", "models", "utils", stubs=RFC_STUBS) as (rfc, rfc_models, rfc_utils):
+        *phases, (head_weight, head_bias) = rfc_bonsai(
+            rfc, rfc_models, rfc_utils, envs, test_envs, init, init_heads, balance, cfg.model.hidden, cfg.train.lr,
+            owai_cmnist.bonsai_l2(cfg), steps)
+        mlp, top = _rfc_model(rfc_models, {**_rfc_weights(*phases[-1]), "head.weight": head_weight,
+                                           "head.bias": head_bias}, cfg.model.hidden, 1)
+        bonsai_start = _rfc_weights(mlp, top)
+        rfc.vrex_train(mlp, top, STEPS, envs, test_envs, rfc_utils.mean_nll, pen["anneal_iters"], pen["weight"],
+                       pen["anneal_val"], cfg.train.lr, details["l2"], verbose=False, eval_steps=1000)
+    stages = {"bonsai.round0": (init, phases[0]), "bonsai.round1": (init, phases[1]),
+              "bonsai.synthesis": (init_heads, phases[2]), "train": (bonsai_start, (mlp, top))}
+    for stage, (start, model) in stages.items():
+        _, state = load_checkpoint(latest_checkpoint(run.path / "checkpoints" / stage))
+        worst, err, least_moved = _weights_gap(state["model"], start, _rfc_weights(*model))
+        print(f"parity RFC Bonsai / owai bonsai, {stage}: max |weight diff| {err:.1e} ({worst}); "
+              f"each tensor moved >= {least_moved:.1e}")
+        assert least_moved > 1e-4, stage
+        assert err <= 1e-9, f"{stage}: owai and RFC differ by {err:.2e} in {worst}"
+    print(f"parity RFC Bonsai / owai bonsai: agreement {details['bonsai']['agree_fraction']}")
 
 
 # ------------------------------------------------------------------ Three Moons (MLX)
