@@ -9,6 +9,7 @@
   run (`execute`), 30 full-batch Adam steps across the anneal step, in float64: the final weights. PI.py
   (a script: its three stages written out with the clone's own pieces) against `owai bonsai`'s PI run,
   and RFC's Bonsai (its trainers, the scripts' glue written out) against `owai bonsai --init bonsai`.
+  RFC's ColoredMNIST construction against owai's `rng="rfc"` (MNIST's training file from $OWAI_DATA).
 - Three Moons (MemoryMosaics/ThreeMoons, MLX): the reference's data against owai's; its
   `ContextMemory` against owai's `MoonMemory` (outputs and gradients); its training loop from owai's
   initial weights on owai's batches against `owai moons`'s whole run; and its two generation routines
@@ -658,6 +659,41 @@ def test_rfc_bonsai_equals_owai_bonsai(tmp_path, monkeypatch, float64):
         assert least_moved > 1e-4, stage
         assert err <= 1e-9, f"{stage}: owai and RFC differ by {err:.2e} in {worst}"
     print(f"parity RFC Bonsai / owai bonsai: agreement {details['bonsai']['agree_fraction']}")
+
+
+# owai variant -> RFC's coloredmnist(label_noise_rate, trenv1, trenv2) (run_exp.py's dataset keys)
+RFC_DATASETS = {"coloredmnist": (0.25, 0.1, 0.2), "coloredmnist-gray": (0.25, 0.5, 0.5),
+                "inverse-coloredmnist": (0.1, 0.2, 0.25)}
+
+
+@pytest.mark.parametrize("name", list(RFC_DATASETS))
+def test_rfc_coloredmnist_equals_owai_rng_rfc(name, shared_data, monkeypatch):
+    """RFC's `coloredmnist()` (mydatasets.py) on MNIST's 60 000 training images, after run_exp.py's
+    `np.random.seed(restart); torch.manual_seed(restart)`, against owai's paper split with
+    `rng="rfc"`: the same five environments, image for image and label for label."""
+    from owai.data.colored_mnist import load_colored_mnist
+    from owai.data.mnist import load_mnist
+
+    rfc_code = clone("RFC") / "coloredmnist"
+    mnist = load_mnist("train")  # from $OWAI_DATA
+    seed = 3
+    ours = load_colored_mnist(name, seed=seed, mnist_split="train", rng="rfc")
+    reader = SimpleNamespace(data=mnist.images.clone(), targets=mnist.labels.clone())  # RFC shuffles them in place
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    numpy_state = np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]), imported_from(rfc_code, "mydatasets", stubs=RFC_STUBS) as (rfc_data,):
+            rfc_data.datasets = SimpleNamespace(MNIST=lambda *args, **kwargs: reader)
+            np.random.seed(seed)
+            torch.manual_seed(seed)
+            envs, test_envs = rfc_data.coloredmnist(*RFC_DATASETS[name])
+    finally:
+        np.random.set_state(numpy_state)
+    assert [len(e["labels"]) for e in envs + test_envs] == [25_000, 25_000, 10_000, 10_000, 10_000]
+    for k, (theirs, env) in enumerate(zip(envs + test_envs, ours.train + ours.test)):
+        assert torch.equal(theirs["images"], env.x), f"environment {k}: images"
+        assert torch.equal(theirs["labels"].reshape(-1).long(), env.y.reshape(-1).long()), f"environment {k}: labels"
+    print(f"parity RFC coloredmnist{RFC_DATASETS[name]} / owai {name} (rng rfc, seed {seed}): 5 environments identical")
 
 
 # ------------------------------------------------------------------ Three Moons (MLX)
