@@ -612,13 +612,16 @@ def rfc_bonsai(rfc, rfc_models, rfc_utils, envs: list[dict], test_envs: list[dic
     return out
 
 
-def test_rfc_bonsai_equals_owai_bonsai(tmp_path, monkeypatch, float64):
-    """`owai bonsai --init bonsai --method vrex` (table2.4, ColoredMNIST) against RFC's Bonsai scripts and
-    then its vrex_train from the Bonsai representation: the same initial weights and resampling draws;
-    10 steps per Bonsai phase, 30 vREx steps. Each phase's weights and the downstream model's."""
+@pytest.mark.parametrize("init", ["bonsai", "bonsai-cf"])
+def test_rfc_bonsai_equals_owai_bonsai(init, tmp_path, monkeypatch, float64):
+    """`owai bonsai --init bonsai[-cf] --method vrex` (table2.4, ColoredMNIST) against RFC's Bonsai scripts
+    and then its vrex_train from the Bonsai representation (with freeze_featurizer for -cf, where owai
+    trains the head on cached features): the same initial weights and resampling draws; 10 steps per
+    Bonsai phase, 30 vREx steps. Each phase's weights and the downstream model's."""
     rfc_code = clone("RFC") / "coloredmnist"
     steps = (10, 10, 10)
-    settings = ["method=vrex", "init=bonsai", f"train.steps={STEPS}", "bonsai.stopping=fixed",
+    frozen = init == "bonsai-cf"
+    settings = ["method=vrex", f"init={init}", f"train.steps={STEPS}", "bonsai.stopping=fixed",
                 f"bonsai.erm_steps={steps[0]}", f"bonsai.rerm_steps={steps[1]}", f"bonsai.synthesis_steps={steps[2]}",
                 "train.eval_every=1000", "train.checkpoint_every=1000", "train.log_every=1000"]
     monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
@@ -637,28 +640,34 @@ def test_rfc_bonsai_equals_owai_bonsai(tmp_path, monkeypatch, float64):
         gen = generator(cfg.seed, "bonsai", "balance")
         return torch.randint(n_agree, (n // 2,), generator=gen), torch.randint(n_disagree, (n - n // 2,), generator=gen)
 
-    init = fresh_mlp((cfg.seed, "init"), cfg.model.hidden, 1, "cpu").state_dict()
+    initial = fresh_mlp((cfg.seed, "init"), cfg.model.hidden, 1, "cpu").state_dict()
     init_heads = fresh_mlp((cfg.seed, "init"), cfg.model.hidden, 2, "cpu").state_dict()
     monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
     with imported_from(rfc_code, "train", "models", "utils", stubs=RFC_STUBS) as (rfc, rfc_models, rfc_utils):
         *phases, (head_weight, head_bias) = rfc_bonsai(
-            rfc, rfc_models, rfc_utils, envs, test_envs, init, init_heads, balance, cfg.model.hidden, cfg.train.lr,
+            rfc, rfc_models, rfc_utils, envs, test_envs, initial, init_heads, balance, cfg.model.hidden, cfg.train.lr,
             owai_cmnist.bonsai_l2(cfg), steps)
         mlp, top = _rfc_model(rfc_models, {**_rfc_weights(*phases[-1]), "head.weight": head_weight,
                                            "head.bias": head_bias}, cfg.model.hidden, 1)
         bonsai_start = _rfc_weights(mlp, top)
         rfc.vrex_train(mlp, top, STEPS, envs, test_envs, rfc_utils.mean_nll, pen["anneal_iters"], pen["weight"],
-                       pen["anneal_val"], cfg.train.lr, details["l2"], verbose=False, eval_steps=1000)
-    stages = {"bonsai.round0": (init, phases[0]), "bonsai.round1": (init, phases[1]),
+                       pen["anneal_val"], cfg.train.lr, details["l2"], freeze_featurizer=frozen, verbose=False,
+                       eval_steps=1000)
+    stages = {"bonsai.round0": (initial, phases[0]), "bonsai.round1": (initial, phases[1]),
               "bonsai.synthesis": (init_heads, phases[2]), "train": (bonsai_start, (mlp, top))}
     for stage, (start, model) in stages.items():
         _, state = load_checkpoint(latest_checkpoint(run.path / "checkpoints" / stage))
-        worst, err, least_moved = _weights_gap(state["model"], start, _rfc_weights(*model))
-        print(f"parity RFC Bonsai / owai bonsai, {stage}: max |weight diff| {err:.1e} ({worst}); "
+        theirs = _rfc_weights(*model)
+        worst, err, least_moved = _weights_gap(state["model"], start, theirs)
+        if frozen and stage == "train":  # the featurizer stays the synthesis's: only the head's movement counts
+            least_moved = _weights_gap(state["model"], start, {k: v for k, v in theirs.items() if k.startswith("head.")})[2]
+            _, synthesis = load_checkpoint(latest_checkpoint(run.path / "checkpoints" / "bonsai.synthesis"))
+            assert all(torch.equal(state["model"][k], synthesis["model"][k]) for k in theirs if k.startswith("featurizer."))
+        print(f"parity RFC Bonsai / owai {init}, {stage}: max |weight diff| {err:.1e} ({worst}); "
               f"each tensor moved >= {least_moved:.1e}")
         assert least_moved > 1e-4, stage
         assert err <= 1e-9, f"{stage}: owai and RFC differ by {err:.2e} in {worst}"
-    print(f"parity RFC Bonsai / owai bonsai: agreement {details['bonsai']['agree_fraction']}")
+    print(f"parity RFC Bonsai / owai {init}: agreement {details['bonsai']['agree_fraction']}")
 
 
 # owai variant -> RFC's coloredmnist(label_noise_rate, trenv1, trenv2) (run_exp.py's dataset keys)
