@@ -10,6 +10,7 @@
   (a script: its three stages written out with the clone's own pieces) against `owai bonsai`'s PI run,
   and RFC's Bonsai (its trainers, the scripts' glue written out) against `owai bonsai --init bonsai`.
   RFC's ColoredMNIST construction against owai's `rng="rfc"` (MNIST's training file from $OWAI_DATA).
+  RFC's Camelyon17 objectives (ERM, IRM, vREx) against owai's downstream penalties.
 - Three Moons (MemoryMosaics/ThreeMoons, MLX): the reference's data against owai's; its
   `ContextMemory` against owai's `MoonMemory` (outputs and gradients); its training loop from owai's
   initial weights on owai's batches against `owai moons`'s whole run; and its two generation routines
@@ -23,8 +24,8 @@
 The reference code is not part of owai and is never copied into it: set $OWAI_REFERENCE_CODE to a
 folder holding the clones `MemoryMosaics/`, `RFC/` and `seq_icl/`; without them these tests skip, and
 the Three Moons and RegBench ones also skip without MLX or pythomata (`pip install 'mlx[cpu]'
-pythomata`), and RFC's Fishr without BackPACK (`pip install --no-deps backpack-for-pytorch einops
-unfoldNd`). The reference modules are imported from there for the test only, and removed from
+pythomata`), RFC's Fishr without BackPACK and its Camelyon17 objectives without WILDS (`pip install
+--no-deps backpack-for-pytorch einops unfoldNd wilds`). The reference modules are imported from there for the test only, and removed from
 `sys.modules` afterwards.
 """
 
@@ -668,6 +669,60 @@ def test_rfc_bonsai_equals_owai_bonsai(init, tmp_path, monkeypatch, float64):
         assert least_moved > 1e-4, stage
         assert err <= 1e-9, f"{stage}: owai and RFC differ by {err:.2e} in {worst}"
     print(f"parity RFC Bonsai / owai {init}: agreement {details['bonsai']['agree_fraction']}")
+
+
+# owai's Camelyon17 downstream method -> RFC's algorithm class (src/algorithms/<name>.py)
+RFC_CAMELYON = {"erm": "ERM", "irm": "IRM", "vrex": "VREX"}
+
+
+@pytest.mark.parametrize("weight", [0.5, 100.0])
+@pytest.mark.parametrize("method", list(RFC_CAMELYON))
+def test_rfc_camelyon17_objectives_equal_owai(method, weight):
+    """RFC's Camelyon17 algorithms (src/algorithms: WILDS subclasses whose modules import torchvision
+    through the model zoo) run alone: their `objective` (and IRM's `irm_penalty`) with WILDS's
+    `split_into_groups` and RFC's own `initialize_loss("cross_entropy")`, on a stand-in `self`. Against
+    owai's `make_downstream_penalty` on the same group-loader batch (2 hospitals x 16 patches, 2 logits),
+    split by hospital as owai's downstream loop splits it: the loss and its gradient before the anneal
+    step (weight 0) and after it (the weight; the loss divided by it when it is above 1). RFC's CLOvE is
+    left out: owai implements the intended max-softmax MMCE (docs/decisions.md, Camelyon17)."""
+    from owai.methods.camelyon17 import Config as CamelyonConfig
+    from owai.methods.camelyon17 import PenaltyConfig, make_downstream_penalty
+    from owai.methods.invariance import EnvBatch
+
+    reason = "needs WILDS for RFC's Camelyon17 algorithms: pip install --no-deps wilds (tested with 2.0.0)"
+    wilds_utils = pytest.importorskip("wilds.common.utils", reason=reason)
+    wilds_loss = pytest.importorskip("wilds.common.metrics.loss", reason=reason)
+    src = clone("RFC") / "src"
+    cls = RFC_CAMELYON[method]
+    ns = {"torch": torch, "autograd": torch.autograd, "nn": torch.nn, "split_into_groups": wilds_utils.split_into_groups,
+          "ElementwiseLoss": wilds_loss.ElementwiseLoss}
+    reference_definitions(src / "losses.py", ("initialize_loss",), ns)
+    reference_definitions(src / "algorithms" / f"{cls}.py",
+                          (f"{cls}.objective", *(("IRM.irm_penalty",) if method == "irm" else ())), ns)
+    anneal = 2
+    penalty = make_downstream_penalty(CamelyonConfig(method=method, penalty=PenaltyConfig(weight=weight,
+                                                                                          anneal_iters=anneal)))
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(32, 2, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 2, (32,), generator=gen)
+    g = torch.tensor([3] * 16 + [0] * 16)  # the group loader's order: one hospital's 16, then the other's
+    for step in (0, anneal):
+        reference = SimpleNamespace(loss=ns["initialize_loss"]("cross_entropy", None), is_training=True,
+                                    use_unlabeled_y=False, update_count=step, irm_lambda=weight,
+                                    irm_penalty_anneal_iters=anneal, save_metric_for_logging=lambda *a: None,
+                                    scale=torch.tensor(1.0, dtype=torch.float64).requires_grad_())
+        reference.irm_penalty = lambda losses, self=reference: ns["irm_penalty"](self, losses)
+        theirs_in = logits.clone().requires_grad_()
+        theirs = ns["objective"](reference, {"y_pred": theirs_in, "y_true": y, "g": g})
+        ours_in = logits.clone().requires_grad_()
+        envs = [EnvBatch(ours_in[g == h], y[g == h]) for h in g.unique_consecutive().tolist()]
+        ours = penalty.objective(envs, step).loss
+        theirs.backward()
+        ours.backward()
+        print(f"parity RFC Camelyon17 {cls}.objective / owai {method} (weight {weight}, step {step}): "
+              f"loss {theirs.item():.6f} / {ours.item():.6f}")
+        assert ours.item() == pytest.approx(theirs.item(), rel=1e-12, abs=1e-15)
+        torch.testing.assert_close(ours_in.grad, theirs_in.grad, rtol=1e-10, atol=1e-14)
 
 
 # owai variant -> RFC's coloredmnist(label_noise_rate, trenv1, trenv2) (run_exp.py's dataset keys)
