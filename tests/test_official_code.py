@@ -10,7 +10,7 @@
   (a script: its three stages written out with the clone's own pieces) against `owai bonsai`'s PI run,
   and RFC's Bonsai (its trainers, the scripts' glue written out) against `owai bonsai --init bonsai`.
   RFC's ColoredMNIST construction against owai's `rng="rfc"` (MNIST's training file from $OWAI_DATA).
-  RFC's Camelyon17 objectives (ERM, IRM, vREx) against owai's downstream penalties.
+  RFC's Camelyon17 objectives (ERM, IRM, vREx; GroupDRO of the discovery rounds) against owai's.
 - Three Moons (MemoryMosaics/ThreeMoons, MLX): the reference's data against owai's; its
   `ContextMemory` against owai's `MoonMemory` (outputs and gradients); its training loop from owai's
   initial weights on owai's batches against `owai moons`'s whole run; and its two generation routines
@@ -723,6 +723,55 @@ def test_rfc_camelyon17_objectives_equal_owai(method, weight):
               f"loss {theirs.item():.6f} / {ours.item():.6f}")
         assert ours.item() == pytest.approx(theirs.item(), rel=1e-12, abs=1e-15)
         torch.testing.assert_close(ours_in.grad, theirs_in.grad, rtol=1e-10, atol=1e-14)
+
+
+def _scatter_mean(src: torch.Tensor, index: torch.Tensor, dim_size: int, reduce: str = "mean") -> torch.Tensor:
+    """torch_scatter's `scatter(..., reduce="mean")` for 1-D inputs (an empty slot gives 0), which WILDS's
+    `avg_over_groups` imports: torch_scatter is a compiled extension with no wheel for this torch."""
+    assert reduce == "mean" and src.ndim == 1
+    return src.new_zeros(dim_size).scatter_reduce(0, index, src, "mean", include_self=False)
+
+
+def test_rfc_camelyon17_group_dro_equals_owai_rounds(monkeypatch):
+    """A discovery round's GroupDRO (RFC's src/algorithms/groupDRO.py) against owai's `group_dro_loss`,
+    over 5 steps of random batches: 4 groups, one never in training (its weight stays 0 in RFC, owai
+    leaves it out), and batches that miss a training group (loss 0 there, as WILDS's
+    `compute_group_wise` gives). RFC's `objective` runs as it is, with WILDS's loss; its `_update`
+    first moves the group weights (two lines, written out here, since the rest of `_update` is WILDS's
+    training step). The loss and its gradient at every step, so the weights' history is compared too."""
+    monkeypatch.setitem(sys.modules, "torch_scatter", SimpleNamespace(scatter=_scatter_mean))
+    from owai.methods.camelyon17 import group_dro_loss
+    from owai.methods.invariance import make_penalty
+
+    reason = "needs WILDS for RFC's Camelyon17 algorithms: pip install --no-deps wilds (tested with 2.0.0)"
+    wilds_loss = pytest.importorskip("wilds.common.metrics.loss", reason=reason)
+    src = clone("RFC") / "src"
+    ns = {"torch": torch, "nn": torch.nn, "ElementwiseLoss": wilds_loss.ElementwiseLoss}
+    reference_definitions(src / "losses.py", ("initialize_loss",), ns)
+    reference_definitions(src / "algorithms" / "groupDRO.py", ("GroupDRO.objective",), ns)
+    eta, n_groups, in_train = 0.01, 4, torch.tensor([True, True, True, False])
+    weights = in_train.double() / in_train.sum()  # GroupDRO.__init__: uniform over the groups in train
+    reference = SimpleNamespace(loss=ns["initialize_loss"]("cross_entropy", None), group_weights=weights,
+                                grouper=SimpleNamespace(n_groups=n_groups))
+    penalty = make_penalty("groupdro", eta=eta)
+    gen = torch.Generator().manual_seed(11)
+    for step in range(5):
+        logits = torch.randn(32, 2, generator=gen, dtype=torch.float64) * 3
+        y = torch.randint(0, 2, (32,), generator=gen)
+        g = torch.randint(0, 3 if step % 2 == 0 else 2, (32,), generator=gen)  # odd steps: group 2 absent
+        theirs_in, ours_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        results = {"y_pred": theirs_in, "y_true": y, "g": g}
+        group_losses, _, _ = reference.loss.compute_group_wise(theirs_in, y, g, n_groups, return_dict=False)
+        reference.group_weights = reference.group_weights * torch.exp(eta * group_losses.data)  # GroupDRO._update
+        reference.group_weights = reference.group_weights / reference.group_weights.sum()
+        theirs = ns["objective"](reference, results)
+        ours = group_dro_loss(penalty, ours_in, y, g, torch.nonzero(in_train).reshape(-1))
+        theirs.backward()
+        ours.backward()
+        print(f"parity RFC Camelyon17 GroupDRO / owai round loss, step {step}: {theirs.item():.6f} / {ours.item():.6f}")
+        assert ours.item() == pytest.approx(theirs.item(), rel=1e-12)
+        torch.testing.assert_close(ours_in.grad, theirs_in.grad, rtol=1e-10, atol=1e-14)
+        torch.testing.assert_close(penalty.q, reference.group_weights[in_train], rtol=1e-12, atol=0)
 
 
 # owai variant -> RFC's coloredmnist(label_noise_rate, trenv1, trenv2) (run_exp.py's dataset keys)

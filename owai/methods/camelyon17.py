@@ -479,10 +479,7 @@ def discovery_round(ctx: Context, k: int, earlier: list[RoundResult], checkpoint
         target = labels[pos].to(ctx.device)
         if penalty is None:
             return F.cross_entropy(logits, target)
-        losses = F.cross_entropy(logits, target, reduction="none")
-        g = groups[pos].to(ctx.device)
-        per_group = [losses[g == grp].mean() if bool((g == grp).any()) else losses.new_zeros(()) for grp in present.tolist()]
-        return penalty.risk(per_group)  # absent groups: loss 0, q unchanged before normalisation (WILDS)
+        return group_dro_loss(penalty, logits, target, groups[pos].to(ctx.device), present)
 
     def evaluate() -> dict[str, float]:
         return split_metrics(ctx, {s: forward_split(ctx, net, s) for s in EVAL_SPLITS})
@@ -494,6 +491,16 @@ def discovery_round(ctx: Context, k: int, earlier: list[RoundResult], checkpoint
     save_entry(path, {**_prefixed(result.best_state, "state."), **_prefixed(preds, "pred.")},
                {"curves": result.curves, "epoch": result.epoch, "key": discovery_key(ctx), "round": k})
     return RoundResult(result.best_state, preds, result.curves, result.epoch, path)
+
+
+def group_dro_loss(penalty: Any, logits: torch.Tensor, target: torch.Tensor, g: torch.Tensor,
+                   present: torch.Tensor) -> torch.Tensor:
+    """A discovery round's GroupDRO loss on one batch: the mean cross-entropy of each group `present`
+    in the training set, 0 for one absent from the batch (WILDS's `compute_group_wise`), through the
+    penalty's q (uniform over `present` at first, updated before it weighs the losses)."""
+    losses = F.cross_entropy(logits, target, reduction="none")
+    per_group = [losses[g == grp].mean() if bool((g == grp).any()) else losses.new_zeros(()) for grp in present.tolist()]
+    return penalty.risk(per_group)
 
 
 def network_seed(seed: int, i: int) -> int:
