@@ -151,6 +151,20 @@ def _weights_gap(trained: dict[str, torch.Tensor], initial: dict[str, torch.Tens
     return worst, errors[worst], least_moved
 
 
+def _assert_same_weights(label: str, trained: dict[str, torch.Tensor], initial: dict[str, torch.Tensor],
+                         theirs: dict[str, torch.Tensor], *, moved: float, bound: float = 1e-9,
+                         moving: typing.Container[str] | None = None) -> None:
+    """Print the parity line of two runs from `initial` and assert that owai's `trained` is within
+    `bound` of the reference's `theirs`, every tensor (or every key in `moving`) having moved by more
+    than `moved`."""
+    worst, err, least_moved = _weights_gap(trained, initial, theirs)
+    if moving is not None:
+        least_moved = _weights_gap(trained, initial, {k: v for k, v in theirs.items() if k in moving})[2]
+    print(f"parity {label}: max |weight diff| {err:.1e} ({worst}); each tensor moved >= {least_moved:.1e}")
+    assert least_moved > moved, label
+    assert err <= bound, f"{label}: owai and the reference differ by {err:.2e} in {worst}"
+
+
 # ------------------------------------------------------------------ Memory Mosaics v1
 
 V, C, H, LAYERS, P, T = 61, 32, 4, 2, 24, 256  # T: the reference models' block size (they go no further)
@@ -396,6 +410,12 @@ def backpack_for_fishr(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
+def cuda_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RFC's code calls `.cuda()` on its tensors (scalars, labels, images): here it returns the tensor."""
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+
+
+@pytest.fixture
 def default_float64() -> Iterator[None]:
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
@@ -448,7 +468,7 @@ def _rfc_envs(environments, two_logits: bool = False) -> list[dict]:
 
 
 @pytest.mark.parametrize("method", list(TRAINERS))
-def test_rfc_trainer_equals_owai_bonsai(method, tmp_path, monkeypatch, float64):
+def test_rfc_trainer_equals_owai_bonsai(method, tmp_path, monkeypatch, float64, cuda_on_cpu):
     rfc_code = clone("RFC") / "coloredmnist"
     trainer_name, kwargs, extra = TRAINERS[method]
     settings = [f"method={method}", "init=erm", f"penalty.anneal_iters={ANNEAL}", f"train.steps={STEPS}",
@@ -477,16 +497,11 @@ def test_rfc_trainer_equals_owai_bonsai(method, tmp_path, monkeypatch, float64):
     # gm_train reads its schedule from a module-level `flags` (RFC's argparse namespace)
     rfc.flags = SimpleNamespace(l2_regularizer_weight=details["l2"], penalty_weight=pen["weight"],
                                 penalty_anneal_iters=pen["anneal_iters"], anneal_val=pen["anneal_val"])
-    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)  # its trainers call .cuda() on scalars
     lossf = F.cross_entropy if two_logits else rfc_utils.mean_nll
     getattr(rfc, trainer_name)(mlp, top, STEPS, envs, test_envs, lossf, pen["anneal_iters"], pen["weight"],
                                pen["anneal_val"], cfg.train.lr, details["l2"], verbose=False, eval_steps=1000,
                                **kwargs)
-    worst, err, least_moved = _weights_gap(trained, initial, _rfc_weights(mlp, top))
-    print(f"parity RFC {trainer_name} / owai {method}: max |weight diff| {err:.1e} ({worst}); "
-          f"each tensor moved >= {least_moved:.1e}")
-    assert least_moved > 1e-3
-    assert err <= 1e-9, f"{method}: owai and RFC differ by {err:.2e} in {worst} after {STEPS} steps"
+    _assert_same_weights(f"RFC {trainer_name} / owai {method}", trained, initial, _rfc_weights(mlp, top), moved=1e-3)
 
 
 def rfc_pi(rfc_models, rfc_utils, envs: list[dict], fit: list[torch.Tensor], stage_inits: list[dict],
@@ -529,7 +544,7 @@ def rfc_pi(rfc_models, rfc_utils, envs: list[dict], fit: list[torch.Tensor], sta
     return [(m[0], m[1]) for m in (*models, model)]
 
 
-def test_rfc_pi_equals_owai_pi(tmp_path, monkeypatch, float64):
+def test_rfc_pi_equals_owai_pi(tmp_path, monkeypatch, float64, cuda_on_cpu):
     """`owai bonsai --method pi` (table2.5-pi on ColoredMNIST, init rand) against RFC's PI.py from the same
     initial weights and hold-outs: 10 stage-1 steps per environment, then 30 RERM steps. The weights of
     both stage models and of the final model (the groups alone could hide a stage-1 difference)."""
@@ -550,18 +565,13 @@ def test_rfc_pi_equals_owai_pi(tmp_path, monkeypatch, float64):
         fit.append(order[: len(e.y) - int(round(0.1 * len(e.y)))])
     stage_inits = [fresh_mlp((cfg.seed, "pi", i), cfg.model.hidden, 1, "cpu").state_dict() for i in range(len(envs))]
     initial = fresh_mlp((cfg.seed, "init"), cfg.model.hidden, 1, "cpu").state_dict()
-    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
     with imported_from(rfc_code, "models", "utils", stubs=RFC_STUBS) as (rfc_models, rfc_utils):
         models = rfc_pi(rfc_models, rfc_utils, envs, fit, stage_inits, initial, cfg.model.hidden, cfg.train.lr,
                         details["l2"], steps1, STEPS)
     stages = [f"pi.env{i + 1}" for i in range(len(envs))] + ["train"]
     for stage, start, model in zip(stages, [*stage_inits, initial], models):
         _, state = load_checkpoint(latest_checkpoint(run.path / "checkpoints" / stage))
-        worst, err, least_moved = _weights_gap(state["model"], start, _rfc_weights(*model))
-        print(f"parity RFC PI.py / owai pi, {stage}: max |weight diff| {err:.1e} ({worst}); "
-              f"each tensor moved >= {least_moved:.1e}")
-        assert least_moved > 1e-3
-        assert err <= 1e-9, f"pi {stage}: owai and RFC differ by {err:.2e} in {worst}"
+        _assert_same_weights(f"RFC PI.py / owai pi, {stage}", state["model"], start, _rfc_weights(*model), moved=1e-3)
     print(f"parity RFC PI.py / owai pi: groups {details['pi']['groups']}")
 
 
@@ -615,7 +625,7 @@ def rfc_bonsai(rfc, rfc_models, rfc_utils, envs: list[dict], test_envs: list[dic
 
 
 @pytest.mark.parametrize("init", ["bonsai", "bonsai-cf"])
-def test_rfc_bonsai_equals_owai_bonsai(init, tmp_path, monkeypatch, float64):
+def test_rfc_bonsai_equals_owai_bonsai(init, tmp_path, monkeypatch, float64, cuda_on_cpu):
     """`owai bonsai --init bonsai[-cf] --method vrex` (table2.4, ColoredMNIST) against RFC's Bonsai scripts
     and then its vrex_train from the Bonsai representation (with freeze_featurizer for -cf, where owai
     trains the head on cached features): the same initial weights and resampling draws; 10 steps per
@@ -644,7 +654,6 @@ def test_rfc_bonsai_equals_owai_bonsai(init, tmp_path, monkeypatch, float64):
 
     initial = fresh_mlp((cfg.seed, "init"), cfg.model.hidden, 1, "cpu").state_dict()
     init_heads = fresh_mlp((cfg.seed, "init"), cfg.model.hidden, 2, "cpu").state_dict()
-    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
     with imported_from(rfc_code, "train", "models", "utils", stubs=RFC_STUBS) as (rfc, rfc_models, rfc_utils):
         *phases, (head_weight, head_bias) = rfc_bonsai(
             rfc, rfc_models, rfc_utils, envs, test_envs, initial, init_heads, balance, cfg.model.hidden, cfg.train.lr,
@@ -660,17 +669,20 @@ def test_rfc_bonsai_equals_owai_bonsai(init, tmp_path, monkeypatch, float64):
     for stage, (start, model) in stages.items():
         _, state = load_checkpoint(latest_checkpoint(run.path / "checkpoints" / stage))
         theirs = _rfc_weights(*model)
-        worst, err, least_moved = _weights_gap(state["model"], start, theirs)
+        moving = None
         if frozen and stage == "train":  # the featurizer stays the synthesis's: only the head's movement counts
-            head = {k: v for k, v in theirs.items() if k.startswith("head.")}
-            least_moved = _weights_gap(state["model"], start, head)[2]
+            moving = {k for k in theirs if k.startswith("head.")}
             _, synthesis = load_checkpoint(latest_checkpoint(run.path / "checkpoints" / "bonsai.synthesis"))
-            assert all(torch.equal(state["model"][k], synthesis["model"][k]) for k in theirs if k not in head)
-        print(f"parity RFC Bonsai / owai {init}, {stage}: max |weight diff| {err:.1e} ({worst}); "
-              f"each tensor moved >= {least_moved:.1e}")
-        assert least_moved > 1e-4, stage
-        assert err <= 1e-9, f"{stage}: owai and RFC differ by {err:.2e} in {worst}"
+            assert all(torch.equal(state["model"][k], synthesis["model"][k]) for k in theirs if k not in moving)
+        _assert_same_weights(f"RFC Bonsai / owai {init}, {stage}", state["model"], start, theirs, moved=1e-4,
+                             moving=moving)
     print(f"parity RFC Bonsai / owai {init}: agreement {details['bonsai']['agree_fraction']}")
+
+
+def wilds(*modules: str) -> list[types.ModuleType]:
+    """WILDS's `modules`, or skip: RFC's Camelyon17 algorithms are WILDS code."""
+    reason = "needs WILDS for RFC's Camelyon17 algorithms: pip install --no-deps wilds (tested with 2.0.0)"
+    return [pytest.importorskip(f"wilds.{m}", reason=reason) for m in modules]
 
 
 # owai's Camelyon17 downstream method -> RFC's algorithm class (src/algorithms/<name>.py)
@@ -691,9 +703,7 @@ def test_rfc_camelyon17_objectives_equal_owai(method, weight):
     from owai.methods.camelyon17 import PenaltyConfig, make_downstream_penalty
     from owai.methods.invariance import EnvBatch
 
-    reason = "needs WILDS for RFC's Camelyon17 algorithms: pip install --no-deps wilds (tested with 2.0.0)"
-    wilds_utils = pytest.importorskip("wilds.common.utils", reason=reason)
-    wilds_loss = pytest.importorskip("wilds.common.metrics.loss", reason=reason)
+    wilds_utils, wilds_loss = wilds("common.utils", "common.metrics.loss")
     src = clone("RFC") / "src"
     cls = RFC_CAMELYON[method]
     ns = {"torch": torch, "autograd": torch.autograd, "nn": torch.nn, "ElementwiseLoss": wilds_loss.ElementwiseLoss,
@@ -745,8 +755,7 @@ def test_rfc_camelyon17_group_dro_equals_owai_rounds(monkeypatch):
     from owai.methods.camelyon17 import group_dro_loss
     from owai.methods.invariance import make_penalty
 
-    reason = "needs WILDS for RFC's Camelyon17 algorithms: pip install --no-deps wilds (tested with 2.0.0)"
-    wilds_loss = pytest.importorskip("wilds.common.metrics.loss", reason=reason)
+    (wilds_loss,) = wilds("common.metrics.loss")
     src = clone("RFC") / "src"
     ns = {"torch": torch, "nn": torch.nn, "ElementwiseLoss": wilds_loss.ElementwiseLoss}
     reference_definitions(src / "losses.py", ("initialize_loss",), ns)
@@ -782,7 +791,7 @@ RFC_DATASETS = {"coloredmnist": (0.25, 0.1, 0.2), "coloredmnist-gray": (0.25, 0.
 
 
 @pytest.mark.parametrize("name", list(RFC_DATASETS))
-def test_rfc_coloredmnist_equals_owai_rng_rfc(name, shared_data, monkeypatch):
+def test_rfc_coloredmnist_equals_owai_rng_rfc(name, shared_data, cuda_on_cpu):
     """RFC's `coloredmnist()` (mydatasets.py) on MNIST's 60 000 training images, after run_exp.py's
     `np.random.seed(restart); torch.manual_seed(restart)`, against owai's paper split with
     `rng="rfc"`: the same five environments, image for image and label for label."""
@@ -794,7 +803,6 @@ def test_rfc_coloredmnist_equals_owai_rng_rfc(name, shared_data, monkeypatch):
     seed = 3
     ours = load_colored_mnist(name, seed=seed, mnist_split="train", rng="rfc")
     reader = SimpleNamespace(data=mnist.images.clone(), targets=mnist.labels.clone())  # RFC shuffles them in place
-    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
     numpy_state = np.random.get_state()
     try:
         with torch.random.fork_rng(devices=[]), imported_from(rfc_code, "mydatasets", stubs=RFC_STUBS) as (rfc_data,):
@@ -970,11 +978,7 @@ def test_reference_training_and_metrics_equal_owai_moons(heads, tmp_path, monkey
         mx.eval(model.parameters())
     theirs = {f"{owai_name}.{part}": w for name, owai_name in MOON_MAPS.items()
               for part, w in complex_parts(from_mlx(reference.complexify(getattr(model, name).weight))).items()}
-    worst, err, least_moved = _weights_gap(trained, inits[0], theirs)
-    print(f"parity Three Moons training heads={heads}: max |weight diff| {err:.1e} ({worst}); "
-          f"each matrix moved >= {least_moved:.1e}")
-    assert least_moved > 0.05
-    assert err <= 1e-5, f"owai and the reference differ by {err:.2e} in {worst}"
+    _assert_same_weights(f"Three Moons training heads={heads}", trained, inits[0], theirs, moved=0.05, bound=1e-5)
 
     curves = results["details"]["variants"][f"heads{heads}"]["curves"]
     n_gen, diffs = cfg.eval.n_gen, {"reference": [], "exact": []}
@@ -1016,14 +1020,18 @@ def reference_definitions(path: Path, names: tuple[str, ...], namespace: dict) -
     return namespace
 
 
+def pythomata() -> types.ModuleType:
+    """pythomata (seq_icl's DFA is a pythomata SimpleDFA), or skip."""
+    return pytest.importorskip("pythomata", reason="needs pythomata for seq_icl's DFA: pip install pythomata")
+
+
 def seq_icl_scoring() -> dict:
     """seq_icl's DFA and Vocab (src/dataloaders/dfa.py), `get_dfa_probs` (analyze.py), its n-gram
     (ngram.py) and the Lightning module's two scoring methods (eval.py): `_get_dfa_accuracy` gives
     `dfa_accuracy`, `_writes_to_file` gives `model_dfa_diff` and the n-gram's numbers."""
     root = clone("seq_icl")
-    pythomata = pytest.importorskip("pythomata", reason="needs pythomata for seq_icl's DFA: pip install pythomata")
     ns = {"np": np, "torch": torch, "os": os, "gzip": gzip, "pickle": pickle, "Tuple": typing.Tuple,
-          "Dict": typing.Dict, "SimpleDFA": pythomata.SimpleDFA}
+          "Dict": typing.Dict, "SimpleDFA": pythomata().SimpleDFA}
     reference_definitions(root / "src" / "dataloaders" / "dfa.py", ("DFA", "Vocab"), ns)
     reference_definitions(root / "analyze.py", ("get_uniform_probs", "get_dfa_probs"), ns)
     with imported_from(root, "ngram") as (ngram,):
@@ -1098,8 +1106,7 @@ def seq_icl_generator() -> type:
       iterating a set of strings, and `DFA.sample` picks by index in that order; here they are sorted
       (owai's order, by id)."""
     root = clone("seq_icl")
-    pythomata = pytest.importorskip("pythomata", reason="needs pythomata for seq_icl's DFA: pip install pythomata")
-    ns = {"np": np, "torch": torch, "Tuple": typing.Tuple, "Dict": typing.Dict, "SimpleDFA": pythomata.SimpleDFA,
+    ns = {"np": np, "torch": torch, "Tuple": typing.Tuple, "Dict": typing.Dict, "SimpleDFA": pythomata().SimpleDFA,
           "Dataset": torch.utils.data.Dataset, "DataLoader": torch.utils.data.DataLoader,
           "SequenceDataset": type("SequenceDataset", (), {})}
     source = root / "src" / "dataloaders" / "dfa.py"
