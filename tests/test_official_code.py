@@ -1,8 +1,9 @@
 """owai beside the official code, run side by side on the same weights and data.
 
-- Memory Mosaics v1: the Library's `StackAssoMem` and nanoMosaics' `MemoryMosaic`
-  (facebookresearch/MemoryMosaics), loaded with one random official-format state dict, against owai's
-  model built from it by `convert_official_state_dict`: logits and gradients in float64. Also the
+- Memory Mosaics v1: the Library's `StackAssoMem` (regular, and eft with its CUDA kernel as the
+  formula it computes) and nanoMosaics' `MemoryMosaic` (facebookresearch/MemoryMosaics), loaded with
+  one random official-format state dict, against owai's model built from it by
+  `convert_official_state_dict`: logits in float64, and gradients but for eft's. Also the
   RegBench plug-in (ICLL/) against the model `owai eval regbench` builds for `mm`.
 - The invariance trainers: RFC's ColoredMNIST trainers (TjuJianyu/RFC, `coloredmnist/train.py`) from
   owai's initial weights on owai's ColoredMNIST environments, against `owai bonsai`'s whole training
@@ -246,6 +247,55 @@ def test_nanomosaics_model_equals_owai(bias, sharp):
     _agree(f"nanoMosaics bias={bias} sharp={sharp}", want, model, reference, sharp_bound=1e-8 if sharp else None)
 
 
+def wkv_forward(B: int, T: int, C: int, w: torch.Tensor, u: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+    """The eft model's CUDA kernel (Library/memory_mosaics/models/cuda/wkv_cuda.cu, `kernel_forward`,
+    RWKV-v4's) as the formula it computes, after `WKV.forward`'s w = -|w|, u = |u|:
+    y_t = (sum_{i<t} e^{(t-1-i) w + k_i} v_i + e^{u + k_t} v_t) / (the same sums without v),
+    per batch row and channel, as a softmax over i. Its backward is autograd's; the kernel's own
+    backward scales the rate's gradient (docs/decisions.md), so only forwards are compared."""
+    w, u = -w.abs(), u.abs()
+    t = torch.arange(T)
+    lag = (t[:, None] - 1 - t[None, :]).to(v.dtype)  # (T query, T past): t - 1 - i
+    past = (t[None, :] < t[:, None])[None, :, :, None]  # (1, T, T, 1)
+    now = (t[None, :] == t[:, None])[None, :, :, None]
+    score = torch.where(past, lag[None, :, :, None] * w + k[:, None], torch.where(now, u + k[:, None], -math.inf))
+    return torch.einsum("btic,bic->btc", torch.softmax(score, dim=2), v)  # (B, T, C)
+
+
+@pytest.mark.parametrize("bias, pre_ln, attn_only", [(False, True, False), (True, False, False), (True, True, True)])
+def test_library_eft_model_equals_owai(bias, pre_ln, attn_only, monkeypatch):
+    """The Library's eft model (memory_mosaics_eft.py, which train_memory_mosaics.py imports by
+    default) against owai's, through the converter's eft path: logits in float64. Its leaky average
+    is a CUDA kernel built with nvcc at construction, so the kernel is replaced by the formula it
+    computes (`wkv_forward`) and the build is skipped; everything around it is the clone's: the
+    Linear inside the leaky average, the shared w = u rate, the low-rank value featurizer, the
+    squared bandwidth of the persistent memory. The clone's module reads `x.dtype` as one of the
+    kernel's float modes, so float64 is given its fp32 mode (the kernel's float path)."""
+    with imported_from(clone("MemoryMosaics") / "Library", "memory_mosaics.models.memory_mosaics_eft",
+                       "memory_mosaics.models.feature_extractor") as (eft, extractor):
+        on_cpu = {"zeros": lambda *size, device=None, **kw: torch.zeros(*size, **kw), "float32": torch.float64}
+        monkeypatch.setattr(extractor, "torch", SimpleNamespace(**{**vars(torch), **on_cpu}))
+        monkeypatch.setattr(extractor, "subprocess", SimpleNamespace(
+            PIPE=None, run=lambda *a, **kw: SimpleNamespace(stdout=b"version 0\n\nrelease 0\n\n")))
+        monkeypatch.setattr(extractor, "wkv_cuda", "built")  # skip torch.utils.cpp_extension.load
+        monkeypatch.setattr(extractor, "RUN_CUDA", wkv_forward)
+        sd = random_official_state_dict("library", variant="eft", V=V, C=C, H=H, L=LAYERS, P=P, bias=bias,
+                                        attn_only=attn_only, sharp=False)
+        reference = eft.StackAssoMem(V, n_head=H, n_embd=C, n_layer=LAYERS, block_size=T, ic_dropout=0.0,
+                                     hd_dropout=0.0, bias=bias, pmem_size=P, pre_ln=pre_ln, attn_only=attn_only,
+                                     config=SimpleNamespace(skip_tokens=0))
+        reference.load_state_dict(sd, strict=True)
+        reference = reference.double().eval()
+        want = reference(IDS, logits_only=True)
+    model = _owai_model(sd, "library", norm_eps=0.0, pre_ln=pre_ln)
+    got = model(IDS).logits
+    err = float((want - got).detach().abs().max())
+    print(f"parity library eft bias={bias} pre_ln={pre_ln} attn_only={attn_only}: max |logit diff| {err:.1e} "
+          f"(logits up to {float(want.detach().abs().max()):.2f})")
+    assert want.shape == got.shape == (3, T, V) and err <= 1e-10, err
+
+
 @pytest.mark.parametrize("source", ["nano", "library"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_reference_weight_decay_groups_equal_owai(source, bias, capsys):
@@ -333,8 +383,9 @@ def float32_cross_entropy(logits: torch.Tensor, *args, **kwargs) -> torch.Tensor
 def test_library_training_loop_equals_owai_mosaic_train(tmp_path, monkeypatch, default_float64):
     """`owai mosaic-train`'s whole run of a Memory Mosaic against the Library's training loop
     (train_memory_mosaics.py's loop, written out: the script trains at import), from one random
-    Library state dict, on owai's batches, in float64: the Library's `StackAssoMem` (the non-eft
-    model: the eft one needs a CUDA kernel), its `configure_optimizers` and `get_cosine_lr`, the
+    Library state dict, on owai's batches, in float64: the Library's regular `StackAssoMem` (the eft
+    one's CUDA backward scales the leaky rate's gradient, which owai does not copy), its
+    `configure_optimizers` and `get_cosine_lr`, the
     loss, clipping and AdamW step in its order. The final weights must agree. Clipping binds on
     some steps (LM_CLIP), so its place in the step is compared too."""
     import owai.methods.language_model as owai_lm
