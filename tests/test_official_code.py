@@ -20,8 +20,9 @@
   logged `dfa_accuracy`, `model_dfa_diff` and 3-gram numbers, computed by its own code on owai's
   automata, against owai's RegBench metrics.
 - The weight-decay groups and learning-rate schedules of nanoMosaics and the Library, and the Library's
-  training windows, against owai's; the Library's training loop (its model, optimizer, schedule and
-  clipping) from one random state dict on owai's batches, against `owai mosaic-train`'s whole run.
+  training windows, against owai's; the Library's and nanoMosaics' training loops (model, optimizer,
+  schedule, clipping, accumulation) from one random state dict on owai's batches, against `owai
+  mosaic-train`'s whole run.
 
 The reference code is not part of owai and is never copied into it: set $OWAI_REFERENCE_CODE to a
 folder holding the clones `MemoryMosaics/`, `RFC/` and `seq_icl/`; without them these tests skip, and
@@ -372,26 +373,42 @@ def test_library_stories_dataset_equals_owai_token_windows(tmp_path):
         assert torch.equal(x[0], want_x) and torch.equal(y[0], want_y), k
 
 
-LM_STEPS, LM_CLIP = 20, 0.4
+LM_STEPS = 20
 
 
 def float32_cross_entropy(logits: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """Cross-entropy on float32 logits: owai's training loss, and the Library's under autocast."""
+    """Cross-entropy on float32 logits: owai's training loss, and the references' under autocast."""
     return F.cross_entropy(logits.float(), *args, **kwargs)
 
 
-def test_library_training_loop_equals_owai_mosaic_train(tmp_path, monkeypatch, default_float64):
-    """`owai mosaic-train`'s whole run of a Memory Mosaic against the Library's training loop
-    (train_memory_mosaics.py's loop, written out: the script trains at import), from one random
-    Library state dict, on owai's batches, in float64: the Library's regular `StackAssoMem` (the eft
-    one's CUDA backward scales the leaky rate's gradient, which owai does not copy), its
-    `configure_optimizers` and `get_cosine_lr`, the
-    loss, clipping and AdamW step in its order. The final weights must agree. Clipping binds on
-    some steps (LM_CLIP), so its place in the step is compared too."""
+# source: (folder, module, owai model settings, micro-batches per update, owai's config overrides to match,
+#          a gradient clip that binds on some updates and not on others)
+LM_REFERENCES = {
+    # the paper preset's Mosaic: the Library's init and logit scale; unit norms without epsilon
+    "library": ("Library", "memory_mosaics.models.memory_mosaics", ["model.init=library", "model.logit_scale=inv_sqrt_dim"],
+                1, {"norm_eps": 0.0}, 0.4),
+    # the cpu preset's Mosaic: nanoMosaics' init, no logit scale, its key clamp; nanoGPT's accumulation
+    "nano": ("nanoMosaics", "mosaic_model", ["model.init=nano", "model.logit_scale=none"], 2, {"key_clamp": "nano"},
+             2.5),
+}
+
+
+@pytest.mark.parametrize("source", ["library", "nano"])
+def test_reference_training_loop_equals_owai_mosaic_train(source, tmp_path, monkeypatch, default_float64):
+    """`owai mosaic-train`'s whole run of a Memory Mosaic against a reference's training loop,
+    written out because both scripts train at import: the Library's train_memory_mosaics.py (one
+    micro-step) and nanoMosaics' train.py (nanoGPT's loop, here with 2 micro-steps of loss / 2).
+    From one random official state dict, on owai's batches, in float64, with the reference's model,
+    `configure_optimizers` and schedule (`get_cosine_lr`, `get_lr`), and its order of loss,
+    backward, clipping, AdamW step and zero_grad. The final weights must agree. Clipping binds on
+    some updates, so its place in the step is compared too. The Library's model is the
+    regular one: the eft one's CUDA backward scales the leaky rate's gradient, which owai does not
+    copy."""
     import owai.methods.language_model as owai_lm
     import owai.models.lm as owai_models
 
-    library = clone("MemoryMosaics") / "Library"
+    folder, module, model_settings, accumulate, matching, clip = LM_REFERENCES[source]
+    folder = clone("MemoryMosaics") / folder
     C, H, P, T_LM = 32, 2, 24, 32
     batches: list[tuple[torch.Tensor, torch.Tensor]] = []
     official: dict[str, torch.Tensor] = {}
@@ -402,10 +419,10 @@ def test_library_training_loop_equals_owai_mosaic_train(tmp_path, monkeypatch, d
         batches.append(draw(*args, **kwargs))
         return batches[-1]
 
-    def from_official(arch: str, **kwargs):  # owai's model, holding the random Library weights
-        model = build(arch, **kwargs, norm_eps=0.0)  # the Library's unit norms have no epsilon
-        official.update(random_official_state_dict("library", V=kwargs["vocab_size"], C=C, H=H, L=1, P=P, sharp=False))
-        _, weights = convert_official_state_dict(official, "library", leaky_chunk=16)
+    def from_official(arch: str, **kwargs):  # owai's model, holding the random official weights
+        model = build(arch, **kwargs, **matching)
+        official.update(random_official_state_dict(source, V=kwargs["vocab_size"], C=C, H=H, L=1, P=P, sharp=False))
+        _, weights = convert_official_state_dict(official, source, leaky_chunk=16)
         model.load_state_dict(weights, strict=True)
         inits.append({k: v.clone() for k, v in model.state_dict().items()})
         return model
@@ -413,47 +430,61 @@ def test_library_training_loop_equals_owai_mosaic_train(tmp_path, monkeypatch, d
     monkeypatch.setattr(owai_lm, "global_batch", recorded)
     monkeypatch.setattr(owai_models, "build_lm", from_official)
     monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
-    # the paper preset's Mosaic (the Library's init and logit scale), shrunk
     settings = ["archs=[mm]", "data.source=owai-stories:1500", "data.tokenizer=bpe-512", f"data.block_size={T_LM}",
                 "model.n_layer=1", f"model.n_embd={C}", f"model.n_head={H}", f"model.pmem_size={P}", "model.dropout=0.0",
-                "model.init=library", "model.logit_scale=inv_sqrt_dim", f"train.steps={LM_STEPS}", "train.batch_size=8",
-                "train.lr=5e-3", "train.warmup=5", "train.min_lr=1e-4", f"train.grad_clip={LM_CLIP}",
+                *model_settings, f"train.steps={LM_STEPS}", "train.batch_size=8", f"train.accumulate={accumulate}",
+                "train.lr=5e-3", "train.warmup=5", "train.min_lr=1e-4", f"train.grad_clip={clip}",
                 "train.eval_every=1000", "train.eval_batches=1", "train.checkpoint_every=1000", "eval.posloss_windows=8",
                 "eval.val_batches=1", "eval.attention_sequences=2", "eval.continuations=false"]
     run, _ = execute("fig3.8-depth", "cpu", settings, out=tmp_path / "runs")
     cfg, _ = resolve(load("fig3.8-depth"), "cpu", settings)
     _, state = load_checkpoint(latest_checkpoint(run.path / "checkpoints" / "mm"))
     trained = state["model"]
-    assert len(inits) == 1 and len(batches) == LM_STEPS and all(x.dtype == torch.int64 for x, _ in batches)
+    assert len(inits) == 1 and len(batches) == LM_STEPS * accumulate
+    assert all(x.dtype == torch.int64 for x, _ in batches)
 
-    t = cfg.train
-    ns = reference_definitions(library / "utils.py", ("get_cosine_lr",), {"math": math})
-    with imported_from(library, "memory_mosaics.models.memory_mosaics") as (code,):
-        reference = code.StackAssoMem(official["emb.weight"].shape[0], n_head=H, n_embd=C, n_layer=1, block_size=T_LM,
-                                      ic_dropout=0.0, hd_dropout=0.0, bias=False, pmem_size=P, pre_ln=True,
-                                      config=SimpleNamespace(skip_tokens=0))
-        # owai takes its loss on float32 logits, as the Library's loss is under its autocast (cross-entropy
-        # is on autocast's float32 list): the reference's loss too, so that float64 compares the rest
+    t, V_LM = cfg.train, inits[0]["model.wte.weight"].shape[0]
+    if source == "library":
+        lr_at = reference_definitions(folder / "utils.py", ("get_cosine_lr",), {"math": math})["get_cosine_lr"]
+        schedule = lambda k: lr_at(k, t.lr, t.min_lr, t.steps, t.warmup)  # noqa: E731
+    else:  # train.py's get_lr reads the script's globals
+        schedule = reference_definitions(folder / "train.py", ("get_lr",), {
+            "math": math, "learning_rate": t.lr, "warmup_iters": t.warmup, "lr_decay_iters": t.steps,
+            "min_lr": t.min_lr})["get_lr"]
+    with imported_from(folder, module) as (code,):
+        if source == "library":
+            reference = code.StackAssoMem(V_LM, n_head=H, n_embd=C, n_layer=1, block_size=T_LM, ic_dropout=0.0,
+                                          hd_dropout=0.0, bias=False, pmem_size=P, pre_ln=True,
+                                          config=SimpleNamespace(skip_tokens=0))
+            reference.load_state_dict(official, strict=True)
+        else:  # its masks and leaky-average tables are buffers sized by block_size: it builds its own
+            reference = code.MemoryMosaic(code.MemoryMosaicConfig(block_size=T_LM, vocab_size=V_LM, n_layer=1, n_head=H,
+                                                                  n_embd=C, pmem_size=P, bias=False))
+            reference.load_state_dict({k: v for k, v in official.items() if "v_featurizer" in k
+                                       or not k.endswith((".coef", ".attn.bias"))}, strict=False)
+        # owai takes its loss on float32 logits, as the references' loss is under their autocast
+        # (cross-entropy is on autocast's float32 list): the reference's loss too, so float64 compares the rest
         monkeypatch.setattr(code, "F", SimpleNamespace(**{**vars(F), "cross_entropy": float32_cross_entropy}))
-    reference.load_state_dict(official, strict=True)
     reference = reference.double().train()
     optimizer = reference.configure_optimizers(t.weight_decay, t.lr, tuple(t.betas), "cpu")
-    norms = []
-    for iter_num, (x, y) in enumerate(batches):  # train_memory_mosaics.py's loop: one micro-step, no autocast (its ctx on CPU)
-        lr = ns["get_cosine_lr"](iter_num, t.lr, t.min_lr, t.steps, t.warmup)
+    norms, micro_batches = [], iter(batches)
+    for iter_num in range(LM_STEPS):  # the scripts' loop, without autocast (their ctx on CPU)
+        lr = schedule(iter_num)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        _, loss = reference(x, y)
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), LM_CLIP)))
+        for _ in range(accumulate):
+            x, y = next(micro_batches)
+            _, loss = reference(x, y)
+            (loss / accumulate).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    print(f"parity Library training loop: gradient norm above the clip {LM_CLIP} on "
-          f"{sum(n > LM_CLIP for n in norms)} of {len(norms)} updates")
-    assert min(norms) < LM_CLIP < max(norms), norms  # clipping binds on some steps, not on all
-    _, theirs = convert_official_state_dict({k: v.detach() for k, v in reference.state_dict().items()}, "library",
+    print(f"parity {source} training loop: gradient norm above the clip {clip} on "
+          f"{sum(n > clip for n in norms)} of {len(norms)} updates")
+    assert min(norms) < clip < max(norms), norms  # clipping binds on some updates, not on all
+    _, theirs = convert_official_state_dict({k: v.detach() for k, v in reference.state_dict().items()}, source,
                                             leaky_chunk=16)
-    _assert_same_weights("Library training loop vs owai mosaic-train", trained, inits[0], theirs, moved=1e-3,
+    _assert_same_weights(f"{source} training loop vs owai mosaic-train", trained, inits[0], theirs, moved=1e-3,
                          bound=1e-10)
 
 
