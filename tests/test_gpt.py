@@ -118,6 +118,49 @@ def test_alibi_slopes():
     assert alibi_slopes(12)[8:] == pytest.approx([2.0**-0.5, 2.0**-1.5, 2.0**-2.5, 2.0**-3.5])
 
 
+def test_activation_is_the_thesis_baselines_tanh_gelu_unless_asked():
+    """The thesis's baselines (the Library's baselines.py `new_gelu`, seq_icl's lm_simple) use GELU's
+    tanh approximation; `activation="gelu"` is the exact one (nanoGPT today, nanoMosaics)."""
+    x = torch.linspace(-4, 4, 101, dtype=torch.float64)
+    new_gelu = 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+    assert GPTConfig().activation == "gelu_tanh"
+    tanh_mlp, exact_mlp = (GPTForCausalLM(GPTConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=V, activation=a))
+                           .transformer.h[0].mlp.gelu.double() for a in ("gelu_tanh", "gelu"))
+    assert torch.allclose(tanh_mlp(x), new_gelu, rtol=0, atol=1e-15)
+    assert torch.allclose(exact_mlp(x), F.gelu(x), rtol=0, atol=0)
+    assert (tanh_mlp(x) - exact_mlp(x)).abs().max() > 1e-4  # the two differ
+    with pytest.raises(OwaiError, match="unknown activation 'relu'"):
+        GPTConfig(activation="relu")
+
+
+def test_a_config_saved_before_activation_existed_loads_with_exact_gelu(tmp_path):
+    import json
+
+    model = tiny()
+    model.save_pretrained(tmp_path)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).config.activation == "gelu_tanh"
+    saved = json.loads((tmp_path / "config.json").read_text())
+    del saved["activation"]  # what owai wrote before the field
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    old = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert old.config.activation == "gelu" and old.transformer.h[0].mlp.gelu.approximate == "none"
+
+
+def test_branch_dropouts_default_to_dropout_and_can_be_set_apart():
+    """One rate everywhere by default (the BabiStories baseline); RegBench's transformer (seq_icl's
+    lm_simple) drops embeddings and attention weights but not the residual branches."""
+    def rates(**kw):
+        model = GPTForCausalLM(GPTConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=V, dropout=0.1, **kw))
+        block = model.transformer.h[0]
+        return model.transformer.drop.p, block.attn.dropout, block.attn.resid_dropout.p, block.mlp.dropout.p
+
+    assert rates() == (0.1, 0.1, 0.1, 0.1)
+    assert rates(resid_dropout=0.0) == (0.1, 0.1, 0.0, 0.0)
+    assert rates(attn_dropout=0.2) == (0.1, 0.2, 0.1, 0.1)
+    with pytest.raises(OwaiError, match="resid_dropout must be in"):
+        GPTConfig(resid_dropout=1.0)
+
+
 def test_save_load_roundtrip(tmp_path):
     model = tiny("rope")
     x = torch.randint(0, V, (2, 9))

@@ -5,6 +5,9 @@
   one random official-format state dict, against owai's model built from it by
   `convert_official_state_dict`: logits in float64, and gradients but for eft's. Also the
   RegBench plug-in (ICLL/) against the model `owai eval regbench` builds for `mm`.
+- The transformer baselines: the Library's baselines.py GPT (the thesis's BabiStories baseline),
+  nanoMosaics' gpt_model.py and seq_icl's RegBench transformer (`lm_simple`) against owai's GPT,
+  logits and gradients in float64; the RegBench transformer's dropouts against seq_icl's yaml.
 - The invariance trainers: RFC's ColoredMNIST trainers (TjuJianyu/RFC, `coloredmnist/train.py`) from
   owai's initial weights on owai's ColoredMNIST environments, against `owai bonsai`'s whole training
   run (`execute`), 30 full-batch Adam steps across the anneal step, in float64: the final weights. PI.py
@@ -528,6 +531,126 @@ def test_regbench_plugin_equals_owai_regbench_mm(monkeypatch):
           f"(logits up to {float(want.detach().abs().max()):.2f})")
     # owai's unit norms add 1e-10 where the Library's add nothing (docs/decisions.md, the converter)
     assert err <= 1e-7
+
+
+# ------------------------------------------------------------------ the transformer baselines
+
+
+def _randomised(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """`model` in float64 with every weight redrawn: N(0, 1/sqrt(fan-in)) matrices, 1 + 0.1 N for
+    LayerNorm gains, 0.1 N for biases and embeddings' rows, so that no term hides behind a zero
+    init (the baselines' biases start at 0)."""
+    g = torch.Generator().manual_seed(seed)
+    model = model.double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            draw = torch.randn(p.shape, generator=g, dtype=p.dtype)
+            if p.dim() == 2:
+                p.copy_(draw / math.sqrt(p.shape[1]))
+            else:
+                p.copy_(draw * 0.1 + (1.0 if "ln" in name or "norm" in name else 0.0))
+    return model
+
+
+def _same_logits_and_gradients(label: str, reference: torch.nn.Module, want: torch.Tensor, model: torch.nn.Module,
+                               got: torch.Tensor, targets: torch.Tensor) -> None:
+    err = float((want - got).detach().abs().max())
+    print(f"parity {label}: max |logit diff| {err:.1e} (logits up to {float(want.detach().abs().max()):.2f})")
+    assert want.shape == got.shape and err <= 1e-10, err
+    for logits in (want, got):
+        F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    _same_gradients(model, reference)
+
+
+@pytest.mark.parametrize("source, bias", [("Library", False), ("Library", True), ("nanoMosaics", False)])
+def test_gpt_baseline_equals_owai_gpt(source, bias):
+    """The thesis's BabiStories baseline (the Library's baseline/baselines.py, nanoGPT of early 2023
+    with GELU's tanh approximation) against owai's GPT with its defaults, and nanoMosaics'
+    gpt_model.py (today's nanoGPT, exact GELU) against owai's `activation="gelu"`. One randomised
+    state dict, loaded with nanoGPT's names into both; logits and every gradient in float64."""
+    from types import SimpleNamespace as Namespace
+
+    from owai.models.gpt import GPTConfig, GPTForCausalLM
+
+    folder = clone("MemoryMosaics") / source
+    chosen = {} if source == "Library" else {"activation": "gelu"}  # the Library's baseline is owai's default
+    model = _randomised(GPTForCausalLM(GPTConfig(vocab_size=V, n_layer=LAYERS, n_embd=C, n_head=H, block_size=T,
+                                                 dropout=0.0, bias=bias, **chosen))).eval()
+    activation = model.config.activation
+    module = "baseline.baselines" if source == "Library" else "gpt_model"
+    with imported_from(folder, module) as (code,):
+        if source == "Library":
+            reference = code.GPT(Namespace(vocab_size=V, block_size=T, n_layer=LAYERS, n_head=H, n_embd=C, dropout=0.0,
+                                           bias=bias))
+        else:
+            reference = code.GPT(code.GPTConfig(vocab_size=V, block_size=T, n_layer=LAYERS, n_head=H, n_embd=C,
+                                                dropout=0.0, bias=bias))
+    reference = reference.double().eval()  # before loading: float32 parameters would round the weights
+    reference.load_state_dict(model.state_dict(), strict=True)
+    want, _ = reference(IDS, targets=TARGETS)  # with targets: every position's logits
+    _same_logits_and_gradients(f"{source} GPT / owai gpt ({activation}, bias={bias})", reference, want, model,
+                               model(IDS).logits, TARGETS)
+
+
+def test_seq_icl_transformer_equals_owai_regbench_transformer():
+    """seq_icl's RegBench transformer (`lm_simple`, src/models/sequence/simple_lm.py, configured by
+    configs/experiment/dfa/transformer.yaml) against the model `owai eval regbench` builds for
+    `transformer`: its dropouts against the yaml's, then one randomised state dict in both, logits
+    and every gradient in float64 at the data's longest input. simple_lm.py imports torchvision and
+    seq_icl's Hydra helpers at its top, so its definitions are run from the file
+    (`reference_definitions`), with StochasticDepth (rate 0 here) as the identity."""
+    import yaml
+    from functools import partial
+    from collections import namedtuple
+
+    from einops import rearrange
+
+    root = clone("seq_icl")
+    spec = yaml.safe_load((root / "configs" / "experiment" / "dfa" / "transformer.yaml").read_text())["model"]
+    assert spec["_name_"] == "lm_simple" and spec["layer"]["_name_"] == "transformer"
+    assert spec["d_inner"] == "${eval:4 * ${.d_model}}"  # the FFN width owai's GPT has: 4 C
+    cfg = RegBenchConfig(arch="transformer")
+    cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd = 2, spec["attn_cfg"]["num_heads"], 32
+    model = build_regbench_model(cfg, torch.device("cpu"))
+    block = model.transformer.h[0]
+    assert model.transformer.drop.p == spec["embed_dropout"] and block.attn.dropout == spec["attn_cfg"]["dropout"]
+    assert block.attn.resid_dropout.p == block.mlp.dropout.p == spec["resid_dropout"]
+    model = _randomised(model).eval()
+
+    class StochasticDepth(torch.nn.Identity):  # torchvision's, at rate 0
+        def __init__(self, p: float, mode: str) -> None:
+            assert p == 0.0
+            super().__init__()
+
+    ns = {"math": math, "partial": partial, "namedtuple": namedtuple, "torch": torch, "nn": torch.nn, "F": F,
+          "rearrange": rearrange, "StochasticDepth": StochasticDepth}
+    names = ("LinearResidual", "SelfAttention", "MHA", "GPT2Embeddings", "Mlp", "Block", "create_mixer_cls",
+             "create_mlp_cls", "create_block", "_init_weights", "LMBackbone", "SimpleLMHeadModel")
+    ns = reference_definitions(root / "src" / "models" / "sequence" / "simple_lm.py", names, ns)
+    C_R, L_R, V_R = model.config.n_embd, model.config.n_layer, model.config.vocab_size
+    reference = ns["SimpleLMHeadModel"](
+        d_model=C_R, n_layer=L_R, d_inner=4 * C_R, vocab_size=V_R, attn_layer_idx=list(range(L_R)),
+        attn_cfg=dict(spec["attn_cfg"]), max_position_embeddings=model.config.block_size,
+        resid_dropout=spec["resid_dropout"], embed_dropout=spec["embed_dropout"])
+    names = {"transformer.wte.weight": "backbone.embeddings.word_embeddings.weight",
+             "transformer.wpe.weight": "backbone.embeddings.position_embeddings.weight",
+             "transformer.ln_f.weight": "backbone.ln_f.weight", "transformer.ln_f.bias": "backbone.ln_f.bias"}
+    for i in range(L_R):
+        for ours, theirs in (("ln_1", "norm1"), ("attn.c_attn", "mixer.Wqkv"), ("attn.c_proj", "mixer.out_proj"),
+                             ("ln_2", "norm2"), ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2")):
+            for part in ("weight", "bias"):
+                names[f"transformer.h.{i}.{ours}.{part}"] = f"backbone.layers.{i}.{theirs}.{part}"
+    state = model.state_dict()
+    weights = {theirs: state[ours] for ours, theirs in names.items()}
+    weights["lm_head.weight"] = state["lm_head.weight"]
+    reference = reference.double().eval()
+    reference.load_state_dict(weights, strict=True)
+    T_R = regbench_max_input_length(cfg.data)
+    ids = torch.randint(0, V_R, (2, T_R), generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, V_R, (2, T_R), generator=torch.Generator().manual_seed(1))
+    want = reference(ids)[0].logits
+    _same_logits_and_gradients(f"seq_icl lm_simple / owai regbench transformer, {T_R} tokens", reference, want,
+                               model, model(ids).logits, targets)
 
 
 # ------------------------------------------------------------------ RFC's ColoredMNIST trainers

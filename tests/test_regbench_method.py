@@ -102,6 +102,20 @@ def test_ngram_needs_no_training_and_beats_uniform(tmp_path: Path):
     assert 0.5 < m["accuracy"] <= 1 and m["tvd"] < uniform_l1(run) and math.isfinite(m["val_loss"])
 
 
+def test_transformer_is_seq_icls_lm_simple():
+    """seq_icl's RegBench transformer (lm_simple + MHA): biases, learned positions, tanh GELU, dropout
+    0.1 on the embeddings and attention weights, none on the residual branches; `model.dropout`
+    sets the first two."""
+    from owai.methods.regbench import Config, ModelConfig, build_model
+
+    for dropout in (None, 0.3):
+        model = build_model(Config(arch="transformer", model=ModelConfig(dropout=dropout)), torch.device("cpu"))
+        block, want = model.transformer.h[0], 0.1 if dropout is None else dropout
+        assert model.config.bias and model.config.position == "learned" and model.config.activation == "gelu_tanh"
+        assert (model.transformer.drop.p, block.attn.dropout) == (want, want)
+        assert block.attn.resid_dropout.p == block.mlp.dropout.p == 0.0
+
+
 def test_transformer_and_mm_have_equal_parameter_counts_at_the_thesis_sizes():
     """P = 3.5 C persistent slots make a Mosaic block the size of a transformer block (biases,
     the transformer's position table and the Mosaic's per-head scalars aside)."""

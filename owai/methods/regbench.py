@@ -59,9 +59,11 @@ SEQUENCE_MODELS: dict[str, SequenceModel] = {
         dict(n_layer=2, n_head=8, n_embd=128, ic_dropout=0.05, hd_dropout=0.05, bias=False, init="library", logit_scale="inv_sqrt_dim"),
         ("n_layer", "n_head", "n_embd", "dropout", "init", "logit_scale"),
     ),
-    # seq_icl lm_simple + MHA: learned absolute positions, 4x FFN, dropout 0.1 (embedding, attention)
+    # seq_icl lm_simple + MHA: learned absolute positions, 4x FFN with tanh GELU, biases, dropout 0.1 on
+    # the embeddings and attention weights, none on the residual branches (resid_dropout 0)
     "transformer": SequenceModel(
-        "Transformer", "gpt", dict(n_layer=2, n_head=8, n_embd=128, dropout=0.1, bias=True, position="learned"),
+        "Transformer", "gpt", dict(n_layer=2, n_head=8, n_embd=128, dropout=0.1, resid_dropout=0.0, bias=True,
+                                   position="learned"),
         ("n_layer", "n_head", "n_embd", "dropout"),
     ),
     "lstm": SequenceModel("LSTM", "lstm", dict(n_layer=1, n_embd=128, dropout=0.0), ("n_layer", "n_embd", "dropout")),

@@ -1,14 +1,18 @@
 """The GPT baseline of the thesis (chapter 3, App. B): nanoGPT as a Hugging Face causal LM.
 
-The BabiStories baseline (`baselines.py` in the reference code) is nanoGPT unchanged:
+The BabiStories baseline (`Library/baseline/baselines.py` in the reference code) is nanoGPT as it
+was in early 2023, with GELU's tanh approximation (nanoGPT's `new_gelu`, GPT-2's):
 
     x_0 = drop(wte[tokens] + wpe[positions])                 learned positions, table of block_size rows
     x   = x + drop(c_proj(attn(LN_1(x))))                    pre-LN, causal softmax attention, H heads
-    x   = x + drop(c_proj(GELU(c_fc(LN_2(x)))))              MLP C -> 4C -> C
+    x   = x + drop(c_proj(GELU_tanh(c_fc(LN_2(x)))))         MLP C -> 4C -> C
     logits = LN_f(x) @ wte^T                                 tied embeddings, no logit scaling
 
 one dropout rate everywhere (0.05), bias False, init N(0, 0.02) with the two residual projections
-(attention and MLP `c_proj`) at 0.02/sqrt(2 n_layer). App. B Fig B.6 also compares RoPE and ALiBi
+(attention and MLP `c_proj`) at 0.02/sqrt(2 n_layer). RegBench's transformer (seq_icl's `lm_simple`)
+is the same block with biases, dropout on the embeddings and attention weights but not on the
+residual branches (`resid_dropout=0`); `activation="gelu"` gives today's nanoGPT (exact GELU, as
+nanoMosaics' `gpt_model.py`). App. B Fig B.6 also compares RoPE and ALiBi
 GPTs, so `position` selects learned / rope / alibi / none. RoPE, ALiBi and none have no table and
 run at any context length; the ALiBi bias is built per call from the actual lengths.
 
@@ -39,6 +43,7 @@ from owai.errors import OwaiError
 from owai.models.hf_cache import given_cache, with_cache
 
 POSITIONS = ("learned", "rope", "alibi", "none")
+ACTIVATIONS = {"gelu_tanh": "tanh", "gelu": "none"}  # name -> nn.GELU(approximate=...)
 
 
 class GPTConfig(PretrainedConfig):
@@ -63,7 +68,10 @@ class GPTConfig(PretrainedConfig):
     block_size: int = 512
     position: str = "learned"
     rope_theta: float = 10000.0
-    dropout: float = 0.05
+    dropout: float = 0.05  # embeddings, and attention weights / residual branches unless set below
+    attn_dropout: float | None = None  # None: dropout
+    resid_dropout: float | None = None  # None: dropout (the attention's and the MLP's output)
+    activation: str = "gelu_tanh"  # the thesis's baselines; "gelu": exact (nanoGPT today, nanoMosaics)
     bias: bool = False
     layer_norm_eps: float = 1e-5
     initializer_range: float = 0.02
@@ -72,6 +80,18 @@ class GPTConfig(PretrainedConfig):
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         self._check()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """A config.json saved before `activation` existed is a model trained with exact GELU."""
+        if config_dict.get("model_type", cls.model_type) == cls.model_type and "activation" not in config_dict:
+            config_dict = {**config_dict, "activation": "gelu"}
+        return super().from_dict(config_dict, **kwargs)
+
+    def branch_dropout(self, name: str) -> float:
+        """The dropout of `attn` (attention weights) or `resid` (residual branches)."""
+        value = getattr(self, f"{name}_dropout")
+        return self.dropout if value is None else value
 
     def _check(self) -> None:
         for name in ("vocab_size", "n_layer", "n_embd", "n_head", "block_size"):
@@ -86,8 +106,12 @@ class GPTConfig(PretrainedConfig):
             raise OwaiError(f"gpt config: rope needs an even head size, got n_embd/n_head={self.n_embd // self.n_head}")
         if not self.rope_theta > 0:
             raise OwaiError(f"gpt config: rope_theta must be positive, got {self.rope_theta!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise OwaiError(f"gpt config: dropout must be in [0, 1), got {self.dropout!r}")
+        for name in ("dropout", "attn_dropout", "resid_dropout"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value < 1.0:
+                raise OwaiError(f"gpt config: {name} must be in [0, 1), got {value!r}")
+        if self.activation not in ACTIVATIONS:
+            raise OwaiError(f"gpt config: unknown activation {self.activation!r}; choose one of {', '.join(ACTIVATIONS)}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -151,11 +175,11 @@ class CausalSelfAttention(nn.Module):
         self.layer_idx = layer_idx
         self.n_head = config.n_head
         self.head_size = config.n_embd // config.n_head
-        self.dropout = config.dropout
+        self.dropout = config.branch_dropout("attn")  # on the attention weights
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj.residual_projection = True  # init std 0.02/sqrt(2 n_layer)
-        self.resid_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = nn.Dropout(config.branch_dropout("resid"))
 
     def qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
         """x (B, T, C) -> q, k, v (B, H, T, hs), rotary positions applied to q and k when given."""
@@ -182,15 +206,15 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """C -> 4C -> GELU -> C."""
+    """C -> 4C -> GELU (tanh approximation by default) -> C."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU()
+        self.gelu = nn.GELU(approximate=ACTIVATIONS[config.activation])
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj.residual_projection = True  # init std 0.02/sqrt(2 n_layer)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = nn.Dropout(config.branch_dropout("resid"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
