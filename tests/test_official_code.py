@@ -30,8 +30,8 @@
 The reference code is not part of owai and is never copied into it: set $OWAI_REFERENCE_CODE to a
 folder holding the clones `MemoryMosaics/`, `RFC/` and `seq_icl/`; without them these tests skip, and
 the Three Moons and RegBench ones also skip without MLX or pythomata (`pip install 'mlx[cpu]'
-pythomata`), RFC's Fishr without BackPACK and its Camelyon17 objectives without WILDS (`pip install
---no-deps backpack-for-pytorch einops unfoldNd wilds`). The reference modules are imported from there
+pythomata`), RFC's Fishr without BackPACK, its Camelyon17 objectives without WILDS and seq_icl's
+transformer without einops (`pip install --no-deps backpack-for-pytorch einops unfoldNd wilds`). The reference modules are imported from there
 for the test only, and removed from `sys.modules` afterwards.
 """
 
@@ -603,9 +603,8 @@ def test_seq_icl_transformer_equals_owai_regbench_transformer():
     from functools import partial
     from collections import namedtuple
 
-    from einops import rearrange
-
     root = clone("seq_icl")
+    rearrange = pytest.importorskip("einops", reason="seq_icl's simple_lm.py needs einops: pip install einops").rearrange
     spec = yaml.safe_load((root / "configs" / "experiment" / "dfa" / "transformer.yaml").read_text())["model"]
     assert spec["_name_"] == "lm_simple" and spec["layer"]["_name_"] == "transformer"
     assert spec["d_inner"] == "${eval:4 * ${.d_model}}"  # the FFN width owai's GPT has: 4 C
