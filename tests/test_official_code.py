@@ -31,8 +31,8 @@ The reference code is not part of owai and is never copied into it: set $OWAI_RE
 folder holding the clones `MemoryMosaics/`, `RFC/` and `seq_icl/`; without them these tests skip, and
 the Three Moons and RegBench ones also skip without MLX or pythomata (`pip install 'mlx[cpu]'
 pythomata`), RFC's Fishr without BackPACK, its Camelyon17 objectives without WILDS and seq_icl's
-transformer without einops (`pip install --no-deps backpack-for-pytorch einops unfoldNd wilds`). The reference modules are imported from there
-for the test only, and removed from `sys.modules` afterwards.
+transformer without einops (`pip install --no-deps backpack-for-pytorch einops unfoldNd wilds`). The
+reference modules are imported from there for the test only, and removed from `sys.modules` afterwards.
 """
 
 from __future__ import annotations
