@@ -562,6 +562,17 @@ def _same_logits_and_gradients(label: str, reference: torch.nn.Module, want: tor
     _same_gradients(model, reference)
 
 
+def _same_on_regbench_inputs(label: str, cfg: RegBenchConfig, reference: torch.nn.Module,
+                             model: torch.nn.Module) -> None:
+    """A seq_icl model (its forward returns (output with .logits, ...)) and owai's RegBench model on 2
+    random sequences of the data's longest input: the same logits and gradients."""
+    T_R, V_R = regbench_max_input_length(cfg.data), model.config.vocab_size
+    ids = torch.randint(0, V_R, (2, T_R), generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, V_R, (2, T_R), generator=torch.Generator().manual_seed(1))
+    want = reference(ids)[0].logits
+    _same_logits_and_gradients(f"{label}, {T_R} tokens", reference, want, model, model(ids).logits, targets)
+
+
 @pytest.mark.parametrize("source, bias", [("Library", False), ("Library", True), ("nanoMosaics", False)])
 def test_gpt_baseline_equals_owai_gpt(source, bias):
     """The thesis's BabiStories baseline (the Library's baseline/baselines.py, nanoGPT of early 2023
@@ -644,12 +655,52 @@ def test_seq_icl_transformer_equals_owai_regbench_transformer():
     weights["lm_head.weight"] = state["lm_head.weight"]
     reference = reference.double().eval()
     reference.load_state_dict(weights, strict=True)
-    T_R = regbench_max_input_length(cfg.data)
-    ids = torch.randint(0, V_R, (2, T_R), generator=torch.Generator().manual_seed(0))
-    targets = torch.randint(0, V_R, (2, T_R), generator=torch.Generator().manual_seed(1))
-    want = reference(ids)[0].logits
-    _same_logits_and_gradients(f"seq_icl lm_simple / owai regbench transformer, {T_R} tokens", reference, want,
-                               model, model(ids).logits, targets)
+    _same_on_regbench_inputs("seq_icl lm_simple / owai regbench transformer", cfg, reference, model)
+
+
+# seq_icl's LSTMLayer gives its 1-layer nn.LSTM dropout 0.1, which torch ignores with a warning
+@pytest.mark.filterwarnings("ignore:dropout option adds dropout after all but last recurrent layer")
+def test_seq_icl_lstm_equals_owai_regbench_lstm():
+    """seq_icl's RegBench LSTM (`lm_simple_noffn` with `LSTMLayer`, configured by
+    configs/experiment/dfa/lstm.yaml) against the model `owai eval regbench` builds for `lstm`, one
+    randomised state dict, logits and gradients in float64. Its forward feeds every outer layer the
+    embeddings and keeps the last layer's output, so with the yaml's two outer layers only the
+    last one (and no dropout) reaches the logits: that one gets owai's weights. Its `instantiate`
+    (Hydra's, through seq_icl's registry) is replaced by what it does with the yaml's `layer`."""
+    import functools
+    import yaml
+    from collections import namedtuple
+
+    root = clone("seq_icl")
+    spec = yaml.safe_load((root / "configs" / "experiment" / "dfa" / "lstm.yaml").read_text())["model"]
+    assert spec["_name_"] == "lm_simple_noffn" and spec["layer"] == {"_name_": "lstm", "n_layer": 1, "reinit": True}
+    cfg = RegBenchConfig(arch="lstm")
+    cfg.model.n_embd = spec["d_model"]
+    model = _randomised(build_regbench_model(cfg, torch.device("cpu"))).eval()
+    assert model.config.n_layer == spec["layer"]["n_layer"] and model.lm_head.weight is model.wte.weight
+
+    ns = reference_definitions(root / "src" / "models" / "sequence" / "rnn" / "lstm.py", ("LSTMLayer",),
+                               {"torch": torch, "nn": torch.nn, "np": np})
+    layer = {k: v for k, v in spec["layer"].items() if k != "_name_"}
+
+    def instantiate(registry, config, partial=False, **kwargs):  # src.utils.config.instantiate, here
+        assert config["_name_"] == "lstm" and partial
+        return functools.partial(ns["LSTMLayer"], **layer, **kwargs)
+
+    ns.update({"math": math, "torch": torch, "nn": torch.nn, "F": F, "namedtuple": namedtuple,
+               "partial": functools.partial, "instantiate": instantiate, "registry": SimpleNamespace(layer=None)})
+    ns = reference_definitions(root / "src" / "models" / "sequence" / "simple_lm.py",
+                               ("GPT2Embeddings", "SimpleLMHeadModelNoFFN"), ns)
+    V_R = model.config.vocab_size
+    reference = ns["SimpleLMHeadModelNoFFN"](d_model=spec["d_model"], vocab_size=V_R, layer=spec["layer"],
+                                             n_layer=spec["n_layer"], embed_dropout=spec["embed_dropout"])
+    reference = reference.double().eval()
+    theirs = reference.state_dict()
+    last = f"mixer.{spec['n_layer'] - 1}.lstm."
+    weights = {"embeddings.word_embeddings.weight": model.wte.weight, "lm_head.weight": model.wte.weight}
+    weights.update({last + name: p for name, p in model.lstm.named_parameters()})
+    reference.load_state_dict({**theirs, **{k: v.detach() for k, v in weights.items()}}, strict=True)
+    _same_on_regbench_inputs("seq_icl lm_simple_noffn LSTM / owai regbench lstm", cfg, reference, model)
 
 
 # ------------------------------------------------------------------ RFC's ColoredMNIST trainers

@@ -193,6 +193,29 @@ def test_lstm_is_a_zoo_causal_lm_that_saves_and_loads(tmp_path: Path):
     assert torch.equal(load_pretrained(tmp_path).eval()(input_ids=x).logits, out.logits)
 
 
+def test_regbench_lstm_is_seq_icls_as_it_computes(tmp_path: Path):
+    """RegBench's LSTM: seq_icl's LSTMLayer initialisation (Xavier input weights, orthogonal
+    recurrent weights, zero biases but the forget gate's input bias at 1), the embedding matrix as
+    the head without a bias; it saves and loads tied."""
+    from owai.methods.regbench import Config, ModelConfig, build_model
+    from owai.models.lm import load_pretrained
+
+    model = build_model(Config(arch="lstm", model=ModelConfig(n_embd=32)), torch.device("cpu")).eval()
+    C, lstm = 32, model.lstm
+    assert model.lm_head.weight is model.wte.weight and model.lm_head.bias is None
+    hh = lstm.weight_hh_l0.detach()
+    torch.testing.assert_close(hh.T @ hh, torch.eye(C), rtol=0, atol=1e-5)  # orthonormal columns
+    bound = math.sqrt(6 / (C + 4 * C))  # Xavier-uniform of a (4C, C) matrix
+    assert bound * 0.9 < float(lstm.weight_ih_l0.abs().max()) <= bound
+    assert not lstm.bias_hh_l0.any() and torch.equal(lstm.bias_ih_l0, torch.cat([torch.zeros(C), torch.ones(C),
+                                                                                 torch.zeros(2 * C)]))
+    model.save_pretrained(tmp_path)
+    loaded = load_pretrained(tmp_path).eval()
+    x = torch.randint(0, model.config.vocab_size, (2, 9))
+    assert loaded.lm_head.weight is loaded.wte.weight
+    assert torch.equal(loaded(input_ids=x).logits, model(input_ids=x).logits)
+
+
 def test_torchrun_is_refused_with_a_pointer_to_sweeps(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(OwaiError, match="not torchrun"):

@@ -15,7 +15,7 @@ way seq_icl does it (shared/specs/evals.md sec 3.3):
 
 The architectures (`arch`) come from the shared zoo: `mm` (Memory Mosaics v1 as the Memory
 Mosaics repo plugs it into seq_icl), `transformer` (GPT2 with learned positions, seq_icl's
-`lm_simple` settings), `lstm`, and `ngram`, the in-context 3-gram with backoff, which is not
+`lm_simple` settings), `lstm` (seq_icl's `lm_simple_noffn` LSTM as it computes), and `ngram`, the in-context 3-gram with backoff, which is not
 trained. The grid search over sizes and hyper-parameters, with selection by validation loss, is a
 sweep (`owai eval regbench`, `owai sweep fig3.10-regbench`).
 """
@@ -66,7 +66,11 @@ SEQUENCE_MODELS: dict[str, SequenceModel] = {
                                    position="learned"),
         ("n_layer", "n_head", "n_embd", "dropout"),
     ),
-    "lstm": SequenceModel("LSTM", "lstm", dict(n_layer=1, n_embd=128, dropout=0.0), ("n_layer", "n_embd", "dropout")),
+    # seq_icl lm_simple_noffn + LSTMLayer, as it computes: one LSTM on the embeddings (its forward feeds
+    # every layer the embeddings and keeps the last, so its embedding dropout never reaches the output),
+    # Keras's init, the embedding matrix as the head
+    "lstm": SequenceModel("LSTM", "lstm", dict(n_layer=1, n_embd=128, dropout=0.0, tie_word_embeddings=True,
+                                               head_bias=False, init="keras"), ("n_layer", "n_embd", "dropout")),
     "ngram": SequenceModel("3-gram", None, {}, ()),
 }
 

@@ -2,6 +2,12 @@
 
     token embedding -> dropout -> n_layer stacked LSTM(n_embd) -> dropout -> linear head
 
+By default torch's initialisation and an untied head with a bias. seq_icl's RegBench LSTM
+(`lm_simple_noffn` with its `LSTMLayer`) is, as it computes: embedding -> one LSTM with Keras's
+initialisation (Xavier input weights, orthogonal recurrent weights, zero biases but a forget-gate
+bias of 1) -> the embedding matrix as the head, no bias, no dropout in effect; `init="keras"`,
+`tie_word_embeddings=True`, `head_bias=False` give it (owai.methods.regbench sets them).
+
 The same interface as the other zoo models (a Hugging Face `PreTrainedModel` causal LM: forward
 with labels, save_pretrained / from_pretrained through the Auto classes), so the RegBench method
 treats it like the Memory Mosaic and the transformer. `generate` decodes with an `LSTMCache` (the
@@ -34,7 +40,9 @@ class LSTMConfig(PretrainedConfig):
     n_layer: int = 1
     n_embd: int = 128
     dropout: float = 0.0
-    tie_word_embeddings: bool = False
+    tie_word_embeddings: bool = False  # True: the head is the embedding matrix (seq_icl's)
+    head_bias: bool = True
+    init: str = "torch"  # torch: its LSTM / Linear defaults; keras: seq_icl's LSTMLayer._reinitialize
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -44,6 +52,8 @@ class LSTMConfig(PretrainedConfig):
                 raise OwaiError(f"lstm config: {name} must be a positive integer, got {value!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise OwaiError(f"lstm config: dropout must be in [0, 1), got {self.dropout!r}")
+        if self.init not in ("torch", "keras"):
+            raise OwaiError(f"lstm config: init must be torch or keras, got {self.init!r}")
 
 
 class LSTMCache(StateCache):
@@ -71,6 +81,8 @@ class LSTMForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = LSTMConfig
     main_input_name = "input_ids"
     _no_split_modules = ["LSTM"]
+    # {target: source}: with tie_word_embeddings the head is the token embedding (not saved; re-tied on load)
+    _tied_weights_keys = {"lm_head.weight": "wte.weight"}
 
     def __init__(self, config: LSTMConfig) -> None:
         super().__init__(config)
@@ -80,19 +92,28 @@ class LSTMForCausalLM(PreTrainedModel, GenerationMixin):
         # dropout between stacked layers (torch applies it to every layer's output but the last)
         self.lstm = nn.LSTM(C, C, num_layers=config.n_layer, batch_first=True,
                             dropout=config.dropout if config.n_layer > 1 else 0.0)
-        self.lm_head = nn.Linear(C, config.vocab_size, bias=True)
+        self.lm_head = nn.Linear(C, config.vocab_size, bias=config.head_bias)
         self.post_init()
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         """Embedding N(0, 1) and torch's own LSTM/Linear defaults (uniform +-1/sqrt(C)), as torch's
-        reference LSTM language model uses them; the forget-gate bias starts at 1 (Jozefowicz et al.)."""
+        reference LSTM language model uses them; the forget-gate bias starts at 1 (Jozefowicz et al.).
+        init="keras": Xavier-uniform input weights, orthogonal recurrent weights, zero biases but
+        the forget gate's input bias at 1, as seq_icl's LSTMLayer reinitialises them."""
         if isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight)
         elif isinstance(module, nn.LSTM):
             module.reset_parameters()
             C = module.hidden_size
             for name, param in module.named_parameters():
+                if self.config.init == "keras":
+                    if name.startswith("weight_ih"):
+                        nn.init.xavier_uniform_(param)
+                    elif name.startswith("weight_hh"):
+                        nn.init.orthogonal_(param)
+                    else:
+                        param.zero_()
                 if name.startswith("bias_ih"):  # gates (input, forget, cell, output)
                     param[C : 2 * C].fill_(1.0)
         elif isinstance(module, nn.Linear):
