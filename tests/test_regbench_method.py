@@ -203,6 +203,7 @@ def test_regbench_lstm_is_seq_icls_as_it_computes(tmp_path: Path):
     model = build_model(Config(arch="lstm", model=ModelConfig(n_embd=32)), torch.device("cpu")).eval()
     C, lstm = 32, model.lstm
     assert model.lm_head.weight is model.wte.weight and model.lm_head.bias is None
+    assert 0.9 < float(model.wte.weight.detach().std()) < 1.1  # N(0, 1): seq_icl's nn.Embedding default, kept tied
     hh = lstm.weight_hh_l0.detach()
     torch.testing.assert_close(hh.T @ hh, torch.eye(C), rtol=0, atol=1e-5)  # orthonormal columns
     bound = math.sqrt(6 / (C + 4 * C))  # Xavier-uniform of a (4C, C) matrix

@@ -15,9 +15,10 @@ way seq_icl does it (shared/specs/evals.md sec 3.3):
 
 The architectures (`arch`) come from the shared zoo: `mm` (Memory Mosaics v1 as the Memory
 Mosaics repo plugs it into seq_icl), `transformer` (GPT2 with learned positions, seq_icl's
-`lm_simple` settings), `lstm` (seq_icl's `lm_simple_noffn` LSTM as it computes), and `ngram`, the in-context 3-gram with backoff, which is not
-trained. The grid search over sizes and hyper-parameters, with selection by validation loss, is a
-sweep (`owai eval regbench`, `owai sweep fig3.10-regbench`).
+`lm_simple` settings), `lstm` (seq_icl's `lm_simple_noffn` LSTM as it computes), and `ngram`, the
+in-context 3-gram with backoff, which is not trained. The grid search over sizes and
+hyper-parameters, with selection by validation loss, is a sweep (`owai eval regbench`, `owai sweep
+fig3.10-regbench`).
 """
 
 from __future__ import annotations
