@@ -193,6 +193,29 @@ def test_lstm_is_a_zoo_causal_lm_that_saves_and_loads(tmp_path: Path):
     assert torch.equal(load_pretrained(tmp_path).eval()(input_ids=x).logits, out.logits)
 
 
+@pytest.mark.parametrize("scope", ["all", "matrices"])
+def test_weight_decay_reaches_every_parameter_as_in_seq_icl(scope, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """seq_icl trains RegBench with one AdamW group (its dfa configs set no optimizer_param_grouping),
+    so biases, LayerNorms, embeddings and a Mosaic's per-head scalars decay too; `train.decay_scope
+    =matrices` keeps decay to the >= 2-dim tensors."""
+    groups = []
+
+    class Recorded(torch.optim.AdamW):
+        def __init__(self, params, *args, **kwargs):
+            super().__init__(params, *args, **kwargs)
+            groups.append([(g["weight_decay"], [p.dim() for p in g["params"]]) for g in self.param_groups])
+
+    monkeypatch.setattr(torch.optim, "AdamW", Recorded)
+    chosen = [] if scope == "all" else [f"train.decay_scope={scope}"]  # "all" is the default
+    run_tiny(tmp_path, "arch=mm", "train.epochs=1", "train.weight_decay=0.1", *chosen)
+    (seen,) = groups
+    decayed = [d for wd, dims in seen if wd > 0 for d in dims]
+    if scope == "all":
+        assert len(seen) == 1 and seen[0][0] == 0.1 and min(decayed) == 1  # 1-dim tensors decay too
+    else:
+        assert min(decayed) == 2 and any(wd == 0 and min(dims) == 1 for wd, dims in seen)
+
+
 def test_regbench_lstm_is_seq_icls_as_it_computes(tmp_path: Path):
     """RegBench's LSTM: seq_icl's LSTMLayer initialisation (Xavier input weights, orthogonal
     recurrent weights, zero biases but the forget gate's input bias at 1), the embedding matrix as

@@ -5,7 +5,7 @@ way seq_icl does it (shared/specs/evals.md sec 3.3):
 
     data     `owai.data.regbench`: one sequence of 10-19 strings per random PFA; disjoint train,
              val and test automata (or, `data.iid`, new sequences of the training automata)
-    train    AdamW (betas 0.9/0.999, decay on matrices only) at batch 32 for 200 epochs, linear
+    train    AdamW (betas 0.9/0.999, decay on every parameter) at batch 32 for 200 epochs, linear
              warmup from 1e-6 over 20 epochs, timm cosine to 0.1 x lr, clipping 1.0, through the
              shared loop `owai.train.train_loop` (checkpoints, resume)
     select   after every epoch the validation loss (mean over non-separator targets); the best
@@ -98,6 +98,9 @@ class TrainConfig:
     warmup_lr: float = 1e-6
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 0.1
+    # all: every parameter, as seq_icl's Lightning module (one AdamW group; its dfa configs set no
+    # optimizer_param_grouping); matrices: tensors with >= 2 dims only (nanoGPT's rule)
+    decay_scope: Literal["all", "matrices"] = "all"
     grad_clip: float = 1.0
     eval_every: int = 1  # epochs between validations (and best-checkpoint updates)
     checkpoint_every: int = 10  # epochs between resumable checkpoints
@@ -272,7 +275,9 @@ def train(cfg: Config, run: Run, model: torch.nn.Module, data: RegBenchData, dev
     warmup_epochs = math.ceil(t.epochs / 10) if t.warmup_epochs is None else t.warmup_epochs
     lr_at = warmup_cosine_schedule(t.lr, per_epoch * warmup_epochs, total, t.min_lr_ratio * t.lr,
                                    start_lr=t.warmup_lr, cosine_after_warmup=False)
-    optimizer = torch.optim.AdamW(decay_param_groups(model, t.weight_decay), lr=t.lr, betas=(t.betas[0], t.betas[1]))
+    groups = decay_param_groups(model, t.weight_decay) if t.decay_scope == "matrices" else [
+        {"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": t.weight_decay}]
+    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.betas[0], t.betas[1]))
 
     def loss_at(step: int, micro: int) -> torch.Tensor:
         x, y = epoch_batch(data.train, cfg, step)
