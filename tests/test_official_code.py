@@ -198,18 +198,19 @@ def _same_gradients(owai_model: torch.nn.Module, reference: torch.nn.Module) -> 
         assert err <= 1e-9 * scale, f"{name}: gradient differs by {err:.2e} (scale {scale:.2e})"
 
 
-def _agree(case: str, want: torch.Tensor, model: MemoryMosaicsForCausalLM, reference: torch.nn.Module,
-           sharp_bound: float | None) -> None:
-    """owai's logits on IDS equal the reference's `want` to 1e-10, and so do the gradients of a
-    cross-entropy loss; with a head past the clamp (`sharp_bound`), the logits to that bound only."""
-    got = model(IDS).logits
-    assert got.shape == want.shape == (3, T, V)
+def _agree(case: str, want: torch.Tensor, model: torch.nn.Module, reference: torch.nn.Module,
+           sharp_bound: float | None = None, ids: torch.Tensor = IDS, targets: torch.Tensor = TARGETS) -> None:
+    """owai's logits on `ids` equal the reference's `want` to 1e-10, and so do the gradients of a
+    cross-entropy loss on `targets`; with a head past the clamp (`sharp_bound`), the logits to that
+    bound only."""
+    got = model(ids).logits
+    assert got.shape == want.shape == (*ids.shape, model.config.vocab_size)
     err = float((want - got).detach().abs().max())
-    print(f"parity {case}: max |logit diff| {err:.1e}")
+    print(f"parity {case}: max |logit diff| {err:.1e} (logits up to {float(want.detach().abs().max()):.2f})")
     assert err <= (sharp_bound or 1e-10), err
     if sharp_bound is None:
-        F.cross_entropy(want.flatten(0, 1), TARGETS.flatten()).backward()
-        F.cross_entropy(got.flatten(0, 1), TARGETS.flatten()).backward()
+        F.cross_entropy(want.flatten(0, 1), targets.flatten()).backward()
+        F.cross_entropy(got.flatten(0, 1), targets.flatten()).backward()
         _same_gradients(model, reference)
 
 
@@ -552,16 +553,6 @@ def _randomised(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def _same_logits_and_gradients(label: str, reference: torch.nn.Module, want: torch.Tensor, model: torch.nn.Module,
-                               got: torch.Tensor, targets: torch.Tensor) -> None:
-    err = float((want - got).detach().abs().max())
-    print(f"parity {label}: max |logit diff| {err:.1e} (logits up to {float(want.detach().abs().max()):.2f})")
-    assert want.shape == got.shape and err <= 1e-10, err
-    for logits in (want, got):
-        F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
-    _same_gradients(model, reference)
-
-
 def _same_on_regbench_inputs(label: str, cfg: RegBenchConfig, reference: torch.nn.Module,
                              model: torch.nn.Module) -> None:
     """A seq_icl model (its forward returns (output with .logits, ...)) and owai's RegBench model on 2
@@ -570,7 +561,7 @@ def _same_on_regbench_inputs(label: str, cfg: RegBenchConfig, reference: torch.n
     ids = torch.randint(0, V_R, (2, T_R), generator=torch.Generator().manual_seed(0))
     targets = torch.randint(0, V_R, (2, T_R), generator=torch.Generator().manual_seed(1))
     want = reference(ids)[0].logits
-    _same_logits_and_gradients(f"{label}, {T_R} tokens", reference, want, model, model(ids).logits, targets)
+    _agree(f"{label}, {T_R} tokens", want, model, reference, ids=ids, targets=targets)
 
 
 @pytest.mark.parametrize("source, bias", [("Library", False), ("Library", True), ("nanoMosaics", False)])
@@ -599,8 +590,7 @@ def test_gpt_baseline_equals_owai_gpt(source, bias):
     reference = reference.double().eval()  # before loading: float32 parameters would round the weights
     reference.load_state_dict(model.state_dict(), strict=True)
     want, _ = reference(IDS, targets=TARGETS)  # with targets: every position's logits
-    _same_logits_and_gradients(f"{source} GPT / owai gpt ({activation}, bias={bias})", reference, want, model,
-                               model(IDS).logits, TARGETS)
+    _agree(f"{source} GPT / owai gpt ({activation}, bias={bias})", want, model, reference)
 
 
 def test_seq_icl_transformer_equals_owai_regbench_transformer():

@@ -275,8 +275,7 @@ def train(cfg: Config, run: Run, model: torch.nn.Module, data: RegBenchData, dev
     warmup_epochs = math.ceil(t.epochs / 10) if t.warmup_epochs is None else t.warmup_epochs
     lr_at = warmup_cosine_schedule(t.lr, per_epoch * warmup_epochs, total, t.min_lr_ratio * t.lr,
                                    start_lr=t.warmup_lr, cosine_after_warmup=False)
-    groups = decay_param_groups(model, t.weight_decay) if t.decay_scope == "matrices" else [
-        {"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": t.weight_decay}]
+    groups = decay_param_groups(model, t.weight_decay, scope=t.decay_scope)
     optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.betas[0], t.betas[1]))
 
     def loss_at(step: int, micro: int) -> torch.Tensor:

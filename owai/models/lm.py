@@ -16,7 +16,7 @@ import dataclasses
 import difflib
 import importlib
 import inspect
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
@@ -102,17 +102,21 @@ def build_sized_lm(arch: str, size: str, vocab_size: int | None = None, meta: bo
     return build_lm(arch, **kwargs)
 
 
-def decay_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+def decay_param_groups(model: torch.nn.Module, weight_decay: float,
+                       scope: Literal["matrices", "all"] = "matrices") -> list[dict]:
     """AdamW parameter groups: weight decay on tensors with >= 2 dims, none on the rest.
 
     Decayed: matrices, embeddings (tied lm_head included, counted once) and Memory Mosaics'
     3-D persistent-memory slots. Not decayed: LayerNorm weights, biases, per-head scalars.
+    scope="all": one group, every parameter decayed (seq_icl's RegBench training).
     Frozen parameters (requires_grad False) are left out.
     """
     decay, no_decay = [], []
     for _, param in model.named_parameters():  # named_parameters yields a shared (tied) tensor once
         if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
+            (decay if scope == "all" or param.dim() >= 2 else no_decay).append(param)
+    if scope == "all":
+        return [{"params": decay, "weight_decay": weight_decay}]
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
