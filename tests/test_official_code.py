@@ -336,6 +336,18 @@ def test_reference_weight_decay_groups_equal_owai(source, bias, capsys):
     assert count[0] == count[1], count
 
 
+def reference_schedule(source: str, peak: float, warmup: int, decay_steps: int, floor: float) -> Callable[[int], float]:
+    """The learning rate at update k of a Memory Mosaics training script: nanoMosaics' `get_lr`
+    (train.py, which reads the script's globals) or the Library's `get_cosine_lr` (utils.py), run
+    alone from its file."""
+    if source == "nanoMosaics":
+        return reference_definitions(clone("MemoryMosaics") / "nanoMosaics" / "train.py", ("get_lr",), {
+            "math": math, "learning_rate": peak, "warmup_iters": warmup, "lr_decay_iters": decay_steps,
+            "min_lr": floor})["get_lr"]
+    ns = reference_definitions(clone("MemoryMosaics") / "Library" / "utils.py", ("get_cosine_lr",), {"math": math})
+    return lambda k: ns["get_cosine_lr"](k, peak, floor, decay_steps, warmup)
+
+
 @pytest.mark.parametrize("source", ["nanoMosaics", "Library"])
 def test_reference_lr_schedule_equals_owai(source):
     """The references' cosine schedule against `warmup_cosine_schedule`, which `owai mosaic-train` calls
@@ -344,14 +356,7 @@ def test_reference_lr_schedule_equals_owai(source):
     import, and the Library's `get_cosine_lr` in utils.py, which starts logging and distributed
     helpers: the function alone is run."""
     peak, warmup, decay_steps, floor = 6e-4, 20, 100, 6e-5
-    if source == "nanoMosaics":
-        ns = reference_definitions(clone("MemoryMosaics") / "nanoMosaics" / "train.py", ("get_lr",), {
-            "math": math, "learning_rate": peak, "warmup_iters": warmup, "lr_decay_iters": decay_steps,
-            "min_lr": floor})
-        theirs = ns["get_lr"]
-    else:
-        ns = reference_definitions(clone("MemoryMosaics") / "Library" / "utils.py", ("get_cosine_lr",), {"math": math})
-        theirs = lambda k: ns["get_cosine_lr"](k, peak, floor, decay_steps, warmup)  # noqa: E731
+    theirs = reference_schedule(source, peak, warmup, decay_steps, floor)
     ours = warmup_cosine_schedule(peak, warmup, decay_steps, floor)
     lrs = [(theirs(k), ours(k)) for k in range(130)]
     assert lrs[0] == (0.0, 0.0) and lrs[20][0] == peak and lrs[129][0] == floor
@@ -448,13 +453,7 @@ def test_reference_training_loop_equals_owai_mosaic_train(source, tmp_path, monk
     assert all(x.dtype == torch.int64 for x, _ in batches)
 
     t, V_LM = cfg.train, inits[0]["model.wte.weight"].shape[0]
-    if source == "library":
-        lr_at = reference_definitions(folder / "utils.py", ("get_cosine_lr",), {"math": math})["get_cosine_lr"]
-        schedule = lambda k: lr_at(k, t.lr, t.min_lr, t.steps, t.warmup)  # noqa: E731
-    else:  # train.py's get_lr reads the script's globals
-        schedule = reference_definitions(folder / "train.py", ("get_lr",), {
-            "math": math, "learning_rate": t.lr, "warmup_iters": t.warmup, "lr_decay_iters": t.steps,
-            "min_lr": t.min_lr})["get_lr"]
+    schedule = reference_schedule(folder.name, t.lr, t.warmup, t.steps, t.min_lr)
     with imported_from(folder, module) as (code,):
         if source == "library":
             reference = code.StackAssoMem(V_LM, n_head=H, n_embd=C, n_layer=1, block_size=T_LM, ic_dropout=0.0,
