@@ -69,13 +69,13 @@ def tiny_kwargs(arch: str, vocab: int, width: int = 128, layers: int = 2, contex
 def check_arch(arch: str) -> None:
     import torch
 
-    from owai.models.lm import build_lm, decay_param_groups
+    from owai.models.lm import adamw, build_lm
 
     torch.manual_seed(0)
     device = torch.device(DEVICE)
     vocab = 97
     model = build_lm(arch, **tiny_kwargs(arch, vocab)).to(device)
-    opt = torch.optim.AdamW(decay_param_groups(model, 0.1), lr=1e-3)
+    opt = adamw(model, lr=1e-3, weight_decay=0.1)
     x = torch.randint(0, vocab, (4, 128), device=device)
     losses = []
     model.train()
@@ -119,7 +119,7 @@ def check_arch(arch: str) -> None:
 def check_speed(arch: str, context: int = 2048, batch: int = 8, steps: int = 6) -> None:
     import torch
 
-    from owai.models.lm import build_lm, decay_param_groups
+    from owai.models.lm import adamw, build_lm
     from owai.plan import forward_flops_per_token
     from owai.train import peak_flops
 
@@ -130,7 +130,7 @@ def check_speed(arch: str, context: int = 2048, batch: int = 8, steps: int = 6) 
         return
     vocab = 50304
     model = build_lm(arch, **tiny_kwargs(arch, vocab, width=768, layers=12, context=context)).to(device)
-    opt = torch.optim.AdamW(decay_param_groups(model, 0.1), lr=1e-4)
+    opt = adamw(model, lr=1e-4, weight_decay=0.1)
     x = torch.randint(0, vocab, (batch, context), device=device)
     model.train()
 

@@ -41,7 +41,7 @@ def measure(arch: str, size: str, T: int, batch: int, steps: int, device: str, m
     """One configuration, in this process: 'train' (forward+backward+AdamW) or 'decode' (generate)."""
     import torch
 
-    from owai.models.lm import build_lm, decay_param_groups
+    from owai.models.lm import adamw, build_lm
 
     torch.manual_seed(0)
     torch.set_flush_denormal(True)  # as owai's runtime does for every run
@@ -60,7 +60,7 @@ def measure(arch: str, size: str, T: int, batch: int, steps: int, device: str, m
     x = torch.randint(0, 50257, (batch, T), device=device)
     if mode in ("train", "train_dropout"):
         model.train()
-        opt = torch.optim.AdamW(decay_param_groups(model, 0.1), lr=1e-4)
+        opt = adamw(model, lr=1e-4, weight_decay=0.1)
         forward = torch.compile(model) if compile else model  # as `train.compile: true` does
 
         def step() -> None:
@@ -121,7 +121,7 @@ def paired_steps(size: str, T: int, rounds: int, device: str) -> list[float]:
     adjacent steps see nearly the same machine. Peak memory is not measured here."""
     import torch
 
-    from owai.models.lm import build_lm, decay_param_groups
+    from owai.models.lm import adamw, build_lm
 
     torch.manual_seed(0)
     torch.set_flush_denormal(True)
@@ -131,7 +131,7 @@ def paired_steps(size: str, T: int, rounds: int, device: str) -> list[float]:
         kw = dict(SIZES[size], vocab_size=50304)
         kw.update(dropout=0.0, block_size=T) if arch == "gpt" else kw.update(ic_dropout=0.0, hd_dropout=0.0)
         model = build_lm(arch, **kw).to(device).train()
-        opt = torch.optim.AdamW(decay_param_groups(model, 0.1), lr=1e-4)
+        opt = adamw(model, lr=1e-4, weight_decay=0.1)
 
         def step(model=model, opt=opt) -> None:
             logits = model(input_ids=x).logits

@@ -31,7 +31,7 @@ if __name__ == "__main__":  # run as a script by torchrun: make `owai` importabl
 
 from owai import distributed  # noqa: E402
 from owai.distributed import Parallel  # noqa: E402
-from owai.models.lm import blocks, build_lm, decay_param_groups  # noqa: E402
+from owai.models.lm import adamw, blocks, build_lm  # noqa: E402
 from owai.runs import Run  # noqa: E402
 from owai.train import LoopConfig, train_loop  # noqa: E402
 
@@ -76,7 +76,7 @@ def train(
     device = torch.device("cpu")
     parallel = Parallel.from_meta(lambda: build(**(model or {})), strategy, device=device, blocks_of=blocks, seed=SEED,
                                   activation_checkpointing=activation_checkpointing, mixed_precision=mixed_precision)
-    optimizer = torch.optim.AdamW(decay_param_groups(parallel.module, 0.1), lr=lr)
+    optimizer = adamw(parallel.module, lr=lr, weight_decay=0.1)
     path = Path(run_dir)
     if distributed.is_main():
         path.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from owai.errors import OwaiError
 from owai.models.gpt import GPTConfig, GPTForCausalLM, alibi_slopes, apply_rope, rope_cos_sin
-from owai.models.lm import build_lm, check_vocab, context_limit, decay_param_groups, lm_config
+from owai.models.lm import adamw, build_lm, check_vocab, context_limit, decay_param_groups, lm_config
 
 V = 61
 
@@ -236,6 +236,19 @@ def test_decay_param_groups_memory_mosaics():
     assert len(every) == len({id(p) for p in every}) == len(list(model.parameters()))
     assert any(p.dim() == 4 or p.dim() == 3 for p in decay["params"])  # persistent-memory slots decay
     assert all(p.dim() < 2 for p in no_decay["params"]) and no_decay["params"]
+
+
+def test_adamw_takes_the_decay_groups_and_fuses_only_on_cuda():
+    """`adamw` is the trainer's optimizer: decay_param_groups' groups with the given hyper-parameters,
+    torch's default implementation off CUDA (CPU runs keep their numbers), the fused kernel on CUDA."""
+    model = build_lm("gpt", n_layer=2, n_embd=32, n_head=4, vocab_size=V, block_size=16, bias=True)
+    optimizer = adamw(model, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    want = decay_param_groups(model, 0.1)
+    assert [[id(p) for p in g["params"]] for g in optimizer.param_groups] == [[id(p) for p in g["params"]] for g in want]
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    assert optimizer.defaults["lr"] == 3e-4 and optimizer.defaults["betas"] == (0.9, 0.95)
+    assert not optimizer.defaults["fused"]
+    assert len(adamw(model, lr=1e-3, weight_decay=0.1, scope="all").param_groups) == 1
 
 
 def test_build_lm_errors():

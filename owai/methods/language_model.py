@@ -649,15 +649,14 @@ def train_model(cfg: Config, run: Run, arch: str, parallel: Any, data: LMData, d
     an FSDP run still sharded, so evaluation runs in lockstep on every rank and save_model gathers
     it one parameter at a time; nothing ever holds a 9.9B model whole on one device."""
     from owai.evals.lm import validation_loss
-    from owai.models.lm import decay_param_groups
+    from owai.models.lm import adamw
     from owai.optim import warmup_cosine_schedule
     from owai.plan import forward_flops_per_token
     from owai.train import LoopConfig, train_loop
 
     t = cfg.train
     model = parallel.module
-    groups = decay_param_groups(model, t.weight_decay)
-    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.betas[0], t.betas[1]), fused=device.type == "cuda")
+    optimizer = adamw(model, lr=t.lr, betas=(t.betas[0], t.betas[1]), weight_decay=t.weight_decay)
     forward = parallel.forward_module  # train.compile compiles each block (Parallel)
     world = distributed.world()
 

@@ -265,7 +265,7 @@ def train(cfg: Config, run: Run, model: torch.nn.Module, data: RegBenchData, dev
     epoch's weights in checkpoints/best (resumable). Returns {"model", "val_loss", "epoch"}."""
     from owai.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from owai.evals.lm import validation_loss
-    from owai.models.lm import decay_param_groups
+    from owai.models.lm import adamw
     from owai.optim import warmup_cosine_schedule
     from owai.train import LoopConfig, train_loop
 
@@ -275,8 +275,7 @@ def train(cfg: Config, run: Run, model: torch.nn.Module, data: RegBenchData, dev
     warmup_epochs = math.ceil(t.epochs / 10) if t.warmup_epochs is None else t.warmup_epochs
     lr_at = warmup_cosine_schedule(t.lr, per_epoch * warmup_epochs, total, t.min_lr_ratio * t.lr,
                                    start_lr=t.warmup_lr, cosine_after_warmup=False)
-    groups = decay_param_groups(model, t.weight_decay, scope=t.decay_scope)
-    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.betas[0], t.betas[1]))
+    optimizer = adamw(model, lr=t.lr, betas=(t.betas[0], t.betas[1]), weight_decay=t.weight_decay, scope=t.decay_scope)
 
     def loss_at(step: int, micro: int) -> torch.Tensor:
         x, y = epoch_batch(data.train, cfg, step)

@@ -46,7 +46,7 @@ slice with one unmasked SDPA. `scan_impl: triton` runs the key scan as owai's ow
 (owai.models.key_scan_triton: a custom op with its backward, also inside compiled blocks). On CPU
 the path above is unchanged. `static_decoding` (auto: on CUDA, unsharded models): once `generate`
 knows the length, decoding steps run on a `StaticDecoder`, buffers allocated once and reads masked
-by a position tensor, so the whole step is captured as one CUDA graph and replayed.
+by a position tensor, so the whole step is compiled, captured as one CUDA graph and replayed.
 """
 
 from __future__ import annotations
@@ -313,7 +313,7 @@ _COMPILED: dict[str, Any] = {}  # torch.compile'd kernels, created once per proc
 
 def _compiled(name: str) -> Any:
     """torch.compile of flex_attention ("flex"), of gated_key_scan ("scan"), of memory_inputs
-    ("inputs") or of decode_step ("decode"), created lazily once per process."""
+    ("inputs"), of decode_step ("decode") or of static_step ("static"), created lazily once per process."""
     if name not in _COMPILED:
         if name == "flex":
             from torch.nn.attention.flex_attention import flex_attention
@@ -321,6 +321,8 @@ def _compiled(name: str) -> Any:
             _COMPILED[name] = torch.compile(flex_attention)
         elif name in ("scan", "inputs"):  # one graph per length (the scan's recursion depth)
             _COMPILED[name] = torch.compile(gated_key_scan if name == "scan" else memory_inputs, dynamic=False)
+        elif name == "static":  # one graph per buffer shape: every StaticDecoder of one capacity shares it
+            _COMPILED[name] = torch.compile(static_step, fullgraph=True, dynamic=False)
         else:
             # fixed shapes every step; the weights are arguments, so the model's memories share one
             # graph per kind (the readable count becomes symbolic after its first change)
@@ -408,7 +410,8 @@ def _compiles_scan(config: MemoryMosaicsV2Config, device: torch.device) -> bool:
     return (impl == "compiled" or on_cuda) and not torch.compiler.is_compiling()
 
 
-_FAILED_WHAT = {"inputs": "a memory's inputs (the key scan and its elementwise work)", "decode": "the decoding step"}
+_FAILED_WHAT = {"inputs": "a memory's inputs (the key scan and its elementwise work)", "decode": "the decoding step",
+                "static": "the decoding step on static buffers"}
 
 
 def _run_compiled(name: str, fn: Any, inputs: tuple, compiled: bool) -> Any:
@@ -831,9 +834,11 @@ class StaticDecoder:
     allocated once, from a prefilled cache: each memory's pairs sit in fixed slots (the long-term
     memory one per position up to `capacity`, the short-term memory a ring of span + 1), reads are
     one SDPA over all slots with a mask computed from the position tensor, so every step is the same
-    kernels on the same addresses. On CUDA the step is captured once as a CUDA graph and replayed: a
-    step of the 2B model launches ~3,000 kernels and is launch-bound eagerly (docs/results.md). The
-    same function as the dynamic cache's steps (ContextualMemory._decode; tested)."""
+    kernels on the same addresses. On CUDA the step (`static_step`) is compiled as one graph and
+    captured once as a CUDA graph, then replayed: a step of the 2B model launches ~3,000 kernels and is
+    launch-bound eagerly, and its eager kernels replayed as a graph still took twice the
+    transformer's compiled, graphed step (docs/results.md). The same function as the dynamic
+    cache's steps (ContextualMemory._decode; tested)."""
 
     def __init__(self, model: "MemoryMosaicsV2ForCausalLM", cache: MemoryMosaicsV2Cache, capacity: int) -> None:
         cfg = model.config
@@ -849,6 +854,7 @@ class StaticDecoder:
             self.layers.append({kind: self._slots(memory, layer[kind], capacity) for kind, memory in memories.items()})
         self.ids = torch.zeros(self.layers[0]["short"]["keys"].shape[0], 1, dtype=torch.long, device=device)  # (B, 1)
         self.graph = self.logits = None
+        self.compiled = _compiles_scan(cfg, device)
         if device.type == "cuda":
             self._capture()
 
@@ -871,17 +877,13 @@ class StaticDecoder:
         return state
 
     def _step(self, ids: torch.Tensor) -> torch.Tensor:
-        """One position: the model's blocks on the static state at the evaluation delay, then t += 1.
-        ids (B, 1) -> logits (B, 1, V)."""
-        model = self.model
-        x = model.embed_tokens(ids)
-        for block, state in zip(model.layers, self.layers):
-            x = block(x, None, model.config.long_delay_eval, state, self.position, None)
-        self.t.add_(1)
-        return model.lm_head(model.norm(x))
+        """`static_step` on this decoder's state: compiled as one graph where the scan is compiled
+        (config.scan_impl; auto on CUDA), so the captured step replays a few fused kernels per
+        memory instead of dozens (the transformer's graphed step is compiled too)."""
+        return _run_compiled("static", static_step, (self.model, self.layers, self.t, ids), self.compiled)
 
     def _warm_up(self) -> None:
-        """One eager step on the placeholder ids (compilation, library workspaces), its effect on the
+        """One step on the placeholder ids (compiling it, library workspaces), its effect on the
         state undone: the scan states, pending values and position are restored, and the key and value
         rows it wrote are the slots the first real step rewrites. Device-agnostic, so the CPU tests
         check what the capture relies on."""
@@ -913,6 +915,22 @@ class StaticDecoder:
         self.ids.copy_(ids)
         self.graph.replay()
         return self.logits.clone()
+
+
+STATIC_PAST = 1  # the `past` a StaticDecoder's step passes: any position > 0 (its memories read state["t"]), fixed
+# so that a compiled step is one graph for every position
+
+
+def static_step(model: "MemoryMosaicsV2ForCausalLM", layers: list[dict], t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """One decoding position on a StaticDecoder's state `layers` (per layer {"short": ..., "long": ...},
+    `StaticDecoder._slots`) at the evaluation delay; then the position t (0-d, shared by every state)
+    advances by one. ids (B, 1) -> logits (B, 1, V). Shapes, indices and Python numbers do not depend
+    on the position, so the step compiles to one graph and is captured as one CUDA graph."""
+    x = model.embed_tokens(ids)
+    for block, state in zip(model.layers, layers):
+        x = block(x, None, model.config.long_delay_eval, state, STATIC_PAST, None)
+    t.add_(1)
+    return model.lm_head(model.norm(x))
 
 
 @dataclass
