@@ -39,11 +39,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import random
 import resource
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -127,12 +129,29 @@ def packed_positions(batch: int, context: int, mean: int, seed: int = 0):
     return torch.stack(rows)
 
 
+def training_delays(config) -> Iterator[int]:
+    """v2's long-term delay for each training step: one per step, uniform over long_delay_train as the
+    trainer draws it (seeded), the smallest and the largest first. A compiled block sees a second
+    delay at the second step and recompiles once with the delay symbolic, so the warm-up builds the
+    graph that every later delay reuses, as in `owai mosaic-train`."""
+    lo, hi = config.long_delay_train
+    yield lo
+    yield hi
+    draws = random.Random(0)
+    while True:
+        yield draws.randint(lo, hi)
+
+
 def train_step_seconds(model, x, pos, delay: bool) -> float:
+    """Seconds for one training step: forward, cross-entropy, backward, the model's optimizer step.
+    delay: v2's long-term delay drawn per step (`training_delays`)."""
     import torch
     import torch.nn.functional as F
 
+    if delay and not hasattr(model, "delays"):
+        model.delays = training_delays(model.config)
     start = time.perf_counter()
-    extra = {"long_delay": 128} if delay else {}
+    extra = {"long_delay": next(model.delays)} if delay else {}
     logits = model(input_ids=x, position_ids=pos, **extra).logits
     F.cross_entropy(logits.float()[:, :-1].flatten(0, 1), x[:, 1:].flatten()).backward()
     model.optimizer.step()
@@ -186,7 +205,8 @@ def training_setting(args):
 
 
 def warm_up_steps(args) -> int:
-    """Untimed training steps before timing: two when blocks compile (the second step's graphs)."""
+    """Untimed training steps before timing: two when blocks compile (the second step's graph, with
+    v2's delay symbolic: `training_delays`)."""
     return 2 if args.compile else 1
 
 

@@ -495,6 +495,25 @@ def test_compiled_scan_equals_chunked_scan(T):
         assert (g - f).norm() <= 1e-4 * g.norm()
 
 
+def test_compiled_blocks_on_the_flex_path_take_a_new_delay_without_recompiling():
+    """Compiled blocks (train.compile) on CUDA's read path (flex; here its compiled CPU forward): the
+    trainer draws the long-term delay per step, and after one recompilation (the delay made symbolic)
+    every other delay reuses the graph, with the eager model's logits."""
+    from owai.distributed import Parallel
+    from owai.models.lm import blocks
+
+    ids = torch.randint(0, 50, (2, 128), generator=torch.Generator().manual_seed(0))
+    pos = packed_positions([[60, 68], [5, 1, 122]])
+    model = tiny_model(attn_impl="flex").float().eval()
+    with torch.no_grad():
+        eager = {d: model(input_ids=ids, position_ids=pos, long_delay=d).logits for d in (6, 9, 13)}
+        Parallel(model, blocks=blocks(model), compile_blocks=True)
+        for d in (6, 9):
+            assert torch.allclose(model(input_ids=ids, position_ids=pos, long_delay=d).logits, eager[d], atol=1e-5)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            assert torch.allclose(model(input_ids=ids, position_ids=pos, long_delay=13).logits, eager[13], atol=1e-5)
+
+
 @pytest.mark.parametrize("phase", ["training", pytest.param("cached", marks=pytest.mark.slow)])  # ~30 s / 20 s, cold
 def test_compiled_memory_inputs_equal_eager(phase):
     """scan_impl compiled (CUDA's path for training and prefill): each memory's work between its
