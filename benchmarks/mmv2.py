@@ -304,6 +304,8 @@ def generation(args) -> None:
                 x = torch.randint(0, model.config.vocab_size, (1, n), device=args.device)
                 per = timed(model, arch, x, args)
                 print(f"  {arch:12s} n={n:6d}  {per * 1000:7.2f} ms/token{how}", flush=True)
+                if timed is graphed_steps and arch == "mmv2" and args.device == "cuda":
+                    print(f"  {arch:12s} n={n:6d}  {replay_profile(model.last_decoder)}", flush=True)
             except Exception as err:  # noqa: BLE001
                 print(f"  {arch:12s} n={n:6d}  failed{how}: {type(err).__name__}: {str(err).splitlines()[0][:200]}", flush=True)
             finally:
@@ -374,7 +376,38 @@ def graphed_steps(model, arch: str, x, args) -> float:
                        eos_token_id=None, stopping_criteria=StoppingCriteriaList([clock]), **cache_kwargs(cache))
         if arch == "mmv2" and cache.decoder is None:
             raise RuntimeError("the StaticDecoder was not used")
+    if arch == "mmv2":
+        model.last_decoder = cache.decoder  # for replay_profile
     return statistics.median(b - a for a, b in zip(clock.times, clock.times[1:]))
+
+
+def replay_profile(decoder, steps: int = 8) -> str:
+    """What one replay of v2's captured decoding step runs: the device's busy ms (its kernels' summed
+    time) and the kernels per step, whether the step was compiled, and the wall ms per replay. Busy
+    far below wall: launch gaps; kernels per step: what compiling or stacking could still remove.
+    (Replays past the generation's end overwrite old slots: the figures, not the state, matter.)"""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    if decoder is None or decoder.graph is None:
+        return "no captured step to profile"
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        decoder.graph.replay()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / steps
+    with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            decoder.graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and not user_annotation(e)]
+    busy = sum(e.self_device_time_total for e in kernels) / 1000 / steps
+    launched = sum(e.count for e in kernels) / steps
+    return (f"graph replay ({'compiled' if decoder.compiled else 'eager'} step): wall {wall * 1000:.2f} ms, "
+            f"device busy {busy:.2f} ms, kernels {launched:.0f} per step")
 
 
 KERNEL_FAMILIES = (  # (family, marks in a lower-cased kernel or op name), first match wins

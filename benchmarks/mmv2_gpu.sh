@@ -23,7 +23,8 @@
 #                      (targets: 0.9x the transformer, v2 MFU 40 %)
 #   eager              the same, eager blocks (each memory's inputs one compiled graph; target: 0.7x)
 #   generation-graphs  both models' compiled decoding steps as CUDA graphs, 4k and 32k context (target:
-#                      <= 1.3x), then the dynamic-cache decoding of the earlier measurements, same process
+#                      <= 1.3x; v2's replayed graph profiled: device busy, kernels per step), then the
+#                      dynamic-cache decoding of the earlier measurements, same process
 #   profile-compiled   one compiled training step of each model by kernel family: what is left of the
 #                      gap to 0.9x (the eager step's profile is in docs/results.md)
 #   pytest             the `gpu` tests of v2 and Llama: flex vs SDPA and the bf16 training step (each
