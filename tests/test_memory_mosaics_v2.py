@@ -269,11 +269,12 @@ def test_a_static_decoders_warm_up_leaves_no_trace(monkeypatch):
 
 
 def test_a_compiled_static_step_equals_the_cached_steps_and_compiles_once():
-    """Where the scan is compiled (scan_impl compiled; auto on CUDA) a StaticDecoder's whole step runs as
-    one compiled graph (`static_step`, what a CUDA graph then captures): its steps equal the dynamic
-    cache's, and a second decoder of the same capacity reuses the graph (no recompilation per
-    position or per generate call)."""
+    """Where the scan is compiled (scan_impl compiled; auto on CUDA) each block of a StaticDecoder's
+    step runs as a compiled graph (`static_block`, what a CUDA graph then captures): its steps equal
+    the dynamic cache's, and one graph serves both blocks, every position and a second decoder of
+    the same capacity (no recompilation per block, position or generate call)."""
     import owai.models.memory_mosaics_v2 as v2
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     model = tiny_model(static_decoding="on", scan_impl="compiled").eval()
     ids = torch.randint(0, 50, (2, 30))
@@ -283,6 +284,7 @@ def test_a_compiled_static_step_equals_the_cached_steps_and_compiles_once():
     with torch._dynamo.config.patch(error_on_recompile=True):
         (off, _), (on, cache) = stepped_logits(model, ids.flip(1), 12, 31).values()
     assert torch.allclose(on, off, atol=1e-10)
+    assert len(_debug_get_cache_entry_list(v2.static_block.__code__)) == 1  # one graph for both blocks
 
 
 def test_a_static_decoder_that_cannot_be_built_falls_back_to_the_dynamic_cache(monkeypatch):
@@ -746,7 +748,7 @@ def test_gpu_bf16_prefill_and_decoding_equal_the_full_forward():
 
 @pytest.mark.gpu
 def test_gpu_static_decoding_replays_a_cuda_graph():
-    """bf16 weights on CUDA, static_decoding auto: the decoding step is compiled (`static_step`),
+    """bf16 weights on CUDA, static_decoding auto: the decoding step's blocks are compiled (`static_block`),
     captured as a CUDA graph once, and its replays give the dynamic cache's logits to bf16 tolerance
     (the short-term ring wraps, the long-term memory reads; batch 2)."""
     import owai.models.memory_mosaics_v2 as v2

@@ -313,7 +313,7 @@ _COMPILED: dict[str, Any] = {}  # torch.compile'd kernels, created once per proc
 
 def _compiled(name: str) -> Any:
     """torch.compile of flex_attention ("flex"), of gated_key_scan ("scan"), of memory_inputs
-    ("inputs"), of decode_step ("decode") or of static_step ("static"), created lazily once per process."""
+    ("inputs"), of decode_step ("decode") or of static_block ("static"), created lazily once per process."""
     if name not in _COMPILED:
         if name == "flex":
             from torch.nn.attention.flex_attention import flex_attention
@@ -321,8 +321,8 @@ def _compiled(name: str) -> Any:
             _COMPILED[name] = torch.compile(flex_attention)
         elif name in ("scan", "inputs"):  # one graph per length (the scan's recursion depth)
             _COMPILED[name] = torch.compile(gated_key_scan if name == "scan" else memory_inputs, dynamic=False)
-        elif name == "static":  # one graph per buffer shape: every StaticDecoder of one capacity shares it
-            _COMPILED[name] = torch.compile(static_step, fullgraph=True, dynamic=False)
+        elif name == "static":  # one graph per buffer shape, shared by every block and every StaticDecoder of one capacity
+            _COMPILED[name] = torch.compile(static_block, fullgraph=True, dynamic=False)
         else:
             # fixed shapes every step; the weights are arguments, so the model's memories share one
             # graph per kind (the readable count becomes symbolic after its first change)
@@ -834,8 +834,8 @@ class StaticDecoder:
     allocated once, from a prefilled cache: each memory's pairs sit in fixed slots (the long-term
     memory one per position up to `capacity`, the short-term memory a ring of span + 1), reads are
     one SDPA over all slots with a mask computed from the position tensor, so every step is the same
-    kernels on the same addresses. On CUDA the step (`static_step`) is compiled as one graph and
-    captured once as a CUDA graph, then replayed: a step of the 2B model launches ~3,000 kernels and is
+    kernels on the same addresses. On CUDA each block of the step (`static_block`) is compiled and
+    the step is captured once as a CUDA graph, then replayed: a step of the 2B model launches ~3,000 kernels and is
     launch-bound eagerly, and its eager kernels replayed as a graph still took twice the
     transformer's compiled, graphed step (docs/results.md). The same function as the dynamic
     cache's steps (ContextualMemory._decode; tested)."""
@@ -877,10 +877,18 @@ class StaticDecoder:
         return state
 
     def _step(self, ids: torch.Tensor) -> torch.Tensor:
-        """`static_step` on this decoder's state: compiled as one graph where the scan is compiled
-        (config.scan_impl; auto on CUDA), so the captured step replays a few fused kernels per
-        memory instead of dozens (the transformer's graphed step is compiled too)."""
-        return _run_compiled("static", static_step, (self.model, self.layers, self.t, ids), self.compiled)
+        """One position: the model's blocks on the static state at the evaluation delay, then t += 1.
+        ids (B, 1) -> logits (B, 1, V). Each block runs `static_block`, compiled where the scan is
+        compiled (config.scan_impl; auto on CUDA), so the captured step replays a few fused kernels
+        per memory instead of dozens (the transformer's graphed step is compiled too). One graph
+        serves every block, as compiled blocks do in training, so compiling costs one block's
+        tracing, not the whole model's."""
+        model = self.model
+        x = model.embed_tokens(ids)
+        for block, state in zip(model.layers, self.layers):
+            x = _run_compiled("static", static_block, (block, x, state, model.config.long_delay_eval), self.compiled)
+        self.t.add_(1)
+        return model.lm_head(model.norm(x))
 
     def _warm_up(self) -> None:
         """One step on the placeholder ids (compiling it, library workspaces), its effect on the
@@ -917,20 +925,16 @@ class StaticDecoder:
         return self.logits.clone()
 
 
-STATIC_PAST = 1  # the `past` a StaticDecoder's step passes: any position > 0 (its memories read state["t"]), fixed
-# so that a compiled step is one graph for every position
+STATIC_PAST = 1  # the `past` a StaticDecoder's blocks get: any position > 0 (its memories read state["t"]), fixed
+# so that a compiled block is one graph for every position
 
 
-def static_step(model: "MemoryMosaicsV2ForCausalLM", layers: list[dict], t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """One decoding position on a StaticDecoder's state `layers` (per layer {"short": ..., "long": ...},
-    `StaticDecoder._slots`) at the evaluation delay; then the position t (0-d, shared by every state)
-    advances by one. ids (B, 1) -> logits (B, 1, V). Shapes, indices and Python numbers do not depend
-    on the position, so the step compiles to one graph and is captured as one CUDA graph."""
-    x = model.embed_tokens(ids)
-    for block, state in zip(model.layers, layers):
-        x = block(x, None, model.config.long_delay_eval, state, STATIC_PAST, None)
-    t.add_(1)
-    return model.lm_head(model.norm(x))
+def static_block(block: "MemoryMosaicsV2Block", x: torch.Tensor, state: dict, delay: int) -> torch.Tensor:
+    """One block of a StaticDecoder's step: x (B, 1, d) -> (B, 1, d) on the block's static state
+    {"short": ..., "long": ...} (`StaticDecoder._slots`) at the long-term delay `delay`. No shape,
+    index or Python number depends on the position, so this compiles to one graph for every
+    position and every block."""
+    return block(x, None, delay, state, STATIC_PAST, None)
 
 
 @dataclass
