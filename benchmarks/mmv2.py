@@ -391,8 +391,11 @@ def replay_profile(decoder, steps: int = 8) -> str:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
+    from owai.models.memory_mosaics_v2 import _COMPILED
+
     if decoder is None or decoder.graph is None:
         return "no captured step to profile"
+    step = "compiled" if decoder.compiled and "static-failed" not in _COMPILED else "eager"
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
@@ -406,7 +409,7 @@ def replay_profile(decoder, steps: int = 8) -> str:
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and not user_annotation(e)]
     busy = sum(e.self_device_time_total for e in kernels) / 1000 / steps
     launched = sum(e.count for e in kernels) / steps
-    return (f"graph replay ({'compiled' if decoder.compiled else 'eager'} step): wall {wall * 1000:.2f} ms, "
+    return (f"graph replay ({step} step): wall {wall * 1000:.2f} ms, "
             f"device busy {busy:.2f} ms, kernels {launched:.0f} per step")
 
 
