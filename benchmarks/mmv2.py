@@ -391,7 +391,6 @@ def replay_profile(decoder, steps: int = 8) -> str:
     far below wall: launch gaps; kernels per step: what compiling or stacking could still remove.
     (Replays past the generation's end overwrite old slots: the figures, not the state, matter.)"""
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
@@ -410,7 +409,7 @@ def replay_profile(decoder, steps: int = 8) -> str:
         for _ in range(steps):
             decoder.graph.replay()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and not user_annotation(e)]
+    kernels = device_kernels(prof)
     busy = sum(e.self_device_time_total for e in kernels) / 1000 / steps
     launched = sum(e.count for e in kernels) / steps
     return (f"graph replay ({step} step): wall {wall * 1000:.2f} ms, "
@@ -426,10 +425,14 @@ KERNEL_FAMILIES = (  # (family, marks in a lower-cased kernel or op name), first
 )
 
 
-def user_annotation(event) -> bool:
-    """Whether a profiler event on the device is a named range (e.g. "Optimizer.step#AdamW.step", which
-    spans the optimizer's kernels) rather than a kernel: counting it too counted those kernels twice."""
-    return bool(getattr(event, "is_user_annotation", False)) or "#" in event.key
+def device_kernels(prof) -> list:
+    """The kernels a finished profile saw on the device: its CUDA events less the named ranges (e.g.
+    "Optimizer.step#AdamW.step", which spans the optimizer's kernels: counting it too counted those
+    kernels twice)."""
+    from torch.autograd import DeviceType
+
+    return [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA
+            and not (getattr(e, "is_user_annotation", False) or "#" in e.key)]
 
 
 def kernel_family(name: str) -> str:
@@ -445,7 +448,6 @@ def profile_training(args) -> None:
     device's busy ms (its kernels' summed time; on CPU the aten ops' self time), kernels per step,
     the time per kernel family and the kernels with the most time. One model at a time."""
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
@@ -466,8 +468,7 @@ def profile_training(args) -> None:
                 with profiler(activities=activities) as prof:
                     train_step_seconds(model, x, pos, arch == "mmv2")
             if cuda:
-                kernels = [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
-                           if e.device_type == DeviceType.CUDA and not user_annotation(e)]
+                kernels = [(e.key, e.self_device_time_total, e.count) for e in device_kernels(prof)]
             else:
                 kernels = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages() if e.key.startswith("aten::")]
             busy = sum(t for _, t, _ in kernels) / 1000
@@ -495,7 +496,6 @@ def profile(args) -> None:
     with the most device time. Wall far above busy means the step is launch-bound (CPU-side).
     `--train`: a training step instead (profile_training)."""
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
@@ -528,7 +528,7 @@ def profile(args) -> None:
                     for _ in range(steps):
                         out = model(input_ids=token, use_cache=True, **cache_kwargs(cache))
                     torch.cuda.synchronize()
-            kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and not user_annotation(e)]
+            kernels = device_kernels(prof)
             busy = sum(e.self_device_time_total for e in kernels) / 1000 / steps
             launched = sum(e.count for e in kernels) / steps
             print(f"  {arch:12s} n={n:6d}  wall {wall * 1000:7.2f} ms/step  device busy {busy:7.2f} ms/step  "

@@ -46,7 +46,7 @@ slice with one unmasked SDPA. `scan_impl: triton` runs the key scan as owai's ow
 (owai.models.key_scan_triton: a custom op with its backward, also inside compiled blocks). On CPU
 the path above is unchanged. `static_decoding` (auto: on CUDA, unsharded models): once `generate`
 knows the length, decoding steps run on a `StaticDecoder`, buffers allocated once and reads masked
-by a position tensor, so the whole step is compiled, captured as one CUDA graph and replayed.
+by a position tensor, so the step (its blocks compiled) is captured as one CUDA graph and replayed.
 """
 
 from __future__ import annotations
