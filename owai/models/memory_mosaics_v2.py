@@ -28,7 +28,8 @@ The same rule makes left-padded batches work in `generate`: HF derives position_
 attention mask, so the padding is a document of its own that no real token reads.
 
 Cost: the key scan works in chunks of `scan_chunk` (a chunk x chunk matrix per chunk, in log space;
-the chunk ends are scanned the same way one level up: O(T) memory, no T x T decay matrix, no loop).
+the chunk ends are scanned the same way one level up, then each chunk's rows are one matmul over its
+keys and the value entering it: O(T) memory, no T x T decay matrix, no loop).
 Memory reads go over query blocks of `query_block` rows against only the keys a block can see (the
 short-term window, the long-term prefix); without documents the long-term read is one causal SDPA on delay-shifted tensors (flash
 kernels, O(T) memory). Generation keeps a `MemoryMosaicsV2Cache`: the short-term memory only its
@@ -202,7 +203,7 @@ def gated_key_scan(raw: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.T
 
         rows, log_scale = triton_log_space_scan(raw, log_gate, log_decay, local_start, state)
     else:
-        rows, log_scale = _log_space_scan(_wide(raw), _wide(log_gate), _wide(log_decay), local_start, state, chunk)
+        rows, log_scale = _log_space_scan(raw, _wide(log_gate), _wide(log_decay), local_start, state, chunk)
     last = rows[:, :, -1]
     norm = torch.linalg.vector_norm(last, dim=-1).clamp_min(1e-30)
     return rows, (last / norm[..., None], log_scale[:, :, -1] + norm.log())
@@ -229,12 +230,16 @@ def _log_space_scan(raw: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.
     local_start (B, T): index of each position's document start (negative: before position 0, so the
     entering `state` is part of it); None: one document that began before position 0.
 
-    Chunked: inside chunk i the (c x c) matrix exp(L_T - L_t + log g_t) for t <= T of the same
-    document (L the in-chunk cumsum of log lambda), each row shifted by its largest exponent, so
-    nothing overflows. The state entering chunk i is the recurrence's value at the end of chunk i-1,
-    and those chunk ends obey the same recurrence one level up (k~ = a chunk's own sum at its end, log g
-    its log-scale, log lambda = the chunk's total log decay): this function, called on the n-1 chunk
-    ends, gives them all. Depth log_c(T); memory O(B H T c), no T x T matrix.
+    Chunked, in two passes. Inside chunk i the (c x c) matrix exp(L_T - L_t + log g_t) for t <= T of
+    the same document (L the in-chunk cumsum of log lambda) weighs the chunk's own keys. First the
+    value entering each chunk: the recurrence's value at the end of chunk i-1, and those chunk ends
+    obey the same recurrence one level up (k~ = a chunk's own sum at its end, which takes only the
+    chunk's last row of the matrix; log g its log-scale; log lambda = the chunk's total log decay):
+    this function, called on the n-1 chunk ends, gives them all. Then every row as one matmul over
+    the chunk's keys and its entering value, whose weight exp(L_T + log-scale) is one more column
+    of the matrix. Each row is shifted by its largest exponent, so nothing overflows. Depth log_c(T);
+    memory O(B H T c), no T x T matrix. The one matmul writes each row once: a second pass adding the
+    entering value would read and write (B, H, T, hs) again, forward and backward.
     """
     B, H, T, hs = raw.shape
     n = -(-T // chunk)
@@ -253,35 +258,49 @@ def _log_space_scan(raw: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.
         ds = local_start.view(B, 1, n, c)
         allowed = allowed & (pos[None, None, :, None, :] >= ds[..., :, None])  # (B, 1, n, c, c) same document
     expo = expo.masked_fill(~allowed, float("-inf"))
-    top = expo.amax(dim=-1)  # (B, H, n, c); the diagonal is always allowed: finite
-    rows = torch.exp(expo - top[..., None]) @ rc  # (B, H, n, c, hs): each chunk on its own
+    # raw is read in its own dtype (the chunk ends' product widens it); the matmuls' operands are made in
+    # the dtype autocast would cast them to, each as it is written, else float32 or wider
+    on = raw.device.type
+    mm = torch.get_autocast_dtype(on) if torch.is_autocast_enabled(on) else torch.promote_types(raw.dtype, L.dtype)
+    if n == 1 and state is None:
+        top = expo.amax(dim=-1)  # (B, H, 1, c); the diagonal is always allowed: finite
+        rows = torch.exp(expo - top[..., None]).to(mm) @ rc.to(mm)
+        return _unpad(rows, top, T, pad)
 
-    if n > 1 or state is not None:
-        # the value entering each chunk: the given state, then the recurrence at the ends of chunks 0..n-2
-        entering_dir, entering_log = [], []
-        if state is not None:
-            entering_dir.append(state[0][:, :, None])
-            entering_log.append(state[1][:, :, None])
-        else:
-            entering_dir.append(rows.new_zeros(B, H, 1, hs))
-            entering_log.append(top.new_full((B, H, 1), float("-inf")))
-        if n > 1:
-            ends, ends_log = rows[..., :-1, -1, :], top[..., :-1, -1]  # (B, H, n-1, hs), (B, H, n-1)
-            norm = torch.linalg.vector_norm(ends, dim=-1).clamp_min(1e-30)
-            # chunk end j is in chunk end i's document iff j >= floor(ds_i / c)
-            ends_start = None if local_start is None else torch.div(ds[:, 0, :-1, -1], c, rounding_mode="floor")
-            end_rows, end_log = _log_space_scan(ends / norm[..., None], ends_log + norm.log(), L[..., :-1, -1],
-                                                ends_start, state, chunk)
-            entering_dir.append(end_rows)
-            entering_log.append(end_log)
-        s_in, sigma_in = torch.cat(entering_dir, dim=2), torch.cat(entering_log, dim=2)  # (B, H, n, hs), (B, H, n)
-        carried = L + sigma_in[..., None]  # (B, H, n, c): log weight of the entering value in each row
-        if local_start is not None:  # only rows whose document began before their chunk
-            carried = carried.masked_fill(~(ds < pos[None, None, :, :1]), float("-inf"))
-        new_top = torch.maximum(top, carried)
-        rows = torch.exp(top - new_top)[..., None] * rows + torch.exp(carried - new_top)[..., None] * s_in[..., None, :]
-        top = new_top
-    rows, top = rows.reshape(B, H, n * c, hs), top.reshape(B, H, n * c)
+    # the value entering each chunk: the given state, then the recurrence at the ends of chunks 0..n-2
+    entering_dir, entering_log = [], []
+    if state is not None:
+        entering_dir.append(state[0][:, :, None])
+        entering_log.append(state[1][:, :, None])
+    else:
+        entering_dir.append(L.new_zeros(B, H, 1, hs))
+        entering_log.append(L.new_full((B, H, 1), float("-inf")))
+    if n > 1:
+        last = expo[:, :, :-1, -1]  # (B, H, n-1, c): each chunk's last row, the chunk's own sum at its end
+        last_top = last.amax(dim=-1)  # (B, H, n-1)
+        ends = (torch.exp(last - last_top[..., None])[..., None] * rc[:, :, :-1]).sum(dim=-2)  # (B, H, n-1, hs)
+        norm = torch.linalg.vector_norm(ends, dim=-1).clamp_min(1e-30)
+        # chunk end j is in chunk end i's document iff j >= floor(ds_i / c)
+        ends_start = None if local_start is None else torch.div(ds[:, 0, :-1, -1], c, rounding_mode="floor")
+        end_rows, end_log = _log_space_scan(ends / norm[..., None], last_top + norm.log(), L[..., :-1, -1],
+                                            ends_start, state, chunk)
+        entering_dir.append(end_rows)
+        entering_log.append(end_log)
+    s_in, sigma_in = torch.cat(entering_dir, dim=2), torch.cat(entering_log, dim=2)  # (B, H, n, hs), (B, H, n)
+    carried = L + sigma_in[..., None]  # (B, H, n, c): log weight of the entering value in each row
+    if local_start is not None:  # only rows whose document began before their chunk
+        carried = carried.masked_fill(~(ds < pos[None, None, :, :1]), float("-inf"))
+    top = torch.maximum(expo.amax(dim=-1), carried)  # (B, H, n, c); the diagonal is always allowed: finite
+    weights = torch.cat([torch.exp(expo - top[..., None]).to(mm), torch.exp(carried - top)[..., None].to(mm)], dim=-1)
+    rows = weights @ torch.cat([rc.to(mm), s_in[..., None, :].to(mm)], dim=3)  # (B, H, n, c, hs); entering value last
+    return _unpad(rows, top, T, pad)
+
+
+def _unpad(rows: torch.Tensor, top: torch.Tensor, T: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, H, n, c, hs), (B, H, n, c) chunked rows and log-scales -> the first T positions, the rows
+    as wide as the log-scales (float32 or wider: a bf16 matmul's rows are widened)."""
+    B, H, n, c, hs = rows.shape
+    rows, top = rows.to(top.dtype).reshape(B, H, n * c, hs), top.reshape(B, H, n * c)
     return (rows[:, :, :T], top[:, :, :T]) if pad else (rows, top)
 
 
@@ -391,15 +410,18 @@ def memory_inputs(key: torch.Tensor, gate: torch.Tensor, decay: torch.Tensor, va
     log_decay = -decay.abs().transpose(1, 2)  # (B, H, T), <= 0
     directions, scan_state = gated_key_scan(split(key), log_gate, log_decay, doc_start, past, scan_state, chunk, kernel)
     keys = _unit(directions, norm_eps)  # (B, H, T, hs) float32
-    raw_v = _wide(split(value))  # (B, H, T, hs)
+    raw_v = split(value)  # (B, H, T, hs)
+    if not torch.compiler.is_compiling():  # eagerly one float32 copy serves both reads; compiled, each read
+        raw_v = _wide(raw_v)  # widens (inlined: no float32 copy is kept for the backward)
     if v_pending is not None:  # the pending position past-1 gets its value now that x_past is known
-        raw_v = torch.cat([v_pending[:, :, None], raw_v], dim=2)  # positions past-1 ..
+        raw_v = torch.cat([v_pending[:, :, None], _wide(raw_v)], dim=2)  # positions past-1 ..
     gamma = value_mix.float()[None, :, None, None]
     # gamma v~_t + (1 - gamma) v~_{t+1}, as one op
-    finished = _unit(torch.lerp(raw_v[:, :, 1:], raw_v[:, :, :-1], gamma.to(raw_v.dtype)), norm_eps)
+    wide = torch.promote_types(raw_v.dtype, torch.float32)
+    finished = _unit(torch.lerp(_wide(raw_v[:, :, 1:]), _wide(raw_v[:, :, :-1]), gamma.to(wide)), norm_eps)
     beta = bandwidth_of(counts, beta1_log, alpha_raw, beta0_raw)  # (B|1, H, T)
     queries = (keys * beta[..., None].to(keys.dtype)).to(dtype)  # bandwidth on the query side only
-    return queries, keys.to(dtype), finished.to(dtype), scan_state, raw_v[:, :, -1]
+    return queries, keys.to(dtype), finished.to(dtype), scan_state, _wide(raw_v[:, :, -1])
 
 
 def _compiles_scan(config: MemoryMosaicsV2Config, device: torch.device) -> bool:
