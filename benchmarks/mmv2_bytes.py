@@ -3,7 +3,7 @@ dtypes CUDA gives it (bf16 autocast): what the GPU's memory-bound work scales wi
 
     python benchmarks/mmv2_bytes.py saved   [--kind short|long] [--scan chunked|compiled]
     python benchmarks/mmv2_bytes.py written [--kind short|long]
-    python benchmarks/mmv2_bytes.py kernels [--kind short|long]
+    python benchmarks/mmv2_bytes.py kernels [--kind short|long] [--device cuda]
 
 `saved`: the bytes autograd keeps for the backward of one memory's forward (distinct storages).
 `written`: the bytes every aten op writes in one memory's forward and backward, the reads forced to
@@ -11,7 +11,8 @@ bf16 as on CUDA (`ContextualMemory.read_dtype`).
 `kernels`: the bytes inductor's kernels read and write for the memory's compiled `memory_inputs`
 (the key scan with its elementwise work, one graph as `scan_impl` auto runs it on CUDA), forward
 and backward: inductor's own count of each fused kernel's buffers (`GraphLowering.count_bytes`),
-taken as it compiles. The CPU's C++ kernels are counted; Triton's fuse a little differently. Also
+taken as it compiles. The CPU's C++ kernels are counted (`--device cuda`: Triton's, which fuse a
+little differently; benchmarks/mmv2_gpu.sh runs both). Also
 printed: that traffic for all 48 memories of the small model at 4.3 TB/s (an H200's measured
 bandwidth), a floor for this work per training step.
 
@@ -42,10 +43,11 @@ def doc_starts() -> torch.Tensor:
     return torch.stack(rows)
 
 
-def memory_and_input(kind: str, scan: str) -> tuple[ContextualMemory, torch.Tensor]:
+def memory_and_input(kind: str, scan: str, device: str = "cpu") -> tuple[ContextualMemory, torch.Tensor]:
     torch.manual_seed(0)
     config = MemoryMosaicsV2Config(vocab_size=512, n_layer=1, n_embd=2048, n_head=16, ffn_hidden=6144, scan_impl=scan)
-    return ContextualMemory(config, kind), torch.randn(BATCH, CONTEXT, config.n_embd, requires_grad=True)
+    with torch.device(device):
+        return ContextualMemory(config, kind), torch.randn(BATCH, CONTEXT, config.n_embd, requires_grad=True)
 
 
 def saved(kind: str, scan: str) -> None:
@@ -87,23 +89,23 @@ def written(kind: str) -> None:
           f"forward and backward")
 
 
-def kernels(kind: str) -> None:
+def kernels(kind: str, device: str) -> None:
     from torch._inductor import compile_fx, metrics
     from torch._inductor import config as inductor_config
 
-    memory, leaf = memory_and_input(kind, "compiled")
+    memory, leaf = memory_and_input(kind, "compiled", device)
     ContextualMemory.read_dtype = lambda self, device: torch.bfloat16  # CUDA's reads under autocast
     inductor_config.force_disable_caches = True  # the count is taken while compiling, not on a cache hit
     log = compile_fx.inductor_metrics_log  # inductor counts only while this log is enabled; kept quiet
     log.setLevel(logging.INFO)
     log.propagate = False
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = memory(leaf * 1.0, doc_starts(), DELAY, None, 0)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        y = memory(leaf * 1.0, doc_starts().to(device), DELAY, None, 0)
     forward = metrics.num_bytes_accessed
     y.float().sum().backward()
     total = metrics.num_bytes_accessed
     per_step = total * 48 / 4.3e12 * 1e3
-    print(f"{kind} memory, compiled memory_inputs: inductor's kernels move {forward / 2**20:,.0f} MiB forward, "
+    print(f"{kind} memory, compiled memory_inputs, {device}: inductor's kernels move {forward / 2**20:,.0f} MiB forward, "
           f"{(total - forward) / 2**20:,.0f} MiB backward, {total / 2**20:,.0f} MiB in all "
           f"(x 48 memories at 4.3 TB/s: {per_step:.1f} ms per step)")
 
@@ -115,11 +117,12 @@ def main() -> None:
                         help="which memory (default: short for saved and kernels, long for written)")
     parser.add_argument("--scan", choices=["chunked", "compiled"], default="chunked",
                         help="saved only: the eager chunked scan, or the compiled memory inputs (CUDA's default)")
+    parser.add_argument("--device", default="cpu", help="kernels only: cuda counts Triton's kernels")
     args = parser.parse_args()
     if args.measure == "saved":
         saved(args.kind or "short", args.scan)
     elif args.measure == "kernels":
-        kernels(args.kind or "short")
+        kernels(args.kind or "short", args.device)
     else:
         written(args.kind or "long")
 

@@ -16,7 +16,7 @@
 # test_key_scan_triton.py, ahead of time with triton's ptxas): a kernel that does not build fails
 # there, before any GPU time is spent.
 #
-# Steps, in order of what they decide (limits sum to 640 s: should every step take its whole limit,
+# Steps, in order of what they decide (limits sum to 700 s: should every step take its whole limit,
 # the last is cut by the 10-minute device call's own limit, and what it printed still comes back):
 #   compiled           the training command, compiled blocks: small size, batch 2 x 4096, packed
 #                      documents, the compiled chunked scan (scan auto), the trainer's fused AdamW
@@ -27,6 +27,9 @@
 #                      dynamic-cache decoding of the earlier measurements, same process
 #   profile-compiled   one compiled training step of each model by kernel family: what is left of the
 #                      gap to 0.9x (the eager step's profile is in docs/results.md)
+#   bytes              the bytes Triton's kernels move for one memory's compiled work, forward and
+#                      backward, then the same count of the CPU's kernels with the same torch: is the
+#                      CPU count, by which CPU-only sessions compare revisions, a fair proxy?
 #   pytest             the `gpu` tests of v2 and Llama: flex vs SDPA and the bf16 training step (each
 #                      kernel path against float32), the compiled and Triton key scans at training
 #                      length, bf16 prefill + decoding, the compiled StaticDecoder's CUDA graph against the
@@ -58,4 +61,5 @@ step compiled 90 $bench throughput $small --documents --rounds 3 --compile
 step eager 80 $bench throughput $small --documents --rounds 3
 step generation-graphs 170 $bench generation --graphs --device cuda --size small --contexts 4096 32768 --new 32
 step profile-compiled 60 $bench profile --train --compile $small --documents
+step bytes 60 bash -c "$py benchmarks/mmv2_bytes.py kernels --device cuda && $py benchmarks/mmv2_bytes.py kernels"
 step pytest 240 "$py" -m pytest -v --tb=short -o addopts= -m gpu tests/test_memory_mosaics_v2.py tests/test_llama.py
