@@ -29,7 +29,7 @@ attention mask, so the padding is a document of its own that no real token reads
 
 Cost: the key scan works in chunks of `scan_chunk` (a chunk x chunk matrix per chunk, in log space;
 the chunk ends are scanned the same way one level up, then each chunk's rows are one matmul over its
-keys and the value entering it: O(T) memory, no T x T decay matrix, no loop).
+keys, the value entering it folded into the first: O(T) memory, no T x T decay matrix, no loop).
 Memory reads go over query blocks of `query_block` rows against only the keys a block can see (the
 short-term window, the long-term prefix); without documents the long-term read is one causal SDPA on delay-shifted tensors (flash
 kernels, O(T) memory). Generation keeps a `MemoryMosaicsV2Cache`: the short-term memory only its
@@ -236,10 +236,11 @@ def _log_space_scan(raw: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.
     obey the same recurrence one level up (k~ = a chunk's own sum at its end, which takes only the
     chunk's last row of the matrix; log g its log-scale; log lambda = the chunk's total log decay):
     this function, called on the n-1 chunk ends, gives them all. Then every row as one matmul over
-    the chunk's keys and its entering value, whose weight exp(L_T + log-scale) is one more column
-    of the matrix. Each row is shifted by its largest exponent, so nothing overflows. Depth log_c(T);
-    memory O(B H T c), no T x T matrix. The one matmul writes each row once: a second pass adding the
-    entering value would read and write (B, H, T, hs) again, forward and backward.
+    the chunk's keys, the entering value folded into the first of them (below). Each row is shifted
+    by its largest exponent, so nothing overflows. Depth log_c(T); memory O(B H T c), no T x T
+    matrix. The one matmul writes each row once: a second pass adding the entering value would read
+    and write (B, H, T, hs) again, forward and backward; an extra column for it would make the
+    matmul's inner size c + 1, which bf16 tensor-core kernels read unaligned.
     """
     B, H, T, hs = raw.shape
     n = -(-T // chunk)
@@ -287,12 +288,18 @@ def _log_space_scan(raw: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.
         entering_dir.append(end_rows)
         entering_log.append(end_log)
     s_in, sigma_in = torch.cat(entering_dir, dim=2), torch.cat(entering_log, dim=2)  # (B, H, n, hs), (B, H, n)
-    carried = L + sigma_in[..., None]  # (B, H, n, c): log weight of the entering value in each row
-    if local_start is not None:  # only rows whose document began before their chunk
-        carried = carried.masked_fill(~(ds < pos[None, None, :, :1]), float("-inf"))
-    top = torch.maximum(expo.amax(dim=-1), carried)  # (B, H, n, c); the diagonal is always allowed: finite
-    weights = torch.cat([torch.exp(expo - top[..., None]).to(mm), torch.exp(carried - top)[..., None].to(mm)], dim=-1)
-    rows = weights @ torch.cat([rc.to(mm), s_in[..., None, :].to(mm)], dim=3)  # (B, H, n, c, hs); entering value last
+    if local_start is not None:  # the value enters a chunk only if the chunk's first document began before it
+        sigma_in = sigma_in.masked_fill(~(ds[..., 0] < pos[None, None, :, 0]), float("-inf"))
+    # The entering value reaches row T with weight exp(L_T + sigma_in) and the chunk's first key with
+    # exp(L_T - L_0 + log g_0): both through exp(L_T), and both only for rows of the first key's
+    # document. So one key, their weighted sum u with log-weight m, stands in for both in column 0,
+    # and the matmul keeps its c x c shape.
+    first = log_gate.view(B, H, n, c)[..., 0] - L[..., 0]  # (B, H, n): the first key's log-weight over L_T
+    m = torch.maximum(first, sigma_in)  # finite (first is)
+    u = torch.exp(first - m)[..., None] * rc[..., 0, :] + torch.exp(sigma_in - m)[..., None] * s_in  # (B, H, n, hs)
+    expo = torch.cat([expo[..., :1] + (m - first)[..., None, None], expo[..., 1:]], dim=-1)  # column 0: L_T + m
+    top = expo.amax(dim=-1)  # (B, H, n, c); the diagonal is always allowed: finite
+    rows = torch.exp(expo - top[..., None]).to(mm) @ torch.cat([u[..., None, :].to(mm), rc[..., 1:, :].to(mm)], dim=3)
     return _unpad(rows, top, T, pad)
 
 
