@@ -424,8 +424,8 @@ def memory_inputs(key: torch.Tensor, gate: torch.Tensor, decay: torch.Tensor, va
         raw_v = torch.cat([v_pending[:, :, None], _wide(raw_v)], dim=2)  # positions past-1 ..
     gamma = value_mix.float()[None, :, None, None]
     # gamma v~_t + (1 - gamma) v~_{t+1}, as one op
-    wide = torch.promote_types(raw_v.dtype, torch.float32)
-    finished = _unit(torch.lerp(_wide(raw_v[:, :, 1:]), _wide(raw_v[:, :, :-1]), gamma.to(wide)), norm_eps)
+    later, earlier = _wide(raw_v[:, :, 1:]), _wide(raw_v[:, :, :-1])
+    finished = _unit(torch.lerp(later, earlier, gamma.to(later.dtype)), norm_eps)
     beta = bandwidth_of(counts, beta1_log, alpha_raw, beta0_raw)  # (B|1, H, T)
     queries = (keys * beta[..., None].to(keys.dtype)).to(dtype)  # bandwidth on the query side only
     return queries, keys.to(dtype), finished.to(dtype), scan_state, _wide(raw_v[:, :, -1])
