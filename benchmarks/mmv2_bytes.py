@@ -4,6 +4,7 @@ dtypes CUDA gives it (bf16 autocast): what the GPU's memory-bound work scales wi
     python benchmarks/mmv2_bytes.py saved   [--kind short|long] [--scan chunked|compiled]
     python benchmarks/mmv2_bytes.py written [--kind short|long]
     python benchmarks/mmv2_bytes.py kernels [--kind short|long] [--device cuda]
+    python benchmarks/mmv2_bytes.py launches [--device cuda]
 
 `saved`: the bytes autograd keeps for the backward of one memory's forward (distinct storages).
 `written`: the bytes every aten op writes in one memory's forward and backward, the reads forced to
@@ -15,6 +16,13 @@ taken as it compiles. The CPU's C++ kernels are counted (`--device cuda`: Triton
 little differently; benchmarks/mmv2_gpu.sh runs both). Also
 printed: that traffic for all 48 memories of the small model at 4.3 TB/s (an H200's measured
 bandwidth), a floor for this work per training step.
+`launches`: the kernels one compiled decoding step launches per block, v2's (`static_block`, what
+its StaticDecoder captures as a CUDA graph) and the transformer's (transformers' StaticCache step
+compiled whole, as `generate` compiles it), read from inductor's generated code: fused kernels and
+library calls (matmuls, attention), by kind. At batch 1 a decoding step's kernels are short, so their
+number, not only the bytes of the weights, sets a graphed step's time. Small-size blocks (d 2048),
+bf16 weights, a 256-token prefill; the transformer's per-layer figure is its step at two layers less
+its step at one.
 
 Both: d 2048, 16 heads (the small size), batch 2 x 4096 tokens in packed documents, the input not a
 leaf (as the RMSNorm output it is in the model: autocast caches the casts of leaves only), long-term
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -110,19 +119,105 @@ def kernels(kind: str, device: str) -> None:
           f"(x 48 memories at 4.3 TB/s: {per_step:.1f} ms per step)")
 
 
+KERNEL_CALL = re.compile(r"^\s+(?:\w+ = )?(cpp_fused_\w+|triton_\w+(?=\.run)|extern_kernels\.\w+|torch\.ops\.\w+\.\w+|aten\.\w+)[.(]",
+                         re.M)
+
+
+def _generated_launches(source: str) -> list[str]:
+    """The kernel launches of inductor's generated wrapper (its `call`), in order: fused kernels as
+    "fused", library calls by name (extern_kernels.mm, aten ops)."""
+    body = source.split("def call(self, args):", 1)[-1].split("\ndef ", 1)[0].split("\nclass ", 1)[0]
+    found = [m.group(1) for m in KERNEL_CALL.finditer(body)]
+    return ["fused" if name.startswith(("cpp_fused", "triton_")) else name for name in found
+            if not name.endswith(("empty_strided", "empty"))]
+
+
+def _decode_launches(arch: str, n_layer: int, device: str) -> list[list[str]]:
+    """The launches of each graph inductor compiles for `arch`'s decoding steps (after the prefill)."""
+    from torch._inductor.graph import GraphLowering
+
+    from owai.models.lm import build_lm
+
+    torch.manual_seed(0)
+    size = dict(n_layer=n_layer, n_embd=2048, n_head=16, ffn_hidden=6144, vocab_size=512)
+    extra = {"scan_impl": "compiled", "static_decoding": "on"} if arch == "mmv2" else {}
+    with torch.device(device):
+        model = build_lm(arch, **size, **extra).to(torch.bfloat16).eval()
+    prefill, capacity = torch.randint(0, 512, (1, 256), device=device), 320
+    files: list[str] = []
+    original = GraphLowering.compile_to_module
+
+    def recorded(self):
+        module = original(self)
+        files.append(module.__file__)
+        return module
+
+    with torch.no_grad():
+        if arch == "mmv2":
+            from owai.models.hf_cache import output_cache
+            from owai.models.memory_mosaics_v2 import StaticDecoder
+
+            cache = output_cache(model(input_ids=prefill, use_cache=True))
+            GraphLowering.compile_to_module = recorded
+            try:  # on CUDA the decoder compiles its step as it captures it; elsewhere at its first step
+                decoder = StaticDecoder(model, cache, capacity)
+                if decoder.graph is None:
+                    decoder.step(prefill[:, :1])
+            finally:
+                GraphLowering.compile_to_module = original
+        else:
+            from transformers import StaticCache
+
+            from owai.models.hf_cache import cache_kwargs
+
+            cache = cache_kwargs(StaticCache(config=model.config, max_cache_len=capacity))
+            model(input_ids=prefill, **cache, use_cache=True, cache_position=torch.arange(256, device=device))
+            step = torch.compile(model.forward, fullgraph=True, dynamic=False)
+            GraphLowering.compile_to_module = recorded
+            try:
+                step(input_ids=prefill[:, :1], **cache, use_cache=True, cache_position=torch.tensor([256], device=device))
+            finally:
+                GraphLowering.compile_to_module = original
+    return [_generated_launches(open(path).read()) for path in files]
+
+
+def launches(device: str) -> None:
+    from collections import Counter
+
+    from torch._inductor import config as inductor_config
+
+    inductor_config.force_disable_caches = True  # compile here, so the generated code is this run's
+
+    def summary(calls: list[str]) -> str:
+        kinds = Counter(calls)
+        return f"{len(calls)} ({', '.join(f'{n} {k}' for k, n in kinds.most_common())})"
+
+    v2 = _decode_launches("mmv2", 1, device)
+    if len(v2) != 1:
+        raise SystemExit(f"error: expected one compiled graph for v2's decoding block, got {len(v2)}")
+    one, two = (sum(_decode_launches("transformer", n, device), []) for n in (1, 2))
+    layer = list((Counter(two) - Counter(one)).elements())
+    print(f"compiled decoding step, {device}, small-size blocks, bf16: kernels launched per block")
+    print(f"  memory mosaics v2 (static_block)        {summary(v2[0])}")
+    print(f"  transformer (StaticCache, compiled)     {summary(layer)}")
+    print(f"  transformer outside its layers          {summary(list((Counter(one) - Counter(layer)).elements()))}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("measure", choices=["saved", "written", "kernels"])
+    parser.add_argument("measure", choices=["saved", "written", "kernels", "launches"])
     parser.add_argument("--kind", choices=["short", "long"], default=None,
                         help="which memory (default: short for saved and kernels, long for written)")
     parser.add_argument("--scan", choices=["chunked", "compiled"], default="chunked",
                         help="saved only: the eager chunked scan, or the compiled memory inputs (CUDA's default)")
-    parser.add_argument("--device", default="cpu", help="kernels only: cuda counts Triton's kernels")
+    parser.add_argument("--device", default="cpu", help="kernels and launches: cuda counts Triton's kernels")
     args = parser.parse_args()
     if args.measure == "saved":
         saved(args.kind or "short", args.scan)
     elif args.measure == "kernels":
         kernels(args.kind or "short", args.device)
+    elif args.measure == "launches":
+        launches(args.device)
     else:
         written(args.kind or "long")
 

@@ -16,8 +16,10 @@
 # test_key_scan_triton.py, ahead of time with triton's ptxas): a kernel that does not build fails
 # there, before any GPU time is spent.
 #
-# Steps, in order of what they decide (limits sum to 700 s: should every step take its whole limit,
-# the last is cut by the 10-minute device call's own limit, and what it printed still comes back):
+# Steps, in order of what they decide (limits sum to 790 s, more than the 10-minute device call:
+# in the sixteenth session's call the first four took 273 s and the `gpu` tests more than 150 s with a
+# cold cache; should the steps run long, the call's own limit cuts the last ones, and what they
+# printed still comes back):
 #   compiled           the issue's training command, compiled blocks: small size, batch 2 x 4096, packed
 #                      documents, the compiled chunked scan (scan auto), the trainer's fused AdamW
 #                      (targets: 0.9x the transformer, v2 MFU 40 %)
@@ -36,6 +38,10 @@
 #                      dynamic cache (with a cold inductor cache they outran the 150 s the sixteenth
 #                      session gave them; last, since the steps before it usually end well inside
 #                      their limits: 64, 57, 111 and 41 s in that session)
+#   launches           the kernels each model's compiled decoding step launches per block, from the
+#                      Triton code inductor generates: does v2's block, its matmuls stacked, launch
+#                      what the transformer's does, as on the CPU? (last: the first step cut should
+#                      the call run long; rerun it while the machine is warm)
 # The sixteenth session's H200 call (docs/results.md) chose the scan: the compiled chunked scan
 # (scan auto) beat owai's Triton kernel, compiled and eager, so the steps no longer measure the kernel.
 set -u
@@ -63,3 +69,4 @@ step generation-graphs 170 $bench generation --graphs --device cuda --size small
 step profile-compiled 60 $bench profile --train --compile $small --documents
 step bytes 60 bash -c "$py benchmarks/mmv2_bytes.py kernels --device cuda && $py benchmarks/mmv2_bytes.py kernels"
 step pytest 240 "$py" -m pytest -v --tb=short -o addopts= -m gpu tests/test_memory_mosaics_v2.py tests/test_llama.py
+step launches 90 "$py" benchmarks/mmv2_bytes.py launches --device cuda

@@ -247,6 +247,21 @@ def test_static_decoding_equals_the_cached_steps(prefill):
     assert beams.capacity is None and beams.decoder is None
 
 
+@pytest.mark.parametrize("built_with_long", [False, True], ids=["built-without", "switched-off"])
+def test_static_decoding_with_the_short_term_memory_only(built_with_long):
+    """Blocks with the short-term memory only (the Tables 4.2/4.3 ablation: built so, or switched off
+    at inference): the StaticDecoder stacks that memory's projections alone, uses its o_proj as it
+    is, and its steps equal the dynamic cache's."""
+    model = tiny_model(static_decoding="on", long_term_memory=built_with_long)
+    model.config.long_term_memory = False
+    ids = torch.randint(0, 50, (2, 30))
+    (off, _), (on, cache) = stepped_logits(model, ids, 12, 31).values()
+    layer = cache.decoder.layers[0]
+    assert "long" not in layer and layer["o_proj"] is model.layers[0].short.o_proj.weight
+    assert layer["in_proj"].shape[0] == 2 * model.config.n_embd + 2 * model.config.n_head
+    assert torch.allclose(on, off, atol=1e-12)
+
+
 def test_a_static_decoders_warm_up_leaves_no_trace(monkeypatch):
     """Before its CUDA graph is captured, a StaticDecoder runs one step on placeholder ids and
     undoes it. The same warm-up on the CPU: the steps after it equal the dynamic cache's, the short-term
@@ -669,16 +684,16 @@ def test_compiled_decode_step_equals_eager():
     torch.manual_seed(5)
     B, H, hs = 2, 4, 8
     d = H * hs
-    weights = [torch.randn(d, d) / 6, torch.randn(H, d), torch.randn(H, d), torch.randn(d, d) / 6, torch.rand(H),
-               torch.randn(H), torch.randn(H), torch.randn(H)]
+    weights = [torch.randn(d, d) / 6, torch.randn(H, d), torch.randn(H, d), torch.randn(d, d) / 6]
+    per_head = [torch.rand(H), torch.randn(H), torch.randn(H), torch.randn(H)]
     compiled = _compiled("decode")
     with torch.no_grad():
         for count in (5, 6, 7, 255, 255):
-            h = torch.randn(B, 1, d)
+            projected = [F.linear(torch.randn(B, 1, d), w) for w in weights]
             state = (F.normalize(torch.randn(B, H, hs), dim=-1), torch.randn(B, H), torch.randn(B, H, hs))
             log_count = torch.tensor(math.log(count))
-            eager = decode_step(h, *weights, *state, log_count, 1e-6, torch.float32)
-            fused = compiled(h, *weights, *state, log_count, 1e-6, torch.float32)
+            eager = decode_step(*projected, *per_head, *state, log_count, 1e-6, torch.float32)
+            fused = compiled(*projected, *per_head, *state, log_count, 1e-6, torch.float32)
             for a, b in zip(eager, fused):
                 assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
 

@@ -47,7 +47,8 @@ slice with one unmasked SDPA. `scan_impl: triton` runs the key scan as owai's ow
 (owai.models.key_scan_triton: a custom op with its backward, also inside compiled blocks). On CPU
 the path above is unchanged. `static_decoding` (auto: on CUDA, unsharded models): once `generate`
 knows the length, decoding steps run on a `StaticDecoder`, buffers allocated once and reads masked
-by a position tensor, so the step (its blocks compiled) is captured as one CUDA graph and replayed.
+by a position tensor, each block's matmuls stacked once, so the step (its blocks compiled) is captured
+as one CUDA graph and replayed.
 """
 
 from __future__ import annotations
@@ -339,7 +340,8 @@ _COMPILED: dict[str, Any] = {}  # torch.compile'd kernels, created once per proc
 
 def _compiled(name: str) -> Any:
     """torch.compile of flex_attention ("flex"), of gated_key_scan ("scan"), of memory_inputs
-    ("inputs"), of decode_step ("decode") or of static_block ("static"), created lazily once per process."""
+    ("inputs"), of decode_step ("decode"), of decode_step_on_input ("decode-input") or of static_block
+    ("static"), created lazily once per process."""
     if name not in _COMPILED:
         if name == "flex":
             from torch.nn.attention.flex_attention import flex_attention
@@ -350,42 +352,50 @@ def _compiled(name: str) -> Any:
         elif name == "static":  # one graph per buffer shape, shared by every block and every StaticDecoder of one capacity
             _COMPILED[name] = torch.compile(static_block, fullgraph=True, dynamic=False)
         else:
-            # fixed shapes every step; the weights are arguments, so the model's memories share one
-            # graph per kind (the readable count becomes symbolic after its first change)
-            _COMPILED[name] = torch.compile(decode_step, fullgraph=True)
+            # fixed shapes every step; the weights (or the projections) are arguments, so the model's
+            # memories share one graph per kind (the readable count becomes symbolic after its first change)
+            _COMPILED[name] = torch.compile(decode_step if name == "decode" else decode_step_on_input, fullgraph=True)
     return _COMPILED[name]
 
 
-def decode_step(h: torch.Tensor, key_w: torch.Tensor, gate_w: torch.Tensor, decay_w: torch.Tensor, value_w: torch.Tensor,
+def decode_step(key: torch.Tensor, gate: torch.Tensor, decay: torch.Tensor, value: torch.Tensor,
                 value_mix: torch.Tensor, beta1_log: torch.Tensor, alpha_raw: torch.Tensor, beta0_raw: torch.Tensor,
                 scan_dir: torch.Tensor, scan_log: torch.Tensor, v_pending: torch.Tensor, log_count: torch.Tensor,
                 norm_eps: float, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """The arithmetic of one cached decoding step of a memory (one position, one document), fused.
 
-    h (B, 1, d) the normed input; the weights of `ContextualMemory`; scan_dir (B, H, hs), scan_log (B, H)
-    the key scan's state; v_pending (B, H, hs) the previous position's raw value; log_count = log
-    max(n_t, 1), n_t the keys this query can read (a 0-d tensor on the device, so no Python number
-    enters the compiled graph). Returns the query (bandwidth applied), the new key, the
-    finished value of the previous position (each (B, H, 1, hs) in `dtype`), the new scan state and
-    the new raw value. The same function as ContextualMemory.forward's general path for T = 1
-    (tested): that path costs ~60 kernels per memory, which makes a decoding step launch-bound;
-    compiled, this is a handful.
+    key, value (B, 1, d) and gate, decay (B, 1, H): the position's W_phi, W_psi, W_g, W_lambda
+    projections (the caller's matmuls: a StaticDecoder does all of a block's as one); the memory's
+    per-head parameters; scan_dir (B, H, hs), scan_log (B, H) the key scan's state; v_pending (B, H,
+    hs) the previous position's raw value; log_count = log max(n_t, 1), n_t the keys this query can
+    read (a 0-d tensor on the device, so no Python number enters the compiled graph). Returns the
+    query (bandwidth applied), the new key, the finished value of the previous position (each (B, H,
+    1, hs) in `dtype`), the new scan state and the new raw value. The same function as
+    ContextualMemory.forward's general path for T = 1 (tested): that path costs ~60 kernels per
+    memory, which makes a decoding step launch-bound; compiled, this is a handful.
     """
     B, H, hs = scan_dir.shape
-    raw_k = _wide(F.linear(h, key_w).view(B, H, hs))
-    own = _wide(F.linear(h, gate_w).view(B, H))  # log g_t
-    carried = _wide(-F.linear(h, decay_w).abs().view(B, H)) + scan_log  # log lambda_t + log-scale of kbar_{t-1}
+    raw_k = _wide(key.view(B, H, hs))
+    own = _wide(gate.view(B, H))  # log g_t
+    carried = _wide(-decay.abs().view(B, H)) + scan_log  # log lambda_t + log-scale of kbar_{t-1}
     top = torch.maximum(own, carried)
     row = torch.exp(own - top)[..., None] * raw_k + torch.exp(carried - top)[..., None] * scan_dir  # (B, H, hs)
     norm = torch.linalg.vector_norm(row, dim=-1).clamp_min(1e-30)
     key = _unit(row, norm_eps)
-    raw_v = _wide(F.linear(h, value_w).view(B, H, hs))
+    raw_v = _wide(value.view(B, H, hs))
     finished = _unit(torch.lerp(raw_v, v_pending, value_mix.float()[None, :, None].to(raw_v.dtype)), norm_eps)
     beta1, alpha, beta0 = bandwidth_parameters(beta1_log, alpha_raw, beta0_raw)
     beta = beta1 * torch.exp(alpha * log_count) + beta0  # (H,) beta1 n^alpha + beta0
     query = key * beta[None, :, None]
     return (query.to(dtype)[:, :, None], key.to(dtype)[:, :, None], finished.to(dtype)[:, :, None],
             row / norm[..., None], top + norm.log(), raw_v)
+
+
+def decode_step_on_input(h: torch.Tensor, key_w: torch.Tensor, gate_w: torch.Tensor, decay_w: torch.Tensor,
+                         value_w: torch.Tensor, *rest: Any) -> tuple[torch.Tensor, ...]:
+    """`decode_step` with the position's four projections of the normed input h (B, 1, d) computed in
+    it: the dynamic cache's step, whose matmuls then sit in the same compiled graph."""
+    return decode_step(F.linear(h, key_w), F.linear(h, gate_w), F.linear(h, decay_w), F.linear(h, value_w), *rest)
 
 
 def memory_inputs(key: torch.Tensor, gate: torch.Tensor, decay: torch.Tensor, value: torch.Tensor,
@@ -440,6 +450,7 @@ def _compiles_scan(config: MemoryMosaicsV2Config, device: torch.device) -> bool:
 
 
 _FAILED_WHAT = {"inputs": "a memory's inputs (the key scan and its elementwise work)", "decode": "the decoding step",
+                "decode-input": "the decoding step",
                 "static": "the decoding step on static buffers"}
 
 
@@ -583,6 +594,16 @@ def bandwidth_of(n: torch.Tensor, beta1_log: torch.Tensor, alpha_raw: torch.Tens
 # modules
 
 
+def read_rows(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A read y (B, H', T, hs) as o_proj's input rows (B, T, H' hs), for a memory's inputs x (B, T, d)
+    (H' = H, or a multiple for reads of several memories stacked along the heads). Under autocast
+    o_proj computes in the autocast dtype, which a CUDA read already has: y goes in as it is, with no
+    float32 round trip of (B, T, d) forward and backward. Without autocast it computes in the
+    weights' dtype (x's)."""
+    y = y.transpose(1, 2).reshape(*x.shape[:-1], -1)
+    return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
+
+
 class ContextualMemory(nn.Module):
     """H contextual associative memories of one kind (short- or long-term), with their own extractors."""
 
@@ -626,8 +647,6 @@ class ContextualMemory(nn.Module):
         """
         cfg = self.config
         T = x.shape[1]
-        if cache is not None and "slot_pos" in cache:  # a StaticDecoder's buffers
-            return self._decode_static(x, cache, delay)
         if T == 1 and doc_start is None and cache and "scan" in cache and not torch.is_grad_enabled():
             return self._decode(x, cache, past, delay)
         compile_, chunk, kernel = memory_inputs_plan(cfg, x.device, T)
@@ -655,17 +674,15 @@ class ContextualMemory(nn.Module):
         return self.output(y, x)
 
     def output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """o_proj of a read y (B, H, T, hs), for inputs x (B, T, d). Under autocast o_proj computes in the
-        autocast dtype, which a CUDA read already has: y goes in as it is, with no float32 round trip
-        of (B, T, d) forward and backward. Without autocast it computes in the weights' dtype (x's)."""
-        y = y.transpose(1, 2).reshape(x.shape)
-        return self.o_proj(y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype))
+        """o_proj of a read y (B, H, T, hs), for inputs x (B, T, d) (`read_rows`)."""
+        return self.o_proj(read_rows(y, x))
 
     def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """W_phi x, W_g x, W_lambda x, W_psi x ((B, T, d), (B, T, H), (B, T, H), (B, T, d)) as one matmul
         over the four weights stacked: x is read once (under autocast also cast, and saved for the
         backward, once rather than four times) and its gradient is one matmul, not four summed. A
-        decoding step keeps four (`decode_step`): stacking would copy the weights at every token."""
+        decoding step keeps four (`decode_weights`): stacking would copy the weights at every token.
+        (A StaticDecoder stacks a block's once, for all its steps.)"""
         d, H = self.config.n_embd, self.config.n_head
         stacked = torch.cat([self.key_proj.weight, self.gate_proj.weight, self.decay_proj.weight, self.value_proj.weight])
         key, gate, decay, value = F.linear(x, stacked).split([d, H, H, d], dim=-1)
@@ -674,9 +691,10 @@ class ContextualMemory(nn.Module):
         return key, gate.contiguous(), decay.contiguous(), value
 
     def _decode(self, x: torch.Tensor, cache: dict, past: int, delay: int) -> torch.Tensor:
-        """One cached decoding step (T = 1, one document per row, no autograd): `decode_step`'s fused
-        arithmetic (compiled where the scan is, config.scan_impl), the cache's append, one SDPA over
-        the readable pairs. Same function as the general path of `forward` (tested)."""
+        """One cached decoding step (T = 1, one document per row, no autograd): the projections with
+        `decode_step`'s fused arithmetic (`decode_step_on_input`, compiled where the scan is,
+        config.scan_impl), the cache's append, one SDPA over the readable pairs. Same function as the
+        general path of `forward` (tested)."""
         cfg = self.config
         lo, hi = self.lags(delay)
         k0 = cache.get("k0", past)
@@ -684,8 +702,10 @@ class ContextualMemory(nn.Module):
         count = max(1, newest - first + 1)
         if cache.get("count") != count:  # the short-term memory's count stops changing once its window is full
             cache.update(count=count, log_count=torch.tensor(math.log(count), dtype=torch.float32, device=x.device))
-        query, key, value, scan_dir, scan_log, raw_v = self._fused_step(x, cache["scan"][0], cache["scan"][1],
-                                                                        cache["v_pending"], cache["log_count"])
+        inputs = (x, *self.decode_weights(), *self._decode_parameters(), cache["scan"][0], cache["scan"][1],
+                  cache["v_pending"], cache["log_count"], cfg.norm_eps, self.read_dtype(x.device))
+        query, key, value, scan_dir, scan_log, raw_v = _run_compiled("decode-input", decode_step_on_input, inputs,
+                                                                     _compiles_scan(cfg, x.device))
         keys, values = _append(cache, "keys", key), _append(cache, "values", value)
         if self.kind == "short":  # future queries t >= past+1 read j >= past+1-span: drop older pairs
             keep = max(0, (past + 1 - cfg.short_span) - k0)
@@ -702,18 +722,21 @@ class ContextualMemory(nn.Module):
             y = F.scaled_dot_product_attention(query, keys[:, :, lo_index:hi_index], values[:, :, lo_index:hi_index], scale=1.0)
         return self.output(y, x)
 
-    def _fused_step(self, x: torch.Tensor, scan_dir: torch.Tensor, scan_log: torch.Tensor, v_pending: torch.Tensor,
-                    log_count: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """`decode_step` with this memory's weights (compiled where the scan is, config.scan_impl): the
-        arithmetic both decoding paths share."""
-        inputs = (x, self.key_proj.weight, self.gate_proj.weight, self.decay_proj.weight, self.value_proj.weight,
-                  self.value_mix, self.beta1_log, self.alpha_raw, self.beta0_raw, scan_dir, scan_log, v_pending,
-                  log_count, self.config.norm_eps, self.read_dtype(x.device))
-        return _run_compiled("decode", decode_step, inputs, _compiles_scan(self.config, x.device))
+    def decode_weights(self) -> list[torch.Tensor]:
+        """W_phi, W_g, W_lambda, W_psi as a decoding step applies them: four matmuls on one row, no copy
+        of the weights (`projections` stacks them, which pays off over many positions only; a
+        StaticDecoder stacks them once for all its steps)."""
+        return [self.key_proj.weight, self.gate_proj.weight, self.decay_proj.weight, self.value_proj.weight]
 
-    def _decode_static(self, x: torch.Tensor, state: dict, delay: int) -> torch.Tensor:
-        """`_decode` on a StaticDecoder's buffers: no shape, index or Python number depends on the
-        position, which is the 0-d tensor state["t"], so the step can be captured as a CUDA graph.
+    def _decode_parameters(self) -> tuple[torch.Tensor, ...]:
+        """The per-head parameters `decode_step` takes after the projections."""
+        return self.value_mix, self.beta1_log, self.alpha_raw, self.beta0_raw
+
+    def decode_static(self, projected: tuple[torch.Tensor, ...], state: dict, delay: int) -> torch.Tensor:
+        """`_decode` on a StaticDecoder's buffers, for a position's projections (`decode_weights` applied):
+        the read y (B, H, 1, hs), 0 where nothing is readable, before o_proj (the block applies its
+        memories' o_proj as one matmul). No shape, index or Python number depends on the position,
+        which is the 0-d tensor state["t"], so the step can be captured as a CUDA graph.
 
         state: keys, values (B, H, S, hs) with S slots (the long-term memory: one per position; the
         short-term memory: a ring of span + 1), slot_pos (S,) the position whose key (and, once the
@@ -723,8 +746,11 @@ class ContextualMemory(nn.Module):
         slots = state["keys"].shape[2]
         first = torch.zeros_like(t) if hi is None else (t - hi).clamp(min=0)  # readable positions: [first, t - lo]
         log_count = (t - lo - first + 1).clamp(min=1).float().log()
-        query, key, value, scan_dir, scan_log, raw_v = self._fused_step(x, state["scan_dir"], state["scan_log"],
-                                                                        state["v_pending"], log_count)
+        inputs = (*projected, *self._decode_parameters(), state["scan_dir"], state["scan_log"], state["v_pending"],
+                  log_count, self.config.norm_eps, self.read_dtype(t.device))
+        # compiled on its own only where the block is not (a failed compile of static_block)
+        query, key, value, scan_dir, scan_log, raw_v = _run_compiled("decode", decode_step, inputs,
+                                                                     _compiles_scan(self.config, t.device))
         key_slot, value_slot = (t % slots).view(1), ((t - 1) % slots).view(1)  # position t's key, t-1's finished value
         state["keys"].index_copy_(2, key_slot, key)
         state["values"].index_copy_(2, value_slot, value)
@@ -735,8 +761,7 @@ class ContextualMemory(nn.Module):
         readable = (state["slot_pos"] >= first) & (state["slot_pos"] <= t - lo)  # (S,); empty slots hold -1
         y = F.scaled_dot_product_attention(query, state["keys"], state["values"], attn_mask=readable.view(1, 1, 1, slots),
                                            scale=1.0)
-        y = torch.where(readable.any(), y, 0.0)  # nothing readable: 0 (the masked softmax gave NaN)
-        return self.output(y, x)
+        return torch.where(readable.any(), y, 0.0)  # nothing readable: 0 (the masked softmax gave NaN)
 
     def read(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, k0: int, past: int,
              doc_start: torch.Tensor | None, delay: int, block_mask: Any = None) -> torch.Tensor:
@@ -811,6 +836,11 @@ class MemoryMosaicsV2Block(nn.Module):
         self.ffn_norm = RMSNorm(config.n_embd, config.rms_norm_eps)
         self.ffn = SwiGLU(config)
 
+    def memories(self) -> dict[str, ContextualMemory]:
+        """The block's memories by kind: the short-term one, and the long-term one where it runs."""
+        long = {"long": self.long} if self.long is not None and self.config.long_term_memory else {}
+        return {"short": self.short} | long
+
     def forward(self, x: torch.Tensor, doc_start: torch.Tensor | None, delay: int, cache: dict | None, past: int,
                 masks: dict[str, Any] | None = None) -> torch.Tensor:
         h = self.memory_norm(x)
@@ -820,6 +850,22 @@ class MemoryMosaicsV2Block(nn.Module):
         if self.long is not None and self.config.long_term_memory:
             y = y + self.long(h, doc_start, delay, cache.setdefault("long", {}) if cache is not None else None, past, masks)
         x = x + y
+        return x + self.ffn(self.ffn_norm(x))
+
+    def decode_static(self, x: torch.Tensor, state: dict, delay: int) -> torch.Tensor:
+        """`forward` for one decoding step x (B, 1, d) on a StaticDecoder's state: {kind: that memory's
+        buffers (`ContextualMemory.decode_static`), "in_proj": the input projections of its memories
+        stacked in `memories()` order, each's `decode_weights()`, "o_proj": their o_proj weights side
+        by side}. The same function as `forward` with the dynamic cache (tested); each memory's four
+        input matmuls and the memories' o_proj are one matmul each, since a decoding step's matmuls are
+        short and its time goes in part to their launches."""
+        h = self.memory_norm(x)
+        memories = self.memories()
+        sizes = [w.shape[0] for memory in memories.values() for w in memory.decode_weights()]
+        projected = F.linear(h, state["in_proj"]).split(sizes, dim=-1)
+        reads = [memory.decode_static(projected[4 * i:4 * i + 4], state[kind], delay)
+                 for i, (kind, memory) in enumerate(memories.items())]  # each (B, H, 1, hs)
+        x = x + F.linear(read_rows(torch.cat(reads, dim=1), x), state["o_proj"])
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -866,8 +912,11 @@ class StaticDecoder:
     kernels on the same addresses. On CUDA each block of the step (`static_block`) is compiled and
     the step is captured once as a CUDA graph, then replayed: a step of the 2B model launches ~3,000 kernels and is
     launch-bound eagerly, and its eager kernels replayed as a graph still took twice the
-    transformer's compiled, graphed step (docs/results.md). The same function as the dynamic
-    cache's steps (ContextualMemory._decode; tested)."""
+    transformer's compiled, graphed step (docs/results.md). Each block's decoding matmuls are
+    stacked once here, its memories' eight input projections into one weight and their two o_proj
+    into another (`MemoryMosaicsV2Block.decode_static`): a copy of those weights, about a third of
+    the model's, held while the decoder lives (a snapshot: weights changed afterwards are not seen).
+    The same function as the dynamic cache's steps (ContextualMemory._decode; tested)."""
 
     def __init__(self, model: "MemoryMosaicsV2ForCausalLM", cache: MemoryMosaicsV2Cache, capacity: int) -> None:
         cfg = model.config
@@ -878,9 +927,15 @@ class StaticDecoder:
         device = model.lm_head.weight.device
         self.t = torch.tensor(self.position, device=device)  # the next position, advanced on the device by each step
         self.layers = []
-        for block, layer in zip(model.layers, cache.layers):
-            memories = {"short": block.short} | ({"long": block.long} if block.long is not None and cfg.long_term_memory else {})
-            self.layers.append({kind: self._slots(memory, layer[kind], capacity) for kind, memory in memories.items()})
+        with torch.no_grad():
+            for block, layer in zip(model.layers, cache.layers):
+                memories = block.memories()
+                state = {kind: self._slots(memory, layer[kind], capacity) for kind, memory in memories.items()}
+                # the block's decoding matmuls stacked once (`MemoryMosaicsV2Block.decode_static`)
+                state["in_proj"] = torch.cat([w for memory in memories.values() for w in memory.decode_weights()])
+                outs = [memory.o_proj.weight for memory in memories.values()]
+                state["o_proj"] = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+                self.layers.append(state)
         self.ids = torch.zeros(self.layers[0]["short"]["keys"].shape[0], 1, dtype=torch.long, device=device)  # (B, 1)
         self.graph = self.logits = None
         self.compiled = _compiles_scan(cfg, device)
@@ -924,7 +979,7 @@ class StaticDecoder:
         state undone: the scan states, pending values and position are restored, and the key and value
         rows it wrote are the slots the first real step rewrites. Device-agnostic, so the CPU tests
         check what the capture relies on."""
-        small = [(state[k], state[k].clone()) for layer in self.layers for state in layer.values()
+        small = [(state[k], state[k].clone()) for layer in self.layers for state in layer.values() if isinstance(state, dict)
                  for k in ("scan_dir", "scan_log", "v_pending")] + [(self.t, self.t.clone())]
         self._step(self.ids)
         for tensor, saved in small:
@@ -954,16 +1009,12 @@ class StaticDecoder:
         return self.logits.clone()
 
 
-STATIC_PAST = 1  # the `past` a StaticDecoder's blocks get: any position > 0 (its memories read state["t"]), fixed
-# so that a compiled block is one graph for every position
-
-
 def static_block(block: "MemoryMosaicsV2Block", x: torch.Tensor, state: dict, delay: int) -> torch.Tensor:
     """One block of a StaticDecoder's step: x (B, 1, d) -> (B, 1, d) on the block's static state
-    {"short": ..., "long": ...} (`StaticDecoder._slots`) at the long-term delay `delay`. No shape,
-    index or Python number depends on the position, so this compiles to one graph for every
-    position and every block."""
-    return block(x, None, delay, state, STATIC_PAST, None)
+    (`MemoryMosaicsV2Block.decode_static`) at the long-term delay `delay`. No shape, index or Python
+    number depends on the position, and the stacked weights are arguments, so this compiles to one
+    graph for every position and every block."""
+    return block.decode_static(x, state, delay)
 
 
 @dataclass
