@@ -233,15 +233,16 @@ def throughput(args) -> None:
     peak = peak_flops(args.device)
     cuda = args.device == "cuda"
     warm = warm_up_steps(args)
-    models, times, memory = {}, {a: [] for a in args.archs}, {}
+    models, times, memory, flops = {}, {a: [] for a in args.archs}, {}, {}
 
     def report(arch: str, model) -> None:
         from owai.plan import forward_flops_per_token
 
         n = sum(p.numel() for p in model.parameters())
         speed = tokens / statistics.median(times[arch])
+        flops[arch] = forward_flops_per_token(model, args.context)
         # as the trainer logs it (and issue #39's "before" table): 3 x forward FLOPs per token at this context
-        mfu = f"  MFU {3 * forward_flops_per_token(model, args.context) * speed / peak * 100:5.1f} %" if peak else ""
+        mfu = f"  MFU {3 * flops[arch] * speed / peak * 100:5.1f} %" if peak else ""
         mem = f"  peak {memory[arch]:5.1f} GB" if arch in memory else ""
         print(f"  {arch:12s} {n / 1e6:8.2f}M parameters  {speed:9.0f} tokens/s{mfu}{mem}  "
               f"(step {statistics.median(times[arch]):.3f} s)", flush=True)
@@ -277,7 +278,9 @@ def throughput(args) -> None:
         report(arch, model)
     speed = {a: tokens / statistics.median(t) for a, t in times.items() if t}
     if {"mmv2", "transformer"} <= set(speed):
-        print(f"  ratio v2 / transformer: {speed['mmv2'] / speed['transformer']:.2f}x")
+        at_equal_mfu = flops["transformer"] / flops["mmv2"]  # v2 does more FLOPs per token
+        print(f"  ratio v2 / transformer: {speed['mmv2'] / speed['transformer']:.2f}x (at equal MFU: {at_equal_mfu:.2f}x, "
+              f"v2's forward FLOPs per token being {1 / at_equal_mfu:.3f}x the transformer's)")
 
 
 def generation(args) -> None:

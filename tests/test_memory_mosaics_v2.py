@@ -262,6 +262,26 @@ def test_static_decoding_with_the_short_term_memory_only(built_with_long):
     assert torch.allclose(on, off, atol=1e-12)
 
 
+@pytest.mark.parametrize("scan_impl", ["chunked", "compiled"])
+def test_static_decoding_with_bf16_weights_and_reads_as_on_a_gpu(monkeypatch, scan_impl):
+    """CUDA's generation dtypes forced on the CPU: bf16 weights and bf16 reads (`read_dtype`), the
+    stacked matmuls in bf16, eager and compiled (what the CUDA graph captures). The static steps stay
+    within bf16 rounding of the dynamic cache's and of the float64 model's, and give bf16 logits."""
+    from owai.models.memory_mosaics_v2 import ContextualMemory
+
+    model = tiny_model(static_decoding="on", scan_impl=scan_impl, n_embd=32, n_head=2)
+    ids = torch.randint(0, 50, (2, 30))
+    with torch.no_grad():
+        exact = model(input_ids=ids).logits.float()
+    monkeypatch.setattr(ContextualMemory, "read_dtype", lambda self, device: torch.bfloat16)
+    model = model.to(torch.bfloat16)
+    (off, _), (on, cache) = stepped_logits(model, ids, 12, 31).values()
+    assert on.dtype == torch.bfloat16 and cache.decoder.layers[0]["in_proj"].dtype == torch.bfloat16
+    scale = exact.abs().max()
+    assert (on.float() - off.float()).abs().max() <= 0.02 * scale
+    assert (on.float() - exact).abs().max() <= 0.05 * scale, (on.float() - exact).abs().max() / scale
+
+
 def test_a_static_decoders_warm_up_leaves_no_trace(monkeypatch):
     """Before its CUDA graph is captured, a StaticDecoder runs one step on placeholder ids and
     undoes it. The same warm-up on the CPU: the steps after it equal the dynamic cache's, the short-term
