@@ -1,5 +1,6 @@
 """Memory traffic of one Memory Mosaics v2 memory at the small size, measured on the CPU with the
-dtypes CUDA gives it (bf16 autocast): what the GPU's memory-bound work scales with, without a GPU.
+dtypes CUDA gives it (bf16 autocast): what the GPU's memory-bound work scales with, without a GPU;
+and the kernels a compiled decoding step launches per block, v2's and the transformer's.
 
     python benchmarks/mmv2_bytes.py saved   [--kind short|long] [--scan chunked|compiled]
     python benchmarks/mmv2_bytes.py written [--kind short|long]
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -178,7 +180,7 @@ def _decode_launches(arch: str, n_layer: int, device: str) -> list[list[str]]:
                 step(input_ids=prefill[:, :1], **cache, use_cache=True, cache_position=torch.tensor([256], device=device))
             finally:
                 GraphLowering.compile_to_module = original
-    return [_generated_launches(open(path).read()) for path in files]
+    return [_generated_launches(Path(path).read_text()) for path in files]
 
 
 def launches(device: str) -> None:
