@@ -311,6 +311,7 @@ def test_a_compiled_static_step_equals_the_cached_steps_and_compiles_once():
     import owai.models.memory_mosaics_v2 as v2
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
+    torch._dynamo.reset()  # graphs other tests compiled (e.g. for bf16) are not this model's
     model = tiny_model(static_decoding="on", scan_impl="compiled").eval()
     ids = torch.randint(0, 50, (2, 30))
     (off, _), (on, cache) = stepped_logits(model, ids, 12, 31).values()
