@@ -109,6 +109,7 @@ class MemoryMosaicsV2Config(PreTrainedConfig):
     attn_impl: str = "auto"  # memory reads: ATTN_IMPLS (same function, different kernels)
     scan_impl: str = "auto"  # key scan: SCAN_IMPLS (same function, different kernels)
     static_decoding: str = "auto"  # STATIC_DECODING: generation steps on preallocated buffers, CUDA-graphed
+    # (they also hold a copy of each block's matmul weights, ~30 % of the model: "off" where memory is short)
     bag_of_k: int = 0  # > 0: a second head predicting the bag of the next k tokens (sec 4.2.5.1)
     bag_weight: float = 0.3  # alpha of L = L_next + alpha L_bag
     bag_eta: float = 64000.0
