@@ -682,10 +682,10 @@ class ContextualMemory(nn.Module):
         """W_phi x, W_g x, W_lambda x, W_psi x ((B, T, d), (B, T, H), (B, T, H), (B, T, d)) as one matmul
         over the four weights stacked: x is read once (under autocast also cast, and saved for the
         backward, once rather than four times) and its gradient is one matmul, not four summed. A
-        decoding step keeps four (`decode_weights`): stacking would copy the weights at every token.
+        decoding step keeps four (`input_weights`): stacking would copy the weights at every token.
         (A StaticDecoder stacks a block's once, for all its steps.)"""
         d, H = self.config.n_embd, self.config.n_head
-        stacked = torch.cat([self.key_proj.weight, self.gate_proj.weight, self.decay_proj.weight, self.value_proj.weight])
+        stacked = torch.cat(self.input_weights())
         key, gate, decay, value = F.linear(x, stacked).split([d, H, H, d], dim=-1)
         # the narrow gate and decay as their own tensors: a view saved for the backward (|decay| keeps
         # its input) would keep the whole (B, T, 2d + 2H) output alive
@@ -703,7 +703,7 @@ class ContextualMemory(nn.Module):
         count = max(1, newest - first + 1)
         if cache.get("count") != count:  # the short-term memory's count stops changing once its window is full
             cache.update(count=count, log_count=torch.tensor(math.log(count), dtype=torch.float32, device=x.device))
-        inputs = (x, *self.decode_weights(), *self._decode_parameters(), cache["scan"][0], cache["scan"][1],
+        inputs = (x, *self.input_weights(), *self._decode_parameters(), cache["scan"][0], cache["scan"][1],
                   cache["v_pending"], cache["log_count"], cfg.norm_eps, self.read_dtype(x.device))
         query, key, value, scan_dir, scan_log, raw_v = _run_compiled("decode-input", decode_step_on_input, inputs,
                                                                      _compiles_scan(cfg, x.device))
@@ -723,10 +723,10 @@ class ContextualMemory(nn.Module):
             y = F.scaled_dot_product_attention(query, keys[:, :, lo_index:hi_index], values[:, :, lo_index:hi_index], scale=1.0)
         return self.output(y, x)
 
-    def decode_weights(self) -> list[torch.Tensor]:
-        """W_phi, W_g, W_lambda, W_psi as a decoding step applies them: four matmuls on one row, no copy
-        of the weights (`projections` stacks them, which pays off over many positions only; a
-        StaticDecoder stacks them once for all its steps)."""
+    def input_weights(self) -> list[torch.Tensor]:
+        """W_phi, W_g, W_lambda, W_psi, in the order every path applies them: stacked per call in
+        training and prefill (`projections`), as four matmuls on one row in a dynamic decoding step
+        (no copy of the weights), stacked once per block by a StaticDecoder."""
         return [self.key_proj.weight, self.gate_proj.weight, self.decay_proj.weight, self.value_proj.weight]
 
     def _decode_parameters(self) -> tuple[torch.Tensor, ...]:
@@ -734,7 +734,7 @@ class ContextualMemory(nn.Module):
         return self.value_mix, self.beta1_log, self.alpha_raw, self.beta0_raw
 
     def decode_static(self, projected: tuple[torch.Tensor, ...], state: dict, delay: int) -> torch.Tensor:
-        """`_decode` on a StaticDecoder's buffers, for a position's projections (`decode_weights` applied):
+        """`_decode` on a StaticDecoder's buffers, for a position's projections (`input_weights` applied):
         the read y (B, H, 1, hs), 0 where nothing is readable, before o_proj (the block applies its
         memories' o_proj as one matmul). No shape, index or Python number depends on the position,
         which is the 0-d tensor state["t"], so the step can be captured as a CUDA graph.
@@ -847,8 +847,9 @@ class MemoryMosaicsV2Block(nn.Module):
         h = self.memory_norm(x)
         if masks is None and uses_flex(self.config, x.device, past):
             masks = flex_masks(self.config, doc_start, x.shape[0], x.shape[1], delay, x.device)
+        memories = self.memories()
         y = self.short(h, doc_start, delay, cache.setdefault("short", {}) if cache is not None else None, past, masks)
-        if self.long is not None and self.config.long_term_memory:
+        if "long" in memories:
             y = y + self.long(h, doc_start, delay, cache.setdefault("long", {}) if cache is not None else None, past, masks)
         x = x + y
         return x + self.ffn(self.ffn_norm(x))
@@ -856,13 +857,13 @@ class MemoryMosaicsV2Block(nn.Module):
     def decode_static(self, x: torch.Tensor, state: dict, delay: int) -> torch.Tensor:
         """`forward` for one decoding step x (B, 1, d) on a StaticDecoder's state: {kind: that memory's
         buffers (`ContextualMemory.decode_static`), "in_proj": the input projections of its memories
-        stacked in `memories()` order, each's `decode_weights()`, "o_proj": their o_proj weights side
+        stacked in `memories()` order, each's `input_weights()`, "o_proj": their o_proj weights side
         by side}. The same function as `forward` with the dynamic cache (tested); each memory's four
         input matmuls and the memories' o_proj are one matmul each, since a decoding step's matmuls are
         short and its time goes in part to their launches."""
         h = self.memory_norm(x)
         memories = self.memories()
-        sizes = [w.shape[0] for memory in memories.values() for w in memory.decode_weights()]
+        sizes = [w.shape[0] for memory in memories.values() for w in memory.input_weights()]
         projected = F.linear(h, state["in_proj"]).split(sizes, dim=-1)
         reads = [memory.decode_static(projected[4 * i:4 * i + 4], state[kind], delay)
                  for i, (kind, memory) in enumerate(memories.items())]  # each (B, H, 1, hs)
@@ -933,7 +934,7 @@ class StaticDecoder:
                 memories = block.memories()
                 state = {kind: self._slots(memory, layer[kind], capacity) for kind, memory in memories.items()}
                 # the block's decoding matmuls stacked once (`MemoryMosaicsV2Block.decode_static`)
-                state["in_proj"] = torch.cat([w for memory in memories.values() for w in memory.decode_weights()])
+                state["in_proj"] = torch.cat([w for memory in memories.values() for w in memory.input_weights()])
                 outs = [memory.o_proj.weight for memory in memories.values()]
                 state["o_proj"] = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
                 self.layers.append(state)
