@@ -232,17 +232,23 @@ def _log_space_scan(raw: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.
     local_start (B, T): index of each position's document start (negative: before position 0, so the
     entering `state` is part of it); None: one document that began before position 0.
 
-    Chunked, in two passes. Inside chunk i the (c x c) matrix exp(L_T - L_t + log g_t) for t <= T of
-    the same document (L the in-chunk cumsum of log lambda) weighs the chunk's own keys. First the
-    value entering each chunk: the recurrence's value at the end of chunk i-1, and those chunk ends
-    obey the same recurrence one level up (k~ = a chunk's own sum at its end, which takes only the
-    chunk's last row of the matrix; log g its log-scale; log lambda = the chunk's total log decay):
-    this function, called on the n-1 chunk ends, gives them all. Then every row as one matmul over
-    the chunk's keys, the entering value folded into the first of them (below). Each row is shifted
-    by its largest exponent, so nothing overflows. Depth log_c(T); memory O(B H T c), no T x T
-    matrix. The one matmul writes each row once: a second pass adding the entering value would read
-    and write (B, H, T, hs) again, forward and backward; an extra column for it would make the
-    matmul's inner size c + 1, which bf16 tensor-core kernels read unaligned.
+    Chunked, in two passes. Inside chunk i, row T weighs the chunk's key t <= T of its document by
+    exp(L_T + a_t), a_t = log g_t - L_t (L the in-chunk cumsum of log lambda): a (c x c) matrix that
+    is an outer sum of two vectors, so it is never stored wider than the bf16 or float32 operand of
+    its matmul. First the value entering each chunk: the recurrence's value at the end of chunk i-1,
+    and those chunk ends obey the same recurrence one level up (k~ = a chunk's own sum at its end,
+    the matrix's last row; log g its log-scale; log lambda = the chunk's total log decay): this
+    function, called on the n-1 chunk ends, gives them all. Then every row as one matmul over the
+    chunk's keys, the entering value folded into the first of them (below). Depth log_c(T); memory
+    O(B H T c), no T x T matrix. The one matmul writes each row once: a second pass adding the
+    entering value would read and write (B, H, T, hs) again, forward and backward; an extra column
+    for it would make the matmul's inner size c + 1, which bf16 tensor-core kernels read unaligned.
+
+    Each row is shifted by its largest exponent, so nothing overflows. The shifts (and the chunk
+    ends' norms) are constants to autograd: every consumer reads a row only as rows exp(log_scale),
+    on which a shift has no effect, so its gradient is exact without them, and the backward skips
+    the max's adjoint, which reads the (c x c) matrices twice more. The returned log-scale alone
+    therefore carries no gradient.
     """
     B, H, T, hs = raw.shape
     n = -(-T // chunk)
@@ -254,21 +260,20 @@ def _log_space_scan(raw: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.
             local_start = torch.cat([local_start, local_start[:, -1:].expand(B, pad)], dim=1)
     rc = raw.view(B, H, n, c, hs)
     L = torch.cumsum(log_decay.view(B, H, n, c), dim=-1)  # (B, H, n, c)
-    expo = L[..., :, None] - L[..., None, :] + log_gate.view(B, H, n, c)[..., None, :]  # (B, H, n, c, c): row T, column t
+    a = log_gate.view(B, H, n, c) - L  # (B, H, n, c): column t's log-weight over L_T
     allowed = torch.ones(c, c, dtype=torch.bool, device=raw.device).tril()  # t <= T
     pos = torch.arange(n * c, device=raw.device).view(n, c)
     if local_start is not None:
         ds = local_start.view(B, 1, n, c)
         allowed = allowed & (pos[None, None, :, None, :] >= ds[..., :, None])  # (B, 1, n, c, c) same document
-    expo = expo.masked_fill(~allowed, float("-inf"))
+
     # raw is read in its own dtype (the chunk ends' product widens it); the matmuls' operands are made in
     # the dtype autocast would cast them to, each as it is written, else float32 or wider
     on = raw.device.type
     mm = torch.get_autocast_dtype(on) if torch.is_autocast_enabled(on) else torch.promote_types(raw.dtype, L.dtype)
+
     if n == 1 and state is None:
-        top = expo.amax(dim=-1)  # (B, H, 1, c); the diagonal is always allowed: finite
-        rows = torch.exp(expo - top[..., None]).to(mm) @ rc.to(mm)
-        return _unpad(rows, top, T, pad)
+        return _unpad(*_ChunkRows.apply(L, a, allowed, rc.to(mm)), T, pad)
 
     # the value entering each chunk: the given state, then the recurrence at the ends of chunks 0..n-2
     entering_dir, entering_log = [], []
@@ -278,11 +283,13 @@ def _log_space_scan(raw: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.
     else:
         entering_dir.append(L.new_zeros(B, H, 1, hs))
         entering_log.append(L.new_full((B, H, 1), float("-inf")))
-    if n > 1:
-        last = expo[:, :, :-1, -1]  # (B, H, n-1, c): each chunk's last row, the chunk's own sum at its end
-        last_top = last.amax(dim=-1)  # (B, H, n-1)
+    if n > 1:  # each chunk's own sum at its end: the matrix's last row, exp(L_last + a_t)
+        last = L[..., :-1, -1:] + a[..., :-1, :]  # (B, H, n-1, c); the last row allows every t of its document
+        if local_start is not None:
+            last = last.masked_fill(~allowed[:, :, :-1, -1, :], float("-inf"))
+        last_top = last.amax(dim=-1).detach()  # (B, H, n-1)
         ends = (torch.exp(last - last_top[..., None])[..., None] * rc[:, :, :-1]).sum(dim=-2)  # (B, H, n-1, hs)
-        norm = torch.linalg.vector_norm(ends, dim=-1).clamp_min(1e-30)
+        norm = torch.linalg.vector_norm(ends, dim=-1).clamp_min(1e-30).detach()
         # chunk end j is in chunk end i's document iff j >= floor(ds_i / c)
         ends_start = None if local_start is None else torch.div(ds[:, 0, :-1, -1], c, rounding_mode="floor")
         end_rows, end_log = _log_space_scan(ends / norm[..., None], last_top + norm.log(), L[..., :-1, -1],
@@ -293,16 +300,53 @@ def _log_space_scan(raw: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.
     if local_start is not None:  # the value enters a chunk only if the chunk's first document began before it
         sigma_in = sigma_in.masked_fill(~(ds[..., 0] < pos[None, None, :, 0]), float("-inf"))
     # The entering value reaches row T with weight exp(L_T + sigma_in) and the chunk's first key with
-    # exp(L_T - L_0 + log g_0): both through exp(L_T), and both only for rows of the first key's
-    # document. So one key, their weighted sum u with log-weight m, stands in for both in column 0,
-    # and the matmul keeps its c x c shape.
-    first = log_gate.view(B, H, n, c)[..., 0] - L[..., 0]  # (B, H, n): the first key's log-weight over L_T
-    m = torch.maximum(first, sigma_in)  # finite (first is)
+    # exp(L_T + a_0): both through exp(L_T), and both only for rows of the first key's document. So
+    # one key, their weighted sum u with log-weight m, stands in for both in column 0, and the matmul
+    # keeps its c x c shape.
+    first = a[..., 0]  # (B, H, n)
+    m = torch.maximum(first, sigma_in).detach()  # finite (first is)
     u = torch.exp(first - m)[..., None] * rc[..., 0, :] + torch.exp(sigma_in - m)[..., None] * s_in  # (B, H, n, hs)
-    expo = torch.cat([expo[..., :1] + (m - first)[..., None, None], expo[..., 1:]], dim=-1)  # column 0: L_T + m
-    top = expo.amax(dim=-1)  # (B, H, n, c); the diagonal is always allowed: finite
-    rows = torch.exp(expo - top[..., None]).to(mm) @ torch.cat([u[..., None, :].to(mm), rc[..., 1:, :].to(mm)], dim=3)
-    return _unpad(rows, top, T, pad)
+    columns = torch.cat([m[..., None], a[..., 1:]], dim=-1)  # column 0: L_T + m
+    return _unpad(*_ChunkRows.apply(L, columns, allowed, torch.cat([u[..., None, :].to(mm), rc[..., 1:, :].to(mm)], dim=3)),
+                  T, pad)
+
+
+class _ChunkRows(torch.autograd.Function):
+    """A chunk's rows: sum over its allowed t of exp(L_T + columns_t - top_T) keys_t, one matmul, with
+    top_T row T's largest exponent (the diagonal is always allowed: finite). L, columns (B, H, n, c)
+    float32 or wider; allowed (c, c) or (B, 1, n, c, c); keys (B, H, n, c, hs) in the matmul's dtype.
+    Returns rows (B, H, n, c, hs) in that dtype and top (B, H, n, c).
+
+    Written out for the backward's sake. The (c x c) weights exist only as the matmul's operand,
+    which the backward keeps for the keys' gradient; the exponents' gradient recomputes them, wide,
+    from the two vectors inside its two sums instead of keeping a float32 copy, as autograd's exp
+    would. top is a constant shift: no gradient reaches it or flows from it (see _log_space_scan).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, L: torch.Tensor, columns: torch.Tensor, allowed: torch.Tensor, keys: torch.Tensor,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        expo = (L[..., :, None] + columns[..., None, :]).masked_fill(~allowed, float("-inf"))  # (B, H, n, c, c)
+        top = expo.amax(dim=-1)
+        weights = torch.exp(expo - top[..., None]).to(keys.dtype)
+        ctx.save_for_backward(L, columns, allowed, top, weights, keys)
+        ctx.mark_non_differentiable(top)
+        return weights @ keys, top
+
+    @staticmethod
+    def backward(ctx: Any, d_rows: torch.Tensor, d_top: torch.Tensor | None) -> tuple[Any, ...]:
+        L, columns, allowed, top, weights, keys = ctx.saved_tensors
+        d_rows = d_rows.to(keys.dtype)
+        d_weights = d_rows @ keys.transpose(-1, -2)  # (B, H, n, c, c)
+        d_keys = weights.transpose(-1, -2) @ d_rows
+        # d exponent = weight x d weight, 0 where not allowed, summed over columns for L and over rows for
+        # the columns. The weights are recomputed, wide, inside each sum, so that each reads only the bf16
+        # d weights: written twice, in two orders, so that no common-subexpression pass merges them into
+        # one float32 buffer (or with the forward's exp, which autograd would have kept)
+        below = (L - top)[..., :, None]
+        by_row = torch.exp(torch.where(allowed, below + columns[..., None, :], float("-inf"))) * d_weights.to(top.dtype)
+        by_column = torch.exp(torch.where(allowed, columns[..., None, :] + below, float("-inf"))) * d_weights.to(top.dtype)
+        return by_row.sum(dim=-1), by_column.sum(dim=-2), None, d_keys
 
 
 def _unpad(rows: torch.Tensor, top: torch.Tensor, T: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
