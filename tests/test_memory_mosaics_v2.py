@@ -108,6 +108,27 @@ def test_logits_equal_naive_per_position_implementation(edges, docs):
     assert torch.allclose(fast, slow, atol=1e-5, rtol=1e-5), (fast - slow).abs().max()
 
 
+
+@pytest.mark.parametrize("docs", [[0] * 23, [0] * 7 + [1] * 3 + [2] * 13])
+def test_every_gradient_equals_the_naive_implementations(docs):
+    """The training path's backward (the key scan's chunk matmul, the keys and queries, the finished
+    values: each written out by hand) against autograd through the naive per-position model, for
+    every parameter, with chunks of 4 (so chunk ends and their recursion) and documents. The bandwidth
+    is float32 in both (1e-8 in the logits), hence the 2e-6."""
+    model = tiny_model()
+    torch.manual_seed(1)
+    ids = torch.randint(0, 50, (23,))
+    weights = torch.randn(23, 50, dtype=torch.float64)
+    fast = model(input_ids=ids[None], position_ids=positions_of(docs)[None]).logits[0]
+    slow = naive_logits(model, ids, docs, model.config.long_delay_eval)
+    params = [p for p in model.parameters() if p.requires_grad]
+    got = torch.autograd.grad((fast * weights).sum(), params, allow_unused=True)
+    want = torch.autograd.grad((slow * weights).sum(), params, allow_unused=True)
+    for (name, _), a, b in zip(((n, p) for n, p in model.named_parameters() if p.requires_grad), got, want):
+        a, b = (torch.zeros(()) if t is None else t for t in (a, b))
+        assert (a - b).abs().max() <= 1e-12 + 2e-6 * b.abs().max(), name
+
+
 def test_without_long_term_memory_equals_naive_and_differs():
     model = tiny_model()
     ids = torch.randint(0, 50, (1, 20))

@@ -193,9 +193,10 @@ def gated_key_scan(raw: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.T
     raw (B, H, T, hs) = k~ at absolute positions start..start+T-1; log_gate, log_decay (B, H, T) = log g,
     log lambda (<= 0); doc_start (B, T) absolute document start of each position (None: 0); state =
     (direction (B, H, hs), log-scale (B, H)) of kbar at position start-1, or None. Returns the
-    directions of kbar (B, H, T, hs) fp32 (each row's scale dropped: only Norm(kbar) is used) and the
+    directions of kbar (B, H, T, hs) (each row's scale dropped: only Norm(kbar) is used) and the
     new state. kernel "triton": the whole scan as owai.models.key_scan_triton's kernel (same function),
-    else `_log_space_scan` (`chunk` positions per chunk).
+    else `_log_space_scan` (`chunk` positions per chunk), whose rows are bf16 where its matmul runs in
+    bf16 under autocast (the state is float32 or wider).
     """
     local_start = None if doc_start is None else doc_start - start  # < 0: the document began before `start`
     if raw.shape[2] == 1 and state is not None:  # a decoding step: the recurrence's one step, a dozen ops
@@ -206,7 +207,7 @@ def gated_key_scan(raw: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.T
         rows, log_scale = triton_log_space_scan(raw, log_gate, log_decay, local_start, state)
     else:
         rows, log_scale = _log_space_scan(raw, _wide(log_gate), _wide(log_decay), local_start, state, chunk)
-    last = rows[:, :, -1]
+    last = _wide(rows[:, :, -1])
     norm = torch.linalg.vector_norm(last, dim=-1).clamp_min(1e-30)
     return rows, (last / norm[..., None], log_scale[:, :, -1] + norm.log())
 
@@ -351,9 +352,10 @@ class _ChunkRows(torch.autograd.Function):
 
 def _unpad(rows: torch.Tensor, top: torch.Tensor, T: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, H, n, c, hs), (B, H, n, c) chunked rows and log-scales -> the first T positions, the rows
-    as wide as the log-scales (float32 or wider: a bf16 matmul's rows are widened)."""
+    in their matmul's dtype (a bf16 matmul's rows stay bf16: widening them adds no digits, and their
+    consumer widens them as it reads them)."""
     B, H, n, c, hs = rows.shape
-    rows, top = rows.to(top.dtype).reshape(B, H, n * c, hs), top.reshape(B, H, n * c)
+    rows, top = rows.reshape(B, H, n * c, hs), top.reshape(B, H, n * c)
     return (rows[:, :, :T], top[:, :, :T]) if pad else (rows, top)
 
 
@@ -471,19 +473,103 @@ def memory_inputs(key: torch.Tensor, gate: torch.Tensor, decay: torch.Tensor, va
     log_gate = gate.transpose(1, 2)  # (B, H, T)
     log_decay = -decay.abs().transpose(1, 2)  # (B, H, T), <= 0
     directions, scan_state = gated_key_scan(split(key), log_gate, log_decay, doc_start, past, scan_state, chunk, kernel)
-    keys = _unit(directions, norm_eps)  # (B, H, T, hs) float32
+    beta = bandwidth_of(counts, beta1_log, alpha_raw, beta0_raw)  # (B|1, H, T)
+    queries, keys = _KeysAndQueries.apply(directions, beta, norm_eps, dtype)
     raw_v = split(value)  # (B, H, T, hs)
     if not torch.compiler.is_compiling():  # eagerly one float32 copy serves both reads; compiled, each read
         raw_v = _wide(raw_v)  # widens (inlined: no float32 copy is kept for the backward)
     if v_pending is not None:  # the pending position past-1 gets its value now that x_past is known
         raw_v = torch.cat([v_pending[:, :, None], _wide(raw_v)], dim=2)  # positions past-1 ..
-    gamma = value_mix.float()[None, :, None, None]
-    # gamma v~_t + (1 - gamma) v~_{t+1}, as one op
-    later, earlier = _wide(raw_v[:, :, 1:]), _wide(raw_v[:, :, :-1])
-    finished = _unit(torch.lerp(later, earlier, gamma.to(later.dtype)), norm_eps)
-    beta = bandwidth_of(counts, beta1_log, alpha_raw, beta0_raw)  # (B|1, H, T)
-    queries = (keys * beta[..., None].to(keys.dtype)).to(dtype)  # bandwidth on the query side only
-    return queries, keys.to(dtype), finished.to(dtype), scan_state, _wide(raw_v[:, :, -1])
+    finished = _FinishedValues.apply(raw_v, value_mix, norm_eps, dtype)
+    return queries, keys, finished, scan_state, _wide(raw_v[:, :, -1])
+
+
+def _unit_adjoint(norm: torch.Tensor, xg: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient of unit(x) = x / (n + eps) for an incoming g is g a - x b, per row, with
+    a = 1 / (n + eps) and b = (x . g) / (n (n + eps)^2): (a, b) from n = |x| and x . g (both (..., 1)).
+    A zero row (as the backwards' padding adds) passes g / eps on, as autograd's norm does, and 0
+    where g is 0 too, whatever eps."""
+    d = (norm + eps).clamp_min(1e-30)
+    return 1 / d, torch.where(norm > 0, xg / (norm * d * d), 0.0)
+
+
+class _KeysAndQueries(torch.autograd.Function):
+    """queries = beta keys and keys = x / (|x| + eps), in `dtype`: x (B, H, T, hs) the key scan's rows
+    (bf16 where its matmul ran in bf16), beta (B|1, H, T) the bandwidth (on the query side only).
+
+    Its backward written out: autograd's own sums the two incoming gradients into one float32 tensor
+    as wide as the rows and reads it three times. This one reads the bf16 gradients and rows twice,
+    for each row's dot products and then its gradient, and returns that gradient in x's dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, beta: torch.Tensor, eps: float, dtype: torch.dtype,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = _unit(_wide(x), eps)
+        ctx.save_for_backward(x, beta)
+        ctx.eps = eps
+        return (keys * beta[..., None].to(keys.dtype)).to(dtype), keys.to(dtype)
+
+    @staticmethod
+    def backward(ctx: Any, d_queries: torch.Tensor, d_keys: torch.Tensor) -> tuple[Any, ...]:
+        x, beta = ctx.saved_tensors
+        wide = _wide(x)
+        b = beta[..., None].to(wide.dtype)
+        dq, dk = d_queries.to(wide.dtype), d_keys.to(wide.dtype)
+        norm = torch.linalg.vector_norm(wide, dim=-1, keepdim=True)
+        xq = (wide * dq).sum(dim=-1, keepdim=True)
+        xg = (wide * dk).sum(dim=-1, keepdim=True) + b * xq  # x . (dk + beta dq), without storing that sum
+        a, c = _unit_adjoint(norm, xg, ctx.eps)
+        d_beta = (xq * a).squeeze(-1)  # d queries . keys
+        if d_beta.shape[0] != beta.shape[0]:  # beta broadcast over the batch
+            d_beta = d_beta.sum(dim=0, keepdim=True)
+        return ((dk + b * dq) * a - wide * c).to(x.dtype), d_beta.to(beta.dtype), None, None
+
+
+class _FinishedValues(torch.autograd.Function):
+    """The finished values unit(gamma v~_t + (1 - gamma) v~_{t+1}) in `dtype`, (B, H, R - 1, hs), from
+    the raw values v~ (B, H, R, hs) and value_mix gamma (H,).
+
+    Its backward written out, as _KeysAndQueries's. Compiled: each row's dot products in one pass over
+    the bf16 gradient and raw values, then each raw value's gradient, gamma adj_t + (1 - gamma)
+    adj_{t-1}, in a second. The row adjoint is written once for each of its two shifts, from shifted
+    inputs, and the mix again in another form, so that no common-subexpression pass stores the
+    adjoint or keeps the forward's float32 mix for the backward. Eagerly, where each op is a kernel
+    anyway, the adjoint is computed once and shifted."""
+
+    @staticmethod
+    def forward(ctx: Any, raw: torch.Tensor, value_mix: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+        later, earlier = _wide(raw[:, :, 1:]), _wide(raw[:, :, :-1])
+        mixed = torch.lerp(later, earlier, value_mix.float()[None, :, None, None].to(later.dtype))  # as one op
+        ctx.save_for_backward(raw, value_mix)
+        ctx.eps = eps
+        return _unit(mixed, eps).to(dtype)
+
+    @staticmethod
+    def backward(ctx: Any, d_finished: torch.Tensor) -> tuple[Any, ...]:
+        raw, value_mix = ctx.saved_tensors
+        wide = _wide(raw)
+        gamma = value_mix.to(wide.dtype)[None, :, None, None]
+        g = d_finished.to(wide.dtype)
+        step = wide[:, :, :-1] - wide[:, :, 1:]  # d mix / d gamma = v~_t - v~_{t+1}
+        mixed = wide[:, :, 1:] + gamma * step
+        norm = torch.linalg.vector_norm(mixed, dim=-1, keepdim=True)
+        zg = (mixed * g).sum(dim=-1, keepdim=True)
+        a, c = _unit_adjoint(norm, zg, ctx.eps)  # (B, H, R - 1, 1) each
+        end, start = (0, 0, 0, 1), (0, 0, 1, 0)  # d v~_t = gamma adj_t + (1 - gamma) adj_{t-1}
+        if not torch.compiler.is_compiling():  # eagerly each op is a kernel: the adjoint once, stored
+            adjoint = g * a - mixed * c
+            d_gamma = (adjoint * step).sum(dim=(0, 2, 3))
+            d_raw = F.pad(gamma * adjoint, end) + F.pad((1 - gamma) * adjoint, start)
+            return d_raw.to(raw.dtype), d_gamma.to(value_mix.dtype), None, None
+        d_gamma = ((g * step).sum(dim=-1, keepdim=True) * a - (mixed * step).sum(dim=-1, keepdim=True) * c).sum(dim=(0, 2, 3))
+
+        def adjoint_padded(pad: tuple[int, int, int, int]) -> torch.Tensor:
+            """The rows' adjoint over the R raw positions, the mix and gradient zero-padded by `pad`."""
+            v = F.pad(wide, pad)
+            return F.pad(g, pad) * F.pad(a, pad) - torch.lerp(v[:, :, 1:], v[:, :, :-1], gamma) * F.pad(c, pad)
+
+        d_raw = gamma * adjoint_padded(end) + (1 - gamma) * adjoint_padded(start)
+        return d_raw.to(raw.dtype), d_gamma.to(value_mix.dtype), None, None
 
 
 def _compiles_scan(config: MemoryMosaicsV2Config, device: torch.device) -> bool:
