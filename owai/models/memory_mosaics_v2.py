@@ -498,7 +498,7 @@ class _KeysAndQueries(torch.autograd.Function):
     (bf16 where its matmul ran in bf16), beta (B|1, H, T) the bandwidth (on the query side only).
 
     Its backward written out: autograd's own sums the two incoming gradients into one float32 tensor
-    as wide as the rows and reads it three times. This one reads the bf16 gradients and rows twice,
+    as wide as the rows, then reads it twice more. This one reads the bf16 gradients and rows twice,
     for each row's dot products and then its gradient, and returns that gradient in x's dtype."""
 
     @staticmethod
