@@ -108,7 +108,6 @@ def test_logits_equal_naive_per_position_implementation(edges, docs):
     assert torch.allclose(fast, slow, atol=1e-5, rtol=1e-5), (fast - slow).abs().max()
 
 
-
 @pytest.mark.parametrize("docs", [[0] * 23, [0] * 7 + [1] * 3 + [2] * 13])
 def test_every_gradient_equals_the_naive_implementations(docs):
     """The training path's backward (the key scan's chunk matmul, the keys and queries, the finished
@@ -121,10 +120,10 @@ def test_every_gradient_equals_the_naive_implementations(docs):
     weights = torch.randn(23, 50, dtype=torch.float64)
     fast = model(input_ids=ids[None], position_ids=positions_of(docs)[None]).logits[0]
     slow = naive_logits(model, ids, docs, model.config.long_delay_eval)
-    params = [p for p in model.parameters() if p.requires_grad]
+    names, params = zip(*((n, p) for n, p in model.named_parameters() if p.requires_grad))
     got = torch.autograd.grad((fast * weights).sum(), params, allow_unused=True)
     want = torch.autograd.grad((slow * weights).sum(), params, allow_unused=True)
-    for (name, _), a, b in zip(((n, p) for n, p in model.named_parameters() if p.requires_grad), got, want):
+    for name, a, b in zip(names, got, want):
         a, b = (torch.zeros(()) if t is None else t for t in (a, b))
         assert (a - b).abs().max() <= 1e-12 + 2e-6 * b.abs().max(), name
 

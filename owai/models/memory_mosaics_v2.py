@@ -977,11 +977,8 @@ class MemoryMosaicsV2Block(nn.Module):
         h = self.memory_norm(x)
         if masks is None and uses_flex(self.config, x.device, past):
             masks = flex_masks(self.config, doc_start, x.shape[0], x.shape[1], delay, x.device)
-        memories = self.memories()
-        y = self.short(h, doc_start, delay, cache.setdefault("short", {}) if cache is not None else None, past, masks)
-        if "long" in memories:
-            y = y + self.long(h, doc_start, delay, cache.setdefault("long", {}) if cache is not None else None, past, masks)
-        x = x + y
+        x = x + sum(memory(h, doc_start, delay, cache.setdefault(kind, {}) if cache is not None else None, past, masks)
+                    for kind, memory in self.memories().items())
         return x + self.ffn(self.ffn_norm(x))
 
     def decode_static(self, x: torch.Tensor, state: dict, delay: int) -> torch.Tensor:
