@@ -12,6 +12,10 @@
 # (The install builds with the machine's own setuptools, which must be >= 77; should it fail, the
 # steps below run owai from the checkout: they read none of its packaged data.)
 #
+# Before the call, `bash benchmarks/lent_torch.sh` runs owai's CPU tests under the lent machines' torch
+# (2.11.0) on any machine with the package registries: a fault of that release shows there, not in
+# device time (docs/decisions.md).
+#
 # The Triton kernel is compiled for sm_80 and sm_90 on the CPU test machines already (tests/
 # test_key_scan_triton.py, ahead of time with triton's ptxas): a kernel that does not build fails
 # there, before any GPU time is spent.

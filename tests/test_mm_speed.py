@@ -49,6 +49,21 @@ def test_scaled_unit_equals_plain_expression_with_gradients(eps):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
 
 
+def test_scaled_unit_compiled_keeps_its_gradients():
+    """Under torch.compile (train.compile's blocks) the fused node gives its eager gradients in float32,
+    where its output dtype is its input's. torch 2.11's compile gave this node zero gradients while its
+    forward ended in a `.to` that changed nothing (benchmarks/lent_torch.sh runs this test under 2.11)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, 4, generator=g, requires_grad=True)
+    scale = torch.rand(1, 3, 1, 1, generator=g).add(0.5).requires_grad_()
+    upstream = torch.randn(2, 3, 5, 4, generator=g)
+    grads = [torch.autograd.grad((fn(x, scale, 1e-6) * upstream).sum(), (x, scale))
+             for fn in (scaled_unit, torch.compile(scaled_unit, backend="aot_eager", fullgraph=True))]
+    for eager, compiled in zip(*grads):
+        assert eager.abs().max() > 0
+        torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-5)
+
+
 def test_model_gradients_equal_the_plain_graph(monkeypatch):
     """Float64 training gradients of every parameter: fused extractors == plain autograd expression."""
     torch.manual_seed(0)

@@ -204,7 +204,7 @@ class _ScaledUnit(torch.autograd.Function):
         norm = torch.linalg.vector_norm(wide, dim=-1, keepdim=True)  # (..., 1), >= fp32
         inv = 1.0 / (norm + eps)
         ctx.save_for_backward(x, scale, norm, inv)
-        return (wide * (scale.to(wide.dtype) * inv)).to(torch.promote_types(x.dtype, scale.dtype))
+        return _as(wide * (scale.to(wide.dtype) * inv), torch.promote_types(x.dtype, scale.dtype))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -288,6 +288,14 @@ class LayerNorm(nn.Module):
 def _wide(x: torch.Tensor) -> torch.Tensor:
     """At least fp32 (fp16/bf16 -> fp32; fp64 stays fp64) for scans and normalisations."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`, with no `.to` at all where it has it already. Under torch.compile in torch 2.11 an
+    autograd.Function's output made by a `.to` that changes nothing got a zero gradient, silently
+    (2.13 is right; the lent GPU machines run 2.11): the Functions here and in Memory Mosaics v2
+    return their outputs through this."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 class LeakyKeyExtractor(nn.Module):

@@ -66,7 +66,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from owai.errors import OwaiError
 from owai.models.hf_cache import CACHE_FIELD, forward_cache, with_cache
-from owai.models.memory_mosaics import MemoryMosaicsCache, own_generation_cache
+from owai.models.memory_mosaics import MemoryMosaicsCache, _as, _wide, own_generation_cache
 
 SHORT_EDGES = ("open", "closed")  # open: j >= t-h+1 (thesis main text); closed: j >= t-h (paper appendix)
 LONG_EDGES = ("inclusive", "strict")  # inclusive: j <= t-m; strict: j <= t-m-1
@@ -175,10 +175,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-
-
-def _wide(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
 def _unit(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -507,7 +503,7 @@ class _KeysAndQueries(torch.autograd.Function):
         keys = _unit(_wide(x), eps)
         ctx.save_for_backward(x, beta)
         ctx.eps = eps
-        return (keys * beta[..., None].to(keys.dtype)).to(dtype), keys.to(dtype)
+        return _as(keys * beta[..., None].to(keys.dtype), dtype), _as(keys, dtype)
 
     @staticmethod
     def backward(ctx: Any, d_queries: torch.Tensor, d_keys: torch.Tensor) -> tuple[Any, ...]:
@@ -542,7 +538,7 @@ class _FinishedValues(torch.autograd.Function):
         mixed = torch.lerp(later, earlier, value_mix.float()[None, :, None, None].to(later.dtype))  # as one op
         ctx.save_for_backward(raw, value_mix)
         ctx.eps = eps
-        return _unit(mixed, eps).to(dtype)
+        return _as(_unit(mixed, eps), dtype)
 
     @staticmethod
     def backward(ctx: Any, d_finished: torch.Tensor) -> tuple[Any, ...]:

