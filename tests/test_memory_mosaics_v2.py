@@ -572,6 +572,40 @@ def test_compiled_blocks_on_the_flex_path_take_a_new_delay_without_recompiling()
             assert torch.allclose(model(input_ids=ids, position_ids=pos, long_delay=13).logits, eager[13], atol=1e-5)
 
 
+@pytest.mark.parametrize("docs", [pytest.param(None, marks=pytest.mark.slow), [[30, 34], [5, 1, 58]]],
+                         ids=["one-document", "documents"])  # ~45 s each, cold
+def test_compiled_blocks_train_at_every_delay_on_the_sdpa_path(docs):
+    """Compiled blocks (train.compile) training on the CPU's read path (SDPA), the long-term delay drawn
+    per step: after one recompilation (the delay made symbolic) every other delay reuses the graph and
+    gives the eager model's loss and gradients. Before, that graph saved the delay-shifted SDPA
+    operands with the strides of the delay it was compiled at, and the next delay failed inductor's
+    stride assertion; with documents every new key range also recompiled."""
+    from owai.distributed import Parallel
+    from owai.models.lm import blocks
+
+    cfg = dict(vocab_size=50, n_layer=1, n_embd=16, n_head=2, ffn_hidden=32, query_block=16, long_delay_train=(4, 40))
+    ids = torch.randint(0, 50, (2, 64), generator=torch.Generator().manual_seed(0))
+    pos = None if docs is None else packed_positions(docs)
+    torch.manual_seed(0)
+    model = MemoryMosaicsV2ForCausalLM(MemoryMosaicsV2Config(**cfg)).train()
+
+    def step(delay: int) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, position_ids=pos, labels=ids, long_delay=delay)
+        out.loss.backward()
+        return [out.loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    delays = (8, 30, 5, 20)
+    eager = [step(d) for d in delays]
+    Parallel(model, blocks=blocks(model), compile_blocks=True)
+    compiled = [step(d) for d in delays[:2]]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled += [step(d) for d in delays[2:]]
+    for want, got in zip(eager, compiled):
+        for w, g in zip(want, got):
+            assert (w - g).norm() <= 1e-5 * w.norm() + 1e-7, ((w - g).norm() / w.norm()).item()
+
+
 @pytest.mark.parametrize("phase", ["training", pytest.param("cached", marks=pytest.mark.slow)])  # ~30 s / 20 s, cold
 def test_compiled_memory_inputs_equal_eager(phase):
     """scan_impl compiled (CUDA's path for training and prefill): each memory's work between its

@@ -904,11 +904,19 @@ class ContextualMemory(nn.Module):
         ds = doc_start if doc_start is not None else torch.zeros_like(t)
         if block_mask is not None:
             return _flex_read(q, keys, values, block_mask)
+        # Compiled (train.compile's blocks), the long-term delay is symbolic from its second value on.
+        # Inductor then saved the delay-shifted operands of SDPA for the backward with the strides of the
+        # delay it compiled at, and the next delay failed its stride assertion (torch 2.11 and 2.13, in
+        # docs/results.md): compiled, no key range or slice depends on the delay but the causal one's,
+        # whose operands are made contiguous (their strides then follow their symbolic size)
+        compiling = torch.compiler.is_compiling()
         if doc_start is None and hi is None and past == 0 and k0 == 0 and T > lo:
             # one causal SDPA on delay-shifted tensors (flash kernels, O(T) memory): query row
             # i <-> t = i + lo sees keys j <= i
-            y = F.scaled_dot_product_attention(q[:, :, lo:], keys[:, :, : T - lo], values[:, :, : T - lo],
-                                               is_causal=True, scale=1.0)
+            shifted = (q[:, :, lo:], keys[:, :, : T - lo], values[:, :, : T - lo])
+            if compiling:
+                shifted = tuple(z.contiguous() for z in shifted)
+            y = F.scaled_dot_product_attention(*shifted, is_causal=True, scale=1.0)
             return torch.cat([y.new_zeros(B, H, lo, hs), y], dim=2)
         n_values = values.shape[2]
         if T == 1 and doc_start is None:  # a decoding step: every stored pair in [first, last) is readable
@@ -920,8 +928,9 @@ class ContextualMemory(nn.Module):
         for a in range(0, T, self.config.query_block):
             b = min(a + self.config.query_block, T)
             tq = t[:, a:b]  # (1, q)
-            first = 0 if hi is None else max(0, past + a - hi - k0)  # key index range this block can see
-            last = min(n_values, past + b - lo - k0)  # exclusive
+            # the key index range this block can see (compiled: up to lag 1, the mask tests lag >= lo)
+            first = 0 if hi is None else max(0, past + a - hi - k0)
+            last = min(n_values, past + b - (1 if compiling else lo) - k0)  # exclusive
             if last <= first:
                 outs.append(q.new_zeros(B, H, b - a, hs))
                 continue
