@@ -8,7 +8,7 @@
 # wheels) and no GPU, and it leaves the checkout as it found it except for owai.egg-info:
 #
 #     bash benchmarks/lent_torch.sh                 # the compiled paths' tests (v1, v2, the key scan, Llama, caches), ~2 min
-#     bash benchmarks/lent_torch.sh --all           # the whole default run (about 10 minutes on 2 cores)
+#     bash benchmarks/lent_torch.sh --all           # the whole default run (5 minutes on 2 cores, once installed)
 #
 # The virtual environment is kept outside the checkout ($OWAI_LENT_VENV, default
 # ${TMPDIR:-/tmp}/owai-lent-torch) and reused by the next run. numpy stays below 2.4 there: triton 3.6's
