@@ -187,6 +187,20 @@ def leaky_average(
 # fused normalisation and blocked attention dropout
 
 
+def _unit(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / (|x| + eps), |x| the L2 norm over the last dim."""
+    return x / (torch.linalg.vector_norm(x, dim=-1, keepdim=True) + eps)
+
+
+def _unit_adjoint(norm: torch.Tensor, xg: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient of unit(x) = x / (n + eps) for an incoming g is g a - x b, per row, with
+    a = 1 / (n + eps) and b = (x . g) / (n (n + eps)^2): (a, b) from n = |x| and x . g (both (..., 1)).
+    A zero row (as the backwards' padding adds) passes g / eps on, as autograd's norm does, and 0
+    where g is 0 too, whatever eps. One adjoint for v1's scaled unit and v2's keys and values."""
+    d = (norm + eps).clamp_min(1e-30)
+    return 1 / d, torch.where(norm > 0, xg / (norm * d * d), 0.0)
+
+
 class _ScaledUnit(torch.autograd.Function):
     """y = x * s / (|x| + eps), |x| the L2 norm over the last dim, s broadcast against (..., 1).
 
@@ -203,24 +217,24 @@ class _ScaledUnit(torch.autograd.Function):
         wide = _wide(x)
         norm = torch.linalg.vector_norm(wide, dim=-1, keepdim=True)  # (..., 1), >= fp32
         inv = 1.0 / (norm + eps)
-        ctx.save_for_backward(x, scale, norm, inv)
+        ctx.save_for_backward(x, scale, norm)
+        ctx.eps = eps
         return _as(wide * (scale.to(wide.dtype) * inv), torch.promote_types(x.dtype, scale.dtype))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, scale, norm, inv = ctx.saved_tensors
+        x, scale, norm = ctx.saved_tensors
         wide = _wide(x)
         g = grad.to(wide.dtype)  # the gradient of the output, in whatever dtype autograd hands it
         s = scale.to(wide.dtype)
         dot = torch.linalg.vecdot(g, wide).unsqueeze(-1)  # (..., 1) <g, x>
+        a, c = _unit_adjoint(norm, dot, ctx.eps)  # d/dx [x s / (n + eps)] g = s (g a - x c)
         grad_x = grad_scale = None
         if ctx.needs_input_grad[0]:
-            # d/dx [x s/(n+eps)] g = s/(n+eps) g - s <g,x> / ((n+eps)^2 n) x   (0/0 := 0 at x = 0)
-            coef = -s * dot * inv * inv / norm.clamp_min(torch.finfo(norm.dtype).tiny)
-            grad_x = torch.addcmul(g * (s * inv), coef, wide).to(x.dtype)
+            grad_x = torch.addcmul(g * (s * a), -s * c, wide).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            grad_scale = dot * inv  # (..., 1); reduced to scale's shape below
-            dims = [i for i, (a, b) in enumerate(zip(grad_scale.shape, scale.shape)) if b == 1 and a != 1]
+            grad_scale = dot * a  # (..., 1); reduced to scale's shape below
+            dims = [i for i, (got, want) in enumerate(zip(grad_scale.shape, scale.shape)) if want == 1 and got != 1]
             grad_scale = (grad_scale.sum(dim=dims, keepdim=True) if dims else grad_scale).to(scale.dtype)
         return grad_x, grad_scale, None
 

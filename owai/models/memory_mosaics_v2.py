@@ -66,7 +66,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from owai.errors import OwaiError
 from owai.models.hf_cache import CACHE_FIELD, forward_cache, with_cache
-from owai.models.memory_mosaics import MemoryMosaicsCache, _as, _wide, own_generation_cache
+from owai.models.memory_mosaics import MemoryMosaicsCache, _as, _unit, _unit_adjoint, _wide, own_generation_cache
 
 SHORT_EDGES = ("open", "closed")  # open: j >= t-h+1 (thesis main text); closed: j >= t-h (paper appendix)
 LONG_EDGES = ("inclusive", "strict")  # inclusive: j <= t-m; strict: j <= t-m-1
@@ -175,10 +175,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-
-
-def _unit(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x / (torch.linalg.vector_norm(x, dim=-1, keepdim=True) + eps)
 
 
 def gated_key_scan(raw: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.Tensor, doc_start: torch.Tensor | None,
@@ -478,15 +474,6 @@ def memory_inputs(key: torch.Tensor, gate: torch.Tensor, decay: torch.Tensor, va
         raw_v = torch.cat([v_pending[:, :, None], _wide(raw_v)], dim=2)  # positions past-1 ..
     finished = _FinishedValues.apply(raw_v, value_mix, norm_eps, dtype)
     return queries, keys, finished, scan_state, _wide(raw_v[:, :, -1])
-
-
-def _unit_adjoint(norm: torch.Tensor, xg: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradient of unit(x) = x / (n + eps) for an incoming g is g a - x b, per row, with
-    a = 1 / (n + eps) and b = (x . g) / (n (n + eps)^2): (a, b) from n = |x| and x . g (both (..., 1)).
-    A zero row (as the backwards' padding adds) passes g / eps on, as autograd's norm does, and 0
-    where g is 0 too, whatever eps."""
-    d = (norm + eps).clamp_min(1e-30)
-    return 1 / d, torch.where(norm > 0, xg / (norm * d * d), 0.0)
 
 
 class _KeysAndQueries(torch.autograd.Function):
