@@ -1,11 +1,12 @@
 """Memory traffic of one Memory Mosaics v2 memory at the small size, measured on the CPU with the
 dtypes CUDA gives it (bf16 autocast): what the GPU's memory-bound work scales with, without a GPU;
-and the kernels a compiled decoding step launches per block, v2's and the transformer's.
+and the kernels a compiled decoding step launches per block, and the bytes a compiled training block moves.
 
     python benchmarks/mmv2_bytes.py saved   [--kind short|long] [--scan chunked|compiled]
     python benchmarks/mmv2_bytes.py written [--kind short|long]
     python benchmarks/mmv2_bytes.py kernels [--kind short|long] [--device cuda]
     python benchmarks/mmv2_bytes.py launches [--device cuda]
+    python benchmarks/mmv2_bytes.py blocks  [--device cuda]
 
 `saved`: the bytes autograd keeps for the backward of one memory's forward (distinct storages).
 `written`: the bytes every aten op writes in one memory's forward and backward, the reads forced to
@@ -25,7 +26,12 @@ number, not only the bytes of the weights, sets a graphed step's time. Small-siz
 bf16 weights, a 256-token prefill; the transformer's per-layer figure is its step at two layers less
 its step at one.
 
-Both: d 2048, 16 heads (the small size), batch 2 x 4096 tokens in packed documents, the input not a
+`blocks`: the bytes inductor's kernels (fused and library calls) read and write for one compiled
+training block of each model (`train.compile`: torch.compile per block), forward and backward, under
+bf16 autocast: everything a block moves that the other does not, the weights' casts included. On the
+CPU v2's reads take the SDPA path, whose masked query blocks CUDA's flex kernels do not have.
+
+All: d 2048, 16 heads (the small size), batch 2 x 4096 tokens in packed documents, the input not a
 leaf (as the RMSNorm output it is in the model: autocast caches the casts of leaves only), long-term
 delay 64. To compare revisions, run the same command with PYTHONPATH at a worktree of the other
 (docs/results.md, issue #39).
@@ -205,14 +211,52 @@ def launches(device: str) -> None:
     print(f"  transformer outside its layers          {summary(list((Counter(one) - Counter(layer)).elements()))}")
 
 
+def blocks(device: str) -> None:
+    from torch._inductor import compile_fx, metrics
+    from torch._inductor import config as inductor_config
+
+    from owai.distributed import Parallel
+    from owai.models.lm import blocks as model_blocks
+    from owai.models.lm import build_lm
+    from owai.models.llama import packed_document_attention
+
+    ContextualMemory.read_dtype = lambda self, device: torch.bfloat16  # CUDA's reads under autocast
+    inductor_config.force_disable_caches = True  # the count is taken while compiling, not on a cache hit
+    log = compile_fx.inductor_metrics_log  # inductor counts only while this log is enabled; kept quiet
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    starts = doc_starts().to(device)
+    positions = torch.arange(CONTEXT, device=device) - starts  # restarting at each document
+    print(f"one compiled training block, small size, batch {BATCH} x {CONTEXT} in packed documents, bf16 autocast, "
+          f"{device}: bytes inductor's kernels move")
+    for arch in ("mmv2", "transformer"):
+        torch.manual_seed(0)
+        extra = {"scan_impl": "compiled"} if arch == "mmv2" else {}
+        with torch.device(device):
+            model = build_lm(arch, n_layer=1, n_embd=2048, n_head=16, ffn_hidden=6144, vocab_size=512, **extra).train()
+        packed_document_attention(model, torch.device(device))
+        Parallel(model, blocks=model_blocks(model), compile_blocks=True)
+        ids = torch.randint(0, 512, (BATCH, CONTEXT), device=device)
+        metrics.num_bytes_accessed = 0
+        with torch.autocast(device, dtype=torch.bfloat16):
+            logits = model(input_ids=ids, position_ids=positions, **({"long_delay": DELAY} if arch == "mmv2" else {})).logits
+        forward = metrics.num_bytes_accessed
+        logits.float().sum().backward()
+        total = metrics.num_bytes_accessed
+        print(f"  {arch:12s} {forward / 2**20:7,.0f} MiB forward, {(total - forward) / 2**20:7,.0f} MiB backward, "
+              f"{total / 2**20:7,.0f} MiB in all (x 24 blocks at 4.3 TB/s: {total * 24 / 4.3e12 * 1e3:.1f} ms per step)",
+              flush=True)
+        model = None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("measure", choices=["saved", "written", "kernels", "launches"])
+    parser.add_argument("measure", choices=["saved", "written", "kernels", "launches", "blocks"])
     parser.add_argument("--kind", choices=["short", "long"], default=None,
                         help="which memory (default: short for saved and kernels, long for written)")
     parser.add_argument("--scan", choices=["chunked", "compiled"], default="chunked",
                         help="saved only: the eager chunked scan, or the compiled memory inputs (CUDA's default)")
-    parser.add_argument("--device", default="cpu", help="kernels and launches: cuda counts Triton's kernels")
+    parser.add_argument("--device", default="cpu", help="kernels, launches, blocks: cuda counts Triton's kernels")
     args = parser.parse_args()
     if args.measure == "saved":
         saved(args.kind or "short", args.scan)
@@ -220,6 +264,8 @@ def main() -> None:
         kernels(args.kind or "short", args.device)
     elif args.measure == "launches":
         launches(args.device)
+    elif args.measure == "blocks":
+        blocks(args.device)
     else:
         written(args.kind or "long")
 

@@ -3,12 +3,14 @@ and the two windows written here from the spec, plus causality, documents, cachi
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from owai.errors import OwaiError
 from owai.models.memory_mosaics_v2 import MemoryMosaicsV2Config, MemoryMosaicsV2ForCausalLM, gated_key_scan
@@ -677,6 +679,58 @@ def test_compiled_memory_inputs_take_bf16_projections_as_on_a_gpu(autocast):
     for e, c, x in zip(eager, compiled, exact):
         assert e.norm() > 0 and (e - c).norm() <= 1e-2 * e.norm(), (e - c).norm() / e.norm()
         assert (c - x).norm() <= 1e-2 * x.norm(), (c - x).norm() / x.norm()  # measured: at most 0.4 %
+
+
+class _CatInputs(TorchDispatchMode):
+    """The dtype of the inputs of each aten.cat, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: list[torch.dtype] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.cat.default:
+            self.dtypes.append(args[0][0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_stacked_projections_under_autocast_equal_the_plain_stacking(compiled):
+    """Under autocast a memory casts each of its four input weights before stacking them, so that the
+    stacking writes the bf16 copy itself rather than a float32 copy that autocast then casts. The
+    projections and every gradient (the weights', in float32, and the input's) are bit-identical to
+    F.linear on the float32 stack under autocast, eagerly and compiled; without autocast nothing is
+    cast."""
+    from owai.models.memory_mosaics_v2 import ContextualMemory
+
+    memory = tiny_model(seed=5).float().layers[0].long
+    assert isinstance(memory, ContextualMemory)
+    d, H = memory.config.n_embd, memory.config.n_head
+    x = torch.randn(2, 9, d, generator=torch.Generator().manual_seed(5))
+
+    def plain(m, inp):
+        return F.linear(inp, torch.cat(m.input_weights())).split([d, H, H, d], dim=-1)
+
+    def run(fn, autocast, cats=None):
+        memory.zero_grad(set_to_none=True)
+        inp = (x * 1.0).requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast), cats or contextlib.nullcontext():
+            outs = fn(memory, inp)
+        sum(((o.double() * (i + 1)) ** 2).sum() for i, o in enumerate(outs)).backward()
+        return [*outs, inp.grad, *(w.grad for w in memory.input_weights())]
+
+    projections = (lambda m, inp: m.projections(inp))
+    if compiled:
+        projections = torch.compile(projections, fullgraph=True)
+    for autocast in (True, False):
+        cats = None if compiled else _CatInputs()  # the forwards' stackings (a dispatch mode does not compile)
+        want, got = run(plain, autocast, cats), run(projections, autocast, cats)
+        if cats is not None:  # plain stacks float32 weights; the memory stacks them cast, under autocast only
+            assert cats.dtypes == [torch.float32, torch.bfloat16 if autocast else torch.float32]
+        assert [t.dtype for t in got] == [t.dtype for t in want]
+        assert got[0].dtype == (torch.bfloat16 if autocast else torch.float32)
+        for w, g in zip(want, got):
+            assert torch.equal(w, g)
 
 
 def test_bf16_reads_under_autocast_enter_the_output_projection_as_they_are(monkeypatch):

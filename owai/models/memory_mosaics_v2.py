@@ -798,7 +798,12 @@ class ContextualMemory(nn.Module):
         decoding step keeps four (`input_weights`): stacking would copy the weights at every token.
         (A StaticDecoder stacks a block's once, for all its steps.)"""
         d, H = self.config.n_embd, self.config.n_head
-        stacked = torch.cat(self.input_weights())
+        weights, device = self.input_weights(), x.device.type
+        if torch.is_autocast_enabled(device) and all(w.dtype == torch.float32 for w in weights):
+            # autocast would cast the stacked float32 copy; cast each weight, so that the stacking writes
+            # the low-precision copy itself (compiled, one pass over the weights instead of three)
+            weights = [w.to(torch.get_autocast_dtype(device)) for w in weights]
+        stacked = torch.cat(weights)
         key, gate, decay, value = F.linear(x, stacked).split([d, H, H, d], dim=-1)
         # the narrow gate and decay as their own tensors: a view saved for the backward (|decay| keeps
         # its input) would keep the whole (B, T, 2d + 2H) output alive
