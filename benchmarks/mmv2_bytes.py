@@ -106,16 +106,24 @@ def written(kind: str) -> None:
           f"forward and backward")
 
 
-def kernels(kind: str, device: str) -> None:
-    from torch._inductor import compile_fx, metrics
+def _count_inductor_bytes() -> None:
+    """Set up `kernels` and `blocks`: CUDA's bf16 reads, and inductor counting the bytes of each kernel
+    it compiles into `torch._inductor.metrics.num_bytes_accessed`."""
+    from torch._inductor import compile_fx
     from torch._inductor import config as inductor_config
 
-    memory, leaf = memory_and_input(kind, "compiled", device)
     ContextualMemory.read_dtype = lambda self, device: torch.bfloat16  # CUDA's reads under autocast
     inductor_config.force_disable_caches = True  # the count is taken while compiling, not on a cache hit
     log = compile_fx.inductor_metrics_log  # inductor counts only while this log is enabled; kept quiet
     log.setLevel(logging.INFO)
     log.propagate = False
+
+
+def kernels(kind: str, device: str) -> None:
+    from torch._inductor import metrics
+
+    memory, leaf = memory_and_input(kind, "compiled", device)
+    _count_inductor_bytes()
     with torch.autocast(device, dtype=torch.bfloat16):
         y = memory(leaf * 1.0, doc_starts().to(device), DELAY, None, 0)
     forward = metrics.num_bytes_accessed
@@ -212,19 +220,14 @@ def launches(device: str) -> None:
 
 
 def blocks(device: str) -> None:
-    from torch._inductor import compile_fx, metrics
-    from torch._inductor import config as inductor_config
+    from torch._inductor import metrics
 
     from owai.distributed import Parallel
     from owai.models.lm import blocks as model_blocks
     from owai.models.lm import build_lm
     from owai.models.llama import packed_document_attention
 
-    ContextualMemory.read_dtype = lambda self, device: torch.bfloat16  # CUDA's reads under autocast
-    inductor_config.force_disable_caches = True  # the count is taken while compiling, not on a cache hit
-    log = compile_fx.inductor_metrics_log  # inductor counts only while this log is enabled; kept quiet
-    log.setLevel(logging.INFO)
-    log.propagate = False
+    _count_inductor_bytes()
     starts = doc_starts().to(device)
     positions = torch.arange(CONTEXT, device=device) - starts  # restarting at each document
     print(f"one compiled training block, small size, batch {BATCH} x {CONTEXT} in packed documents, bf16 autocast, "
