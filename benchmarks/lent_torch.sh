@@ -7,7 +7,8 @@
 # a GPU call. It needs the package registries (PyPI's torch 2.11.0 is its CUDA build: about 3 GB of
 # wheels) and no GPU, and it leaves the checkout as it found it except for owai.egg-info:
 #
-#     bash benchmarks/lent_torch.sh                 # the compiled paths' tests (v1, v2, the key scan, Llama, caches), ~2 min
+#     bash benchmarks/lent_torch.sh                 # the compiled paths' tests (v1, v2, the key scan, Llama, caches,
+#                                                   # the Triton lowering), ~2 min
 #     bash benchmarks/lent_torch.sh --all           # the whole default run (5 minutes on 2 cores, once installed)
 #
 # The virtual environment is kept outside the checkout ($OWAI_LENT_VENV, default
@@ -44,4 +45,5 @@ if [ "${1:-}" = "--all" ]; then
     exec "$py" -m pytest -q -p no:cacheprovider
 fi
 exec "$py" -m pytest -q -p no:cacheprovider -m "not gpu" tests/test_memory_mosaics.py tests/test_mm_speed.py \
-    tests/test_memory_mosaics_v2.py tests/test_key_scan_triton.py tests/test_llama.py tests/test_generate_cache.py
+    tests/test_memory_mosaics_v2.py tests/test_key_scan_triton.py tests/test_llama.py tests/test_generate_cache.py \
+    tests/test_triton_lowering.py

@@ -4,9 +4,9 @@ and the kernels a compiled decoding step launches per block, and the bytes a com
 
     python benchmarks/mmv2_bytes.py saved   [--kind short|long] [--scan chunked|compiled]
     python benchmarks/mmv2_bytes.py written [--kind short|long]
-    python benchmarks/mmv2_bytes.py kernels [--kind short|long] [--device cuda]
+    python benchmarks/mmv2_bytes.py kernels [--kind short|long] [--device cuda|triton] [--detail]
     python benchmarks/mmv2_bytes.py launches [--device cuda]
-    python benchmarks/mmv2_bytes.py blocks  [--device cuda]
+    python benchmarks/mmv2_bytes.py blocks  [--device cuda|triton] [--detail]
 
 `saved`: the bytes autograd keeps for the backward of one memory's forward (distinct storages).
 `written`: the bytes every aten op writes in one memory's forward and backward, the reads forced to
@@ -31,6 +31,12 @@ training block of each model (`train.compile`: torch.compile per block), forward
 bf16 autocast: everything a block moves that the other does not, the weights' casts included. On the
 CPU v2's reads take the SDPA path, whose masked query blocks CUDA's flex kernels do not have.
 
+`--device triton` (kernels, blocks): Triton's kernels for an H200 without a GPU. The graphs are
+recorded on the CPU and lowered for CUDA on fake tensors (benchmarks/triton_lowering.py), with CUDA's
+reads in both models (flex_attention, whose backward the CPU lacks, is only lowered, never run). The
+CPU backend fuses differently (larger fusion thresholds; loops of different lengths fuse), so this is
+the count to compare revisions by for the GPU; `--detail` prints each kernel's buffers.
+
 All: d 2048, 16 heads (the small size), batch 2 x 4096 tokens in packed documents, the input not a
 leaf (as the RMSNorm output it is in the model: autocast caches the casts of leaves only), long-term
 delay 64. To compare revisions, run the same command with PYTHONPATH at a worktree of the other
@@ -40,6 +46,7 @@ delay 64. To compare revisions, run the same command with PYTHONPATH at a worktr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import re
 from pathlib import Path
@@ -119,20 +126,55 @@ def _count_inductor_bytes() -> None:
     log.propagate = False
 
 
-def kernels(kind: str, device: str) -> None:
+def kernels(kind: str, device: str, detail: bool = False) -> None:
     from torch._inductor import metrics
 
-    memory, leaf = memory_and_input(kind, "compiled", device)
+    triton_on_cpu = device == "triton"
+    memory, leaf = memory_and_input(kind, "compiled", "cpu" if triton_on_cpu else device)
     _count_inductor_bytes()
-    with torch.autocast(device, dtype=torch.bfloat16):
-        y = memory(leaf * 1.0, doc_starts().to(device), DELAY, None, 0)
-    forward = metrics.num_bytes_accessed
-    y.float().sum().backward()
-    total = metrics.num_bytes_accessed
+    with _graphs_for_triton(triton_on_cpu) as graphs:
+        with torch.autocast("cpu" if triton_on_cpu else device, dtype=torch.bfloat16):
+            y = memory(leaf * 1.0, doc_starts().to(leaf.device), DELAY, None, 0)
+        forward = metrics.num_bytes_accessed
+        y.float().sum().backward()
+        total = metrics.num_bytes_accessed
+    if triton_on_cpu:
+        forward, total = _triton_bytes(graphs, detail)
     per_step = total * 48 / 4.3e12 * 1e3
-    print(f"{kind} memory, compiled memory_inputs, {device}: inductor's kernels move {forward / 2**20:,.0f} MiB forward, "
+    print(f"{kind} memory, compiled memory_inputs, {_where(device)}: inductor's kernels move {forward / 2**20:,.0f} MiB forward, "
           f"{(total - forward) / 2**20:,.0f} MiB backward, {total / 2**20:,.0f} MiB in all "
           f"(x 48 memories at 4.3 TB/s: {per_step:.1f} ms per step)")
+
+
+def _where(device: str) -> str:
+    return "Triton for an H200, lowered on this CPU" if device == "triton" else device
+
+
+@contextlib.contextmanager
+def _graphs_for_triton(on: bool):
+    """With `on`: the graphs inductor is given, recorded and not run (benchmarks/triton_lowering.py)."""
+    if not on:
+        yield []
+        return
+    from triton_lowering import capture
+
+    with capture() as graphs:
+        yield graphs
+
+
+def _triton_bytes(graphs: list, detail: bool) -> tuple[int, int]:
+    """(forward, forward + backward) bytes of the recorded graphs lowered for CUDA; `detail`: each kernel."""
+    from triton_lowering import lower_for_cuda
+
+    forward = total = 0
+    for graph in graphs:
+        lowered = lower_for_cuda(graph)
+        total += lowered.bytes
+        forward += 0 if graph.backward else lowered.bytes
+        if detail:
+            print(f"  {'backward' if graph.backward else 'forward'} graph: {lowered.bytes / 2**20:,.0f} MiB")
+            print("\n".join("    " + row for row in lowered.kernels))
+    return forward, total
 
 
 KERNEL_CALL = re.compile(r"^\s+(?:\w+ = )?(cpp_fused_\w+|triton_\w+(?=\.run)|extern_kernels\.\w+|torch\.ops\.\w+\.\w+|aten\.\w+)[.(]",
@@ -219,7 +261,7 @@ def launches(device: str) -> None:
     print(f"  transformer outside its layers          {summary(list((Counter(one) - Counter(layer)).elements()))}")
 
 
-def blocks(device: str) -> None:
+def blocks(device: str, detail: bool = False) -> None:
     from torch._inductor import metrics
 
     from owai.distributed import Parallel
@@ -227,25 +269,33 @@ def blocks(device: str) -> None:
     from owai.models.lm import build_lm
     from owai.models.llama import packed_document_attention
 
+    triton_on_cpu = device == "triton"
+    run_on = "cpu" if triton_on_cpu else device
     _count_inductor_bytes()
-    starts = doc_starts().to(device)
-    positions = torch.arange(CONTEXT, device=device) - starts  # restarting at each document
+    starts = doc_starts().to(run_on)
+    positions = torch.arange(CONTEXT, device=run_on) - starts  # restarting at each document
     print(f"one compiled training block, small size, batch {BATCH} x {CONTEXT} in packed documents, bf16 autocast, "
-          f"{device}: bytes inductor's kernels move")
+          f"{_where(device)}: bytes inductor's kernels move")
     for arch in ("mmv2", "transformer"):
         torch.manual_seed(0)
         extra = {"scan_impl": "compiled"} if arch == "mmv2" else {}
-        with torch.device(device):
+        if triton_on_cpu and arch == "mmv2":
+            extra["attn_impl"] = "flex"  # CUDA's reads (attn_impl auto)
+        with torch.device(run_on):
             model = build_lm(arch, n_layer=1, n_embd=2048, n_head=16, ffn_hidden=6144, vocab_size=512, **extra).train()
-        packed_document_attention(model, torch.device(device))
+        packed_document_attention(model, torch.device("cuda" if triton_on_cpu else device))
         Parallel(model, blocks=model_blocks(model), compile_blocks=True)
-        ids = torch.randint(0, 512, (BATCH, CONTEXT), device=device)
+        ids = torch.randint(0, 512, (BATCH, CONTEXT), device=run_on)
         metrics.num_bytes_accessed = 0
-        with torch.autocast(device, dtype=torch.bfloat16):
-            logits = model(input_ids=ids, position_ids=positions, **({"long_delay": DELAY} if arch == "mmv2" else {})).logits
-        forward = metrics.num_bytes_accessed
-        logits.float().sum().backward()
-        total = metrics.num_bytes_accessed
+        with _graphs_for_triton(triton_on_cpu) as graphs:
+            with torch.autocast(run_on, dtype=torch.bfloat16):
+                logits = model(input_ids=ids, position_ids=positions,
+                               **({"long_delay": DELAY} if arch == "mmv2" else {})).logits
+            forward = metrics.num_bytes_accessed
+            logits.float().sum().backward()
+            total = metrics.num_bytes_accessed
+        if triton_on_cpu:
+            forward, total = _triton_bytes(graphs, detail)
         print(f"  {arch:12s} {forward / 2**20:7,.0f} MiB forward, {(total - forward) / 2**20:7,.0f} MiB backward, "
               f"{total / 2**20:7,.0f} MiB in all (x 24 blocks at 4.3 TB/s: {total * 24 / 4.3e12 * 1e3:.1f} ms per step)",
               flush=True)
@@ -259,16 +309,19 @@ def main() -> None:
                         help="which memory (default: short for saved and kernels, long for written)")
     parser.add_argument("--scan", choices=["chunked", "compiled"], default="chunked",
                         help="saved only: the eager chunked scan, or the compiled memory inputs (CUDA's default)")
-    parser.add_argument("--device", default="cpu", help="kernels, launches, blocks: cuda counts Triton's kernels")
+    parser.add_argument("--device", default="cpu",
+                        help="kernels, launches, blocks: cuda counts Triton's kernels; kernels, blocks: triton counts "
+                             "them without a GPU (benchmarks/triton_lowering.py)")
+    parser.add_argument("--detail", action="store_true", help="kernels, blocks with --device triton: each kernel's buffers")
     args = parser.parse_args()
     if args.measure == "saved":
         saved(args.kind or "short", args.scan)
     elif args.measure == "kernels":
-        kernels(args.kind or "short", args.device)
+        kernels(args.kind or "short", args.device, args.detail)
     elif args.measure == "launches":
         launches(args.device)
     elif args.measure == "blocks":
-        blocks(args.device)
+        blocks(args.device, args.detail)
     else:
         written(args.kind or "long")
 

@@ -508,6 +508,13 @@ class _KeysAndQueries(torch.autograd.Function):
         return ((dk + b * dq) * a - wide * c).to(x.dtype), d_beta.to(beta.dtype), None, None
 
 
+def _pad_end(x: torch.Tensor) -> torch.Tensor:
+    """x (B, H, n, k) with a zero row appended: F.pad(x, (0, 0, 0, 1)), written as a pad on both sides
+    and a slice, because inductor lowers a pad on the right alone as a concatenation, which it may
+    store, where a two-sided pad stays a masked read that fuses into its consumer."""
+    return F.pad(x, (0, 0, 1, 1))[:, :, 1:]
+
+
 class _FinishedValues(torch.autograd.Function):
     """The finished values unit(gamma v~_t + (1 - gamma) v~_{t+1}) in `dtype`, (B, H, R - 1, hs), from
     the raw values v~ (B, H, R, hs) and value_mix gamma (H,).
@@ -530,28 +537,34 @@ class _FinishedValues(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, d_finished: torch.Tensor) -> tuple[Any, ...]:
         raw, value_mix = ctx.saved_tensors
-        wide = _wide(raw)
-        gamma = value_mix.to(wide.dtype)[None, :, None, None]
-        g = d_finished.to(wide.dtype)
-        step = wide[:, :, :-1] - wide[:, :, 1:]  # d mix / d gamma = v~_t - v~_{t+1}
-        mixed = wide[:, :, 1:] + gamma * step
+        compiling = torch.compiler.is_compiling()
+        wide = raw if compiling else _wide(raw)  # eagerly one float32 copy serves every read
+        earlier, later = _wide(wide[:, :, :-1]), _wide(wide[:, :, 1:])  # v~_t and v~_{t+1}, R - 1 rows
+        gamma = value_mix.to(earlier.dtype)[None, :, None, None]
+        g = d_finished.to(earlier.dtype)
+        step = earlier - later  # d mix / d gamma = v~_t - v~_{t+1}
+        mixed = later + gamma * step
         norm = torch.linalg.vector_norm(mixed, dim=-1, keepdim=True)
         zg = (mixed * g).sum(dim=-1, keepdim=True)
         a, c = _unit_adjoint(norm, zg, ctx.eps)  # (B, H, R - 1, 1) each
-        end, start = (0, 0, 0, 1), (0, 0, 1, 0)  # d v~_t = gamma adj_t + (1 - gamma) adj_{t-1}
-        if not torch.compiler.is_compiling():  # eagerly each op is a kernel: the adjoint once, stored
+        if not compiling:  # eagerly each op is a kernel: the adjoint once, stored
+            end, start = (0, 0, 0, 1), (0, 0, 1, 0)  # d v~_t = gamma adj_t + (1 - gamma) adj_{t-1}
             adjoint = g * a - mixed * c
             d_gamma = (adjoint * step).sum(dim=(0, 2, 3))
             d_raw = F.pad(gamma * adjoint, end) + F.pad((1 - gamma) * adjoint, start)
             return d_raw.to(raw.dtype), d_gamma.to(value_mix.dtype), None, None
         d_gamma = ((g * step).sum(dim=-1, keepdim=True) * a - (mixed * step).sum(dim=-1, keepdim=True) * c).sum(dim=(0, 2, 3))
-
-        def adjoint_padded(pad: tuple[int, int, int, int]) -> torch.Tensor:
-            """The rows' adjoint over the R raw positions, the mix and gradient zero-padded by `pad`."""
-            v = F.pad(wide, pad)
-            return F.pad(g, pad) * F.pad(a, pad) - torch.lerp(v[:, :, 1:], v[:, :, :-1], gamma) * F.pad(c, pad)
-
-        d_raw = gamma * adjoint_padded(end) + (1 - gamma) * adjoint_padded(start)
+        # Compiled, each raw value's gradient is one loop over the R positions (the rows' sums above
+        # are another, over R - 1: two kernels on a GPU). Every input is shifted from the saved tensors
+        # (bf16 under autocast) and widened where it is read, so no float32 copy of the values or the
+        # gradient is stored for two kernels to read (Triton's count: docs/results.md, issue #39).
+        start = (0, 0, 1, 0)
+        rows = raw.to(earlier.dtype)
+        adjoint_end = (_pad_end(d_finished).to(rows.dtype) * _pad_end(a)  # adj_t, zero at t = R - 1
+                       - torch.lerp(_pad_end(raw[:, :, 1:]).to(rows.dtype), rows, gamma) * _pad_end(c))
+        adjoint_start = (F.pad(d_finished, start).to(rows.dtype) * F.pad(a, start)  # adj_{t-1}, zero at t = 0
+                         - torch.lerp(rows, F.pad(raw[:, :, :-1], start).to(rows.dtype), gamma) * F.pad(c, start))
+        d_raw = gamma * adjoint_end + (1 - gamma) * adjoint_start
         return d_raw.to(raw.dtype), d_gamma.to(value_mix.dtype), None, None
 
 

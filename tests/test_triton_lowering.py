@@ -1,0 +1,84 @@
+"""benchmarks/triton_lowering.py: inductor's Triton kernels for one CUDA GPU, lowered on the CPU, and
+what they show of Memory Mosaics v2's compiled memory inputs on a GPU (issue #39)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from owai.models.memory_mosaics_v2 import ContextualMemory, MemoryMosaicsV2Config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+pytest.importorskip("triton")
+import triton_lowering  # noqa: E402
+
+
+def _lowered_graphs(run) -> list:
+    """run() under `capture`, each recorded graph lowered for CUDA; skips where this torch lacks the internals."""
+    try:
+        with triton_lowering.capture() as graphs:
+            run()
+        return [(graph, triton_lowering.lower_for_cuda(graph)) for graph in graphs]
+    except triton_lowering.TritonLoweringUnavailable as err:
+        pytest.skip(str(err))
+
+
+def test_a_pointwise_kernel_moves_its_input_and_output_once():
+    x = torch.randn(256, 1024, dtype=torch.bfloat16)
+    (graph, lowered), = _lowered_graphs(lambda: torch.compile(lambda t: t * 2 + 1, fullgraph=True)(x))
+    assert graph.inference and not graph.backward
+    assert lowered.bytes == 2 * x.numel() * x.element_size()  # read once, written once: one fused kernel
+    assert lowered.source.count("@triton.jit") == 1
+    assert lowered.written == [(torch.bfloat16, (256, 1024))]
+
+
+def test_the_capture_runs_nothing_and_gives_the_shapes():
+    x = torch.randn(64, 32, requires_grad=True)
+    captured = []
+
+    def run():
+        y = torch.compile(lambda t: (t.exp() * 3).sum(-1))(x)
+        captured.append(y)
+        y.sum().backward()
+
+    graphs = _lowered_graphs(run)
+    assert [g.backward for g, _ in graphs] == [False, True]
+    assert captured[0].shape == (64,) and torch.equal(captured[0], torch.zeros(64))  # zeros: nothing was run
+    assert x.grad.shape == x.shape and torch.equal(x.grad, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("kind", ["short", "long"])
+def test_compiled_memory_inputs_store_no_float32_rows_on_a_gpu(kind, monkeypatch):
+    """On a GPU a float32 tensor as wide as a memory's rows, stored by one kernel for another to read,
+    is the traffic the written-out backwards avoid (docs/results.md, issue #39). Lowered for Triton, whose
+    fusion differs from the CPU backend's (loops of R and R - 1 positions do not fuse; a right pad is a
+    stored concatenation), the compiled `memory_inputs` of either memory stores none, forward or backward."""
+    monkeypatch.setattr(ContextualMemory, "read_dtype", lambda self, device: torch.bfloat16)  # CUDA's reads
+    torch.manual_seed(0)
+    config = MemoryMosaicsV2Config(vocab_size=64, n_layer=1, n_embd=128, n_head=4, ffn_hidden=256, scan_impl="compiled")
+    memory = ContextualMemory(config, kind)
+    B, T, H, hs = 2, 256, config.n_head, config.n_embd // config.n_head
+    x = torch.randn(B, T, config.n_embd, requires_grad=True)
+    doc_start = torch.tensor([[0] * 100 + [100] * 156, [0] * T])
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = memory(x * 1.0, doc_start, 8, None, 0)
+        y.float().sum().backward()
+
+    graphs = _lowered_graphs(run)
+    assert [g.backward for g, _ in graphs] == [False, True]  # memory_inputs, one graph each way
+    rows = {(B, H, n, hs) for n in (T - 1, T, T + 1)} | {(B, T, H, hs), (B, T, H * hs)}
+    for graph, lowered in graphs:
+        stored = [shape for dtype, shape in lowered.written if dtype == torch.float32 and shape in rows]
+        assert stored == [], f"{'backward' if graph.backward else 'forward'} stores float32 rows {stored}"
+        assert any(dtype == torch.bfloat16 and shape in rows for dtype, shape in lowered.written)
+    # What the kernels move, in bf16 row tensors (B, H, T, hs), with torch 2.13: forward 13.9, backward
+    # 20.9. Before the values' backward took one loop over the R positions it was 32.1; with a right pad
+    # that inductor stores as a concatenation (F.pad(x, (0, 0, 0, 1)) in `_pad_end`), 26.1.
+    row_bytes = B * H * T * hs * 2
+    forward, backward = (lowered.bytes / row_bytes for _, lowered in graphs)
+    assert forward < 15 and backward < 22, (forward, backward)
