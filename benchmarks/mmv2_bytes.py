@@ -5,7 +5,7 @@ and the kernels a compiled decoding step launches per block, and the bytes a com
     python benchmarks/mmv2_bytes.py saved   [--kind short|long] [--scan chunked|compiled]
     python benchmarks/mmv2_bytes.py written [--kind short|long]
     python benchmarks/mmv2_bytes.py kernels [--kind short|long] [--device cuda|triton] [--detail]
-    python benchmarks/mmv2_bytes.py launches [--device cuda]
+    python benchmarks/mmv2_bytes.py launches [--device cuda|triton]
     python benchmarks/mmv2_bytes.py blocks  [--device cuda|triton] [--detail]
 
 `saved`: the bytes autograd keeps for the backward of one memory's forward (distinct storages).
@@ -19,7 +19,8 @@ little differently; benchmarks/mmv2_gpu.sh runs both). Also
 printed: that traffic for all 48 memories of the small model at 4.3 TB/s (an H200's measured
 bandwidth), a floor for this work per training step.
 `launches`: the kernels one compiled decoding step launches per block, v2's (`static_block`, what
-its StaticDecoder captures as a CUDA graph) and the transformer's (transformers' StaticCache step
+its StaticDecoder captures as a CUDA graph; and, once per step for all blocks, `static_readable_step`)
+and the transformer's (transformers' StaticCache step
 compiled whole, as `generate` compiles it), read from inductor's generated code: fused kernels and
 library calls (matmuls, attention), by kind. At batch 1 a decoding step's kernels are short, so their
 number, not only the bytes of the weights, sets a graphed step's time. Small-size blocks (d 2048),
@@ -31,7 +32,7 @@ training block of each model (`train.compile`: torch.compile per block), forward
 bf16 autocast: everything a block moves that the other does not, the weights' casts included. On the
 CPU v2's reads take the SDPA path, whose masked query blocks CUDA's flex kernels do not have.
 
-`--device triton` (kernels, blocks): Triton's kernels for an H200 without a GPU. The graphs are
+`--device triton` (kernels, launches, blocks): Triton's kernels for an H200 without a GPU. The graphs are
 recorded on the CPU and lowered for CUDA on fake tensors (benchmarks/triton_lowering.py), with CUDA's
 reads in both models (flex_attention, whose backward the CPU lacks, is only lowered, never run). The
 CPU backend fuses differently (larger fusion thresholds; loops of different lengths fuse), so this is
@@ -190,53 +191,70 @@ def _generated_launches(source: str) -> list[str]:
             if not name.endswith(("empty_strided", "empty"))]
 
 
-def _decode_launches(arch: str, n_layer: int, device: str) -> list[list[str]]:
-    """The launches of each graph inductor compiles for `arch`'s decoding steps (after the prefill)."""
+@contextlib.contextmanager
+def _compiled_sources(device: str):
+    """Yields a list that gets the generated source of each graph inductor compiles while open: on
+    `device`, or, for "triton", recorded on the CPU and lowered for CUDA (benchmarks/triton_lowering.py)."""
+    sources: list[str] = []
+    if device == "triton":
+        from triton_lowering import capture, lower_for_cuda
+
+        with capture() as graphs:
+            yield sources
+        sources.extend(lower_for_cuda(graph).source for graph in graphs)
+        return
     from torch._inductor.graph import GraphLowering
 
-    from owai.models.lm import build_lm
-
-    torch.manual_seed(0)
-    size = dict(n_layer=n_layer, n_embd=2048, n_head=16, ffn_hidden=6144, vocab_size=512)
-    extra = {"scan_impl": "compiled", "static_decoding": "on"} if arch == "mmv2" else {}
-    with torch.device(device):
-        model = build_lm(arch, **size, **extra).to(torch.bfloat16).eval()
-    prefill, capacity = torch.randint(0, 512, (1, 256), device=device), 320
-    files: list[str] = []
     original = GraphLowering.compile_to_module
 
     def recorded(self):
         module = original(self)
-        files.append(module.__file__)
+        sources.append(Path(module.__file__).read_text())
         return module
 
+    GraphLowering.compile_to_module = recorded
+    try:
+        yield sources
+    finally:
+        GraphLowering.compile_to_module = original
+
+
+def _decode_launches(arch: str, n_layer: int, device: str) -> list[list[str]]:
+    """The launches of each graph inductor compiles for `arch`'s decoding steps (after the prefill);
+    device "triton": Triton's, lowered on the CPU."""
+    from owai.models.lm import build_lm
+
+    run_on = "cpu" if device == "triton" else device
+    if device == "triton":
+        ContextualMemory.read_dtype = lambda self, device: torch.bfloat16  # CUDA's reads with bf16 weights
+    torch.manual_seed(0)
+    size = dict(n_layer=n_layer, n_embd=2048, n_head=16, ffn_hidden=6144, vocab_size=512)
+    extra = {"scan_impl": "compiled", "static_decoding": "on"} if arch == "mmv2" else {}
+    with torch.device(run_on):
+        model = build_lm(arch, **size, **extra).to(torch.bfloat16).eval()
+    prefill, capacity = torch.randint(0, 512, (1, 256), device=run_on), 320
     with torch.no_grad():
         if arch == "mmv2":
             from owai.models.hf_cache import output_cache
             from owai.models.memory_mosaics_v2 import StaticDecoder
 
             cache = output_cache(model(input_ids=prefill, use_cache=True))
-            GraphLowering.compile_to_module = recorded
-            try:  # on CUDA the decoder compiles its step as it captures it; elsewhere at its first step
-                decoder = StaticDecoder(model, cache, capacity)
+            with _compiled_sources(device) as sources:  # on CUDA the decoder compiles its step as it
+                decoder = StaticDecoder(model, cache, capacity)  # captures it; elsewhere at its first step
                 if decoder.graph is None:
                     decoder.step(prefill[:, :1])
-            finally:
-                GraphLowering.compile_to_module = original
         else:
             from transformers import StaticCache
 
             from owai.models.hf_cache import cache_kwargs
 
             cache = cache_kwargs(StaticCache(config=model.config, max_cache_len=capacity))
-            model(input_ids=prefill, **cache, use_cache=True, cache_position=torch.arange(256, device=device))
+            model(input_ids=prefill, **cache, use_cache=True, cache_position=torch.arange(256, device=run_on))
             step = torch.compile(model.forward, fullgraph=True, dynamic=False)
-            GraphLowering.compile_to_module = recorded
-            try:
-                step(input_ids=prefill[:, :1], **cache, use_cache=True, cache_position=torch.tensor([256], device=device))
-            finally:
-                GraphLowering.compile_to_module = original
-    return [_generated_launches(Path(path).read_text()) for path in files]
+            with _compiled_sources(device) as sources:
+                step(input_ids=prefill[:, :1], **cache, use_cache=True,
+                     cache_position=torch.tensor([256], device=run_on))
+    return [_generated_launches(source) for source in sources]
 
 
 def launches(device: str) -> None:
@@ -250,13 +268,14 @@ def launches(device: str) -> None:
         kinds = Counter(calls)
         return f"{len(calls)} ({', '.join(f'{n} {k}' for k, n in kinds.most_common())})"
 
-    v2 = _decode_launches("mmv2", 1, device)
-    if len(v2) != 1:
-        raise SystemExit(f"error: expected one compiled graph for v2's decoding block, got {len(v2)}")
+    v2 = _decode_launches("mmv2", 1, device)  # each memory kind's readable slots (once per step), then the block
+    if len(v2) != 3:
+        raise SystemExit(f"error: expected three compiled graphs for v2's decoding step, got {len(v2)}")
     one, two = (sum(_decode_launches("transformer", n, device), []) for n in (1, 2))
     layer = list((Counter(two) - Counter(one)).elements())
     print(f"compiled decoding step, {device}, small-size blocks, bf16: kernels launched per block")
-    print(f"  memory mosaics v2 (static_block)        {summary(v2[0])}")
+    print(f"  memory mosaics v2 (static_block)        {summary(v2[-1])}")
+    print(f"  memory mosaics v2, once per step        {summary(sum(v2[:-1], []))}  (static_readable_step, both memories)")
     print(f"  transformer (StaticCache, compiled)     {summary(layer)}")
     print(f"  transformer outside its layers          {summary(list((Counter(one) - Counter(layer)).elements()))}")
 
@@ -310,8 +329,8 @@ def main() -> None:
     parser.add_argument("--scan", choices=["chunked", "compiled"], default="chunked",
                         help="saved only: the eager chunked scan, or the compiled memory inputs (CUDA's default)")
     parser.add_argument("--device", default="cpu",
-                        help="kernels, launches, blocks: cuda counts Triton's kernels; kernels, blocks: triton counts "
-                             "them without a GPU (benchmarks/triton_lowering.py)")
+                        help="kernels, launches, blocks: cuda counts Triton's kernels, triton counts them without a GPU "
+                             "(benchmarks/triton_lowering.py)")
     parser.add_argument("--detail", action="store_true", help="kernels, blocks with --device triton: each kernel's buffers")
     args = parser.parse_args()
     if args.measure == "saved":

@@ -280,6 +280,7 @@ def test_static_decoding_with_the_short_term_memory_only(built_with_long):
     (off, _), (on, cache) = stepped_logits(model, ids, 12, 31).values()
     layer = cache.decoder.layers[0]
     assert "long" not in layer and layer["o_proj"] is model.layers[0].short.o_proj.weight
+    assert list(cache.decoder.slot_pos) == ["short"]  # the slots' positions: one tensor per memory kind
     assert layer["in_proj"].shape[0] == 2 * model.config.n_embd + 2 * model.config.n_head
     assert torch.allclose(on, off, atol=1e-12)
 
@@ -337,12 +338,14 @@ def test_a_compiled_static_step_equals_the_cached_steps_and_compiles_once():
     model = tiny_model(static_decoding="on", scan_impl="compiled").eval()
     ids = torch.randint(0, 50, (2, 30))
     (off, _), (on, cache) = stepped_logits(model, ids, 12, 31).values()
-    assert cache.decoder.compiled and "static-failed" not in v2._COMPILED
+    assert cache.decoder.compiled and "static-failed" not in v2._COMPILED and "readable-failed" not in v2._COMPILED
     assert torch.allclose(on, off, atol=1e-10)
     with torch._dynamo.config.patch(error_on_recompile=True):
         (off, _), (on, cache) = stepped_logits(model, ids.flip(1), 12, 31).values()
     assert torch.allclose(on, off, atol=1e-10)
     assert len(_debug_get_cache_entry_list(v2.static_block.__code__)) == 1  # one graph for both blocks
+    # the slots' positions and masks, once per step for all blocks: one graph per memory kind
+    assert len(_debug_get_cache_entry_list(v2.static_readable_step.__code__)) == 2
 
 
 def test_a_static_decoder_that_cannot_be_built_falls_back_to_the_dynamic_cache(monkeypatch):
@@ -912,6 +915,7 @@ def test_gpu_static_decoding_replays_a_cuda_graph():
     (off, _), (graphed, cache) = stepped_logits(model, ids, 300, 700).values()
     assert cache.decoder is not None and cache.decoder.graph is not None
     assert cache.decoder.compiled and "static-failed" not in v2._COMPILED  # the captured step was the compiled one
+    assert "readable-failed" not in v2._COMPILED
     off, graphed = off[:, 299:].float(), graphed[:, 299:].float()
     assert (graphed - off).abs().max() < 0.05 * off.abs().max(), (graphed - off).abs().max()
 

@@ -82,3 +82,34 @@ def test_compiled_memory_inputs_store_no_float32_rows_on_a_gpu(kind, monkeypatch
     row_bytes = B * H * T * hs * 2
     forward, backward = (lowered.bytes / row_bytes for _, lowered in graphs)
     assert forward < 15 and backward < 22, (forward, backward)
+
+
+def test_a_static_decoding_block_launches_what_the_transformers_layer_does_plus_its_second_read(monkeypatch):
+    """A StaticDecoder's compiled block (`static_block`, what its CUDA graph replays per block and
+    token), lowered for Triton: the two memories' masks over their slots are computed once per step
+    for all blocks (`static_readable_step`), as an additive mask, so a block launches 16 kernels at the
+    small size (`python benchmarks/mmv2_bytes.py launches --device triton`; the transformer's layer:
+    15). Computed in each block, as before, they made 21: two masks, two conversions of them for
+    SDPA, and one more where the two reads are zeroed."""
+    import mmv2_bytes
+
+    from owai.models.hf_cache import output_cache
+    from owai.models.memory_mosaics_v2 import MemoryMosaicsV2ForCausalLM, StaticDecoder
+
+    monkeypatch.setattr(ContextualMemory, "read_dtype", lambda self, device: torch.bfloat16)  # CUDA's reads
+    torch.manual_seed(0)
+    config = MemoryMosaicsV2Config(vocab_size=64, n_layer=2, n_embd=128, n_head=4, ffn_hidden=256, scan_impl="compiled",
+                                   static_decoding="on")
+    model = MemoryMosaicsV2ForCausalLM(config).to(torch.bfloat16).eval()
+    prefill = torch.randint(0, 64, (1, 40))
+    with torch.no_grad():
+        cache = output_cache(model(input_ids=prefill, use_cache=True))
+
+        def run():
+            StaticDecoder(model, cache, 64).step(prefill[:, :1])
+
+        graphs = _lowered_graphs(run)
+    launches = [mmv2_bytes._generated_launches(lowered.source) for _, lowered in graphs]
+    block = launches[-1]  # after each memory kind's readable slots: one graph for both blocks
+    assert len(block) <= 16 and block.count("extern_kernels.mm") == 5, block
+    assert len(launches) == 3 and sum(len(step) for step in launches[:-1]) <= 4, launches

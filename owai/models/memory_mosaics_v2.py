@@ -379,8 +379,8 @@ _COMPILED: dict[str, Any] = {}  # torch.compile'd kernels, created once per proc
 
 def _compiled(name: str) -> Any:
     """torch.compile of flex_attention ("flex"), of gated_key_scan ("scan"), of memory_inputs
-    ("inputs"), of decode_step ("decode"), of decode_step_on_input ("decode-input") or of static_block
-    ("static"), created lazily once per process."""
+    ("inputs"), of decode_step ("decode"), of decode_step_on_input ("decode-input"), of static_block
+    ("static") or of static_readable_step ("readable"), created lazily once per process."""
     if name not in _COMPILED:
         if name == "flex":
             from torch.nn.attention.flex_attention import flex_attention
@@ -390,6 +390,8 @@ def _compiled(name: str) -> Any:
             _COMPILED[name] = torch.compile(gated_key_scan if name == "scan" else memory_inputs, dynamic=False)
         elif name == "static":  # one graph per buffer shape, shared by every block and every StaticDecoder of one capacity
             _COMPILED[name] = torch.compile(static_block, fullgraph=True, dynamic=False)
+        elif name == "readable":  # one graph per memory kind
+            _COMPILED[name] = torch.compile(static_readable_step, fullgraph=True, dynamic=False)
         else:
             # fixed shapes every step; the weights (or the projections) are arguments, so the model's
             # memories share one graph per kind (the readable count becomes symbolic after its first change)
@@ -577,6 +579,7 @@ def _compiles_scan(config: MemoryMosaicsV2Config, device: torch.device) -> bool:
 
 
 _FAILED_WHAT = {"inputs": "a memory's inputs (the key scan and its elementwise work)", "decode": "the decoding step",
+                "readable": "the decoding step's readable slots",
                 "decode-input": "the decoding step",
                 "static": "the decoding step on static buffers"}
 
@@ -864,15 +867,28 @@ class ContextualMemory(nn.Module):
         """The per-head parameters `decode_step` takes after the projections."""
         return self.value_mix, self.beta1_log, self.alpha_raw, self.beta0_raw
 
-    def decode_static(self, projected: tuple[torch.Tensor, ...], state: dict, delay: int) -> torch.Tensor:
+    def static_readable(self, slot_pos: torch.Tensor, t: torch.Tensor, delay: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mask (S,), any readable (0-d)): which of a StaticDecoder's S slots this memory reads at
+        position t (0-d), as SDPA's additive mask in the read dtype (0 readable, -inf not: what SDPA
+        makes of a boolean mask). slot_pos (S,): the position whose key (and, once the next token is
+        known, value) a slot holds, -1 for none. The same for every block, so the decoder computes it
+        once per step and memory kind, not each block."""
+        lo, hi = self.lags(delay)
+        first = torch.zeros_like(t) if hi is None else (t - hi).clamp(min=0)  # readable positions: [first, t - lo]
+        readable = (slot_pos >= first) & (slot_pos <= t - lo)  # empty slots hold -1
+        mask = torch.zeros(readable.shape, dtype=self.read_dtype(t.device), device=t.device)
+        return mask.masked_fill(~readable, float("-inf")), readable.any()
+
+    def decode_static(self, projected: tuple[torch.Tensor, ...], state: dict, delay: int,
+                      readable: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """`_decode` on a StaticDecoder's buffers, for a position's projections (`input_weights` applied):
         the read y (B, H, 1, hs), 0 where nothing is readable, before o_proj (the block applies its
         memories' o_proj as one matmul). No shape, index or Python number depends on the position,
         which is the 0-d tensor state["t"], so the step can be captured as a CUDA graph.
 
         state: keys, values (B, H, S, hs) with S slots (the long-term memory: one per position; the
-        short-term memory: a ring of span + 1), slot_pos (S,) the position whose key (and, once the
-        next token is known, value) a slot holds (-1: none), the scan state and pending raw value."""
+        short-term memory: a ring of span + 1), the scan state and pending raw value. readable: this
+        step's `static_readable` for those slots, whose positions the decoder writes."""
         lo, hi = self.lags(delay)
         t = state["t"]
         slots = state["keys"].shape[2]
@@ -886,14 +902,13 @@ class ContextualMemory(nn.Module):
         key_slot, value_slot = (t % slots).view(1), ((t - 1) % slots).view(1)  # position t's key, t-1's finished value
         state["keys"].index_copy_(2, key_slot, key)
         state["values"].index_copy_(2, value_slot, value)
-        state["slot_pos"].index_copy_(0, key_slot, t.view(1))
         state["scan_dir"].copy_(scan_dir)
         state["scan_log"].copy_(scan_log)
         state["v_pending"].copy_(raw_v)
-        readable = (state["slot_pos"] >= first) & (state["slot_pos"] <= t - lo)  # (S,); empty slots hold -1
-        y = F.scaled_dot_product_attention(query, state["keys"], state["values"], attn_mask=readable.view(1, 1, 1, slots),
+        mask, any_readable = readable
+        y = F.scaled_dot_product_attention(query, state["keys"], state["values"], attn_mask=mask.view(1, 1, 1, slots),
                                            scale=1.0)
-        return torch.where(readable.any(), y, 0.0)  # nothing readable: 0 (the masked softmax gave NaN)
+        return torch.where(any_readable, y, 0.0)  # nothing readable: 0 (the masked softmax gave NaN)
 
     def read(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, k0: int, past: int,
              doc_start: torch.Tensor | None, delay: int, block_mask: Any = None) -> torch.Tensor:
@@ -991,18 +1006,19 @@ class MemoryMosaicsV2Block(nn.Module):
                     for kind, memory in self.memories().items())
         return x + self.ffn(self.ffn_norm(x))
 
-    def decode_static(self, x: torch.Tensor, state: dict, delay: int) -> torch.Tensor:
+    def decode_static(self, x: torch.Tensor, state: dict, delay: int, readable: dict) -> torch.Tensor:
         """`forward` for one decoding step x (B, 1, d) on a StaticDecoder's state: {kind: that memory's
         buffers (`ContextualMemory.decode_static`), "in_proj": the input projections of its memories
         stacked in `memories()` order, each's `input_weights()`, "o_proj": their o_proj weights side
-        by side}. The same function as `forward` with the dynamic cache (tested); each memory's four
-        input matmuls and the memories' o_proj are one matmul each, since a decoding step's matmuls are
-        short and its time goes in part to their launches."""
+        by side}; readable: {kind: that memory's `static_readable`}, shared by the blocks. The same
+        function as `forward` with the dynamic cache (tested); each memory's four input matmuls and
+        the memories' o_proj are one matmul each, since a decoding step's matmuls are short and its
+        time goes in part to their launches."""
         h = self.memory_norm(x)
         memories = self.memories()
         sizes = [w.shape[0] for memory in memories.values() for w in memory.input_weights()]
         projected = F.linear(h, state["in_proj"]).split(sizes, dim=-1)
-        reads = [memory.decode_static(projected[4 * i:4 * i + 4], state[kind], delay)
+        reads = [memory.decode_static(projected[4 * i:4 * i + 4], state[kind], delay, readable[kind])
                  for i, (kind, memory) in enumerate(memories.items())]  # each (B, H, 1, hs)
         x = x + F.linear(read_rows(torch.cat(reads, dim=1), x), state["o_proj"])
         return x + self.ffn(self.ffn_norm(x))
@@ -1055,6 +1071,8 @@ class StaticDecoder:
     stacked once here, its memories' eight input projections into one weight and their two o_proj
     into another (`MemoryMosaicsV2Block.decode_static`): a copy of those weights, about a third of
     the model's, held while the decoder lives (a snapshot: weights changed afterwards are not seen).
+    Every layer caches the same positions, so the slots' positions and each memory's mask over them
+    are kept and computed once per step and memory kind (`static_readable_step`), not in each block.
     The same function as the dynamic cache's steps (ContextualMemory._decode; tested)."""
 
     def __init__(self, model: "MemoryMosaicsV2ForCausalLM", cache: MemoryMosaicsV2Cache, capacity: int) -> None:
@@ -1066,6 +1084,7 @@ class StaticDecoder:
         device = model.lm_head.weight.device
         self.t = torch.tensor(self.position, device=device)  # the next position, advanced on the device by each step
         self.layers = []
+        self.slot_pos: dict[str, torch.Tensor] = {}  # per memory kind, shared by the blocks (`_slots`)
         with torch.no_grad():
             for block, layer in zip(model.layers, cache.layers):
                 memories = block.memories()
@@ -1091,11 +1110,16 @@ class StaticDecoder:
         slots = -(-capacity // 64) * 64 if memory.kind == "long" else memory.config.short_span + 1
         positions = torch.arange(k0, k0 + n, device=keys.device)
         index = positions % slots
-        state = {"t": self.t, "keys": keys.new_zeros(B, H, slots, hs), "values": keys.new_zeros(B, H, slots, hs),
-                 "slot_pos": torch.full((slots,), -1, dtype=torch.long, device=keys.device)}
+        state = {"t": self.t, "keys": keys.new_zeros(B, H, slots, hs), "values": keys.new_zeros(B, H, slots, hs)}
         state["keys"][:, :, index] = keys
         state["values"][:, :, index[:values.shape[2]]] = values
-        state["slot_pos"][index] = positions
+        # the position each slot holds (-1: none): the same in every block, since every layer caches the
+        # same positions, so one tensor per memory kind serves them all
+        slot_pos = torch.full((slots,), -1, dtype=torch.long, device=keys.device)
+        slot_pos[index] = positions
+        shared = self.slot_pos.setdefault(memory.kind, slot_pos)
+        if not torch.equal(shared, slot_pos):
+            raise OwaiError(f"memory mosaics v2: the layers' caches hold different positions ({memory.kind}-term memory)")
         state.update(scan_dir=stored["scan"][0].clone(), scan_log=stored["scan"][1].clone(), v_pending=stored["v_pending"].clone())
         return state
 
@@ -1107,9 +1131,14 @@ class StaticDecoder:
         serves every block, as compiled blocks do in training, so compiling costs one block's
         tracing, not the whole model's."""
         model = self.model
+        delay = model.config.long_delay_eval
+        readable = {}
+        for kind, slot_pos in self.slot_pos.items():  # once per step for all blocks
+            inputs = (model.layers[0].memories()[kind], slot_pos, self.t, delay)
+            readable[kind] = _run_compiled("readable", static_readable_step, inputs, self.compiled)
         x = model.embed_tokens(ids)
         for block, state in zip(model.layers, self.layers):
-            x = _run_compiled("static", static_block, (block, x, state, model.config.long_delay_eval), self.compiled)
+            x = _run_compiled("static", static_block, (block, x, state, delay, readable), self.compiled)
         self.t.add_(1)
         return model.lm_head(model.norm(x))
 
@@ -1148,12 +1177,20 @@ class StaticDecoder:
         return self.logits.clone()
 
 
-def static_block(block: "MemoryMosaicsV2Block", x: torch.Tensor, state: dict, delay: int) -> torch.Tensor:
+def static_readable_step(memory: ContextualMemory, slot_pos: torch.Tensor, t: torch.Tensor,
+                         delay: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A StaticDecoder's slot bookkeeping for one memory kind at position t, shared by its blocks:
+    position t's key slot recorded in slot_pos, then `ContextualMemory.static_readable`."""
+    slot_pos.index_copy_(0, (t % slot_pos.shape[0]).view(1), t.view(1))
+    return memory.static_readable(slot_pos, t, delay)
+
+
+def static_block(block: "MemoryMosaicsV2Block", x: torch.Tensor, state: dict, delay: int, readable: dict) -> torch.Tensor:
     """One block of a StaticDecoder's step: x (B, 1, d) -> (B, 1, d) on the block's static state
-    (`MemoryMosaicsV2Block.decode_static`) at the long-term delay `delay`. No shape, index or Python
-    number depends on the position, and the stacked weights are arguments, so this compiles to one
-    graph for every position and every block."""
-    return block.decode_static(x, state, delay)
+    (`MemoryMosaicsV2Block.decode_static`) at the long-term delay `delay`, reading the slots `readable`
+    marks. No shape, index or Python number depends on the position, and the stacked weights are
+    arguments, so this compiles to one graph for every position and every block."""
+    return block.decode_static(x, state, delay, readable)
 
 
 @dataclass
