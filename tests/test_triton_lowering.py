@@ -16,6 +16,18 @@ pytest.importorskip("triton")
 import triton_lowering  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _nondeterministic_lowering():
+    """Inductor lowers scatters (a decoding step's slot writes) as library fallbacks under
+    torch.use_deterministic_algorithms, which an owai run turns on for its process (runtime.deterministic)
+    and a test in the same worker may have left on. These tests count the kernels of the default mode,
+    as benchmarks/mmv2.py runs it."""
+    mode, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    yield
+    torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+
+
 def _lowered_graphs(run) -> list:
     """run() under `capture`, each recorded graph lowered for CUDA; skips where this torch lacks the internals."""
     try:
