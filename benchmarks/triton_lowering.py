@@ -17,13 +17,12 @@ This module lowers the same graphs again for CUDA, without a GPU:
    counts each kernel's bytes (`GraphLowering.count_bytes`); it compiles and runs nothing.
 
 Nothing is timed, and autotuning, which picks launch configurations, not fusions, is not run. The
-count is inductor's own: each kernel's buffers, with a buffer read in part counted whole (a slice of a
-stacked projection's output counts the whole output). `benchmarks/mmv2_gpu.sh` prints it beside the
-same count taken on a GPU, which checks it.
+count is inductor's own (`GraphLowering.count_bytes`, each kernel's buffers as inductor sizes them).
+`benchmarks/mmv2_gpu.sh` prints it beside the same count taken on a GPU, which checks it.
 
 It reaches into torch's private modules (inductor's compile path, the CUDA device interface, fake
-tensors), as of torch 2.13, and patches them only while its context managers are open. Should a release
-move them, `TritonLoweringUnavailable` says what is missing.
+tensors), as torch 2.11 and 2.13 have them, and patches them only while its context managers are open.
+Should a release move them, `TritonLoweringUnavailable` says what is missing.
 """
 
 from __future__ import annotations
