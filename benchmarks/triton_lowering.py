@@ -133,9 +133,9 @@ def capture() -> Iterator[list[Captured]]:
     graphs: list[Captured] = []
 
     def record(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
-        graphs.append(Captured(torch.fx.GraphModule(gm, copy.deepcopy(gm.graph)), list(example_inputs),
-                               bool(kwargs.get("is_backward")), bool(kwargs.get("is_inference"))))
-        return _shapes_only(torch.fx.GraphModule(gm, copy.deepcopy(gm.graph)), m.FakeTensorMode)
+        graph = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # lower_for_cuda changes a copy of it
+        graphs.append(Captured(graph, list(example_inputs), bool(kwargs.get("is_backward")), bool(kwargs.get("is_inference"))))
+        return _shapes_only(graph, m.FakeTensorMode)
 
     torch._dynamo.reset()  # graphs compiled before would be reused, and not given to inductor
     try:

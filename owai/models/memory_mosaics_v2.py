@@ -867,15 +867,19 @@ class ContextualMemory(nn.Module):
         """The per-head parameters `decode_step` takes after the projections."""
         return self.value_mix, self.beta1_log, self.alpha_raw, self.beta0_raw
 
+    def readable_span(self, t: torch.Tensor, delay: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first, last): the positions [first, last] this memory reads at position t (0-d tensors)."""
+        lo, hi = self.lags(delay)
+        return torch.zeros_like(t) if hi is None else (t - hi).clamp(min=0), t - lo
+
     def static_readable(self, slot_pos: torch.Tensor, t: torch.Tensor, delay: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(mask (S,), any readable (0-d)): which of a StaticDecoder's S slots this memory reads at
         position t (0-d), as SDPA's additive mask in the read dtype (0 readable, -inf not: what SDPA
         makes of a boolean mask). slot_pos (S,): the position whose key (and, once the next token is
         known, value) a slot holds, -1 for none. The same for every block, so the decoder computes it
         once per step and memory kind, not each block."""
-        lo, hi = self.lags(delay)
-        first = torch.zeros_like(t) if hi is None else (t - hi).clamp(min=0)  # readable positions: [first, t - lo]
-        readable = (slot_pos >= first) & (slot_pos <= t - lo)  # empty slots hold -1
+        first, last = self.readable_span(t, delay)
+        readable = (slot_pos >= first) & (slot_pos <= last)  # empty slots hold -1
         mask = torch.zeros(readable.shape, dtype=self.read_dtype(t.device), device=t.device)
         return mask.masked_fill(~readable, float("-inf")), readable.any()
 
@@ -889,11 +893,10 @@ class ContextualMemory(nn.Module):
         state: keys, values (B, H, S, hs) with S slots (the long-term memory: one per position; the
         short-term memory: a ring of span + 1), the scan state and pending raw value. readable: this
         step's `static_readable` for those slots, whose positions the decoder writes."""
-        lo, hi = self.lags(delay)
         t = state["t"]
         slots = state["keys"].shape[2]
-        first = torch.zeros_like(t) if hi is None else (t - hi).clamp(min=0)  # readable positions: [first, t - lo]
-        log_count = (t - lo - first + 1).clamp(min=1).float().log()
+        first, last = self.readable_span(t, delay)
+        log_count = (last - first + 1).clamp(min=1).float().log()  # of the bandwidth's n (the mask's count)
         inputs = (*projected, *self._decode_parameters(), state["scan_dir"], state["scan_log"], state["v_pending"],
                   log_count, self.config.norm_eps, self.read_dtype(t.device))
         # compiled on its own only where the block is not (a failed compile of static_block)
