@@ -58,14 +58,23 @@ class Captured:
     inference: bool
 
 
+Buffer = tuple[torch.dtype, tuple[int, ...]]  # a buffer's dtype and shape
+
+
 @dataclasses.dataclass
 class Lowered:
-    """A graph lowered for CUDA: inductor's byte count, one row per kernel, the (dtype, shape) of every
-    buffer a kernel writes, and the generated source."""
+    """A graph lowered for CUDA: inductor's byte count, one row per kernel, the buffers each kernel reads
+    and writes (library calls' included; graph inputs inductor does not name are left out), and the
+    generated source."""
     bytes: int
     kernels: list[str]
-    written: list[tuple[torch.dtype, tuple[int, ...]]]
+    buffers: list[tuple[list[Buffer], list[Buffer]]]
     source: str
+
+    @property
+    def written(self) -> list[Buffer]:
+        """Every buffer a kernel writes, in the kernels' order."""
+        return [buffer for _, writes in self.buffers for buffer in writes]
 
 
 _MISSING = object()
@@ -164,7 +173,7 @@ def _an_h200(m: types.SimpleNamespace, done: list[Any]) -> Iterator[None]:
 
     def lowered_only(self: Any) -> Any:  # GraphLowering.compile_to_module: the source and the count, no compiling
         source = self.codegen()
-        done.append(Lowered(self.count_bytes()[0], kernel_rows(self), buffers_written(self),
+        done.append(Lowered(self.count_bytes()[0], kernel_rows(self), kernel_buffers(self),
                             getattr(source[0], "value", str(source))))
         raise _Lowered
 
@@ -238,17 +247,21 @@ def lower_for_cuda(captured: Captured) -> Lowered:
     return done[0]
 
 
-def buffers_written(lowering: Any) -> list[tuple[torch.dtype, tuple[int, ...]]]:
-    """The dtype and shape of each buffer the scheduled kernels write (library calls' outputs included)."""
-    written = []
-    for node in lowering.scheduler.nodes:
-        for name in node.get_read_write_buffer_accesses(include_reads=False, include_writes=True):
+def kernel_buffers(lowering: Any) -> list[tuple[list[Buffer], list[Buffer]]]:
+    """For each scheduled kernel, the (dtype, shape) of each buffer it reads and of each it writes."""
+    def named(names: Any) -> list[Buffer]:
+        buffers = []
+        for name in names:
             try:
                 buffer = lowering.get_buffer(name)
-                written.append((buffer.get_dtype(), tuple(int(n) for n in buffer.get_size())))
+                buffers.append((buffer.get_dtype(), tuple(int(n) for n in buffer.get_size())))
             except Exception:  # noqa: BLE001 - a buffer without a static shape or name: not listed
                 continue
-    return written
+        return buffers
+
+    return [(named(node.get_read_write_buffer_accesses(include_reads=True, include_writes=False)),
+             named(node.get_read_write_buffer_accesses(include_reads=False, include_writes=True)))
+            for node in lowering.scheduler.nodes]
 
 
 def kernel_rows(lowering: Any, at_least_mib: float = 4.0) -> list[str]:

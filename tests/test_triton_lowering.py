@@ -125,3 +125,33 @@ def test_a_static_decoding_block_launches_what_the_transformers_layer_does_plus_
     block = launches[-1]  # after each memory kind's readable slots: one graph for both blocks
     assert len(block) <= 16 and block.count("extern_kernels.mm") == 5, block
     assert len(launches) == 3 and sum(len(step) for step in launches[:-1]) <= 4, launches
+
+
+def test_a_compiled_blocks_reads_reach_o_proj_without_a_copy(monkeypatch):
+    """flex_attention's output takes the layout of its queries. Compiled, for a flex read,
+    `memory_inputs` stores them as (B, T, H, hs), so each memory's read is already o_proj's (B T, d)
+    rows; stored as (B, H, T, hs) they made Triton copy every read once more, forward (64 MiB per
+    memory at the small size, `python benchmarks/mmv2_bytes.py blocks --device triton --detail`)."""
+    from owai.distributed import Parallel
+    from owai.models.lm import blocks, build_lm
+
+    monkeypatch.setattr(ContextualMemory, "read_dtype", lambda self, device: torch.bfloat16)  # CUDA's reads
+    torch.manual_seed(0)
+    B, T, H, hs = 2, 256, 4, 32
+    model = build_lm("mmv2", n_layer=1, n_embd=H * hs, n_head=H, ffn_hidden=256, vocab_size=64, scan_impl="compiled",
+                     attn_impl="flex").train()
+    Parallel(model, blocks=blocks(model), compile_blocks=True)
+    ids = torch.randint(0, 64, (B, T))
+    positions = torch.arange(T) - torch.tensor([[0] * 100 + [100] * 156, [0] * T])  # two documents in row 0
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=ids, position_ids=positions, long_delay=8).logits
+        logits.float().sum().backward()
+
+    forward = [lowered for graph, lowered in _lowered_graphs(run) if not graph.backward]
+    assert forward
+    read, rows = (torch.bfloat16, (B, H, T, hs)), (torch.bfloat16, (B, T, H, hs))
+    copies = [k for lowered in forward for k in lowered.buffers if k == ([read], [rows])]
+    row_writers = [k for lowered in forward for k in lowered.buffers if read in k[1]]  # the shapes are the model's
+    assert len(row_writers) >= 2 and copies == [], (len(row_writers), len(copies))

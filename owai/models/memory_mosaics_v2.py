@@ -443,7 +443,7 @@ def memory_inputs(key: torch.Tensor, gate: torch.Tensor, decay: torch.Tensor, va
                   v_pending: torch.Tensor | None, doc_start: torch.Tensor | None, past: int,
                   scan_state: tuple[torch.Tensor, torch.Tensor] | None, chunk: int, kernel: str,
                   value_mix: torch.Tensor, beta1_log: torch.Tensor, alpha_raw: torch.Tensor, beta0_raw: torch.Tensor,
-                  counts: torch.Tensor, norm_eps: float, dtype: torch.dtype) -> tuple[Any, ...]:
+                  counts: torch.Tensor, norm_eps: float, dtype: torch.dtype, flex_read: bool = False) -> tuple[Any, ...]:
     """A memory's work between its projections and its read, for T positions at past..past+T-1.
 
     key, value (B, T, d) and gate, decay (B, T, H): the outputs of W_phi, W_psi, W_g, W_lambda;
@@ -451,8 +451,10 @@ def memory_inputs(key: torch.Tensor, gate: torch.Tensor, decay: torch.Tensor, va
     None; scan_state the key scan's state at past-1, or None; chunk, kernel: gated_key_scan's; the
     bandwidth's parameters; counts (B|1, T) the keys n_t each query can read (`_bandwidth_counts`; a
     tensor, so the long-term memory's delay, drawn per training step, is not a constant of the
-    graph and both memories share one). Returns, in `dtype`: the queries (the keys with the
-    bandwidth beta1 n^alpha + beta0 applied, (B, H, T, hs)), the keys, the finished values
+    graph and both memories share one); flex_read: the queries go to flex_attention. Returns, in
+    `dtype`: the queries (the keys with the bandwidth beta1 n^alpha + beta0 applied, (B, H, T, hs);
+    compiled for a flex read, stored as (B, T, H, hs): flex_attention's output takes its queries'
+    layout, so the read is then o_proj's input rows with no copy), the keys, the finished values
     gamma v~_t + (1 - gamma) v~_{t+1} of the positions whose next token is here (T - 1 rows, or T with
     v_pending); then the scan's new state and the last raw value (B, H, hs), in float32 or wider.
 
@@ -469,6 +471,8 @@ def memory_inputs(key: torch.Tensor, gate: torch.Tensor, decay: torch.Tensor, va
     directions, scan_state = gated_key_scan(split(key), log_gate, log_decay, doc_start, past, scan_state, chunk, kernel)
     beta = bandwidth_of(counts, beta1_log, alpha_raw, beta0_raw)  # (B|1, H, T)
     queries, keys = _KeysAndQueries.apply(directions, beta, norm_eps, dtype)
+    if flex_read and torch.compiler.is_compiling():  # in the kernel that writes them: no copy of its own
+        queries = queries.transpose(1, 2).contiguous().transpose(1, 2)  # (B, H, T, hs) stored as (B, T, H, hs)
     raw_v = split(value)  # (B, H, T, hs)
     if not torch.compiler.is_compiling():  # eagerly one float32 copy serves both reads; compiled, each read
         raw_v = _wide(raw_v)  # widens (inlined: no float32 copy is kept for the backward)
@@ -782,12 +786,13 @@ class ContextualMemory(nn.Module):
         compile_, chunk, kernel = memory_inputs_plan(cfg, x.device, T)
         t = torch.arange(past, past + T, device=x.device)[None]  # (1, T) absolute query positions
         counts = _bandwidth_counts(t, doc_start if doc_start is not None else torch.zeros_like(t), *self.lags(delay))
+        k0 = cache.get("k0", past) if cache is not None else past
+        block_mask = masks.get(self.kind) if masks is not None and past == 0 and k0 == 0 else None
         inputs = (*self.projections(x), cache["v_pending"] if cache else None, doc_start, past, cache.get("scan") if cache else None,
                   chunk, kernel, self.value_mix, self.beta1_log, self.alpha_raw, self.beta0_raw, counts,
-                  cfg.norm_eps, self.read_dtype(x.device))
+                  cfg.norm_eps, self.read_dtype(x.device), block_mask is not None)
         queries, keys, finished, scan_state, v_last = _run_compiled("inputs", memory_inputs, inputs, compile_)
         if cache is not None:
-            k0 = cache.get("k0", past)
             keys_all, values_all = _append(cache, "keys", keys), _append(cache, "values", finished)
             if self.kind == "short":  # future queries t >= past+T read j >= past+T-span: drop older pairs
                 keep = max(0, (past + T - cfg.short_span) - k0)
@@ -798,8 +803,7 @@ class ContextualMemory(nn.Module):
                 cache["k0"] = k0
             cache.update(v_pending=v_last, scan=scan_state)
         else:
-            keys_all, values_all, k0 = keys, finished, past
-        block_mask = masks.get(self.kind) if masks is not None and past == 0 and k0 == 0 else None
+            keys_all, values_all = keys, finished
         y = self.read(queries, keys_all, values_all, k0, past, doc_start, delay, block_mask)  # (B, H, T, hs)
         return self.output(y, x)
 
