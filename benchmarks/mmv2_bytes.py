@@ -36,7 +36,10 @@ CPU v2's reads take the SDPA path, whose masked query blocks CUDA's flex kernels
 recorded on the CPU and lowered for CUDA on fake tensors (benchmarks/triton_lowering.py), with CUDA's
 reads in both models (flex_attention, whose backward the CPU lacks, is only lowered, never run). The
 CPU backend fuses differently (larger fusion thresholds; loops of different lengths fuse), so this is
-the count to compare revisions by for the GPU; `--detail` prints each kernel's buffers.
+the count to compare revisions by for the GPU; `--detail` prints each kernel's buffers. A second line
+gives the same count with each access at the elements its index reaches (`reached_bytes`): inductor's
+own counts a narrow slice of a wide buffer that a kernel broadcasts (a head's gate, read from the
+columns of v2's stacked projection) as the whole buffer.
 
 All: d 2048, 16 heads (the small size), batch 2 x 4096 tokens in packed documents, the input not a
 leaf (as the RMSNorm output it is in the model: autocast caches the casts of leaves only), long-term
@@ -139,12 +142,15 @@ def kernels(kind: str, device: str, detail: bool = False) -> None:
         forward = metrics.num_bytes_accessed
         y.float().sum().backward()
         total = metrics.num_bytes_accessed
+    reached = ""
     if triton_on_cpu:
-        forward, total = _triton_bytes(graphs, detail)
+        forward, total, reached = _triton_bytes(graphs, detail)
     per_step = total * 48 / 4.3e12 * 1e3
     print(f"{kind} memory, compiled memory_inputs, {_where(device)}: inductor's kernels move {forward / 2**20:,.0f} MiB forward, "
           f"{(total - forward) / 2**20:,.0f} MiB backward, {total / 2**20:,.0f} MiB in all "
           f"(x 48 memories at 4.3 TB/s: {per_step:.1f} ms per step)")
+    if reached:
+        print(reached)
 
 
 def _where(device: str) -> str:
@@ -163,19 +169,25 @@ def _graphs_for_triton(on: bool):
         yield graphs
 
 
-def _triton_bytes(graphs: list, detail: bool) -> tuple[int, int]:
-    """(forward, forward + backward) bytes of the recorded graphs lowered for CUDA; `detail`: each kernel."""
+def _triton_bytes(graphs: list, detail: bool) -> tuple[int, int, str]:
+    """(forward, forward + backward) bytes of the recorded graphs lowered for CUDA, inductor's count, and
+    a line with the same count, each access at the elements it reaches (`reached_bytes`); `detail`:
+    each kernel."""
     from triton_lowering import lower_for_cuda
 
-    forward = total = 0
+    forward = total = reached_forward = reached = 0
     for graph in graphs:
         lowered = lower_for_cuda(graph)
         total += lowered.bytes
+        reached += lowered.reached
         forward += 0 if graph.backward else lowered.bytes
+        reached_forward += 0 if graph.backward else lowered.reached
         if detail:
             print(f"  {'backward' if graph.backward else 'forward'} graph: {lowered.bytes / 2**20:,.0f} MiB")
             print("\n".join("    " + row for row in lowered.kernels))
-    return forward, total
+    line = (f"    each access at the elements it reaches: {reached_forward / 2**20:,.0f} MiB forward, "
+            f"{(reached - reached_forward) / 2**20:,.0f} MiB backward, {reached / 2**20:,.0f} MiB in all")
+    return forward, total, line
 
 
 KERNEL_CALL = re.compile(r"^\s+(?:\w+ = )?(cpp_fused_\w+|triton_\w+(?=\.run)|extern_kernels\.\w+|torch\.ops\.\w+\.\w+|aten\.\w+)[.(]",
@@ -313,11 +325,14 @@ def blocks(device: str, detail: bool = False) -> None:
             forward = metrics.num_bytes_accessed
             logits.float().sum().backward()
             total = metrics.num_bytes_accessed
+        reached = ""
         if triton_on_cpu:
-            forward, total = _triton_bytes(graphs, detail)
+            forward, total, reached = _triton_bytes(graphs, detail)
         print(f"  {arch:12s} {forward / 2**20:7,.0f} MiB forward, {(total - forward) / 2**20:7,.0f} MiB backward, "
               f"{total / 2**20:7,.0f} MiB in all (x 24 blocks at 4.3 TB/s: {total * 24 / 4.3e12 * 1e3:.1f} ms per step)",
               flush=True)
+        if reached:
+            print(reached, flush=True)
         model = None
 
 

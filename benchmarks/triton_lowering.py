@@ -19,6 +19,8 @@ This module lowers the same graphs again for CUDA, without a GPU:
 Nothing is timed, and autotuning, which picks launch configurations, not fusions, is not run. The
 count is inductor's own (`GraphLowering.count_bytes`, each kernel's buffers as inductor sizes them).
 `benchmarks/mmv2_gpu.sh` prints it beside the same count taken on a GPU, which checks it.
+`reached_bytes` gives it again with each access at the elements its index reaches: inductor takes
+worst-case accesses, which count a broadcast slice of a wide buffer as the whole buffer.
 
 It reaches into torch's private modules (inductor's compile path, the CUDA device interface, fake
 tensors), as torch 2.11 and 2.13 have them, and patches them only while its context managers are open.
@@ -63,10 +65,12 @@ Buffer = tuple[torch.dtype, tuple[int, ...]]  # a buffer's dtype and shape
 
 @dataclasses.dataclass
 class Lowered:
-    """A graph lowered for CUDA: inductor's byte count, one row per kernel, the buffers each kernel reads
-    and writes (library calls' included; graph inputs inductor does not name are left out), and the
-    generated source."""
+    """A graph lowered for CUDA: inductor's byte count, the same count with each access at the elements
+    its index reaches (`reached_bytes`), one row per kernel, the buffers each kernel reads and writes
+    (library calls' included; graph inputs inductor does not name are left out), and the generated
+    source."""
     bytes: int
+    reached: int
     kernels: list[str]
     buffers: list[tuple[list[Buffer], list[Buffer]]]
     source: str
@@ -173,7 +177,7 @@ def _an_h200(m: types.SimpleNamespace, done: list[Any]) -> Iterator[None]:
 
     def lowered_only(self: Any) -> Any:  # GraphLowering.compile_to_module: the source and the count, no compiling
         source = self.codegen()
-        done.append(Lowered(self.count_bytes()[0], kernel_rows(self), kernel_buffers(self),
+        done.append(Lowered(self.count_bytes()[0], reached_bytes(self), kernel_rows(self), kernel_buffers(self),
                             getattr(source[0], "value", str(source))))
         raise _Lowered
 
@@ -245,6 +249,36 @@ def lower_for_cuda(captured: Captured) -> Lowered:
             if not done:
                 raise
     return done[0]
+
+
+def reached_bytes(lowering: Any) -> int:
+    """`GraphLowering.count_bytes` with each access of a buffer counted at the elements its index
+    reaches (`MemoryDep.get_numel`), at most inductor's figure. Inductor counts worst-case accesses:
+    each access at the kernel's whole iteration space, and in a fused kernel at the whole buffer. So a
+    narrow slice of a wide buffer read by a kernel that broadcasts it (a head's gate, read once for each
+    of its 128 dimensions, from the columns of a stacked projection) is counted as the whole buffer,
+    where a GPU reads the slice once and serves the rest from its caches. Library calls (matmuls,
+    attention templates' extern parts) keep inductor's figure."""
+    from torch._inductor.dependencies import MemoryDep
+    from torch._inductor.scheduler import ExternKernelSchedulerNode
+
+    total = 0
+    for node in lowering.scheduler.nodes:
+        counted = node.get_read_write_buffer_accesses(include_reads=True, include_writes=True)
+        deps = [*node.read_writes.reads, *node.read_writes.writes]
+        for name, inductor_bytes in counted.items():
+            own = [dep for dep in deps if dep.name == name]
+            if isinstance(node, ExternKernelSchedulerNode) or not own or not all(isinstance(d, MemoryDep) for d in own):
+                total += inductor_bytes
+                continue
+            try:
+                itemsize = lowering.get_buffer(name).get_dtype().itemsize
+                elements = sum(lowering.sizevars.optimization_hint(dep.get_numel(), fallback=0) for dep in own)
+            except Exception:  # noqa: BLE001 - a buffer without a static size: inductor's figure
+                total += inductor_bytes
+                continue
+            total += min(inductor_bytes, elements * itemsize)
+    return total
 
 
 def kernel_buffers(lowering: Any) -> list[tuple[list[Buffer], list[Buffer]]]:

@@ -47,6 +47,17 @@ def test_a_pointwise_kernel_moves_its_input_and_output_once():
     assert lowered.written == [(torch.bfloat16, (256, 1024))]
 
 
+def test_a_broadcast_slice_counts_as_its_buffer_for_inductor_and_as_itself_when_reached():
+    """Inductor's count takes each access at the kernel's whole iteration space, capped at the buffer:
+    one column of a wide buffer, broadcast along the rows, counts as the whole buffer.
+    `reached_bytes` counts it at the elements its index reaches."""
+    x, w = torch.randn(256, 1024, dtype=torch.bfloat16), torch.randn(256, 1024, dtype=torch.bfloat16)
+    (_, lowered), = _lowered_graphs(lambda: torch.compile(lambda a, b: a * b[:, :1], fullgraph=True)(x, w))
+    size = x.numel() * x.element_size()
+    assert lowered.bytes == 3 * size  # x read, w counted whole, the product written
+    assert lowered.reached == 2 * size + 256 * w.element_size()  # w's first column only
+
+
 def test_the_capture_runs_nothing_and_gives_the_shapes():
     x = torch.randn(64, 32, requires_grad=True)
     captured = []
