@@ -451,12 +451,13 @@ def memory_inputs(key: torch.Tensor, gate: torch.Tensor, decay: torch.Tensor, va
     None; scan_state the key scan's state at past-1, or None; chunk, kernel: gated_key_scan's; the
     bandwidth's parameters; counts (B|1, T) the keys n_t each query can read (`_bandwidth_counts`; a
     tensor, so the long-term memory's delay, drawn per training step, is not a constant of the
-    graph and both memories share one); flex_read: the queries go to flex_attention. Returns, in
-    `dtype`: the queries (the keys with the bandwidth beta1 n^alpha + beta0 applied, (B, H, T, hs);
-    compiled for a flex read, stored as (B, T, H, hs): flex_attention's output takes its queries'
-    layout, so the read is then o_proj's input rows with no copy), the keys, the finished values
-    gamma v~_t + (1 - gamma) v~_{t+1} of the positions whose next token is here (T - 1 rows, or T with
-    v_pending); then the scan's new state and the last raw value (B, H, hs), in float32 or wider.
+    graph and both memories share one); flex_read: the reads go through flex_attention (the memory
+    was given flex masks). Returns, in `dtype`: the queries (the keys with the bandwidth beta1 n^alpha
+    + beta0 applied, (B, H, T, hs); compiled for flex reads, stored as (B, T, H, hs): flex_attention's
+    output takes its queries' layout, so the read is then o_proj's input rows with no copy), the keys,
+    the finished values gamma v~_t + (1 - gamma) v~_{t+1} of the positions whose next token is here
+    (T - 1 rows, or T with v_pending); then the scan's new state and the last raw value (B, H, hs), in
+    float32 or wider.
 
     One function so that it runs as one compiled graph where the key scan is compiled
     (`memory_inputs_plan`: on CUDA). Eagerly this float32 work (unit norms, the value mix, the
@@ -786,13 +787,13 @@ class ContextualMemory(nn.Module):
         compile_, chunk, kernel = memory_inputs_plan(cfg, x.device, T)
         t = torch.arange(past, past + T, device=x.device)[None]  # (1, T) absolute query positions
         counts = _bandwidth_counts(t, doc_start if doc_start is not None else torch.zeros_like(t), *self.lags(delay))
-        k0 = cache.get("k0", past) if cache is not None else past
-        block_mask = masks.get(self.kind) if masks is not None and past == 0 and k0 == 0 else None
+        # masks: the reads go through flex (uses_flex), for both memories alike, so one graph serves both
         inputs = (*self.projections(x), cache["v_pending"] if cache else None, doc_start, past, cache.get("scan") if cache else None,
                   chunk, kernel, self.value_mix, self.beta1_log, self.alpha_raw, self.beta0_raw, counts,
-                  cfg.norm_eps, self.read_dtype(x.device), block_mask is not None)
+                  cfg.norm_eps, self.read_dtype(x.device), masks is not None)
         queries, keys, finished, scan_state, v_last = _run_compiled("inputs", memory_inputs, inputs, compile_)
         if cache is not None:
+            k0 = cache.get("k0", past)
             keys_all, values_all = _append(cache, "keys", keys), _append(cache, "values", finished)
             if self.kind == "short":  # future queries t >= past+T read j >= past+T-span: drop older pairs
                 keep = max(0, (past + T - cfg.short_span) - k0)
@@ -803,7 +804,8 @@ class ContextualMemory(nn.Module):
                 cache["k0"] = k0
             cache.update(v_pending=v_last, scan=scan_state)
         else:
-            keys_all, values_all = keys, finished
+            keys_all, values_all, k0 = keys, finished, past
+        block_mask = masks.get(self.kind) if masks is not None and past == 0 and k0 == 0 else None
         y = self.read(queries, keys_all, values_all, k0, past, doc_start, delay, block_mask)  # (B, H, T, hs)
         return self.output(y, x)
 
