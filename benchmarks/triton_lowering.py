@@ -259,25 +259,29 @@ def reached_bytes(lowering: Any) -> int:
     of its 128 dimensions, from the columns of a stacked projection) is counted as the whole buffer,
     where a GPU reads the slice once and serves the rest from its caches. Library calls (matmuls,
     attention templates' extern parts) keep inductor's figure."""
+    return sum(_reached(lowering, node) for node in lowering.scheduler.nodes)
+
+
+def _reached(lowering: Any, node: Any) -> int:
+    """One scheduled kernel's bytes as `reached_bytes` counts them."""
     from torch._inductor.dependencies import MemoryDep
     from torch._inductor.scheduler import ExternKernelSchedulerNode
 
     total = 0
-    for node in lowering.scheduler.nodes:
-        counted = node.get_read_write_buffer_accesses(include_reads=True, include_writes=True)
-        deps = [*node.read_writes.reads, *node.read_writes.writes]
-        for name, inductor_bytes in counted.items():
-            own = [dep for dep in deps if dep.name == name]
-            if isinstance(node, ExternKernelSchedulerNode) or not own or not all(isinstance(d, MemoryDep) for d in own):
-                total += inductor_bytes
-                continue
-            try:
-                itemsize = lowering.get_buffer(name).get_dtype().itemsize
-                elements = sum(lowering.sizevars.optimization_hint(dep.get_numel(), fallback=0) for dep in own)
-            except Exception:  # noqa: BLE001 - a buffer without a static size: inductor's figure
-                total += inductor_bytes
-                continue
-            total += min(inductor_bytes, elements * itemsize)
+    counted = node.get_read_write_buffer_accesses(include_reads=True, include_writes=True)
+    deps = [*node.read_writes.reads, *node.read_writes.writes]
+    for name, inductor_bytes in counted.items():
+        own = [dep for dep in deps if dep.name == name]
+        if isinstance(node, ExternKernelSchedulerNode) or not own or not all(isinstance(d, MemoryDep) for d in own):
+            total += inductor_bytes
+            continue
+        try:
+            itemsize = lowering.get_buffer(name).get_dtype().itemsize
+            elements = sum(lowering.sizevars.optimization_hint(dep.get_numel(), fallback=0) for dep in own)
+        except Exception:  # noqa: BLE001 - a buffer without a static size: inductor's figure
+            total += inductor_bytes
+            continue
+        total += min(inductor_bytes, elements * itemsize)
     return total
 
 
@@ -299,14 +303,16 @@ def kernel_buffers(lowering: Any) -> list[tuple[list[Buffer], list[Buffer]]]:
 
 
 def kernel_rows(lowering: Any, at_least_mib: float = 4.0) -> list[str]:
-    """One row per scheduled kernel of at least `at_least_mib`: MiB moved, kind, each buffer read and
-    written (MiB, dtype and shape), and the graph's nodes in it (OWAI_KERNEL_NODES=1: their names)."""
+    """One row per scheduled kernel of at least `at_least_mib`: MiB moved (inductor's count; and as
+    `reached_bytes` counts them, where less), kind, each buffer read and written (MiB by inductor's
+    count, dtype and shape), and the graph's nodes in it (OWAI_KERNEL_NODES=1: their names)."""
     rows = []
     names = os.environ.get("OWAI_KERNEL_NODES") == "1"
     for node in lowering.scheduler.nodes:
         reads = node.get_read_write_buffer_accesses(include_reads=True, include_writes=False)
         writes = node.get_read_write_buffer_accesses(include_reads=False, include_writes=True)
-        total = (sum(reads.values()) + sum(writes.values())) / 2**20
+        # as count_bytes adds it up: a buffer both read and written (an in-place update) counted once
+        total = sum(node.get_read_write_buffer_accesses(include_reads=True, include_writes=True).values()) / 2**20
         if total < at_least_mib:
             continue
 
@@ -325,6 +331,8 @@ def kernel_rows(lowering: Any, at_least_mib: float = 4.0) -> list[str]:
 
         origins = {o.name if names else str(getattr(o, "target", "?")).split(".")[-1]
                    for part in getattr(node, "get_nodes", lambda: [node])() for o in (getattr(part.node, "origins", None) or [])}
-        rows.append(f"{total:8.1f} MiB  {type(node).__name__.removesuffix('SchedulerNode') or 'Scheduler':10s}"
+        reached = _reached(lowering, node) / 2**20
+        moved = f"{total:8.1f} MiB" + (f" (reached {reached:.1f})" if reached < total - 0.05 else "")
+        rows.append(f"{moved}  {type(node).__name__.removesuffix('SchedulerNode') or 'Scheduler':10s}"
                     f"  reads [{described(reads)}]  writes [{described(writes)}]  {','.join(sorted(origins))[:300]}")
     return rows
