@@ -53,6 +53,7 @@ import argparse
 import contextlib
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -131,20 +132,16 @@ def _count_inductor_bytes() -> None:
 
 
 def kernels(kind: str, device: str, detail: bool = False) -> None:
-    from torch._inductor import metrics
-
     triton_on_cpu = device == "triton"
-    memory, leaf = memory_and_input(kind, "compiled", "cpu" if triton_on_cpu else device)
+    run_on = "cpu" if triton_on_cpu else device
+    memory, leaf = memory_and_input(kind, "compiled", run_on)
     _count_inductor_bytes()
-    with _graphs_for_triton(triton_on_cpu) as graphs:
-        with torch.autocast("cpu" if triton_on_cpu else device, dtype=torch.bfloat16):
-            y = memory(leaf * 1.0, doc_starts().to(leaf.device), DELAY, None, 0)
-        forward = metrics.num_bytes_accessed
-        y.float().sum().backward()
-        total = metrics.num_bytes_accessed
-    reached = ""
-    if triton_on_cpu:
-        forward, total, reached = _triton_bytes(graphs, detail)
+
+    def forward_pass() -> torch.Tensor:
+        with torch.autocast(run_on, dtype=torch.bfloat16):
+            return memory(leaf * 1.0, doc_starts().to(leaf.device), DELAY, None, 0)
+
+    forward, total, reached = _forward_backward_bytes(forward_pass, triton_on_cpu, detail)
     per_step = total * 48 / 4.3e12 * 1e3
     print(f"{kind} memory, compiled memory_inputs, {_where(device)}: inductor's kernels move {forward / 2**20:,.0f} MiB forward, "
           f"{(total - forward) / 2**20:,.0f} MiB backward, {total / 2**20:,.0f} MiB in all "
@@ -167,6 +164,24 @@ def _graphs_for_triton(on: bool):
 
     with capture() as graphs:
         yield graphs
+
+
+def _forward_backward_bytes(forward_pass: Callable[[], torch.Tensor], triton_on_cpu: bool,
+                            detail: bool) -> tuple[int, int, str]:
+    """forward_pass() and a backward from its output, compiled by inductor: (forward, forward +
+    backward) bytes its kernels move, and `_triton_bytes`' line of reached bytes ("" unless lowered
+    for Triton on the CPU, `triton_on_cpu`, where nothing is run)."""
+    from torch._inductor import metrics
+
+    metrics.num_bytes_accessed = 0
+    with _graphs_for_triton(triton_on_cpu) as graphs:
+        output = forward_pass()
+        forward = metrics.num_bytes_accessed
+        output.float().sum().backward()
+        total = metrics.num_bytes_accessed
+    if triton_on_cpu:
+        return _triton_bytes(graphs, detail)
+    return forward, total, ""
 
 
 def _triton_bytes(graphs: list, detail: bool) -> tuple[int, int, str]:
@@ -293,8 +308,6 @@ def launches(device: str) -> None:
 
 
 def blocks(device: str, detail: bool = False) -> None:
-    from torch._inductor import metrics
-
     from owai.distributed import Parallel
     from owai.models.lm import blocks as model_blocks
     from owai.models.lm import build_lm
@@ -317,17 +330,13 @@ def blocks(device: str, detail: bool = False) -> None:
         packed_document_attention(model, torch.device("cuda" if triton_on_cpu else device))
         Parallel(model, blocks=model_blocks(model), compile_blocks=True)
         ids = torch.randint(0, 512, (BATCH, CONTEXT), device=run_on)
-        metrics.num_bytes_accessed = 0
-        with _graphs_for_triton(triton_on_cpu) as graphs:
+
+        def forward_pass() -> torch.Tensor:
             with torch.autocast(run_on, dtype=torch.bfloat16):
-                logits = model(input_ids=ids, position_ids=positions,
-                               **({"long_delay": DELAY} if arch == "mmv2" else {})).logits
-            forward = metrics.num_bytes_accessed
-            logits.float().sum().backward()
-            total = metrics.num_bytes_accessed
-        reached = ""
-        if triton_on_cpu:
-            forward, total, reached = _triton_bytes(graphs, detail)
+                return model(input_ids=ids, position_ids=positions,
+                             **({"long_delay": DELAY} if arch == "mmv2" else {})).logits
+
+        forward, total, reached = _forward_backward_bytes(forward_pass, triton_on_cpu, detail)
         print(f"  {arch:12s} {forward / 2**20:7,.0f} MiB forward, {(total - forward) / 2**20:7,.0f} MiB backward, "
               f"{total / 2**20:7,.0f} MiB in all (x 24 blocks at 4.3 TB/s: {total * 24 / 4.3e12 * 1e3:.1f} ms per step)",
               flush=True)
