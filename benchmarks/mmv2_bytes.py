@@ -1,11 +1,12 @@
 """Memory traffic of one Memory Mosaics v2 memory at the small size, measured on the CPU with the
 dtypes CUDA gives it (bf16 autocast): what the GPU's memory-bound work scales with, without a GPU;
-and the kernels a compiled decoding step launches per block, and the bytes a compiled training block moves.
+the kernels a compiled decoding step launches per block, and the bytes it moves; and the bytes a compiled
+training block moves.
 
     python benchmarks/mmv2_bytes.py saved   [--kind short|long] [--scan chunked|compiled]
     python benchmarks/mmv2_bytes.py written [--kind short|long]
     python benchmarks/mmv2_bytes.py kernels [--kind short|long] [--device cuda|triton] [--detail]
-    python benchmarks/mmv2_bytes.py launches [--device cuda|triton]
+    python benchmarks/mmv2_bytes.py launches [--device cuda|triton] [--contexts 4096 32768]
     python benchmarks/mmv2_bytes.py blocks  [--device cuda|triton] [--detail]
 
 `saved`: the bytes autograd keeps for the backward of one memory's forward (distinct storages).
@@ -23,9 +24,14 @@ its StaticDecoder captures as a CUDA graph; and, once per step for all blocks, `
 and the transformer's (transformers' StaticCache step
 compiled whole, as `generate` compiles it), read from inductor's generated code: fused kernels and
 library calls (matmuls, attention), by kind. At batch 1 a decoding step's kernels are short, so their
-number, not only the bytes of the weights, sets a graphed step's time. Small-size blocks (d 2048),
-bf16 weights, a 256-token prefill; the transformer's per-layer figure is its step at two layers less
-its step at one.
+number, not only the bytes of the weights, sets a graphed step's time. Then the bytes the step's
+kernels move per block, batch 1, into caches sized as `benchmarks/mmv2.py generation` sizes them for
+each of `--contexts` (a step reads every slot, so its bytes grow with the cache): its floor at 4.3 TB/s
+for 24 blocks, both models, the embedding and the head (the same in both) left out; by inductor's count,
+then with each access at the elements it reaches (`reached_bytes`): inductor counts a step's write of
+one position as the whole cache read and written, and again for the kernel that advances the position
+after it. Small-size blocks (d 2048), bf16 weights, a 256-token prefill; the
+transformer's per-layer figure is its step at two layers less its step at one.
 
 `blocks`: the bytes inductor's kernels (fused and library calls) read and write for one compiled
 training block of each model (`train.compile`: torch.compile per block), forward and backward, under
@@ -51,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import re
 from collections.abc import Callable
@@ -63,6 +70,7 @@ from torch.utils._pytree import tree_flatten
 from owai.models.memory_mosaics_v2 import ContextualMemory, MemoryMosaicsV2Config
 
 BATCH, CONTEXT, DELAY = 2, 4096, 64
+PREFILL, GENERATED = 256, 32  # decoding: the prefill, and the tokens benchmarks/mmv2.py generation makes
 DOCUMENTS = [[1000, 2000, 1096], [1536, 2560]]  # each row's document lengths, summing to CONTEXT
 
 
@@ -108,7 +116,7 @@ class _Written(TorchDispatchMode):
 
 def written(kind: str) -> None:
     memory, leaf = memory_and_input(kind, "chunked")
-    ContextualMemory.read_dtype = lambda self, device: torch.bfloat16  # CUDA's reads under autocast
+    _cuda_reads()
     with _Written() as counter:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = memory(leaf * 1.0, doc_starts(), DELAY, None, 0)
@@ -118,13 +126,18 @@ def written(kind: str) -> None:
           f"forward and backward")
 
 
+def _cuda_reads() -> None:
+    """A memory's reads in bf16, as CUDA's under autocast or with bf16 weights
+    (`ContextualMemory.read_dtype`), wherever the graphs are recorded."""
+    ContextualMemory.read_dtype = lambda self, device: torch.bfloat16
+
+
 def _count_inductor_bytes() -> None:
-    """Set up `kernels` and `blocks`: CUDA's bf16 reads, and inductor counting the bytes of each kernel
-    it compiles into `torch._inductor.metrics.num_bytes_accessed`."""
+    """Inductor counting the bytes of each kernel it compiles into `torch._inductor.metrics.num_bytes_accessed`
+    (`GraphLowering.count_bytes`)."""
     from torch._inductor import compile_fx
     from torch._inductor import config as inductor_config
 
-    ContextualMemory.read_dtype = lambda self, device: torch.bfloat16  # CUDA's reads under autocast
     inductor_config.force_disable_caches = True  # the count is taken while compiling, not on a cache hit
     log = compile_fx.inductor_metrics_log  # inductor counts only while this log is enabled; kept quiet
     log.setLevel(logging.INFO)
@@ -135,6 +148,7 @@ def kernels(kind: str, device: str, detail: bool = False) -> None:
     triton_on_cpu = device == "triton"
     run_on = "cpu" if triton_on_cpu else device
     memory, leaf = memory_and_input(kind, "compiled", run_on)
+    _cuda_reads()
     _count_inductor_bytes()
 
     def forward_pass() -> torch.Tensor:
@@ -218,55 +232,80 @@ def _generated_launches(source: str) -> list[str]:
             if not name.endswith(("empty_strided", "empty"))]
 
 
+@dataclasses.dataclass
+class Compiled:
+    """One graph inductor compiled: its generated source and the bytes its kernels move (inductor's
+    `count_bytes`), and the same count with each access at the elements it reaches
+    (benchmarks/triton_lowering.py's `reached_bytes`)."""
+    source: str
+    bytes: int
+    reached: int
+
+
 @contextlib.contextmanager
-def _compiled_sources(device: str):
-    """Yields a list that gets the generated source of each graph inductor compiles while open: on
-    `device`, or, for "triton", recorded on the CPU and lowered for CUDA (benchmarks/triton_lowering.py)."""
-    sources: list[str] = []
+def _compiled_graphs(device: str):
+    """Yields a list that gets each graph inductor compiles while open (`Compiled`): on `device`, or, for
+    "triton", recorded on the CPU and lowered for CUDA (benchmarks/triton_lowering.py)."""
+    compiled: list[Compiled] = []
     if device == "triton":
         from triton_lowering import capture, lower_for_cuda
 
         with capture() as graphs:
-            yield sources
-        sources.extend(lower_for_cuda(graph).source for graph in graphs)
+            yield compiled
+        for graph in graphs:
+            lowered = lower_for_cuda(graph)
+            compiled.append(Compiled(lowered.source, lowered.bytes, lowered.reached))
         return
     from torch._inductor.graph import GraphLowering
+    from triton_lowering import reached_bytes
 
-    original = GraphLowering.compile_to_module
+    _count_inductor_bytes()
+    sources: list[str] = []
+    counts: list[tuple[int, int]] = []
+    compile_to_module, count_bytes = GraphLowering.compile_to_module, GraphLowering.count_bytes
 
     def recorded(self):
-        module = original(self)
+        module = compile_to_module(self)
         sources.append(Path(module.__file__).read_text())
         return module
 
-    GraphLowering.compile_to_module = recorded
+    def counted(self):
+        result = count_bytes(self)
+        counts.append((result[0], reached_bytes(self)))
+        return result
+
+    GraphLowering.compile_to_module, GraphLowering.count_bytes = recorded, counted
     try:
-        yield sources
+        yield compiled
     finally:
-        GraphLowering.compile_to_module = original
+        GraphLowering.compile_to_module, GraphLowering.count_bytes = compile_to_module, count_bytes
+    if len(counts) != len(sources):
+        raise SystemExit(f"error: inductor counted the bytes of {len(counts)} of its {len(sources)} graphs")
+    compiled.extend(Compiled(source, *n) for source, n in zip(sources, counts))
 
 
-def _decode_launches(arch: str, n_layer: int, device: str) -> list[list[str]]:
-    """The launches of each graph inductor compiles for `arch`'s decoding steps (after the prefill);
-    device "triton": Triton's, lowered on the CPU."""
+def _decode_graphs(arch: str, n_layer: int, device: str, capacity: int) -> list[Compiled]:
+    """Each graph inductor compiles for `arch`'s decoding steps, after a 256-token prefill, into a
+    cache of `capacity` positions (the step reads every slot, filled or not, so its kernels and bytes
+    depend on the capacity, not on the prefill); device "triton": Triton's, lowered on the CPU."""
     from owai.models.lm import build_lm
 
     run_on = "cpu" if device == "triton" else device
     if device == "triton":
-        ContextualMemory.read_dtype = lambda self, device: torch.bfloat16  # CUDA's reads with bf16 weights
+        _cuda_reads()
     torch.manual_seed(0)
     size = dict(n_layer=n_layer, n_embd=2048, n_head=16, ffn_hidden=6144, vocab_size=512)
     extra = {"scan_impl": "compiled", "static_decoding": "on"} if arch == "mmv2" else {}
     with torch.device(run_on):
         model = build_lm(arch, **size, **extra).to(torch.bfloat16).eval()
-    prefill, capacity = torch.randint(0, 512, (1, 256), device=run_on), 320
+    prefill = torch.randint(0, 512, (1, PREFILL), device=run_on)
     with torch.no_grad():
         if arch == "mmv2":
             from owai.models.hf_cache import output_cache
             from owai.models.memory_mosaics_v2 import StaticDecoder
 
             cache = output_cache(model(input_ids=prefill, use_cache=True))
-            with _compiled_sources(device) as sources:  # on CUDA the decoder compiles its step as it
+            with _compiled_graphs(device) as graphs:  # on CUDA the decoder compiles its step as it
                 decoder = StaticDecoder(model, cache, capacity)  # captures it; elsewhere at its first step
                 if decoder.graph is None:
                     decoder.step(prefill[:, :1])
@@ -276,15 +315,15 @@ def _decode_launches(arch: str, n_layer: int, device: str) -> list[list[str]]:
             from owai.models.hf_cache import cache_kwargs
 
             cache = cache_kwargs(StaticCache(config=model.config, max_cache_len=capacity))
-            model(input_ids=prefill, **cache, use_cache=True, cache_position=torch.arange(256, device=run_on))
+            model(input_ids=prefill, **cache, use_cache=True, cache_position=torch.arange(PREFILL, device=run_on))
             step = torch.compile(model.forward, fullgraph=True, dynamic=False)
-            with _compiled_sources(device) as sources:
+            with _compiled_graphs(device) as graphs:
                 step(input_ids=prefill[:, :1], **cache, use_cache=True,
-                     cache_position=torch.tensor([256], device=run_on))
-    return [_generated_launches(source) for source in sources]
+                     cache_position=torch.tensor([PREFILL], device=run_on))
+    return graphs
 
 
-def launches(device: str) -> None:
+def launches(device: str, contexts: list[int]) -> None:
     from collections import Counter
 
     from torch._inductor import config as inductor_config
@@ -295,16 +334,32 @@ def launches(device: str) -> None:
         kinds = Counter(calls)
         return f"{len(calls)} ({', '.join(f'{n} {k}' for k, n in kinds.most_common())})"
 
-    v2 = _decode_launches("mmv2", 1, device)  # each memory kind's readable slots (once per step), then the block
-    if len(v2) != 3:
-        raise SystemExit(f"error: expected three compiled graphs for v2's decoding step, got {len(v2)}")
-    one, two = (sum(_decode_launches("transformer", n, device), []) for n in (1, 2))
-    layer = list((Counter(two) - Counter(one)).elements())
-    print(f"compiled decoding step, {device}, small-size blocks, bf16: kernels launched per block")
-    print(f"  memory mosaics v2 (static_block)        {summary(v2[-1])}")
-    print(f"  memory mosaics v2, once per step        {summary(sum(v2[:-1], []))}  (static_readable_step, both memories)")
-    print(f"  transformer (StaticCache, compiled)     {summary(layer)}")
-    print(f"  transformer outside its layers          {summary(list((Counter(one) - Counter(layer)).elements()))}")
+    mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
+    for i, context in enumerate(contexts):
+        capacity = context + GENERATED + 2  # benchmarks/mmv2.py generation's cache length
+        v2 = _decode_graphs("mmv2", 1, device, capacity)  # each memory kind's readable slots (once per step), then the block
+        if len(v2) != 3:
+            raise SystemExit(f"error: expected three compiled graphs for v2's decoding step, got {len(v2)}")
+        one, two = (_decode_graphs("transformer", n, device, capacity) for n in (1, 2))
+        if i == 0:
+            v2_calls = [_generated_launches(graph.source) for graph in v2]
+            one_calls, two_calls = (sum((_generated_launches(g.source) for g in graphs), []) for graphs in (one, two))
+            layer = list((Counter(two_calls) - Counter(one_calls)).elements())
+            print(f"compiled decoding step, {device}, small-size blocks, bf16: kernels launched per block")
+            print(f"  memory mosaics v2 (static_block)        {summary(v2_calls[-1])}")
+            print(f"  memory mosaics v2, once per step        {summary(sum(v2_calls[:-1], []))}  (static_readable_step, both memories)")
+            print(f"  transformer (StaticCache, compiled)     {summary(layer)}")
+            print(f"  transformer outside its layers          {summary(list((Counter(one_calls) - Counter(layer)).elements()))}")
+            print("bytes the step's kernels move, batch 1; 24 blocks at 4.3 TB/s, without the embedding and the head "
+                  "(the same in both)")
+        for label, size in (("inductor's count", lambda graph: graph.bytes),
+                            ("each access at the elements it reaches", lambda graph: graph.reached)):
+            v2_block, v2_once = size(v2[-1]), sum(size(graph) for graph in v2[:-1])
+            t_layer = sum(size(g) for g in two) - sum(size(g) for g in one)
+            v2_ms, t_ms = (24 * v2_block + v2_once) / 4.3e12 * 1e3, 24 * t_layer / 4.3e12 * 1e3
+            print(f"  context {context:6,d} (capacity {capacity:,d}), {label}: v2 {mib(v2_block)} per block + "
+                  f"{mib(v2_once)} per step, transformer {mib(t_layer)} per layer; {v2_ms:.2f} against {t_ms:.2f} ms: "
+                  f"{v2_ms / t_ms:.2f}x", flush=True)
 
 
 def blocks(device: str, detail: bool = False) -> None:
@@ -315,6 +370,7 @@ def blocks(device: str, detail: bool = False) -> None:
 
     triton_on_cpu = device == "triton"
     run_on = "cpu" if triton_on_cpu else device
+    _cuda_reads()
     _count_inductor_bytes()
     starts = doc_starts().to(run_on)
     positions = torch.arange(CONTEXT, device=run_on) - starts  # restarting at each document
@@ -355,6 +411,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu",
                         help="kernels, launches, blocks: cuda counts Triton's kernels, triton counts them without a GPU "
                              "(benchmarks/triton_lowering.py)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768],
+                        help="launches: the contexts whose decoding steps' bytes are counted (the generation benchmark's)")
     parser.add_argument("--detail", action="store_true", help="kernels, blocks with --device triton: each kernel's buffers")
     args = parser.parse_args()
     if args.measure == "saved":
@@ -362,7 +420,7 @@ def main() -> None:
     elif args.measure == "kernels":
         kernels(args.kind or "short", args.device, args.detail)
     elif args.measure == "launches":
-        launches(args.device)
+        launches(args.device, args.contexts)
     elif args.measure == "blocks":
         blocks(args.device, args.detail)
     else:

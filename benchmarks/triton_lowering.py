@@ -33,6 +33,7 @@ import contextlib
 import copy
 import dataclasses
 import importlib
+import math
 import os
 import types
 from collections.abc import Iterator
@@ -253,36 +254,63 @@ def lower_for_cuda(captured: Captured) -> Lowered:
 
 def reached_bytes(lowering: Any) -> int:
     """`GraphLowering.count_bytes` with each access of a buffer counted at the elements its index
-    reaches (`MemoryDep.get_numel`), at most inductor's figure. Inductor counts worst-case accesses:
-    each access at the kernel's whole iteration space, and in a fused kernel at the whole buffer. So a
-    narrow slice of a wide buffer read by a kernel that broadcasts it (a head's gate, read once for each
-    of its 128 dimensions, from the columns of a stacked projection) is counted as the whole buffer,
-    where a GPU reads the slice once and serves the rest from its caches. Library calls (matmuls,
-    attention templates' extern parts) keep inductor's figure."""
+    reaches, at most inductor's figure. Inductor counts worst-case accesses: each access at the kernel's
+    whole iteration space, and in a fused kernel at the whole buffer. So a narrow slice of a wide buffer
+    read by a kernel that broadcasts it (a head's gate, read once for each of its 128 dimensions, from
+    the columns of a stacked projection) is counted as the whole buffer, where a GPU reads the slice
+    once and serves the rest from its caches; and a decoding step's write of one position into a
+    cache of 32k (an indirect index, or a mutation inductor tracks as a dependency on the whole
+    buffer) counts the whole cache, read and written. Here (`_dep_elements`):
+    - an access by a plain index: the elements its index variables span (`MemoryDep.get_numel`);
+    - by an indirect index (the index holds a loaded value), or one inductor records as touching the
+      buffer anywhere (`StarDep`, in a kernel of its own loop): one element per iteration of its loop;
+    - an ordering-only dependency (`WeakDep`: the buffer must not be overwritten yet): nothing.
+    Library calls (matmuls, attention, and attention templates' extern parts) keep inductor's figure."""
     return sum(_reached(lowering, node) for node in lowering.scheduler.nodes)
 
 
 def _reached(lowering: Any, node: Any) -> int:
     """One scheduled kernel's bytes as `reached_bytes` counts them."""
-    from torch._inductor.dependencies import MemoryDep
     from torch._inductor.scheduler import ExternKernelSchedulerNode
 
     total = 0
     counted = node.get_read_write_buffer_accesses(include_reads=True, include_writes=True)
     deps = [*node.read_writes.reads, *node.read_writes.writes]
+    parts = getattr(node, "get_nodes", lambda: [node])()
     for name, inductor_bytes in counted.items():
         own = [dep for dep in deps if dep.name == name]
-        if isinstance(node, ExternKernelSchedulerNode) or not own or not all(isinstance(d, MemoryDep) for d in own):
+        if isinstance(node, ExternKernelSchedulerNode) or not own:
             total += inductor_bytes
             continue
         try:
             itemsize = lowering.get_buffer(name).get_dtype().itemsize
-            elements = sum(lowering.sizevars.optimization_hint(dep.get_numel(), fallback=0) for dep in own)
-        except Exception:  # noqa: BLE001 - a buffer without a static size: inductor's figure
+            elements = sum(_dep_elements(lowering, dep, parts) for dep in own)
+        except Exception:  # noqa: BLE001 - a buffer or loop without a static size: inductor's figure
             total += inductor_bytes
             continue
         total += min(inductor_bytes, elements * itemsize)
     return total
+
+
+def _dep_elements(lowering: Any, dep: Any, parts: list[Any]) -> int:
+    """The elements one access of a kernel (one of its `parts`, the nodes fused into it) reaches, as
+    `reached_bytes` counts them."""
+    from torch._inductor.dependencies import MemoryDep, StarDep, WeakDep
+
+    hint = lambda n: lowering.sizevars.optimization_hint(n, fallback=0)  # noqa: E731
+    if isinstance(dep, WeakDep):
+        return 0
+    if isinstance(dep, MemoryDep) and not dep.is_indirect():
+        return hint(dep.get_numel())
+    if isinstance(dep, MemoryDep):
+        iterations = math.prod(hint(n) for n in dep.size)
+        return min(hint(dep.get_numel()), iterations)
+    if isinstance(dep, StarDep):
+        for part in parts:
+            if dep in part.read_writes.reads or dep in part.read_writes.writes:
+                sizes, reduction = part.get_ranges()
+                return math.prod(hint(n) for n in (*sizes, *reduction))
+    raise ValueError(f"no bound for {dep}")  # inductor's figure (`_reached`)
 
 
 def kernel_buffers(lowering: Any) -> list[tuple[list[Buffer], list[Buffer]]]:

@@ -58,6 +58,29 @@ def test_a_broadcast_slice_counts_as_its_buffer_for_inductor_and_as_itself_when_
     assert lowered.reached == 2 * size + 256 * w.element_size()  # w's first column only
 
 
+def test_a_slot_write_into_a_cache_counts_as_the_whole_cache_for_inductor_and_as_its_row_when_reached():
+    """A decoding step writes one position into caches that hold every position (graph inputs it
+    mutates): inductor counts each cache whole, read and written, and again for the scalar kernel that
+    advances the position, which must wait for the writes (an ordering dependency). `reached_bytes`
+    counts the rows written, and nothing for the ordering. The attention read of both caches, a library
+    call, keeps its count."""
+    keys, values = (torch.zeros(1, 4, 4096, 64, dtype=torch.bfloat16) for _ in range(2))
+    row, position = torch.randn(1, 4, 1, 64, dtype=torch.bfloat16), torch.tensor(7)
+
+    def step(keys: torch.Tensor, values: torch.Tensor, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        keys.index_copy_(2, position[None], row)
+        values.index_copy_(2, position[None], row * 2)
+        readable = (torch.arange(4096) <= position)[None, None, None]
+        read = torch.nn.functional.scaled_dot_product_attention(row, keys, values, attn_mask=readable)
+        position.add_(1)
+        return read
+
+    (_, lowered), = _lowered_graphs(lambda: torch.compile(step, fullgraph=True)(keys, values, row, position))
+    caches = 2 * keys.numel() * keys.element_size()
+    assert lowered.bytes > 3 * caches  # written (read and written, whole), the ordering, the attention read
+    assert caches <= lowered.reached < caches + 2**16  # the attention read, and a row per cache
+
+
 def test_the_capture_runs_nothing_and_gives_the_shapes():
     x = torch.randn(64, 32, requires_grad=True)
     captured = []
