@@ -263,7 +263,8 @@ def reached_bytes(lowering: Any) -> int:
     buffer) counts the whole cache, read and written. Here (`_dep_elements`):
     - an access by a plain index: the elements its index variables span (`MemoryDep.get_numel`);
     - by an indirect index (the index holds a loaded value), or one inductor records as touching the
-      buffer anywhere (`StarDep`, in a kernel of its own loop): one element per iteration of its loop;
+      buffer anywhere (`StarDep`, in a kernel of inductor's own loops, not a template's): one element
+      per iteration of its loop;
     - an ordering-only dependency (`WeakDep`: the buffer must not be overwritten yet): nothing.
     Library calls (matmuls, attention, and attention templates' extern parts) keep inductor's figure."""
     return sum(_reached(lowering, node) for node in lowering.scheduler.nodes)
@@ -305,9 +306,9 @@ def _dep_elements(lowering: Any, dep: Any, parts: list[Any]) -> int:
     if isinstance(dep, MemoryDep):
         iterations = math.prod(hint(n) for n in dep.size)
         return min(hint(dep.get_numel()), iterations)
-    if isinstance(dep, StarDep):
-        for part in parts:
-            if dep in part.read_writes.reads or dep in part.read_writes.writes:
+    if isinstance(dep, StarDep):  # bounded by its loop in a kernel of inductor's loops, not in a template
+        for part in parts:  # (flex_attention's: its loop runs over the output, each step reading many keys)
+            if (dep in part.read_writes.reads or dep in part.read_writes.writes) and not part.is_template():
                 sizes, reduction = part.get_ranges()
                 return math.prod(hint(n) for n in (*sizes, *reduction))
     raise ValueError(f"no bound for {dep}")  # inductor's figure (`_reached`)
