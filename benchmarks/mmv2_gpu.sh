@@ -45,7 +45,7 @@
 #   pytest             the `gpu` tests of v2 and Llama: flex vs SDPA and the bf16 training step (each
 #                      kernel path against float32), the compiled and Triton key scans at training
 #                      length, bf16 prefill + decoding, the compiled StaticDecoder's CUDA graph against the
-#                      dynamic cache (with a cold inductor cache they outran the 150 s the sixteenth
+#                      dynamic cache; and the trainer's finiteness check on CUDA (tests/test_nonfinite.py) (with a cold inductor cache they outran the 150 s the sixteenth
 #                      session gave them; last, since the steps before it usually end well inside
 #                      their limits: 64, 57, 111 and 41 s in that session)
 #   launches           the kernels each model's compiled decoding step launches per block, from the
@@ -80,5 +80,5 @@ step eager 80 $bench throughput $small --documents --rounds 3
 step generation-graphs 260 $bench generation --graphs --device cuda --size small --contexts 4096 32768 --new 32
 step profile-compiled 60 $bench profile --train --compile $small --documents
 step bytes 90 bash -c "$py benchmarks/mmv2_bytes.py kernels --device cuda; $py benchmarks/mmv2_bytes.py kernels --device triton; $py benchmarks/mmv2_bytes.py kernels"
-step pytest 240 "$py" -m pytest -v --tb=short -o addopts= -m gpu tests/test_memory_mosaics_v2.py tests/test_llama.py
+step pytest 240 "$py" -m pytest -v --tb=short -o addopts= -m gpu tests/test_memory_mosaics_v2.py tests/test_llama.py tests/test_nonfinite.py
 step launches 150 "$py" benchmarks/mmv2_bytes.py launches --device cuda

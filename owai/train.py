@@ -33,6 +33,7 @@ import torch
 from owai import distributed
 from owai.checkpoint import (
     NonFiniteError,
+    all_finite,
     is_sharded,
     latest_checkpoint,
     load_checkpoint,
@@ -275,8 +276,7 @@ def _shapes(state: dict[str, Any]) -> dict[str, list[int]]:
 def _check_finite(stage: str, done: int, loss: float, model: torch.nn.Module, device: torch.device, saved: int) -> None:
     """Raise NonFiniteError if update `done` gave a non-finite loss or parameter on any rank
     (every rank agrees, so none waits alone in a collective). One device sync per update."""
-    flags = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in model.parameters()]
-    params_ok = bool(torch.stack(flags).all()) if flags else True
+    params_ok = all_finite([p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()])
     bad = distributed.mean_across_ranks(float(not (math.isfinite(loss) and params_ok)), device) > 0
     if bad:
         what = f"the loss became {loss:.4g}" if not math.isfinite(loss) else "the parameters became non-finite"

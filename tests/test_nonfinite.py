@@ -175,6 +175,54 @@ def test_train_loop_stops_when_the_update_makes_parameters_non_finite(tmp_path: 
     assert [p.name for p in list_checkpoints(run.checkpoints("s"))] == ["step-000001"]
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, None])
+def test_the_finite_check_finds_one_bad_value_among_many_parameters(bad):
+    """`_check_finite` reads every parameter once (a multi-tensor inf norm): one NaN or inf anywhere fails
+    it; large finite values (whose 2-norm would overflow) and empty parameters do not."""
+    from owai.train import _check_finite
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(5)))
+    model.append(torch.nn.Linear(0, 8, bias=False))  # an empty weight, as a shard can be
+    with torch.no_grad():
+        model[1].weight.fill_(1e30)
+        if bad is not None:
+            model[3].bias[5] = bad
+    if bad is None:
+        _check_finite("s", 2, 0.5, model, torch.device("cpu"), 1)
+        return
+    with pytest.raises(NonFiniteError, match="the parameters became non-finite at step 2"):
+        _check_finite("s", 2, 0.5, model, torch.device("cpu"), 1)
+
+
+def _finite_cases(device: str) -> list[tuple[list[torch.Tensor], bool]]:
+    on = lambda *ts: [t.to(device) for t in ts]  # noqa: E731
+    return [
+        (on(torch.tensor([1.0, -math.inf], dtype=torch.bfloat16), torch.ones(3)), False),
+        (on(torch.tensor([2.0, math.nan]), torch.ones(3, dtype=torch.bfloat16)), False),
+        (on(torch.full((4,), 1e300, dtype=torch.float64), torch.ones(3, dtype=torch.bfloat16)), True),
+        (on(torch.full((4,), 3e38), torch.empty(0)), True),
+        (on(torch.empty(0)), True),
+    ]
+
+
+def test_all_finite_across_dtypes():
+    """`all_finite` (the trainer's check and the checkpoints'): bf16 and float32 and float64 together; a
+    float64 value too large for float32 is finite."""
+    from owai.checkpoint import all_finite
+
+    for tensors, finite in _finite_cases("cpu"):
+        assert all_finite(tensors) is finite, tensors
+
+
+@pytest.mark.gpu
+def test_all_finite_across_dtypes_on_cuda():
+    """The same on CUDA, where `all_finite` takes one multi-tensor inf norm (NaN propagating)."""
+    from owai.checkpoint import all_finite
+
+    for tensors, finite in _finite_cases("cuda"):
+        assert all_finite(tensors) is finite, tensors
+
+
 def test_resumed_stage_takes_its_optimizer_settings_from_the_config(tmp_path: Path):
     """A resume builds the optimizer from the (possibly overridden) config; the checkpoint gives
     its state, not its lr, so `--set train.lr=...` takes effect even without an lr schedule."""
