@@ -178,14 +178,17 @@ def train_loop(
             if reset_optimizer_at is not None and reset_optimizer_at(step):
                 optimizer.state.clear()
             optimizer.zero_grad(set_to_none=True)
-            step_loss = 0.0
+            micro_losses = []  # kept on the device: one sync per update, not one per micro-batch
             for micro in range(loop.accumulate):
                 skip_sync = micro < loop.accumulate - 1
                 with parallel.no_sync(skip_sync) if parallel is not None else contextlib.nullcontext():
                     with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                         loss = loss_at(step, micro)
                     scaler.scale(loss / loop.accumulate).backward()
-                step_loss += loss.item() / loop.accumulate
+                micro_losses.append(loss.detach())
+            step_loss = 0.0
+            for value in torch.stack(micro_losses).double().tolist():  # summed as Python floats, in order
+                step_loss += value / loop.accumulate
             if loop.grad_clip > 0:
                 scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), loop.grad_clip)

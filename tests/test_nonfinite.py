@@ -223,6 +223,30 @@ def test_all_finite_across_dtypes_on_cuda():
         assert all_finite(tensors) is finite, tensors
 
 
+def test_accumulated_micro_batches_log_their_mean_loss_with_one_sync_per_update(tmp_path: Path, monkeypatch):
+    """With train.accumulate, each micro-batch's loss stays on the device and the update's loss is read
+    once: the logged loss is the micro-batches' mean as Python floats summed in order (as when each was
+    read on its own), and `Tensor.item` / `tolist` run a fixed number of times per update, not once per
+    micro-batch (a sync each on a GPU)."""
+    run, model = _linear_run(tmp_path)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: every update sees the same model
+    losses = [torch.tensor(v) for v in (0.1, 0.7, 0.30000001, 1e-8)]
+    expected = 0.0
+    for value in losses:
+        expected += value.item() / len(losses)
+    reads = []
+    for name in ("item", "tolist"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, _o=original, _n=name: reads.append(_n) or _o(self))
+
+    def loss_at(step: int, micro: int) -> torch.Tensor:
+        return model(torch.zeros(1, 3)).sum() * 0 + losses[micro]
+
+    train_loop(run, "s", model, opt, loss_at, LoopConfig(steps=2, accumulate=len(losses), log_every=1, checkpoint_every=2))
+    assert [row["loss"] for row in run.metrics()] == [expected, expected]
+    assert len(reads) <= 2 * 2, reads  # per update: the losses once, and the finiteness check's one read
+
+
 def test_resumed_stage_takes_its_optimizer_settings_from_the_config(tmp_path: Path):
     """A resume builds the optimizer from the (possibly overridden) config; the checkpoint gives
     its state, not its lr, so `--set train.lr=...` takes effect even without an lr schedule."""
