@@ -42,10 +42,12 @@ CPU v2's reads take the SDPA path, whose masked query blocks CUDA's flex kernels
 recorded on the CPU and lowered for CUDA on fake tensors (benchmarks/triton_lowering.py), with CUDA's
 reads in both models (flex_attention, whose backward the CPU lacks, is only lowered, never run). The
 CPU backend fuses differently (larger fusion thresholds; loops of different lengths fuse), so this is
-the count to compare revisions by for the GPU; `--detail` prints each kernel's buffers. A second line
-gives the same count with each access at the elements its index reaches (`reached_bytes`): inductor's
-own counts a narrow slice of a wide buffer that a kernel broadcasts (a head's gate, read from the
-columns of v2's stacked projection) as the whole buffer.
+the count to compare revisions by for the GPU.
+
+`kernels` and `blocks`, on any device: `--detail` prints each kernel's buffers, and a second line gives
+the same count with each access at the elements its index reaches (`reached_bytes`): inductor's own
+counts a narrow slice of a wide buffer that a kernel broadcasts (a head's gate, read from the columns
+of v2's stacked projection) as the whole buffer.
 
 All: d 2048, 16 heads (the small size), batch 2 x 4096 tokens in packed documents, the input not a
 leaf (as the RMSNorm output it is in the model: autocast caches the casts of leaves only), long-term
@@ -132,88 +134,41 @@ def _cuda_reads() -> None:
     ContextualMemory.read_dtype = lambda self, device: torch.bfloat16
 
 
-def _count_inductor_bytes() -> None:
-    """Inductor counting the bytes of each kernel it compiles into `torch._inductor.metrics.num_bytes_accessed`
-    (`GraphLowering.count_bytes`)."""
-    from torch._inductor import compile_fx
-    from torch._inductor import config as inductor_config
-
-    inductor_config.force_disable_caches = True  # the count is taken while compiling, not on a cache hit
-    log = compile_fx.inductor_metrics_log  # inductor counts only while this log is enabled; kept quiet
-    log.setLevel(logging.INFO)
-    log.propagate = False
-
-
 def kernels(kind: str, device: str, detail: bool = False) -> None:
-    triton_on_cpu = device == "triton"
-    run_on = "cpu" if triton_on_cpu else device
+    run_on = "cpu" if device == "triton" else device
     memory, leaf = memory_and_input(kind, "compiled", run_on)
     _cuda_reads()
-    _count_inductor_bytes()
 
     def forward_pass() -> torch.Tensor:
         with torch.autocast(run_on, dtype=torch.bfloat16):
             return memory(leaf * 1.0, doc_starts().to(leaf.device), DELAY, None, 0)
 
-    forward, total, reached = _forward_backward_bytes(forward_pass, triton_on_cpu, detail)
+    forward, total, reached = _forward_backward_bytes(forward_pass, device, detail)
     per_step = total * 48 / 4.3e12 * 1e3
     print(f"{kind} memory, compiled memory_inputs, {_where(device)}: inductor's kernels move {forward / 2**20:,.0f} MiB forward, "
           f"{(total - forward) / 2**20:,.0f} MiB backward, {total / 2**20:,.0f} MiB in all "
           f"(x 48 memories at 4.3 TB/s: {per_step:.1f} ms per step)")
-    if reached:
-        print(reached)
+    print(reached)
 
 
 def _where(device: str) -> str:
     return "Triton for an H200, lowered on this CPU" if device == "triton" else device
 
 
-@contextlib.contextmanager
-def _graphs_for_triton(on: bool):
-    """With `on`: the graphs inductor is given, recorded and not run (benchmarks/triton_lowering.py)."""
-    if not on:
-        yield []
-        return
-    from triton_lowering import capture
-
-    with capture() as graphs:
-        yield graphs
-
-
-def _forward_backward_bytes(forward_pass: Callable[[], torch.Tensor], triton_on_cpu: bool,
+def _forward_backward_bytes(forward_pass: Callable[[], torch.Tensor], device: str,
                             detail: bool) -> tuple[int, int, str]:
-    """forward_pass() and a backward from its output, compiled by inductor: (forward, forward +
-    backward) bytes its kernels move, and `_triton_bytes`' line of reached bytes ("" unless lowered
-    for Triton on the CPU, `triton_on_cpu`, where nothing is run)."""
-    from torch._inductor import metrics
-
-    metrics.num_bytes_accessed = 0
-    with _graphs_for_triton(triton_on_cpu) as graphs:
-        output = forward_pass()
-        forward = metrics.num_bytes_accessed
-        output.float().sum().backward()
-        total = metrics.num_bytes_accessed
-    if triton_on_cpu:
-        return _triton_bytes(graphs, detail)
-    return forward, total, ""
-
-
-def _triton_bytes(graphs: list, detail: bool) -> tuple[int, int, str]:
-    """(forward, forward + backward) bytes of the recorded graphs lowered for CUDA, inductor's count, and
-    a line with the same count, each access at the elements it reaches (`reached_bytes`); `detail`:
-    each kernel."""
-    from triton_lowering import lower_for_cuda
-
-    forward = total = reached_forward = reached = 0
-    for graph in graphs:
-        lowered = lower_for_cuda(graph)
-        total += lowered.bytes
-        reached += lowered.reached
-        forward += 0 if graph.backward else lowered.bytes
-        reached_forward += 0 if graph.backward else lowered.reached
-        if detail:
-            print(f"  {'backward' if graph.backward else 'forward'} graph: {lowered.bytes / 2**20:,.0f} MiB")
-            print("\n".join("    " + row for row in lowered.kernels))
+    """forward_pass() and a backward from its output, compiled by inductor (`_compiled_graphs`: on
+    `device`, or for "triton" lowered on the CPU, where nothing is run): (forward, forward + backward)
+    bytes its kernels move by inductor's count, and a line with the same count, each access at the
+    elements it reaches (`reached_bytes`); `detail`: each kernel."""
+    with _compiled_graphs(device) as graphs:
+        forward_pass().float().sum().backward()
+    if detail:
+        for graph in graphs:
+            print(f"  {'backward' if graph.backward else 'forward'} graph: {graph.bytes / 2**20:,.0f} MiB")
+            print("\n".join("    " + row for row in graph.kernels))
+    forward, total = (sum(g.bytes for g in graphs if not g.backward), sum(g.bytes for g in graphs))
+    reached_forward, reached = (sum(g.reached for g in graphs if not g.backward), sum(g.reached for g in graphs))
     line = (f"    each access at the elements it reaches: {reached_forward / 2**20:,.0f} MiB forward, "
             f"{(reached - reached_forward) / 2**20:,.0f} MiB backward, {reached / 2**20:,.0f} MiB in all")
     return forward, total, line
@@ -234,18 +189,24 @@ def _generated_launches(source: str) -> list[str]:
 
 @dataclasses.dataclass
 class Compiled:
-    """One graph inductor compiled: its generated source and the bytes its kernels move (inductor's
-    `count_bytes`), and the same count with each access at the elements it reaches
-    (benchmarks/triton_lowering.py's `reached_bytes`)."""
+    """One graph inductor compiled: whether it is a backward, its generated source, the bytes its
+    kernels move (inductor's `count_bytes`), the same count with each access at the elements it reaches
+    and one row per kernel (benchmarks/triton_lowering.py's `reached_bytes` and `kernel_rows`)."""
+    backward: bool
     source: str
     bytes: int
     reached: int
+    kernels: list[str]
 
 
 @contextlib.contextmanager
 def _compiled_graphs(device: str):
-    """Yields a list that gets each graph inductor compiles while open (`Compiled`): on `device`, or, for
-    "triton", recorded on the CPU and lowered for CUDA (benchmarks/triton_lowering.py)."""
+    """Yields a list that gets each graph inductor compiles while open (`Compiled`; filled as the block
+    exits): on `device`, or, for "triton", recorded on the CPU and lowered for CUDA
+    (benchmarks/triton_lowering.py). Inductor's caches are off: the counts are taken while compiling."""
+    from torch._inductor import config as inductor_config
+
+    inductor_config.force_disable_caches = True
     compiled: list[Compiled] = []
     if device == "triton":
         from triton_lowering import capture, lower_for_cuda
@@ -254,14 +215,17 @@ def _compiled_graphs(device: str):
             yield compiled
         for graph in graphs:
             lowered = lower_for_cuda(graph)
-            compiled.append(Compiled(lowered.source, lowered.bytes, lowered.reached))
+            compiled.append(Compiled(graph.backward, lowered.source, lowered.bytes, lowered.reached, lowered.kernels))
         return
+    from torch._inductor import compile_fx
     from torch._inductor.graph import GraphLowering
-    from triton_lowering import reached_bytes
+    from triton_lowering import kernel_rows, reached_bytes
 
-    _count_inductor_bytes()
+    log = compile_fx.inductor_metrics_log  # inductor counts a graph's bytes only while this log is enabled
+    log.setLevel(logging.INFO)
+    log.propagate = False  # kept quiet
     sources: list[str] = []
-    counts: list[tuple[int, int]] = []
+    counts: list[tuple[bool, int, int, list[str]]] = []
     compile_to_module, count_bytes = GraphLowering.compile_to_module, GraphLowering.count_bytes
 
     def recorded(self):
@@ -271,7 +235,7 @@ def _compiled_graphs(device: str):
 
     def counted(self):
         result = count_bytes(self)
-        counts.append((result[0], reached_bytes(self)))
+        counts.append((self.is_backward, result[0], reached_bytes(self), kernel_rows(self)))
         return result
 
     GraphLowering.compile_to_module, GraphLowering.count_bytes = recorded, counted
@@ -281,7 +245,8 @@ def _compiled_graphs(device: str):
         GraphLowering.compile_to_module, GraphLowering.count_bytes = compile_to_module, count_bytes
     if len(counts) != len(sources):
         raise SystemExit(f"error: inductor counted the bytes of {len(counts)} of its {len(sources)} graphs")
-    compiled.extend(Compiled(source, *n) for source, n in zip(sources, counts))
+    compiled.extend(Compiled(backward, source, n, reached, rows)
+                    for source, (backward, n, reached, rows) in zip(sources, counts))
 
 
 def _decode_graphs(arch: str, n_layer: int, device: str, capacity: int) -> list[Compiled]:
@@ -326,10 +291,6 @@ def _decode_graphs(arch: str, n_layer: int, device: str, capacity: int) -> list[
 def launches(device: str, contexts: list[int]) -> None:
     from collections import Counter
 
-    from torch._inductor import config as inductor_config
-
-    inductor_config.force_disable_caches = True  # compile here, so the generated code is this run's
-
     def summary(calls: list[str]) -> str:
         kinds = Counter(calls)
         return f"{len(calls)} ({', '.join(f'{n} {k}' for k, n in kinds.most_common())})"
@@ -371,7 +332,6 @@ def blocks(device: str, detail: bool = False) -> None:
     triton_on_cpu = device == "triton"
     run_on = "cpu" if triton_on_cpu else device
     _cuda_reads()
-    _count_inductor_bytes()
     starts = doc_starts().to(run_on)
     positions = torch.arange(CONTEXT, device=run_on) - starts  # restarting at each document
     print(f"one compiled training block, small size, batch {BATCH} x {CONTEXT} in packed documents, bf16 autocast, "
@@ -392,12 +352,11 @@ def blocks(device: str, detail: bool = False) -> None:
                 return model(input_ids=ids, position_ids=positions,
                              **({"long_delay": DELAY} if arch == "mmv2" else {})).logits
 
-        forward, total, reached = _forward_backward_bytes(forward_pass, triton_on_cpu, detail)
+        forward, total, reached = _forward_backward_bytes(forward_pass, device, detail)
         print(f"  {arch:12s} {forward / 2**20:7,.0f} MiB forward, {(total - forward) / 2**20:7,.0f} MiB backward, "
               f"{total / 2**20:7,.0f} MiB in all (x 24 blocks at 4.3 TB/s: {total * 24 / 4.3e12 * 1e3:.1f} ms per step)",
               flush=True)
-        if reached:
-            print(reached, flush=True)
+        print(reached, flush=True)
         model = None
 
 
@@ -413,7 +372,7 @@ def main() -> None:
                              "(benchmarks/triton_lowering.py)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768],
                         help="launches: the contexts whose decoding steps' bytes are counted (the generation benchmark's)")
-    parser.add_argument("--detail", action="store_true", help="kernels, blocks with --device triton: each kernel's buffers")
+    parser.add_argument("--detail", action="store_true", help="kernels, blocks: each kernel's buffers")
     args = parser.parse_args()
     if args.measure == "saved":
         saved(args.kind or "short", args.scan)
