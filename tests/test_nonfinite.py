@@ -177,8 +177,9 @@ def test_train_loop_stops_when_the_update_makes_parameters_non_finite(tmp_path: 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, None])
 def test_the_finite_check_finds_one_bad_value_among_many_parameters(bad):
-    """`_check_finite` reads every parameter once (a multi-tensor inf norm): one NaN or inf anywhere fails
-    it; large finite values (whose 2-norm would overflow) and empty parameters do not."""
+    """`_check_finite` reads every parameter once (`all_finite`: aminmax here, a multi-tensor inf norm on
+    CUDA): one NaN or inf anywhere fails it; large finite values (whose 2-norm would overflow) and empty
+    parameters do not."""
     from owai.train import _check_finite
 
     model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(5)))
