@@ -49,6 +49,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+NEW_TOKENS = 32  # `generation`: the tokens generated after each prompt (--new's default)
+
+
+def generation_cache_length(prompt: int, new: int) -> int:
+    """The cache length `generation` gives a prompt of `prompt` tokens and `new` generated ones (two
+    slots of headroom). A static step reads every slot, so its bytes follow this length, and
+    `benchmarks/mmv2_bytes.py launches` sizes its caches with it."""
+    return prompt + new + 2
+
+
 def rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
@@ -369,7 +379,7 @@ def graphed_steps(model, arch: str, x, args) -> float:
             self.times.append(time.perf_counter())
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
-    length = x.shape[1] + args.new + 2
+    length = generation_cache_length(x.shape[1], args.new)
     static = StaticCache(config=model.config, max_cache_len=length) if arch != "mmv2" else None
     for _ in range(2):  # a warm-up call (compilation), then the timed one
         if static is not None:
@@ -608,7 +618,7 @@ def main() -> None:
     parser.add_argument("--scan", default="auto", choices=["auto", "chunked", "compiled", "triton"], help="mmv2 config scan_impl")
     parser.add_argument("--chunks", type=int, nargs="+", default=[16, 32, 64], help="scan: chunk sizes")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
-    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--new", type=int, default=NEW_TOKENS)
     parser.add_argument("--graphs", action="store_true", help="generation: both models decode with CUDA graphs, through generate")
     parser.add_argument("--train", action="store_true", help="profile: a training step (as throughput's) instead of decoding steps")
     args = parser.parse_args()

@@ -71,8 +71,10 @@ from torch.utils._pytree import tree_flatten
 
 from owai.models.memory_mosaics_v2 import ContextualMemory, MemoryMosaicsV2Config
 
+from mmv2 import NEW_TOKENS, generation_cache_length  # benchmarks/, beside this script
+
 BATCH, CONTEXT, DELAY = 2, 4096, 64
-PREFILL, GENERATED = 256, 32  # decoding: the prefill, and the tokens benchmarks/mmv2.py generation makes
+PREFILL = 256  # decoding: the prompt before the counted step
 DOCUMENTS = [[1000, 2000, 1096], [1536, 2560]]  # each row's document lengths, summing to CONTEXT
 
 
@@ -297,7 +299,7 @@ def launches(device: str, contexts: list[int]) -> None:
 
     mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
     for i, context in enumerate(contexts):
-        capacity = context + GENERATED + 2  # benchmarks/mmv2.py generation's cache length
+        capacity = generation_cache_length(context, NEW_TOKENS)  # as benchmarks/mmv2.py generation sizes it
         v2 = _decode_graphs("mmv2", 1, device, capacity)  # each memory kind's readable slots (once per step), then the block
         if len(v2) != 3:
             raise SystemExit(f"error: expected three compiled graphs for v2's decoding step, got {len(v2)}")
