@@ -207,15 +207,6 @@ def dataset_root(name: str, root: str | Path | None = None) -> Path:
     return folder
 
 
-def count_domains(name: str, root: str | Path) -> int:
-    """How many domains dataset `name` (a DomainBed name or "imagefolder") has, from the folder
-    listing alone (cheap: for checking a test-domain index before anything is indexed)."""
-    if name in DOMAINBED:
-        return len(DOMAINBED[name])
-    root = Path(root).expanduser()
-    return len(visible_dirs(root)) if root.is_dir() else 0
-
-
 @functools.lru_cache(maxsize=4)
 def _indexed(name: str, root: str, skip_unreadable: bool) -> ImageFolderDomains:
     if name == "imagefolder":

@@ -32,9 +32,6 @@ import numpy as np
 
 from owai.errors import OwaiError
 
-# distance buckets of a fact from its query, in tokens: [lo, hi) (hi None: unbounded)
-BUCKETS = ("near", "mid", "far")
-
 KEYS = (
     "river mountain garden window bridge harbor candle forest castle island valley market station village "
     "lantern meadow desert engine mirror orchard pocket rocket saddle ticket tunnel wagon basket blanket "

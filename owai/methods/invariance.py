@@ -634,8 +634,8 @@ class LfF(Penalty):
     v <- alpha v + (1 - alpha * updated) loss, so the first update takes the raw loss), normalised
     per class by the class's max EMA; w = l_b / (l_b + l_d + 1e-8) (detached);
     loss = mean GCE_q(b) + mean(w * CE(d)), GCE_q = CE * (p_y^q q) with the factor detached, q =
-    `weight`. Full batch: example i of the concatenated environments has EMA slot i (or pass `index`
-    via `set_index` for minibatches). d is the model to evaluate."""
+    `weight`. Full batch: example i of the concatenated environments has EMA slot i. d is the model
+    to evaluate."""
 
     name = "lff"
     default_weight = 0.1  # q; the thesis's grid is {0.1, 0.2, 0.3, 0.4, 0.5}
@@ -651,11 +651,6 @@ class LfF(Penalty):
         self.ema_d: torch.Tensor | None = None
         self.updated: torch.Tensor | None = None
         self.labels: torch.Tensor | None = None
-        self.index: torch.Tensor | None = None
-
-    def set_index(self, index: torch.Tensor | None) -> None:
-        """Dataset positions of the next batch's examples (None = the full batch, in order)."""
-        self.index = index
 
     def _ema(self, ema: torch.Tensor, loss: torch.Tensor, idx: torch.Tensor, upd: torch.Tensor) -> torch.Tensor:
         ema[idx] = self.alpha * ema[idx] + (1 - self.alpha * upd) * loss
@@ -674,7 +669,7 @@ class LfF(Penalty):
         logits_b = _concat(biased, "logits")
         ce_b = F.cross_entropy(logits_b, y, reduction="none")
         ce_d = F.cross_entropy(logits_d, y, reduction="none")
-        idx = torch.arange(len(y), device=y.device) if self.index is None else self.index.to(y.device)
+        idx = torch.arange(len(y), device=y.device)
         with torch.no_grad():
             size = int(idx.max()) + 1
             if self.ema_b is None or self.ema_b.shape[0] < size:
