@@ -252,7 +252,7 @@ def _compiled_graphs(device: str):
 
 
 def _decode_graphs(arch: str, n_layer: int, device: str, capacity: int) -> list[Compiled]:
-    """Each graph inductor compiles for `arch`'s decoding steps, after a 256-token prefill, into a
+    """Each graph inductor compiles for `arch`'s decoding steps, after a `PREFILL`-token prefill, into a
     cache of `capacity` positions (the step reads every slot, filled or not, so its kernels and bytes
     depend on the capacity, not on the prefill); device "triton": Triton's, lowered on the CPU."""
     from owai.models.lm import build_lm

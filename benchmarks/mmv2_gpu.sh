@@ -45,9 +45,10 @@
 #   pytest             the `gpu` tests of v2 and Llama: flex vs SDPA and the bf16 training step (each
 #                      kernel path against float32), the compiled and Triton key scans at training
 #                      length, bf16 prefill + decoding, the compiled StaticDecoder's CUDA graph against the
-#                      dynamic cache; and the trainer's finiteness check on CUDA (tests/test_nonfinite.py) (with a cold inductor cache they outran the 150 s the sixteenth
-#                      session gave them; last, since the steps before it usually end well inside
-#                      their limits: 64, 57, 111 and 41 s in that session)
+#                      dynamic cache; and the trainer's finiteness check on CUDA (tests/test_nonfinite.py).
+#                      With a cold inductor cache they outran the 150 s the sixteenth session gave
+#                      them; last, since the steps before it usually end well inside their limits
+#                      (64, 57, 111 and 41 s in that session)
 #   launches           the kernels each model's compiled decoding step launches per block, from the
 #                      Triton code inductor generates: does v2's block, its matmuls stacked, launch
 #                      what the transformer's does, as on the CPU? Then the bytes each step moves at 4k
