@@ -7,6 +7,7 @@ implemented ones appear in --help. Every user error is one line on stderr and a 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import pkgutil
 import sys
@@ -233,6 +234,22 @@ def _register_commands() -> None:
 
 
 _register_commands()
+
+
+def _summaries_on_one_line(typer_app: typer.Typer) -> None:
+    """Give each command whose summary (its docstring's first paragraph) wraps in the source that
+    summary on one line as its short help: in rich markup mode Typer keeps the source's line breaks in
+    a group's command list, so a wrapped docstring printed as ragged rows in `owai --help`."""
+    for info in typer_app.registered_commands:
+        summary = inspect.cleandoc(info.help or (info.callback.__doc__ if info.callback else None) or "").split("\n\n")[0]
+        if info.short_help is None and "\n" in summary:
+            info.short_help = " ".join(summary.split())
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            _summaries_on_one_line(group.typer_instance)
+
+
+_summaries_on_one_line(app)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

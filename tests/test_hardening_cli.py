@@ -180,6 +180,30 @@ def test_every_command_has_quiet_and_json() -> None:
         assert {"--quiet", "--json"} <= options, name
 
 
+def test_command_lists_print_each_summary_on_one_row(capsys, monkeypatch) -> None:
+    """In rich markup mode Typer kept a docstring's source line breaks in a group's command list, so
+    `owai --help` printed wrapped summaries as ragged rows (report, sweep, mosaic-train, ...)."""
+    import inspect
+
+    import typer.main
+
+    from owai.cli import app
+
+    monkeypatch.setenv("COLUMNS", "400")  # wide enough that no summary wraps
+    root = typer.main.get_command(app)
+    for path in ([], ["eval"], ["recipes"], ["data"]):
+        group = root
+        for name in path:
+            group = group.commands[name]
+        code, stdout, _ = cli_in_process([*path, "--help"], capsys)
+        assert code == 0
+        for name, command in group.commands.items():
+            summary = " ".join(inspect.cleandoc(command.short_help or command.help or "").split("\n\n")[0].split())
+            assert summary, (path, name)
+            rows = [line for line in stdout.splitlines() if f" {name} " in line]
+            assert any(summary in row for row in rows), (path, name, summary)
+
+
 def test_every_run_command_has_quiet_recipe_and_resume(capsys) -> None:
     for command in (["moons"], ["mosaic-train"], ["dropout-ft"], ["bonsai"], ["sweep"], ["eval", "regbench"],
                     ["recipes", "run"]):
