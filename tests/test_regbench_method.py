@@ -230,7 +230,7 @@ def test_regbench_lstm_is_seq_icls_as_it_computes(tmp_path: Path):
     hh = lstm.weight_hh_l0.detach()
     torch.testing.assert_close(hh.T @ hh, torch.eye(C), rtol=0, atol=1e-5)  # orthonormal columns
     bound = math.sqrt(6 / (C + 4 * C))  # Xavier-uniform of a (4C, C) matrix
-    assert bound * 0.9 < float(lstm.weight_ih_l0.abs().max()) <= bound
+    assert bound * 0.9 < float(lstm.weight_ih_l0.detach().abs().max()) <= bound
     assert not lstm.bias_hh_l0.any() and torch.equal(lstm.bias_ih_l0, torch.cat([torch.zeros(C), torch.ones(C),
                                                                                  torch.zeros(2 * C)]))
     model.save_pretrained(tmp_path)
