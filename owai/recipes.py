@@ -113,7 +113,15 @@ class Recipe:
 
     @property
     def references(self) -> str:
-        return ", ".join(f"{r.ref} (sec {r.section})" for r in self.reproduces)
+        """The thesis items the recipe reproduces, each run of items from one section named once:
+        "Figure 4.6, Table 4.6 (sec 4.2.3.3), Table C.1 (sec C.1)"."""
+        groups: list[tuple[str, list[str]]] = []
+        for r in self.reproduces:
+            if groups and groups[-1][0] == r.section:
+                groups[-1][1].append(r.ref)
+            else:
+                groups.append((r.section, [r.ref]))
+        return ", ".join(f"{', '.join(refs)} (sec {section})" for section, refs in groups)
 
     def method_class(self) -> type[Method]:
         return method_class(self.method)

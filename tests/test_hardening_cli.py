@@ -204,6 +204,32 @@ def test_command_lists_print_each_summary_on_one_row(capsys, monkeypatch) -> Non
             assert any(summary in row for row in rows), (path, name, summary)
 
 
+@pytest.mark.parametrize("width", [100, 300])
+def test_recipes_list_never_cuts_an_id_or_a_command_word(width, capsys, monkeypatch) -> None:
+    """`owai recipes list` on a 100-column terminal printed ids and commands cut short with "…"
+    (fig2.10-dropout…, linear-disentan…): the two cells a user copies."""
+    import json
+
+    from owai import console
+
+    code, stdout, _ = cli_in_process(["recipes", "list", "--json"], capsys)
+    assert code == 0
+    rows = json.loads(stdout)
+    monkeypatch.setenv("COLUMNS", str(width))
+    monkeypatch.setattr(console.stdout, "width", width)
+    code, stdout, _ = cli_in_process(["recipes", "list"], capsys)
+    assert code == 0 and "…" not in stdout
+    lines = stdout.splitlines()
+    assert max(len(line) for line in lines) <= width
+    cells = [cell.strip() for line in lines for cell in line.split("│")]
+    for row in rows:
+        assert row["id"] in cells, row["id"]
+        for word in row["command"].split():
+            assert any(word in cell.split() for cell in cells), (row["id"], word)
+        if width == 300:
+            assert row["command"] in cells, row["command"]
+
+
 def test_every_run_command_has_quiet_recipe_and_resume(capsys) -> None:
     for command in (["moons"], ["mosaic-train"], ["dropout-ft"], ["bonsai"], ["sweep"], ["eval", "regbench"],
                     ["recipes", "run"]):

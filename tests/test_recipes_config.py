@@ -296,3 +296,13 @@ def test_every_method_refuses_rates_and_probabilities_out_of_range():
         for text in (".nan", "-.inf") if is_float else ():
             with pytest.raises(OwaiError, match=rf"^params\.{path} must be a finite number, got -?(nan|inf)$"):
                 build(schema, apply_overrides(schema, {}, [f"{path}={text}"]), path="params")
+
+
+def test_references_name_each_section_once_per_run_of_items() -> None:
+    """A recipe's "reproduces" line (recipes list, results.json) names a section once for the items
+    in a row that share it, and again where the section comes back after another."""
+    from owai.recipes import load
+
+    assert load("fig4.6-icl").references == "Figure 4.6, Figure 4.7, Figure 4.8, Figure 4.9, Table 4.6 (sec 4.2.3.3)"
+    assert load("mosaic-eval").references == "Figure 3.9 (sec 3.5), Figure B.5 (sec B.4.4), Table B.4 (sec 3.5)"
+    assert load("three-moons").references == "Figure 3.5, Figure 3.6 (sec 3.3), Figure B.1 (sec B.1)"
