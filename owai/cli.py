@@ -122,7 +122,7 @@ def recipes_list(
         return
     table = Table(title="owai recipes")
     for col in ["id", "reproduces", "presets", "command", "claims"] + (["last verdict"] if runs is not None else []):
-        table.add_column(col, overflow="fold")
+        table.add_column(col)
     for row in rows:
         presets = ", ".join(f"[bold]{p}[/bold]" if p == row["default"] else p for p in row["presets"])
         command = escape(row["command"]) if row["implemented"] else "[dim]not implemented[/dim]"
@@ -131,34 +131,7 @@ def recipes_list(
             found = row["last_run"]
             cells.append("-" if found is None else escape(f"{summary_counts(found['claims'])} ({found['dir']})"))
         table.add_row(*cells)
-    _fit_recipe_table(table, rows, console.stdout.width)
-    console.stdout.print(table)
-
-
-def _fit_recipe_table(table: Table, rows: list[dict], width: int) -> None:
-    """Column widths for `recipes list` on a terminal too narrow for one line per cell. The id and the
-    command are what a user copies: the id keeps its width and the command wraps between words, never
-    inside one, while the prose columns (reproduces, presets, last verdict) share the rest. Rich's own
-    narrowing cuts every column evenly, ids and commands included; it is left to fold every column
-    only where even this does not fit."""
-    from rich.measure import Measurement
-
-    if Measurement.get(console.stdout, console.stdout.options.update_width(10**6), table).maximum <= width:
-        return
-    id_width = max(len("id"), *(len(r["id"]) for r in rows))
-    command_width = max(len("implemented"), *(len(word) for r in rows for word in r["command"].split()))
-    verdicts = len(table.columns) == 6
-    free = width - (3 * len(table.columns) + 1) - id_width - command_width - len("claims")
-    prose_columns = 3 if verdicts else 2
-    if free < 12 * prose_columns:
-        return
-    presets_width = min(max((len(", ".join(r["presets"])) for r in rows), default=0), free // prose_columns)
-    rest = free - presets_width
-    widths = [id_width, rest - rest // 2 if verdicts else rest, presets_width, command_width, len("claims")]
-    if verdicts:
-        widths.append(rest // 2)
-    for column, column_width in zip(table.columns, widths):
-        column.width = column_width
+    console.stdout.print(console.fit_table(table, whole=(0, 3)))  # the id and the command: what a user copies
 
 
 @recipes_app.command("show")

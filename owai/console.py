@@ -12,13 +12,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
+from rich.cells import cell_len
 from rich.console import Console
+from rich.measure import Measurement
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -27,6 +30,8 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.table import Table
+from rich.text import Text
 
 T = TypeVar("T")
 
@@ -49,6 +54,42 @@ def _fit_width(con: Console) -> None:
 
 _fit_width(stdout)
 _fit_width(stderr)
+
+
+def fit_table(table: Table, whole: Sequence[int] = ()) -> Table:
+    """`table` (returned) fitted to stdout's width, for the columns a user copies from: `whole` are
+    their indices (ids, metric names, commands). Every column folds instead of ending in "…". On a
+    console too narrow for one line per cell, each `whole` column keeps the width of its longest
+    word, so it wraps between words and never inside one, and the other columns share the rest,
+    narrowest first, each up to its natural width. Rich's own narrowing cuts every column evenly,
+    ids included; it is left to fold them only where even this does not fit."""
+    for column in table.columns:
+        column.overflow = "fold"
+
+    def lines(cell: Any) -> list[str]:
+        text = cell.plain if isinstance(cell, Text) else Text.from_markup(cell).plain if isinstance(cell, str) else ""
+        return text.splitlines() or [""]
+
+    texts = [lines(column.header) + [line for cell in column.cells for line in lines(cell)] for column in table.columns]
+    natural = [max(cell_len(line) for line in column) for column in texts]
+    unbounded = stdout.options.update_width(10**6)
+    overhead = Measurement.get(stdout, unbounded, table).maximum - sum(natural)  # borders and padding
+    width = stdout.width
+    if sum(natural) + overhead <= width:
+        return table
+    # a word with its indentation ("  metric" in a sweep's grid cell) is one unit
+    widths = {i: max(cell_len(word) for line in texts[i] for word in re.findall(r"^\s*\S+|\S+", line) or [""])
+              for i in whole}
+    others = sorted((i for i in range(len(natural)) if i not in widths), key=natural.__getitem__)
+    free = width - overhead - sum(widths.values())
+    if free < 8 * len(others):
+        return table
+    for k, i in enumerate(others):
+        widths[i] = min(natural[i], free // (len(others) - k))
+        free -= widths[i]
+    for i, column in enumerate(table.columns):
+        column.width = widths[i]
+    return table
 
 
 class _State:

@@ -9,6 +9,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
+from owai import console
 from owai.values import fmt
 
 
@@ -28,7 +29,7 @@ def table(results: dict[str, Any]) -> Table:
     t.add_column("ref")
     for row in results["rows"]:
         t.add_row(row["metric"], fmt(row["measured"]), _thesis(row), row.get("ref") or "")
-    return t
+    return console.fit_table(t, whole=(0,))  # the metric names: what claims, --grid and select name
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -96,7 +97,7 @@ def claims_table(verdicts: list[dict[str, Any]], title: str = "thesis claims") -
         style = VERDICT_STYLE.get(v["verdict"], "")
         t.add_row(f"[{style}]{v['verdict']}[/{style}]", escape(f"{v['text']} ({v['id']})"), escape(v["detail"]),
                   escape(_numbers(v)))
-    return t
+    return console.fit_table(t, whole=(0,))
 
 
 def claims_markdown(verdicts: list[dict[str, Any]]) -> str:

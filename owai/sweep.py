@@ -693,6 +693,7 @@ def table(summary: dict[str, Any]) -> Any:
     failed = failures(summary)
     if failed:
         t.caption = escape("failed: " + "; ".join(f"{p['label']}: {p['error'] or p['status']}" for p in failed))
+    console.fit_table(t, whole=(0,))  # the grid cells and metric names
     selection = summary.get("selection")
     if not selection:
         return t
@@ -709,7 +710,7 @@ def table(summary: dict[str, Any]) -> Any:
         s.add_row(escape(f"  → {_searched(selection, group)}{score}"), "", "", "")
         for m in group["metrics"]:
             s.add_row(escape(f"    {m['metric']}"), escape(_mean_std(m)), str(m["n"]), fmt(m["thesis"]))
-    return Group(t, s)
+    return Group(t, console.fit_table(s, whole=(0,)))
 
 
 def markdown(summary: dict[str, Any]) -> str:

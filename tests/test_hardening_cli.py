@@ -230,6 +230,30 @@ def test_recipes_list_never_cuts_an_id_or_a_command_word(width, capsys, monkeypa
             assert row["command"] in cells, row["command"]
 
 
+@pytest.mark.parametrize("width", [60, 100, 300])
+def test_report_tables_keep_metric_names_whole(width, capsys, monkeypatch) -> None:
+    """The measured-vs-thesis table cut long metric names with "…" on a 100-column terminal
+    (heads1.train.accurate_from_over_l…); a name is what claims, --grid and select refer to."""
+    from owai import console
+    from owai.report import table
+
+    metrics = [f"heads{h}.{panel}.accurate_from_over_lcm_{i}" for h in (1, 3) for panel in ("train", "val") for i in range(3)]
+    claim = "sharp transition after lcm(p1,p2,p3) observations of the held-out period set, as the figure shows"
+    results = {"recipe": "three-moons", "reproduces": "Figure 3.5 (sec 3.3)", "preset": "cpu",
+               "rows": [{"metric": m, "measured": 3.06, "thesis": 222.2, "thesis_claim": claim, "ref": "Figure 3.5"}
+                        for m in metrics]}
+    monkeypatch.setattr(console.stdout, "width", width)
+    console.stdout.print(table(results))
+    lines = capsys.readouterr().out.splitlines()
+    assert "…" not in "\n".join(lines) and max(len(line) for line in lines) <= width
+    cells = [cell.strip() for line in lines for cell in line.split("│")]
+    if width >= 100:  # room for the longest name beside the other columns
+        assert all(m in cells for m in metrics)
+    else:  # too narrow for that: folded, never cut
+        names = "".join(line.split("│")[1].strip() for line in lines if line.startswith("│"))
+        assert names == "".join(metrics)
+
+
 def test_every_run_command_has_quiet_recipe_and_resume(capsys) -> None:
     for command in (["moons"], ["mosaic-train"], ["dropout-ft"], ["bonsai"], ["sweep"], ["eval", "regbench"],
                     ["recipes", "run"]):

@@ -42,13 +42,13 @@ def data_list(data_root: DataRoot = None, quiet: Quiet = False, as_json: Json = 
         return
     table = Table(title="owai datasets")
     for col in ("name", "found", "verified", "where", "size", "how to get it"):
-        table.add_column(col, overflow="fold")
+        table.add_column(col)
     for row in rows:
         found = "[green]yes[/green]" if row["found"] == "yes" else "[red]no[/red]"
         verified = {"yes": "[green]yes[/green]", "FAILED": "[red]FAILED[/red]"}.get(row["verified"], row["verified"])
         name = row["name"] + (" (tokenizer)" if row["kind"] == "tokenizer" else "")
         table.add_row(name, found, verified, row["where"], row["size"], row["get"] + (f"; {row['note']}" if row["note"] else ""))
-    console.stdout.print(table)
+    console.stdout.print(console.fit_table(table, whole=(0,)))
 
 
 @data_app.command("fetch")
