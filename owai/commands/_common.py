@@ -279,6 +279,6 @@ def run_study(plan: Any, runs_on: tuple[str, int, Any], write_study: Callable[[A
     if as_json:
         console.emit_json({"rows": rows, **info, "sweep_dir": str(plan.path), "failed": [p["label"] for p in failed]})
     elif not quiet:
-        console.stdout.print(study_table(rows, info["title"]))
+        console.stdout.print(console.fit_table(study_table(rows, info["title"]), whole=(0,)))  # row labels whole
         console.stdout.print(f"table: {info.get('table') or plan.path / table_name}\nfigure: {info['figure']}")
     sweeps.raise_on_failures(summary, rerun)
