@@ -38,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
-from owai.errors import OwaiError
+from owai.errors import OwaiError, did_you_mean
 from owai.values import numeric
 
 HOLDS, MISSES, NA = "holds", "misses", "n/a"
@@ -306,14 +306,15 @@ def check_claim(spec: dict[str, Any], where: str, presets: list[str]) -> None:
             raise OwaiError(f"{where}: {key} must be a non-empty string")
     kind = KINDS.get(spec["kind"])
     if kind is None:
-        raise OwaiError(f"{where}: unknown kind {spec['kind']!r} (kinds: {', '.join(KINDS)})")
+        raise OwaiError(f"{where}: unknown kind {spec['kind']!r}{did_you_mean(str(spec['kind']), KINDS)} "
+                        f"(kinds: {', '.join(KINDS)})")
     missing = [k for k in kind.required if k not in spec]
     if missing:
         raise OwaiError(f"{where}: kind {kind.name} needs {missing[0]!r}")
     unknown = set(spec) - set(COMMON_KEYS) - set(kind.required) - set(kind.optional)
     if unknown:
-        allowed = ", ".join((*COMMON_KEYS, *kind.required, *kind.optional))
-        raise OwaiError(f"{where}: unknown key {sorted(unknown)[0]!r} (keys of {kind.name}: {allowed})")
+        keys, key = (*COMMON_KEYS, *kind.required, *kind.optional), sorted(unknown)[0]
+        raise OwaiError(f"{where}: unknown key {key!r}{did_you_mean(key, keys)} (keys of {kind.name}: {', '.join(keys)})")
     if "presets" in spec:
         own = spec["presets"]
         if not isinstance(own, list) or not own or not all(isinstance(p, str) for p in own):

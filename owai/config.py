@@ -21,7 +21,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from owai.errors import OwaiError
+from owai.errors import OwaiError, did_you_mean
 
 
 @dataclasses.dataclass
@@ -134,7 +134,7 @@ def build(cls: type, data: dict[str, Any], path: str = "params") -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = [k for k in data if k not in names]
     if unknown:
-        raise OwaiError(f"{path}: unknown key {unknown[0]!r} (known: {', '.join(names)})")
+        raise OwaiError(f"{path}: unknown key {unknown[0]!r}{did_you_mean(unknown[0], names)} (known: {', '.join(names)})")
     kwargs = {name: coerce(hints[name], data[name], f"{path}.{name}") for name in names if name in data}
     missing = [
         f.name
@@ -320,7 +320,8 @@ def apply_overrides(cls: type, data: dict[str, Any], overrides: list[str]) -> di
             names = [f.name for f in dataclasses.fields(schema)]
             if part not in names:
                 where = ".".join(parts[:i]) or "params"
-                raise OwaiError(f"--set {text!r}: unknown key {part!r} in {where} (known: {', '.join(names)})")
+                raise OwaiError(f"--set {text!r}: unknown key {part!r} in {where}{did_you_mean(part, names)} "
+                                f"(known: {', '.join(names)})")
             schema = typing.get_type_hints(schema)[part]
         node = out
         for part in parts[:-1]:

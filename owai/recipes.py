@@ -18,7 +18,7 @@ import yaml
 
 from owai.claims import check_claims
 from owai.config import apply_overrides, build, load_yaml, merge
-from owai.errors import OwaiError
+from owai.errors import OwaiError, did_you_mean
 from owai.methods import Method, is_registered, method_class
 
 REQUIRED_PRESETS = ("cpu", "paper")
@@ -171,7 +171,7 @@ def load(name: str) -> Recipe:
     else:
         known = available()
         if name not in known:
-            raise OwaiError(f"unknown recipe {name!r} (known: {', '.join(known) or 'none'})")
+            raise OwaiError(f"unknown recipe {name!r}{did_you_mean(name, known)} (known: {', '.join(known) or 'none'})")
         path = known[name]
     try:
         text = path.read_text()

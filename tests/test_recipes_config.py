@@ -306,3 +306,21 @@ def test_references_name_each_section_once_per_run_of_items() -> None:
     assert load("fig4.6-icl").references == "Figure 4.6, Figure 4.7, Figure 4.8, Figure 4.9, Table 4.6 (sec 4.2.3.3)"
     assert load("mosaic-eval").references == "Figure 3.9 (sec 3.5), Figure B.5 (sec B.4.4), Table B.4 (sec 3.5)"
     assert load("three-moons").references == "Figure 3.5, Figure 3.6 (sec 3.3), Figure B.1 (sec B.1)"
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: recipes.load("three-moon"), "unknown recipe 'three-moon' (did you mean 'three-moons'?) (known: "),
+        (lambda: apply_overrides(recipes.load("three-moons").method_class().Config, {}, ["trian.lr=1"]),
+         "--set 'trian.lr=1': unknown key 'trian' in params (did you mean 'train'?) (known: "),
+        (lambda: apply_overrides(recipes.load("three-moons").method_class().Config, {}, ["train.lrr=1"]),
+         "unknown key 'lrr' in train (did you mean 'lr'?)"),
+        (lambda: apply_overrides(recipes.load("three-moons").method_class().Config, {}, ["train.qqqq=1"]),
+         "unknown key 'qqqq' in train (known: "),  # nothing close: no guess
+    ],
+)
+def test_an_unknown_name_suggests_the_closest_known_one(call, message) -> None:
+    with pytest.raises(OwaiError) as error:
+        call()
+    assert message in str(error.value)

@@ -52,13 +52,12 @@ Hence owai's decision:
 
 from __future__ import annotations
 
-import difflib
 import math
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from owai.errors import OwaiError
+from owai.errors import OwaiError, did_you_mean
 from owai.models.sizes import size_settings
 
 DEFAULT_MAX_POSITIONS = 131072  # metadata only: RoPE is computed per call (module docstring)
@@ -128,8 +127,7 @@ def llama_config(
         if key in _OWAI_NAMES:
             fail(f"set {_OWAI_NAMES[key]}, not the Llama name {key!r}")
         if key not in known:
-            close = difflib.get_close_matches(key, sorted(known | set(_OWAI_NAMES.values())), n=1)
-            fail(f"unknown setting {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            fail(f"unknown setting {key!r}{did_you_mean(key, known | set(_OWAI_NAMES.values()))}")
     rope = {"rope_type": "default", "rope_theta": float(rope_theta), **(extra.pop("rope_parameters", None) or {})}
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

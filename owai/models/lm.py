@@ -13,7 +13,6 @@ Adding a sequence model is one line in `ARCHITECTURES`.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib
 import inspect
 from typing import Callable, Literal
@@ -26,7 +25,7 @@ import owai.models.llama  # noqa: F401  (the transformer baseline: transformers'
 import owai.models.lstm  # noqa: F401  (registers owai_lstm with the Auto classes)
 import owai.models.memory_mosaics  # noqa: F401  (registers owai_memory_mosaics with the Auto classes)
 import owai.models.memory_mosaics_v2  # noqa: F401  (registers owai_memory_mosaics_v2 with the Auto classes)
-from owai.errors import OwaiError
+from owai.errors import OwaiError, did_you_mean
 
 # arch name -> (module, config class or factory, causal-LM class or factory(config))
 ARCHITECTURES: dict[str, tuple[str, str, str]] = {
@@ -69,9 +68,7 @@ def lm_config(arch: str, **config_kwargs) -> PretrainedConfig:
     known = config_keys(config_class)
     for key in config_kwargs:
         if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise OwaiError(f"unknown {arch} model setting {key!r}{hint}")
+            raise OwaiError(f"unknown {arch} model setting {key!r}{did_you_mean(key, known)}")
     if not isinstance(config_class, type):  # a factory: its arguments without defaults are required
         params = inspect.signature(config_class).parameters.values()
         missing = [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
