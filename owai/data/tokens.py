@@ -227,18 +227,17 @@ def _encoded_batches(texts: Iterable[str], tok: Tokenizer,
         for batch in _batches(texts):
             yield encode_documents(tok, batch), len(batch)
         return
-    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    previous = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker, and no fork warning
-    try:
-        with context.Pool(workers, initializer=_worker_init, initargs=(tok,)) as pool:
-            for ids, n in pool.imap(_worker_encode, _batches(texts), chunksize=1):
-                yield ids, n
-    finally:
-        if previous is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = previous
+    # Not fork: this process runs torch's threads, and forking a threaded process can deadlock the child
+    # (Python 3.12+ warns; 3.14 stops forking by default), or crash it on macOS. A fork server starts
+    # clean, imports this module once, and forks the workers from itself; the tokenizer is pickled.
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([__name__])
+    else:
+        context = multiprocessing.get_context("spawn")
+    with context.Pool(workers, initializer=_worker_init, initargs=(tok,)) as pool:
+        for ids, n in pool.imap(_worker_encode, _batches(texts), chunksize=1):
+            yield ids, n
 
 
 _WORKER_TOKENIZER: Tokenizer | None = None
@@ -246,6 +245,7 @@ _WORKER_TOKENIZER: Tokenizer | None = None
 
 def _worker_init(tok: Tokenizer) -> None:
     global _WORKER_TOKENIZER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the pool is the parallelism
     _WORKER_TOKENIZER = tok
 
 

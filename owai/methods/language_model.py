@@ -119,7 +119,7 @@ class DataConfig:
     tokenizer: str = "bpe-4096"  # gpt2 (hub), bytes, bpe-N (trained locally), or a tokenizer dir
     text_field: str = "text"
     block_size: int = 512  # training context
-    workers: int = 0  # tokenisation processes; 0 = all cores
+    workers: int = 0  # tokenisation processes; 0 = this process, the tokenizer's own threads on all cores
     root: str = ""  # explicit data root for named corpora and relative paths (--data-root); "" = $OWAI_DATA, the cache
     val_every: int = 100  # without a validation split, every val_every-th document is validation
     documents: bool = False  # document-wise masking: models read nothing across the eot between documents
