@@ -184,6 +184,33 @@ def test_yaml_is_read_safely(tmp_path):
         recipes.load(str(path))
 
 
+def test_the_fast_yaml_parser_reads_every_recipe_as_the_python_parser_does():
+    """owai's loader parses with libyaml where PyYAML has it; the pure-Python SafeLoader with the same
+    resolvers must read every packaged recipe to the same data (the C parser is only faster)."""
+    from owai.config import _Loader
+
+    class PythonLoader(yaml.SafeLoader):
+        yaml_implicit_resolvers = _Loader.yaml_implicit_resolvers
+
+    assert yaml.__with_libyaml__ and issubclass(_Loader, yaml.CSafeLoader)  # PyYAML's wheels carry libyaml
+    for path in sorted(Path(recipes.recipe_dir()).glob("*.yaml")):
+        text = path.read_text()
+        assert yaml.load(text, Loader=_Loader) == yaml.load(text, Loader=PythonLoader), path.name  # noqa: S506
+    assert load_yaml("lr: 1e-3") == {"lr": 0.001} and yaml.load("lr: 1e-3", Loader=PythonLoader) == {"lr": 0.001}  # noqa: S506
+
+
+def test_listing_and_validating_every_recipe_imports_no_model():
+    """`owai recipes list` validates every recipe against its method's Config; the methods name the
+    zoo's architectures through owai.models.zoo, so this never imports transformers (1.7 s)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from owai import recipes; [recipes.load(n) for n in recipes.available()]; "
+            "print(sorted(m for m in ('transformers', 'owai.models.lm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def test_build_rejects_bool_for_int_and_accepts_int_for_float():
     @dataclasses.dataclass
     class C(BaseConfig):

@@ -33,7 +33,7 @@ from owai import console, distributed
 from owai.config import MAX_CONTEXT, MAX_LAYERS, BaseConfig, check_count
 from owai.errors import OwaiError
 from owai.methods import Method, Outcome
-from owai.models.lm import SIZED
+from owai.models.zoo import SIZED
 from owai.runs import Run, model_dirs
 from owai.runtime import generator
 
@@ -45,7 +45,7 @@ POSITION_VARIANTS = ("learned", "rope", "alibi", "none")
 def parse_arch(label: str) -> tuple[str, dict[str, Any]]:
     """An `archs` entry: a zoo architecture ("mm", "gpt"), or "gpt-<position>" for a GPT whose
     position encoding differs from model.position (Fig B.6 compares gpt-rope and gpt-alibi)."""
-    from owai.models.lm import ARCHITECTURES
+    from owai.models.zoo import ARCHITECTURES
 
     if label in ARCHITECTURES:
         return label, {}

@@ -46,12 +46,12 @@ class SequenceModel:
     """How RegBench builds one architecture: the zoo entry and its seq_icl defaults."""
 
     label: str
-    zoo: str | None  # owai.models.lm.ARCHITECTURES key; None = nothing to train (the n-gram)
+    zoo: str | None  # owai.models.zoo.ARCHITECTURES key; None = nothing to train (the n-gram)
     defaults: dict[str, Any]  # zoo config settings for RegBench (overridden by `model.*`)
     settings: tuple[str, ...]  # the `model.*` keys it accepts
 
 
-# Adding a sequence model: register it in owai.models.lm.ARCHITECTURES, then add one entry here.
+# Adding a sequence model: register it in owai.models.zoo.ARCHITECTURES, then add one entry here.
 SEQUENCE_MODELS: dict[str, SequenceModel] = {
     # ICLL/configs/experiment/dfa/mm.yaml: n_embd 128, 8 heads, 2 layers, pmem 3.5 C, dropout 0.05,
     # the Library's init and logits / sqrt(C)

@@ -7,7 +7,7 @@ Every architecture is a Hugging Face `PreTrainedModel` causal LM (forward with l
 `generate`, `save_pretrained`). Importing this module imports the model modules, which register
 their `model_type` with `AutoConfig` / `AutoModelForCausalLM`, so a saved run directory loads with
 `AutoModelForCausalLM.from_pretrained(path)` and no `trust_remote_code`.
-Adding a sequence model is one line in `ARCHITECTURES`.
+Adding a sequence model is one line in `owai.models.zoo.ARCHITECTURES`.
 """
 
 from __future__ import annotations
@@ -26,18 +26,7 @@ import owai.models.lstm  # noqa: F401  (registers owai_lstm with the Auto classe
 import owai.models.memory_mosaics  # noqa: F401  (registers owai_memory_mosaics with the Auto classes)
 import owai.models.memory_mosaics_v2  # noqa: F401  (registers owai_memory_mosaics_v2 with the Auto classes)
 from owai.errors import OwaiError, did_you_mean
-
-# arch name -> (module, config class or factory, causal-LM class or factory(config))
-ARCHITECTURES: dict[str, tuple[str, str, str]] = {
-    "mm": ("owai.models.memory_mosaics", "MemoryMosaicsConfig", "MemoryMosaicsForCausalLM"),
-    "gpt": ("owai.models.gpt", "GPTConfig", "GPTForCausalLM"),
-    "lstm": ("owai.models.lstm", "LSTMConfig", "LSTMForCausalLM"),
-    "transformer": ("owai.models.llama", "llama_config", "transformer_lm"),  # LlamaConfig / LlamaForCausalLM
-    "mmv2": ("owai.models.memory_mosaics_v2", "MemoryMosaicsV2Config", "MemoryMosaicsV2ForCausalLM"),
-}
-
-# the architectures of thesis chapter 4, built at a size of owai.models.sizes.SIZES
-SIZED = ("mmv2", "transformer")
+from owai.models.zoo import ARCHITECTURES, SIZED
 
 
 def _classes(arch: str) -> tuple[Callable[..., PretrainedConfig], Callable[[PretrainedConfig], PreTrainedModel]]:
