@@ -123,6 +123,13 @@ def num_warps(block: int) -> int:
     return 1 if block <= 64 else 2
 
 
+def compile_options(block: int) -> dict[str, int | bool]:
+    """The kernel's compile options. FP fusion (a * b + c as one rounded FMA) is asked for, not left
+    to triton's default, which Triton 3.10 turns off: the recurrence's update is two such products,
+    and inductor asks for fusion in the kernels it compiles around this one."""
+    return {"num_warps": num_warps(block), "enable_fp_fusion": True}
+
+
 def _launch(k: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.Tensor, entering: tuple | None, chunk: int,
             store_all: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass of `_scan_kernel` over chunks of `chunk` positions; entering = (dir (B, H, NC, HS),
@@ -143,7 +150,7 @@ def _launch(k: torch.Tensor, log_gate: torch.Tensor, log_decay: torch.Tensor, en
         k, log_gate, log_decay, s_dir, s_log, R, M, H, T, HS, chunk, n_chunks,
         k.stride(0), k.stride(1), k.stride(2), log_gate.stride(0), log_gate.stride(1), log_gate.stride(2),
         log_decay.stride(0), log_decay.stride(1), log_decay.stride(2),
-        HAS_STATE=entering is not None, STORE_ALL=store_all, BLOCK_D=block, num_warps=num_warps(block))
+        HAS_STATE=entering is not None, STORE_ALL=store_all, BLOCK_D=block, **compile_options(block))
     return R, M
 
 
