@@ -305,6 +305,26 @@ def test_check_tokenizer_fails_fast() -> None:
             check_tokenizer(name)
 
 
+def test_a_missing_data_root_tokenizer_says_how_to_fetch_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tokenizers/gpt2` (RULER's reference tokenizer) is a folder under the data root, not a hub id:
+    when it is nowhere, the error names where it was looked for and `owai data fetch gpt2`, not the hub."""
+    from owai.data.text import check_tokenizer, resolve_tokenizer
+
+    data, work = tmp_path / "data", tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setenv("OWAI_DATA", str(data))
+    monkeypatch.chdir(work)
+    for name in ("tokenizers/gpt2", "tokenizers/gpt2/"):
+        with pytest.raises(OwaiError) as e:
+            check_tokenizer(name)
+        message = one_line_error(e)
+        assert f"not found in $OWAI_DATA ({data / 'tokenizers' / 'gpt2'})" in message and "owai data fetch gpt2" in message
+        assert "Hugging Face" not in message
+    (data / "tokenizers" / "gpt2").mkdir(parents=True)
+    assert resolve_tokenizer("tokenizers/gpt2") == str(data / "tokenizers" / "gpt2")
+    check_tokenizer("tokenizers/gpt2")
+
+
 # --- token shards ------------------------------------------------------------------------------
 
 

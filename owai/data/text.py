@@ -969,6 +969,9 @@ def check_tokenizer(name: str, data_root: str | Path | None = None) -> None:
     path = Path(name).expanduser()
     if path.exists():
         return
+    entry = registry.entry_for(name)
+    if entry is not None and (name.rstrip("/") + "/").startswith(entry.subfolder + "/"):
+        raise DataMissing(registry.missing_message(entry.name, data_root))  # a data-root folder (tokenizers/gpt2), not a hub id
     if not _looks_like_hub_id(name) or ":" in name:
         raise OwaiError(f"tokenizer {name!r}: no such file or directory, and not a Hugging Face hub id "
                         "(use bytes, bpe-N, a tokenizer directory or tokenizer.json, or a hub id such as gpt2)")
