@@ -152,6 +152,10 @@ def test_source_errors_are_one_line(tmp_path: Path, cache: Path) -> None:
     with pytest.raises(OwaiError) as e:
         load_texts("./missing_dir", "train")
     assert one_line_error(e).startswith("dataset path not found:")
+    with pytest.raises(OwaiError) as e:  # a catalogue file named relative to the data root: the catalogue's line
+        load_texts("text/sotu.tar.gz", "train", data_root=tmp_path / "empty")
+    assert one_line_error(e).startswith(f"State of the Union addresses, 1790-2021 (233 .txt files in one tar.gz) not found in {tmp_path / 'empty'}; ")
+    assert "$OWAI_DATA/text/sotu.tar.gz" in one_line_error(e)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('"ok"\nnot json at all\n')
     with pytest.raises(OwaiError) as e:

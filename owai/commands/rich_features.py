@@ -34,7 +34,7 @@ import typer
 
 from owai import console
 from owai.config import MAX_NETWORKS
-from owai.commands._common import (DATA_ROOT_HELP, Json, Launch, Out, Preset, Quiet, Sets, csv_values, data_root_sets, open_study,
+from owai.commands._common import (DataRoot, Json, Launch, Out, Preset, Quiet, Sets, csv_values, data_root_sets, open_study,
                                   options, run_recipe, run_sweep, study_recipe)
 
 RECIPE = "table2.2-cat-probe"
@@ -45,7 +45,7 @@ METHOD = "rich_features"
 def rich_features(
     stage: Annotated[Optional[str], typer.Option("--stage", help="pretrain (n networks, a sweep over seeds), or evaluation stages of n pretrained networks, alone or joined by commas: distill, probe, finetune, two-stage, fewshot. Without it: the recipe's whole chain (its networks and baselines, reused from the cache, then its evaluation stages).", show_default=False)] = None,
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="A rich-features recipe id (table2.1-weight-decay, table2.2-cat-probe, tableA.1-joint, tableA.2-resnet152, tableA.3-finetune, tableA.4-simsiam, tableA.5-swav, tableA.6-seer, tableA.7-snapshots, tableA.8-fewshot, tableA.9-fewshot-sota, fig2.4-vit) or file.")] = RECIPE,
-    data_root: Annotated[Optional[Path], typer.Option("--data-root", help=DATA_ROOT_HELP, show_default=False)] = None,
+    data_root: DataRoot = None,
     seeds: Annotated[Optional[str], typer.Option("--seeds", help="The networks' seeds, comma-separated (pretrain: the sweep's; evaluation stages: the cached networks to load; without --stage: the networks the chain trains and loads).")] = None,
     networks: Annotated[Optional[str], typer.Option("--networks", help="evaluation stages: comma-separated pretrain run or sweep directories (instead of the cache).")] = None,
     n: Annotated[Optional[int], typer.Option("--n", min=1, max=MAX_NETWORKS, help="evaluation stages: the number of networks n (must match the networks given).")] = None,

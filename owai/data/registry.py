@@ -147,9 +147,23 @@ def entry_for(value: str) -> Dataset | None:
         base = text.split(":", 1)[0] if ":" in text and not text.startswith(("/", "~")) else text
         if text in names or base in names:
             return d
-        rel = text.rstrip("/")
-        if rel == d.subfolder or any(rel == f"{d.subfolder}/{f}" for f in (*d.required, *d.sha256)):
+        if _names_folder_or_file(d, text):
             return d
+    return None
+
+
+def _names_folder_or_file(d: Dataset, path: str) -> bool:
+    """Whether a path relative to a data root is the entry's folder or a file in it (text/sotu.tar.gz)."""
+    rel = path.strip().rstrip("/")
+    return rel == d.subfolder or any(rel == f"{d.subfolder}/{f}" for f in (*d.required, *d.sha256))
+
+
+def missing_relative(path: str, root: str | Path | None = None) -> str | None:
+    """The one line of `missing_message` for a relative data-root path that names a catalogue entry's
+    folder or file (tokenizers/gpt2, text/sotu.tar.gz) and was found nowhere; None for any other path."""
+    for d in catalogue().values():
+        if _names_folder_or_file(d, str(path)):
+            return missing_message(d.name, root)
     return None
 
 

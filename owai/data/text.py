@@ -348,6 +348,9 @@ def open_source(source: str | os.PathLike[str] | TextSource, text_field: str = "
     path = Path(source).expanduser()
     if path.exists():
         return LocalSource(path, text_field, cache_dir, val_every)
+    missing = registry.missing_relative(source, data_root)  # a catalogue file under the data root (text/sotu.tar.gz)
+    if missing:
+        raise DataMissing(missing)
     if _looks_like_hub_id(source):
         return _hub_source(source, text_field, config_name, revision, streaming, val_every)
     raise DataMissing(f"dataset path not found: {source}")
@@ -969,9 +972,9 @@ def check_tokenizer(name: str, data_root: str | Path | None = None) -> None:
     path = Path(name).expanduser()
     if path.exists():
         return
-    entry = registry.entry_for(name)
-    if entry is not None and (name.rstrip("/") + "/").startswith(entry.subfolder + "/"):
-        raise DataMissing(registry.missing_message(entry.name, data_root))  # a data-root folder (tokenizers/gpt2), not a hub id
+    missing = registry.missing_relative(name, data_root)  # a data-root folder (tokenizers/gpt2), not a hub id
+    if missing:
+        raise DataMissing(missing)
     if not _looks_like_hub_id(name) or ":" in name:
         raise OwaiError(f"tokenizer {name!r}: no such file or directory, and not a Hugging Face hub id "
                         "(use bytes, bpe-N, a tokenizer directory or tokenizer.json, or a hub id such as gpt2)")
