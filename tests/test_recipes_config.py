@@ -258,6 +258,45 @@ def test_thesis_numbers_that_depend_on_the_settings(tmp_path):
     assert recipes.thesis_for(r, "nope", {}) is None
 
 
+def test_a_thesis_number_stands_beside_the_runs_of_its_own_setting_only():
+    """Table B.2 gives one loss per searched setting, Figure 3.8's 1.494 is GPT2 at Nb = 12 on
+    BabiStories, Table 4.6's accuracies are MMv2 large's: a run of another setting or model gets none."""
+
+    def thesis(recipe_id, metric, preset, overrides=()):
+        _, resolved = resolve(recipes.load(recipe_id), preset, list(overrides), validate=False)  # the settings, not the data
+        number = recipes.thesis_for(recipes.load(recipe_id), metric, resolved["params"])
+        return None if number is None else number.value
+
+    search = "tableB.2-gpt-search"
+    assert (thesis(search, "gpt.val_loss", "paper"), thesis(search, "gpt.train_loss", "paper")) == (1.494, 1.336)
+    assert thesis(search, "gpt.val_loss", "paper", ["train.lr=1e-3"]) == 1.524
+    assert thesis(search, "gpt.val_loss", "paper", ["model.dropout=0.0"]) == 1.556
+    assert thesis(search, "gpt.train_loss", "paper", ["train.weight_decay=0.01"]) == 1.322
+    assert thesis(search, "gpt.val_loss", "paper", ["train.lr=1e-3", "model.dropout=0.0"]) is None  # not a row of the table
+    assert thesis("fig3.8-depth", "gpt.val_loss", "paper") == 1.494
+    assert thesis("fig3.8-depth", "gpt.val_loss", "paper", ["model.n_layer=4"]) is None
+    assert thesis("fig3.8-depth", "gpt.val_loss", "cpu", ["model.n_layer=12"]) is None  # the embedded corpus
+    assert thesis("fig4.6-icl", "semantic.10shot.acc", "paper") is None  # a model that names no row
+    assert thesis("fig4.6-icl", "semantic.10shot.acc", "paper", ["row=mmv2-large"]) == 0.895
+    assert thesis("fig4.6-icl", "semantic.16shot.acc", "paper", ["row=mmv2-large", "task=goemotion"]) == 0.314
+
+
+def test_table_b2s_claims_judge_the_best_settings_cell_of_the_search():
+    """The search's sweep has eight cells; its claims are about the best setting's, not ambiguous."""
+    import itertools
+
+    from owai.claims import judge_all, summary_records
+
+    groups = []
+    for lr, dropout, wd in itertools.product([5e-3, 1e-3], [0.05, 0.0], [0.1, 0.01]):
+        best = (lr, dropout, wd) == (5e-3, 0.05, 0.1)
+        groups.append({"grid": {"train.lr": lr, "model.dropout": dropout, "train.weight_decay": wd},
+                       "metrics": [{"metric": "gpt.val_loss", "mean": 1.50 if best else 1.2},
+                                   {"metric": "gpt.train_loss", "mean": 1.34 if best else 1.9}]})
+    verdicts = judge_all(recipes.load("tableB.2-gpt-search").claims, summary_records({"groups": groups}), "paper")
+    assert [(v["id"], v["verdict"]) for v in verdicts] == [("best-gpt-loss", "holds"), ("train-below-val", "holds")]
+
+
 def test_build_reads_a_grid_or_a_list_of_grids():
     spec = build(recipes.SweepSpec, {"grid": [{"a.b": [1, 2]}, {"c": ["x"]}], "presets": {"cpu": {"grid": {"a": [1]}}}})
     assert spec.grid == [{"a.b": [1, 2]}, {"c": ["x"]}] and spec.presets["cpu"].grid == {"a": [1]}

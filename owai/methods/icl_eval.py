@@ -55,6 +55,9 @@ class Config(BaseConfig):
     synthetic_classes: int = 8
     precision: str = "auto"  # bfloat16 on CUDA
     batch_size: int = 1  # prompts per generate call (left-padded; models that cannot pad run one at a time)
+    # the thesis row this model stands for, to set its numbers beside the measured ones (recipe
+    # fig4.6-icl: Table 4.6 gives mmv2-large's); "" = none
+    row: str = ""
 
 
 class InContextClassification(Method):
