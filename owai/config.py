@@ -279,7 +279,7 @@ def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
     """yaml.SafeLoader that also reads `1e-3` (no dot) as a float, as YAML 1.2 does. It parses with
     libyaml where PyYAML was built with it (its wheels are): the recipes are 0.3 MB of YAML, which the
-    pure-Python parser takes over a second to read, and `owai recipes list` reads them all."""
+    pure-Python parser takes 0.4 s to read (libyaml 0.04 s), and `owai recipes list` reads them all."""
 
 
 _Loader.add_implicit_resolver(

@@ -145,3 +145,16 @@ def test_fetch_gpt2_checks_sha256(tmp_path: Path, shared_data: Path, capsys: pyt
                                    bad.as_uri() + "/"], capsys)
     assert code == 2 and "cannot fetch gpt2 file encoder.json" in err and "(refused)" in err
     assert not (tmp_path / "b" / "tokenizers" / "gpt2").exists()
+
+
+def test_a_missing_catalogue_path_gets_the_catalogues_line_but_a_shared_parent_does_not(tmp_path, monkeypatch):
+    """`missing_relative`: a path naming an entry's folder or file gets that entry's one line; `text`,
+    the parent of sotu.tar.gz and of every corpus, names no one dataset."""
+    from owai.data import registry
+
+    monkeypatch.setenv("OWAI_DATA", str(tmp_path))
+    assert registry.missing_relative("text/sotu.tar.gz").startswith("State of the Union addresses")
+    assert registry.missing_relative("icl/banking77/").startswith("BANKING77")
+    assert registry.missing_relative("domainbed/PACS").startswith("DomainBed PACS")
+    assert registry.missing_relative("text") is None and registry.missing_relative("icl") is None
+    assert registry.missing_relative("nowhere/at/all") is None

@@ -160,9 +160,12 @@ def _names_folder_or_file(d: Dataset, path: str) -> bool:
 
 def missing_relative(path: str, root: str | Path | None = None) -> str | None:
     """The one line of `missing_message` for a relative data-root path that names a catalogue entry's
-    folder or file (tokenizers/gpt2, text/sotu.tar.gz) and was found nowhere; None for any other path."""
-    for d in catalogue().values():
-        if _names_folder_or_file(d, str(path)):
+    folder or file (tokenizers/gpt2, text/sotu.tar.gz) and was found nowhere; None for any other path,
+    and for a folder that holds other entries' folders too (`text` is sotu's, and every corpus's parent)."""
+    sets = catalogue().values()
+    shared = {d.subfolder for d in sets if any(o.subfolder.startswith(d.subfolder + "/") for o in sets)}
+    for d in sets:
+        if _names_folder_or_file(d, str(path)) and str(path).strip().rstrip("/") not in shared:
             return missing_message(d.name, root)
     return None
 
