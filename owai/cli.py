@@ -142,7 +142,8 @@ def recipes_show(
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
-    """Show a recipe (its claims included) and, with --preset/--set, the fully resolved parameters."""
+    """Show a recipe (its claims included) and its resolved parameters: at the default preset, or at
+    --preset with --set applied."""
     import yaml
 
     from owai import recipes

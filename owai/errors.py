@@ -24,5 +24,6 @@ class OwaiError(Exception):
 
 
 class DataMissing(OwaiError):
-    """An input the config names is not on this machine (a dataset, a tokenizer from the hub): the
-    run cannot start here, though the config itself is valid (`owai recipes show` still shows it)."""
+    """An input the config names is not on this machine (a dataset, a tokenizer from the hub), or one
+    the user gives at run time is not given yet (the model to evaluate): the run cannot start as it
+    stands, though the config itself is valid (`owai recipes show` still shows it)."""

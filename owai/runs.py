@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from owai import __version__
-from owai.errors import OwaiError
+from owai.errors import DataMissing, OwaiError
 from owai.trackers import Tracker
 from owai.io import atomic_write_bytes, atomic_write_figure, atomic_write_json, atomic_write_yaml
 
@@ -49,7 +49,7 @@ def model_dirs(path: Path) -> list[tuple[str, Path]]:
     """(label, directory) of each saved model under `path`: a save_pretrained dir or a run dir
     (its models/<arch>/, as language-model training saves them)."""
     if not path.exists():
-        raise OwaiError(f"model path not found: {path}")
+        raise DataMissing(f"model path not found: {path}")
     if (path / "config.json").is_file():
         return [(path.name, path)]
     found = sorted(p for p in (path / "models").glob("*") if (p / "config.json").is_file()) if (path / "models").is_dir() else []

@@ -24,10 +24,10 @@ from owai import console
 from owai.config import MAX_WORKERS
 
 Preset = Annotated[Optional[str], typer.Option("--preset", "-p", help="Scale preset of the recipe: cpu (the default), paper (the thesis's settings), tiny where a recipe has it (a run scale: the data that ships with owai only; not mosaic-train's --size tiny, a model size).")]
-Sets = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a parameter: --set train.lr=1e-3 (repeatable).")]
+Sets = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a parameter: --set KEY.PATH=VALUE, e.g. --set seed=1 (repeatable; `owai recipes show RECIPE` lists the keys).")]
 EvalSets = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override an evaluation setting: --set runtime.device=cpu (repeatable; `owai recipes show RECIPE` lists them).")]
-Out = Annotated[Path, typer.Option("--out", "-o", help="Root for run directories: OUT/<recipe>/<time>-<hash>/.")]
-Resume = Annotated[Optional[Path], typer.Option("--resume", help="Continue a killed or failed run from its last checkpoint (--set may then change only its optimisation settings, e.g. train.lr).")]
+Out = Annotated[Path, typer.Option("--out", "-o", help="Root for results: OUT/<recipe>/<time>-<hash>/ for a run, OUT/<recipe>/sweep-<time>-<hash>/ for a sweep or study.")]
+Resume = Annotated[Optional[Path], typer.Option("--resume", help="Continue a killed or failed run from its last checkpoint; --set may then change only the method's optimisation settings (learning rates, weight decay, clipping: `owai report RUN_DIR` names the one to lower).")]
 EvalResume = Annotated[Optional[Path], typer.Option("--resume", help="Finish a killed or failed evaluation RUN_DIR with its recorded settings (evaluated again from the start, the same results as an uninterrupted run; a complete run is reported as it is). Takes no other settings.", show_default=False)]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or info; errors still print.")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (nothing else).")]

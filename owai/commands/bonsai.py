@@ -52,8 +52,8 @@ def _study_functions(method: str):
 def bonsai(
     recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="A bonsai recipe id (table2.4-coloredmnist, table2.5-pi, fig2.7-anneal, fig2.8-init, table2.6-camelyon17, figA.2-twobits, ...) or file.")] = None,
     dataset: Annotated[Optional[str], typer.Option("--dataset", "-d", help="coloredmnist (Table 2.4), inverse-coloredmnist (Table 2.5), their -gray oracles, or camelyon17 (Table 2.6); comma-separated with --study.")] = None,
-    method: Annotated[Optional[str], typer.Option("--method", "-m", help="erm, irm, vrex, sd, iga, fish, fishr, clove, rsc, lff, groupdro, pi, rerm, mmd, coral; comma-separated with --study.")] = None,
-    init: Annotated[Optional[str], typer.Option("--init", "-i", help="rand (penalty from step 0), erm (after penalty.anneal_iters ERM steps), bonsai, bonsai-cf (Bonsai, featurizer frozen), perfect (Fig 2.8); Camelyon17 also erm-cf, cat-cf, distill-cf (Table 2.3, --set networks=N), none; comma-separated with --study.")] = None,
+    method: Annotated[Optional[str], typer.Option("--method", "-m", help="erm, irm, vrex, sd, iga, fish, fishr, clove, rsc, lff, groupdro, pi, rerm, mmd, coral (Camelyon17: erm, irm, vrex, clove); comma-separated with --study.")] = None,
+    init: Annotated[Optional[str], typer.Option("--init", "-i", help="rand (penalty from step 0), erm (after penalty.anneal_iters ERM steps), bonsai, bonsai-cf (Bonsai, featurizer frozen), perfect (Fig 2.8, ColoredMNIST only); Camelyon17 also erm-cf, cat-cf, distill-cf (Table 2.3, --set networks=N), none; comma-separated with --study.")] = None,
     study: Annotated[bool, typer.Option("--study", help="Run the recipe's grid x seeds and write the selected table and figure.")] = False,
     grid: Annotated[Optional[list[str]], typer.Option("--grid", "-g", help="With --study: replace a grid key's values, --grid penalty.weight=1e3,1e4 (repeatable).")] = None,
     seeds: Annotated[Optional[str], typer.Option("--seeds", help="With --study: comma-separated seeds (default: the recipe's).")] = None,

@@ -56,9 +56,9 @@ def data_fetch(
     name: Name,
     data_root: DataRoot = None,
     mirror: Annotated[Optional[str], typer.Option(
-        "--mirror", help="MNIST, CIFAR: base URL(s) of the official files, comma-separated (MNIST default: "
-                         "$OWAI_MNIST_MIRROR, else the well-known mirrors; CIFAR: the official page); the md5 "
-                         "of every file or archive is checked.")] = None,
+        "--mirror", help="MNIST, CIFAR, gpt2: base URL(s) of the official files, comma-separated (MNIST default: "
+                         "$OWAI_MNIST_MIRROR, else the well-known mirrors; CIFAR: the official page; gpt2: OpenAI's); "
+                         "every file or archive is checked against its published md5 (gpt2: its sha256).")] = None,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:

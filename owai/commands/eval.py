@@ -148,7 +148,7 @@ HARNESS_RECIPE = "table4.1-harness"
 def harness(
     model: Annotated[Optional[str], typer.Option(
         "--model", "-m", help="A run or save_pretrained directory, a Hugging Face id, reference:oracle, or hflm:ID (the harness's own HFLM).")] = None,
-    tasks: Annotated[Optional[str], typer.Option("--tasks", help="Comma-separated harness tasks (default: the thesis's 19; race_middle, owai_mc_smoke, owai_gen_smoke ship with owai).")] = None,
+    tasks: Annotated[Optional[str], typer.Option("--tasks", help="Comma-separated harness tasks (default: the preset's; cpu: owai_mc_smoke, owai_gen_smoke; -p paper: the thesis's 19; race_middle and the two smoke tasks ship with owai).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", min=0, max=MAX_DOCUMENTS, help="Documents per task (0 = all).")] = None,
     num_fewshot: Annotated[Optional[int], typer.Option("--num-fewshot", min=0, max=MAX_SHOTS, help="Shots for every task (default: each task's own).")] = None,
     tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", help="Override the model's tokenizer (hub id or tokenizer.json).")] = None,

@@ -23,7 +23,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from owai.commands._common import DataRoot, RunOptions, data_root_sets, options
+from owai.commands._common import DataRoot, EvalRunOptions, RunOptions, data_root_sets, options
 from owai.config import MAX_CONTEXT, MAX_LAYERS
 from owai.errors import OwaiError
 
@@ -48,7 +48,7 @@ def mosaic_train(
     recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="fig3.8-depth (default), tableB.2-gpt-search, fig3.9-posloss, figB.5-attention, tableB.4-continuations, or table4.2-pretrain (the default with --size).")] = None,
     arch: Annotated[Optional[str], typer.Option("--arch", "-a", help="Comma-separated: mm, gpt, gpt-rope, gpt-alibi; with --size: mmv2 (default), transformer.")] = None,
     size: Annotated[Optional[str], typer.Option("--size", help="Chapter 4's model size: tiny (about 6M parameters, for a CPU: runs the cpu preset), small (2.0B v2 / 1.8B transformer) or large (9.9B / 8.8B). A model size, unlike --preset tiny (a recipe's run scale).")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the run as a real run does, then print its plan (parameters, vocabulary, strategy, precision, FLOPs, memory per rank) without training.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="With --size (or --arch mmv2 / transformer): check the run as a real run does, then print its plan (parameters, vocabulary, strategy, precision, FLOPs, memory per rank) without training.")] = False,
     depth: Annotated[Optional[int], typer.Option("--depth", min=1, max=MAX_LAYERS, help="Number of blocks Nb (model.n_layer).")] = None,
     dataset: Dataset = None,
     tokenizer: Tokenizer = None,
@@ -112,7 +112,7 @@ def mosaic_eval(
     context: Context = None,
     posloss_only: Annotated[bool, typer.Option("--posloss-only", help="Only the validation and per-position losses (Fig 3.9).")] = False,
     data_root: DataRoot = None,
-    opts: RunOptions = RunOptions(),
+    opts: EvalRunOptions = EvalRunOptions(),
 ) -> None:
     """Evaluate saved language models: validation and per-position loss, attention plots, continuations."""
     run_eval(models, dataset, config_name, context, posloss_only, opts, data_root)

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from owai.errors import OwaiError
+from owai.errors import DataMissing, OwaiError
 
 REFERENCE = "reference:"
 ABLATIONS = ("long_term_memory",)
@@ -177,7 +177,7 @@ def check_model_choice(spec: str, references: str, ablate: list[str] = ()) -> bo
     given (`references` names the suite's reference models for the message), the ablations are known,
     and a reference model is not asked to ablate anything. Returns whether `spec` is a reference."""
     if not spec:
-        raise OwaiError(f"no model given: pass --model (a run or model directory, a Hugging Face id, or {references})")
+        raise DataMissing(f"no model given: pass --model (a run or model directory, a Hugging Face id, or {references})")
     bad = [a for a in ablate if a not in ABLATIONS]
     if bad:
         raise OwaiError(f"ablate {bad}: known ablations are {', '.join(ABLATIONS)}")

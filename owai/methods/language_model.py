@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from owai import console, distributed
 from owai.config import MAX_CONTEXT, MAX_LAYERS, BaseConfig, check_count
-from owai.errors import OwaiError
+from owai.errors import DataMissing, OwaiError
 from owai.methods import Method, Outcome
 from owai.models.zoo import SIZED
 from owai.runs import Run, model_dirs
@@ -395,7 +395,6 @@ def dry_run_plan(cfg: Config) -> list[str]:
     the plan reports it), then each chapter-4 model's plan, sized as the run will build it (the
     tokenizer's vocabulary, loaded as the run loads it, where the size takes it). An input missing
     on this machine refuses the plan when the models' vocabulary depends on it, else is noted."""
-    from owai.errors import DataMissing
     from owai.plan import GIB, ModelShape, forward_flops_per_token, readable, ranks_needed
 
     if not any(parse_arch(a)[0] in SIZED for a in cfg.archs):
@@ -959,7 +958,7 @@ class LanguageModelEvaluation(Method):
     @staticmethod
     def validate(cfg: EvalOnlyConfig) -> None:
         if not cfg.models:
-            raise OwaiError("no model given: pass model directories (save_pretrained dirs or mosaic-train run dirs)")
+            raise DataMissing("no model given: pass model directories (save_pretrained dirs or mosaic-train run dirs)")
         from owai.models.lm import check_saved_weights
 
         for path in cfg.models:
