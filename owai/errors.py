@@ -23,7 +23,11 @@ class OwaiError(Exception):
     exit_code = 2
 
 
-class DataMissing(OwaiError):
+class CannotRunHere(OwaiError):
+    """The config is valid but cannot run as it stands on this machine: an input is missing
+    (DataMissing), or a rank here cannot hold the model. `owai recipes show` still shows it."""
+
+
+class DataMissing(CannotRunHere):
     """An input the config names is not on this machine (a dataset, a tokenizer from the hub), or one
-    the user gives at run time is not given yet (the model to evaluate): the run cannot start as it
-    stands, though the config itself is valid (`owai recipes show` still shows it)."""
+    the user gives at run time is not given yet (the model to evaluate)."""

@@ -18,7 +18,7 @@ from typing import Any
 from owai import console, distributed, trackers
 from owai.checkpoint import NonFiniteError, latest_checkpoint, load_checkpoint, recorded_identity
 from owai.config import apply_overrides, build, parse_override, to_dict
-from owai.errors import DataMissing, OwaiError
+from owai.errors import CannotRunHere, OwaiError
 from owai.recipes import Recipe, load, recorded_name, thesis_for
 from owai.runs import Run, config_hash, ensure_writable, environment, is_sweep_dir
 
@@ -26,7 +26,8 @@ from owai.runs import Run, config_hash, ensure_writable, environment, is_sweep_d
 def resolve(recipe: Recipe, preset: str | None, overrides: list[str],
             missing_ok: bool = False, validate: bool = True) -> tuple[Any, dict[str, Any]]:
     """Build the typed config (defaults <- params <- preset <- --set) and its serialisable form.
-    With `missing_ok` a valid config whose inputs are not on this machine (DataMissing) resolves,
+    With `missing_ok` a valid config that cannot run here (CannotRunHere: an input not on this
+    machine, or a model too large for it) resolves,
     with the reason under "missing" (for `owai recipes show`); a run never passes it. Without
     `validate` only the types are checked (a dry run that plans, but never runs, the config)."""
     preset = preset or recipe.default_preset
@@ -38,7 +39,7 @@ def resolve(recipe: Recipe, preset: str | None, overrides: list[str],
     try:
         if validate:
             recipe.method_class().validate(cfg)
-    except DataMissing as e:
+    except CannotRunHere as e:
         if not missing_ok:
             raise
         missing = str(e)

@@ -40,7 +40,7 @@ import yaml
 
 from owai import console
 from owai.config import build, coerce, load_yaml, parse_override
-from owai.errors import DataMissing, OwaiError
+from owai.errors import CannotRunHere, OwaiError
 from owai.io import atomic_write_json
 from owai.recipes import Grid, Recipe, Selection, check_path, load, recipe_claims, recorded_name, sub_grids
 from owai.runs import CONFIG, RESULTS, SWEEP, Run, config_hash, ensure_writable, is_sweep_dir, new_unique_dir, timestamp
@@ -203,9 +203,8 @@ def _design(
     seeds: list[int] | None, grid: Grid | None = None, select: Selection | dict[str, Any] | None = None,
 ) -> _Design:
     """The sweep's preset, grid, seeds, points and selection, every point validated against the
-    method schema. Settings first, inputs last: a bad grid value is named before an input that the
-    base config or a point reads and this machine lacks (DataMissing), so a typo is not hidden
-    behind a download."""
+    method schema. Settings first, what this machine lacks last (CannotRunHere: an input that the base
+    config or a point reads, or the memory a model needs), so a typo is not hidden behind a download."""
     from owai.experiment import resolve
 
     if not recipe.implemented:
@@ -259,7 +258,7 @@ def _design(
                     missing = f"sweep point {label}: {point_resolved['missing']}"
                 points.append(point)
     if missing is not None:
-        raise DataMissing(missing)
+        raise CannotRunHere(missing)
     final: Grid = subs[0] if isinstance(written, dict) else subs
     return _Design(preset_name, final, seeds, points, selection, devices)
 

@@ -160,8 +160,10 @@ def test_size_large_dry_run_prints_the_plan_and_a_real_run_refuses(tmp_path: Pat
     assert "8.84B parameters" in transformer.stdout and "16.7B at context 256" in transformer.stdout
     real = run_owai("mosaic-train", "--size", "large", "-o", str(tmp_path))
     assert real.returncode == 2 and "Traceback" not in real.stderr
-    assert real.stderr.strip().count("\n") == 0 and "needs" in real.stderr and "GiB per rank" in real.stderr, real.stderr
-    assert "parameters 37.0 GiB" in real.stdout  # the plan that says why
+    *plan_lines, error = real.stderr.strip().splitlines()
+    assert error.startswith("error: ") and "needs" in error and "GiB per rank" in error, real.stderr
+    assert any("parameters 37.0 GiB" in line for line in plan_lines)  # the plan that says why, on stderr
+    assert real.stdout == "" and not any(line.startswith("error") for line in plan_lines)
     assert not any(tmp_path.iterdir())  # nothing written
 
 

@@ -182,7 +182,7 @@ def test_missing_dataset_is_one_line_and_no_run_dir(capsys, no_data, tmp_path, a
 
 def test_recipes_show_resolves_without_the_data(capsys, no_data):
     """`owai recipes show` prints a valid config whose data are not here, with the missing piece
-    named; a bad value is still an error (DataMissing is the only exception it tolerates)."""
+    named; a bad value is still an error (CannotRunHere, DataMissing among it, is the only exception it tolerates)."""
     code, out, err = cli_in_process(["recipes", "show", "table2.4-coloredmnist", "-p", "cpu"], capsys)
     assert code == 0, err
     assert "split: paper" in out and "# not runnable on this machine yet: MNIST" in out
@@ -251,3 +251,14 @@ def test_fetch_the_real_files_with_the_official_checksums(capsys, monkeypatch, n
     assert code == 0, err
     assert any("content md5" in line for line in json.loads(out)["verified"])
     assert len(mn.load_mnist("train")) == 60_000 and mn.mnist_dir("test") == no_data / "data" / "mnist"
+
+
+def test_recipes_show_a_preset_too_large_for_this_machine(capsys):
+    """The paper presets of chapter 4 need GPUs: `recipes show` prints their settings, the memory
+    refusal named as what stands in the way, and --json stays one JSON document."""
+    code, out, err = cli_in_process(["recipes", "show", "table4.2-pretrain", "-p", "paper"], capsys)
+    assert code == 0, err
+    assert "# not runnable on this machine yet: Memory Mosaics v2 large needs 173.3 GiB per rank" in out
+    code, out, err = cli_in_process(["recipes", "show", "table4.2-pretrain", "-p", "paper", "--json"], capsys)
+    resolved = json.loads(out)["resolved"]
+    assert code == 0 and resolved["params"]["data"]["stream"] is True and "GiB per rank" in resolved["missing"]

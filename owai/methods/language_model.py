@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from owai import console, distributed
 from owai.config import MAX_CONTEXT, MAX_LAYERS, BaseConfig, check_count
-from owai.errors import DataMissing, OwaiError
+from owai.errors import CannotRunHere, DataMissing, OwaiError
 from owai.methods import Method, Outcome
 from owai.models.zoo import SIZED
 from owai.runs import Run, model_dirs
@@ -368,17 +368,18 @@ def training_plans(cfg: Config, world_size: int | None = None, tokenizer_vocab: 
 
 
 def check_memory(cfg: Config) -> None:
-    """Print the plan and stop in one line when a rank of this job cannot hold the run."""
+    """Stop in one line when a rank of this job cannot hold the run, its plan printed above it on stderr
+    (stdout carries only a command's result: `owai recipes show --json` stays one JSON document)."""
     from owai.plan import GIB, ranks_needed
 
     for plan in training_plans(cfg):
         if plan.fits:
             continue
         for line in plan.lines():
-            console.stdout.print(line)
+            console.info(line)
         gpus = ranks_needed(plan, 80 * GIB)
         where = f"e.g. torchrun on >= {gpus} GPUs of 80 GiB with train.parallel=fsdp" if gpus else "more memory per rank"
-        raise OwaiError(f"{plan.arch} needs {plan.total_bytes / GIB:,.1f} GiB per rank ({plan.strategy_text}) "
+        raise CannotRunHere(f"{plan.arch} needs {plan.total_bytes / GIB:,.1f} GiB per rank ({plan.strategy_text}) "
                         f"but a rank here has {plan.capacity_bytes / GIB:,.1f} GiB ({plan.capacity_name}): "
                         f"{where} (--dry-run prints the plan)")
 
