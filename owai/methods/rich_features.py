@@ -173,16 +173,22 @@ class FinetuneConfig:
     head (PyTorch's default init, no BN); SGD momentum 0.9, cosine from lr to min_lr, no weight decay on
     BN. Spec §6.4 two-stage ("[2ft]cat"): each network fine-tuned alone (the same settings), then the
     frozen concatenation under `two_stage_head` (= the logit-average ensemble) trained for head_epochs
-    at head_lr, Nesterov, the same weight decay."""
+    at head_lr, Nesterov, the same weight decay (or head_weight_decay). TH A.3's self-supervised
+    networks on ImageNet use a step schedule instead (milestones, gamma) and, for SwAV, a larger
+    learning rate for the new classifier (classifier_lr)."""
 
     epochs: float = 100.0
     batch_size: int = 256
     lr: float = 0.01
     min_lr: float = 1e-7
+    milestones: list[float] = field(default_factory=list)  # epochs where lr is multiplied by gamma; [] = cosine to min_lr
+    gamma: float = 0.1
+    classifier_lr: float | None = None  # normal fine-tuning's new Linear head (SwAV on ImageNet: 0.2); None = lr
     momentum: float = 0.9
     weight_decay: float = 1e-4
     head_epochs: float = 1.0  # TH; the script's 2 is a discrepancy (spec §6.4)
     head_lr: float = 1e-3  # CIFAR; iNat18 1e-5
+    head_weight_decay: float | None = None  # the two-stage head's (SwAV on ImageNet: 0); None = weight_decay
     checkpoint_every: int = 500
     log_every: int = 50
 
@@ -359,9 +365,13 @@ def check_settings(cfg: Config) -> None:
     f, s, k = cfg.finetune, cfg.distill, cfg.fewshot
     if not (f.epochs > 0 and f.batch_size >= 1 and f.lr > 0 and 0 <= f.min_lr <= f.lr and 0 <= f.momentum < 1
             and f.weight_decay >= 0 and f.head_epochs > 0 and f.head_lr > 0 and f.checkpoint_every >= 1
-            and f.log_every >= 1):
+            and f.log_every >= 1 and 0 < f.gamma <= 1 and (f.classifier_lr is None or f.classifier_lr > 0)
+            and (f.head_weight_decay is None or f.head_weight_decay >= 0)):
         raise OwaiError("finetune: need epochs > 0, batch_size >= 1, lr > 0, 0 <= min_lr <= lr, 0 <= momentum < 1, "
-                        "weight_decay >= 0, head_epochs > 0, head_lr > 0, checkpoint_every >= 1, log_every >= 1")
+                        "weight_decay >= 0, head_epochs > 0, head_lr > 0, checkpoint_every >= 1, log_every >= 1, "
+                        "0 < gamma <= 1, classifier_lr > 0, head_weight_decay >= 0")
+    if list(f.milestones) != sorted(set(f.milestones)) or any(not 0 < m < f.epochs for m in f.milestones):
+        raise OwaiError(f"finetune.milestones {f.milestones}: increasing epochs between 0 and finetune.epochs ({f.epochs:g})")
     if not (s.tau > 0 and 0 <= s.alpha <= 1 and s.epochs > 0 and s.batch_size >= 1 and s.lr > 0
             and s.warmup_epochs >= 0 and s.warmup_lr > 0 and s.gamma > 0 and 0 <= s.momentum < 1
             and s.weight_decay >= 0 and s.checkpoint_every >= 1 and s.log_every >= 1):
@@ -1345,18 +1355,26 @@ def finetune_model(cfg: Config, run: Run, stage: str, nets: list[Network], train
     batches = StepBatches(OneDomain(train_set), [0], [torch.arange(len(train_set))], f.batch_size, d.image_size,
                           d.augment, derive_seed(cfg.seed, "finetune-batches", stage), steps)
     stream = StepStream(batches, d.workers, device)
-    optimizer = torch.optim.SGD(_decay_groups(model, f.weight_decay), lr=f.lr, momentum=f.momentum)
+    if f.classifier_lr is None:
+        groups = _decay_groups(model, f.weight_decay)
+    else:  # the new head at classifier_lr: the schedule times lr_scale (owai.train)
+        groups = _decay_groups(cat, f.weight_decay) + [{"params": list(head.parameters()), "weight_decay": f.weight_decay,
+                                                        "lr_scale": f.classifier_lr / f.lr}]
+    optimizer = torch.optim.SGD(groups, lr=f.lr, momentum=f.momentum)
 
     def loss_at(step: int, micro: int) -> torch.Tensor:
         x, y = stream.at(step)
         return F.cross_entropy(model(x), y)
 
-    def cosine(step: int) -> float:
+    def schedule(step: int) -> float:
+        """Cosine from lr to min_lr over the steps, or with milestones lr x gamma^(milestones passed)."""
+        if f.milestones:
+            return f.lr * f.gamma ** sum(step / per_epoch >= m for m in f.milestones)
         return f.min_lr + 0.5 * (f.lr - f.min_lr) * (1 + math.cos(math.pi * step / steps))
 
     loop = LoopConfig(steps=steps, checkpoint_every=min(f.checkpoint_every, steps), log_every=min(f.log_every, steps),
                       precision=_precision(cfg, device))
-    train_loop(run, stage, model, optimizer, loss_at, loop, lr_at=cosine)
+    train_loop(run, stage, model, optimizer, loss_at, loop, lr_at=schedule)
     return model.eval()
 
 
@@ -1382,7 +1400,8 @@ def run_two_stage(cfg: Config, run: Run, nets: list[Network], train_set: Any, te
     head = two_stage_head([m[1] for m in tuned]).to(device)
     measured["ft.ensemble.acc"] = _acc(_logits(head, torch.cat(z_test, 1), device), y_test)
     head.train()
-    trained = train_head(run, f"two-stage-head{n}", head, [{"params": list(head.parameters()), "weight_decay": f.weight_decay}],
+    decay = f.weight_decay if f.head_weight_decay is None else f.head_weight_decay
+    trained = train_head(run, f"two-stage-head{n}", head, [{"params": list(head.parameters()), "weight_decay": decay}],
                          torch.cat(z_train, 1), y_train, epochs=f.head_epochs, batch_size=f.batch_size,
                          lr_at_epoch=lambda e: f.head_lr, momentum=f.momentum, nesterov=True, seed=cfg.seed,
                          checkpoint_every=f.checkpoint_every, log_every=f.log_every, device=device)
