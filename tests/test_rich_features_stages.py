@@ -401,3 +401,21 @@ def test_fine_tuning_with_a_step_schedule_a_classifier_lr_and_the_heads_own_weig
     assert [g["weight_decay"] for g in head_groups] == [0.001]
     code, _, err = _cli(["--stage", "finetune", "--seeds", "0,1", *as_sets([*TINY, "finetune.milestones=[2.0]"])], capsys)
     assert code == 2 and "finetune.milestones [2.0]" in err
+
+
+def test_the_few_shot_student_trains_with_adam(cache, tmp_path, capsys, monkeypatch) -> None:
+    """TH A.4.3: Distill_n of the few-shot tables keeps A.4.2's Adam (lr 1e-3, no schedule)."""
+    import owai.train
+
+    seen = {}
+    original = owai.train.train_loop
+
+    def recording(run, stage, model, optimizer, loss_at, loop, lr_at=None, **kwargs):
+        seen[stage] = (type(optimizer).__name__, {lr_at(s) for s in range(loop.steps)})
+        return original(run, stage, model, optimizer, loss_at, loop, lr_at=lr_at, **kwargs)
+
+    monkeypatch.setattr(owai.train, "train_loop", recording)
+    sets = [*TINY, "distill.optimizer=adam", "distill.lr=0.001", "distill.warmup_epochs=0.0", "distill.milestones=[]"]
+    code, _, err = _cli(["--stage", "distill", "--seeds", "0,1", *as_sets(sets), "-o", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert seen["distill"] == ("Adam", {0.001})

@@ -200,9 +200,12 @@ class DistillConfig:
     SGD momentum 0.9, batch 2048, wd 0, lr warm-up 0.1 -> 0.8 over 5 epochs, x0.2 at 210 and 240, 270
     epochs. alpha < 1 mixes in cross-entropy on the labels (TH Eq. A.4, few-shot). target "features"
     is the self-supervised variant (TH A.3.3): head i regresses network i's features, loss
-    sum_i (1 - cos) (`feature_distill_loss`); it needs no class heads (SimSiam, probe.weights)."""
+    sum_i (1 - cos) (`feature_distill_loss`); it needs no class heads (SimSiam, probe.weights).
+    optimizer adam is the few-shot students' (TH A.4.3 keeps A.4.2's Adam, lr 1e-3, batch 16): lr
+    after the warm-up and milestones as with SGD (none: constant), momentum unused."""
 
     target: Literal["logits", "features"] = "logits"
+    optimizer: Literal["sgd", "adam"] = "sgd"
     tau: float = 10.0
     alpha: float = 1.0
     epochs: float = 270.0
@@ -1446,7 +1449,8 @@ def run_distill(cfg: Config, run: Run, nets: list[Network], measured: dict[str, 
     batches = StepBatches(OneDomain(base_train), [0], [torch.arange(len(base_train))], s.batch_size, d.image_size,
                           d.augment, derive_seed(cfg.seed, "distill-batches"), steps)
     stream = StepStream(batches, d.workers, device)
-    optimizer = torch.optim.SGD(student.parameters(), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
+    optimizer = (torch.optim.Adam(student.parameters(), lr=s.lr, weight_decay=s.weight_decay) if s.optimizer == "adam"
+                 else torch.optim.SGD(student.parameters(), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay))
     warmup, marks = s.warmup_epochs * per_epoch, [m * per_epoch for m in s.milestones]
 
     def lr_at(step: int) -> float:
