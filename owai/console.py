@@ -59,10 +59,11 @@ _fit_width(stderr)
 def fit_table(table: Table, whole: Sequence[int] = ()) -> Table:
     """`table` (returned) fitted to stdout's width, for the columns a user copies from: `whole` are
     their indices (ids, metric names, commands). Every column folds instead of ending in "…". On a
-    console too narrow for one line per cell, each `whole` column keeps the width of its longest
-    word, so it wraps between words and never inside one, and the other columns share the rest,
-    narrowest first, each up to its natural width. Rich's own narrowing cuts every column evenly,
-    ids included; it is left to fold them only where even this does not fit."""
+    console too narrow for one line per cell, the `whole` columns keep their full width where the
+    others can still have 8 columns each, else the width of their longest word (so they wrap between
+    words, never inside one); the other columns share the rest, narrowest first, each up to its
+    natural width. Rich's own narrowing cuts every column evenly, ids included; it is left to fold
+    them only where even this does not fit."""
     for column in table.columns:
         column.overflow = "fold"
 
@@ -78,11 +79,14 @@ def fit_table(table: Table, whole: Sequence[int] = ()) -> Table:
     if sum(natural) + overhead <= width:
         return table
     # a word with its indentation ("  metric" in a sweep's grid cell) is one unit
-    widths = {i: max(cell_len(word) for line in texts[i] for word in re.findall(r"^\s*\S+|\S+", line) or [""])
-              for i in whole}
-    others = sorted((i for i in range(len(natural)) if i not in widths), key=natural.__getitem__)
-    free = width - overhead - sum(widths.values())
-    if free < 8 * len(others):
+    words = {i: max(cell_len(word) for line in texts[i] for word in re.findall(r"^\s*\S+|\S+", line) or [""])
+             for i in whole}
+    others = sorted((i for i in range(len(natural)) if i not in words), key=natural.__getitem__)
+    for widths in ({i: natural[i] for i in whole}, words):
+        free = width - overhead - sum(widths.values())
+        if free >= 8 * len(others):
+            break
+    else:
         return table
     for k, i in enumerate(others):
         widths[i] = min(natural[i], free // (len(others) - k))
