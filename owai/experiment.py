@@ -27,8 +27,8 @@ def resolve(recipe: Recipe, preset: str | None, overrides: list[str],
             missing_ok: bool = False, validate: bool = True) -> tuple[Any, dict[str, Any]]:
     """Build the typed config (defaults <- params <- preset <- --set) and its serialisable form.
     With `missing_ok` a valid config that cannot run here (CannotRunHere: an input not on this
-    machine, or a model too large for it) resolves,
-    with the reason under "missing" (for `owai recipes show`); a run never passes it. Without
+    machine, or a model too large for it) resolves, with the reason under "missing" (for `owai
+    recipes show` and a sweep's plan, which name it after every setting); a run never passes it. Without
     `validate` only the types are checked (a dry run that plans, but never runs, the config)."""
     preset = preset or recipe.default_preset
     schema = recipe.method_class().Config

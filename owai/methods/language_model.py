@@ -380,8 +380,8 @@ def check_memory(cfg: Config) -> None:
         gpus = ranks_needed(plan, 80 * GIB)
         where = f"e.g. torchrun on >= {gpus} GPUs of 80 GiB with train.parallel=fsdp" if gpus else "more memory per rank"
         raise CannotRunHere(f"{plan.arch} needs {plan.total_bytes / GIB:,.1f} GiB per rank ({plan.strategy_text}) "
-                        f"but a rank here has {plan.capacity_bytes / GIB:,.1f} GiB ({plan.capacity_name}): "
-                        f"{where} (--dry-run prints the plan)")
+                            f"but a rank here has {plan.capacity_bytes / GIB:,.1f} GiB ({plan.capacity_name}): "
+                            f"{where} (--dry-run prints the plan)")
 
 
 def run_tokenizer(data: DataConfig) -> Any:
