@@ -253,12 +253,15 @@ def test_fetch_the_real_files_with_the_official_checksums(capsys, monkeypatch, n
     assert len(mn.load_mnist("train")) == 60_000 and mn.mnist_dir("test") == no_data / "data" / "mnist"
 
 
-def test_recipes_show_a_preset_too_large_for_this_machine(capsys):
+def test_recipes_show_a_preset_too_large_for_this_machine(capsys, monkeypatch):
     """The paper presets of chapter 4 need GPUs: `recipes show` prints their settings, the memory
     refusal named as what stands in the way, and --json stays one JSON document."""
+    import owai.plan
+
+    monkeypatch.setattr(owai.plan, "device_capacity", lambda device: (23.5 * 2**30, "CPU RAM"))  # a laptop's, on any host
     code, out, err = cli_in_process(["recipes", "show", "table4.2-pretrain", "-p", "paper"], capsys)
     assert code == 0, err
-    assert "# not runnable on this machine yet: Memory Mosaics v2 large needs 173.3 GiB per rank" in out
+    assert "# not runnable on this machine yet: Memory Mosaics v2 large needs 173.3 GiB per rank (1 process) but a rank here has 23.5 GiB" in out
     code, out, err = cli_in_process(["recipes", "show", "table4.2-pretrain", "-p", "paper", "--json"], capsys)
     resolved = json.loads(out)["resolved"]
     assert code == 0 and resolved["params"]["data"]["stream"] is True and "GiB per rank" in resolved["missing"]

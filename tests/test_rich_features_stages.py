@@ -373,7 +373,7 @@ def test_checkpoint_files_from_elsewhere_are_the_networks(chain_run, cache, tmp_
 
 def test_fine_tuning_with_a_step_schedule_a_classifier_lr_and_the_heads_own_weight_decay(cache, tmp_path, capsys,
                                                                                         monkeypatch) -> None:
-    """TH A.3.1's ImageNet fine-tuning of SwAV: the backbone at lr, the new classifier at classifier_lr,
+    """TH A.3.1's ImageNet fine-tuning of SwAV: the backbone at lr, the new classifier 20 times higher,
     both x gamma at each milestone epoch; the two-stage head at head_weight_decay. Checked on the
     optimizer and schedule each training stage is given."""
     import owai.train
@@ -387,7 +387,7 @@ def test_fine_tuning_with_a_step_schedule_a_classifier_lr_and_the_heads_own_weig
         return original(run, stage, model, optimizer, loss_at, loop, lr_at=lr_at, **kwargs)
 
     monkeypatch.setattr(owai.train, "train_loop", recording)
-    sets = [*TINY, "finetune.lr=0.01", "finetune.classifier_lr=0.2", "finetune.milestones=[0.5]", "finetune.gamma=0.2",
+    sets = [*TINY, "finetune.lr=0.01", "finetune.classifier_lr_scale=20", "finetune.milestones=[0.5]", "finetune.gamma=0.2",
             "finetune.weight_decay=0.0", "finetune.head_weight_decay=0.001"]
     code, _, err = _cli(["--stage", "finetune,two-stage", "--seeds", "0,1", *as_sets(sets), "-o", str(tmp_path)], capsys)
     assert code == 0, err

@@ -175,7 +175,8 @@ class FinetuneConfig:
     frozen concatenation under `two_stage_head` (= the logit-average ensemble) trained for head_epochs
     at head_lr, Nesterov, the same weight decay (or head_weight_decay). TH A.3's self-supervised
     networks on ImageNet use a step schedule instead (milestones, gamma) and, for SwAV, a larger
-    learning rate for the new classifier (classifier_lr)."""
+    learning rate for the new classifier (classifier_lr_scale x lr, so that a resume that lowers lr
+    after a NaN lowers the classifier's too)."""
 
     epochs: float = 100.0
     batch_size: int = 256
@@ -183,7 +184,7 @@ class FinetuneConfig:
     min_lr: float = 1e-7
     milestones: list[float] = field(default_factory=list)  # epochs where lr is multiplied by gamma; [] = cosine to min_lr
     gamma: float = 0.1
-    classifier_lr: float | None = None  # normal fine-tuning's new Linear head (SwAV on ImageNet: 0.2); None = lr
+    classifier_lr_scale: float = 1.0  # the new Linear head's lr over lr (SwAV on ImageNet: 20, i.e. 0.2 against 0.01)
     momentum: float = 0.9
     weight_decay: float = 1e-4
     head_epochs: float = 1.0  # TH; the script's 2 is a discrepancy (spec §6.4)
@@ -368,11 +369,11 @@ def check_settings(cfg: Config) -> None:
     f, s, k = cfg.finetune, cfg.distill, cfg.fewshot
     if not (f.epochs > 0 and f.batch_size >= 1 and f.lr > 0 and 0 <= f.min_lr <= f.lr and 0 <= f.momentum < 1
             and f.weight_decay >= 0 and f.head_epochs > 0 and f.head_lr > 0 and f.checkpoint_every >= 1
-            and f.log_every >= 1 and 0 < f.gamma <= 1 and (f.classifier_lr is None or f.classifier_lr > 0)
+            and f.log_every >= 1 and 0 < f.gamma <= 1 and f.classifier_lr_scale > 0
             and (f.head_weight_decay is None or f.head_weight_decay >= 0)):
         raise OwaiError("finetune: need epochs > 0, batch_size >= 1, lr > 0, 0 <= min_lr <= lr, 0 <= momentum < 1, "
                         "weight_decay >= 0, head_epochs > 0, head_lr > 0, checkpoint_every >= 1, log_every >= 1, "
-                        "0 < gamma <= 1, classifier_lr > 0, head_weight_decay >= 0")
+                        "0 < gamma <= 1, classifier_lr_scale > 0, head_weight_decay >= 0")
     if list(f.milestones) != sorted(set(f.milestones)) or any(not 0 < m < f.epochs for m in f.milestones):
         raise OwaiError(f"finetune.milestones {f.milestones}: increasing epochs between 0 and finetune.epochs ({f.epochs:g})")
     if not (s.tau > 0 and 0 <= s.alpha <= 1 and s.epochs > 0 and s.batch_size >= 1 and s.lr > 0
@@ -1358,11 +1359,11 @@ def finetune_model(cfg: Config, run: Run, stage: str, nets: list[Network], train
     batches = StepBatches(OneDomain(train_set), [0], [torch.arange(len(train_set))], f.batch_size, d.image_size,
                           d.augment, derive_seed(cfg.seed, "finetune-batches", stage), steps)
     stream = StepStream(batches, d.workers, device)
-    if f.classifier_lr is None:
+    if f.classifier_lr_scale == 1.0:
         groups = _decay_groups(model, f.weight_decay)
-    else:  # the new head at classifier_lr: the schedule times lr_scale (owai.train)
+    else:  # the new head at the schedule's lr times lr_scale (owai.train)
         groups = _decay_groups(cat, f.weight_decay) + [{"params": list(head.parameters()), "weight_decay": f.weight_decay,
-                                                        "lr_scale": f.classifier_lr / f.lr}]
+                                                        "lr_scale": f.classifier_lr_scale}]
     optimizer = torch.optim.SGD(groups, lr=f.lr, momentum=f.momentum)
 
     def loss_at(step: int, micro: int) -> torch.Tensor:
