@@ -371,51 +371,49 @@ def test_checkpoint_files_from_elsewhere_are_the_networks(chain_run, cache, tmp_
     _one_line_error(["--stage", "distill", *as_sets(probe)], tmp_path / "out", capsys, "distill.target=logits needs the networks' base-class heads")
 
 
-def test_fine_tuning_with_a_step_schedule_a_classifier_lr_and_the_heads_own_weight_decay(cache, tmp_path, capsys,
-                                                                                        monkeypatch) -> None:
-    """TH A.3.1's ImageNet fine-tuning of SwAV: the backbone at lr, the new classifier 20 times higher,
-    both x gamma at each milestone epoch; the two-stage head at head_weight_decay. Checked on the
-    optimizer and schedule each training stage is given."""
+@pytest.fixture
+def trainings(monkeypatch) -> dict[str, dict]:
+    """What each training stage's train_loop is given, by stage: the optimizer's class and groups
+    (settings and parameter count) and the schedule's lr at every step. The training runs as usual."""
     import owai.train
 
-    seen: dict[str, tuple[list[dict], list[float]]] = {}
+    seen: dict[str, dict] = {}
     original = owai.train.train_loop
 
     def recording(run, stage, model, optimizer, loss_at, loop, lr_at=None, **kwargs):
-        groups = [{k: v for k, v in g.items() if k != "params"} | {"n": len(g["params"])} for g in optimizer.param_groups]
-        seen[stage] = (groups, [lr_at(s) for s in range(loop.steps)] if lr_at else [])
+        seen[stage] = {"optimizer": type(optimizer).__name__,
+                       "groups": [{k: v for k, v in g.items() if k != "params"} | {"n": len(g["params"])}
+                                  for g in optimizer.param_groups],
+                       "lrs": [lr_at(s) for s in range(loop.steps)] if lr_at else []}
         return original(run, stage, model, optimizer, loss_at, loop, lr_at=lr_at, **kwargs)
 
     monkeypatch.setattr(owai.train, "train_loop", recording)
+    return seen
+
+
+def test_fine_tuning_with_a_step_schedule_a_classifier_lr_and_the_heads_own_weight_decay(cache, tmp_path, capsys,
+                                                                                        trainings) -> None:
+    """TH A.3.1's ImageNet fine-tuning of SwAV: the backbone at lr, the new classifier 20 times higher,
+    both x gamma at each milestone epoch; the two-stage head at head_weight_decay. Checked on the
+    optimizer and schedule each training stage is given."""
     sets = [*TINY, "finetune.lr=0.01", "finetune.classifier_lr_scale=20", "finetune.milestones=[0.5]", "finetune.gamma=0.2",
             "finetune.weight_decay=0.0", "finetune.head_weight_decay=0.001"]
     code, _, err = _cli(["--stage", "finetune,two-stage", "--seeds", "0,1", *as_sets(sets), "-o", str(tmp_path)], capsys)
     assert code == 0, err
-    groups, lrs = seen["finetune-cat2"]
+    groups, lrs = trainings["finetune-cat2"]["groups"], trainings["finetune-cat2"]["lrs"]
     assert [g.get("lr_scale", 1.0) for g in groups][-1] == pytest.approx(20.0) and groups[-1]["n"] == 2  # the Linear head
     assert all(g.get("lr_scale", 1.0) == 1.0 for g in groups[:-1])
     half = len(lrs) // 2  # finetune.epochs=1: the milestone at 0.5 epochs is half-way
     assert lrs[0] == pytest.approx(0.01) and lrs[-1] == pytest.approx(0.002) and set(lrs) == {lrs[0], lrs[-1]}
     assert lrs.index(lrs[-1]) in (half, half + 1)
-    head_groups, _ = seen["two-stage-head2"]
-    assert [g["weight_decay"] for g in head_groups] == [0.001]
+    assert [g["weight_decay"] for g in trainings["two-stage-head2"]["groups"]] == [0.001]
     code, _, err = _cli(["--stage", "finetune", "--seeds", "0,1", *as_sets([*TINY, "finetune.milestones=[2.0]"])], capsys)
     assert code == 2 and "finetune.milestones [2.0]" in err
 
 
-def test_the_few_shot_student_trains_with_adam(cache, tmp_path, capsys, monkeypatch) -> None:
+def test_the_few_shot_student_trains_with_adam(cache, tmp_path, capsys, trainings) -> None:
     """TH A.4.3: Distill_n of the few-shot tables keeps A.4.2's Adam (lr 1e-3, no schedule)."""
-    import owai.train
-
-    seen = {}
-    original = owai.train.train_loop
-
-    def recording(run, stage, model, optimizer, loss_at, loop, lr_at=None, **kwargs):
-        seen[stage] = (type(optimizer).__name__, {lr_at(s) for s in range(loop.steps)})
-        return original(run, stage, model, optimizer, loss_at, loop, lr_at=lr_at, **kwargs)
-
-    monkeypatch.setattr(owai.train, "train_loop", recording)
     sets = [*TINY, "distill.optimizer=adam", "distill.lr=0.001", "distill.warmup_epochs=0.0", "distill.milestones=[]"]
     code, _, err = _cli(["--stage", "distill", "--seeds", "0,1", *as_sets(sets), "-o", str(tmp_path)], capsys)
     assert code == 0, err
-    assert seen["distill"] == ("Adam", {0.001})
+    assert (trainings["distill"]["optimizer"], set(trainings["distill"]["lrs"])) == ("Adam", {0.001})
