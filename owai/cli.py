@@ -255,7 +255,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     """Console entry point (`owai` and `python -m owai`): the one error path. A user error (an
     OwaiError, or a usage error of the command line: a missing or unknown option, a bad value) is one
     `error:` line on stderr and exit code 2, never a traceback or the CLI library's usage box; --help,
-    --version and a bare command group print help (exit 0); Ctrl-C exits 130."""
+    --version and a bare command group print help (exit 0); Ctrl-C exits 130. A torchrun job's
+    ranks leave their process group after a successful command (`owai.distributed.shutdown`)."""
     try:
         code = app(args=sys.argv[1:] if argv is None else list(argv), prog_name="owai", standalone_mode=False)
     except click.NoArgsIsHelpError:
@@ -275,6 +276,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         _fail("interrupted", 130)
     if isinstance(code, int) and not isinstance(code, bool) and code:  # typer.Exit(code) / ctx.exit(code)
         sys.exit(code)
+    if "torch.distributed" in sys.modules:  # a torchrun job's ranks leave their process group together
+        from owai import distributed
+
+        distributed.shutdown()
 
 
 def usage_message(error: click.ClickException) -> str:

@@ -120,7 +120,12 @@ def barrier() -> None:
 
 
 def shutdown() -> None:
+    """Leave the torchrun job at its end, as torch asks (`destroy_process_group`): first a barrier,
+    so that no rank closes its connections while a peer's last collective is still in flight.
+    Only on success: after an error the rank exits non-zero and torchrun stops the others (a
+    collective teardown beside a failed peer would wait forever)."""
     if dist.is_available() and dist.is_initialized():
+        barrier()
         dist.destroy_process_group()
 
 

@@ -1,16 +1,19 @@
 """Shared test helpers: a tiny three-moons config, `--set` lists, and CLI runners (in a subprocess,
-or in this process with pytest's captured output). Also which runs see CUDA: only `-m gpu` (cuda_hidden)."""
+in this process with pytest's captured output, or as a torchrun job). Also which runs see CUDA: only `-m gpu` (cuda_hidden)."""
 
 from __future__ import annotations
 
 import atexit
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -102,6 +105,41 @@ def run_owai(*args: str, cwd: Path | None = None, timeout: float = 300) -> subpr
     return subprocess.run(
         [sys.executable, "-m", "owai", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env
     )
+
+
+def torchrun(
+    nproc: int, args: list[str], *, before_retry: Callable[[], None] | None = None, cwd: Path | None = None,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run --standalone --nproc_per_node=NPROC ARGS`: gloo ranks of one
+    thread each, with Python's fault handler on (a native crash prints every thread's Python stack).
+
+    A job whose rank was killed by a signal runs once more, after `before_retry` has removed what
+    the first attempt wrote, and the test gets a warning with the first attempt's output. Such a
+    crash is a native abort inside gloo: one CI run in about seventy had one, and none of 240 local
+    jobs did (docs/decisions.md). A rank's Python error, a wrong result or a second crash is never
+    retried: they fail the test."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
+    env.pop("OWAI_DEBUG", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+    signal = rank_signal(proc)
+    if signal is None or before_retry is None:
+        return proc
+    warnings.warn(f"torchrun: a rank died of signal {signal}; running the job once more. Its output:\n"
+                  f"{proc.stderr[-6000:]}", stacklevel=2)
+    before_retry()
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+
+
+def rank_signal(proc: subprocess.CompletedProcess) -> int | None:
+    """The signal that killed the first failed rank of a torchrun job (torchrun's "Root Cause"
+    report, e.g. `exitcode  : -6 (pid: 123)` for SIGABRT), or None (success, or a rank that exited
+    with an error code of its own)."""
+    if proc.returncode == 0:
+        return None
+    found = re.search(r"Root Cause \(first observed failure\):.*?exitcode\s*:\s*(-?\d+)", proc.stderr, re.S)
+    return -int(found.group(1)) if found and int(found.group(1)) < 0 else None
 
 
 def as_if_killed(run: Path, *lost: Path) -> None:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from owai.models.lm import load_pretrained
-from conftest import as_if_killed, cli_in_process, run_owai
-from test_language_model import lm_cache, losses, only_run, sets, torchrun  # noqa: F401  (lm_cache: one token cache)
+from conftest import as_if_killed, as_sets, cli_in_process, run_owai
+from test_language_model import lm_cache, losses, only_run, torchrun_mosaic_train  # noqa: F401  (lm_cache: one token cache)
 
 WORDS = ("the cat sat on a mat while seven brown dogs ran past the old mill and every child saw the river "
          "turn gold under a quiet evening sky").split()
@@ -68,7 +68,7 @@ def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, text_file: Path) -> Path:
     out = tmp_path_factory.mktemp("ch4-runs")
-    proc = run_owai("mosaic-train", "-r", "table4.2-pretrain", "-q", "-o", str(out), "--dataset", str(text_file), *sets(*TINY_V2))
+    proc = run_owai("mosaic-train", "-r", "table4.2-pretrain", "-q", "-o", str(out), "--dataset", str(text_file), *as_sets(TINY_V2))
     assert proc.returncode == 0, proc.stderr
     return only_run(out)
 
@@ -131,9 +131,9 @@ def test_two_fsdp_processes_train_like_one(tmp_path: Path, text_file: Path):
         "train.checkpoint_every=3", "eval.attention_multiples=[]", "eval.continuations=true", "eval.max_new_tokens=3",
         "eval.val_batches=2", "eval.posloss_windows=2"]
     recipe = ["-r", "table4.2-pretrain", "--dataset", str(text_file)]
-    single = run_owai("mosaic-train", "-q", "-o", str(tmp_path / "one"), *recipe, *sets(*common, "train.batch_size=4"))
+    single = run_owai("mosaic-train", "-q", "-o", str(tmp_path / "one"), *recipe, *as_sets([*common, "train.batch_size=4"]))
     assert single.returncode == 0, single.stderr
-    double = torchrun(2, tmp_path / "two", recipe + sets(*common, "train.batch_size=2"))
+    double = torchrun_mosaic_train(2, tmp_path / "two", recipe + as_sets([*common, "train.batch_size=2"]))
     assert double.returncode == 0, double.stderr[-2000:]
     l1, l2 = losses(only_run(tmp_path / "one"), "mmv2"), losses(only_run(tmp_path / "two"), "mmv2")
     assert l1.keys() == l2.keys() and len(l1) == 3
@@ -179,7 +179,7 @@ def test_bad_input_is_one_line(extra: list[str], message: str, tmp_path: Path, t
     # in process (each `owai` subprocess costs ~10 s of imports; the console script's own one-line path
     # is tests/test_invocations_issue40.py's)
     code, _, err = cli_in_process(["mosaic-train", "-r", "table4.2-pretrain", "-o", str(tmp_path / "out"), "--dataset",
-                                   str(text_file), *sets(*TINY_V2), *extra], capsys)
+                                   str(text_file), *as_sets(TINY_V2), *extra], capsys)
     assert code == 2, err
     assert message in err and err.strip().count("\n") == 0, err
     assert not (tmp_path / "out").exists()
@@ -189,7 +189,7 @@ def test_an_empty_corpus_is_one_line(tmp_path: Path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")
     code, _, err = cli_in_process(["mosaic-train", "-r", "table4.2-pretrain", "-o", str(tmp_path / "out"), "--dataset",
-                                   str(empty), *sets(*TINY_V2)], capsys)
+                                   str(empty), *as_sets(TINY_V2)], capsys)
     assert code == 2 and "no text" in err and err.strip().count("\n") == 0, err
 
 
@@ -213,7 +213,7 @@ def test_a_streamed_corpus_trains_and_resumes_where_it_stopped(tmp_path: Path, t
         "archs=[mmv2]", "data.stream=true", "data.stream_val_tokens=600", "eval.lengths=[]", "train.steps=6", "train.checkpoint_every=3",
         "train.log_every=1", "train.eval_every=6"]
     proc = run_owai("mosaic-train", "-r", "table4.2-pretrain", "-q", "-o", str(tmp_path / "runs"), "--dataset", str(text_file),
-                    *sets(*common))
+                    *as_sets(common))
     assert proc.returncode == 0, proc.stderr
     run = only_run(tmp_path / "runs")
     assert (run / "val_tokens.bin").stat().st_size > 0
@@ -251,7 +251,7 @@ def test_context_extension_starts_from_the_saved_model(trained: Path, tmp_path: 
     extend = [s for s in TINY_V2 if not s.startswith(("archs", "data.block_size", "train.steps", "eval.lengths"))] + [
         "archs=[mmv2]", "data.block_size=64", "train.steps=1", "train.lr=1e-30", "train.min_lr=1e-30", "train.warmup=0",
         "eval.lengths=[]", f"model.init_from={trained / 'models' / 'mmv2'}"]
-    proc = run_owai("mosaic-train", "-r", "table4.2-pretrain", "-q", "-o", str(tmp_path), "--dataset", str(text_file), *sets(*extend))
+    proc = run_owai("mosaic-train", "-r", "table4.2-pretrain", "-q", "-o", str(tmp_path), "--dataset", str(text_file), *as_sets(extend))
     assert proc.returncode == 0, proc.stderr
     before = load_file(trained / "models" / "mmv2" / "model.safetensors")
     after = load_file(only_run(tmp_path) / "models" / "mmv2" / "model.safetensors")

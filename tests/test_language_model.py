@@ -7,12 +7,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import as_if_killed, run_owai
+from conftest import as_if_killed, as_sets, run_owai, torchrun
 
 TINY_LM = [
     "data.source=owai-stories:1500",
@@ -33,10 +32,6 @@ TINY_LM = [
     "eval.attention_sequences=4",
     "eval.max_new_tokens=4",
 ]
-
-
-def sets(*pairs: str) -> list[str]:
-    return [arg for pair in pairs for arg in ("--set", pair)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -65,7 +60,7 @@ def losses(run: Path, stage: str) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("lm-runs")
-    proc = run_owai("mosaic-train", "-q", "-o", str(out), *sets(*TINY_LM))
+    proc = run_owai("mosaic-train", "-q", "-o", str(out), *as_sets(TINY_LM))
     assert proc.returncode == 0, proc.stderr
     return only_run(out)
 
@@ -95,7 +90,7 @@ def test_mosaic_train_trains_both_and_writes_everything(trained: Path):
 
 
 def test_mosaic_eval_reads_the_saved_models_back(trained: Path, tmp_path: Path):
-    proc = run_owai("mosaic-eval", str(trained), "-q", "--json", "-o", str(tmp_path), *sets(*[s for s in TINY_LM if s.startswith(("data.", "eval."))]))
+    proc = run_owai("mosaic-eval", str(trained), "-q", "--json", "-o", str(tmp_path), *as_sets([s for s in TINY_LM if s.startswith(("data.", "eval."))]))
     assert proc.returncode == 0, proc.stderr
     evaluated = {r["metric"]: r["measured"] for r in json.loads(proc.stdout)["rows"]}
     original = {r["metric"]: r["measured"] for r in json.loads((trained / "results.json").read_text())["rows"]}
@@ -114,11 +109,10 @@ def test_resume_replays_the_killed_steps_exactly(trained: Path, tmp_path: Path):
     assert losses(run, "gpt") == before
 
 
-def torchrun(nproc: int, out: Path, extra: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "owai", "mosaic-train", "-q", "-o", str(out), *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+def torchrun_mosaic_train(nproc: int, out: Path, extra: list[str]) -> subprocess.CompletedProcess:
+    """`owai mosaic-train -q -o OUT EXTRA` as a torchrun job of `nproc` gloo ranks."""
+    return torchrun(nproc, ["-m", "owai", "mosaic-train", "-q", "-o", str(out), *extra],
+                    before_retry=lambda: shutil.rmtree(out, ignore_errors=True))
 
 
 # fsdp: tests/test_chapter4_training.py (mosaic-train, Memory Mosaics v2) and tests/test_sharded_checkpoint.py
@@ -127,9 +121,9 @@ def test_torchrun_two_gloo_processes_match_one(strategy: str, tmp_path: Path):
     """2 processes x 4 sequences see the same global batches as 1 process x 8; only rank 0 writes."""
     common = TINY_LM + ["archs=[gpt]", "train.steps=12", "train.log_every=2", "train.eval_every=12", "train.checkpoint_every=6",
                         "eval.continuations=false", "eval.attention_multiples=[]", f"train.parallel={strategy}"]
-    single = run_owai("mosaic-train", "-q", "-o", str(tmp_path / "one"), *sets(*common))
+    single = run_owai("mosaic-train", "-q", "-o", str(tmp_path / "one"), *as_sets(common))
     assert single.returncode == 0, single.stderr
-    double = torchrun(2, tmp_path / "two", sets(*[c for c in common if not c.startswith("train.batch_size")], "train.batch_size=4"))
+    double = torchrun_mosaic_train(2, tmp_path / "two", as_sets([c for c in common if not c.startswith("train.batch_size")] + ["train.batch_size=4"]))
     assert double.returncode == 0, double.stderr[-2000:]
     one, two = only_run(tmp_path / "one"), only_run(tmp_path / "two")
     l1, l2 = losses(one, "gpt"), losses(two, "gpt")
@@ -155,7 +149,7 @@ def test_torchrun_two_gloo_processes_match_one(strategy: str, tmp_path: Path):
 )
 def test_bad_input_is_one_line(extra: list[str], message: str, tmp_path: Path):
     tiny = [s for s in TINY_LM if not (extra[0] == "--dataset" and s.startswith("data.source="))]
-    proc = run_owai("mosaic-train", "-o", str(tmp_path), *sets(*tiny), *extra)
+    proc = run_owai("mosaic-train", "-o", str(tmp_path), *as_sets(tiny), *extra)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -175,7 +169,7 @@ def test_eval_missing_model_is_one_line(tmp_path: Path):
 
 def test_eval_posloss_subcommand(trained: Path, tmp_path: Path):
     proc = run_owai("eval", "posloss", str(trained), "-q", "--json", "-o", str(tmp_path),
-                    *sets(*[s for s in TINY_LM if s.startswith(("data.", "eval."))]))
+                    *as_sets([s for s in TINY_LM if s.startswith(("data.", "eval."))]))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert len(result["details"]["gpt.posloss"]) == 32 and "gpt.continuations" not in result["details"]
@@ -187,7 +181,7 @@ def test_eval_posloss_subcommand(trained: Path, tmp_path: Path):
 def test_every_lm_recipe_runs_its_cpu_preset_shrunk(recipe: str, tmp_path: Path):
     """Each recipe's own cpu preset, shrunk by TINY_LM: RoPE/ALiBi GPTs included (Fig B.6)."""
     tiny = [s for s in TINY_LM if not s.startswith(("eval.attention", "eval.max_new"))] + ["train.steps=6", "train.eval_every=3", "train.checkpoint_every=3"]
-    proc = run_owai("mosaic-train", "--recipe", recipe, "-q", "--json", "-o", str(tmp_path), *sets(*tiny))
+    proc = run_owai("mosaic-train", "--recipe", recipe, "-q", "--json", "-o", str(tmp_path), *as_sets(tiny))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     run = Path(result["run_dir"])

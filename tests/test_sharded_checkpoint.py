@@ -6,16 +6,14 @@ torchrun job runs all of them, the one-process runs happen in this process."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
 import dist_train_worker as worker
+from conftest import torchrun
 
 from owai.checkpoint import (
     SHARDED_FORMAT,
@@ -34,13 +32,14 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = 8  # checkpoints every 4 steps
 
 
-def torchrun(nproc: int, spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
+def worker_jobs(nproc: int, spec: dict[str, Any], tmp: Path, fresh_inputs: Callable[[], None]) -> dict[str, Any]:
+    """Run the jobs of `spec` in one torchrun job of tests/dist_train_worker.py; returns each job's
+    result. `fresh_inputs` (re)makes the run directories the jobs read and change."""
     spec_path = tmp / "spec.json"
     spec_path.write_text(json.dumps({**spec, "out": str(tmp / "out.json")}))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(REPO / "tests" / "dist_train_worker.py"), str(spec_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    fresh_inputs()
+    proc = torchrun(nproc, [str(REPO / "tests" / "dist_train_worker.py"), str(spec_path)], before_retry=fresh_inputs,
+                    cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp / "out.json").read_text())
     fails = {job["name"] for job in spec["jobs"] if job.get("fails")}
@@ -64,10 +63,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     the resume of the one-process run, and the meta-init checks."""
     tmp = tmp_path_factory.mktemp("sharded")
     reference = worker.train(str(tmp / "reference"), steps=STEPS, sharded=False)
-    worker.train(str(tmp / "from-one"), steps=STEPS, sharded=True, stop_after=5)
-    assert [p.name for p in list_checkpoints(tmp / "from-one" / "checkpoints" / "gpt")] == ["step-000004"]
-    shutil.copytree(tmp / "from-one", tmp / "corrupt")  # rank 1 verifies this file (rank 0 .metadata)
-    _flip_byte(tmp / "corrupt" / "checkpoints" / "gpt" / "step-000004" / "dcp" / "__0_0.distcp")
+    worker.train(str(tmp / "killed"), steps=STEPS, sharded=True, stop_after=5)
+    assert [p.name for p in list_checkpoints(tmp / "killed" / "checkpoints" / "gpt")] == ["step-000004"]
+
+    def fresh_inputs() -> None:
+        for name in ("two", "ac", "from-one", "corrupt"):
+            shutil.rmtree(tmp / name, ignore_errors=True)
+        (tmp / "out.json").unlink(missing_ok=True)
+        shutil.copytree(tmp / "killed", tmp / "from-one")
+        shutil.copytree(tmp / "killed", tmp / "corrupt")  # rank 1 verifies this file (rank 0 .metadata)
+        _flip_byte(tmp / "corrupt" / "checkpoints" / "gpt" / "step-000004" / "dcp" / "__0_0.distcp")
+
     jobs = [
         {"name": "meta", "kind": "meta"},
         {"name": "meta_ac", "kind": "meta", "args": {"activation_checkpointing": True}},
@@ -76,7 +82,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         {"name": "resumed", "kind": "train", "args": {"run_dir": str(tmp / "from-one"), "steps": STEPS}},
         {"name": "corrupt", "kind": "train", "args": {"run_dir": str(tmp / "corrupt"), "steps": STEPS}, "fails": True},
     ]
-    return {"tmp": tmp, "reference": reference, **torchrun(2, {"jobs": jobs}, tmp)}
+    return {"tmp": tmp, "reference": reference, **worker_jobs(2, {"jobs": jobs}, tmp, fresh_inputs)}
 
 
 def assert_losses_equal(got: dict[int, float], want: dict[int, float], steps: range) -> None:
