@@ -45,7 +45,7 @@ import torch
 from PIL import Image
 
 from owai.data import registry
-from owai.data.images import image_files, visible_dirs
+from owai.data.images import check_style, image_files, visible_dirs
 from owai.errors import OwaiError
 
 # -------------------------------------------------------------------------------------------- the type
@@ -54,12 +54,14 @@ from owai.errors import OwaiError
 @dataclass(frozen=True)
 class ClassificationData:
     """`images`: uint8 (N, H, W) / (N, H, W, 3) tensor, or N image paths; `labels`: int64 (N,) indexing
-    `classes`; `source`: where it was read from (for messages)."""
+    `classes`; `source`: where it was read from (for messages); `style`: how its images become
+    tensors (`owai.data.images.STYLES`; subsets keep it)."""
 
     images: torch.Tensor | list[Path]
     labels: torch.Tensor
     classes: list[str]
     source: str = ""
+    style: str = "domainbed"
 
     def __post_init__(self) -> None:
         where = self.source or "classification data"
@@ -72,6 +74,7 @@ class ClassificationData:
             raise OwaiError(f"{where}: labels must be int64 (N,), got {self.labels.dtype} {tuple(self.labels.shape)}")
         if len(self.images) != self.labels.shape[0]:
             raise OwaiError(f"{where}: {len(self.images)} images but {self.labels.shape[0]} labels")
+        check_style(self.style)
         if len(set(self.classes)) != len(self.classes):
             raise OwaiError(f"{where}: duplicate class names")
         if self.labels.numel() and (int(self.labels.min()) < 0 or int(self.labels.max()) >= len(self.classes)):
@@ -98,7 +101,7 @@ def _subset(data: ClassificationData, keep: torch.Tensor, labels: torch.Tensor |
     idx = keep.tolist()
     images = data.images[keep] if isinstance(data.images, torch.Tensor) else [data.images[i] for i in idx]
     return ClassificationData(images, data.labels[keep] if labels is None else labels,
-                              data.classes if classes is None else classes, data.source)
+                              data.classes if classes is None else classes, data.source, data.style)
 
 
 def select_classes(data: ClassificationData, classes: Sequence[str]) -> ClassificationData:

@@ -42,7 +42,9 @@ from PIL import Image, ImageEnhance
 from torch.utils.data import Dataset
 
 from owai.data import registry
-from owai.data.images import BILINEAR, eval_transform, image_files, loader, stack, step_loader, to_tensor, visible_dirs
+from owai.data.images import (
+    BICUBIC, BILINEAR, check_style, eval_transform, image_files, loader, stack, step_loader, to_tensor, visible_dirs,
+)
 from owai.errors import DataMissing, OwaiError
 from owai.runtime import generator
 
@@ -68,7 +70,10 @@ def catalogue_entries() -> list[registry.Dataset]:
 
 CROP_SCALE = (0.7, 1.0)
 CROP_RATIO = (3 / 4, 4 / 3)
+CIFAR_CROP_SCALE = (0.8, 1.0)  # TH A.1
+IMAGENET_CROP_SCALE = (0.08, 1.0)  # torchvision's default: He et al. 2016's, and Chen et al. 2019's RandomSizedCrop
 JITTER = 0.3  # brightness, contrast, saturation and hue of DomainBed's ColorJitter
+FEWSHOT_JITTER = 0.4  # brightness, contrast and colour of Chen et al. 2019's ImageJitter
 GRAYSCALE_P = 0.1
 FLIP_P = 0.5
 
@@ -384,41 +389,64 @@ def color_jitter(image: Image.Image, gen: torch.Generator, strength: float = JIT
     return image
 
 
-def train_transform(image: Image.Image, size: int, augment: bool, gen: torch.Generator) -> torch.Tensor:
-    """float32 (3, size, size). augment=False: `eval_transform`. augment=True: DomainBed's training
-    transform, RandomResizedCrop(size, (0.7, 1)), RandomHorizontalFlip, ColorJitter(0.3 x 4),
-    RandomGrayscale(0.1), to tensor, normalise; every random draw comes from `gen`."""
+def image_jitter(image: Image.Image, gen: torch.Generator, strength: float = FEWSHOT_JITTER) -> Image.Image:
+    """Chen et al. 2019's ImageJitter(Brightness, Contrast, Color = strength): the three PIL
+    enhancements in that fixed order, each by a factor uniform in [1 - strength, 1 + strength]."""
+    factors = torch.rand(3, generator=gen).tolist()
+    for enhance, r in zip((ImageEnhance.Brightness, ImageEnhance.Contrast, ImageEnhance.Color), factors):
+        image = enhance(image).enhance(strength * (2.0 * r - 1.0) + 1.0).convert("RGB")
+    return image
+
+
+def _flip(image: Image.Image, gen: torch.Generator) -> Image.Image:
+    return image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if float(torch.rand(1, generator=gen)) < FLIP_P else image
+
+
+def train_transform(image: Image.Image, size: int, augment: bool, gen: torch.Generator,
+                    style: str = "domainbed") -> torch.Tensor:
+    """float32 (3, size, size). augment=False: `eval_transform`. augment=True, by style (see
+    `owai.data.images.STYLES`), then to tensor and normalise; every random draw comes from `gen`:
+    - domainbed: RandomResizedCrop(size, (0.7, 1)), RandomHorizontalFlip, ColorJitter(0.3 x 4),
+      RandomGrayscale(0.1);
+    - cifar (TH A.1): RandomResizedCrop(size, (0.8, 1), (3/4, 4/3)) bicubic, RandomHorizontalFlip;
+    - imagenet (TH A.2.1, He et al. 2016): RandomResizedCrop(size), RandomHorizontalFlip;
+    - fewshot (TH A.4.2, Chen et al. 2019): RandomResizedCrop(size), ImageJitter(0.4 x 3),
+      RandomHorizontalFlip."""
+    check_style(style)
     if not augment:
-        return eval_transform(image, size)
+        return eval_transform(image, size, style)
     image = image.convert("RGB")
-    top, left, h, w = random_resized_crop_params(image.width, image.height, gen)
-    image = image.crop((left, top, left + w, top + h)).resize((size, size), BILINEAR)
-    if float(torch.rand(1, generator=gen)) < FLIP_P:
-        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    image = color_jitter(image, gen)
-    if float(torch.rand(1, generator=gen)) < GRAYSCALE_P:
-        image = image.convert("L").convert("RGB")
-    return to_tensor(image)
+    scale = {"domainbed": CROP_SCALE, "cifar": CIFAR_CROP_SCALE}.get(style, IMAGENET_CROP_SCALE)
+    top, left, h, w = random_resized_crop_params(image.width, image.height, gen, scale=scale)
+    image = image.crop((left, top, left + w, top + h)).resize((size, size), BICUBIC if style == "cifar" else BILINEAR)
+    if style == "fewshot":
+        image = image_jitter(image, gen)
+    image = _flip(image, gen)
+    if style == "domainbed":
+        image = color_jitter(image, gen)
+        if float(torch.rand(1, generator=gen)) < GRAYSCALE_P:
+            image = image.convert("L").convert("RGB")
+    return to_tensor(image, style)
 
 
 SSL_CROP_SCALE = (0.2, 1.0)  # SimSiam (Chen & He 2021) / spec rich_features.md §6.7, Table A.4
 SSL_JITTER, SSL_HUE, SSL_JITTER_P, SSL_GRAYSCALE_P = 0.4, 0.1, 0.8, 0.2
 
 
-def ssl_transform(image: Image.Image, size: int, gen: torch.Generator) -> torch.Tensor:
+def ssl_transform(image: Image.Image, size: int, gen: torch.Generator, style: str = "domainbed") -> torch.Tensor:
     """SimSiam's CIFAR view (TH A.3.3): RandomResizedCrop(size, (0.2, 1)), RandomHorizontalFlip,
     ColorJitter(0.4, 0.4, 0.4, 0.1) with probability 0.8, RandomGrayscale(0.2), to tensor, normalise
-    (no blur: the CIFAR recipe has none). float32 (3, size, size); every draw comes from `gen`."""
+    (CIFAR's mean and std for the "cifar" style; no blur: the CIFAR recipe has none). float32 (3,
+    size, size); every draw comes from `gen`."""
+    check_style(style)
     image = image.convert("RGB")
     top, left, h, w = random_resized_crop_params(image.width, image.height, gen, scale=SSL_CROP_SCALE)
-    image = image.crop((left, top, left + w, top + h)).resize((size, size), BILINEAR)
-    if float(torch.rand(1, generator=gen)) < FLIP_P:
-        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    image = _flip(image.crop((left, top, left + w, top + h)).resize((size, size), BILINEAR), gen)
     if float(torch.rand(1, generator=gen)) < SSL_JITTER_P:
         image = color_jitter(image, gen, SSL_JITTER, SSL_HUE)
     if float(torch.rand(1, generator=gen)) < SSL_GRAYSCALE_P:
         image = image.convert("L").convert("RGB")
-    return to_tensor(image)
+    return to_tensor(image, style)
 
 
 # ------------------------------------------------------------------------------------------ batches
@@ -433,10 +461,13 @@ class StepBatches(Dataset):
 
     `views` = V > 1 (self-supervised pairs, SimSiam) gives every example V independent augmentations
     by `ssl_transform` (view v > 0 keyed by generator(seed, "augment", step, domain, j, v)): x is
-    (V*D*B, 3, size, size), the V views stacked view by view, and y, d are those of one view."""
+    (V*D*B, 3, size, size), the V views stacked view by view, and y, d are those of one view.
+    `style` picks the transforms (`owai.data.images.STYLES`)."""
 
     def __init__(self, data: MultiDomainDataset, domains: list[int], indices: list[torch.Tensor],
-                 batch_per_domain: int, size: int, augment: bool, seed: int, steps: int, views: int = 1):
+                 batch_per_domain: int, size: int, augment: bool, seed: int, steps: int, views: int = 1,
+                 style: str = "domainbed"):
+        check_style(style)
         domains = [int(d) for d in domains]
         if not domains:
             raise OwaiError("StepBatches needs at least one training domain")
@@ -457,6 +488,7 @@ class StepBatches(Dataset):
             self.indices.append(idx)
         self.data, self.domains, self.batch_per_domain = data, domains, batch_per_domain
         self.size, self.augment, self.seed, self.steps, self.views = size, augment, seed, steps, views
+        self.style = style
 
     def __len__(self) -> int:
         return self.steps
@@ -475,11 +507,11 @@ class StepBatches(Dataset):
                 image = self.data.image(domain, i)
                 if self.views == 1:
                     gen = generator(self.seed, "augment", step, domain, j)
-                    xs[0].append(train_transform(image, self.size, self.augment, gen))
+                    xs[0].append(train_transform(image, self.size, self.augment, gen, self.style))
                     continue
                 for v in range(self.views):
                     gen = generator(self.seed, "augment", step, domain, j, *([v] if v else []))
-                    xs[v].append(ssl_transform(image, self.size, gen))
+                    xs[v].append(ssl_transform(image, self.size, gen, self.style))
             ys.append(self.data.labels(domain)[chosen])
         d = torch.arange(len(self.domains)).repeat_interleave(self.batch_per_domain)
         return stack([x for view in xs for x in view]), torch.cat(ys), d
@@ -506,8 +538,9 @@ class StepStream:
 
 
 class _EvalItems(Dataset):
-    def __init__(self, data: MultiDomainDataset, domain: int, indices: torch.Tensor, size: int):
-        self.data, self.domain, self.size = data, domain, size
+    def __init__(self, data: MultiDomainDataset, domain: int, indices: torch.Tensor, size: int, style: str):
+        check_style(style)
+        self.data, self.domain, self.size, self.style = data, domain, size, style
         self.indices = torch.as_tensor(indices, dtype=torch.int64)
         self.labels = data.labels(domain)
 
@@ -516,7 +549,7 @@ class _EvalItems(Dataset):
 
     def __getitem__(self, k: int) -> tuple[torch.Tensor, int]:
         i = int(self.indices[k])
-        return eval_transform(self.data.image(self.domain, i), self.size), int(self.labels[i])
+        return eval_transform(self.data.image(self.domain, i), self.size, self.style), int(self.labels[i])
 
 
 def _collate_eval(items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -524,11 +557,12 @@ def _collate_eval(items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, 
 
 
 def eval_batches(data: MultiDomainDataset, domain: int, indices: torch.Tensor, size: int, batch_size: int = 256,
-                 workers: int = 0, pin_memory: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(x, y) batches of the examples `indices` of `domain`, in order, eval transform."""
+                 workers: int = 0, pin_memory: bool = False,
+                 style: str = "domainbed") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(x, y) batches of the examples `indices` of `domain`, in order, eval transform of `style`."""
     if batch_size < 1:
         raise OwaiError(f"eval batch_size must be >= 1, got {batch_size}")
-    items = _EvalItems(data, domain, indices, size)
+    items = _EvalItems(data, domain, indices, size, style)
     return iter(loader(items, workers, pin_memory, batch_size=batch_size, shuffle=False,
                         collate_fn=_collate_eval))
 

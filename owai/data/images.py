@@ -1,7 +1,7 @@
 """Image-folder helpers shared by the image datasets (DomainBed, Camelyon17, the classification sets).
 
 Below `domainbed.py`, `camelyon17.py` and `classification.py`, which all list image folders the same
-way, turn images into ImageNet-normalised tensors and read batches through DataLoaders that leave
+way, turn images into normalised tensors (`eval_transform` by style, `STYLES`) and read batches through DataLoaders that leave
 torch's global random stream alone.
 """
 
@@ -21,10 +21,19 @@ from owai.errors import OwaiError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)  # TH A.1 and A.3.3 (the CIFAR trainings)
+CIFAR_STD = (0.2023, 0.1994, 0.2010)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 BILINEAR = Image.Resampling.BILINEAR
-_MEAN = np.asarray(IMAGENET_MEAN, dtype=np.float32)
-_STD = np.asarray(IMAGENET_STD, dtype=np.float32)
+BICUBIC = Image.Resampling.BICUBIC
+_STATS = {"imagenet": (np.asarray(IMAGENET_MEAN, dtype=np.float32), np.asarray(IMAGENET_STD, dtype=np.float32)),
+          "cifar": (np.asarray(CIFAR_MEAN, dtype=np.float32), np.asarray(CIFAR_STD, dtype=np.float32))}
+
+# How images become tensors: DomainBed's transforms (every recipe's default), or those the thesis
+# names for a family of datasets: "cifar" (TH A.1, which A.2.1 reuses for CIFAR), "imagenet" (TH
+# A.2.1 after He et al. 2016: ImageNet, iNat18) and "fewshot" (TH A.4.2 after Chen et al. 2019: CUB,
+# miniImageNet). The training side is `owai.data.domainbed.train_transform`.
+STYLES = ("domainbed", "cifar", "imagenet", "fewshot")
 
 
 def visible_dirs(path: Path) -> list[str]:
@@ -42,10 +51,12 @@ def image_files(class_dir: Path) -> list[Path]:
     return sorted(found)
 
 
-def to_tensor(image: Image.Image) -> torch.Tensor:
-    """RGB PIL image -> float32 (3, H, W), ImageNet-normalised. Computed in NumPy: per-image torch ops
-    would go through intra-op thread pools, which cost far more than the arithmetic at this size."""
-    x = (np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0 - _MEAN) / _STD
+def to_tensor(image: Image.Image, style: str = "domainbed") -> torch.Tensor:
+    """RGB PIL image -> float32 (3, H, W), normalised with CIFAR's mean and std for the "cifar" style,
+    ImageNet's for the others. Computed in NumPy: per-image torch ops would go through intra-op
+    thread pools, which cost far more than the arithmetic at this size."""
+    mean, std = _STATS["cifar" if style == "cifar" else "imagenet"]
+    x = (np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0 - mean) / std
     return torch.from_numpy(np.ascontiguousarray(x.transpose(2, 0, 1)))
 
 
@@ -54,12 +65,44 @@ def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.from_numpy(np.stack([t.numpy() for t in tensors]))
 
 
-def eval_transform(image: Image.Image, size: int) -> torch.Tensor:
-    """DomainBed's eval transform: Resize((size, size)) bilinear, to tensor, normalise."""
+def check_style(style: str) -> None:
+    if style not in STYLES:
+        raise OwaiError(f"unknown image transform style {style!r} (one of {', '.join(STYLES)})")
+
+
+def resize_shorter(image: Image.Image, side: int, resample: Image.Resampling) -> Image.Image:
+    """torchvision's Resize(side): the shorter side becomes `side`, the longer int(side * long / short)."""
+    w, h = image.size
+    size = (side, int(side * h / w)) if w <= h else (int(side * w / h), side)
+    return image if size == (w, h) else image.resize(size, resample)
+
+
+def center_crop(image: Image.Image, size: int) -> Image.Image:
+    """torchvision's CenterCrop(size) of an image at least `size` on each side."""
+    w, h = image.size
+    top, left = int(round((h - size) / 2.0)), int(round((w - size) / 2.0))
+    return image.crop((left, top, left + size, top + size))
+
+
+def eval_transform(image: Image.Image, size: int, style: str = "domainbed") -> torch.Tensor:
+    """float32 (3, size, size) for evaluation, by style (see STYLES):
+    - domainbed: Resize((size, size)) bilinear;
+    - cifar (TH A.1): Resize(36) bicubic, CenterCrop(32), at other sizes in the same ratio;
+    - imagenet (He et al. 2016): Resize(256) bilinear, CenterCrop(224), at other sizes in the same ratio;
+    - fewshot (Chen et al. 2019): Resize((int(1.15 size), int(1.15 size))) bilinear, CenterCrop(size);
+    then to tensor and normalise (`to_tensor`)."""
+    check_style(style)
     image = image.convert("RGB")
-    if image.size != (size, size):
-        image = image.resize((size, size), BILINEAR)
-    return to_tensor(image)
+    if style == "domainbed":
+        return to_tensor(image if image.size == (size, size) else image.resize((size, size), BILINEAR))
+    if style == "cifar":
+        image = resize_shorter(image, round(size * 36 / 32), BICUBIC)
+    elif style == "imagenet":
+        image = resize_shorter(image, round(size * 256 / 224), BILINEAR)
+    else:
+        side = int(size * 1.15)
+        image = image.resize((side, side), BILINEAR)
+    return to_tensor(center_crop(image, size), style)
 
 
 def loader(dataset: Dataset, workers: int, pin_memory: bool, **kwargs: Any) -> DataLoader:

@@ -46,6 +46,7 @@ import functools
 import hashlib
 import json
 import math
+import dataclasses
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +74,9 @@ SPLITS = {
     "miniimagenet": {"train": "base", "test": "novel", "base-test": "base"},
 }
 DIGITS = [str(i) for i in range(10)]
+# data.transforms "thesis": each dataset's transform style (`owai.data.images.STYLES`)
+TRANSFORM_STYLES = {"cifar10": "cifar", "cifar100": "cifar", "imagenet": "imagenet", "inat18": "imagenet",
+                    "cub": "fewshot", "miniimagenet": "fewshot"}
 EVAL_STAGES = ("distill", "probe", "finetune", "two-stage", "fewshot")  # run in this order when chained
 STAGES = ("pretrain", *EVAL_STAGES)
 VERSION = 1  # of the pre-training cache key
@@ -86,7 +90,11 @@ class DataConfig:
     target: str = "cifar100"  # the probe's transfer task
     target_classes: list[str] = field(default_factory=list)  # [] = every class of `target`
     image_size: int = 224
-    augment: bool = True  # pre-training: DomainBed's training transform (RandomResizedCrop, flip, jitter)
+    augment: bool = True  # random training transforms (pre-training, fine-tuning, distillation); false: the eval transform
+    # "domainbed": DomainBed's transforms for every dataset. "thesis": each dataset's as the thesis
+    # trained it (TRANSFORM_STYLES): CIFAR's of TH A.1 (also for CIFAR targets, A.2.1), He et al.'s
+    # for ImageNet and iNat18 (A.2.1), Chen et al.'s for CUB and miniImageNet (A.4.2); the digits keep DomainBed's
+    transforms: Literal["domainbed", "thesis"] = "domainbed"
     limit_per_class: int = 0  # keep at most this many images per class of every split (0 = all; tests)
     # keep this fraction of every target class's training images (keyed by split_seed, at least one
     # per class): Table A.4's CIFAR10 (1 %) and CIFAR100 (10 %) probes
@@ -656,6 +664,8 @@ def load_split(cfg: Config, name: str, split: Literal["train", "test", "base-tes
         data = _per_class(data, quota, d.split_seed, "rich-fraction", name, split)
     if len(data) == 0:
         raise OwaiError(f"{name} {split} has no images of classes {classes or 'all'}")
+    if d.transforms == "thesis":
+        data = dataclasses.replace(data, style=TRANSFORM_STYLES.get(name, "domainbed"))
     return data
 
 
@@ -697,7 +707,7 @@ def _batches(cfg: Config, data: Any, description: str = "evaluate") -> Any:
     from owai.data.domainbed import eval_batches
 
     batches = eval_batches(OneDomain(data), 0, torch.arange(len(data)), cfg.data.image_size, cfg.data.eval_batch_size,
-                           cfg.data.workers, torch.cuda.is_available())
+                           cfg.data.workers, torch.cuda.is_available(), style=data.style)
     return console.track(batches, math.ceil(len(data) / cfg.data.eval_batch_size), f"{description} {len(data)} images")
 
 
@@ -724,6 +734,8 @@ def pretrain_key(cfg: Config, seed: int) -> str:
                          and not (k.startswith("ssl_") and cfg.pretrain.objective == "supervised")},
             "base": d.base, "base_classes": d.base_classes, "root": d.root, "image_size": d.image_size,
             "augment": d.augment, "limit_per_class": d.limit_per_class, "split_seed": d.split_seed}
+    if d.transforms != "domainbed" and d.base in TRANSFORM_STYLES:  # left out at the default: older keys stay valid
+        what["transforms"] = TRANSFORM_STYLES[d.base]
     if cfg.model.joint != 1:
         what["joint"] = cfg.model.joint
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
@@ -806,7 +818,7 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
             net = SimSiam(strip_head(net), p.ssl_dim, p.ssl_pred_dim, p.ssl_proj_layers)
         net = net.to(device)
         batches = StepBatches(OneDomain(train_set), [0], [torch.arange(len(train_set))], p.batch_size, d.image_size,
-                              d.augment, cfg.seed, steps, views=2 if ssl else 1)
+                              d.augment, cfg.seed, steps, views=2 if ssl else 1, style=train_set.style)
         stream = StepStream(batches, d.workers, device)
         optimizer = (torch.optim.Adam(net.parameters(), lr=p.lr, weight_decay=p.weight_decay) if p.optimizer == "adam"
                      else torch.optim.SGD(net.parameters(), lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay))
@@ -1357,7 +1369,7 @@ def finetune_model(cfg: Config, run: Run, stage: str, nets: list[Network], train
     per_epoch = len(train_set) / f.batch_size
     steps = max(1, round(f.epochs * per_epoch))
     batches = StepBatches(OneDomain(train_set), [0], [torch.arange(len(train_set))], f.batch_size, d.image_size,
-                          d.augment, derive_seed(cfg.seed, "finetune-batches", stage), steps)
+                          d.augment, derive_seed(cfg.seed, "finetune-batches", stage), steps, style=train_set.style)
     stream = StepStream(batches, d.workers, device)
     if f.classifier_lr_scale == 1.0:
         groups = _decay_groups(model, f.weight_decay)
@@ -1448,7 +1460,7 @@ def run_distill(cfg: Config, run: Run, nets: list[Network], measured: dict[str, 
     per_epoch = len(base_train) / s.batch_size
     steps = max(1, round(s.epochs * per_epoch))
     batches = StepBatches(OneDomain(base_train), [0], [torch.arange(len(base_train))], s.batch_size, d.image_size,
-                          d.augment, derive_seed(cfg.seed, "distill-batches"), steps)
+                          d.augment, derive_seed(cfg.seed, "distill-batches"), steps, style=base_train.style)
     stream = StepStream(batches, d.workers, device)
     optimizer = (torch.optim.Adam(student.parameters(), lr=s.lr, weight_decay=s.weight_decay) if s.optimizer == "adam"
                  else torch.optim.SGD(student.parameters(), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay))

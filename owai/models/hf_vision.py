@@ -6,7 +6,8 @@ exist only as `transformers` checkpoints. `HFImageBackbone` wraps any supported 
 a module mapping a batch of images to (B, feature_dim) features, with a `feature_dim` attribute, so
 `ConcatFeatures`, probes and fine-tuning treat it like an `owai.models.vision` backbone with its head stripped.
 
-    x (B, 3, S, S), ImageNet-normalised (owai's data pipeline always is)
+    x (B, 3, S, S), ImageNet-normalised (owai's images are, but for CIFAR under rich-features'
+                                    data.transforms: thesis, which keeps TH A.1's CIFAR statistics)
       -> x * scale + shift          re-normalised to the checkpoint's own image_mean / image_std
                                     (preprocessor_config.json; absent = ImageNet = identity)
       -> AutoModel (base model, no classification head; `transformers`' own code, never remote code)
