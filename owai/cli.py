@@ -259,6 +259,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     ranks leave their process group after a successful command (`owai.distributed.shutdown`)."""
     try:
         code = app(args=sys.argv[1:] if argv is None else list(argv), prog_name="owai", standalone_mode=False)
+        if not code and "torch.distributed" in sys.modules:  # a torchrun job's ranks leave their process group together
+            from owai import distributed
+
+            distributed.shutdown()
     except click.NoArgsIsHelpError:
         code = 0  # the help is printed already
     except click.ClickException as e:  # usage errors (UsageError, BadParameter, NoSuchOption, ...) included
@@ -276,10 +280,6 @@ def main(argv: Optional[list[str]] = None) -> None:
         _fail("interrupted", 130)
     if isinstance(code, int) and not isinstance(code, bool) and code:  # typer.Exit(code) / ctx.exit(code)
         sys.exit(code)
-    if "torch.distributed" in sys.modules:  # a torchrun job's ranks leave their process group together
-        from owai import distributed
-
-        distributed.shutdown()
 
 
 def usage_message(error: click.ClickException) -> str:

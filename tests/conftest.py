@@ -107,6 +107,9 @@ def run_owai(*args: str, cwd: Path | None = None, timeout: float = 300) -> subpr
     )
 
 
+NATIVE_CRASHES = (6, 7, 11)  # SIGABRT, SIGBUS, SIGSEGV
+
+
 def torchrun(
     nproc: int, args: list[str], *, before_retry: Callable[[], None] | None = None, cwd: Path | None = None,
     timeout: float = 600,
@@ -114,17 +117,17 @@ def torchrun(
     """`python -m torch.distributed.run --standalone --nproc_per_node=NPROC ARGS`: gloo ranks of one
     thread each, with Python's fault handler on (a native crash prints every thread's Python stack).
 
-    A job whose rank was killed by a signal runs once more, after `before_retry` has removed what
-    the first attempt wrote, and the test gets a warning with the first attempt's output. Such a
-    crash is a native abort inside gloo: one CI run in about seventy had one, and none of 240 local
-    jobs did (docs/decisions.md). A rank's Python error, a wrong result or a second crash is never
-    retried: they fail the test."""
+    A job whose rank crashed natively (SIGABRT, SIGBUS, SIGSEGV) runs once more, after `before_retry`
+    has removed what the first attempt wrote, and the test gets a warning with the first attempt's
+    output. Such a crash was a native abort inside gloo: one CI run in about seventy had one, and none
+    of 240 local jobs did (docs/decisions.md). A rank's Python error, another signal (SIGKILL from
+    the out-of-memory killer), a wrong result or a second crash is never retried: they fail the test."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     env.pop("OWAI_DEBUG", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
     signal = rank_signal(proc)
-    if signal is None or before_retry is None:
+    if signal not in NATIVE_CRASHES or before_retry is None:
         return proc
     warnings.warn(f"torchrun: a rank died of signal {signal}; running the job once more. Its output:\n"
                   f"{proc.stderr[-6000:]}", stacklevel=2)

@@ -96,6 +96,20 @@ def test_vit_is_the_class_token_of_the_renormalised_input(checkpoints):
     assert not torch.allclose(got, unnormalised, atol=1e-3)  # the re-normalisation matters
 
 
+def test_input_normalised_with_other_statistics_reaches_the_checkpoint_as_its_own(checkpoints):
+    """CIFAR images under rich-features' thesis transforms carry CIFAR's statistics: given them, the
+    backbone still feeds the checkpoint its own preprocessing (mean / std 0.5 for this ViT)."""
+    from owai.data.images import CIFAR_MEAN, CIFAR_STD
+
+    mean, std = torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1), torch.tensor(CIFAR_STD).view(1, 3, 1, 1)
+    backbone = HFImageBackbone(str(checkpoints["vit"]), input_mean=CIFAR_MEAN, input_std=CIFAR_STD).eval()
+    pixels = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = backbone((pixels - mean) / std)
+        expected = raw_model(checkpoints["vit"])(pixel_values=(pixels - 0.5) / 0.5).last_hidden_state[:, 0]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
 def test_vit_at_another_resolution_interpolates_position_encodings(checkpoints):
     backbone = HFImageBackbone(str(checkpoints["vit"]), image_size=48).eval()
     x = imagenet_batch(48)

@@ -176,3 +176,64 @@ def test_chapter_2_paper_presets_use_the_thesis_transforms() -> None:
         assert cfg.data.transforms == ("domainbed" if recipe.id == "fig2.4-vit" else "thesis"), recipe.id
         checked += 1
     assert checked == 12
+
+
+def test_every_rich_features_stage_reads_its_datasets_style(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Pre-training, distillation, probes, fine-tuning, the two-stage head and the few-shot episodes
+    all transform their images in the style of the dataset they read. The packaged digits stand in
+    for a CIFAR set here (TRANSFORM_STYLES patched), and every transform call is recorded."""
+    from conftest import as_sets, cli_in_process
+    from test_rich_features_stages import CHAIN, FEWSHOT, TINY
+
+    from owai.data import domainbed
+    from owai.methods import rich_features
+
+    monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(rich_features.TRANSFORM_STYLES, "mnist-t10k", "cifar")
+    seen: list[tuple[str, str]] = []
+    for name in ("train_transform", "eval_transform"):
+        original = getattr(domainbed, name)
+
+        def recording(*args, _original=original, _name=name, **kwargs):
+            seen.append((_name, args[-1] if isinstance(args[-1], str) else kwargs.get("style", "domainbed")))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(domainbed, name, recording)
+    common = ["-r", FEWSHOT, "-p", "cpu", "--seeds", "0,1", *as_sets([*TINY, "data.transforms=thesis"]), "-q"]
+    for stage in ("pretrain", CHAIN):
+        code, _, err = cli_in_process(["rich-features", "--stage", stage, *common, "-o", str(tmp_path / stage)], capsys)
+        assert code == 0, err
+    assert {name for name, _ in seen} == {"train_transform", "eval_transform"}
+    assert {style for _, style in seen} == {"cifar"}, sorted(set(seen))
+
+
+def _unnormalised(x: torch.Tensor, style: str) -> torch.Tensor:
+    mean, std = normalised((0, 0, 0), style), normalised((255, 255, 255), style) - normalised((0, 0, 0), style)
+    return (x - mean) / std * 255
+
+
+@pytest.mark.parametrize("style, smallest", [("cifar", 0.75), ("imagenet", 0.0)])
+def test_training_crops_cover_the_style_s_area_fractions(style: str, smallest: float) -> None:
+    """CIFAR's crops keep at least 80 % of the image (TH A.1); He et al.'s go down to 8 %."""
+    image = coordinates(100, 100)
+    areas = []
+    for s in range(40):
+        red, green = _unnormalised(train_transform(image, 100, True, generator(s, "crop"), style), style)[:2]
+        width = abs(red[50, -1] - red[50, 0]).item() + 1
+        height = abs(green[-1, 50] - green[0, 50]).item() + 1
+        areas.append(width * height / 100**2)
+    assert min(areas) > smallest
+    if style == "imagenet":
+        assert min(areas) < 0.5  # the wide scale range is used
+
+
+def test_cifar_images_are_resized_bicubically() -> None:
+    """A bicubic resize overshoots at a sharp edge (values beyond both sides); a bilinear one cannot."""
+    step = np.full((32, 32, 3), 50, dtype=np.uint8)
+    step[:, 16:] = 200
+    image = Image.fromarray(step)
+    cifar = _unnormalised(eval_transform(image, 32, "cifar"), "cifar")[0]
+    imagenet = _unnormalised(eval_transform(image, 32, "imagenet"), "imagenet")[0]
+    assert cifar.min() < 49 and cifar.max() > 201
+    assert imagenet.min() > 49 and imagenet.max() < 201

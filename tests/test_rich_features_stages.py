@@ -417,3 +417,16 @@ def test_the_few_shot_student_trains_with_adam(cache, tmp_path, capsys, training
     code, _, err = _cli(["--stage", "distill", "--seeds", "0,1", *as_sets(sets), "-o", str(tmp_path)], capsys)
     assert code == 0, err
     assert (trainings["distill"]["optimizer"], set(trainings["distill"]["lrs"])) == ("Adam", {0.001})
+
+
+@pytest.mark.parametrize("transforms, error", [("domainbed", None), ("thesis", "pre-trained with data.transforms=domainbed")])
+def test_networks_of_run_directories_read_images_as_they_were_trained(pretrained, cache, tmp_path, capsys,
+                                                                      transforms, error) -> None:
+    """probe.networks takes pretrain runs, which must have seen their images with the same transforms."""
+    run_dir = next((pretrained["root"] / "runs" / "tableA.8-fewshot").iterdir())
+    args = ["--stage", "probe", *as_sets([*TINY, f"probe.networks=[{run_dir}]", f"data.transforms={transforms}"])]
+    if error is None:
+        code, _, err = _cli([*args, "--dry-run", "-o", str(tmp_path / "out")], capsys)
+        assert code == 0, err
+    else:
+        _one_line_error(args, tmp_path / "out", capsys, error)

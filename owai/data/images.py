@@ -51,6 +51,12 @@ def image_files(class_dir: Path) -> list[Path]:
     return sorted(found)
 
 
+def normalisation(style: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(mean, std) the images of `style` are normalised with: CIFAR's for "cifar", else ImageNet's."""
+    check_style(style)
+    return (CIFAR_MEAN, CIFAR_STD) if style == "cifar" else (IMAGENET_MEAN, IMAGENET_STD)
+
+
 def to_tensor(image: Image.Image, style: str = "domainbed") -> torch.Tensor:
     """RGB PIL image -> float32 (3, H, W), normalised with CIFAR's mean and std for the "cifar" style,
     ImageNet's for the others. Computed in NumPy: per-image torch ops would go through intra-op

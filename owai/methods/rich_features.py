@@ -42,11 +42,11 @@ classes of the same label space (the three digit sets share one) must be disjoin
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
 import math
-import dataclasses
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -665,8 +665,13 @@ def load_split(cfg: Config, name: str, split: Literal["train", "test", "base-tes
     if len(data) == 0:
         raise OwaiError(f"{name} {split} has no images of classes {classes or 'all'}")
     if d.transforms == "thesis":
-        data = dataclasses.replace(data, style=TRANSFORM_STYLES.get(name, "domainbed"))
+        data = dataclasses.replace(data, style=style_of(cfg, name))
     return data
+
+
+def style_of(cfg: Config, name: str) -> str:
+    """How dataset `name`'s images become tensors under this config (`owai.data.images.STYLES`)."""
+    return TRANSFORM_STYLES.get(name, "domainbed") if cfg.data.transforms == "thesis" else "domainbed"
 
 
 def _per_class(data: Any, quota: list[int], seed: int, *key: str) -> Any:
@@ -734,8 +739,11 @@ def pretrain_key(cfg: Config, seed: int) -> str:
                          and not (k.startswith("ssl_") and cfg.pretrain.objective == "supervised")},
             "base": d.base, "base_classes": d.base_classes, "root": d.root, "image_size": d.image_size,
             "augment": d.augment, "limit_per_class": d.limit_per_class, "split_seed": d.split_seed}
-    if d.transforms != "domainbed" and d.base in TRANSFORM_STYLES:  # left out at the default: older keys stay valid
-        what["transforms"] = TRANSFORM_STYLES[d.base]
+    # the base images' style where it changes what pre-training sees (SimSiam's views differ only in
+    # CIFAR's statistics); left out at DomainBed's, so keys written before the setting stay valid
+    style = style_of(cfg, d.base)
+    if style != "domainbed" and (cfg.pretrain.objective == "supervised" or style == "cifar"):
+        what["transforms"] = style
     if cfg.model.joint != 1:
         what["joint"] = cfg.model.joint
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
@@ -995,6 +1003,10 @@ def find_networks(cfg: Config) -> list[Network]:
             if base["image_size"] != d.image_size:
                 raise OwaiError(f"{path} was pre-trained at {base['image_size']} px, the probe reads {d.image_size} px "
                                 f"(set data.image_size={base['image_size']})")
+            trained_with = base.get("transforms", "domainbed")
+            if trained_with != d.transforms:
+                raise OwaiError(f"{path} was pre-trained with data.transforms={trained_with}, this run reads images with "
+                                f"{d.transforms} (set data.transforms={trained_with})")
             if _same_labels(base["base"], d.target) and params["pretrain"].get("objective", "supervised") == "supervised":
                 try:
                     disjoint_split(base["base_classes"] or _all_classes(base["base"]),
@@ -1079,15 +1091,19 @@ def _meta_backbone(backbone: str) -> torch.nn.Module:
         return build_backbone(backbone, num_classes=1)
 
 
-def load_network(net: Network) -> torch.nn.Module:
-    """The network's backbone (torchvision keys, its base-class head) with its pretrained weights."""
+def load_network(net: Network, style: str = "domainbed") -> torch.nn.Module:
+    """The network's backbone (torchvision keys, its base-class head) with its pretrained weights.
+    `style`: how the images it will read are normalised (a Hugging Face model undoes it and applies its
+    checkpoint's own preprocessing; owai's networks read the images as they come)."""
     from owai.checkpoint import load_checkpoint
     from owai.io import read_safetensors
 
     if net.external and net.backbone.startswith("hf:"):  # a Hugging Face image model, features only
+        from owai.data.images import normalisation
         from owai.models.hf_vision import HFImageBackbone
 
-        return HFImageBackbone(net.backbone[3:])
+        mean, std = normalisation(style)
+        return HFImageBackbone(net.backbone[3:], input_mean=mean, input_std=std)
     if net.external:  # features only, under a placeholder 1-class head (every stage strips or replaces it)
         from owai.models.rich import strip_head
         from owai.models.vision import build_backbone
@@ -1165,7 +1181,7 @@ def baseline_network(cfg: Config, name: str) -> Network:
 def run_baseline_probes(cfg: Config, run: Run, train_set: Any, test_set: Any, measured: dict[str, Any]) -> None:
     """Table 2.2's wide / jointly trained baselines under the same linear probe: `{name}.acc`."""
     for name in cfg.probe.baselines:
-        net = load_network(baseline_network(cfg, name)).to(run.device)
+        net = load_network(baseline_network(cfg, name), train_set.style).to(run.device)
         measured[f"{name}.acc"] = probe_network(cfg, run, f"probe-{name}", net, train_set, test_set)
 
 
@@ -1290,7 +1306,7 @@ def run_chain(cfg: Config, run: Run) -> Outcome:
                                "classes": train_set.classes, "split_sizes": {"train": len(train_set), "test": len(test_set)}}
     student = run_distill(cfg, run, nets, measured, details) if "distill" in stages else None
     if "probe" in stages or "fewshot" in stages:
-        cat = ConcatFeatures([strip_head(load_network(n)) for n in nets], frozen=True).to(device)
+        cat = ConcatFeatures([strip_head(load_network(n, test_set.style)) for n in nets], frozen=True).to(device)
         z_test, y_test = extract(cfg, cat, test_set, device)
         if student is not None:
             frozen_student = ConcatFeatures([student], frozen=True).to(device)
@@ -1361,7 +1377,7 @@ def finetune_model(cfg: Config, run: Run, stage: str, nets: list[Network], train
     from owai.train import LoopConfig, train_loop
 
     d, f, device = cfg.data, cfg.finetune, run.device
-    cat = ConcatFeatures([strip_head(load_network(n)) for n in nets], frozen=False)
+    cat = ConcatFeatures([strip_head(load_network(n, train_set.style)) for n in nets], frozen=False)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(cfg.seed, "finetune-head", stage))
         head = torch.nn.Linear(cat.out_dim, len(train_set.classes))  # PyTorch's default init (§6.3)
@@ -1444,7 +1460,7 @@ def run_distill(cfg: Config, run: Run, nets: list[Network], measured: dict[str, 
     base_train = load_split(cfg, d.base, "train", d.base_classes)
     base_test = load_split(cfg, d.base, "base-test", d.base_classes)
     n_classes = len(base_train.classes)
-    teachers = [load_network(net).to(device).eval().requires_grad_(False) for net in nets]
+    teachers = [load_network(net, base_train.style).to(device).eval().requires_grad_(False) for net in nets]
     if on_features:
         teachers = [strip_head(t) for t in teachers]
         n_out = int(teachers[0].feature_dim)  # equal for every network (find_networks)

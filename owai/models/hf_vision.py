@@ -6,8 +6,8 @@ exist only as `transformers` checkpoints. `HFImageBackbone` wraps any supported 
 a module mapping a batch of images to (B, feature_dim) features, with a `feature_dim` attribute, so
 `ConcatFeatures`, probes and fine-tuning treat it like an `owai.models.vision` backbone with its head stripped.
 
-    x (B, 3, S, S), ImageNet-normalised (owai's images are, but for CIFAR under rich-features'
-                                    data.transforms: thesis, which keeps TH A.1's CIFAR statistics)
+    x (B, 3, S, S), normalised with input_mean / input_std (ImageNet's unless the caller says; CIFAR
+                                    images under rich-features' data.transforms: thesis carry CIFAR's)
       -> x * scale + shift          re-normalised to the checkpoint's own image_mean / image_std
                                     (preprocessor_config.json; absent = ImageNet = identity)
       -> AutoModel (base model, no classification head; `transformers`' own code, never remote code)
@@ -230,10 +230,13 @@ class HFImageBackbone(nn.Module):
     asked for) get requires_grad=False, so every trainable parameter receives a gradient (DDP). Weights
     the base model needs but the checkpoint lacks are an error, not a silent random initialisation.
     `image_size`, when given, is checked against the patch size of patch models (interpolating the
-    position embeddings needs whole patches). Fresh, the module is in training mode, like `build_backbone`'s.
+    position embeddings needs whole patches). `input_mean` / `input_std` are the statistics the input
+    was normalised with, which the module undoes before applying the checkpoint's own: a checkpoint
+    always sees its own preprocessing. Fresh, the module is in training mode, like `build_backbone`'s.
     """
 
-    def __init__(self, source: str, image_size: int | None = None) -> None:
+    def __init__(self, source: str, image_size: int | None = None,
+                 input_mean: tuple[float, ...] = IMAGENET_MEAN, input_std: tuple[float, ...] = IMAGENET_STD) -> None:
         super().__init__()
         from transformers import AutoModel
 
@@ -288,8 +291,8 @@ class HFImageBackbone(nn.Module):
         gain = 255.0 * rescale  # pixel values in [0, 1] -> the processor's [0, 255] * rescale_factor
         gain = 1.0 if abs(gain - 1.0) < 1e-9 else gain
         # x_model = (gain * (x * std_in + mean_in) - mean_m) / std_m = x * scale + shift
-        scale = [gain * si / sm for si, sm in zip(IMAGENET_STD, std)]
-        shift = [(gain * mi - mm) / sm for mi, mm, sm in zip(IMAGENET_MEAN, mean, std)]
+        scale = [gain * si / sm for si, sm in zip(input_std, std)]
+        shift = [(gain * mi - mm) / sm for mi, mm, sm in zip(input_mean, mean, std)]
         self.register_buffer("scale", torch.tensor(scale).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("shift", torch.tensor(shift).view(1, 3, 1, 1), persistent=False)
 
