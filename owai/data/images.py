@@ -1,8 +1,8 @@
 """Image-folder helpers shared by the image datasets (DomainBed, Camelyon17, the classification sets).
 
 Below `domainbed.py`, `camelyon17.py` and `classification.py`, which all list image folders the same
-way, turn images into normalised tensors (`eval_transform` by style, `STYLES`) and read batches through DataLoaders that leave
-torch's global random stream alone.
+way, turn images into normalised tensors (`eval_transform`, by `STYLES`) and read batches through
+DataLoaders that leave torch's global random stream alone.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def check_style(style: str) -> None:
+    """A one-line OwaiError for a style that is not one of STYLES."""
     if style not in STYLES:
         raise OwaiError(f"unknown image transform style {style!r} (one of {', '.join(STYLES)})")
 

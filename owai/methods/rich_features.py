@@ -1003,8 +1003,8 @@ def find_networks(cfg: Config) -> list[Network]:
             if base["image_size"] != d.image_size:
                 raise OwaiError(f"{path} was pre-trained at {base['image_size']} px, the probe reads {d.image_size} px "
                                 f"(set data.image_size={base['image_size']})")
-            trained_with = base.get("transforms", "domainbed")
-            if trained_with != d.transforms:
+            trained_with = base.get("transforms", "domainbed")  # a mode that changes how its base images looked
+            if trained_with != d.transforms and style_of(cfg, base["base"]) != "domainbed":
                 raise OwaiError(f"{path} was pre-trained with data.transforms={trained_with}, this run reads images with "
                                 f"{d.transforms} (set data.transforms={trained_with})")
             if _same_labels(base["base"], d.target) and params["pretrain"].get("objective", "supervised") == "supervised":
