@@ -33,6 +33,12 @@ def normalised(colour: tuple[int, int, int], style: str) -> torch.Tensor:
     return ((torch.tensor(colour) / 255 - torch.tensor(mean)) / torch.tensor(std)).view(3, 1, 1)
 
 
+def _unnormalised(x: torch.Tensor, style: str) -> torch.Tensor:
+    """Pixel values in [0, 255] back from a tensor of `style`."""
+    mean, std = normalised((0, 0, 0), style), normalised((255, 255, 255), style) - normalised((0, 0, 0), style)
+    return (x - mean) / std * 255
+
+
 def coordinates(width: int, height: int) -> Image.Image:
     """An image whose red channel is the column and green channel the row of each pixel."""
     x = np.zeros((height, width, 3), dtype=np.uint8)
@@ -65,9 +71,7 @@ def test_evaluation_resizes_then_crops_the_centre(style: str, resized: int) -> N
     """At 32 px: CIFAR's Resize(36) + CenterCrop(32); He et al.'s 256 / 224 ratio (Resize(37)); Chen et
     al.'s 1.15 x size square (36 x 36). The centre crop then drops (resized - 32) / 2 pixels a side."""
     image = coordinates(32, 32)
-    x = eval_transform(image, 32, style)
-    mean, std = normalised((0, 0, 0), style), normalised((255, 255, 255), style) - normalised((0, 0, 0), style)
-    red = ((x - mean) / std * 255)[0]
+    red = _unnormalised(eval_transform(image, 32, style), style)[0]
     scale = 32 / resized  # one resized pixel, in source pixels
     left = round((resized - 32) / 2)
     assert red[16, 0].item() == pytest.approx((left + 0.5) * scale - 0.5, abs=0.6)
@@ -206,11 +210,6 @@ def test_every_rich_features_stage_reads_its_datasets_style(tmp_path: Path, monk
         assert code == 0, err
     assert {name for name, _ in seen} == {"train_transform", "eval_transform"}
     assert {style for _, style in seen} == {"cifar"}, sorted(set(seen))
-
-
-def _unnormalised(x: torch.Tensor, style: str) -> torch.Tensor:
-    mean, std = normalised((0, 0, 0), style), normalised((255, 255, 255), style) - normalised((0, 0, 0), style)
-    return (x - mean) / std * 255
 
 
 @pytest.mark.parametrize("style, smallest", [("cifar", 0.75), ("imagenet", 0.0)])

@@ -26,8 +26,6 @@ CIFAR_STD = (0.2023, 0.1994, 0.2010)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 BILINEAR = Image.Resampling.BILINEAR
 BICUBIC = Image.Resampling.BICUBIC
-_STATS = {"imagenet": (np.asarray(IMAGENET_MEAN, dtype=np.float32), np.asarray(IMAGENET_STD, dtype=np.float32)),
-          "cifar": (np.asarray(CIFAR_MEAN, dtype=np.float32), np.asarray(CIFAR_STD, dtype=np.float32))}
 
 # How images become tensors: DomainBed's transforms (every recipe's default), or those the thesis
 # names for a family of datasets: "cifar" (TH A.1, which A.2.1 reuses for CIFAR), "imagenet" (TH
@@ -51,17 +49,27 @@ def image_files(class_dir: Path) -> list[Path]:
     return sorted(found)
 
 
+def check_style(style: str) -> None:
+    """A one-line OwaiError for a style that is not one of STYLES."""
+    if style not in STYLES:
+        raise OwaiError(f"unknown image transform style {style!r} (one of {', '.join(STYLES)})")
+
+
 def normalisation(style: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """(mean, std) the images of `style` are normalised with: CIFAR's for "cifar", else ImageNet's."""
     check_style(style)
     return (CIFAR_MEAN, CIFAR_STD) if style == "cifar" else (IMAGENET_MEAN, IMAGENET_STD)
 
 
+# each style's (mean, std) as float32 arrays, made once: `to_tensor` runs once per image
+_STATS = {style: tuple(np.asarray(v, dtype=np.float32) for v in normalisation(style)) for style in STYLES}
+
+
 def to_tensor(image: Image.Image, style: str = "domainbed") -> torch.Tensor:
-    """RGB PIL image -> float32 (3, H, W), normalised with CIFAR's mean and std for the "cifar" style,
-    ImageNet's for the others. Computed in NumPy: per-image torch ops would go through intra-op
-    thread pools, which cost far more than the arithmetic at this size."""
-    mean, std = _STATS["cifar" if style == "cifar" else "imagenet"]
+    """RGB PIL image -> float32 (3, H, W), normalised as `normalisation(style)` says. Computed in
+    NumPy: per-image torch ops would go through intra-op thread pools, which cost far more than the
+    arithmetic at this size."""
+    mean, std = _STATS[style]
     x = (np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0 - mean) / std
     return torch.from_numpy(np.ascontiguousarray(x.transpose(2, 0, 1)))
 
@@ -69,12 +77,6 @@ def to_tensor(image: Image.Image, style: str = "domainbed") -> torch.Tensor:
 def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
     """torch.stack of CPU tensors through NumPy (single-threaded; see `to_tensor`)."""
     return torch.from_numpy(np.stack([t.numpy() for t in tensors]))
-
-
-def check_style(style: str) -> None:
-    """A one-line OwaiError for a style that is not one of STYLES."""
-    if style not in STYLES:
-        raise OwaiError(f"unknown image transform style {style!r} (one of {', '.join(STYLES)})")
 
 
 def resize_shorter(image: Image.Image, side: int, resample: Image.Resampling) -> Image.Image:
