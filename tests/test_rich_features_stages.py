@@ -434,3 +434,19 @@ def test_networks_of_run_directories_read_images_as_they_were_trained(pretrained
         assert code == 0, err
     else:
         _one_line_error(args, tmp_path / "out", capsys, error)
+
+
+def test_networks_pre_trained_with_the_thesis_transforms_are_refused_under_domainbed(tmp_path, capsys,
+                                                                                    monkeypatch) -> None:
+    """The same check the other way round: a network trained under data.transforms=thesis."""
+    from owai.methods import rich_features
+
+    monkeypatch.setitem(rich_features.TRANSFORM_STYLES, "mnist-t10k", "cifar")
+    monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
+    code, _, err = _cli(["--stage", "pretrain", "--seeds", "0", *as_sets([*TINY, "data.transforms=thesis"]),
+                         "-o", str(tmp_path / "runs")], capsys)
+    assert code == 0, err
+    run_dir = next((tmp_path / "runs" / "tableA.8-fewshot").iterdir())
+    _one_line_error(["--stage", "probe", *as_sets([*TINY, f"probe.networks=[{run_dir}]", "probe.n=1",
+                                                  "probe.sizes=[1]"])],
+                    tmp_path / "out", capsys, "pre-trained with data.transforms=thesis")

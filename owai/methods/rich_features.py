@@ -1004,7 +1004,7 @@ def find_networks(cfg: Config) -> list[Network]:
                 raise OwaiError(f"{path} was pre-trained at {base['image_size']} px, the probe reads {d.image_size} px "
                                 f"(set data.image_size={base['image_size']})")
             trained_with = base.get("transforms", "domainbed")  # a mode that changes how its base images looked
-            if trained_with != d.transforms and style_of(cfg, base["base"]) != "domainbed":
+            if trained_with != d.transforms and TRANSFORM_STYLES.get(base["base"], "domainbed") != "domainbed":
                 raise OwaiError(f"{path} was pre-trained with data.transforms={trained_with}, this run reads images with "
                                 f"{d.transforms} (set data.transforms={trained_with})")
             if _same_labels(base["base"], d.target) and params["pretrain"].get("objective", "supervised") == "supervised":
