@@ -60,7 +60,7 @@ def test_every_packaged_recipe_validates_with_cpu_and_paper_presets(monkeypatch,
                     resolve(r, preset, [])
                 resolve(r, preset, [], validate=False)  # the config itself is sound (what --dry-run plans)
                 continue
-            if r.method == "rich_features" and preset == "paper":  # ImageNet is licence-gated: the user's
+            if r.method == "rich_features" and preset.startswith("paper"):  # ImageNet, CUB are licence-gated: the user's
                 with pytest.raises(OwaiError, match="not found"):
                     resolve(r, preset, [])
                 continue

@@ -25,7 +25,9 @@ from owai.models.rich import (
     MultiHeadStudent,
     ProbeHead,
     catsub_logits,
+    class_head,
     distill_loss,
+    head_kind,
     strip_head,
     two_stage_head,
 )
@@ -241,6 +243,44 @@ def test_multi_head_student_shares_one_backbone():
     assert net[1].weight.grad is not None
     with pytest.raises(OwaiError, match="at least one head"):
         MultiHeadStudent(net, n_heads=0, n_classes=6)
+
+
+def test_student_heads_take_their_teachers_kinds():
+    """Head i of the kind given for teacher i (Baseline++ teachers: cosine heads), one kind for all, or
+    one per head; a list of the wrong length and an unknown kind are errors."""
+    net = backbone(0, d_out=4)
+    student = MultiHeadStudent(net, n_heads=2, n_classes=6, heads=["cosine", "linear"])
+    assert [type(h) for h in student.heads] == [CosineClassifier, nn.Linear]
+    assert all(isinstance(h, CosineClassifier) for h in MultiHeadStudent(net, 3, 6, heads="cosine").heads)
+    out = student(images())
+    assert [o.shape for o in out] == [(8, 6), (8, 6)]
+    with pytest.raises(OwaiError, match="2 head kinds for 3 heads"):
+        MultiHeadStudent(net, n_heads=3, n_classes=6, heads=["cosine", "linear"])
+    with pytest.raises(OwaiError, match="head 'arc': choose from linear, cosine"):
+        class_head("arc", 4, 6)
+
+
+@pytest.mark.parametrize("name, prefix", [("resnet18", "fc."), ("densenet121", "classifier."), ("vit_mini_4", "heads.head.")])
+def test_a_backbones_head_is_replaced_in_place_under_its_own_prefix(name, prefix):
+    """replace_head puts the cosine head where the backbone's classifier is: the forward gives its logits
+    over the backbone's features, and the state dict names it under the classifier's prefix."""
+    from owai.models.vision import build_backbone, features, replace_head
+
+    torch.manual_seed(0)
+    size = 32
+    net = build_backbone(name, num_classes=5).eval()
+    assert head_kind(net.state_dict(), prefix) == "linear"
+    head = class_head("cosine", net.feature_dim, 5)
+    assert replace_head(net, head) is net
+    state = net.state_dict()
+    assert head_kind(state, prefix) == "cosine" and {prefix + "direction", prefix + "gain"} <= set(state)
+    x = torch.randn(2, 3, size, size)
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), head(features(net, x)))
+    replace_head(net, None)  # no head: the forward is the features
+    assert head_kind(net.state_dict(), prefix) is None
+    with torch.no_grad():
+        assert net(x).shape == (2, net.feature_dim)
 
 
 # ------------------------------------------------------------------------------------- cosine head

@@ -121,9 +121,51 @@ def test_killed_probe_resumes_to_the_same_result(pretrained, cache, tmp_path, mo
     run_dir = next((tmp_path / "killed" / "table2.2-cat-probe").iterdir())
     assert not (run_dir / "results.json").exists()
     assert (run_dir / "checkpoints" / "probe-cat2").is_dir()  # killed inside Cat_2's probe, after a checkpoint
+    # the features the killed attempt extracted are kept, and the resume reads them instead of the images
+    stored = sorted(f.name for f in (run_dir / rf.FEATURES).iterdir())
+    assert stored == ["test.labels.npy", "test.net0.npy", "test.net1.npy", "train.labels.npy", "train.net0.npy",
+                      "train.net1.npy"]
+    read, batches = [], rf._batches
+    monkeypatch.setattr(rf, "_batches", lambda cfg, data, what="evaluate": read.append(what) or batches(cfg, data, what))
     code, _, err = cli_in_process(["rich-features", "--stage", "probe", "--resume", str(run_dir), "-q"], capsys)
     assert code == 0, err
+    assert "features of" not in read
     assert _rows(run_dir) == whole
+    assert not (run_dir / rf.FEATURES).exists()  # removed once the run completed
+    assert not (next((tmp_path / "whole" / "table2.2-cat-probe").iterdir()) / rf.FEATURES).exists()
+
+
+def test_extracted_features_are_the_networks_features_read_from_disk(tmp_path) -> None:
+    """extract writes every block to the run's features folder and returns it memory-mapped: the rows
+    equal the backbones' features image by image, and a half-written attempt is never read."""
+    import numpy as np
+    from torch import nn
+
+    import owai.methods.rich_features as rf
+    from owai.experiment import resolve
+    from owai.models.rich import ConcatFeatures
+    from owai.recipes import load
+
+    cfg = resolve(load(RECIPE), "tiny", [*TINY, "data.eval_batch_size=7"])[0]
+    data = rf.load_split(cfg, cfg.data.target, "test", cfg.data.target_classes)
+    torch.manual_seed(0)
+    backbones = [nn.Sequential(nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(12, d)) for d in (3, 5)]
+    for b, d in zip(backbones, (3, 5)):
+        b.feature_dim = d
+    cat = ConcatFeatures(backbones, frozen=True)
+    store = tmp_path / "features" / "test"
+    store.parent.mkdir()
+    (store.parent / "test.net0.npy.partial").write_bytes(b"killed mid-write")
+    blocks, y = rf.extract(cfg, cat, data, torch.device("cpu"), store)
+    assert [tuple(b.shape) for b in blocks] == [(len(data), 3), (len(data), 5)]
+    assert all(isinstance(np.load(store.parent / f"test.net{i}.npy", mmap_mode="r"), np.memmap) for i in (0, 1))
+    with torch.no_grad():
+        for i, (x, label) in enumerate(rf._batches(cfg, data)):
+            rows = slice(7 * i, 7 * i + len(label))
+            torch.testing.assert_close(rf.gather(blocks, rows), torch.cat([b(x) for b in backbones], 1))
+            assert torch.equal(y[rows], label)
+    again, y2 = rf.extract(cfg, ConcatFeatures([nn.Identity(), nn.Identity()], dims=[3, 5]), data, torch.device("cpu"), store)
+    assert all(torch.equal(a, b) for a, b in zip(again, blocks)) and torch.equal(y, y2)  # read back, not recomputed
 
 
 def _one_line_error(args: list[str], out: Path, capsys, message: str) -> None:
@@ -194,3 +236,37 @@ def test_recipe_presets_resolve(monkeypatch) -> None:
     monkeypatch.setenv("OWAI_CACHE", "/nonexistent")
     with pytest.raises(DataMissing, match="imagenet|ImageNet"):
         resolve(r, "paper", [])
+
+
+@pytest.mark.parametrize("recipe", ["tableA.7-snapshots", "tableA.8-fewshot"])
+def test_each_few_shot_column_is_matched_only_by_its_own_networks(recipe) -> None:
+    """Table A.7 / A.8's linear column is of Baseline networks (preset paper: linear base-class head,
+    linear episodes), its cosine column of Baseline++ networks (paper-cosine): a run is given the
+    thesis's number only for the column its networks belong to."""
+    from owai.config import to_dict
+    from owai.experiment import resolve
+    from owai.recipes import load, thesis_for
+
+    r = load(recipe)
+    for preset, head in (("paper", "linear"), ("paper-cosine", "cosine")):
+        cfg = resolve(r, preset, [], validate=False)[0]
+        assert (cfg.pretrain.head, cfg.fewshot.heads) == (head, [head])
+        params = to_dict(cfg)
+        for metric in r.thesis:
+            number = thesis_for(r, metric, params)
+            assert (number is not None) == (f".{head}." in metric), (preset, metric)
+    tableA9 = load("tableA.9-fewshot-sota")
+    params = to_dict(resolve(tableA9, "paper", [], validate=False)[0])
+    assert params["pretrain"]["head"] == "cosine" and all(thesis_for(tableA9, m, params) for m in tableA9.thesis)
+
+
+def test_the_vit_imagenet_probe_trains_as_imagenet_pre_training() -> None:
+    """TH A.2.1: ImageNet probes train "with the same hyper-parameters as ImageNet pretraining" (a plain
+    Linear, SGD momentum 0.9, lr 0.1, x0.1 at 30 and 60, 90 epochs); the ViT paragraph changes only
+    the weight decay (5e-4) and the batch (256)."""
+    from owai.experiment import resolve
+    from owai.recipes import load
+
+    q = resolve(load("fig2.4-vit"), "paper", [], validate=False)[0].probe
+    assert (q.batchnorm, q.nesterov, q.momentum, q.lr, q.milestones, q.gamma, q.epochs) == (False, False, 0.9, 0.1, [30, 60], 0.1, 90)
+    assert (q.weight_decay, q.batch_size) == (5e-4, 256)

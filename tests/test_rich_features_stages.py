@@ -381,7 +381,7 @@ def trainings(monkeypatch) -> dict[str, dict]:
     original = owai.train.train_loop
 
     def recording(run, stage, model, optimizer, loss_at, loop, lr_at=None, **kwargs):
-        seen[stage] = {"optimizer": type(optimizer).__name__,
+        seen[stage] = {"optimizer": type(optimizer).__name__, "model": model,
                        "groups": [{k: v for k, v in g.items() if k != "params"} | {"n": len(g["params"])}
                                   for g in optimizer.param_groups],
                        "lrs": [lr_at(s) for s in range(loop.steps)] if lr_at else []}
@@ -417,6 +417,51 @@ def test_the_few_shot_student_trains_with_adam(cache, tmp_path, capsys, training
     code, _, err = _cli(["--stage", "distill", "--seeds", "0,1", *as_sets(sets), "-o", str(tmp_path)], capsys)
     assert code == 0, err
     assert (trainings["distill"]["optimizer"], set(trainings["distill"]["lrs"])) == ("Adam", {0.001})
+
+
+# -- Baseline++: networks pre-trained under Chen et al.'s cosine classifier (TH A.4.2, Fig. 2.5) --------
+
+
+def test_baseline_plus_plus_networks_pretrain_and_distil_under_cosine_heads(tmp_path, monkeypatch, capsys,
+                                                                            trainings) -> None:
+    """pretrain.head=cosine trains each network under a cosine base-class head and caches it (fc.direction,
+    fc.gain; a cache entry of its own); the evaluation stages read it back with that head (base accuracy,
+    teachers' logits) and Distill_n's student heads are cosine heads too."""
+    from safetensors.torch import load_file
+
+    from owai.experiment import resolve
+    from owai.methods.rich_features import pretrain_key
+    from owai.models.rich import CosineClassifier
+    from owai.recipes import load
+
+    monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
+    sets = [*TINY, "pretrain.head=cosine"]
+    code, _, err = _cli(["--stage", "pretrain", "--seeds", "0,1", *as_sets(sets), "-o", str(tmp_path / "pre")], capsys)
+    assert code == 0, err
+    assert isinstance(trainings["pretrain"]["model"].fc, CosineClassifier)
+    files = sorted((tmp_path / "cache" / "pretrained").glob("*.safetensors"))
+    assert len(files) == 2
+    for f in files:
+        keys = set(load_file(str(f)))
+        assert {"fc.direction", "fc.gain"} <= keys and "fc.weight" not in keys
+    cosine, linear = (resolve(load(FEWSHOT), "cpu", x)[0] for x in (sets, TINY))
+    assert pretrain_key(cosine, 0) != pretrain_key(linear, 0)
+    assert [f.name for f in files if pretrain_key(linear, 0) in f.name] == []
+    for run in (tmp_path / "pre" / "tableA.8-fewshot").rglob("results.json"):
+        assert 0.0 <= _measured(run.parent)["pretrain.base_acc"] <= 1.0
+    code, _, err = _cli(["--stage", "distill,fewshot", "--seeds", "0,1", *as_sets(sets), "-o", str(tmp_path / "eval")],
+                        capsys)
+    assert code == 0, err
+    heads = trainings["distill"]["model"].heads
+    assert len(heads) == 2 and all(isinstance(h, CosineClassifier) for h in heads)
+    m = _measured(next((tmp_path / "eval" / "tableA.8-fewshot").iterdir()))
+    assert {"distill2.base_acc", "teachers.base_acc", "fewshot.distill2.cosine.1shot", "fewshot.cat2.cosine.5shot"} <= set(m)
+
+
+@pytest.mark.parametrize("extra", [["model.joint=2"], ["pretrain.objective=simsiam"]])
+def test_the_cosine_base_head_is_a_supervised_single_networks(tmp_path, capsys, extra) -> None:
+    _one_line_error(["--stage", "pretrain", "--seeds", "0", *as_sets([*TINY, "pretrain.head=cosine", *extra])],
+                    tmp_path / "out", capsys, "pretrain.head=cosine is a supervised single network's head")
 
 
 @pytest.mark.parametrize("transforms, error", [("domainbed", None), ("thesis", "pre-trained with data.transforms=domainbed")])

@@ -27,7 +27,10 @@ A.1-A.4; spec rich_features.md §6, §8). One method, `owai rich-features`, whos
     linear and cosine heads (§6.6).
   Every training is its own resumable `train_loop` stage (`distill`, `probe-net{i}`, `probe-cat{k}`,
   `probe-distill`, `finetune-cat{n}`, `ft-net{i}`, `two-stage-head{n}`) whose batches are a function of
-  (seed, stage, step), so a killed run resumes to the same result.
+  (seed, stage, step), so a killed run resumes to the same result. The frozen features the probes,
+  the two-stage head and the episodes read are extracted once per run into `<run>/features/`
+  (`extract`: .npy files read memory-mapped, so ImageNet's features under Cat_n need disk, not
+  memory), kept for a resume and removed when the run completes.
 
 Accuracies are measured on the target's test split after the last epoch. The reference script reports
 the best epoch on the test set (spec §6.2); owai does not select on the test set. The probe's
@@ -45,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import io
 import json
 import math
 import statistics
@@ -123,6 +127,10 @@ class PretrainConfig:
     milestones: list[float] = field(default_factory=lambda: [30.0, 60.0])  # in epochs
     gamma: float = 0.1
     optimizer: Literal["sgd", "adam"] = "sgd"  # adam: the few-shot baselines' (Chen et al.: lr 1e-3, batch 16)
+    # the base-class head trained with the network: "linear" (Baseline), or "cosine", Chen et al.'s
+    # cosine classifier (Baseline++, TH A.4.2 / Fig. 2.5: scale 2 up to 200 classes, a learnt norm per
+    # class); supervised single networks only. Distill_n's student heads take their teachers' kinds
+    head: Literal["linear", "cosine"] = "linear"
     checkpoint_every: int = 1000  # updates
     log_every: int = 50
     precision: Literal["auto", "float32", "bfloat16"] = "auto"  # auto = bfloat16 autocast on CUDA (every stage)
@@ -349,6 +357,11 @@ def check_settings(cfg: Config) -> None:
         v = getattr(p, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise OwaiError(f"pretrain.{name} must be an integer >= 1, got {v!r}")
+    if p.head not in ("linear", "cosine"):
+        raise OwaiError(f"pretrain.head {p.head!r}: choose linear (Baseline) or cosine (Baseline++)")
+    if p.head == "cosine" and (p.objective != "supervised" or m.joint != 1):
+        raise OwaiError("pretrain.head=cosine is a supervised single network's head (Baseline++): "
+                        "not with pretrain.objective=simsiam or model.joint > 1")
     if p.objective == "simsiam" and cfg.stage == "pretrain" and (p.batch_size < 2 or p.snapshots):
         raise OwaiError("pretrain.objective=simsiam needs batch_size >= 2 (BatchNorm in the projector) and no snapshots")
     if any(not 0 < e <= p.epochs for e in p.snapshots) or len(set(p.snapshots)) != len(p.snapshots):
@@ -732,10 +745,11 @@ def pretrain_key(cfg: Config, seed: int) -> str:
     d = cfg.data
     what = {"method": "rich_features", "version": VERSION, "backbone": cfg.model.backbone, "seed": seed,
             # bookkeeping is left out, and the defaults of settings added later (optimizer, objective,
-            # schedule, ssl_*) too, so keys written before they existed stay valid
+            # schedule, head, ssl_*) too, so keys written before they existed stay valid
             "pretrain": {k: v for k, v in to_dict(cfg.pretrain).items()
                          if k not in ("checkpoint_every", "log_every", "transfer_probe", "snapshots")
-                         and (k, v) not in (("optimizer", "sgd"), ("objective", "supervised"), ("schedule", "step"))
+                         and (k, v) not in (("optimizer", "sgd"), ("objective", "supervised"), ("schedule", "step"),
+                                            ("head", "linear"))
                          and not (k.startswith("ssl_") and cfg.pretrain.objective == "supervised")},
             "base": d.base, "base_classes": d.base_classes, "root": d.root, "image_size": d.image_size,
             "augment": d.augment, "limit_per_class": d.limit_per_class, "split_seed": d.split_seed}
@@ -763,17 +777,20 @@ def snapshot_path(cfg: Config, seed: int, epoch: float) -> Path:
 
 
 def build_network(backbone: str, n_classes: int, seed: int, state: dict[str, torch.Tensor] | None = None,
-                  joint: int = 1) -> torch.nn.Module:
-    """An owai.models.vision backbone with an `n_classes` head, initialised from (seed, backbone); with
-    joint > 1 a JointNetwork of `joint` such backbones (keyed also by their index) under one head."""
-    from owai.models.rich import JointNetwork, strip_head
-    from owai.models.vision import build_backbone
+                  joint: int = 1, head: str = "linear") -> torch.nn.Module:
+    """An owai.models.vision backbone with an `n_classes` head (`head`: linear, or Baseline++'s cosine
+    classifier), initialised from (seed, backbone); with joint > 1 a JointNetwork of `joint` such
+    backbones (keyed also by their index) under one linear head."""
+    from owai.models.rich import JointNetwork, class_head, strip_head
+    from owai.models.vision import build_backbone, replace_head
     from owai.runtime import derive_seed
 
     with torch.random.fork_rng(devices=[]):
         if joint == 1:
             torch.manual_seed(derive_seed(seed, "pretrain-init", backbone))
             net = build_backbone(backbone, num_classes=n_classes)
+            if head != "linear":  # after the backbone's own init: its weights do not depend on the head
+                replace_head(net, class_head(head, net.feature_dim, n_classes))
         else:
             parts = []
             for i in range(joint):
@@ -821,7 +838,7 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
     if state is None:
         from owai.models.rich import SimSiam, simsiam_loss, strip_head
 
-        net = build_network(cfg.model.backbone, len(classes), cfg.seed, joint=cfg.model.joint)
+        net = build_network(cfg.model.backbone, len(classes), cfg.seed, joint=cfg.model.joint, head=p.head)
         if ssl:
             net = SimSiam(strip_head(net), p.ssl_dim, p.ssl_pred_dim, p.ssl_proj_layers)
         net = net.to(device)
@@ -879,6 +896,7 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
         measured["transfer.acc"] = probe_network(cfg, run, "transfer-probe", net, target_train, target_test)
         details["transfer_split_sizes"] = {"train": len(target_train), "test": len(target_test)}
         console.info(f"network seed {cfg.seed}: transfer to {d.target} {measured['transfer.acc']:.4f}")
+        drop_features(run)
     return Outcome(measured, details)
 
 
@@ -1119,17 +1137,29 @@ def load_network(net: Network, style: str = "domainbed") -> torch.nn.Module:
     return network_from_state(net.backbone, weights, net.seed, net.joint, net.label)
 
 
-HEAD_KEYS = ("fc.weight", "classifier.weight", "heads.head.weight")  # ResNet / joint, DenseNet, ViT
+HEAD_PREFIXES = ("fc.", "classifier.", "heads.head.")  # where the base-class head is: ResNet / joint, DenseNet, ViT
+
+
+def base_head(state: dict[str, torch.Tensor]) -> tuple[str, int] | None:
+    """The base-class head stored in a network's state dict: (kind, classes), kind "linear" or
+    "cosine" (Baseline++); None for features only (SimSiam, checkpoints from elsewhere)."""
+    from owai.models.rich import head_kind
+
+    for prefix in HEAD_PREFIXES:
+        kind = head_kind(state, prefix)
+        if kind is not None:
+            return kind, int(state[prefix + ("direction" if kind == "cosine" else "weight")].shape[0])
+    return None
 
 
 def network_from_state(backbone: str, state: dict[str, torch.Tensor], seed: int, joint: int, label: str) -> torch.nn.Module:
     """A pretrained network from its state dict: with its base-class head when the state has one
-    (supervised), else its features only (SimSiam), the head stripped."""
+    (supervised; linear or cosine), else its features only (SimSiam), the head stripped."""
     from owai.models.rich import strip_head
 
-    head = next((state[k] for k in HEAD_KEYS if k in state), None)
+    head = base_head(state)
     if head is not None:
-        return build_network(backbone, int(head.shape[0]), seed, state, joint)
+        return build_network(backbone, head[1], seed, state, joint, head=head[0])
     model = strip_head(build_network(backbone, 1, seed, joint=joint))
     try:
         model.load_state_dict(state)
@@ -1191,25 +1221,84 @@ def probe_network(cfg: Config, run: Run, stage: str, net: torch.nn.Module, train
     from owai.models.rich import ConcatFeatures, strip_head
 
     frozen = ConcatFeatures([strip_head(net)], frozen=True)
-    z_train, y_train = extract(cfg, frozen, train_set, run.device)
-    z_test, y_test = extract(cfg, frozen, test_set, run.device)
-    head = fit_probe(cfg, run, stage, z_train[0], y_train, len(train_set.classes), run.device)
-    return _acc(_logits(head, z_test[0], run.device), y_test)
+    z_train, y_train = extract(cfg, frozen, train_set, run.device, feature_store(run, f"{stage}-train"))
+    z_test, y_test = extract(cfg, frozen, test_set, run.device, feature_store(run, f"{stage}-test"))
+    head = fit_probe(cfg, run, stage, z_train, y_train, len(train_set.classes), run.device)
+    return _acc(_logits(head, z_test, run.device), y_test)
 
 
 # -- probe: features and heads ------------------------------------------------------------------
 
 
+FEATURES = "features"  # the run directory's folder of extracted features, removed when the run completes
+
+
+def feature_store(run: Run, name: str) -> Path:
+    """Where the features `name` of this run are kept while it runs: <run>/features/<name>."""
+    return run.path / FEATURES / name
+
+
 @torch.no_grad()
-def extract(cfg: Config, cat: Any, data: Any, device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The n feature blocks [(N, d_i)] (float32, CPU) of every example of `data`, and its labels."""
-    blocks: list[list[torch.Tensor]] = [[] for _ in cat.backbones]
-    labels = []
+def extract(cfg: Config, cat: Any, data: Any, device: torch.device, store: Path) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The n feature blocks [(N, d_i)] (float32, CPU) of every example of `data`, and its labels.
+
+    The blocks are written as they are computed to `<store>.net{i}.npy` and returned memory-mapped, so
+    that features larger than memory (ImageNet's 1.28M images under Cat5 of SwAV or SEER: 50-100 GB)
+    are read from disk a batch at a time, and a resumed run reads the features its killed attempt
+    finished instead of computing them again. The labels file, written last, marks them complete."""
+    import numpy as np
+
+    from owai.io import atomic_write_bytes
+
+    labels_path = store.with_name(f"{store.name}.labels.npy")
+    paths = [store.with_name(f"{store.name}.net{i}.npy") for i in range(len(cat.backbones))]
+    if labels_path.is_file() and all(p.is_file() for p in paths):
+        return [_mapped(p) for p in paths], torch.from_numpy(np.load(labels_path))
+    store.parent.mkdir(parents=True, exist_ok=True)
+    partial = [p.with_name(p.name + ".partial") for p in paths]
+    arrays: list[Any] = []
+    labels, row = [], 0
     for x, y in _batches(cfg, data, "features of"):
         for i, z in enumerate(cat.per_network(x.to(device))):
-            blocks[i].append(z.float().cpu())
+            if len(arrays) == i:  # the widths are known from the first batch
+                arrays.append(np.lib.format.open_memmap(partial[i], mode="w+", dtype=np.float32,
+                                                        shape=(len(data), z.shape[1])))
+            arrays[i][row:row + len(z)] = z.float().cpu().numpy()
         labels.append(y)
-    return [torch.cat(b) for b in blocks], torch.cat(labels)
+        row += len(y)
+    if row != len(data):
+        raise OwaiError(f"feature extraction read {row} of {len(data)} images")
+    for array, tmp, path in zip(arrays, partial, paths):
+        array.flush()
+        del array
+        tmp.replace(path)
+    del arrays
+    y_all = torch.cat(labels)
+    buffer = io.BytesIO()
+    np.save(buffer, y_all.numpy())
+    atomic_write_bytes(labels_path, buffer.getvalue())
+    return [_mapped(p) for p in paths], y_all
+
+
+def drop_features(run: Run) -> None:
+    """Remove the run's extracted features once every measurement is made (ImageNet's are tens of GB);
+    a run killed before keeps them for its resume."""
+    import shutil
+
+    shutil.rmtree(run.path / FEATURES, ignore_errors=True)
+
+
+def _mapped(path: Path) -> torch.Tensor:
+    """A float32 .npy file as a (N, d) CPU tensor backed by the file (copy-on-write: never written back)."""
+    import numpy as np
+
+    return torch.from_numpy(np.load(path, mmap_mode="c"))
+
+
+def gather(blocks: list[torch.Tensor], idx: torch.Tensor | slice) -> torch.Tensor:
+    """Rows `idx` of the concatenation of feature blocks [(N, d_i)]: (B, sum d_i), without ever
+    concatenating every row (Cat_n of ImageNet's features does not fit in memory)."""
+    return torch.cat([b[idx] for b in blocks], 1)
 
 
 def probe_batch(step: int, per_epoch: int, size: int, n: int, seed: int, stage: str) -> torch.Tensor:
@@ -1221,46 +1310,52 @@ def probe_batch(step: int, per_epoch: int, size: int, n: int, seed: int, stage: 
     return order[k * size : (k + 1) * size]
 
 
-def train_head(run: Run, stage: str, head: torch.nn.Module, groups: list[dict], z: torch.Tensor, y: torch.Tensor, *,
-               epochs: float, batch_size: int, lr_at_epoch: Any, momentum: float, nesterov: bool, seed: int,
-               checkpoint_every: int, log_every: int, device: torch.device) -> torch.nn.Module:
-    """Train `head` on fixed features `z` (N, D) through train_loop as stage `stage` (resumable): SGD over
-    keyed per-epoch permutations (`probe_batch`), the last incomplete batch dropped (BN1d needs >= 2),
-    lr = lr_at_epoch(epoch) with the epoch counted in fractions of an epoch."""
+def train_head(run: Run, stage: str, head: torch.nn.Module, groups: list[dict], blocks: list[torch.Tensor],
+               y: torch.Tensor, *, epochs: float, batch_size: int, lr_at_epoch: Any, momentum: float, nesterov: bool,
+               seed: int, checkpoint_every: int, log_every: int, device: torch.device) -> torch.nn.Module:
+    """Train `head` on fixed features (the concatenation of `blocks`, each (N, d_i) on the CPU, possibly
+    memory-mapped) through train_loop as stage `stage` (resumable): SGD over keyed per-epoch
+    permutations (`probe_batch`), each batch's rows gathered and moved to `device`, the last incomplete
+    batch dropped (BN1d needs >= 2), lr = lr_at_epoch(epoch) with the epoch counted in fractions."""
     from owai.train import LoopConfig, train_loop
 
     optimizer = torch.optim.SGD(groups, lr=lr_at_epoch(0.0), momentum=momentum, nesterov=nesterov)
-    size = min(batch_size, len(z))
-    per_epoch = max(1, len(z) // size)
+    n = len(y)
+    size = min(batch_size, n)
+    per_epoch = max(1, n // size)
     steps = max(1, round(epochs * per_epoch))
-    z, y = z.to(device), y.to(device)
 
     def loss_at(step: int, micro: int) -> torch.Tensor:
-        idx = probe_batch(step, per_epoch, size, len(z), seed, stage).to(device)
-        return F.cross_entropy(head(z[idx]), y[idx])
+        idx = probe_batch(step, per_epoch, size, n, seed, stage)
+        return F.cross_entropy(head(gather(blocks, idx).to(device)), y[idx].to(device))
 
     loop = LoopConfig(steps=steps, checkpoint_every=min(checkpoint_every, steps), log_every=min(log_every, steps))
     train_loop(run, stage, head, optimizer, loss_at, loop, lr_at=lambda s: lr_at_epoch(s / per_epoch))
     return head.eval()
 
 
-def fit_probe(cfg: Config, run: Run, stage: str, z: torch.Tensor, y: torch.Tensor, n_classes: int,
+def fit_probe(cfg: Config, run: Run, stage: str, blocks: list[torch.Tensor], y: torch.Tensor, n_classes: int,
               device: torch.device) -> torch.nn.Module:
-    """A ProbeHead on features `z` (N, D) with the probe's settings (§6.2), as stage `stage` (resumable)."""
+    """A ProbeHead on the concatenated feature blocks [(N, d_i)] with the probe's settings (§6.2), as
+    stage `stage` (resumable)."""
     from owai.models.rich import ProbeHead
     from owai.runtime import generator
 
     q = cfg.probe
-    head = ProbeHead(z.shape[1], n_classes, bn=q.batchnorm, generator=generator(cfg.seed, "probe-init", stage)).to(device)
-    return train_head(run, stage, head, head.param_groups(q.weight_decay), z, y, epochs=q.epochs,
+    width = sum(cat_dims(blocks))
+    head = ProbeHead(width, n_classes, bn=q.batchnorm, generator=generator(cfg.seed, "probe-init", stage)).to(device)
+    return train_head(run, stage, head, head.param_groups(q.weight_decay), blocks, y, epochs=q.epochs,
                       batch_size=q.batch_size, momentum=q.momentum, nesterov=q.nesterov, seed=cfg.seed,
                       lr_at_epoch=lambda e: q.lr * q.gamma ** sum(e >= m for m in q.milestones),
                       checkpoint_every=q.checkpoint_every, log_every=q.log_every, device=device)
 
 
 @torch.no_grad()
-def _logits(head: torch.nn.Module, z: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return head.eval()(z.to(device)).float().cpu()
+def _logits(head: torch.nn.Module, blocks: list[torch.Tensor], device: torch.device, chunk: int = 8192) -> torch.Tensor:
+    """The head's logits (N, C) (float32, CPU) on the concatenated feature blocks, `chunk` rows at a time."""
+    head.eval()
+    n = len(blocks[0])
+    return torch.cat([head(gather(blocks, slice(i, i + chunk)).to(device)).float().cpu() for i in range(0, n, chunk)])
 
 
 def _acc(logits: torch.Tensor, y: torch.Tensor) -> float:
@@ -1307,14 +1402,15 @@ def run_chain(cfg: Config, run: Run) -> Outcome:
     student = run_distill(cfg, run, nets, measured, details) if "distill" in stages else None
     if "probe" in stages or "fewshot" in stages:
         cat = ConcatFeatures([strip_head(load_network(n, test_set.style)) for n in nets], frozen=True).to(device)
-        z_test, y_test = extract(cfg, cat, test_set, device)
+        z_test, y_test = extract(cfg, cat, test_set, device, feature_store(run, "test"))
         if student is not None:
             frozen_student = ConcatFeatures([student], frozen=True).to(device)
-            z_test.append(extract(cfg, frozen_student, test_set, device)[0][0])  # the last block = the student
+            # the last block = the student
+            z_test.append(extract(cfg, frozen_student, test_set, device, feature_store(run, "student-test"))[0][0])
         if "probe" in stages:
-            z_train, y_train = extract(cfg, cat, train_set, device)
+            z_train, y_train = extract(cfg, cat, train_set, device, feature_store(run, "train"))
             if student is not None:
-                z_train.append(extract(cfg, frozen_student, train_set, device)[0][0])
+                z_train.append(extract(cfg, frozen_student, train_set, device, feature_store(run, "student-train"))[0][0])
             run_probes(cfg, run, z_train, y_train, z_test, y_test, len(nets), student is not None, measured, details)
             run_baseline_probes(cfg, run, train_set, test_set, measured)
         del cat
@@ -1327,6 +1423,7 @@ def run_chain(cfg: Config, run: Run) -> Outcome:
         del model
     if "two-stage" in stages:
         run_two_stage(cfg, run, nets, train_set, test_set, measured, details)
+    drop_features(run)
     return Outcome(measured, details)
 
 
@@ -1338,14 +1435,14 @@ def run_probes(cfg: Config, run: Run, z_train: list[torch.Tensor], y_train: torc
 
     q, device = cfg.probe, run.device
     n_classes = int(y_train.max()) + 1
-    per_net = [fit_probe(cfg, run, f"probe-net{i}", z_train[i], y_train, n_classes, device) for i in range(n)]
-    net_logits = [_logits(h, z_test[i], device) for i, h in enumerate(per_net)]
+    per_net = [fit_probe(cfg, run, f"probe-net{i}", [z_train[i]], y_train, n_classes, device) for i in range(n)]
+    net_logits = [_logits(h, [z_test[i]], device) for i, h in enumerate(per_net)]
     for k in sorted(q.sizes):
         if k == 1:
             logits = net_logits[0]
         else:
-            head = fit_probe(cfg, run, f"probe-cat{k}", torch.cat(z_train[:k], 1), y_train, n_classes, device)
-            logits = _logits(head, torch.cat(z_test[:k], 1), device)
+            head = fit_probe(cfg, run, f"probe-cat{k}", z_train[:k], y_train, n_classes, device)
+            logits = _logits(head, z_test[:k], device)
         measured[f"cat{k}.acc"] = _acc(logits, y_test)
         if q.catsub and k > 1:
             with torch.no_grad():
@@ -1356,8 +1453,8 @@ def run_probes(cfg: Config, run: Run, z_train: list[torch.Tensor], y_train: torc
     details["single_acc"] = singles
     details["feature_dims"] = cat_dims(z_train)
     if with_student:
-        head = fit_probe(cfg, run, "probe-distill", z_train[n], y_train, n_classes, device)
-        measured[f"distill{n}.acc"] = _acc(_logits(head, z_test[n], device), y_test)
+        head = fit_probe(cfg, run, "probe-distill", [z_train[n]], y_train, n_classes, device)
+        measured[f"distill{n}.acc"] = _acc(_logits(head, [z_test[n]], device), y_test)
 
 
 def cat_dims(blocks: list[torch.Tensor]) -> list[int]:
@@ -1427,17 +1524,17 @@ def run_two_stage(cfg: Config, run: Run, nets: list[Network], train_set: Any, te
     measured["ft.single.acc"] = statistics.fmean(singles)
     details["ft_single_acc"] = singles
     cat = ConcatFeatures([m[0].backbones[0] for m in tuned], frozen=True).to(device)
-    z_train, y_train = extract(cfg, cat, train_set, device)
-    z_test, y_test = extract(cfg, cat, test_set, device)
+    z_train, y_train = extract(cfg, cat, train_set, device, feature_store(run, "two-stage-train"))
+    z_test, y_test = extract(cfg, cat, test_set, device, feature_store(run, "two-stage-test"))
     head = two_stage_head([m[1] for m in tuned]).to(device)
-    measured["ft.ensemble.acc"] = _acc(_logits(head, torch.cat(z_test, 1), device), y_test)
+    measured["ft.ensemble.acc"] = _acc(_logits(head, z_test, device), y_test)
     head.train()
     decay = f.weight_decay if f.head_weight_decay is None else f.head_weight_decay
     trained = train_head(run, f"two-stage-head{n}", head, [{"params": list(head.parameters()), "weight_decay": decay}],
-                         torch.cat(z_train, 1), y_train, epochs=f.head_epochs, batch_size=f.batch_size,
+                         z_train, y_train, epochs=f.head_epochs, batch_size=f.batch_size,
                          lr_at_epoch=lambda e: f.head_lr, momentum=f.momentum, nesterov=True, seed=cfg.seed,
                          checkpoint_every=f.checkpoint_every, log_every=f.log_every, device=device)
-    measured[f"two_stage.cat{n}.acc"] = _acc(_logits(trained, torch.cat(z_test, 1), device), y_test)
+    measured[f"two_stage.cat{n}.acc"] = _acc(_logits(trained, z_test, device), y_test)
 
 
 # -- Distill_n -----------------------------------------------------------------------------------
@@ -1467,12 +1564,14 @@ def run_distill(cfg: Config, run: Run, nets: list[Network], measured: dict[str, 
     else:
         n_out = n_classes
         for net, teacher in zip(nets, teachers):
-            width = next(int(v.shape[0]) for k, v in teacher.state_dict().items() if k in HEAD_KEYS)
+            width = base_head(teacher.state_dict())[1]
             if width != n_classes:
                 raise OwaiError(f"{net.label} has a {width}-class head; distill reads data.base "
                                 f"{d.base} with {n_classes} classes (set data.base / data.base_classes as in pre-training)")
+    # head i of teacher i's kind (Baseline++ teachers: cosine heads); features: linear regressions
+    kinds = ["linear"] * n if on_features else [base_head(t.state_dict())[0] for t in teachers]
     backbone = strip_head(build_network(cfg.model.backbone, n_classes, derive_seed(cfg.seed, "distill-student")))
-    student = MultiHeadStudent(backbone, n, n_out).to(device)
+    student = MultiHeadStudent(backbone, n, n_out, heads=kinds).to(device)
     per_epoch = len(base_train) / s.batch_size
     steps = max(1, round(s.epochs * per_epoch))
     batches = StepBatches(OneDomain(base_train), [0], [torch.arange(len(base_train))], s.batch_size, d.image_size,

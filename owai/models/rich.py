@@ -10,7 +10,8 @@ function; nothing trains. The pieces and where they are used:
     Distill_n              MultiHeadStudent (one backbone, n heads) trained with distill_loss     §6.5
                            (self-supervised teachers: heads fit their features, feature_distill_loss)
     SSL pre-training       SimSiam (backbone -> projector -> predictor) with simsiam_loss        A.3.3
-    few-shot (Baseline++)  CosineClassifier (Chen et al. 2019 distLinear)                         §6.6
+    few-shot (Baseline++)  CosineClassifier (Chen et al. 2019 distLinear): episode heads, and     §6.6
+                           with class_head the base-class head of pre-training and the student
 
 A backbone is any module mapping a batch of images to (B, d) features. An `owai.models.vision`
 backbone becomes one with `strip_head` (its classification head replaced by Identity); its width
@@ -223,18 +224,24 @@ def catsub_logits(heads: Sequence[nn.Module], features: Sequence[Tensor]) -> Ten
 
 
 class MultiHeadStudent(nn.Module):
-    """Distill_n's student (Fig. 2.6): one backbone Phi with n linear heads w_i, head i imitating
-    teacher network i (spec §6.5). Forward returns the n logit tensors [(B, C), ...]."""
+    """Distill_n's student (Fig. 2.6): one backbone Phi with n heads w_i, head i imitating teacher
+    network i (spec §6.5). `heads` gives each head's kind (`class_head`): one for all, or one per
+    head, so that head i is of teacher i's kind (Baseline++ teachers: cosine). Forward returns the
+    n logit tensors [(B, C), ...]."""
 
-    def __init__(self, backbone: nn.Module, n_heads: int, n_classes: int, feature_dim: int | None = None) -> None:
+    def __init__(self, backbone: nn.Module, n_heads: int, n_classes: int, feature_dim: int | None = None,
+                 heads: str | Sequence[str] = "linear") -> None:
         super().__init__()
         if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
             raise OwaiError(f"Distill_n needs at least one head, got n_heads={n_heads!r}")
+        kinds = [heads] * n_heads if isinstance(heads, str) else list(heads)
+        if len(kinds) != n_heads:
+            raise OwaiError(f"Distill_n: {len(kinds)} head kinds for {n_heads} heads")
         dim = _width(backbone, feature_dim, "Distill_n student backbone")
         _check_classes(dim, n_classes, "Distill_n student")
         self.backbone = backbone
         self.feature_dim = dim
-        self.heads = nn.ModuleList(nn.Linear(dim, n_classes) for _ in range(n_heads))
+        self.heads = nn.ModuleList(class_head(kind, dim, n_classes) for kind in kinds)
 
     def forward(self, x: Tensor) -> list[Tensor]:
         z = self.backbone(x)  # (B, D), shared by every head
@@ -396,3 +403,25 @@ class CosineClassifier(nn.Module):
 
     def forward(self, z: Tensor) -> Tensor:
         return cosine_logits(z, self.direction, self.gain, self.scale)  # (B, D) -> (B, C)
+
+
+HEAD_KINDS = ("linear", "cosine")  # a classifier over features: nn.Linear, or Baseline++'s CosineClassifier
+
+
+def class_head(kind: str, in_dim: int, n_classes: int) -> nn.Module:
+    """A fresh `kind` classifier from (B, in_dim) features to (B, n_classes) logits, initialised from
+    the global RNG: "linear" is nn.Linear (Baseline), "cosine" the CosineClassifier (Baseline++,
+    Chen et al. 2019: their base-class training uses it too)."""
+    if kind == "linear":
+        return nn.Linear(in_dim, n_classes)
+    if kind == "cosine":
+        return CosineClassifier(in_dim, n_classes)
+    raise OwaiError(f"head {kind!r}: choose from {', '.join(HEAD_KINDS)}")
+
+
+def head_kind(state: dict[str, Tensor], prefix: str) -> str | None:
+    """The kind of the classifier stored under `prefix` ("fc.", "classifier.", "heads.head.") in a
+    state dict: "cosine" (direction, gain), "linear" (weight), None when there is none."""
+    if f"{prefix}direction" in state:
+        return "cosine"
+    return "linear" if f"{prefix}weight" in state else None

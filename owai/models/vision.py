@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections import OrderedDict
 from pathlib import Path
 from typing import Callable
 
@@ -588,13 +589,21 @@ def _download(url: str, path: Path) -> None:
 
 def _remove_head(backbone: nn.Module) -> None:
     """Replace the backbone's ImageNet head by Identity: its weights are neither trained nor decayed."""
+    replace_head(backbone, None)
+
+
+def replace_head(backbone: nn.Module, head: nn.Module | None) -> nn.Module:
+    """Put `head` (a module from the (B, feature_dim) features to the logits; None: no head, the
+    forward returns the features) where the backbone's classifier is, in place: `fc` (ResNet),
+    `classifier` (DenseNet), `heads.head` (ViT). The state dict keys keep that prefix."""
     model = _check(backbone)
     if isinstance(model, ResNet):
-        model.fc = nn.Identity()
+        model.fc = nn.Identity() if head is None else head
     elif isinstance(model, DenseNet):
-        model.classifier = nn.Identity()
+        model.classifier = nn.Identity() if head is None else head
     else:
-        model.heads = nn.Sequential()
+        model.heads = nn.Sequential() if head is None else nn.Sequential(OrderedDict(head=head))
+    return model
 
 
 class FineTuneClassifier(nn.Module):
