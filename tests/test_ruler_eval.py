@@ -90,6 +90,24 @@ def test_bad_input_is_one_line_and_writes_nothing(shared_data, args, message, tm
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--tasks", "niah_single_2"], "download_paulgraham_essay.py fetches them"),
+    (["--tasks", "qa_1", "--set", "squad=text/squad/dev-v2.0.json"], "put the official dev-v2.0.json"),
+])
+def test_a_missing_catalogue_input_says_where_to_get_it(shared_data, args, message, tmp_path, monkeypatch,
+                                                         capsys) -> None:
+    """The default essay folder, or a QA file named under the data root, that is not there: the
+    catalogue's one line for that dataset (where it comes from), not a bare "not found"."""
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / "tokenizers").symlink_to(shared_data / "tokenizers")  # the tokenizer is there, the essays are not
+    monkeypatch.setenv("OWAI_DATA", str(root))
+    monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
+    rc, _, err = _ruler(["--model", "reference:oracle", *args, "-o", str(tmp_path / "runs")], capsys)
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_ablating_a_part_the_model_lacks_is_refused_before_the_run(tmp_path, capsys) -> None:
     save_tiny_gpt2(tmp_path / "lm", positions=64, n_embd=16, n_layer=1)
     rc, _, err = _ruler(["--model", str(tmp_path / "lm"), "--tasks", "vt", "--ablate", "long_term_memory",

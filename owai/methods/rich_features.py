@@ -40,7 +40,8 @@ Datasets: `mnist` (the official files found by the data-root rule; 60k train / 1
 (the packaged 10k test file split 80/20 by a keyed permutation: no download), `digits` (scikit-learn's
 8x8 digits, split the same way), and the readers of `owai.data.classification` (cifar10, cifar100,
 imagenet, inat18, cub, miniimagenet; SPLITS maps each role to the reader's split). Base and target
-classes of the same label space (the three digit sets share one) must be disjoint (`disjoint_split`).
+classes of the same label space (the three digit sets share one) must be disjoint (a transfer task) or,
+on the same dataset, the same (an in-distribution probe, Table 2.2's ImageNet column): `check_class_split`.
 """
 
 from __future__ import annotations
@@ -319,7 +320,6 @@ class RichFeatures(Method):
 def check_settings(cfg: Config) -> None:
     """Every check of `validate` but the pretrained networks' presence: settings, data and few-shot
     episodes (a chain validates its evaluation steps with this before their networks exist)."""
-    from owai.data.classification import disjoint_split
     from owai.models.vision import BACKBONES
 
     d, m, p, q = cfg.data, cfg.model, cfg.pretrain, cfg.probe
@@ -343,10 +343,11 @@ def check_settings(cfg: Config) -> None:
             unknown = [c for c in classes if c not in DIGITS]
             if unknown:
                 raise OwaiError(f"data.{what}_classes: {name} has classes 0-9, not {', '.join(map(repr, unknown))}")
-    # one label space: the probe's classes must be new ones, unless pre-training never saw a label
-    # (SimSiam) or happened elsewhere (probe.weights: SwAV, SEER, ViT ImageNet-21k -> ImageNet)
-    if _same_labels(d.base, d.target) and p.objective == "supervised" and not (q.weights and cfg.stage != "pretrain"):
-        disjoint_split(d.base_classes or _all_classes(d.base), d.target_classes or _all_classes(d.target))
+    # one label space: the probe's classes must be new ones or exactly pre-training's (an
+    # in-distribution probe), unless pre-training never saw a label (SimSiam) or happened elsewhere
+    # (probe.weights: SwAV, SEER, ViT ImageNet-21k -> ImageNet)
+    if p.objective == "supervised" and not (q.weights and cfg.stage != "pretrain"):
+        check_class_split(d.base, d.base_classes, d.target, d.target_classes)
     if not (p.epochs > 0 and p.batch_size >= 1 and p.lr > 0 and p.weight_decay >= 0 and 0 <= p.momentum < 1
             and p.gamma > 0 and p.checkpoint_every >= 1 and p.log_every >= 1):
         raise OwaiError("pretrain: need epochs > 0, batch_size >= 1, lr > 0, weight_decay >= 0, 0 <= momentum < 1, "
@@ -587,11 +588,33 @@ def _same_labels(a: str, b: str) -> bool:
     return a == b or (a in DIGIT_SETS and b in DIGIT_SETS)
 
 
+def check_class_split(base: str, base_classes: list[str], target: str, target_classes: list[str]) -> None:
+    """The probe's classes against pre-training's when they share one label space: the same dataset
+    with the same classes is an in-distribution probe (Table 2.2's ImageNet column: ImageNet's own
+    classes, probed on its validation images); otherwise the target's classes must be new ones
+    (disjoint: a transfer task), and a partial overlap is refused."""
+    from owai.data.classification import disjoint_split
+
+    if not _same_labels(base, target):
+        return
+    if base == target and _class_set(base, base_classes) == _class_set(target, target_classes) \
+            and len(set(map(str, base_classes))) == len(base_classes):
+        return
+    disjoint_split(base_classes or _all_classes(base), target_classes or _all_classes(target))
+
+
+def _class_set(name: str, classes: list[str]) -> frozenset[str] | None:
+    """`classes` as a set, [] read as every class of `name` (the digits' ten; None: a dataset's all)."""
+    if classes:
+        return frozenset(map(str, classes))
+    return frozenset(DIGITS) if name in DIGIT_SETS else None
+
+
 def _all_classes(name: str) -> list[str]:
     if name in DIGIT_SETS:
         return list(DIGITS)
     raise OwaiError(f"data.base and data.target are both {name}: list data.base_classes and data.target_classes "
-                    "(disjoint class sets)")
+                    "(disjoint class sets), or leave both empty for an in-distribution probe")
 
 
 def check_data(name: str, root: str) -> None:
@@ -991,8 +1014,8 @@ def _network_of_run(cfg: Config, path: Path) -> tuple[Network, dict[str, Any]]:
 def find_networks(cfg: Config) -> list[Network]:
     """The probe's n networks, checked: their number is probe.n, they exist and are finished, have
     equal feature widths and distinct seeds, were pre-trained at data.image_size, and their base
-    classes do not overlap the target classes. Every failure is one line, before any run directory."""
-    from owai.data.classification import disjoint_split
+    classes are new to the probe or exactly its own (`check_class_split`). Every failure is one line,
+    before any run directory."""
     from owai.models.vision import BACKBONES
 
     d, q = cfg.data, cfg.probe
@@ -1025,10 +1048,9 @@ def find_networks(cfg: Config) -> list[Network]:
             if trained_with != d.transforms and TRANSFORM_STYLES.get(base["base"], "domainbed") != "domainbed":
                 raise OwaiError(f"{path} was pre-trained with data.transforms={trained_with}, this run reads images with "
                                 f"{d.transforms} (set data.transforms={trained_with})")
-            if _same_labels(base["base"], d.target) and params["pretrain"].get("objective", "supervised") == "supervised":
+            if params["pretrain"].get("objective", "supervised") == "supervised":
                 try:
-                    disjoint_split(base["base_classes"] or _all_classes(base["base"]),
-                                   d.target_classes or _all_classes(d.target))
+                    check_class_split(base["base"], base["base_classes"], d.target, d.target_classes)
                 except OwaiError as e:
                     raise OwaiError(f"{path}: {e}") from None
             nets.append(net)

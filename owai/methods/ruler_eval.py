@@ -189,24 +189,26 @@ def _remote(source: str) -> bool:
 
 
 def haystack_folder(text: str) -> Path:
-    """The essay folder: a path, or relative to the data root ($OWAI_DATA)."""
-    from owai.data.registry import find_relative
+    """The essay folder: a path, or relative to the data root ($OWAI_DATA). Missing: the catalogue's
+    line for its entry (where to get the essays) when `text` names it, else what to pass."""
+    from owai.data.registry import find_relative, missing_relative
     from owai.errors import DataMissing
 
     folder = find_relative(text) or Path(text).expanduser()
     if not folder.is_dir():
-        raise DataMissing(f"essay haystack {text!r} not found (a folder of .txt essays; relative paths are looked "
-                          "up under $OWAI_DATA): pass --set haystack_dir=DIR")
+        raise DataMissing(missing_relative(text) or f"essay haystack {text!r} not found (a folder of .txt essays; "
+                          "relative paths are looked up under $OWAI_DATA): pass --set haystack_dir=DIR")
     return folder
 
 
 def qa_source(text: str) -> Path:
-    """A QA dev file: a path, or relative to the data root."""
-    from owai.data.registry import find_relative
+    """A QA dev file: a path, or relative to the data root. Missing: the catalogue's line for its entry
+    when `text` names it (text/squad/dev-v2.0.json), else what to pass."""
+    from owai.data.registry import find_relative, missing_relative
     from owai.errors import DataMissing
 
     path = find_relative(text) or Path(text).expanduser()
     if not path.is_file():
-        raise DataMissing(f"QA file {text!r} not found (relative paths are looked up under $OWAI_DATA), "
-                          "or use hf / hf:<id> for the hub")
+        raise DataMissing(missing_relative(text) or f"QA file {text!r} not found (relative paths are looked up under "
+                          "$OWAI_DATA), or use hf / hf:<id> for the hub")
     return path
