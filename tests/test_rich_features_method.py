@@ -123,8 +123,8 @@ def test_killed_probe_resumes_to_the_same_result(pretrained, cache, tmp_path, mo
     assert (run_dir / "checkpoints" / "probe-cat2").is_dir()  # killed inside Cat_2's probe, after a checkpoint
     # the features the killed attempt extracted are kept, and the resume reads them instead of the images
     stored = sorted(f.name for f in (run_dir / rf.FEATURES).iterdir())
-    assert stored == ["test.labels.npy", "test.net0.npy", "test.net1.npy", "train.labels.npy", "train.net0.npy",
-                      "train.net1.npy"]
+    assert stored == ["test.labels.npy", "test.net0.npy", "test.net1.npy", "test.origin.json", "train.labels.npy",
+                      "train.net0.npy", "train.net1.npy", "train.origin.json"]
     read, batches = [], rf._batches
     monkeypatch.setattr(rf, "_batches", lambda cfg, data, what="evaluate": read.append(what) or batches(cfg, data, what))
     code, _, err = cli_in_process(["rich-features", "--stage", "probe", "--resume", str(run_dir), "-q"], capsys)
@@ -136,8 +136,9 @@ def test_killed_probe_resumes_to_the_same_result(pretrained, cache, tmp_path, mo
 
 
 def test_extracted_features_are_the_networks_features_read_from_disk(tmp_path) -> None:
-    """extract writes every block to the run's features folder and returns it memory-mapped: the rows
-    equal the backbones' features image by image, and a half-written attempt is never read."""
+    """extract writes every block to the run's features folder and returns it memory-mapped (read-only):
+    the rows equal the backbones' features image by image, a half-written attempt is never read, and
+    features of other networks (another origin) are extracted again."""
     import numpy as np
     from torch import nn
 
@@ -156,16 +157,26 @@ def test_extracted_features_are_the_networks_features_read_from_disk(tmp_path) -
     store = tmp_path / "features" / "test"
     store.parent.mkdir()
     (store.parent / "test.net0.npy.partial").write_bytes(b"killed mid-write")
-    blocks, y = rf.extract(cfg, cat, data, torch.device("cpu"), store)
+    blocks, y = rf.extract(cfg, cat, data, torch.device("cpu"), store, ["net a", "net b"])
     assert [tuple(b.shape) for b in blocks] == [(len(data), 3), (len(data), 5)]
     assert all(isinstance(np.load(store.parent / f"test.net{i}.npy", mmap_mode="r"), np.memmap) for i in (0, 1))
+    assert not any(f.name.endswith(".partial") for f in store.parent.iterdir())
     with torch.no_grad():
         for i, (x, label) in enumerate(rf._batches(cfg, data)):
             rows = slice(7 * i, 7 * i + len(label))
             torch.testing.assert_close(rf.gather(blocks, rows), torch.cat([b(x) for b in backbones], 1))
             assert torch.equal(y[rows], label)
-    again, y2 = rf.extract(cfg, ConcatFeatures([nn.Identity(), nn.Identity()], dims=[3, 5]), data, torch.device("cpu"), store)
+    identity = ConcatFeatures([nn.Identity(), nn.Identity()], dims=[3, 5])
+    again, y2 = rf.extract(cfg, identity, data, torch.device("cpu"), store, ["net a", "net b"])
     assert all(torch.equal(a, b) for a, b in zip(again, blocks)) and torch.equal(y, y2)  # read back, not recomputed
+    other = [nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten()) for _ in range(2)]  # (B, 3): other networks
+    for b in other:
+        b.feature_dim = 3
+    fresh, _ = rf.extract(cfg, ConcatFeatures(other, frozen=True), data, torch.device("cpu"), store, ["net c", "net d"])
+    assert [tuple(b.shape) for b in fresh] == [(len(data), 3), (len(data), 3)]  # extracted again, not read back
+    with torch.no_grad():
+        x, _ = next(iter(rf._batches(cfg, data)))
+        torch.testing.assert_close(fresh[1][:7], other[1](x))
 
 
 def _one_line_error(args: list[str], out: Path, capsys, message: str) -> None:
@@ -299,3 +310,25 @@ def test_imagenet_probes_train_as_imagenet_pre_training(recipe, preset, weight_d
         assert number is not None and "ImageNet (ID)" in number.claim
         paper = to_dict(resolve(r, "paper", [], validate=False)[0])
         assert "ImageNet" not in thesis_for(r, "cat2.acc", paper).claim
+
+
+def test_a_full_disk_is_one_line_before_features_are_written(tmp_path, monkeypatch) -> None:
+    """The feature files' space is reserved first: no room is an OwaiError naming the folder, not a SIGBUS
+    when a page of a sparse memory-mapped file cannot be written."""
+    import errno
+    import os
+
+    import owai.methods.rich_features as rf
+    from owai.errors import OwaiError
+
+    if not hasattr(os, "posix_fallocate"):
+        pytest.skip("no posix_fallocate on this platform: the space is not reserved")
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    path = tmp_path / "train.net0.npy.partial"
+    with pytest.raises(OwaiError, match=r"no room for 1000 x 2048 features \(0.00763 GiB\) in .*No space left"):
+        rf._feature_file(path, 1000, 2048)
+    assert not path.exists()

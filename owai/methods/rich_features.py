@@ -916,7 +916,7 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
     if p.transfer_probe:  # Table 2.1: this network's features, linearly probed on the target task
         target_train = load_split(cfg, d.target, "train", d.target_classes, d.target_fraction)
         target_test = load_split(cfg, d.target, "test", d.target_classes)
-        measured["transfer.acc"] = probe_network(cfg, run, "transfer-probe", net, target_train, target_test)
+        measured["transfer.acc"] = probe_network(cfg, run, "transfer-probe", net, str(path), target_train, target_test)
         details["transfer_split_sizes"] = {"train": len(target_train), "test": len(target_test)}
         console.info(f"network seed {cfg.seed}: transfer to {d.target} {measured['transfer.acc']:.4f}")
         drop_features(run)
@@ -1233,18 +1233,20 @@ def baseline_network(cfg: Config, name: str) -> Network:
 def run_baseline_probes(cfg: Config, run: Run, train_set: Any, test_set: Any, measured: dict[str, Any]) -> None:
     """Table 2.2's wide / jointly trained baselines under the same linear probe: `{name}.acc`."""
     for name in cfg.probe.baselines:
-        net = load_network(baseline_network(cfg, name), train_set.style).to(run.device)
-        measured[f"{name}.acc"] = probe_network(cfg, run, f"probe-{name}", net, train_set, test_set)
+        baseline = baseline_network(cfg, name)
+        net = load_network(baseline, train_set.style).to(run.device)
+        measured[f"{name}.acc"] = probe_network(cfg, run, f"probe-{name}", net, baseline.label, train_set, test_set)
 
 
-def probe_network(cfg: Config, run: Run, stage: str, net: torch.nn.Module, train_set: Any, test_set: Any) -> float:
+def probe_network(cfg: Config, run: Run, stage: str, net: torch.nn.Module, origin: str, train_set: Any,
+                  test_set: Any) -> float:
     """The test accuracy of a linear probe (stage `stage`) on one network's frozen features (its head
-    removed): Table 2.1's transfer probe and Table 2.2's baselines."""
+    removed): Table 2.1's transfer probe and Table 2.2's baselines. `origin`: where the network is from."""
     from owai.models.rich import ConcatFeatures, strip_head
 
     frozen = ConcatFeatures([strip_head(net)], frozen=True)
-    z_train, y_train = extract(cfg, frozen, train_set, run.device, feature_store(run, f"{stage}-train"))
-    z_test, y_test = extract(cfg, frozen, test_set, run.device, feature_store(run, f"{stage}-test"))
+    z_train, y_train = extract(cfg, frozen, train_set, run.device, feature_store(run, f"{stage}-train"), [origin])
+    z_test, y_test = extract(cfg, frozen, test_set, run.device, feature_store(run, f"{stage}-test"), [origin])
     head = fit_probe(cfg, run, stage, z_train, y_train, len(train_set.classes), run.device)
     return _acc(_logits(head, z_test, run.device), y_test)
 
@@ -1261,21 +1263,30 @@ def feature_store(run: Run, name: str) -> Path:
 
 
 @torch.no_grad()
-def extract(cfg: Config, cat: Any, data: Any, device: torch.device, store: Path) -> tuple[list[torch.Tensor], torch.Tensor]:
+def extract(cfg: Config, cat: Any, data: Any, device: torch.device, store: Path,
+            origin: list[str]) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The n feature blocks [(N, d_i)] (float32, CPU) of every example of `data`, and its labels.
 
     The blocks are written as they are computed to `<store>.net{i}.npy` and returned memory-mapped, so
     that features larger than memory (ImageNet's 1.28M images under Cat5 of SwAV or SEER: 50-100 GB)
     are read from disk a batch at a time, and a resumed run reads the features its killed attempt
-    finished instead of computing them again. The labels file, written last, marks them complete."""
+    finished instead of computing them again. The labels file, written last, marks them complete,
+    and beside it `origin` (the networks' labels: cache files named by their pre-training key, run
+    directories) says which networks made them: features of other networks are extracted again."""
+    import json as json_module
+
     import numpy as np
 
-    from owai.io import atomic_write_bytes
+    from owai.io import atomic_write_bytes, atomic_write_text
 
     labels_path = store.with_name(f"{store.name}.labels.npy")
+    origin_path = store.with_name(f"{store.name}.origin.json")
     paths = [store.with_name(f"{store.name}.net{i}.npy") for i in range(len(cat.backbones))]
-    if labels_path.is_file() and all(p.is_file() for p in paths):
+    made_by = {"networks": list(origin), "images": len(data)}
+    if labels_path.is_file() and all(p.is_file() for p in paths) and origin_path.is_file() \
+            and json_module.loads(origin_path.read_text()) == made_by:
         return [_mapped(p) for p in paths], torch.from_numpy(np.load(labels_path))
+    labels_path.unlink(missing_ok=True)  # from here until the end the set is incomplete
     store.parent.mkdir(parents=True, exist_ok=True)
     partial = [p.with_name(p.name + ".partial") for p in paths]
     arrays: list[Any] = []
@@ -1283,23 +1294,43 @@ def extract(cfg: Config, cat: Any, data: Any, device: torch.device, store: Path)
     for x, y in _batches(cfg, data, "features of"):
         for i, z in enumerate(cat.per_network(x.to(device))):
             if len(arrays) == i:  # the widths are known from the first batch
-                arrays.append(np.lib.format.open_memmap(partial[i], mode="w+", dtype=np.float32,
-                                                        shape=(len(data), z.shape[1])))
+                arrays.append(_feature_file(partial[i], len(data), z.shape[1]))
             arrays[i][row:row + len(z)] = z.float().cpu().numpy()
         labels.append(y)
         row += len(y)
     if row != len(data):
         raise OwaiError(f"feature extraction read {row} of {len(data)} images")
-    for array, tmp, path in zip(arrays, partial, paths):
+    for array in arrays:
         array.flush()
-        del array
+    arrays.clear()  # unmapped before the files are renamed
+    for tmp, path in zip(partial, paths):
         tmp.replace(path)
-    del arrays
     y_all = torch.cat(labels)
     buffer = io.BytesIO()
     np.save(buffer, y_all.numpy())
+    atomic_write_text(origin_path, json_module.dumps(made_by))
     atomic_write_bytes(labels_path, buffer.getvalue())
     return [_mapped(p) for p in paths], y_all
+
+
+def _feature_file(path: Path, rows: int, width: int) -> Any:
+    """A (rows, width) float32 .npy file mapped for writing, its disk space reserved first: a full disk
+    is then one error line here, not a SIGBUS when a page of a sparse file cannot be written."""
+    import os
+
+    import numpy as np
+
+    array = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(rows, width))
+    if hasattr(os, "posix_fallocate"):
+        try:
+            with open(path, "r+b") as f:
+                os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+        except OSError as e:
+            del array
+            path.unlink(missing_ok=True)
+            raise OwaiError(f"no room for {rows} x {width} features ({rows * width * 4 / 2**30:.3g} GiB) in "
+                            f"{path.parent}: {e.strerror}") from None
+    return array
 
 
 def drop_features(run: Run) -> None:
@@ -1311,10 +1342,17 @@ def drop_features(run: Run) -> None:
 
 
 def _mapped(path: Path) -> torch.Tensor:
-    """A float32 .npy file as a (N, d) CPU tensor backed by the file (copy-on-write: never written back)."""
+    """A float32 .npy file as a (N, d) CPU tensor backed by the file, mapped read-only: a private
+    (copy-on-write) mapping would be counted against memory in full and fail for a block larger than
+    RAM. Nothing writes to it: every use gathers rows into new tensors."""
+    import warnings
+
     import numpy as np
 
-    return torch.from_numpy(np.load(path, mmap_mode="c"))
+    array = np.load(path, mmap_mode="r")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
 
 
 def gather(blocks: list[torch.Tensor], idx: torch.Tensor | slice) -> torch.Tensor:
@@ -1424,15 +1462,17 @@ def run_chain(cfg: Config, run: Run) -> Outcome:
     student = run_distill(cfg, run, nets, measured, details) if "distill" in stages else None
     if "probe" in stages or "fewshot" in stages:
         cat = ConcatFeatures([strip_head(load_network(n, test_set.style)) for n in nets], frozen=True).to(device)
-        z_test, y_test = extract(cfg, cat, test_set, device, feature_store(run, "test"))
-        if student is not None:
+        origin = [n.label for n in nets]
+        z_test, y_test = extract(cfg, cat, test_set, device, feature_store(run, "test"), origin)
+        if student is not None:  # the last block = the student, distilled from `origin` in this run
             frozen_student = ConcatFeatures([student], frozen=True).to(device)
-            # the last block = the student
-            z_test.append(extract(cfg, frozen_student, test_set, device, feature_store(run, "student-test"))[0][0])
+            taught = [*origin, "Distill_n student"]
+            z_test.append(extract(cfg, frozen_student, test_set, device, feature_store(run, "student-test"), taught)[0][0])
         if "probe" in stages:
-            z_train, y_train = extract(cfg, cat, train_set, device, feature_store(run, "train"))
+            z_train, y_train = extract(cfg, cat, train_set, device, feature_store(run, "train"), origin)
             if student is not None:
-                z_train.append(extract(cfg, frozen_student, train_set, device, feature_store(run, "student-train"))[0][0])
+                z_train.append(extract(cfg, frozen_student, train_set, device, feature_store(run, "student-train"),
+                                       taught)[0][0])
             run_probes(cfg, run, z_train, y_train, z_test, y_test, len(nets), student is not None, measured, details)
             run_baseline_probes(cfg, run, train_set, test_set, measured)
         del cat
@@ -1546,8 +1586,9 @@ def run_two_stage(cfg: Config, run: Run, nets: list[Network], train_set: Any, te
     measured["ft.single.acc"] = statistics.fmean(singles)
     details["ft_single_acc"] = singles
     cat = ConcatFeatures([m[0].backbones[0] for m in tuned], frozen=True).to(device)
-    z_train, y_train = extract(cfg, cat, train_set, device, feature_store(run, "two-stage-train"))
-    z_test, y_test = extract(cfg, cat, test_set, device, feature_store(run, "two-stage-test"))
+    tuned_from = [*(n.label for n in nets), "fine-tuned"]
+    z_train, y_train = extract(cfg, cat, train_set, device, feature_store(run, "two-stage-train"), tuned_from)
+    z_test, y_test = extract(cfg, cat, test_set, device, feature_store(run, "two-stage-test"), tuned_from)
     head = two_stage_head([m[1] for m in tuned]).to(device)
     measured["ft.ensemble.acc"] = _acc(_logits(head, z_test, device), y_test)
     head.train()
