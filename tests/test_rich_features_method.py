@@ -172,7 +172,19 @@ def test_extracted_features_are_the_networks_features_read_from_disk(tmp_path) -
     other = [nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten()) for _ in range(2)]  # (B, 3): other networks
     for b in other:
         b.feature_dim = 3
-    fresh, _ = rf.extract(cfg, ConcatFeatures(other, frozen=True), data, torch.device("cpu"), store, ["net c", "net d"])
+    present, reserve = [], rf._feature_file
+
+    def watching(path, rows, width):  # the files on disk when each new block is reserved
+        present.append(sorted(f.name for f in store.parent.iterdir()))
+        return reserve(path, rows, width)
+
+    rf._feature_file = watching
+    try:
+        fresh, _ = rf.extract(cfg, ConcatFeatures(other, frozen=True), data, torch.device("cpu"), store,
+                              ["net c", "net d"])
+    finally:
+        rf._feature_file = reserve
+    assert present == [[], ["test.net0.npy.partial"]]  # the other networks' features were freed first
     assert [tuple(b.shape) for b in fresh] == [(len(data), 3), (len(data), 3)]  # extracted again, not read back
     with torch.no_grad():
         x, _ = next(iter(rf._batches(cfg, data)))
@@ -229,6 +241,12 @@ def test_an_in_distribution_probe_reads_the_pre_training_classes(pretrained, cac
         assert _rows(run_dir)["cat2.acc"] > 0.4  # chance: 0.2
     _one_line_error(["--stage", "probe", "--seeds", "0,1", *as_sets([*TINY, "data.target_classes=['0','1','2','3']"])],
                     tmp_path / "out", capsys, "class split overlaps: '0'")
+    _one_line_error(["--stage", "probe", "--seeds", "0,1", *as_sets([*TINY, "data.target_classes=['0','1','2','3','4','4']"])],
+                    tmp_path / "out", capsys, "data.target_classes has duplicates")
+    # the networks' keyed 80/20 split at another seed: its test images would be their training images
+    _one_line_error(["--stage", "probe", "--networks", str(pretrained["sweep"]),
+                     *as_sets([*TINY, base, "data.split_seed=1"])], tmp_path / "out", capsys,
+                    "an in-distribution probe must test on that split's test images (set data.split_seed=0)")
 
 
 def test_probe_sends_no_gradient_into_the_frozen_backbones() -> None:
@@ -332,3 +350,10 @@ def test_a_full_disk_is_one_line_before_features_are_written(tmp_path, monkeypat
     with pytest.raises(OwaiError, match=r"no room for 1000 x 2048 features \(0.00763 GiB\) in .*No space left"):
         rf._feature_file(path, 1000, 2048)
     assert not path.exists()
+
+    def unsupported(fd, offset, length):  # a file system that cannot reserve space: written as it comes
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    array = rf._feature_file(path, 1000, 2048)
+    assert array.shape == (1000, 2048) and path.exists()

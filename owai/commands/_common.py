@@ -23,7 +23,7 @@ import typer
 from owai import console
 from owai.config import MAX_WORKERS
 
-Preset = Annotated[Optional[str], typer.Option("--preset", "-p", help="Scale preset of the recipe: cpu (the default), paper (the thesis's settings), tiny where a recipe has it (a run scale: the data that ships with owai only; not mosaic-train's --size tiny, a model size).")]
+Preset = Annotated[Optional[str], typer.Option("--preset", "-p", help="Scale preset of the recipe: cpu (the default), paper (the thesis's settings), and where a recipe has them tiny (a run scale: the data that ships with owai only; not mosaic-train's --size tiny, a model size) and paper variants (paper-cosine, paper-imagenet, ...: `owai recipes show RECIPE` lists them).")]
 Sets = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a parameter: --set KEY.PATH=VALUE, e.g. --set seed=1 (repeatable; `owai recipes show RECIPE` lists the keys).")]
 EvalSets = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override an evaluation setting: --set runtime.device=cpu (repeatable; `owai recipes show RECIPE` lists them).")]
 Out = Annotated[Path, typer.Option("--out", "-o", help="Root for results: OUT/<recipe>/<time>-<hash>/ for a run, OUT/<recipe>/sweep-<time>-<hash>/ for a sweep or study.")]

@@ -47,6 +47,7 @@ on the same dataset, the same (an in-distribution probe, Table 2.2's ImageNet co
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import hashlib
 import io
@@ -588,19 +589,26 @@ def _same_labels(a: str, b: str) -> bool:
     return a == b or (a in DIGIT_SETS and b in DIGIT_SETS)
 
 
-def check_class_split(base: str, base_classes: list[str], target: str, target_classes: list[str]) -> None:
+def check_class_split(base: str, base_classes: list[str], target: str, target_classes: list[str]) -> bool:
     """The probe's classes against pre-training's when they share one label space: the same dataset
     with the same classes is an in-distribution probe (Table 2.2's ImageNet column: ImageNet's own
-    classes, probed on its validation images); otherwise the target's classes must be new ones
-    (disjoint: a transfer task), and a partial overlap is refused."""
+    classes, probed on its validation images; returns True); otherwise the target's classes must be
+    new ones (disjoint: a transfer task), and a partial overlap is refused (OwaiError)."""
     from owai.data.classification import disjoint_split
 
     if not _same_labels(base, target):
-        return
-    if base == target and _class_set(base, base_classes) == _class_set(target, target_classes) \
-            and len(set(map(str, base_classes))) == len(base_classes):
-        return
-    disjoint_split(base_classes or _all_classes(base), target_classes or _all_classes(target))
+        return False
+    for what, classes in (("base", base_classes), ("target", target_classes)):
+        if len(set(map(str, classes))) != len(classes):
+            raise OwaiError(f"data.{what}_classes has duplicates: {classes}")
+    if base == target and _class_set(base, base_classes) == _class_set(target, target_classes):
+        return True
+    try:
+        disjoint_split(base_classes or _all_classes(base), target_classes or _all_classes(target))
+    except OwaiError as e:
+        raise OwaiError(f"{e}: a transfer probe needs new classes, an in-distribution probe the same dataset and "
+                        "the same classes") from None
+    return False
 
 
 def _class_set(name: str, classes: list[str]) -> frozenset[str] | None:
@@ -1050,9 +1058,14 @@ def find_networks(cfg: Config) -> list[Network]:
                                 f"{d.transforms} (set data.transforms={trained_with})")
             if params["pretrain"].get("objective", "supervised") == "supervised":
                 try:
-                    check_class_split(base["base"], base["base_classes"], d.target, d.target_classes)
+                    in_distribution = check_class_split(base["base"], base["base_classes"], d.target, d.target_classes)
                 except OwaiError as e:
                     raise OwaiError(f"{path}: {e}") from None
+                # the keyed 80/20 split of mnist-t10k / digits: another seed's test images were its training images
+                if in_distribution and base.get("split_seed", 0) != d.split_seed:
+                    raise OwaiError(f"{path} was pre-trained on the split of data.split_seed={base.get('split_seed', 0)}; "
+                                    f"an in-distribution probe must test on that split's test images "
+                                    f"(set data.split_seed={base.get('split_seed', 0)})")
             nets.append(net)
     elif q.snapshots:  # Cat_n-s: n snapshots of one run, one seed
         seed = (q.seeds or [0])[0]
@@ -1245,10 +1258,14 @@ def probe_network(cfg: Config, run: Run, stage: str, net: torch.nn.Module, origi
     from owai.models.rich import ConcatFeatures, strip_head
 
     frozen = ConcatFeatures([strip_head(net)], frozen=True)
-    z_train, y_train = extract(cfg, frozen, train_set, run.device, feature_store(run, f"{stage}-train"), [origin])
-    z_test, y_test = extract(cfg, frozen, test_set, run.device, feature_store(run, f"{stage}-test"), [origin])
+    stores = [feature_store(run, f"{stage}-train"), feature_store(run, f"{stage}-test")]
+    z_train, y_train = extract(cfg, frozen, train_set, run.device, stores[0], [origin])
+    z_test, y_test = extract(cfg, frozen, test_set, run.device, stores[1], [origin])
     head = fit_probe(cfg, run, stage, z_train, y_train, len(train_set.classes), run.device)
-    return _acc(_logits(head, z_test, run.device), y_test)
+    accuracy = _acc(_logits(head, z_test, run.device), y_test)
+    for store in stores:  # no longer needed: the next baseline's features take their place on disk
+        drop_store(store)
+    return accuracy
 
 
 # -- probe: features and heads ------------------------------------------------------------------
@@ -1273,8 +1290,6 @@ def extract(cfg: Config, cat: Any, data: Any, device: torch.device, store: Path,
     finished instead of computing them again. The labels file, written last, marks them complete,
     and beside it `origin` (the networks' labels: cache files named by their pre-training key, run
     directories) says which networks made them: features of other networks are extracted again."""
-    import json as json_module
-
     import numpy as np
 
     from owai.io import atomic_write_bytes, atomic_write_text
@@ -1283,54 +1298,88 @@ def extract(cfg: Config, cat: Any, data: Any, device: torch.device, store: Path,
     origin_path = store.with_name(f"{store.name}.origin.json")
     paths = [store.with_name(f"{store.name}.net{i}.npy") for i in range(len(cat.backbones))]
     made_by = {"networks": list(origin), "images": len(data)}
-    if labels_path.is_file() and all(p.is_file() for p in paths) and origin_path.is_file() \
-            and json_module.loads(origin_path.read_text()) == made_by:
+    if labels_path.is_file() and all(p.is_file() for p in paths) and _read_origin(origin_path) == made_by:
         return [_mapped(p) for p in paths], torch.from_numpy(np.load(labels_path))
-    labels_path.unlink(missing_ok=True)  # from here until the end the set is incomplete
+    drop_store(store)  # an incomplete set, or another's: its disk is freed before the new one is reserved
     store.parent.mkdir(parents=True, exist_ok=True)
     partial = [p.with_name(p.name + ".partial") for p in paths]
     arrays: list[Any] = []
     labels, row = [], 0
-    for x, y in _batches(cfg, data, "features of"):
-        for i, z in enumerate(cat.per_network(x.to(device))):
-            if len(arrays) == i:  # the widths are known from the first batch
-                arrays.append(_feature_file(partial[i], len(data), z.shape[1]))
-            arrays[i][row:row + len(z)] = z.float().cpu().numpy()
-        labels.append(y)
-        row += len(y)
+    try:
+        for x, y in _batches(cfg, data, "features of"):
+            for i, z in enumerate(cat.per_network(x.to(device))):
+                if len(arrays) == i:  # the widths are known from the first batch
+                    arrays.append(_feature_file(partial[i], len(data), z.shape[1]))
+                arrays[i][row:row + len(z)] = z.float().cpu().numpy()
+            labels.append(y)
+            row += len(y)
+    except OwaiError:  # no room: the blocks reserved so far are freed too
+        arrays.clear()
+        drop_store(store)
+        raise
     if row != len(data):
         raise OwaiError(f"feature extraction read {row} of {len(data)} images")
-    for array in arrays:
-        array.flush()
-    arrays.clear()  # unmapped before the files are renamed
+    for i in range(len(arrays)):
+        arrays[i].flush()
+    arrays.clear()
     for tmp, path in zip(partial, paths):
         tmp.replace(path)
     y_all = torch.cat(labels)
     buffer = io.BytesIO()
     np.save(buffer, y_all.numpy())
-    atomic_write_text(origin_path, json_module.dumps(made_by))
+    atomic_write_text(origin_path, json.dumps(made_by))
     atomic_write_bytes(labels_path, buffer.getvalue())
     return [_mapped(p) for p in paths], y_all
 
 
 def _feature_file(path: Path, rows: int, width: int) -> Any:
-    """A (rows, width) float32 .npy file mapped for writing, its disk space reserved first: a full disk
-    is then one error line here, not a SIGBUS when a page of a sparse file cannot be written."""
-    import os
-
+    """A (rows, width) float32 .npy file mapped for writing, its disk space reserved before any
+    feature is written: a full disk is then one error line here, not a SIGBUS when a page of a
+    sparse file cannot be written. A file system that cannot reserve space is written unreserved."""
     import numpy as np
 
-    array = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(rows, width))
-    if hasattr(os, "posix_fallocate"):
-        try:
-            with open(path, "r+b") as f:
-                os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
-        except OSError as e:
-            del array
-            path.unlink(missing_ok=True)
-            raise OwaiError(f"no room for {rows} x {width} features ({rows * width * 4 / 2**30:.3g} GiB) in "
-                            f"{path.parent}: {e.strerror}") from None
+    try:
+        array = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(rows, width))
+        _reserve(path)
+    except OSError as e:
+        if e.errno not in NO_ROOM:
+            raise
+        path.unlink(missing_ok=True)
+        raise OwaiError(f"no room for {rows} x {width} features ({rows * width * 4 / 2**30:.3g} GiB) in "
+                        f"{path.parent}: {e.strerror}") from None
     return array
+
+
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a full quota
+
+
+def _reserve(path: Path) -> None:
+    """Reserve a file's blocks (posix_fallocate) where the platform and its file system can; one that
+    cannot (EOPNOTSUPP, EINVAL) leaves the file sparse, written as it comes."""
+    import os
+
+    if not hasattr(os, "posix_fallocate"):
+        return
+    with open(path, "r+b") as f:
+        try:
+            os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+        except OSError as e:
+            if e.errno in NO_ROOM:
+                raise
+
+
+def _read_origin(path: Path) -> Any:
+    """The networks recorded as having made a store's features; None if the file is absent or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def drop_store(store: Path) -> None:
+    """Remove one store's files (its blocks, partial blocks, labels and origin)."""
+    for path in store.parent.glob(f"{store.name}.*"):
+        path.unlink(missing_ok=True)
 
 
 def drop_features(run: Run) -> None:
@@ -1474,6 +1523,9 @@ def run_chain(cfg: Config, run: Run) -> Outcome:
                 z_train.append(extract(cfg, frozen_student, train_set, device, feature_store(run, "student-train"),
                                        taught)[0][0])
             run_probes(cfg, run, z_train, y_train, z_test, y_test, len(nets), student is not None, measured, details)
+            del z_train
+            for name in ("train", "student-train"):  # the baselines' features take their place on disk
+                drop_store(feature_store(run, name))
             run_baseline_probes(cfg, run, train_set, test_set, measured)
         del cat
         if "fewshot" in stages:
@@ -1598,6 +1650,8 @@ def run_two_stage(cfg: Config, run: Run, nets: list[Network], train_set: Any, te
                          lr_at_epoch=lambda e: f.head_lr, momentum=f.momentum, nesterov=True, seed=cfg.seed,
                          checkpoint_every=f.checkpoint_every, log_every=f.log_every, device=device)
     measured[f"two_stage.cat{n}.acc"] = _acc(_logits(trained, z_test, device), y_test)
+    for name in ("two-stage-train", "two-stage-test"):
+        drop_store(feature_store(run, name))
 
 
 # -- Distill_n -----------------------------------------------------------------------------------
