@@ -279,12 +279,22 @@ def test_wide_and_joint_baselines_are_probed_beside_cat(cache, tmp_path, capsys)
     assert code == 0, err
     joint_run = next(p for p in (tmp_path / "pre").rglob("results.json") if "joint.sub0.base_acc" in p.read_text())
     assert {"joint.sub0.base_acc", "joint.sub1.base_acc", "pretrain.base_acc"} <= set(_measured(joint_run.parent))
-    m = _measured(next((tmp_path / "probe" / "tableA.8-fewshot").iterdir()))
+    probe_run = next((tmp_path / "probe" / "tableA.8-fewshot").iterdir())
+    m = _measured(probe_run)
     assert {"cat2.acc", "single.acc", "wide2.acc", "joint2.acc"} <= set(m)
+    assert (probe_run / "figures" / "probe.png").stat().st_size > 0  # Figure 2.1's top row for this target
     _one_line_error(["--stage", "probe", "--seeds", "0,1", *as_sets([*TINY, "probe.baselines=[joint4]"])],
                     tmp_path / "out", capsys, "baseline joint4 (seed 0) is not in the cache")
     _one_line_error(["--stage", "probe", "--seeds", "0,1", *as_sets([*TINY, "probe.baselines=[deep2]"])],
                     tmp_path / "out", capsys, "'deep2' is not wide<k> or joint<k>")
+
+
+def test_the_inference_architectures_have_table_2_2s_parameter_counts() -> None:
+    """Figure 2.1's x axis: resnet50 23.5M, resnet50w2 93.9M, resnet50w4 375M (Table 2.2, heads excluded)."""
+    from owai.methods.rich_features import feature_params
+
+    counts = {b: round(feature_params(b) / 1e6, 1) for b in ("resnet50", "resnet50_w2", "resnet50_w4")}
+    assert counts == {"resnet50": 23.5, "resnet50_w2": 93.9, "resnet50_w4": 375.4}
 
 
 def test_the_probe_weight_decay_grid_is_a_sweep(cache, tmp_path, capsys) -> None:

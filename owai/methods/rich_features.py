@@ -1527,6 +1527,8 @@ def run_chain(cfg: Config, run: Run) -> Outcome:
             for name in ("train", "student-train"):  # the baselines' features take their place on disk
                 drop_store(feature_store(run, name))
             run_baseline_probes(cfg, run, train_set, test_set, measured)
+            if not cfg.probe.weights:  # owai's own networks: their parameter counts are known
+                plot_probes(run, cfg, measured)
         del cat
         if "fewshot" in stages:
             run_fewshot(cfg, z_test, y_test, len(nets), student is not None, measured, details)
@@ -1569,6 +1571,53 @@ def run_probes(cfg: Config, run: Run, z_train: list[torch.Tensor], y_train: torc
     if with_student:
         head = fit_probe(cfg, run, "probe-distill", [z_train[n]], y_train, n_classes, device)
         measured[f"distill{n}.acc"] = _acc(_logits(head, [z_test[n]], device), y_test)
+
+
+def feature_params(backbone: str) -> int:
+    """Parameters of `backbone` without its classification head: the inference architecture under a
+    probe, as Table 2.2 counts it (resnet50: 23.5M)."""
+    from owai.models.rich import strip_head
+
+    return sum(p.numel() for p in strip_head(_meta_backbone(backbone)).parameters())
+
+
+def plot_probes(run: Run, cfg: Config, measured: dict[str, Any]) -> None:
+    """Figure 2.1's top row for this run's target: probe accuracy against the parameters of the
+    inference architecture, for Cat_k (k networks) and catsub_k, and beside them the wide networks
+    (k times every channel) and k networks trained jointly, each a point of Table 2.2's baselines."""
+    import re
+
+    import matplotlib.pyplot as plt
+
+    one = feature_params(cfg.model.backbone) / 1e6
+    sizes = sorted(k for k in cfg.probe.sizes if f"cat{k}.acc" in measured)
+    fig, ax = plt.subplots(figsize=(4.5, 3.5))
+    ax.plot([k * one for k in sizes], [100 * measured[f"cat{k}.acc"] for k in sizes], "o-", color="tab:blue", label="cat")
+    subs = [k for k in sizes if f"catsub{k}.acc" in measured]
+    if subs:
+        ax.plot([k * one for k in [1, *subs]], [100 * measured[f"cat{k}.acc" if k == 1 else f"catsub{k}.acc"]
+                                               for k in [1, *subs]], "o--", color="tab:blue", label="catsub")
+    for kind, colour in (("wide", "tab:red"), ("joint", "tab:gray")):
+        found = sorted((int(m.group(1)), name) for name in cfg.probe.baselines
+                       if (m := re.fullmatch(rf"{kind}(\d+)", name)) and f"{name}.acc" in measured)
+        if not found:
+            continue
+        params = [feature_params(WIDE[cfg.model.backbone].format(k=k)) / 1e6 if kind == "wide" else k * one
+                  for k, _ in found]
+        accs = [100 * measured[f"{name}.acc"] for _, name in found]
+        if 1 in sizes:  # the curves start at one network, the k = 1 of both
+            params, accs = [one, *params], [100 * measured["cat1.acc"], *accs]
+        ax.plot(params, accs, "s-", color=colour, label=kind)
+    ax.set_xscale("log")
+    ticks = sorted({round(x, 6) for line in ax.get_lines() for x in line.get_xdata()})
+    ax.set_xticks(ticks, [f"{x:.3g}" for x in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("parameters of the inference architecture (M)")
+    ax.set_ylabel("linear probing accuracy (%)")
+    in_distribution = cfg.data.target == cfg.data.base and cfg.data.target_classes == cfg.data.base_classes
+    ax.set_title(f"{cfg.data.base} -> {cfg.data.target}" + (" (in distribution)" if in_distribution else ""))
+    ax.legend()
+    run.save_figure(fig, "probe")
 
 
 def cat_dims(blocks: list[torch.Tensor]) -> list[int]:
