@@ -289,6 +289,17 @@ def test_wide_and_joint_baselines_are_probed_beside_cat(cache, tmp_path, capsys)
                     tmp_path / "out", capsys, "'deep2' is not wide<k> or joint<k>")
 
 
+def test_the_figure_is_drawn_without_cat_1(cache, tmp_path, capsys) -> None:
+    """probe.sizes without 1: Cat_2 and catsub_2 alone, nothing to start the curves at (it used to fail
+    the finished run on cat1.acc)."""
+    code, _, err = _cli(["--stage", "probe", "--seeds", "0,1", *as_sets([*TINY, "probe.sizes=[2]"]), "-o", str(tmp_path)],
+                        capsys)
+    assert code == 0, err
+    run_dir = next((tmp_path / "tableA.8-fewshot").iterdir())
+    assert {"cat2.acc", "catsub2.acc"} <= set(_measured(run_dir)) and "cat1.acc" not in _measured(run_dir)
+    assert (run_dir / "figures" / "probe.png").is_file()
+
+
 def test_the_inference_architectures_have_table_2_2s_parameter_counts() -> None:
     """Figure 2.1's x axis: resnet50 23.5M, resnet50w2 93.9M, resnet50w4 375M (Table 2.2, heads excluded)."""
     from owai.methods.rich_features import feature_params

@@ -68,6 +68,7 @@ from owai.methods import Method, Outcome
 from owai.runs import Run
 
 DIGIT_SETS = ("mnist", "mnist-t10k", "digits")  # one label space: the digits "0".."9"
+KEYED_SPLITS = ("mnist-t10k", "digits")  # one file split 80/20 by data.split_seed (`_keyed_split`)
 DATASETS = (*DIGIT_SETS, "cifar10", "cifar100", "imagenet", "inat18", "cub", "miniimagenet")
 # the reader's split for each role: "train" (pre-training / the probe's training images), "test" (the
 # target's evaluation images; the few-shot datasets' novel classes) and "base-test" (pre-training's
@@ -596,19 +597,26 @@ def check_class_split(base: str, base_classes: list[str], target: str, target_cl
     new ones (disjoint: a transfer task), and a partial overlap is refused (OwaiError)."""
     from owai.data.classification import disjoint_split
 
-    if not _same_labels(base, target):
-        return False
     for what, classes in (("base", base_classes), ("target", target_classes)):
         if len(set(map(str, classes))) != len(classes):
             raise OwaiError(f"data.{what}_classes has duplicates: {classes}")
-    if base == target and _class_set(base, base_classes) == _class_set(target, target_classes):
+    if not _same_labels(base, target):
+        return False
+    if in_distribution(base, base_classes, target, target_classes):
         return True
+    both = (base_classes or _all_classes(base), target_classes or _all_classes(target))
     try:
-        disjoint_split(base_classes or _all_classes(base), target_classes or _all_classes(target))
+        disjoint_split(*both)
     except OwaiError as e:
         raise OwaiError(f"{e}: a transfer probe needs new classes, an in-distribution probe the same dataset and "
                         "the same classes") from None
     return False
+
+
+def in_distribution(base: str, base_classes: list[str], target: str, target_classes: list[str]) -> bool:
+    """Whether the probe's task is pre-training's own: one label space, the same dataset, the same classes."""
+    return (_same_labels(base, target) and base == target
+            and _class_set(base, base_classes) == _class_set(target, target_classes))
 
 
 def _class_set(name: str, classes: list[str]) -> frozenset[str] | None:
@@ -1058,11 +1066,11 @@ def find_networks(cfg: Config) -> list[Network]:
                                 f"{d.transforms} (set data.transforms={trained_with})")
             if params["pretrain"].get("objective", "supervised") == "supervised":
                 try:
-                    in_distribution = check_class_split(base["base"], base["base_classes"], d.target, d.target_classes)
+                    same_task = check_class_split(base["base"], base["base_classes"], d.target, d.target_classes)
                 except OwaiError as e:
                     raise OwaiError(f"{path}: {e}") from None
                 # the keyed 80/20 split of mnist-t10k / digits: another seed's test images were its training images
-                if in_distribution and base.get("split_seed", 0) != d.split_seed:
+                if same_task and base["base"] in KEYED_SPLITS and base.get("split_seed", 0) != d.split_seed:
                     raise OwaiError(f"{path} was pre-trained on the split of data.split_seed={base.get('split_seed', 0)}; "
                                     f"an in-distribution probe must test on that split's test images "
                                     f"(set data.split_seed={base.get('split_seed', 0)})")
@@ -1287,7 +1295,8 @@ def extract(cfg: Config, cat: Any, data: Any, device: torch.device, store: Path,
     The blocks are written as they are computed to `<store>.net{i}.npy` and returned memory-mapped, so
     that features larger than memory (ImageNet's 1.28M images under Cat5 of SwAV or SEER: 50-100 GB)
     are read from disk a batch at a time, and a resumed run reads the features its killed attempt
-    finished instead of computing them again. The labels file, written last, marks them complete,
+    finished and still kept (each store is deleted after its last reader, `drop_store`) instead of
+    computing them again. The labels file, written last, marks them complete,
     and beside it `origin` (the networks' labels: cache files named by their pre-training key, run
     directories) says which networks made them: features of other networks are extracted again."""
     import numpy as np
@@ -1355,7 +1364,8 @@ NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a full quota
 
 def _reserve(path: Path) -> None:
     """Reserve a file's blocks (posix_fallocate) where the platform and its file system can; one that
-    cannot (EOPNOTSUPP, EINVAL) leaves the file sparse, written as it comes."""
+    cannot (EOPNOTSUPP, EINVAL, ENOSYS) leaves the file sparse, written as it comes. Other errors
+    (no room, an I/O error) are raised."""
     import os
 
     if not hasattr(os, "posix_fallocate"):
@@ -1364,7 +1374,7 @@ def _reserve(path: Path) -> None:
         try:
             os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
         except OSError as e:
-            if e.errno in NO_ROOM:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                 raise
 
 
@@ -1528,7 +1538,7 @@ def run_chain(cfg: Config, run: Run) -> Outcome:
                 drop_store(feature_store(run, name))
             run_baseline_probes(cfg, run, train_set, test_set, measured)
             if not cfg.probe.weights:  # owai's own networks: their parameter counts are known
-                plot_probes(run, cfg, measured)
+                plot_probes(run, cfg, nets, measured)
         del cat
         if "fewshot" in stages:
             run_fewshot(cfg, z_test, y_test, len(nets), student is not None, measured, details)
@@ -1581,41 +1591,48 @@ def feature_params(backbone: str) -> int:
     return sum(p.numel() for p in strip_head(_meta_backbone(backbone)).parameters())
 
 
-def plot_probes(run: Run, cfg: Config, measured: dict[str, Any]) -> None:
+def plot_probes(run: Run, cfg: Config, nets: list[Network], measured: dict[str, Any]) -> None:
     """Figure 2.1's top row for this run's target: probe accuracy against the parameters of the
-    inference architecture, for Cat_k (k networks) and catsub_k, and beside them the wide networks
-    (k times every channel) and k networks trained jointly, each a point of Table 2.2's baselines."""
+    inference architecture, for Cat_k (the first k networks) and catsub_k, and beside them the wide
+    networks (k times every channel) and k networks trained jointly, each a point of Table 2.2's
+    baselines; the curves start at one network where the run probed Cat_1."""
     import re
 
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    one = feature_params(cfg.model.backbone) / 1e6
     sizes = sorted(k for k in cfg.probe.sizes if f"cat{k}.acc" in measured)
+    params = [feature_params(n.backbone) * n.joint / 1e6 for n in nets]  # the networks' own, in order
+    cat_x = {k: sum(params[:k]) for k in sizes}
+    start = [(cat_x[1], 100 * measured["cat1.acc"])] if 1 in sizes else []
     fig, ax = plt.subplots(figsize=(4.5, 3.5))
-    ax.plot([k * one for k in sizes], [100 * measured[f"cat{k}.acc"] for k in sizes], "o-", color="tab:blue", label="cat")
-    subs = [k for k in sizes if f"catsub{k}.acc" in measured]
+    ax.plot([cat_x[k] for k in sizes], [100 * measured[f"cat{k}.acc"] for k in sizes], "o-", color="tab:blue",
+            label="cat")
+    subs = [(cat_x[k], 100 * measured[f"catsub{k}.acc"]) for k in sizes if f"catsub{k}.acc" in measured]
     if subs:
-        ax.plot([k * one for k in [1, *subs]], [100 * measured[f"cat{k}.acc" if k == 1 else f"catsub{k}.acc"]
-                                               for k in [1, *subs]], "o--", color="tab:blue", label="catsub")
+        ax.plot(*zip(*(start + subs)), "o--", color="tab:blue", label="catsub")
+    one = feature_params(cfg.model.backbone) / 1e6
     for kind, colour in (("wide", "tab:red"), ("joint", "tab:gray")):
         found = sorted((int(m.group(1)), name) for name in cfg.probe.baselines
                        if (m := re.fullmatch(rf"{kind}(\d+)", name)) and f"{name}.acc" in measured)
-        if not found:
-            continue
-        params = [feature_params(WIDE[cfg.model.backbone].format(k=k)) / 1e6 if kind == "wide" else k * one
-                  for k, _ in found]
-        accs = [100 * measured[f"{name}.acc"] for _, name in found]
-        if 1 in sizes:  # the curves start at one network, the k = 1 of both
-            params, accs = [one, *params], [100 * measured["cat1.acc"], *accs]
-        ax.plot(params, accs, "s-", color=colour, label=kind)
+        if found:
+            points = [(feature_params(WIDE[cfg.model.backbone].format(k=k)) / 1e6 if kind == "wide" else k * one,
+                       100 * measured[f"{name}.acc"]) for k, name in found]
+            ax.plot(*zip(*(start + points)), "s-", color=colour, label=kind)
     ax.set_xscale("log")
-    ticks = sorted({round(x, 6) for line in ax.get_lines() for x in line.get_xdata()})
+    ticks: list[float] = []
+    for x in sorted({x for line in ax.get_lines() for x in line.get_xdata()}):
+        if not ticks or x > 1.05 * ticks[-1]:  # one label where two sizes nearly coincide (Cat4, wide2)
+            ticks.append(x)
     ax.set_xticks(ticks, [f"{x:.3g}" for x in ticks])
     ax.minorticks_off()
     ax.set_xlabel("parameters of the inference architecture (M)")
     ax.set_ylabel("linear probing accuracy (%)")
-    in_distribution = cfg.data.target == cfg.data.base and cfg.data.target_classes == cfg.data.base_classes
-    ax.set_title(f"{cfg.data.base} -> {cfg.data.target}" + (" (in distribution)" if in_distribution else ""))
+    d = cfg.data
+    same = in_distribution(d.base, d.base_classes, d.target, d.target_classes)
+    ax.set_title(f"{d.base} -> {d.target}" + (" (in distribution)" if same else ""))
     ax.legend()
     run.save_figure(fig, "probe")
 
