@@ -30,7 +30,7 @@ A.1-A.4; spec rich_features.md §6, §8). One method, `owai rich-features`, whos
   (seed, stage, step), so a killed run resumes to the same result. The frozen features the probes,
   the two-stage head and the episodes read are extracted once per run into `<run>/features/`
   (`extract`: .npy files read memory-mapped, so ImageNet's features under Cat_n need disk, not
-  memory), kept for a resume and removed when the run completes.
+  memory), kept for a resume until their last reader is done, and all removed when the run completes.
 
 Accuracies are measured on the target's test split after the last epoch. The reference script reports
 the best epoch on the test set (spec §6.2); owai does not select on the test set. The probe's
@@ -1296,9 +1296,9 @@ def extract(cfg: Config, cat: Any, data: Any, device: torch.device, store: Path,
     that features larger than memory (ImageNet's 1.28M images under Cat5 of SwAV or SEER: 50-100 GB)
     are read from disk a batch at a time, and a resumed run reads the features its killed attempt
     finished and still kept (each store is deleted after its last reader, `drop_store`) instead of
-    computing them again. The labels file, written last, marks them complete,
-    and beside it `origin` (the networks' labels: cache files named by their pre-training key, run
-    directories) says which networks made them: features of other networks are extracted again."""
+    computing them again. The labels file, written last, marks them complete, and beside it `origin`
+    (the networks' labels: cache files named by their pre-training key, run directories) says which
+    networks made them: features of other networks are extracted again."""
     import numpy as np
 
     from owai.io import atomic_write_bytes, atomic_write_text
