@@ -322,6 +322,7 @@ class RichFeatures(Method):
 def check_settings(cfg: Config) -> None:
     """Every check of `validate` but the pretrained networks' presence: settings, data and few-shot
     episodes (a chain validates its evaluation steps with this before their networks exist)."""
+    from owai.models.rich import HEAD_KINDS
     from owai.models.vision import BACKBONES
 
     d, m, p, q = cfg.data, cfg.model, cfg.pretrain, cfg.probe
@@ -360,8 +361,6 @@ def check_settings(cfg: Config) -> None:
         v = getattr(p, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise OwaiError(f"pretrain.{name} must be an integer >= 1, got {v!r}")
-    if p.head not in ("linear", "cosine"):
-        raise OwaiError(f"pretrain.head {p.head!r}: choose linear (Baseline) or cosine (Baseline++)")
     if p.head == "cosine" and (p.objective != "supervised" or m.joint != 1):
         raise OwaiError("pretrain.head=cosine is a supervised single network's head (Baseline++): "
                         "not with pretrain.objective=simsiam or model.joint > 1")
@@ -405,9 +404,8 @@ def check_settings(cfg: Config) -> None:
             and s.weight_decay >= 0 and s.checkpoint_every >= 1 and s.log_every >= 1):
         raise OwaiError("distill: need tau > 0, 0 <= alpha <= 1, epochs > 0, batch_size >= 1, lr > 0, warmup_epochs >= 0, "
                         "warmup_lr > 0, gamma > 0, 0 <= momentum < 1, weight_decay >= 0, checkpoint_every >= 1, log_every >= 1")
-    bad_heads = [h for h in k.heads if h not in ("linear", "cosine")]
-    if not k.heads or bad_heads:
-        raise OwaiError(f"fewshot.heads {k.heads}: choose from linear, cosine")
+    if not k.heads or any(h not in HEAD_KINDS for h in k.heads):
+        raise OwaiError(f"fewshot.heads {k.heads}: choose from {', '.join(HEAD_KINDS)}")
     if not k.shots or any(isinstance(x, bool) or x < 1 for x in k.shots) or len(set(k.shots)) != len(k.shots):
         raise OwaiError(f"fewshot.shots {k.shots}: give distinct shot counts >= 1")
     if not (k.ways >= 2 and k.queries >= 1 and k.episodes >= 1 and k.lr > 0 and k.epochs >= 1
@@ -1341,6 +1339,9 @@ def extract(cfg: Config, cat: Any, data: Any, device: torch.device, store: Path,
     return [_mapped(p) for p in paths], y_all
 
 
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a full quota
+
+
 def _feature_file(path: Path, rows: int, width: int) -> Any:
     """A (rows, width) float32 .npy file mapped for writing, its disk space reserved before any
     feature is written: a full disk is then one error line here, not a SIGBUS when a page of a
@@ -1357,9 +1358,6 @@ def _feature_file(path: Path, rows: int, width: int) -> Any:
         raise OwaiError(f"no room for {rows} x {width} features ({rows * width * 4 / 2**30:.3g} GiB) in "
                         f"{path.parent}: {e.strerror}") from None
     return array
-
-
-NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a full quota
 
 
 def _reserve(path: Path) -> None:
@@ -1583,12 +1581,16 @@ def run_probes(cfg: Config, run: Run, z_train: list[torch.Tensor], y_train: torc
         measured[f"distill{n}.acc"] = _acc(_logits(head, [z_test[n]], device), y_test)
 
 
+@functools.lru_cache(maxsize=None)
 def feature_params(backbone: str) -> int:
     """Parameters of `backbone` without its classification head: the inference architecture under a
-    probe, as Table 2.2 counts it (resnet50: 23.5M)."""
+    probe, as Table 2.2 counts it (resnet50: 23.5M). Counted on a meta-device copy of its own, so the
+    shared `_meta_backbone` keeps its head."""
     from owai.models.rich import strip_head
+    from owai.models.vision import build_backbone
 
-    return sum(p.numel() for p in strip_head(_meta_backbone(backbone)).parameters())
+    with torch.device("meta"):
+        return sum(p.numel() for p in strip_head(build_backbone(backbone, num_classes=1)).parameters())
 
 
 def plot_probes(run: Run, cfg: Config, nets: list[Network], measured: dict[str, Any]) -> None:
@@ -1596,8 +1598,6 @@ def plot_probes(run: Run, cfg: Config, nets: list[Network], measured: dict[str, 
     inference architecture, for Cat_k (the first k networks) and catsub_k, and beside them the wide
     networks (k times every channel) and k networks trained jointly, each a point of Table 2.2's
     baselines; the curves start at one network where the run probed Cat_1."""
-    import re
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1613,13 +1613,10 @@ def plot_probes(run: Run, cfg: Config, nets: list[Network], measured: dict[str, 
     subs = [(cat_x[k], 100 * measured[f"catsub{k}.acc"]) for k in sizes if f"catsub{k}.acc" in measured]
     if subs:
         ax.plot(*zip(*(start + subs)), "o--", color="tab:blue", label="catsub")
-    one = feature_params(cfg.model.backbone) / 1e6
     for kind, colour in (("wide", "tab:red"), ("joint", "tab:gray")):
-        found = sorted((int(m.group(1)), name) for name in cfg.probe.baselines
-                       if (m := re.fullmatch(rf"{kind}(\d+)", name)) and f"{name}.acc" in measured)
-        if found:
-            points = [(feature_params(WIDE[cfg.model.backbone].format(k=k)) / 1e6 if kind == "wide" else k * one,
-                       100 * measured[f"{name}.acc"]) for k, name in found]
+        points = sorted((_baseline_params(cfg, name), 100 * measured[f"{name}.acc"]) for name in cfg.probe.baselines
+                        if name.startswith(kind) and f"{name}.acc" in measured)
+        if points:
             ax.plot(*zip(*(start + points)), "s-", color=colour, label=kind)
     ax.set_xscale("log")
     ticks: list[float] = []
@@ -1635,6 +1632,12 @@ def plot_probes(run: Run, cfg: Config, nets: list[Network], measured: dict[str, 
     ax.set_title(f"{d.base} -> {d.target}" + (" (in distribution)" if same else ""))
     ax.legend()
     run.save_figure(fig, "probe")
+
+
+def _baseline_params(cfg: Config, name: str) -> float:
+    """Baseline `name`'s inference parameters in millions: its backbone (the wide one) times model.joint."""
+    model = baseline_config(cfg, name)[0].model
+    return feature_params(model.backbone) * model.joint / 1e6
 
 
 def cat_dims(blocks: list[torch.Tensor]) -> list[int]:
