@@ -6,6 +6,8 @@
     owai data verify mnist               check a local copy against its checksums
     owai data verify banking77           ... sha256 of fixed files (banking77, goemotions, sotu, gpt2, the essays)
     owai data fetch gpt2                 GPT-2's tokenizer files from OpenAI, sha256-verified
+    owai data stats                      Table B.1's statistics of a corpus and Figure 4.4's lengths (a run)
+    owai data stats babistories          ... of BabiStories, beside the thesis's numbers
 
 Lookup rule (every data-reading command, `--data-root` on each): an explicit `--data-root DIR`
 (DIR/<dataset>, or the dataset's own folder), else $OWAI_DATA/<dataset>, else the cache
@@ -20,7 +22,7 @@ from typing import Annotated, Optional
 import typer
 
 from owai import console
-from owai.commands._common import DataRoot, Json, Quiet
+from owai.commands._common import DataRoot, Json, Quiet, RunOptions, csv_values, data_root_sets, options, study_recipe
 
 data_app = typer.Typer(help="Datasets and tokenizers: list where they are found, fetch them (verified), verify local copies.",
                        no_args_is_help=True)
@@ -88,6 +90,57 @@ def data_verify(name: Name, data_root: DataRoot = None, quiet: Quiet = False, as
     console.stdout.print(f"{name}: {folder}", markup=False)
     for line in checked:
         console.stdout.print(f"  {line}", markup=False)
+
+
+STATS_RECIPE = "tableB.1-babistories"
+STATS_METHODS = ("corpus_stats",)
+
+
+@options
+def data_stats(
+    source: Annotated[Optional[str], typer.Argument(
+        help="The corpus: babistories, tinystories, text/sotu.tar.gz, a local file or folder, a hub id "
+             "(default: the recipe's; the cpu preset measures owai's embedded stories).", show_default=False)] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(
+        "--tokenizer", "-t", help="Tokenizer whose tokens are counted (default tokenizers/gpt2: Table B.1 counts GPT-2 "
+                                  "tokens; `owai data fetch gpt2` gets it).", show_default=False)] = None,
+    truncate: Annotated[Optional[str], typer.Option(
+        "--truncate", help="Training contexts at which Figure 4.4 cuts the lengths, comma-separated (e.g. 4096,32768).",
+        show_default=False)] = None,
+    max_documents: Annotated[Optional[int], typer.Option(
+        "--max-documents", min=1, help="Read only the first N documents of each split (a streamed hub corpus).",
+        show_default=False)] = None,
+    recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help=f"A corpus_stats recipe id or file (default {STATS_RECIPE}).")] = None,
+    data_root: DataRoot = None,
+    opts: RunOptions = RunOptions(),
+) -> None:
+    """Table B.1's statistics of a corpus (documents, GPT-2 tokens, characters per document) and
+    Figure 4.4's length distributions, as a run beside the thesis's numbers."""
+    from owai.errors import OwaiError
+
+    if opts.resume is not None:
+        if any(v is not None for v in (source, tokenizer, truncate, max_documents, recipe, data_root)):
+            raise OwaiError("--resume takes its config from the run directory; drop the other options")
+        opts.run(None, opts.sets, methods=STATS_METHODS)
+        return
+    chosen = recipe or STATS_RECIPE
+    study_recipe(chosen, STATS_METHODS)
+    sets = data_root_sets(data_root, chosen)
+    if source is not None:
+        sets.append(f"data.source={source}")
+    if tokenizer is not None:
+        sets.append(f"data.tokenizer={tokenizer}")
+    if truncate is not None:
+        contexts = csv_values(truncate, "--truncate")
+        if not all(c.isdigit() and int(c) > 0 for c in contexts):
+            raise OwaiError(f"--truncate {truncate!r}: give positive whole numbers of tokens, comma-separated")
+        sets.append(f"truncate=[{','.join(contexts)}]")
+    if max_documents is not None:
+        sets.append(f"data.max_documents={max_documents}")
+    opts.run(chosen, [*sets, *(opts.sets or [])])
+
+
+data_app.command("stats")(data_stats)
 
 
 def register(app: typer.Typer) -> None:

@@ -32,6 +32,7 @@ REGISTRY: dict[str, str] = {
     "icl": "owai.methods.icl_eval:InContextClassification",
     "ruler": "owai.methods.ruler_eval:Ruler",
     "harness": "owai.methods.harness_eval:Harness",
+    "corpus_stats": "owai.methods.corpus_stats:CorpusStatistics",
 }
 
 
