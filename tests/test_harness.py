@@ -115,14 +115,29 @@ def test_the_thesis_task_list_and_race_middle_task(manager) -> None:
     assert entry.yaml_path == harness.TASKS_DIR / "race_middle.yaml"
     config = TaskConfig(**load_yaml(entry.yaml_path))
     assert (config.dataset_path, config.dataset_name, config.test_split) == ("ehovy/race", "middle", "test")
-    assert config.output_type == "multiple_choice" and config.doc_to_choice == "{{options}}"
-    utils = type("utils", (), {"doc_to_text": staticmethod(config.doc_to_text),
-                               "doc_to_target": staticmethod(config.doc_to_target)})
-    doc = {"article": "Tom has a red kite.", "question": "What colour is Tom's kite?", "options": ["red", "blue",
-           "green", "white"], "answer": "A"}
-    assert utils.doc_to_text(doc) == "Article: Tom has a red kite.\n\nQuestion: What colour is Tom's kite?\nAnswer:"
-    assert utils.doc_to_target(doc) == 0 and utils.doc_to_target({**doc, "answer": "D"}) == 3
-    assert utils.doc_to_text({**doc, "question": "Tom's kite is  _  ."}).endswith("\n\nTom's kite is")
+    assert config.output_type == "multiple_choice"
+    from datasets import Dataset
+    from lm_eval.tasks.race import preprocess_race as harness_race
+
+    rows = [  # ehovy/race's shape: one row per question, an article's rows together
+        {"example_id": "middle1.txt", "article": "Tom has a red kite.", "question": "What colour is Tom's kite?",
+         "options": ["red", "blue", "green", "white"], "answer": "A"},
+        {"example_id": "middle1.txt", "article": "Tom has a red kite.", "question": "Tom's kite is  _  .",
+         "options": ["old", "red", "lost", "big"], "answer": "B"},
+        {"example_id": "middle1.txt", "article": "Tom has a red kite.", "question": "_ is the best title.",
+         "options": ["Kites", "Tom's kite", "Red", "Wind"], "answer": "B"},
+        {"example_id": "middle2.txt", "article": "Ann can swim.", "question": "Who can swim?",
+         "options": ["Tom", "Ann", "Bob", "Sue"], "answer": "B"}]
+    docs = list(config.process_docs(Dataset.from_list(rows)))
+    assert [len(d["problems"]) for d in docs] == [3, 1]  # one document per article, questions in order
+    for doc in docs:  # the harness's own race functions on the same article in EleutherAI/race's shape
+        theirs = {"article": doc["article"], "problems": repr(doc["problems"])}
+        assert config.doc_to_text(doc) == harness_race.doc_to_text(theirs)
+        assert config.doc_to_choice(doc) == harness_race.doc_to_choice(theirs)
+        assert config.doc_to_target(doc) == harness_race.doc_to_target(theirs)
+    assert config.doc_to_text(docs[0]) == ("Article: Tom has a red kite.\n\nQuestion: What colour is Tom's kite?\n"
+                                           "Answer: red\nTom's kite is red\n_ is the best title.")
+    assert config.doc_to_target(docs[0]) == 1 and config.doc_to_text(docs[1]).endswith("\n\nWho can swim?")
 
 
 def test_recipe_carries_the_thesis_rows_with_the_corrected_mmv2_small_32k_reading() -> None:
@@ -265,6 +280,42 @@ def test_owai_adapter_scores_a_llama_as_the_harnesss_hflm_does(llama_dir) -> Non
         assert a == pytest.approx(b, abs=1e-4) and greedy_a == greedy_b
     rolling = [Instance("loglikelihood_rolling", {}, (text,), 0) for text in ("one two</s>three " * 6,)]
     assert ours.loglikelihood_rolling(rolling)[0] == pytest.approx(theirs.loglikelihood_rolling(rolling)[0], abs=1e-3)
+
+
+def test_suite_generation_encodes_and_decodes_as_the_official_code(llama_dir) -> None:
+    """RULER and LongICLBench generate from `tokenizer(prompt)` (a Llama tokenizer's BOS first) and read
+    the answer with `decode(..., skip_special_tokens=True)`; the harness's HFLM decodes the same way."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from owai.evals import harness
+    from owai.evals.causal_lm import open_model
+
+    lm = open_model(str(llama_dir), str(llama_dir), torch.device("cpu"), "float32")
+    theirs = AutoTokenizer.from_pretrained(llama_dir)
+    for prompt in ("The cat sat.", "a</s>b", "<s>x"):
+        assert lm.prompt_ids(prompt) == theirs(prompt)["input_ids"]
+    assert lm.prompt_ids("ab")[0] == 1 and lm.count_tokens("ab") == 2  # the BOS is sent, not counted
+    model = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    for prompt in ("The cat", "Once upon"):
+        ids = theirs(prompt, return_tensors="pt")
+        out = model.generate(**ids, max_new_tokens=12, do_sample=False, eos_token_id=2, pad_token_id=2)
+        assert lm.generate(prompt, max_new_tokens=12) == theirs.decode(out[0, ids.input_ids.shape[1]:], skip_special_tokens=True)
+    special = [ord("a") - 29, 1, ord("b") - 29, 0]  # a <s> b <unk>
+    skipped = theirs.decode(special, skip_special_tokens=True)
+    assert lm._finish(special, ()) == skipped == harness.OwaiLM(lm).tok_decode(special) and "<" not in skipped
+    assert lm.tokenizer.decode(special) == theirs.decode(special)  # plain decode keeps them, as before
+
+
+def test_a_saved_models_tokenizer_without_endoftext_reloads_with_its_eot_and_bos(llama_dir, tmp_path) -> None:
+    """A Llama-3-style tokenizer (end of text `</s>`, not `<|endoftext|>`) saved beside a model reloads
+    from the run directory with the same end-of-text and BOS ids."""
+    from owai.data.text import load_tokenizer, save_tokenizer, tokenizer_for
+
+    tok = load_tokenizer(str(llama_dir))
+    assert (tok.eot_id, tok.bos_id) == (2, 1)
+    save_tokenizer(tok, tmp_path)
+    again = load_tokenizer(tokenizer_for(tmp_path, ""))
+    assert (again.eot_id, again.bos_id) == (2, 1) and again.encode("The cat") == tok.encode("The cat")
 
 
 @pytest.mark.slow  # a full end-to-end path (tens of seconds); `pytest -m slow`

@@ -161,9 +161,10 @@ def test_fallback_when_a_class_is_exhausted():
     a1, b1, c1, a2, c2, c3 = _ex("a", 1), _ex("b", 1), _ex("c", 1), _ex("a", 2), _ex("c", 2), _ex("c", 3)
     # b is exhausted in round 2: the next later label with rows (c) fills its slot
     assert round_robin([a1, b1, c1, a2, c2, c3], 2) == [[a1, b1, c1], [a2, c2, c3]]
-    # c (last) exhausted: no later label, the search wraps to the first label that has rows
+    # c (last) exhausted: no later label, so nothing fills its slot (LongICLBench's select_data
+    # never looks back); a's third row comes in the next round
     a3, b2 = _ex("a", 3), _ex("b", 2)
-    assert round_robin([a1, b1, c1, a2, a3, b2], 2) == [[a1, b1, c1], [a2, b2, a3]]
+    assert round_robin([a1, b1, c1, a2, a3, b2], 3) == [[a1, b1, c1], [a2, b2], [a3]]
     # a whole pool used up: the last round is short and selection refuses it
     assert round_robin([a1, b1, c1, a2], 3) == [[a1, b1, c1], [a2]]
     with pytest.raises(OwaiError) as err:
@@ -267,6 +268,14 @@ def test_parse_both_delimiters():
     assert parse_prediction("card_arrival\n\nmore", "banking77") == "card_arrival"
     assert parse_prediction(" joy comment: meh emotion category: sadness", "goemotion") == "joy"
     assert parse_prediction(" per:title sentence: x", "tacred") == "per:title"
+    assert parse_prediction(" joy comment:x", "goemotion") == "joy comment:x"  # its script cuts at "comment: "
+    # tacred's script compares as written (no lower-casing) and, in its own template, splits the
+    # response at its whole label field
+    assert parse_prediction(" PER:TITLE", "tacred") == "PER:TITLE" and not is_correct("PER:TITLE", "per:title", False)
+    said = "sentence: Birds sing.\nthe relation between the two entities is: per:title is: other"
+    assert parse_prediction(said, "tacred", "Birds sing.", label_marker="the relation between the two entities is:") == \
+        "per:title is: other"
+    assert parse_prediction(said, "tacred", "Birds sing.") == "per:title"  # the thesis template's marker, " is:"
     assert parse_prediction("", "banking77") == ""
     assert is_correct(parse_prediction(" REFUND_NOT_SHOWING_UP", "banking77"), "Refund_not_showing_up")
     assert is_correct(parse_prediction(" reverted_card_payment? service query:", "banking77"), "reverted_card_payment?")
@@ -499,9 +508,10 @@ def test_banking77_and_goemotions_errors(tmp_path):
     with pytest.raises(OwaiError) as err:
         load_goemotions(g)
     assert "test.tsv line 2" in _one_line(err)
-    (g / "test.tsv").write_text("ok\t0\tid4\n")
+    (g / "test.tsv").write_text('ok\t0\tid4\n"what ""hurt"" means"\t1\tid6\n')
     data = load_goemotions(g)
     assert [ex.text for ex in data.train] == ["happy", "sad"] and data.info["train_rows"] == 3
+    assert data.test[1].text == 'what "hurt" means'  # a quoted field unescaped, as the hub's go_emotions reader
 
 
 def test_load_hf_offline_is_data_missing(monkeypatch):

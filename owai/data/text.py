@@ -781,8 +781,10 @@ class Tokenizer:
         """`encode` over a list (parallel where the backend allows)."""
         return [self.encode(t) for t in texts]
 
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids`; the eot id renders as `<|endoftext|>`."""
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """Text of `ids`; the eot id renders as `<|endoftext|>`. `skip_special` drops special tokens
+        (the eot, a BOS) as transformers' `decode(..., skip_special_tokens=True)` does: how the
+        evaluation suites' official code reads a model's answer."""
         raise NotImplementedError
 
     def count(self, text: str) -> int:
@@ -804,11 +806,11 @@ class ByteTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: Iterable[int]) -> str:
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         out, chunk = [], bytearray()
         for i in ids:
             if int(i) == self.eot_id:
-                out.append(chunk.decode("utf-8", errors="replace") + EOT_TEXT)
+                out.append(chunk.decode("utf-8", errors="replace") + ("" if skip_special else EOT_TEXT))
                 chunk = bytearray()
             else:
                 chunk.append(int(i))
@@ -843,8 +845,8 @@ class HFTokenizer(Tokenizer):
         backend.encode_special_tokens = False
         return backend
 
-    def decode(self, ids: Iterable[int]) -> str:
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"name": self.name, "json": self.backend.to_str(), "eot_id": self.eot_id, "bos_id": self.bos_id}
@@ -888,6 +890,8 @@ def save_tokenizer(tokenizer: Tokenizer, directory: Path) -> None:
     """The tokenizer beside the weights: tokenizer.json (tokenizers format) when it has one, and
     owai_tokenizer.json naming it, so mosaic-eval needs neither the hub nor the training corpus."""
     spec: dict[str, Any] = {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id}
+    if tokenizer.bos_id is not None:
+        spec["bos_id"] = tokenizer.bos_id
     backend = getattr(tokenizer, "backend", None)
     if backend is not None:
         atomic_write_text(directory / "tokenizer.json", backend.to_str())
@@ -1036,6 +1040,9 @@ def _from_tokenizer_json(name: str, path: Path) -> HFTokenizer:
         backend = Backend.from_file(str(path))
     except Exception as exc:
         raise OwaiError(f"{path}: not a tokenizer.json file ({one_line(exc)})") from None
+    spec = read_tokenizer_spec(path.parent)
+    if spec.get("file") == path.name and isinstance(spec.get("eot_id"), int):  # a saved model's own tokenizer
+        return HFTokenizer(name, backend, spec["eot_id"], spec.get("bos_id"))  # (Llama-3's eot: <|end_of_text|>)
     eot = backend.token_to_id(EOT_TEXT)
     if eot is None:
         raise OwaiError(f"{path}: the tokenizer has no {EOT_TEXT} token to separate documents")

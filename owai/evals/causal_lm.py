@@ -3,7 +3,10 @@
 The suites (`owai.evals.ruler`, `owai.evals.longicl`) call a model as
 
     count_tokens(text) -> int              tokens of `text` (no special tokens): prompt fitting, overflow
-    generate(prompt, max_new_tokens) -> str  greedy continuation, cut at `stop` strings
+    generate(prompt, max_new_tokens) -> str  greedy continuation, cut at `stop` strings; the prompt is
+                                           encoded as `tokenizer(prompt)` (a Llama tokenizer's BOS
+                                           first) and the answer decoded without special tokens, as
+                                           RULER's and LongICLBench's official code do
     max_tokens                             the longest sequence the model takes (None: any length)
 
 and the log-likelihood suites also `loglikelihood(context, continuation) -> (float, bool)`.
@@ -61,11 +64,17 @@ class CausalLM:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
 
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """The ids a prompt is generated from, as RULER's and LongICLBench's official code makes them
+        (`tokenizer(prompt)`): the tokenizer's own additions (a Llama tokenizer's BOS, none for
+        GPT-2 or bpe-N) in front, special-token strings read as those tokens."""
+        return list(self.tokenizer.encode_as_transformers(prompt, add_special_tokens=True))
+
     @torch.no_grad()
     def generate(self, prompt: str, max_new_tokens: int = 32, stop: tuple[str, ...] = ()) -> str:
         """The greedy continuation of `prompt` (at most max_new_tokens tokens), cut before the first
         stop string; the end-of-text token ends it."""
-        ids = self.tokenizer.encode(prompt)
+        ids = self.prompt_ids(prompt)
         if not ids:
             raise OwaiError(f"{self.label}: the prompt encodes to no tokens")
         x = torch.tensor([ids], device=self.device)
@@ -84,7 +93,7 @@ class CausalLM:
         pad = eot if eot is not None else 0
         out: list[str] = []
         for start in range(0, len(prompts), self.batch_size):
-            encoded = [self.tokenizer.encode(p) for p in prompts[start:start + self.batch_size]]
+            encoded = [self.prompt_ids(p) for p in prompts[start:start + self.batch_size]]
             if not all(encoded):
                 raise OwaiError(f"{self.label}: a prompt encodes to no tokens")
             width = max(len(ids) for ids in encoded)
@@ -100,7 +109,7 @@ class CausalLM:
         eot = getattr(self.tokenizer, "eot_id", None)
         if eot is not None and eot in new:
             new = new[: new.index(eot)]
-        text = self.tokenizer.decode(new)
+        text = self.tokenizer.decode(new, skip_special=True)  # as the suites' official code reads answers
         cuts = [text.index(s) for s in stop if s and s in text]
         return text[: min(cuts)] if cuts else text
 

@@ -155,7 +155,7 @@ class OwaiLM(TemplateLM):
         return list(self.lm.tokenizer.encode_as_transformers(string, add_special_tokens=add))
 
     def tok_decode(self, tokens: Any, **kwargs: Any) -> str:
-        return self.lm.tokenizer.decode([int(t) for t in tokens])
+        return self.lm.tokenizer.decode([int(t) for t in tokens], skip_special=True)  # HFLM's tok_decode
 
     # -- scoring ------------------------------------------------------------------------------------
     def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:

@@ -172,7 +172,7 @@ def load_goemotions(root: Path, eval_split: str = "test") -> ICLData:
         path = _need_file(root / f"{split}.tsv")
         rows = []
         with path.open(newline="", encoding="utf-8") as f:
-            reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+            reader = csv.reader(f, delimiter="\t")  # quoted fields unescaped, as the hub's go_emotions reader does
             for row in reader:
                 if len(row) != 3:
                     raise OwaiError(f"longicl: {path} line {reader.line_num}: expected 3 tab-separated fields, got {len(row)}")
@@ -299,9 +299,9 @@ def round_robin(pool: Sequence[Example], rounds: int) -> list[list[Example]]:
     """`rounds` rounds of one row per label (labels in first-appearance order, rows in pool order).
 
     An exhausted label is replaced by the next unused row of the first later label that still has
-    rows. If no later label has any, the search wraps around to the start of the order. A round can
-    then hold a label twice. When the whole pool is used up, the last round is returned short and
-    no further rounds follow.
+    rows (a round can then hold a label twice); if no later label has any, nothing replaces it, as
+    LongICLBench's `select_data` does (it never looks back at earlier labels). A round can thus be
+    short; once the whole pool is used up, no further rounds follow.
     """
     order = label_order(pool)
     buckets: dict[str, list[Example]] = {y: [] for y in order}
@@ -317,8 +317,7 @@ def round_robin(pool: Sequence[Example], rounds: int) -> list[list[Example]]:
         for i in range(len(order)):
             if left == 0:
                 break
-            for j in range(len(order)):
-                y = order[(i + j) % len(order)]
+            for y in order[i:]:
                 if used[y] < len(buckets[y]):
                     shot.append(buckets[y][used[y]])
                     used[y] += 1
@@ -401,13 +400,16 @@ def select_queries(data: ICLData, n_queries: int = DEFAULT_QUERIES, quota: int |
 
 @dataclass(frozen=True)
 class TaskFormat:
-    """A task's prompt format. `stop_marker` is where a continuation is cut (the next field);
-    `input_marker` / `label_marker` find the fields when a prompt is read back."""
+    """A task's prompt format. `stop_marker` is where a continuation is cut (the next field, as the
+    official script cuts it); `input_marker` / `label_marker` find the fields when a prompt is read
+    back. `fold_case`: the official script lower-cases the answer and the gold label (banking77,
+    goemotion); tacred's compares them as written."""
 
     header: str
     input_marker: str
     label_marker: str
     stop_marker: str
+    fold_case: bool = True
 
 
 TASKS = {
@@ -418,15 +420,16 @@ TASKS = {
     "goemotion": TaskFormat(
         "Given a comment, please predict the emotion category of this comment. The predict answer "
         "must come from the demonstration examples with the exact format. The examples are as follows:",
-        "comment:", "emotion category:", "comment:"),
+        "comment:", "emotion category:", "comment: "),
     "tacred": TaskFormat(
         "Given a sentence and a pair of subject and object entities within the sentence, please "
         "predict the relation between the given entities. The examples are as follows:",
-        "sentence:", " is:", "sentence:"),
+        "sentence:", " is:", "sentence:", fold_case=False),
 }
 DELIMITERS = {"newline": "\n", "space": " "}
 LABEL_MODES = ("semantic", "anonymous")
 TACRED_FORMATS = ("thesis", "longiclbench")
+TACRED_LONGICL_LABEL = "the relation between the two entities is:"  # LongICLBench's tacred label field, and its parser's marker
 PARSE_PATHS = ("local", "api")
 
 
@@ -520,7 +523,7 @@ def _fields(task: str, ex: Example, options: PromptOptions) -> tuple[list[str], 
             raise OwaiError("longicl: a tacred example needs extra['subject'] and extra['object']") from None
         if options.tacred_format == "thesis":
             return [f"sentence: {ex.text}"], f"the relation between {subj} and {obj} is:"
-        return [f"sentence: {ex.text}", f"the subject is {subj} and the object is {obj}"], "the relation between the two entities is:"
+        return [f"sentence: {ex.text}", f"the subject is {subj} and the object is {obj}"], TACRED_LONGICL_LABEL
     task_format(task)  # raises for an unknown task
     raise AssertionError(task)
 
@@ -570,35 +573,41 @@ def render_prompt(data: ICLData, shots: Sequence[Sequence[Example]], query: Exam
 # Parsing and scoring (spec 2.6)
 
 
-def parse_prediction(continuation: str, task: str, query: str | None = None, prompt: str | None = None) -> str:
-    """The predicted label as LongICLBench's banking77 script reads it (each task with its own
-    markers). The response is the continuation (its API path) or `prompt` + continuation (its
-    local-model path). If the query text is in the response, the part after its last occurrence,
-    stripped, is cut to what lies between the first and second label markers (or kept whole
-    without a marker) and at the next input marker; otherwise the response is cut at the first
-    input marker. Then stripped, cut at the first newline, lower-cased and stripped."""
+def parse_prediction(continuation: str, task: str, query: str | None = None, prompt: str | None = None,
+                     label_marker: str | None = None) -> str:
+    """The predicted label as LongICLBench's script of the task reads it (each task with its own
+    markers; `label_marker` overrides the task's, e.g. tacred's LongICLBench template's "the
+    relation between the two entities is:"). The response is the continuation (its API path) or
+    `prompt` + continuation (its local-model path). If the query text is in the response, the part
+    after its last occurrence, stripped, is cut to what lies between the first and second label
+    markers (or kept whole without a marker) and at the next input marker; otherwise the response
+    is cut at the first input marker. Then stripped, cut at the first newline, lower-cased (not
+    tacred: its script compares as written) and stripped."""
     fmt = task_format(task)
+    marker = (label_marker or fmt.label_marker).strip()
     response = continuation if prompt is None else prompt + continuation
     if query is None or query not in response:
         response = response.split(fmt.stop_marker)[0].strip()
     else:
-        parts = response.split(query)[-1].strip().split(fmt.label_marker.strip())
+        parts = response.split(query)[-1].strip().split(marker)
         response = parts[1].split(fmt.stop_marker)[0].strip() if len(parts) > 1 else parts[0].strip()
-    return response.strip().split("\n")[0].lower().strip()
+    answer = response.strip().split("\n")[0]
+    return (answer.lower() if fmt.fold_case else answer).strip()
 
 
-def is_correct(prediction: str, gold: str) -> bool:
-    """Exact match of a parsed (lower-cased) prediction against the lower-cased gold label."""
-    return prediction == gold.lower()
+def is_correct(prediction: str, gold: str, fold_case: bool = True) -> bool:
+    """Exact match of a parsed prediction against the gold label, lower-cased with `fold_case`
+    (banking77 and goemotion's scripts; tacred's compares as written)."""
+    return prediction == (gold.lower() if fold_case else gold)
 
 
-def accuracy(predictions: Sequence[str], golds: Sequence[str]) -> float:
-    """Fraction of exact matches (case-insensitive on the gold side, see `is_correct`)."""
+def accuracy(predictions: Sequence[str], golds: Sequence[str], fold_case: bool = True) -> float:
+    """Fraction of exact matches (see `is_correct`)."""
     if len(predictions) != len(golds):
         raise OwaiError(f"longicl: {len(predictions)} predictions for {len(golds)} gold labels")
     if not golds:
         raise OwaiError("longicl: accuracy of an empty set of queries")
-    return sum(is_correct(p, g) for p, g in zip(predictions, golds)) / len(golds)
+    return sum(is_correct(p, g, fold_case) for p, g in zip(predictions, golds)) / len(golds)
 
 
 def best_strategy(results: Mapping[str, float | None]) -> tuple[str | None, float | None]:
@@ -754,6 +763,7 @@ def score_prompts(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Examp
         raise OwaiError("longicl: max_tokens needs a model with count_tokens(prompt)")
     context = render_context(data, shots, options)
     space = label_space(data.labels, options.labels, options.anon_permute)
+    label_marker = TACRED_LONGICL_LABEL if data.task == "tacred" and options.tacred_format == "longiclbench" else None
     correct = scored = overflow = 0
     longest: int | None = None
     examples = []
@@ -784,8 +794,9 @@ def score_prompts(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Examp
         if not isinstance(out, str):
             raise OwaiError(f"longicl: model.generate must return a string, got {type(out).__name__}")
         query = queries[record["query"]]
-        pred = parse_prediction(out, data.task, query.text, prompt if options.parse == "local" else None)
-        ok = is_correct(pred, gold)
+        pred = parse_prediction(out, data.task, query.text, prompt if options.parse == "local" else None,
+                                label_marker)
+        ok = is_correct(pred, gold, task_format(data.task).fold_case)
         scored += 1
         correct += ok
         if len(examples) < n_examples:

@@ -143,7 +143,11 @@ class Harness(Method):
             elif cfg.model.startswith(HFLM):
                 from lm_eval.models.huggingface import HFLM as HarnessHFLM
 
+                from owai.runtime import auto_precision
+
+                # the precision owai's own path runs in (bf16 on CUDA), so the two paths compare like with like
                 model = HarnessHFLM(pretrained=cfg.model[len(HFLM):], device=str(run.device), batch_size=1,
+                                    dtype=auto_precision(cfg.precision, run.device),
                                     **({"tokenizer": cfg.tokenizer} if cfg.tokenizer else {}))
                 max_length = model.max_length
             else:
