@@ -167,6 +167,21 @@ def test_split_domain() -> None:
             split_domain(n, bad, 0, 0)
 
 
+@pytest.mark.parametrize("trial_seed, domain, n, seed, out_head, in_head", [
+    # reference values from DomainBed's own misc.split_dataset / misc.seed_hash (verylarge_dropout's
+    # copy, run on list(range(n)) as trainv2.py splits each environment), VLCS's domain sizes
+    (0, 0, 1415, 894182419, [222, 1032, 864, 859, 1037, 1062], [508, 1125, 317, 633]),
+    (0, 3, 3376, 1796103049, [354, 3010, 2738, 1425, 2880, 1429], [2044, 1530, 635, 1159]),
+    (1, 2, 2656, 1981683110, [1971, 1833, 2080, 2015, 2032, 615], [2528, 575, 74, 1855]),
+])
+def test_split_domain_is_domainbeds_own(trial_seed, domain, n, seed, out_head, in_head) -> None:
+    from owai.data.domainbed import domainbed_seed
+
+    assert domainbed_seed(trial_seed, domain) == seed
+    ins, out = split_domain(n, 0.2, trial_seed, domain)
+    assert len(out) == int(n * 0.2) and out[:6].tolist() == out_head and ins[:4].tolist() == in_head
+
+
 # ------------------------------------------------------------------------------------------ transforms
 
 def test_eval_transform_of_constant_colour() -> None:

@@ -21,8 +21,9 @@ unreadable. `open_image_dataset` (what runs use) makes any unreadable file an er
 file can pass indexing and still fail to decode: `image()` then raises `OwaiError` naming the file
 rather than silently substituting another example.
 
-Randomness is keyed, never streamed (`owai.runtime.generator`): the in/out split of domain `d` by
-`(trial_seed, "split", d)`, the examples of training step `t` from domain `d` by
+Randomness is keyed, never streamed: the in/out split of domain `d` is DomainBed's own
+(`misc.split_dataset` seeded by `misc.seed_hash(trial_seed, d)`), so the held-out images are the
+official code's; everything else is keyed through `owai.runtime.generator`: the examples of training step `t` from domain `d` by
 `(seed, "batch", t, d)` and the augmentation of its j-th example by `(seed, "augment", t, d, j)`.
 A batch is therefore a function of the step: a resumed run, or one with any number of loader
 workers, sees exactly the batches of an uninterrupted single-process run.
@@ -31,6 +32,7 @@ workers, sees exactly the batches of an uninterrupted single-process run.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import os
 from collections.abc import Iterator
@@ -315,15 +317,24 @@ class RotatedMNIST(TensorDomains):
         return TensorDomains("rotated_mnist_pool", ["upright"], self.classes, [images], [labels])
 
 
+def domainbed_seed(*args: object) -> int:
+    """DomainBed's `misc.seed_hash`: the md5 of the arguments' tuple as Python prints it, mod 2**31."""
+    return int(hashlib.md5(str(args).encode("utf-8")).hexdigest(), 16) % (2**31)
+
+
 def split_domain(n: int, holdout_fraction: float, trial_seed: int, domain: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """DomainBed's `misc.split_dataset` of one domain of `n` examples: (in_idx, out_idx), where `out`
-    is the first `int(holdout_fraction * n)` entries of a permutation keyed by (trial_seed, domain)."""
+    """DomainBed's split of domain `domain` (its index among all the dataset's domains) of `n`
+    examples: (in_idx, out_idx). As `misc.split_dataset(env, int(len(env) * holdout_fraction),
+    misc.seed_hash(trial_seed, env_i))`: indices 0..n-1 shuffled by numpy's RandomState seeded with
+    that hash; `out` is the first `int(n * holdout_fraction)`, `in` the rest."""
     if not 0.0 <= holdout_fraction < 1.0:
         raise OwaiError(f"holdout_fraction must be in [0, 1), got {holdout_fraction}")
     if n < 0:
         raise OwaiError(f"cannot split a domain of {n} examples")
-    perm = torch.randperm(n, generator=generator(trial_seed, "split", domain))
-    k = int(holdout_fraction * n)
+    keys = np.arange(n)
+    np.random.RandomState(domainbed_seed(int(trial_seed), int(domain))).shuffle(keys)
+    perm = torch.from_numpy(keys)
+    k = int(n * holdout_fraction)
     return perm[k:].clone(), perm[:k].clone()
 
 
