@@ -150,6 +150,25 @@ def test_study_on_the_miniature_tree_writes_every_track(study: dict) -> None:
     assert "| dropout 0.9+Ens-multi |" in (study["sweep"] / "dropout_ft.md").read_text()
 
 
+def test_fig_2_10_boxes_hold_every_choice_of_cell_per_test_domain() -> None:
+    """One value per choice of (lr, wd) cell for each test domain, averaged over the test domains
+    (the verylarge_dropout README's 6^4 = 1296 per method), per track."""
+    from owai.methods.dropout_ft import grid_boxes
+
+    def group(domain: int, lr: float, dropout: float, model: float, swa: float) -> dict:
+        return {"grid": {"data.test_domain": domain, "train.lr": lr, "model.dropout": dropout},
+                "metrics": [{"metric": "model.ood_acc", "mean": model}, {"metric": "swa.ood_acc", "mean": swa}]}
+
+    summary = {"grid": {"data.test_domain": [0, 1], "train.lr": [0.1, 0.2], "model.dropout": [0.0, 0.9]},
+               "points": [], "groups": [group(0, 0.1, 0.0, 0.5, 0.6), group(0, 0.2, 0.0, 0.7, 0.8),
+                                        group(1, 0.1, 0.0, 0.9, 0.9), group(1, 0.2, 0.0, 0.3, 0.4),
+                                        group(0, 0.1, 0.9, 0.6, 0.6), group(1, 0.1, 0.9, 0.8, 0.8)]}
+    boxes = grid_boxes(summary)["None"]
+    assert sorted(boxes["dropout 0.0"]) == pytest.approx([40.0, 50.0, 70.0, 80.0])  # (50|70) + (90|30), halved
+    assert sorted(boxes["dropout 0.0+WA-single"]) == pytest.approx([50.0, 60.0, 75.0, 85.0])
+    assert boxes["dropout 0.9"] == pytest.approx([70.0])
+
+
 def test_study_selects_the_cell_and_checkpoint_with_the_best_iid_accuracy(study: dict) -> None:
     points = [p for p in study["summary"]["points"] if p["grid"]["model.dropout"] == 0.9]
     results = {}

@@ -33,6 +33,7 @@ runs; they are computed by the study (`study_rows`) after the sweep. Offline CPU
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -770,45 +771,89 @@ def study_table(rows: list[dict[str, Any]], title: str) -> Any:
     return table
 
 
+BOX_CAP = 200_000  # combinations per box beyond which a seeded sample of this many stands for them
+
+
+def grid_boxes(summary: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
+    """Fig 2.10's boxes: {dataset: {method label: dataset-level OOD accuracies}}. A method is a
+    (variant, single-run track). Each value is one choice of (lr, weight decay) cell per test domain,
+    the cells' OOD accuracies (mean over seeds) averaged over the test domains: the verylarge_dropout
+    README's figure has 6^4 = 1296 of them per method (6 cells, 4 test domains). Beyond BOX_CAP
+    combinations a seeded sample of BOX_CAP of them is drawn."""
+    import itertools
+    import random
+
+    keys = _grid_keys(summary)
+    base = _finished_params(summary).get("data", {})
+    cells: dict[tuple[str, str], dict[Any, list[float]]] = {}
+    for group in summary["groups"]:
+        grid = group["grid"] or {}
+        metrics = {m["metric"]: m for m in group["metrics"]}
+        variant = variant_label({k: grid.get(k) for k in keys if k not in HP_KEYS and k != "data.test_domain"})
+        dataset = str(grid.get("data.dataset", base.get("dataset")))
+        domain = grid.get("data.test_domain", base.get("test_domain"))
+        for track in TRACKS:
+            metric = metrics.get(f"{track}.ood_acc")
+            if metric is not None:
+                label = variant + TRACK_LABELS[track]
+                cells.setdefault((dataset, label), {}).setdefault(domain, []).append(100 * metric["mean"])
+    boxes: dict[str, dict[str, list[float]]] = {}
+    for (dataset, label), per_domain in cells.items():
+        choices = list(per_domain.values())
+        total = math.prod(len(c) for c in choices)
+        if total <= BOX_CAP:
+            picks: Any = itertools.product(*choices)
+        else:
+            rng = random.Random(f"fig2.10:{dataset}:{label}")
+            picks = ([rng.choice(c) for c in choices] for _ in range(BOX_CAP))
+        boxes.setdefault(dataset, {})[label] = [statistics.fmean(p) for p in picks]
+    return boxes
+
+
 def plot_study(summary: dict[str, Any], rows: list[dict[str, Any]], title: str) -> Any:
-    """Fig 2.10's box plots (each run's selected OOD accuracy over the hyper-parameter grid and seeds,
-    per test domain and variant); with three or more dropout rates, Fig 2.11's average OOD accuracy
-    against the rate, per track."""
+    """Fig 2.10: per dataset, one box per method over the hyper-parameter choices (`grid_boxes`),
+    the multi-run ensembles and weight averages (one value each) as points; with three or more
+    dropout rates, Fig 2.11's average OOD (solid) and IID (dashed) accuracy against the rate."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = _domain_names(summary)
-    keys = [k for k in _grid_keys(summary) if k not in HP_KEYS and k != "data.test_domain"]
-    boxes: dict[tuple[str, str], list[float]] = {}
-    for group in summary["groups"]:
-        metric = next((m for m in group["metrics"] if m["metric"] == "model.ood_acc"), None)
-        if metric is None:
-            continue
-        domain = names.get(group["grid"].get("data.test_domain", -1), "all")
-        variant = variant_label({k: group["grid"].get(k) for k in keys})
-        boxes.setdefault((domain, variant), []).extend(100 * v for v in metric["values"])
+    boxes = grid_boxes(summary)
     rates = sorted({r for r in (_rate(row["variant"]) for row in rows) if r is not None})
-    panels = 2 if len(rates) >= 3 else 1
-    fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 4), squeeze=False)
-    ax = axes[0][0]
-    labels = [f"{d}\n{v}" for d, v in boxes]
-    if boxes:
-        ax.boxplot(list(boxes.values()))
-        ax.set_xticks(range(1, len(labels) + 1), labels)
-    ax.set_ylabel("OOD accuracy (%)")
-    ax.set_title("runs over the hyper-parameter grid")
-    ax.tick_params(axis="x", labelsize=7)
-    if panels == 2:
-        ax = axes[0][1]
+    datasets = list(boxes) or [""]
+    panels = len(datasets) + (1 if len(rates) >= 3 else 0)
+    widest = max((len(b) for b in boxes.values()), default=4) + 2  # boxes and multi-run points of a panel
+    fig, axes = plt.subplots(1, panels, figsize=(max(6.0, 0.9 * widest) * panels, 4.2), squeeze=False)
+    for ax, dataset in zip(axes[0], datasets):
+        methods = boxes.get(dataset, {})
+        if methods:
+            ax.boxplot(list(methods.values()))
+            ax.set_xticks(range(1, len(methods) + 1), list(methods))
+        multi = [r for r in rows if r["dataset"] == dataset and r["track"] in MULTI and r["avg"] is not None]
+        for k, r in enumerate(multi):
+            ax.plot([len(methods) + 1 + k], [100 * r["avg"]], marker="*" if r["track"] == "wa_multi" else "^",
+                    markersize=10, color="black", linestyle="none")
+        if multi:
+            ax.set_xticks(range(1, len(methods) + len(multi) + 1), [*methods, *(r["label"] for r in multi)])
+        ax.set_ylabel("OOD accuracy (%), mean over test domains")
+        n = max((len(v) for v in methods.values()), default=0)
+        ax.set_title(f"{dataset}: {n} hyper-parameter choices per box", fontsize=10)
+        ax.tick_params(axis="x", labelsize=7, rotation=30)
+    if len(rates) >= 3:
+        ax = axes[0][-1]
         for track in (*TRACKS, *MULTI):
-            points = sorted((_rate(r["variant"]), 100 * r["avg"]) for r in rows if r["track"] == track and r["avg"] is not None)
-            if points:
-                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=track)
+            chosen = [r for r in rows if r["track"] == track and r["avg"] is not None and _rate(r["variant"]) is not None]
+            if not chosen:
+                continue
+            points = sorted((_rate(r["variant"]), 100 * r["avg"], 100 * statistics.fmean(r["iid"].values()))
+                            for r in chosen)
+            line = ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{track} OOD")[0]
+            ax.plot([p[0] for p in points], [p[2] for p in points], marker="o", linestyle="--",
+                    color=line.get_color(), label=f"{track} IID")
         ax.set_xlabel("dropout rate")
-        ax.set_ylabel("average OOD accuracy (%)")
-        ax.legend()
+        ax.set_ylabel("average accuracy (%)")
+        ax.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
     return fig
