@@ -217,9 +217,10 @@ class Bar:
     On a terminal: a Rich bar on stderr (not under --quiet/--json). Not on a terminal (a log file,
     a pipe, a batch job): a plain stderr line every `OWAI_PROGRESS_SECONDS` (30) seconds with
     step/total, percentage, status (e.g. the loss) and elapsed time, and a last line at the end
-    if any was printed; under --json too (stdout stays one JSON document), never under --quiet."""
+    if any was printed; under --json too (stdout stays one JSON document), never under --quiet.
+    `total` None: a count not known in advance (a pulsing bar, "n/?")."""
 
-    def __init__(self, description: str, total: int, completed: int = 0) -> None:
+    def __init__(self, description: str, total: int | None, completed: int = 0) -> None:
         self._progress: Progress | None = None
         self._lines = False
         self.description, self.total, self.completed, self.status = description, total, completed, ""
@@ -259,7 +260,7 @@ class Bar:
         elapsed = int(time.monotonic() - self._start)
         share = f" ({100 * self.completed / self.total:.0f}%)" if self.total else ""
         status = f", {self.status}" if self.status else ""
-        stderr.print(f"{self.description}: {self.completed}/{self.total}{share}{status}, "
+        stderr.print(f"{self.description}: {self.completed}/{'?' if self.total is None else self.total}{share}{status}, "
                      f"elapsed {elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d}",
                      markup=False, highlight=False, soft_wrap=True)
         self._printed = True

@@ -131,7 +131,7 @@ def measure_split(texts: Iterator[str], tokenizer: Any, batch_documents: int, li
     """Token lengths (N,) of the documents of one split (no separator) and their total characters."""
     parts: list[np.ndarray] = []
     chars = 0
-    with console.Bar(description, total=limit) as bar:
+    with console.Bar(description, total=limit or None) as bar:  # None: a count not known in advance
         for batch in _batches(texts, batch_documents, limit):
             chars += sum(len(t) for t in batch)
             parts.append(np.fromiter((len(ids) for ids in tokenizer.encode_batch(batch)), dtype=np.int64, count=len(batch)))
