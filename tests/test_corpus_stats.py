@@ -56,7 +56,7 @@ def test_paper_preset_on_a_babistories_copy_counts_bytes_exactly(tmp_path):
     assert rows["train.tokens"]["measured"] == sum(utf8) + 3  # one separator per story, as train.bin
     assert rows["train.chars_per_document"]["measured"] == pytest.approx(round(sum(map(len, TRAIN)) / 3, 2))
     assert rows["train.over_1024"]["measured"] == pytest.approx(1 / 3)  # the 700 "é" are 1400 bytes
-    assert rows["train.tokens"]["thesis"] == 474704907 and rows["val.chars_per_document"]["thesis"] == 889
+    assert rows["train.tokens"]["thesis"] is None and rows["val.chars_per_document"]["thesis"] == 889  # bytes
     verdicts = {c["id"]: c["verdict"] for c in results["claims"]}
     assert verdicts["train-tokens"] == "misses" and verdicts["val-like-train"] == "misses"
     assert (run.path / "figures" / "lengths.png").read_bytes()[:4] == b"\x89PNG"
@@ -98,10 +98,37 @@ def test_cli_data_stats_runs_and_refuses_bad_input(tmp_path):
     assert proc.returncode == 0, proc.stderr
     results = json.loads(proc.stdout)
     rows = {r["metric"]: r for r in results["rows"]}
-    assert rows["val.documents"]["measured"] == 2 and rows["val.tokens"]["thesis"] == 4749107
+    assert rows["val.documents"]["measured"] == 2 and rows["val.chars_per_document"]["thesis"] == 889
+    assert rows["val.tokens"]["thesis"] is None  # Table B.1 counts GPT-2 tokens, not bytes
     assert "train.over_64" in rows and "train.over_1024" in rows
     for args, match in ((["--truncate", "4k"], "--truncate '4k'"), (["--recipe", "figA.2-twobits"], "not corpus_stats"),
                         (["/no/such/corpus"], "not found")):
         bad = run_owai("data", "stats", *args, "--tokenizer", "bytes", "--out", str(tmp_path / "bad"))
         assert bad.returncode == 2 and "Traceback" not in bad.stderr and match in bad.stderr, bad.stderr
         assert not (tmp_path / "bad").exists()
+
+
+def test_table_b1_token_counts_apply_to_gpt2_tokens_of_babistories_only():
+    from owai import recipes
+
+    r = recipes.load("tableB.1-babistories")
+    for tokenizer in ("tokenizers/gpt2", "gpt2"):
+        params = {"data": {"source": "babistories", "tokenizer": tokenizer}}
+        assert recipes.thesis_for(r, "train.tokens", params).value == 474704907
+        assert recipes.thesis_for(r, "val.tokens", params).value == 4749107
+    assert recipes.thesis_for(r, "train.tokens", {"data": {"source": "babistories", "tokenizer": "bytes"}}) is None
+    assert recipes.thesis_for(r, "train.chars_per_document", {"data": {"source": "babistories", "tokenizer": "bytes"}}).value == 888
+    assert recipes.thesis_for(r, "train.tokens", {"data": {"source": "owai-stories", "tokenizer": "gpt2"}}) is None
+
+
+def test_a_split_without_documents_fails_before_a_run_directory(tmp_path):
+    from owai.experiment import execute
+
+    corpus = tmp_path / "small.jsonl"  # 50 documents: the held-out rule (every 100th) leaves val empty
+    corpus.write_text("".join(json.dumps({"text": f"story {i}"}) + "\n" for i in range(50)), encoding="utf-8")
+    with pytest.raises(OwaiError, match="has no val documents"):
+        execute("tableB.1-babistories", "cpu", ["data.tokenizer=bytes", f"data.source={corpus}"], tmp_path / "runs", None)
+    assert not (tmp_path / "runs").exists()
+    _, results = execute("tableB.1-babistories", "cpu", ["data.tokenizer=bytes", f"data.source={corpus}", "splits=[train]",
+                                                         "figure=false"], tmp_path / "runs", None)
+    assert {r["metric"]: r["measured"] for r in results["rows"]}["train.documents"] == 50

@@ -167,6 +167,8 @@ def test_fig_2_10_boxes_hold_every_choice_of_cell_per_test_domain() -> None:
     assert sorted(boxes["dropout 0.0"]) == pytest.approx([40.0, 50.0, 70.0, 80.0])  # (50|70) + (90|30), halved
     assert sorted(boxes["dropout 0.0+WA-single"]) == pytest.approx([50.0, 60.0, 75.0, 85.0])
     assert boxes["dropout 0.9"] == pytest.approx([70.0])
+    summary["groups"] = summary["groups"][:-1]  # dropout 0.9 without results on domain 1: no box
+    assert "dropout 0.9" not in grid_boxes(summary)["None"]
 
 
 def test_study_selects_the_cell_and_checkpoint_with_the_best_iid_accuracy(study: dict) -> None:

@@ -124,12 +124,13 @@ def test_the_thesis_task_list_and_race_middle_task(manager) -> None:
          "options": ["red", "blue", "green", "white"], "answer": "A"},
         {"example_id": "middle1.txt", "article": "Tom has a red kite.", "question": "Tom's kite is  _  .",
          "options": ["old", "red", "lost", "big"], "answer": "B"},
-        {"example_id": "middle1.txt", "article": "Tom has a red kite.", "question": "_ is the best title.",
-         "options": ["Kites", "Tom's kite", "Red", "Wind"], "answer": "B"},
         {"example_id": "middle2.txt", "article": "Ann can swim.", "question": "Who can swim?",
-         "options": ["Tom", "Ann", "Bob", "Sue"], "answer": "B"}]
+         "options": ["Tom", "Ann", "Bob", "Sue"], "answer": "B"},
+        {"example_id": "middle1.txt", "article": "Tom has a red kite.", "question": "_ is the best title.",
+         "options": ["Kites", "Tom's kite", "Red", "Wind"], "answer": "B"}]
     docs = list(config.process_docs(Dataset.from_list(rows)))
-    assert [len(d["problems"]) for d in docs] == [3, 1]  # one document per article, questions in order
+    # one document per article text (the harness's collation), its questions in their stored order
+    assert [len(d["problems"]) for d in docs] == [3, 1] and docs[0]["problems"][2]["question"] == "_ is the best title."
     for doc in docs:  # the harness's own race functions on the same article in EleutherAI/race's shape
         theirs = {"article": doc["article"], "problems": repr(doc["problems"])}
         assert config.doc_to_text(doc) == harness_race.doc_to_text(theirs)

@@ -111,6 +111,10 @@ def check(cfg: CorpusStatsConfig) -> None:
                          val_every=cfg.data.val_every)
     if isinstance(source, LocalSource):
         source.check_nonempty()
+        for split in cfg.splits:  # e.g. a corpus under val_every documents has no held-out ones
+            if next(iter(source.texts(split)), None) is None:
+                raise OwaiError(f"source {source.name} has no {split} documents ({source.val_rule}); "
+                                f"drop the split (--set splits=[train]) or add documents")
 
 
 def _batches(texts: Iterator[str], size: int, limit: int) -> Iterator[list[str]]:
@@ -156,8 +160,9 @@ def split_statistics(text_lengths: np.ndarray, chars: int, truncate: list[int]) 
 
 
 def histogram(text_lengths: np.ndarray, context: int, bins: int) -> dict[str, list[float]]:
-    """Share of documents per length bin over [0, context], every length cut at `context` (the
-    last bin holds the documents the context truncates: Figure 4.4's peak)."""
+    """Share of documents per length bin over [0, context], every length cut at `context`: the
+    documents the context truncates land in the last bin (with those just shorter than it), which
+    makes Figure 4.4's peak."""
     edges = np.linspace(0, context, min(bins, context) + 1)
     counts, _ = np.histogram(np.minimum(text_lengths, context), bins=edges)
     return {"edges": edges.tolist(), "share": (counts / max(1, text_lengths.size)).tolist()}

@@ -779,7 +779,9 @@ def grid_boxes(summary: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
     (variant, single-run track). Each value is one choice of (lr, weight decay) cell per test domain,
     the cells' OOD accuracies (mean over seeds) averaged over the test domains: the verylarge_dropout
     README's figure has 6^4 = 1296 of them per method (6 cells, 4 test domains). Beyond BOX_CAP
-    combinations a seeded sample of BOX_CAP of them is drawn."""
+    combinations a seeded sample of BOX_CAP of them is drawn. A method without results on one of its
+    dataset's held-out domains (a sweep still running) has no box: its average would be over other
+    domains than its neighbours'."""
     import itertools
     import random
 
@@ -797,8 +799,13 @@ def grid_boxes(summary: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
             if metric is not None:
                 label = variant + TRACK_LABELS[track]
                 cells.setdefault((dataset, label), {}).setdefault(domain, []).append(100 * metric["mean"])
+    domains: dict[str, set[Any]] = {}
+    for (dataset, _), per_domain in cells.items():
+        domains.setdefault(dataset, set()).update(per_domain)
     boxes: dict[str, dict[str, list[float]]] = {}
     for (dataset, label), per_domain in cells.items():
+        if set(per_domain) != domains[dataset]:
+            continue
         choices = list(per_domain.values())
         total = math.prod(len(c) for c in choices)
         if total <= BOX_CAP:

@@ -5,8 +5,9 @@ earlier questions each with its answer (a fill-in-the-blank question ending in "
 by its answer, any other as "Question: ...\\nAnswer: ..."), then the last question as it is, and
 the four options of that last question as the choices. Its dataset (EleutherAI/race) holds one row
 per article with the questions in a `problems` field. ehovy/race, which has the middle split, holds
-one row per question; `process_docs` groups its rows by article (`example_id`, rows in their stored
-order) into the same shape, so race middle and race high are measured the same way.
+one row per question; `process_docs` groups its rows by article text, as the harness's own
+collation that built EleutherAI/race did (rows in their stored order), into the same shape, so race
+middle and race high are measured the same way.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def process_docs(dataset: Any) -> Any:
 
     articles: dict[str, dict[str, Any]] = {}
     for row in dataset:
-        doc = articles.setdefault(row["example_id"], {"article": row["article"], "problems": []})
+        doc = articles.setdefault(row["article"], {"article": row["article"], "problems": []})
         doc["problems"].append({"question": row["question"], "options": list(row["options"]), "answer": row["answer"]})
     return Dataset.from_list(list(articles.values()))
 
