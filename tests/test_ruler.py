@@ -212,6 +212,17 @@ def test_hub_loaders_rebuild_the_file_pools(tmp_path: Path, monkeypatch: pytest.
     file_hotpot = R.read_hotpotqa(write_json(tmp_path / "h.json", SMALL_HOTPOT))
     assert (hub_hotpot.docs, hub_hotpot.records) == (file_hotpot.docs, file_hotpot.records)
     assert calls == [(R.SQUAD_HUB_ID, None, "validation"), (R.HOTPOTQA_HUB_ID, "distractor", "validation")]
+    # an article that repeats a paragraph: the rows rebuild it in order, as RULER's read_squad walks it
+    repeated = json.loads(json.dumps(SMALL_SQUAD))
+    repeated["data"][0]["paragraphs"].append(
+        {"context": P_NORMANS, "qas": [squad_question("Where is Normandy?", ["France"], P_NORMANS, "q9")]})
+    rows = [{"id": qa["id"], "title": a["title"], "context": p["context"], "question": qa["question"],
+             "answers": {"text": [x["text"] for x in qa["answers"]], "answer_start": [0] * len(qa["answers"])}}
+            for a in repeated["data"] for p in a["paragraphs"] for qa in p["qas"]]
+    fake_datasets(monkeypatch, {R.SQUAD_HUB_ID: rows})
+    hub, file = R.load_qa("squad", "hf"), R.read_squad(write_json(tmp_path / "r.json", repeated))
+    assert (hub.docs, hub.records) == (file.docs, file.records)
+    assert [r.query for r in hub.records].index("Where is Normandy?") == 3  # after the religion paragraph's
     with pytest.raises(DataMissing) as err:  # an unreachable hub: one line
         R.load_qa("squad", "hf:someone/squad-copy")
     assert "someone/squad-copy" in str(err.value) and "\n" not in str(err.value)

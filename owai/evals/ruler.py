@@ -295,18 +295,24 @@ def _hub_split(hub_id: str, config: str | None, split: str, revision: str | None
 
 
 def load_squad_hub(hub_id: str = SQUAD_HUB_ID, split: str = "validation", revision: str | None = None) -> QAData:
-    """SQuAD v2 from the hub (rows: title, context, question, answers.text); articles = rows sharing a
-    title, paragraphs in first-appearance order; a row is answerable iff it has an answer text."""
+    """SQuAD v2 from the hub (rows: title, context, question, answers.text) -> QAData. The rows are the
+    official JSON flattened in order (article, paragraph, question), so the JSON is rebuilt from runs
+    of consecutive rows: a new article where the title changes, a new paragraph where the context
+    does. A paragraph an article repeats stays two paragraphs, as RULER's `read_squad` walks them
+    (grouping by text would move the second copy's questions forward and drop it from the
+    distractors). A row is answerable iff it has an answer text."""
     rows = _hub_split(hub_id, None, split, revision)
-    articles: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    data: list[dict[str, Any]] = []
     try:
         for row in rows:
+            if not data or data[-1]["title"] != row["title"]:
+                data.append({"title": row["title"], "paragraphs": []})
+            paragraphs = data[-1]["paragraphs"]
+            if not paragraphs or paragraphs[-1]["context"] != row["context"]:
+                paragraphs.append({"context": row["context"], "qas": []})
             texts = list(row["answers"]["text"])
-            qas = articles.setdefault(row["title"], {}).setdefault(row["context"], [])
-            qas.append({"question": row["question"], "answers": [{"text": t} for t in texts],
-                        "is_impossible": not texts})
-        data = [{"title": title, "paragraphs": [{"context": c, "qas": q} for c, q in paragraphs.items()]}
-                for title, paragraphs in articles.items()]
+            paragraphs[-1]["qas"].append({"question": row["question"], "answers": [{"text": t} for t in texts],
+                                          "is_impossible": not texts})
         return _squad_pool(data, f"hf:{hub_id}")
     except (KeyError, TypeError, ValueError) as exc:
         raise OwaiError(f"hf:{hub_id} does not have SQuAD's columns ({_one_line(exc, 120)})") from None
