@@ -34,6 +34,7 @@ def test_every_packaged_recipe_validates_with_cpu_and_paper_presets(monkeypatch,
     have_data = (SHARED_DATA / "mnist").is_dir()
     monkeypatch.setenv("OWAI_BABISTORIES", str(tmp_path))  # paper presets name the BabiStories release
     (tmp_path / "traindataset.txt").write_text('"Once upon a time."\n')
+    (tmp_path / "valdataset.txt").write_text('"The end."\n')  # tableB.1's paper preset reads both splits
     from camelyon_tree import make_camelyon
 
     make_camelyon(tmp_path, train_per_center=2, id_val_per_center=1, eval_per_center=1, size=8)  # validation reads metadata and patches
