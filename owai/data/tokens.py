@@ -195,7 +195,8 @@ def _write_split(src: TextSource, split: str, tok: Tokenizer, path: Path, dtype:
     return n_tokens, n_docs
 
 
-def _batches(texts: Iterable[str], size: int = DOCS_PER_BATCH) -> Iterator[list[str]]:
+def document_batches(texts: Iterable[str], size: int = DOCS_PER_BATCH) -> Iterator[list[str]]:
+    """`texts` in lists of `size` documents (the last one shorter), in order."""
     batch: list[str] = []
     for text in texts:
         batch.append(text)
@@ -224,7 +225,7 @@ def _encoded_batches(texts: Iterable[str], tok: Tokenizer,
                      workers: int | None) -> Iterator[tuple[np.ndarray, int]]:
     """(ids, n_docs) per batch of documents, in order; a process pool when workers > 1."""
     if workers is None or workers <= 1 or isinstance(tok, ByteTokenizer):
-        for batch in _batches(texts):
+        for batch in document_batches(texts):
             yield encode_documents(tok, batch), len(batch)
         return
     # Not fork: this process runs torch's threads, and forking a threaded process can deadlock the child
@@ -236,7 +237,7 @@ def _encoded_batches(texts: Iterable[str], tok: Tokenizer,
     else:
         context = multiprocessing.get_context("spawn")
     with context.Pool(workers, initializer=_worker_init, initargs=(tok,)) as pool:
-        for ids, n in pool.imap(_worker_encode, _batches(texts), chunksize=1):
+        for ids, n in pool.imap(_worker_encode, document_batches(texts), chunksize=1):
             yield ids, n
 
 

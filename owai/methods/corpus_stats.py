@@ -28,6 +28,7 @@ context T, the share of documents per length bin with every length cut at T.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import itertools
 from typing import Any, Iterator
 
 import numpy as np
@@ -117,26 +118,15 @@ def check(cfg: CorpusStatsConfig) -> None:
                                 f"drop the split (--set splits=[train]) or add documents")
 
 
-def _batches(texts: Iterator[str], size: int, limit: int) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for i, text in enumerate(texts):
-        if limit and i == limit:
-            break
-        batch.append(text)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
 def measure_split(texts: Iterator[str], tokenizer: Any, batch_documents: int, limit: int,
                   description: str) -> tuple[np.ndarray, int]:
     """Token lengths (N,) of the documents of one split (no separator) and their total characters."""
+    from owai.data.tokens import document_batches
+
     parts: list[np.ndarray] = []
     chars = 0
     with console.Bar(description, total=limit or None) as bar:  # None: a count not known in advance
-        for batch in _batches(texts, batch_documents, limit):
+        for batch in document_batches(itertools.islice(texts, limit or None), batch_documents):
             chars += sum(len(t) for t in batch)
             parts.append(np.fromiter((len(ids) for ids in tokenizer.encode_batch(batch)), dtype=np.int64, count=len(batch)))
             bar.update(len(batch))
