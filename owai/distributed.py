@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from owai.errors import OwaiError
+from owai.errors import OwaiError, one_line
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -76,7 +76,7 @@ def init() -> World:
     try:
         dist.init_process_group(backend=backend)
     except (RuntimeError, ValueError) as e:
-        raise OwaiError(f"cannot join the torchrun job ({backend}): {str(e).splitlines()[0]}") from None
+        raise OwaiError(f"cannot join the torchrun job ({backend}): {one_line(e)}") from None
     return world()
 
 
@@ -112,6 +112,16 @@ def mean_across_ranks(value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
+
+
+def sum_across_ranks(values: list[float], device: torch.device) -> list[float]:
+    """Each value summed over ranks (exact totals for a mean over every rank's items; a no-op in
+    one process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
 
 
 def barrier() -> None:

@@ -31,3 +31,15 @@ class CannotRunHere(OwaiError):
 class DataMissing(CannotRunHere):
     """An input the config names is not on this machine (a dataset, a tokenizer from the hub), or one
     the user gives at run time is not given yet (the model to evaluate)."""
+
+
+def one_line(exc: BaseException, limit: int | None = 240) -> str:
+    """An exception as one short line for an error message: an OwaiError's own first line (it is
+    already written for the user), any other as `Type: first non-empty line`; cut at `limit` (None:
+    not cut)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if isinstance(exc, OwaiError):
+        text = lines[0] if lines else type(exc).__name__
+    else:
+        text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."

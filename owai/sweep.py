@@ -40,7 +40,7 @@ import yaml
 
 from owai import console
 from owai.config import build, coerce, load_yaml, parse_override
-from owai.errors import CannotRunHere, OwaiError
+from owai.errors import CannotRunHere, OwaiError, one_line
 from owai.io import atomic_write_json
 from owai.recipes import Grid, Recipe, Selection, check_path, load, recipe_claims, recorded_name, sub_grids
 from owai.runs import CONFIG, RESULTS, SWEEP, Run, config_hash, ensure_writable, is_sweep_dir, new_unique_dir, timestamp
@@ -358,11 +358,6 @@ def _task(sweep: Sweep, point: Point, threads: int = 0) -> dict[str, Any]:
             "overrides": list(point.overrides), "threads": threads}
 
 
-def _one_line(e: BaseException) -> str:
-    text = str(e) if isinstance(e, OwaiError) else f"{type(e).__name__}: {e}"
-    return (text.strip().splitlines() or [type(e).__name__])[0]
-
-
 def run_point(task: dict[str, Any]) -> dict[str, Any]:
     """Run (or resume) one point quietly; never raises for a failed run, returns its outcome.
 
@@ -391,7 +386,7 @@ def run_point(task: dict[str, Any]) -> dict[str, Any]:
             execute(task["recipe"], task["preset"], task["overrides"], run_dir=path)
         outcome["status"] = "complete"
     except Exception as e:  # noqa: BLE001 - a failed point is recorded; the sweep goes on
-        outcome["error"] = _one_line(e)
+        outcome["error"] = one_line(e, None)
     finally:
         console.configure(*saved)
     outcome["seconds"] = round(time.time() - started, 2)
@@ -443,7 +438,7 @@ def _run_local(sweep: Sweep, todo: list[Point], workers: int) -> list[dict[str, 
             try:
                 outcomes.append(future.result())
             except Exception as e:  # noqa: BLE001 - the worker process itself died
-                outcomes.append({"id": futures[future].id, "status": "failed", "error": f"worker: {_one_line(e)}"})
+                outcomes.append({"id": futures[future].id, "status": "failed", "error": f"worker: {one_line(e, None)}"})
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)
         raise
@@ -458,7 +453,7 @@ def _run_submitit(sweep: Sweep, todo: list[Point], executor: str, opts: SlurmOpt
     try:
         ex = submitit.AutoExecutor(folder=sweep.path / "slurm", cluster=cluster)
     except RuntimeError as e:  # e.g. no srun: not a SLURM node
-        raise OwaiError(f"--executor {executor}: {_one_line(e)}") from None
+        raise OwaiError(f"--executor {executor}: {one_line(e, None)}") from None
     params = {
         "name": f"owai-{sweep.recipe}",
         "timeout_min": opts.timeout_min or SLURM_TIMEOUT_MIN,
@@ -473,7 +468,7 @@ def _run_submitit(sweep: Sweep, todo: list[Point], executor: str, opts: SlurmOpt
     try:
         jobs = ex.map_array(run_point, [_task(sweep, p, threads) for p in todo])
     except Exception as e:  # noqa: BLE001 - sbatch refused: a user-facing problem
-        raise OwaiError(f"submitting {len(todo)} jobs failed: {_one_line(e)}") from None
+        raise OwaiError(f"submitting {len(todo)} jobs failed: {one_line(e, None)}") from None
     if cluster == "slurm":
         console.info(f"submitted job array {jobs[0].job_id.split('_')[0]} ({len(jobs)} points); waiting")
     point_of = {id(job): p for job, p in zip(jobs, todo)}
@@ -484,7 +479,7 @@ def _run_submitit(sweep: Sweep, todo: list[Point], executor: str, opts: SlurmOpt
             try:
                 outcomes.append(job.result())
             except Exception as e:  # noqa: BLE001 - the job died (timeout, preemption, node failure)
-                error = f"job {job.job_id}: {_one_line(e)}"
+                error = f"job {job.job_id}: {one_line(e, None)}"
                 outcomes.append({"id": point_of[id(job)].id, "status": "failed", "error": error})
     except KeyboardInterrupt:
         for job in jobs:  # no job should keep writing a point that a later --resume reruns

@@ -43,7 +43,7 @@ from owai.checkpoint import (
     verify_shard_files,
 )
 from owai.console import Bar
-from owai.errors import OwaiError
+from owai.errors import OwaiError, one_line
 from owai.runs import Run
 
 if TYPE_CHECKING:
@@ -159,7 +159,7 @@ def train_loop(
             if companion is not None:
                 companion.load_state_dict(state.get("companion", {}))
         except (KeyError, RuntimeError, ValueError) as e:
-            raise OwaiError(f"checkpoint {last} does not fit this model: {str(e).splitlines()[0]}") from None
+            raise OwaiError(f"checkpoint {last} does not fit this model: {one_line(e)}") from None
         torch.set_rng_state(state["torch_rng"])
         recent = list(state["recent_losses"])
         if main:

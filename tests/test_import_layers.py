@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                  "owai.methods")),  # owai.methods itself: the Method interface and the registry of names
     ("models / config / distributed", ("owai.models.*", "owai.config", "owai.distributed", "owai.runtime",
                                        "owai.optim", "owai.plan")),
-    ("io / errors", ("owai.io", "owai.errors", "owai.console", "owai.values", "owai.trackers", "owai",
+    ("io / errors", ("owai.io", "owai.errors", "owai.hub", "owai.console", "owai.values", "owai.trackers", "owai",
                      "owai.recipe_files")),  # the recipes/ folder, installed as a package of data files
 ]
 

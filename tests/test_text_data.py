@@ -288,13 +288,13 @@ def test_gpt2_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
     monkeypatch.setattr(text, "_hub_cached", lambda name: False)
-    monkeypatch.setattr(text, "_hub_unreachable", lambda: "")  # the probe passes, the download fails
+    monkeypatch.setattr(text, "hub_unreachable", lambda: "")  # the probe passes, the download fails
     with pytest.raises(OwaiError) as e:
         load_tokenizer("gpt2")
     message = one_line_error(e)
     assert "cannot fetch tokenizer 'gpt2' from the Hugging Face hub" in message
     assert "use tokenizer=bytes or bpe-N offline" in message
-    monkeypatch.setattr(text, "_hub_unreachable", lambda: "the hub (huggingface.co) is unreachable (test)")
+    monkeypatch.setattr(text, "hub_unreachable", lambda: "the hub (huggingface.co) is unreachable (test)")
     with pytest.raises(OwaiError, match="not in the local Hugging Face cache and the hub .* is unreachable"):
         load_tokenizer("gpt2")  # no connection: fails at once, before transformers is asked
 

@@ -46,7 +46,7 @@ from PIL import Image
 
 from owai.data import registry
 from owai.data.images import check_style, image_files, visible_dirs
-from owai.errors import OwaiError
+from owai.errors import OwaiError, one_line
 
 # -------------------------------------------------------------------------------------------- the type
 
@@ -221,9 +221,7 @@ def load_cifar_batch(path: str | Path) -> dict[str, object]:
     except OSError as exc:
         raise OwaiError(f"cannot read CIFAR file {path}: {exc.strerror or exc}") from None
     except Exception as exc:  # noqa: BLE001 - truncated/corrupt pickles raise many types
-        detail = str(exc).splitlines()[0] if str(exc) else ""
-        raise OwaiError(f"CIFAR file {path} is corrupt or truncated ({type(exc).__name__}"
-                        f"{': ' + detail if detail else ''})") from None
+        raise OwaiError(f"CIFAR file {path} is corrupt or truncated ({one_line(exc)})") from None
     if not isinstance(obj, dict):
         raise OwaiError(f"CIFAR file {path} holds a {type(obj).__name__}, expected a dict")
     return {(k.decode("latin1") if isinstance(k, bytes) else str(k)): v for k, v in obj.items()}
@@ -296,13 +294,9 @@ def load_cifar_hub(name: str = "cifar10", split: str = "train", hub_id: str | No
     img and label / fine_label) through `datasets.load_dataset` (network or a populated HF cache)."""
     layout = _cifar_layout(name)
     hub_id = hub_id or layout.hub_id
-    try:
-        import datasets
+    from owai.hub import load_dataset
 
-        ds = datasets.load_dataset(hub_id, split=split)
-    except Exception as exc:  # noqa: BLE001 - any hub/cache failure is a user-facing error
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise OwaiError(f"cannot load {hub_id!r} split {split!r} from the Hugging Face hub: {first}") from None
+    ds = load_dataset(hub_id, split=split, what=f"{hub_id!r} split {split!r}")
     features = ds.features
     if "img" not in features or layout.hub_label not in features:
         raise OwaiError(f"{hub_id!r} has columns {', '.join(features)}, expected img and {layout.hub_label}")

@@ -205,13 +205,9 @@ def load_mnist_hub(split: str = "train", hub_id: str = HUB_ID) -> MNIST:
     """Read a split of `ylecun/mnist` (columns `image`, `label`) through `datasets`."""
     if split not in SPLITS:
         raise OwaiError(f"unknown MNIST split {split!r} (known: {', '.join(SPLITS)})")
-    try:
-        import datasets
+    from owai.hub import load_dataset
 
-        ds = datasets.load_dataset(hub_id, split=split)
-    except Exception as exc:  # noqa: BLE001 - any hub/cache failure is a user-facing error
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise OwaiError(f"cannot load MNIST {hub_id!r} split {split!r} from the Hugging Face hub: {first}") from None
+    ds = load_dataset(hub_id, split=split, what=f"MNIST {hub_id!r} split {split!r}")
     images = np.stack([np.asarray(im, dtype=np.uint8) for im in ds["image"]])
     labels = np.asarray(ds["label"], dtype=np.int64)
     if images.shape[1:] != (28, 28) or images.shape[0] != labels.shape[0]:

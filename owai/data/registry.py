@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from owai.errors import DataMissing, OwaiError
+from owai.errors import DataMissing, OwaiError, one_line
 from owai.io import cache_root
 
 DATA_ENV = "OWAI_DATA"
@@ -499,8 +499,7 @@ def _fetch_hub(ds: Dataset, tmp: Path, info: Callable[[str], None]) -> None:
     try:
         snapshot_download(ds.hf_id, repo_type="dataset", allow_patterns=list(ds.hf_patterns), local_dir=tmp)
     except Exception as exc:  # noqa: BLE001 - any hub failure is one line
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise OwaiError(f"cannot fetch {ds.hf_id} from the Hugging Face hub: {first}") from None
+        raise OwaiError(f"cannot fetch {ds.hf_id} from the Hugging Face hub: {one_line(exc)}") from None
     shutil.rmtree(tmp / ".cache", ignore_errors=True)  # huggingface_hub's download metadata
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     if not files:

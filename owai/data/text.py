@@ -59,7 +59,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from owai.data import registry, stories
-from owai.errors import DataMissing, OwaiError
+from owai.errors import DataMissing, OwaiError, one_line
+from owai.hub import hub_unreachable
 from owai.io import atomic_write_json, atomic_write_text, cache_root  # cache_root: tokens.py uses it from here
 
 SPLITS = ("train", "val")
@@ -73,13 +74,6 @@ SOURCE_FORMAT = 1  # bump when reading rules change (keys caches)
 
 
 # --- small helpers ---------------------------------------------------------------------------
-
-
-def one_line(exc: BaseException, limit: int = 240) -> str:
-    """An exception as a single short line (`Type: first line of the message`)."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def digest(*parts: Any) -> str:
@@ -154,16 +148,12 @@ class HubSource(TextSource):
     def _load(self) -> dict[str, Any]:
         """All splits of the dataset (a network call the first time); errors become OwaiError."""
         if self._splits is None:
-            try:
-                import datasets
+            from owai.hub import load_dataset
 
-                loaded = datasets.load_dataset(self.hub_id, self.config, revision=self.revision,
-                                               streaming=self.streaming)
-            except Exception as exc:  # offline, unknown id, missing config, script datasets...
-                raise OwaiError(
-                    f"cannot load Hugging Face dataset {self.name!r} ({one_line(exc)}); it is not a local "
-                    "path either: check the id/config and network access, or use owai-stories or a local path"
-                ) from None
+            loaded = load_dataset(self.hub_id, self.config, revision=self.revision, streaming=self.streaming,
+                                  what=f"dataset {self.name!r}",
+                                  hint="; it is not a local path either: check the id/config and network "
+                                       "access, or use owai-stories or a local path")
             self._splits = dict(loaded)
         return self._splits
 
@@ -948,7 +938,6 @@ def _from_bpe_files(name: str, folder: Path) -> HFTokenizer:
 
 
 BPE_MIN_VOCAB, BPE_MAX_VOCAB = 258, 1 << 20
-HUB_PROBE_TIMEOUT = 3.0  # seconds to reach the hub before a hub tokenizer id is declared unreachable
 
 
 def resolve_tokenizer(name: str, data_root: str | Path | None = None) -> str:
@@ -984,7 +973,7 @@ def check_tokenizer(name: str, data_root: str | Path | None = None) -> None:
                         "(use bytes, bpe-N, a tokenizer directory or tokenizer.json, or a hub id such as gpt2)")
     if _hub_cached(name):
         return
-    problem = _hub_unreachable()
+    problem = hub_unreachable()
     if problem:
         raise DataMissing(f"tokenizer {name!r} is not in the local Hugging Face cache and {problem}; "
                           "use tokenizer=bytes or bpe-N offline")
@@ -997,28 +986,6 @@ def _hub_cached(name: str) -> bool:
     except ImportError:
         return False
     return any(isinstance(try_to_load_from_cache(name, f), str) for f in ("tokenizer.json", "tokenizer_config.json"))
-
-
-def _hub_unreachable() -> str:
-    """Why the hub cannot be asked ("" when it can): offline mode, or no TCP connection in time."""
-    from urllib.parse import urlparse
-
-    if os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"):
-        return "HF_HUB_OFFLINE is set"
-    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    return _probe(endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443))
-
-
-@functools.lru_cache(maxsize=4)
-def _probe(host: str, port: int) -> str:
-    """One TCP connection attempt per process and endpoint (a sweep validates many points)."""
-    import socket
-
-    try:
-        socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT).close()
-    except OSError as exc:
-        return f"the hub ({host}) is unreachable ({one_line(exc, 80)})"
-    return ""
 
 
 def _quiet_hub() -> None:

@@ -299,7 +299,8 @@ def _from_directory(path: Path, tokenizer: str, device: torch.device | None, pre
 
 
 def _from_hub(name: str, tokenizer: str, device: torch.device | None, precision: str) -> CausalLM:
-    from owai.data.text import load_tokenizer, one_line
+    from owai.data.text import load_tokenizer
+    from owai.errors import one_line
 
     tok = load_tokenizer(tokenizer or name)  # a hub id the cache or the hub has; one line otherwise
     try:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from owai import console
-from owai.errors import DataMissing, OwaiError
+from owai.errors import DataMissing, OwaiError, one_line
 
 SUITE = "longicl"
 DEFAULT_QUERIES = 500  # `--test_number 500` in every LongICLBench script
@@ -97,7 +97,7 @@ def _read_json_list(file: Path, what: str) -> list:
     try:
         value = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OwaiError(f"longicl: {file} is not valid JSON ({str(e).splitlines()[0]})") from None
+        raise OwaiError(f"longicl: {file} is not valid JSON ({one_line(e)})") from None
     if not isinstance(value, list):
         raise OwaiError(f"longicl: {file} must hold a JSON list of {what}, got {type(value).__name__}")
     return value
@@ -256,15 +256,9 @@ def load_hf(name: str) -> ICLData:
     if name not in HF_DATASETS:
         raise OwaiError(f"longicl: unknown hub dataset {name!r}; known: {', '.join(HF_DATASETS)}")
     repo, config = HF_DATASETS[name]
-    try:
-        import datasets
-    except ImportError:
-        raise DataMissing(f"longicl: loading {repo} needs the `datasets` package") from None
-    try:
-        ds = datasets.load_dataset(repo, config) if config else datasets.load_dataset(repo)
-    except Exception as e:  # the hub raises many types (ConnectionError, HfHubHTTPError, FileNotFoundError...)
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataMissing(f"longicl: cannot load {repo} from the Hugging Face hub ({msg[:200]})") from None
+    from owai.hub import load_dataset
+
+    ds = load_dataset(repo, *([config] if config else []), what=f"longicl: {repo}")
     if repo.endswith("banking77"):
         names = list(ds["train"].features["label"].names)
 

@@ -56,7 +56,7 @@ from typing import Any, Protocol
 
 from owai import console
 from owai.config import MAX_CONTEXT
-from owai.errors import DataMissing, OwaiError
+from owai.errors import DataMissing, OwaiError, one_line
 
 # ------------------------------------------------------------------------------------------ constants
 
@@ -200,12 +200,6 @@ class QAData:
     source: str
 
 
-def _one_line(exc: BaseException, limit: int = 200) -> str:
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _read_json(path: str | Path, what: str) -> Any:
     file = Path(path).expanduser()
     if not file.is_file():
@@ -216,7 +210,7 @@ def _read_json(path: str | Path, what: str) -> Any:
     except json.JSONDecodeError as exc:
         raise OwaiError(f"{what} file {file} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise OwaiError(f"cannot read {what} file {file}: {_one_line(exc)}") from None
+        raise OwaiError(f"cannot read {what} file {file}: {one_line(exc)}") from None
 
 
 def _squad_pool(articles: Any, source: str) -> QAData:
@@ -271,7 +265,7 @@ def read_squad(path: str | Path) -> QAData:
     try:
         return _squad_pool(raw["data"], str(path))
     except (KeyError, TypeError, ValueError) as exc:
-        raise OwaiError(f"{path} is not a SQuAD v2.0 file ({_one_line(exc, 120)})") from None
+        raise OwaiError(f"{path} is not a SQuAD v2.0 file ({one_line(exc, 120)})") from None
 
 
 def read_hotpotqa(path: str | Path) -> QAData:
@@ -280,18 +274,15 @@ def read_hotpotqa(path: str | Path) -> QAData:
     try:
         return _hotpot_pool(raw, str(path))
     except (KeyError, TypeError, ValueError) as exc:
-        raise OwaiError(f"{path} is not a HotpotQA file ({_one_line(exc, 120)})") from None
+        raise OwaiError(f"{path} is not a HotpotQA file ({one_line(exc, 120)})") from None
 
 
 def _hub_split(hub_id: str, config: str | None, split: str, revision: str | None) -> Any:
-    try:
-        import datasets
+    from owai.hub import load_dataset
 
-        return datasets.load_dataset(hub_id, config, split=split, revision=revision)
-    except Exception as exc:  # noqa: BLE001 - offline, unknown id, no such split...
-        name = hub_id + (f":{config}" if config else "")
-        raise DataMissing(f"cannot load {name!r} split {split!r} from the Hugging Face hub ({_one_line(exc)}); "
-                          "pass the official JSON file instead") from None
+    name = hub_id + (f":{config}" if config else "")
+    return load_dataset(hub_id, config, split=split, revision=revision, what=f"{name!r} split {split!r}",
+                        hint="; pass the official JSON file instead")
 
 
 def load_squad_hub(hub_id: str = SQUAD_HUB_ID, split: str = "validation", revision: str | None = None) -> QAData:
@@ -315,7 +306,7 @@ def load_squad_hub(hub_id: str = SQUAD_HUB_ID, split: str = "validation", revisi
                                           "is_impossible": not texts})
         return _squad_pool(data, f"hf:{hub_id}")
     except (KeyError, TypeError, ValueError) as exc:
-        raise OwaiError(f"hf:{hub_id} does not have SQuAD's columns ({_one_line(exc, 120)})") from None
+        raise OwaiError(f"hf:{hub_id} does not have SQuAD's columns ({one_line(exc, 120)})") from None
 
 
 def load_hotpotqa_hub(hub_id: str = HOTPOTQA_HUB_ID, config: str = HOTPOTQA_HUB_CONFIG, split: str = "validation",
@@ -328,7 +319,7 @@ def load_hotpotqa_hub(hub_id: str = HOTPOTQA_HUB_ID, config: str = HOTPOTQA_HUB_
                      for row in rows]
         return _hotpot_pool(converted, f"hf:{hub_id}:{config}")
     except (KeyError, TypeError, ValueError) as exc:
-        raise OwaiError(f"hf:{hub_id} does not have HotpotQA's columns ({_one_line(exc, 120)})") from None
+        raise OwaiError(f"hf:{hub_id} does not have HotpotQA's columns ({one_line(exc, 120)})") from None
 
 
 def synthetic_squad(seed: int = 0, articles: int = 40, paragraphs: int = 5) -> QAData:

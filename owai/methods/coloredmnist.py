@@ -380,10 +380,10 @@ def check_mnist(data: DataConfig) -> None:
         return
     from owai.data.mnist import split_files
     from owai.data.registry import locate, missing_message
-    from owai.data.text import _hub_unreachable
+    from owai.hub import hub_unreachable
 
     if locate("mnist", None, split_files(mnist_file(data))) is None:
-        problem = _hub_unreachable()
+        problem = hub_unreachable()
         if problem:
             raise DataMissing(f"{missing_message('mnist')} (hub id {data.hub_id!r}: {problem})")
 

@@ -61,7 +61,8 @@ class Config(BaseConfig):
 def check_hflm(target: str, tokenizer: str = "") -> None:
     """Before a run, what the harness's HFLM needs for `hflm:TARGET`: accelerate (the `eval` extra), a
     model directory or hub id (cached, or the hub answers) whose config loads, and the tokenizer given."""
-    from owai.data.text import check_tokenizer, one_line
+    from owai.data.text import check_tokenizer
+    from owai.errors import one_line
 
     if not target:
         raise OwaiError("hflm: needs a Hugging Face id or a model directory after it")

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 
 from owai import console
 from owai.config import MAX_NETWORKS, BaseConfig, check_count
-from owai.errors import DataMissing, OwaiError
+from owai.errors import DataMissing, OwaiError, one_line
 from owai.methods import Method, Outcome
 from owai.runs import Run
 
@@ -839,7 +839,7 @@ def build_network(backbone: str, n_classes: int, seed: int, state: dict[str, tor
         try:
             net.load_state_dict(state)
         except RuntimeError as e:
-            raise OwaiError(f"pretrained weights do not fit {backbone}: {str(e).splitlines()[0]}") from None
+            raise OwaiError(f"pretrained weights do not fit {backbone}: {one_line(e)}") from None
     return net
 
 
@@ -1205,7 +1205,7 @@ def network_from_state(backbone: str, state: dict[str, torch.Tensor], seed: int,
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
-        raise OwaiError(f"{label}: the weights do not fit {backbone}: {str(e).splitlines()[0]}") from None
+        raise OwaiError(f"{label}: the weights do not fit {backbone}: {one_line(e)}") from None
     return model
 
 

@@ -32,14 +32,14 @@ import contextlib
 import inspect
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from torch import Tensor, nn
 
-from owai.errors import OwaiError
+from owai.errors import OwaiError, one_line
+from owai.hub import hub_unreachable
 
 PREFIX = "hf:"
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -66,20 +66,6 @@ def hf_source(text: str) -> str:
     if not source:
         raise OwaiError(f"{text!r}: name a Hugging Face hub id or a local directory after 'hf:'")
     return source
-
-
-def _one_line(e: BaseException) -> str:
-    """An exception as one short line (its type and the first non-empty line of its message)."""
-    text = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
-    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
-
-
-def _offline() -> bool:
-    """Hub offline mode, also when HF_HUB_OFFLINE was set after huggingface_hub read it at import."""
-    from huggingface_hub import constants
-
-    env = os.environ.get("HF_HUB_OFFLINE", "").strip().upper()
-    return bool(constants.HF_HUB_OFFLINE) or env in {"1", "ON", "YES", "TRUE"}
 
 
 def _local_dir(source: str) -> Path | None:
@@ -124,7 +110,7 @@ def _load_config(source: str) -> tuple[Any, Path | None]:
         try:
             json.loads((local / "config.json").read_text())
         except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise OwaiError(f"hf:{source}: config.json is not valid JSON ({_one_line(e)})") from None
+            raise OwaiError(f"hf:{source}: config.json is not valid JSON ({one_line(e)})") from None
     try:
         with _quiet(True):
             if local is not None:
@@ -133,13 +119,14 @@ def _load_config(source: str) -> tuple[Any, Path | None]:
                 try:  # the hub cache first: no network round trips (which retry for ~20 s when offline)
                     config = AutoConfig.from_pretrained(source, local_files_only=True)
                 except OSError:
-                    if _offline():
-                        raise
+                    problem = hub_unreachable()
+                    if problem:
+                        raise OSError(f"not in the local Hugging Face cache, and {problem}") from None
                     config = AutoConfig.from_pretrained(source)
     except Exception as e:  # noqa: BLE001 - OSError, ValueError (unknown model type, remote code), hub errors
         if local is not None:
-            raise OwaiError(f"hf:{source}: cannot read the checkpoint's config ({_one_line(e)})") from None
-        raise OwaiError(f"hf:{source}: checkpoint not found locally or on the Hugging Face hub ({_one_line(e)}); "
+            raise OwaiError(f"hf:{source}: cannot read the checkpoint's config ({one_line(e)})") from None
+        raise OwaiError(f"hf:{source}: checkpoint not found locally or on the Hugging Face hub ({one_line(e)}); "
                         f"pass a local directory holding its config.json and weights") from None
     model_type = getattr(config, "model_type", "")
     if model_type not in SUPPORTED:
@@ -194,7 +181,7 @@ def _normalisation(config_dir: Path | None, source: str) -> tuple[list[float], l
         from transformers.utils import cached_file
 
         try:
-            path = cached_file(source, "preprocessor_config.json", local_files_only=_offline(),
+            path = cached_file(source, "preprocessor_config.json", local_files_only=bool(hub_unreachable()),
                                _raise_exceptions_for_missing_entries=False,
                                _raise_exceptions_for_connection_errors=False)
         except Exception:  # noqa: BLE001 - unreachable: fall back to ImageNet's, like a missing file
@@ -204,7 +191,7 @@ def _normalisation(config_dir: Path | None, source: str) -> tuple[list[float], l
     try:
         proc = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise OwaiError(f"hf:{source}: preprocessor_config.json is not valid JSON ({_one_line(e)})") from None
+        raise OwaiError(f"hf:{source}: preprocessor_config.json is not valid JSON ({one_line(e)})") from None
     rescale = float(proc.get("rescale_factor", 1 / 255)) if proc.get("do_rescale", True) else 1.0
     if not proc.get("do_normalize", True):
         return [0.0] * 3, [1.0] * 3, rescale
@@ -262,12 +249,12 @@ class HFImageBackbone(nn.Module):
         try:
             with _quiet(local is not None):
                 model, info = AutoModel.from_pretrained(
-                    where, config=config, local_files_only=local is not None or _offline(), dtype=torch.float32,
+                    where, config=config, local_files_only=local is not None or bool(hub_unreachable()), dtype=torch.float32,
                     output_loading_info=True, **kwargs)
         except Exception as e:  # noqa: BLE001 - OSError, safetensors/pickle errors, hub errors: one line
             from owai.models.vision import _load_problem  # never passes on torch's advice to unpickle unsafely
 
-            why = _load_problem(e) if "weights_only" in str(e) or "Unsupported global" in str(e) else _one_line(e)
+            why = _load_problem(e) if "weights_only" in str(e) or "Unsupported global" in str(e) else one_line(e)
             raise OwaiError(f"hf:{self.source}: cannot load the checkpoint ({why})") from None
         missing = sorted(k for k in info.get("missing_keys", ())
                          if not k.endswith("num_batches_tracked") and not k.startswith("pooler."))

@@ -25,7 +25,7 @@ import owai.models.llama  # noqa: F401  (the transformer baseline: transformers'
 import owai.models.lstm  # noqa: F401  (registers owai_lstm with the Auto classes)
 import owai.models.memory_mosaics  # noqa: F401  (registers owai_memory_mosaics with the Auto classes)
 import owai.models.memory_mosaics_v2  # noqa: F401  (registers owai_memory_mosaics_v2 with the Auto classes)
-from owai.errors import OwaiError, did_you_mean
+from owai.errors import OwaiError, did_you_mean, one_line
 from owai.models.zoo import ARCHITECTURES, SIZED
 
 
@@ -177,7 +177,7 @@ def load_pretrained(path) -> PreTrainedModel:
     try:
         return AutoModelForCausalLM.from_pretrained(str(path))
     except (OSError, ValueError, KeyError) as err:
-        raise OwaiError(f"cannot load the model in {path}: {str(err).splitlines()[0]}") from None
+        raise OwaiError(f"cannot load the model in {path}: {one_line(err)}") from None
 
 
 def blocks(model: PreTrainedModel) -> list[torch.nn.Module]:

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from owai.errors import OwaiError
+from owai.errors import OwaiError, one_line
 from owai.models.memory_mosaics import MemoryMosaicsConfig, MemoryMosaicsForCausalLM
 
 SOURCES = ("library", "nano")
@@ -320,7 +320,7 @@ def load_official_checkpoint(
         else:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file is a user error here
-        raise OwaiError(f"memory mosaics checkpoint: cannot read {path}: {str(err).splitlines()[0]}") from err
+        raise OwaiError(f"memory mosaics checkpoint: cannot read {path}: {one_line(err)}") from err
     config, sd = convert_official_state_dict(checkpoint, source, **{**_hints(checkpoint), **config_overrides})
     model = MemoryMosaicsForCausalLM(config)
     model.load_state_dict(sd, strict=True)

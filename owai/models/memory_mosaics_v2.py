@@ -64,7 +64,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreT
 from transformers import initialization as hf_init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from owai.errors import OwaiError
+from owai.errors import OwaiError, one_line
 from owai.models.hf_cache import CACHE_FIELD, forward_cache, with_cache
 from owai.models.memory_mosaics import MemoryMosaicsCache, _as, _unit, _unit_adjoint, _wide, own_generation_cache
 
@@ -600,8 +600,8 @@ def _run_compiled(name: str, fn: Any, inputs: tuple, compiled: bool) -> Any:
             _COMPILED[name + "-failed"] = True
             import warnings
 
-            warnings.warn(f"memory mosaics v2: compiling {_FAILED_WHAT[name]} failed ({type(err).__name__}: "
-                          f"{str(err).splitlines()[0][:200]}); running it eagerly", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"memory mosaics v2: compiling {_FAILED_WHAT[name]} failed ({one_line(err)}); "
+                          "running it eagerly", RuntimeWarning, stacklevel=2)
     return fn(*inputs)
 
 
@@ -1362,8 +1362,8 @@ class MemoryMosaicsV2ForCausalLM(PreTrainedModel, GenerationMixin):
             _COMPILED["graphs-failed"] = True
             import warnings
 
-            warnings.warn(f"memory mosaics v2: a CUDA-graph decoding step could not be built ({type(err).__name__}: "
-                          f"{str(err).splitlines()[0][:200] if str(err) else ''}); decoding without one", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"memory mosaics v2: a CUDA-graph decoding step could not be built ({one_line(err)}); "
+                          "decoding without one", RuntimeWarning, stacklevel=2)
             return None
         for layer in cache.layers:  # the decoder holds the state from here on: free the dynamic buffers
             layer.clear()

@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from owai.errors import OwaiError
+from owai.errors import OwaiError, one_line
 
 # ---------------------------------------------------------------------------------------------- ResNet
 
@@ -583,7 +583,7 @@ def _download(url: str, path: Path) -> None:
         os.replace(tmp, path)
     except Exception as e:  # noqa: BLE001 - no network, HTTP errors, disk full: one line for the user
         Path(tmp).unlink(missing_ok=True)
-        raise OwaiError(f"cannot download {url} ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}); "
+        raise OwaiError(f"cannot download {url} ({one_line(e, 200)}); "
                         f"put the file at {path}") from None
 
 

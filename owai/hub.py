@@ -1,0 +1,97 @@
+"""The Hugging Face hub: whether it can be reached, and datasets loaded from it.
+
+Without a network the hub clients retry for 20-30 s before they fail. owai asks once per process
+(offline mode, or one TCP connection within HUB_PROBE_TIMEOUT seconds), and where the hub cannot be
+reached it reads only the local caches: a cached copy still loads, and a missing one is one error
+line at once, naming why the hub was not asked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from owai.errors import DataMissing, one_line
+
+HUB_PROBE_TIMEOUT = 3.0  # seconds to reach the hub before it is declared unreachable
+_TRUE = ("1", "ON", "YES", "TRUE")
+
+
+def offline_mode() -> bool:
+    """Hub offline mode as the user set it, also when the variable was set after huggingface_hub
+    read it at import."""
+    if any(os.environ.get(name, "").strip().upper() in _TRUE
+           for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return True
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return False
+    return bool(getattr(constants, "HF_HUB_OFFLINE", False))
+
+
+def hub_unreachable() -> str:
+    """Why the hub cannot be asked ("" when it can): offline mode, or no TCP connection in time."""
+    from urllib.parse import urlparse
+
+    if offline_mode():
+        return "Hugging Face offline mode is set (HF_HUB_OFFLINE)"
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    return _probe(endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443))
+
+
+@functools.lru_cache(maxsize=4)
+def _probe(host: str, port: int) -> str:
+    """One TCP connection attempt per process and endpoint (a sweep validates many points)."""
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT).close()
+    except OSError as exc:
+        return f"the hub ({host}) is unreachable ({one_line(exc, 80)})"
+    return ""
+
+
+@contextlib.contextmanager
+def cache_only() -> Iterator[None]:
+    """`datasets` and huggingface_hub in offline mode for the duration (they read the variable at
+    import, so their module flags are set), restored afterwards. A release without those flags is
+    left as it is: it then retries as it would."""
+    flags: list[tuple[Any, str, Any]] = []
+    for module_name, names in (("huggingface_hub.constants", ("HF_HUB_OFFLINE",)),
+                               ("datasets.config", ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))):
+        try:
+            import importlib
+
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        flags += [(module, name, getattr(module, name)) for name in names if hasattr(module, name)]
+    try:
+        for module, name, _ in flags:
+            setattr(module, name, True)
+        yield
+    finally:
+        for module, name, value in flags:
+            setattr(module, name, value)
+
+
+def load_dataset(path: str, *args: Any, what: str, hint: str = "", **kwargs: Any) -> Any:
+    """`datasets.load_dataset(path, *args, **kwargs)`, from the local caches alone when the hub cannot
+    be reached. Any failure is a DataMissing line: "cannot load {what} from the Hugging Face hub
+    (why){hint}"."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataMissing(f"loading {what} needs the `datasets` package: pip install datasets") from None
+    problem = "" if Path(path).expanduser().exists() else hub_unreachable()
+    try:
+        with cache_only() if problem else contextlib.nullcontext():
+            return datasets.load_dataset(path, *args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the hub raises many types (ConnectionError, HfHubHTTPError, ...)
+        why = one_line(exc, 200) + (f"; not in the local cache, and {problem}" if problem else "")
+        raise DataMissing(f"cannot load {what} from the Hugging Face hub ({why}){hint}") from None
