@@ -187,3 +187,29 @@ def test_pipeline_end_to_end_with_the_study(tree, tmp_path):
     assert Path(info["figure"]).is_file() and (plan.path / "camelyon17.md").is_file()
     assert "2-Bonsai-cf / IRMv1" in (plan.path / "camelyon17.md").read_text()
     assert study_table(rows, info["title"]).row_count == 2
+
+
+def test_table_2_6_names_a_penalty_from_scratch_its_erm_row():
+    """TH 2.3.4: the ERM-initialised rows pre-train with ERM for penalty.anneal_iters steps of the
+    same run, from scratch (RFC's camelyon17_irm.sh); init erm (round 0's trained network) is owai's
+    extra and says so."""
+    from owai.methods.camelyon17 import init_label
+
+    assert init_label("rand", "", None, "erm") == "-"
+    assert init_label("rand", "", None, "irm") == "ERM"
+    assert init_label("erm", "", None, "vrex") == "ERM (round 0)"
+    assert init_label("bonsai-cf", 2, None, "irm") == "2-Bonsai-cf"
+
+
+def test_figure_2_9_leaves_lambda_zero_off_its_log_axis():
+    from owai.methods.camelyon17 import plot_study
+
+    def group(weight: float, test: float) -> dict:
+        return {"grid": {"init": "bonsai-cf", "rounds": 2, "method": "irm", "penalty.weight": weight},
+                "metrics": [{"metric": m, "mean": v, "values": [v]} for m, v in
+                            (("id_val_acc.iid", 0.9), ("test_acc.iid", test), ("val_acc.ood", 0.8), ("test_acc.ood", test))]}
+
+    fig = plot_study({"groups": [group(0.0, 0.5), group(1.0, 0.6), group(10.0, 0.7)]}, "t")
+    left = fig.axes[0]
+    xs = sorted({x for line in left.get_lines() for x in line.get_xdata()})
+    assert xs == [1.0, 10.0]

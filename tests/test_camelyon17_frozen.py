@@ -189,14 +189,16 @@ def test_recipe_presets_and_thesis_numbers(tree):
     assert paper.bonsai.distill_groups == "balance" and paper.bonsai.group_method == "old"
     for (init, n), values in THESIS.items():
         for metric, method, value in zip(("iid", "iid", "ood", "ood"), ("vrex", "erm", "vrex", "erm"), values):
-            cell = {"init": init, "method": method, "rounds": 2, "networks": n if n is not None else 2}
+            # the ERM row's ERM-head cells are plain WILDS ERM (init rand = round 0), as Table 2.6's "- / ERM"
+            row_init = "rand" if (init, method) == ("erm-cf", "erm") else init
+            cell = {"init": row_init, "method": method, "rounds": 2, "networks": n if n is not None else 2}
             number = recipes.thesis_for(r, f"test_acc.{metric}", cell)
             assert number is not None and number.value == pytest.approx(value / 100), (init, n, metric, method)
     subs, seeds = r.sweep.for_preset("paper")
     inits = {i for sub in subs for i in sub["init"]}
-    assert inits == {"erm-cf", "cat-cf", "distill-cf", "bonsai-cf"} and seeds == [0, 1, 2, 3, 4]
+    assert inits == {"rand", "erm-cf", "cat-cf", "distill-cf", "bonsai-cf"} and seeds == [0, 1, 2, 3, 4]
     weights = {w for sub in subs for w in sub.get("penalty.weight", [])}
-    assert weights == {0.5, 1.0, 5.0, 10.0, 50.0, 100.0}
+    assert weights == {0.0, 0.5, 1.0, 5.0, 10.0, 50.0, 100.0}  # lambda 0, as RFC's *linear.sh grids
     assert {n for sub in subs for n in sub.get("networks", [])} == {2, 5, 20}
     assert all(c.get("presets") == ["paper"] for c in r.claims)
 
@@ -206,19 +208,20 @@ def test_study_labels_cat_and_distill_rows(tree, tmp_path):
     from owai import sweep as sweeps
     from owai.methods.camelyon17 import study_table, write_study
 
-    grid = [{"init": ["erm-cf"], "method": ["erm"]},
+    grid = [{"init": ["rand"], "method": ["erm"]}, {"init": ["erm-cf"], "method": ["erm"]},
             {"init": ["cat-cf", "distill-cf"], "networks": [2], "method": ["erm"]}]
     plan = sweeps.create(RECIPE, "tiny", sets(tree), seeds=[0], out=tmp_path / "study", grid=grid)
     summary = sweeps.write_summary(plan, sweeps.run(plan, "local", 1))
-    assert summary["counts"].get("complete") == 3
+    assert summary["counts"].get("complete") == 4
     rows, info = write_study(plan, summary)
     by_label = {r["label"]: r for r in rows}
-    assert list(by_label) == ["ERM-cf / ERM", "Cat2 / ERM", "Distill2 / ERM"]
+    assert list(by_label) == ["- / ERM", "ERM-cf / ERM", "Cat2 / ERM", "Distill2 / ERM"]
     assert by_label["Cat2 / ERM"]["networks"] == 2 and by_label["ERM-cf / ERM"]["networks"] is None
     assert by_label["Cat2 / ERM"]["iid"]["thesis"] == pytest.approx(0.743)
     assert by_label["Distill2 / ERM"]["ood"]["thesis"] == pytest.approx(0.667)
-    assert by_label["ERM-cf / ERM"]["iid"]["thesis"] == pytest.approx(0.666)
+    assert by_label["- / ERM"]["iid"]["thesis"] == pytest.approx(0.666)  # Table 2.3's ERM / ERM: plain WILDS ERM
+    assert by_label["ERM-cf / ERM"]["iid"]["thesis"] is None
     study = json.loads((plan.path / "camelyon17.json").read_text())
     assert len(study["claims"]) == 6 and {c["verdict"] for c in study["claims"]} == {"n/a"}  # judged at paper only
     assert "Cat2 / ERM" in (plan.path / "camelyon17.md").read_text()
-    assert study_table(rows, info["title"]).row_count == 3
+    assert study_table(rows, info["title"]).row_count == 4

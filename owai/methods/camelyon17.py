@@ -16,8 +16,9 @@ One run = one seed's pipeline for one downstream point (`init`, `method`, `round
    from the group loader, SGD lr 1e-3 momentum 0.9 wd 1e-6, 20 epochs; the epoch is chosen by the
    heads' id_val accuracy against the pseudo-labels. Convert: the downstream head is the average of
    the K two-class heads (`average_heads`), or a random head.
-3. **Downstream** (stage `downstream`, 10 epochs, evaluation every epoch): `init` rand (from scratch),
-   erm (round 0's network), erm-cf (round 0's featurizer frozen), bonsai (the synthesis network,
+3. **Downstream** (stage `downstream`, 10 epochs, evaluation every epoch): `init` rand (from scratch,
+   round 0's initialisation; with a penalty, Table 2.6's "ERM" rows: ERM pre-training is the first
+   `penalty.anneal_iters` steps, as in RFC's scripts), erm (round 0's trained network), erm-cf (round 0's featurizer frozen), bonsai (the synthesis network,
    wd 1e-6), bonsai-cf (frozen, wd 0.01); `method` erm/irm/vrex/clove through the penalty registry on
    2 logits with the group loader (2 hospitals x 16): IRMv1 with the unbiased even/odd estimate
    (WILDS), vREx with RFC-Camelyon's division by the number of groups, CLOvE with kernel width 0.1;
@@ -833,8 +834,13 @@ TUNES = {"iid": "id_val_acc.iid", "ood": "val_acc.ood"}  # tuning -> the validat
 METHOD_LABELS = {"erm": "ERM", "irm": "IRMv1", "vrex": "vREx", "clove": "CLOvE"}
 
 
-def init_label(init: str, rounds: Any, networks: Any = None) -> str:
-    return {"rand": "-", "erm": "ERM", "erm-cf": "ERM-cf", "bonsai": f"{rounds}-Bonsai", "bonsai-cf": f"{rounds}-Bonsai-cf",
+def init_label(init: str, rounds: Any, networks: Any = None, method: str = "erm") -> str:
+    """Table 2.6's name of an initialisation. A penalty from scratch is its "ERM" row: the penalty
+    starts after `penalty.anneal_iters` steps of ERM pre-training (TH 2.3.4, RFC's camelyon17_irm.sh);
+    `erm`, which starts from round 0's trained network, is not in the thesis's table."""
+    if init == "rand":
+        return "-" if method == "erm" else "ERM"
+    return {"erm": "ERM (round 0)", "erm-cf": "ERM-cf", "bonsai": f"{rounds}-Bonsai", "bonsai-cf": f"{rounds}-Bonsai-cf",
             "cat-cf": f"Cat{networks}", "distill-cf": f"Distill{networks}", "none": "rounds"}.get(init, str(init))
 
 
@@ -887,7 +893,7 @@ def study_rows(sweep: Any, summary: dict[str, Any]) -> tuple[list[dict[str, Any]
             networks = cell.get("networks") if init in ENSEMBLE_INITS else None  # Cat_n / Distill_n's n
             label = f"{init}|{rounds if init in ('bonsai', 'bonsai-cf') else ''}|{networks or ''}|{method}"
             row = rows.setdefault(label, {"kind": "table2.6", "init": init, "rounds": rounds, "networks": networks,
-                                          "method": method, "label": f"{init_label(init, rounds, networks)} / "
+                                          "method": method, "label": f"{init_label(init, rounds, networks, method)} / "
                                                                      f"{METHOD_LABELS.get(method, method)}"})
             values = test["values"]
             mean, std = _stat(values)
@@ -982,7 +988,9 @@ def plot_study(summary: dict[str, Any], title: str) -> Any:
         if method not in ("irm", "vrex", "clove") or "penalty.weight" not in grid:
             continue
         m = {x["metric"]: x for x in group["metrics"]}
-        init = init_label(grid.get("init", ""), grid.get("rounds", ""), grid.get("networks", ""))
+        init = init_label(grid.get("init", ""), grid.get("rounds", ""), grid.get("networks", ""), method)
+        if float(grid["penalty.weight"]) <= 0:  # lambda 0 (ERM on the group loader) has no place on the log axis
+            continue
         for tune, metric in TUNES.items():
             if metric not in m or f"test_acc.{tune}" not in m:
                 continue
