@@ -217,7 +217,7 @@ def _setting_range(name: str) -> tuple[str, typing.Callable[[float], bool]] | No
         return "> 0", lambda v: v > 0
     if name in NON_NEGATIVE_FIELDS or name.endswith("_weight_decay"):
         return ">= 0", lambda v: v >= 0
-    if name in UNIT_INTERVAL_FIELDS:
+    if name in UNIT_INTERVAL_FIELDS or name.endswith("_dropout"):
         return "in [0, 1)", lambda v: 0 <= v < 1
     if name.endswith(("fraction", "_share", "_ratio")):
         return "in [0, 1]", lambda v: 0 <= v <= 1

@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import as_if_killed, as_sets, run_owai, torchrun
 
@@ -70,6 +71,9 @@ def test_mosaic_train_trains_both_and_writes_everything(trained: Path):
     rows = {r["metric"]: r for r in results["rows"]}
     for arch in ("mm", "gpt"):
         assert rows[f"{arch}.val_loss"]["measured"] > 0
+        # Table B.2's training loss is an evaluation (eval mode, fixed training windows); the
+        # training steps' own mean is kept apart
+        assert rows[f"{arch}.train_loss"]["measured"] > 0 and results["details"][f"{arch}.final_step_loss"] > 0
         assert (trained / "models" / arch / "config.json").is_file()
         assert (trained / "models" / arch / "model.safetensors").is_file()
         assert (trained / "models" / arch / "tokenizer.json").is_file()
@@ -96,6 +100,8 @@ def test_mosaic_eval_reads_the_saved_models_back(trained: Path, tmp_path: Path):
     original = {r["metric"]: r["measured"] for r in json.loads((trained / "results.json").read_text())["rows"]}
     for arch in ("mm", "gpt"):  # same weights, same tokenizer, same evaluation windows
         assert evaluated[f"{arch}.val_loss"] == pytest.approx(original[f"{arch}.val_loss"], rel=1e-5)
+        # the training loss too: an evaluation of the saved weights, not the last steps' losses
+        assert evaluated[f"{arch}.train_loss"] == pytest.approx(original[f"{arch}.train_loss"], rel=1e-5)
 
 
 def test_resume_replays_the_killed_steps_exactly(trained: Path, tmp_path: Path):
@@ -130,6 +136,11 @@ def test_torchrun_two_gloo_processes_match_one(strategy: str, tmp_path: Path):
     assert l1.keys() == l2.keys() and len(l1) == 6
     for step in l1:
         assert l2[step] == pytest.approx(l1[step], abs=2e-4), (step, l1, l2)
+    # the final evaluations' batches (eval.batch_size 8 in both) are split across the ranks and their
+    # losses added up exactly: the numbers one process gives
+    r1, r2 = ({r["metric"]: r["measured"] for r in json.loads((run / "results.json").read_text())["rows"]} for run in (one, two))
+    for metric in ("gpt.val_loss", "gpt.train_loss"):
+        assert r2[metric] == pytest.approx(r1[metric], abs=2e-4), metric
     # rank 0 wrote one copy of everything: one metrics line per logged step, one results file
     rows = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
     assert len([r for r in rows if "loss" in r]) == 6
@@ -199,3 +210,48 @@ def test_unique_labels_name_models_of_several_runs():
     found = [("mm", Path("/r/a/models/mm")), ("gpt", Path("/r/a/models/gpt")), ("mm", Path("/r/b/models/mm")), ("mm", Path("/r/b/models/mm"))]
     labels = [label for label, _ in unique_labels(found)]
     assert labels == ["a-mm", "gpt", "b-mm", "b-mm-3"]
+
+
+def test_evaluation_batches_are_split_across_ranks(monkeypatch):
+    """Rank r of W takes batches r, r + W, ... of the same keyed list, rounded up to a multiple of W
+    (every rank runs as many forward passes); one process takes batches 0 .. n-1."""
+    from owai import distributed
+    from owai.methods import language_model as lm
+
+    class Windows:
+        def batch(self, size, gen):
+            return (torch.randint(0, 1000, (size, 4), generator=gen), None)
+
+    def batches(rank: int, size: int, n: int) -> list[list[int]]:
+        monkeypatch.setattr(distributed, "world", lambda: distributed.World(rank, size))
+        return [b[0][:, 0].tolist() for b in lm.eval_batches(Windows(), n, 2, 7, "val")]
+
+    one = batches(0, 1, 5)
+    assert len(one) == 5
+    three = [batches(r, 3, 5) for r in range(3)]
+    assert [len(b) for b in three] == [2, 2, 2]  # 5 rounded up to 6
+    assert three[0][:2] == [one[0], one[3]] and three[1] == [one[1], one[4]] and three[2][0] == one[2]
+
+
+def test_beam_continuations_rank_by_summed_log_probability():
+    """Tables B.4 / B.5: the reference's beam_generate ranks beams by the raw product of their
+    probabilities; Hugging Face's default divides finished beams' scores by their length."""
+    from types import SimpleNamespace
+
+    from owai.evals.lm import continuations
+
+    calls: list[dict] = []
+
+    class Model(torch.nn.Module):
+        config = SimpleNamespace()
+
+        def generate(self, ids, **kwargs):
+            calls.append(kwargs)
+            return torch.cat([ids, torch.tensor([[5, 6, 0]])], dim=1)
+
+    tokenizer = SimpleNamespace(encode=lambda text: [1, 2, 3], decode=lambda ids: " ".join(map(str, ids)), eot_id=0)
+    rows = continuations(Model(), tokenizer, ["Once"], torch.device("cpu"), max_new_tokens=3)
+    assert rows == [{"prompt": "Once", "greedy": "5 6", "beam2": "5 6"}]
+    greedy, beam = calls
+    assert greedy["num_beams"] == 1 and "length_penalty" not in greedy
+    assert beam["num_beams"] == 2 and beam["length_penalty"] == 0.0

@@ -320,3 +320,20 @@ def test_converter_unwraps_checkpoints_and_rejects_bad_keys(tmp_path):
     torch.testing.assert_close(model(ids).logits.double(), want, atol=1e-4, rtol=1e-4)
     with pytest.raises(OwaiError):
         load_official_checkpoint(tmp_path / "nope.pt")
+
+
+def test_contextual_dropout_is_its_own_setting():
+    """contextual_dropout 0 (the Library's eft model): with no persistent memory and no residual
+    dropout, a training-mode forward is the eval-mode one; left unset it follows ic_dropout."""
+    ids = _ids(2, 24)
+    settings = dict(TINY, attn_only=True, ic_dropout=0.5, hd_dropout=0.0)
+    torch.manual_seed(0)
+    eft = MemoryMosaicsForCausalLM(MemoryMosaicsConfig(**settings, contextual_dropout=0.0))
+    reference = eft.eval()(ids).logits
+    assert torch.equal(eft.train()(ids).logits, reference)
+    torch.manual_seed(0)
+    regular = MemoryMosaicsForCausalLM(MemoryMosaicsConfig(**settings))
+    assert torch.equal(regular.eval()(ids).logits, reference)  # the same weights
+    assert not torch.allclose(regular.train()(ids).logits, reference)
+    with pytest.raises(OwaiError, match="contextual_dropout must be in"):
+        MemoryMosaicsConfig(**TINY, contextual_dropout=1.0)

@@ -47,6 +47,14 @@ def validation_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor
                     eot: int | None = None) -> float:
     """Mean next-token loss over the given (x, y) batches; targets equal to -100 (padding, masked
     separators) are not counted."""
+    total, count = loss_totals(model, batches, device, eot)
+    return total / max(count, 1)
+
+
+def loss_totals(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+                eot: int | None = None) -> tuple[float, int]:
+    """(summed next-token loss, counted targets) over the batches, in eval mode: the parts of a mean
+    that several processes, each with its own batches, add up exactly."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
@@ -56,7 +64,7 @@ def validation_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor
         total += losses.sum().item()
         count += int((y != IGNORE_INDEX).sum())
     model.train(was_training)
-    return total / max(count, 1)
+    return total, count
 
 
 @torch.no_grad()
@@ -97,7 +105,8 @@ def continuations(
     model: torch.nn.Module, tokenizer: Any, prompts: list[str], device: torch.device, max_new_tokens: int = 48,
     beams: tuple[int, ...] = (1, 2), progress: Callable[[], Any] | None = None,
 ) -> list[dict[str, str]]:
-    """Continue each prompt greedily (beams=1) and with beam search; stops at end-of-text.
+    """Continue each prompt greedily (beams=1) and with beam search (unnormalised scores, as the
+    reference's); stops at end-of-text.
     `progress()` is called after each prompt (a progress bar's update).
 
     A model with a learned position table (`context_limit`) sees only the prompt's last
@@ -126,6 +135,9 @@ def continuations(
                 num_beams=beam,
                 eos_token_id=tokenizer.eot_id,
                 pad_token_id=tokenizer.eot_id,
+                # beams scored by their summed log-probability, not divided by length: the
+                # reference's beam_generate ranks by the raw product of probabilities
+                **({"length_penalty": 0.0} if beam > 1 else {}),
             )
             new = out[0, ids.shape[1] :].tolist()
             if tokenizer.eot_id in new:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from owai import console, distributed
 from owai.config import MAX_CONTEXT, MAX_LAYERS, BaseConfig, check_count
-from owai.errors import CannotRunHere, DataMissing, OwaiError
+from owai.errors import CannotRunHere, DataMissing, OwaiError, one_line
 from owai.methods import Method, Outcome
 from owai.models.zoo import SIZED
 from owai.runs import Run, model_dirs
@@ -69,6 +69,9 @@ class ModelConfig:
     n_embd: int | None = None  # None: the size's, else 768
     n_head: int | None = None  # None: the size's, else 12
     dropout: float = 0.05  # MM: ic_dropout = hd_dropout; GPT: its single dropout
+    # MM: the contextual memory's attention dropout; None = dropout (Library regular), 0 = the eft
+    # model that trained the thesis's BabiStories runs (the paper presets)
+    contextual_dropout: float | None = None
     bias: bool = False
     vocab_size: int = 0  # 0 = the tokenizer's vocabulary rounded up to a multiple of 64
     position: Literal["learned", "rope", "alibi", "none"] = "learned"  # GPT only
@@ -201,7 +204,7 @@ class LanguageModelPretraining(Method):
             summary = train_model(cfg, run, arch, parallel, data, device)
             save_model(run, arch, parallel, data)
             model = parallel.module.eval()  # FSDP: still sharded; the evaluation runs in lockstep on every rank
-            measured[f"{arch}.train_loss"] = summary["final_loss"]
+            details[f"{arch}.final_step_loss"] = summary["final_loss"]  # training mode (dropout on), last steps
             ev = evaluate_model(cfg.eval, run, arch, model, data, device, data.tokenizer.eot_id if cfg.data.documents else None)
             measured.update({f"{arch}.{k}": v for k, v in ev.measured.items()})
             details.update({f"{arch}.{k}": v for k, v in ev.details.items()})
@@ -514,8 +517,24 @@ def global_batch(windows: Any, cfg: Config, step: int, micro: int, device: torch
 
 
 def eval_batches(windows: Any, n: int, batch_size: int, seed: int, purpose: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`n` fixed random batches (the same at every evaluation, for every architecture)."""
-    return [windows.batch(batch_size, generator(seed, purpose, i)) for i in range(n)]
+    """This process's share of `n` fixed random batches, the same at every evaluation, for every
+    architecture and any number of processes: batch i is keyed by (seed, purpose, i), and rank r of W
+    takes batches r, r + W, ... With W processes n is rounded up to a multiple of W, so every rank runs
+    as many forward passes (FSDP runs them in lockstep); one process takes batches 0 .. n-1. As the
+    reference's estimate_loss, whose eval_iters batches are per GPU, the ranks split the evaluation;
+    `mean_loss` adds their parts up."""
+    w = distributed.world()
+    total = math.ceil(n / w.world_size) * w.world_size
+    return [windows.batch(batch_size, generator(seed, purpose, i)) for i in range(w.rank, total, w.world_size)]
+
+
+def mean_loss(model: torch.nn.Module, batches: Any, device: torch.device, eot: int | None = None) -> float:
+    """The mean next-token loss (eval mode) over every rank's `batches`: summed losses over summed
+    targets, so W processes give the number one process gives on the same batches."""
+    from owai.evals.lm import loss_totals
+
+    total, count = distributed.sum_across_ranks(list(loss_totals(model, batches, device, eot)), device)
+    return total / max(count, 1)
 
 
 # -- model and training -------------------------------------------------------------------------
@@ -529,7 +548,7 @@ def model_kwargs(cfg: Config, label: str, tokenizer_vocab: int) -> dict[str, Any
         return sized_kwargs(m, arch, vocab)
     kw: dict[str, Any] = dict(vocab_size=vocab, n_layer=m.n_layer, n_embd=m.n_embd, n_head=m.n_head, bias=m.bias)
     if arch == "mm":
-        kw.update(ic_dropout=m.dropout, hd_dropout=m.dropout, init=m.init, logit_scale=m.logit_scale, pmem_size=m.pmem_size or None)
+        kw.update(ic_dropout=m.dropout, hd_dropout=m.dropout, contextual_dropout=m.contextual_dropout, init=m.init, logit_scale=m.logit_scale, pmem_size=m.pmem_size or None)
     elif arch == "gpt":
         kw.update(dropout=m.dropout, position=m.position, block_size=cfg.data.block_size)
     kw.update(variant)
@@ -627,7 +646,7 @@ def load_weights(model: torch.nn.Module, directory: Path, label: str) -> None:
         set_model_state_dict(model, saved.state_dict() if saved is not None else {},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded))
     except (RuntimeError, KeyError, ValueError) as err:
-        raise OwaiError(f"model.init_from {source} does not fit this model: {str(err).splitlines()[0]}") from None
+        raise OwaiError(f"model.init_from {source} does not fit this model: {one_line(err)}") from None
 
 
 def precision_for(name: str, device: torch.device) -> str:
@@ -648,7 +667,6 @@ def train_model(cfg: Config, run: Run, arch: str, parallel: Any, data: LMData, d
     `probe(model) -> {name: number}` adds its numbers to every evaluation line (a learning curve). The trained model stays where it is (`parallel.module`): after
     an FSDP run still sharded, so evaluation runs in lockstep on every rank and save_model gathers
     it one parameter at a time; nothing ever holds a 9.9B model whole on one device."""
-    from owai.evals.lm import validation_loss
     from owai.models.lm import adamw
     from owai.optim import warmup_cosine_schedule
     from owai.plan import forward_flops_per_token
@@ -696,10 +714,9 @@ def train_model(cfg: Config, run: Run, arch: str, parallel: Any, data: LMData, d
 
     def after_step(done: int) -> None:
         if done % t.eval_every == 0 or done == steps:
-            v = validation_loss(parallel.module, val, device, eot)
-            logged = {"val_loss": distributed.mean_across_ranks(v, device)}
-            if train_probe:
-                logged["train_eval_loss"] = distributed.mean_across_ranks(validation_loss(parallel.module, train_probe, device, eot), device)
+            logged = {"val_loss": mean_loss(parallel.module, val, device, eot)}
+            if train_probe:  # the reference's "train" estimate: eval mode, no dropout (the Fig 3.8 curve)
+                logged["train_eval_loss"] = mean_loss(parallel.module, train_probe, device, eot)
             if probe is not None:
                 logged.update(probe(parallel.module))
             run.log(arch, done, **logged)
@@ -772,6 +789,9 @@ def evaluate_model(ev: EvalConfig, run: Run, label: str, model: torch.nn.Module,
     measured: dict[str, Any] = {}
     details: dict[str, Any] = {}
     val = eval_batches(data.val, ev.val_batches, ev.batch_size, 0, "final-val")
+    # Table B.2's training loss: as the validation loss, eval mode on fixed training windows (the
+    # reference's estimate_loss "train"), not the training steps' loss with dropout on
+    train = eval_batches(data.train, ev.val_batches, ev.batch_size, 0, "final-train") if hasattr(data.train, "batch") else []
     ablations = [""]
     if ev.without_long_term and getattr(model.config, "long_term_memory", False):
         ablations.append("_no_ltm")
@@ -781,7 +801,7 @@ def evaluate_model(ev: EvalConfig, run: Run, label: str, model: torch.nn.Module,
     attention = [k * block for k in (ev.attention_multiples if hasattr(model, "last_token_attention") else [])
                  if limit is None or k * block <= limit]
     prompts = lme.eldan_li_prompts() if ev.continuations else []
-    total = len(ablations) * (len(val) + _batch_count(data.posloss, block, ev.posloss_windows, ev.batch_size)
+    total = len(train) + len(ablations) * (len(val) + _batch_count(data.posloss, block, ev.posloss_windows, ev.batch_size)
                               + sum(_batch_count(data.posloss, *shape) for shape in extrapolation))
     total += sum(_batch_count(data.val, length, ev.attention_sequences, ev.batch_size) for length in attention) + len(prompts)
     with console.Bar(f"evaluate {label}", total=total) as bar:
@@ -789,7 +809,10 @@ def evaluate_model(ev: EvalConfig, run: Run, label: str, model: torch.nn.Module,
             if suffix:
                 model.config.long_term_memory = False  # the evaluation interface's ablation: weights untouched
             bar.update(0, status=f"validation loss{suffix}")
-            measured["val_loss" + suffix] = lme.validation_loss(model, _counted(val, bar), device, eot)
+            measured["val_loss" + suffix] = mean_loss(model, _counted(val, bar), device, eot)
+            if train and not suffix:
+                bar.update(0, status="training loss")
+                measured["train_loss"] = mean_loss(model, _counted(train, bar), device, eot)
             bar.update(0, status=f"per-position loss{suffix}")
             windows = data.posloss.sequential(max_windows=ev.posloss_windows, batch_size=ev.batch_size)
             curve, n = lme.per_position_loss(model, _counted(windows, bar), device, eot)
@@ -849,15 +872,18 @@ def plot_training_curves(run: Run, curves: dict[str, list[dict[str, Any]]], cfg:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    # the reference's training curve is its eval-mode estimate on training windows; a streamed corpus
+    # has none, and then the training steps' own loss (dropout on) is drawn
+    key = "train_eval_loss" if any("train_eval_loss" in r for rows in curves.values() for r in rows) else "loss"
     for arch, rows in curves.items():
-        train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+        train = [(r["step"], r[key]) for r in rows if key in r]
         val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
         label = f"{ARCH_LABELS.get(arch, arch)} (Nb={cfg.model.n_layer})"
         if train:
             axes[0].plot(*zip(*train), label=label)
         if val:
             axes[1].plot(*zip(*val), marker="o", label=label)
-    axes[0].set_title("training loss")
+    axes[0].set_title("training loss" + (" (eval mode)" if key == "train_eval_loss" else " (training steps)"))
     axes[1].set_title("validation loss")
     for ax in axes:
         ax.set_xlabel("iteration")

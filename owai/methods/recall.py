@@ -31,7 +31,7 @@ from owai import console, distributed
 from owai.errors import OwaiError
 from owai.methods import Outcome
 from owai.methods.language_model import (ARCH_LABELS, Config as LMConfig, LanguageModelPretraining, LMData, check_memory,
-                                         eval_batches, parallel_model, prepare_data, save_model, train_model)
+                                         eval_batches, mean_loss, parallel_model, prepare_data, save_model, train_model)
 from owai.runs import Run
 from owai.runtime import derive_seed, generator
 
@@ -230,12 +230,11 @@ def evaluation_episodes(cfg: Config, data: LMData, pieces: Any) -> dict[str, lis
 def evaluate(cfg: Config, model: torch.nn.Module, data: LMData, suite: dict[str, list[Any]], device: torch.device) -> Outcome:
     """Recall by length and bucket (and without the long-term memory), classification accuracy by
     labels, length and shots, and the text validation loss, of one trained model."""
-    from owai.evals import lm as lme
     from owai.evals.recall import accuracy_by_group, score
 
     r = cfg.recall
-    measured: dict[str, Any] = {"val_loss": lme.validation_loss(model, eval_batches(data.val, r.val_batches, cfg.train.batch_size, 0,
-                                                                                   "final-val"), device)}
+    measured: dict[str, Any] = {"val_loss": mean_loss(model, eval_batches(data.val, r.val_batches, cfg.train.batch_size, 0,
+                                                                         "final-val"), device)}
     details: dict[str, Any] = {}
     ablations = [""]
     if r.without_long_term and getattr(model.config, "long_term_memory", False):

@@ -73,6 +73,9 @@ class MemoryMosaicsConfig(PreTrainedConfig):
     pmem_count: int = 1  # >1 averages several independent persistent memories (paper: 1)
     bias: bool = False  # biases in every Linear and LayerNorm
     ic_dropout: float = 0.05  # dropout on attention weights (contextual and persistent)
+    # the contextual memory's own attention dropout; None = ic_dropout (Library regular). 0 is the
+    # Library's eft model, which trained the thesis's BabiStories runs: its SDPA call has no dropout.
+    contextual_dropout: float | None = None
     hd_dropout: float = 0.05  # residual (hidden) dropout after each c_proj
     pre_ln: bool = True  # False: post-LN blocks x = LN1 x; x += Ctx(x); x = LN2 x; x += Pmem(x)
     attn_only: bool = False  # drop the persistent memories (and ln_2)
@@ -116,8 +119,8 @@ class MemoryMosaicsConfig(PreTrainedConfig):
                               ("key_clamp", ("library", "nano"))):
             if getattr(self, name) not in allowed:
                 raise OwaiError(f"memory mosaics config: {name}={getattr(self, name)!r}, expected one of {allowed}")
-        for name in ("ic_dropout", "hd_dropout"):
-            if not 0.0 <= float(getattr(self, name)) < 1.0:
+        for name in ("ic_dropout", "hd_dropout", "contextual_dropout"):
+            if getattr(self, name) is not None and not 0.0 <= float(getattr(self, name)) < 1.0:
                 raise OwaiError(f"memory mosaics config: {name} must be in [0, 1), got {getattr(self, name)}")
         if not (isinstance(self.leaky_init, tuple) and len(self.leaky_init) == 2 and min(self.leaky_init) >= 0):
             raise OwaiError(f"memory mosaics config: leaky_init must be two rates >= 0, got {self.leaky_init!r}")
@@ -406,7 +409,8 @@ class ContextMemory(nn.Module):
         if Lq == 0:  # a lone first token: empty memory
             y = x.new_zeros(B, H, 0, hs)
         else:
-            sdpa = dict(dropout_p=self.config.ic_dropout if self.training else 0.0, scale=1.0)
+            contextual = self.config.ic_dropout if self.config.contextual_dropout is None else self.config.contextual_dropout
+            sdpa = dict(dropout_p=contextual if self.training else 0.0, scale=1.0)
             if _blocked_dropout(self.config, sdpa["dropout_p"], x.device):  # causal, bottom-right aligned
                 y = blocked_dropout_attention(queries, mem_keys, values, sdpa["dropout_p"], self.config.dropout_block,
                                               causal=True)
