@@ -236,3 +236,13 @@ def test_cifar_images_are_resized_bicubically() -> None:
     imagenet = _unnormalised(eval_transform(image, 32, "imagenet"), "imagenet")[0]
     assert cifar.min() < 49 and cifar.max() > 201
     assert imagenet.min() > 49 and imagenet.max() < 201
+
+
+def test_cifar_style_at_224_px_resizes_to_256() -> None:
+    """RRL's CIFAR evaluation at 224 px: Resize(int(224 * 8 / 7)) = 256 bicubic, CenterCrop(224)
+    (36 at 32 px, as TH A.1)."""
+    from owai.data.images import BICUBIC, center_crop, resize_shorter, to_tensor
+
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (32, 32, 3), dtype=np.uint8))
+    expected = to_tensor(center_crop(resize_shorter(image, 256, BICUBIC), 224), "cifar")
+    assert torch.equal(eval_transform(image, 224, "cifar"), expected)

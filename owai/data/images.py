@@ -96,7 +96,8 @@ def center_crop(image: Image.Image, size: int) -> Image.Image:
 def eval_transform(image: Image.Image, size: int, style: str = "domainbed") -> torch.Tensor:
     """float32 (3, size, size) for evaluation, by style (see STYLES):
     - domainbed: Resize((size, size)) bilinear;
-    - cifar (TH A.1): Resize(36) bicubic, CenterCrop(32), at other sizes in the same ratio;
+    - cifar (TH A.1): Resize(36) bicubic, CenterCrop(32); at other sizes Resize(int(size x 8/7)), as RRL's
+      code (256 at 224 px);
     - imagenet (He et al. 2016): Resize(256) bilinear, CenterCrop(224), at other sizes in the same ratio;
     - fewshot (Chen et al. 2019): Resize((int(1.15 size), int(1.15 size))) bilinear, CenterCrop(size);
     then to tensor and normalise (`to_tensor`)."""
@@ -105,7 +106,7 @@ def eval_transform(image: Image.Image, size: int, style: str = "domainbed") -> t
     if style == "domainbed":
         return to_tensor(image if image.size == (size, size) else image.resize((size, size), BILINEAR))
     if style == "cifar":
-        image = resize_shorter(image, round(size * 36 / 32), BICUBIC)
+        image = resize_shorter(image, int(size * 8 / 7), BICUBIC)  # 36 at 32 px, 256 at 224 px (RRL's datasets.py)
     elif style == "imagenet":
         image = resize_shorter(image, round(size * 256 / 224), BILINEAR)
     else:
