@@ -167,8 +167,8 @@ def test_rich_features_thesis_transforms_by_dataset(tmp_path: Path, monkeypatch:
 
 
 def test_chapter_2_paper_presets_use_the_thesis_transforms() -> None:
-    """Every rich-features recipe's paper preset but fig2.4-vit's (the ViTs come with their own
-    preprocessing; docs/decisions.md)."""
+    """Every rich-features recipe's paper preset; fig2.4-vit's takes RRL's ViT transforms (its
+    checkpoints keep their own normalisation; docs/decisions.md)."""
     from owai.experiment import resolve
     from owai.recipes import available, load
 
@@ -177,7 +177,7 @@ def test_chapter_2_paper_presets_use_the_thesis_transforms() -> None:
         if recipe.method != "rich_features" or "paper" not in recipe.presets:
             continue
         cfg = resolve(recipe, "paper", [], missing_ok=True)[0]
-        assert cfg.data.transforms == ("domainbed" if recipe.id == "fig2.4-vit" else "thesis"), recipe.id
+        assert cfg.data.transforms == ("vit" if recipe.id == "fig2.4-vit" else "thesis"), recipe.id
         checked += 1
     assert checked == 12
 
@@ -246,3 +246,27 @@ def test_cifar_style_at_224_px_resizes_to_256() -> None:
     image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (32, 32, 3), dtype=np.uint8))
     expected = to_tensor(center_crop(resize_shorter(image, 256, BICUBIC), 224), "cifar")
     assert torch.equal(eval_transform(image, 224, "cifar"), expected)
+
+
+def test_vit_style_is_rrls_vit384px() -> None:
+    """RRL's ViT fine-tuning (vit384px): Resize(size) bicubic + CenterCrop(size) to evaluate;
+    RandomResizedCrop(size) bicubic at torchvision's default scale + flip to train."""
+    from owai.data.images import BICUBIC, center_crop, resize_shorter, to_tensor
+
+    image = Image.fromarray(np.random.default_rng(2).integers(0, 256, (30, 40, 3), dtype=np.uint8))
+    expected = to_tensor(center_crop(resize_shorter(image, 24, BICUBIC), 24), "vit")
+    assert torch.equal(eval_transform(image, 24, "vit"), expected)
+    a, b = (train_transform(image, 24, True, generator(0, "t"), "vit") for _ in range(2))
+    assert torch.equal(a, b) and a.shape == (3, 24, 24)  # keyed by its generator
+    assert not torch.equal(a, train_transform(image, 24, True, generator(1, "t"), "vit"))
+
+
+def test_rich_features_vit_transforms_keep_the_digits_domainbed() -> None:
+    from owai.methods.rich_features import Config, style_of
+
+    cfg = Config()
+    cfg.data.transforms = "vit"
+    assert style_of(cfg, "imagenet") == "vit" and style_of(cfg, "cifar100") == "vit"
+    assert style_of(cfg, "mnist") == "domainbed"
+    cfg.data.transforms = "thesis"
+    assert style_of(cfg, "imagenet") == "imagenet" and style_of(cfg, "cifar100") == "cifar"

@@ -422,14 +422,15 @@ def train_transform(image: Image.Image, size: int, augment: bool, gen: torch.Gen
     - cifar (TH A.1): RandomResizedCrop(size, (0.8, 1), (3/4, 4/3)) bicubic, RandomHorizontalFlip;
     - imagenet (TH A.2.1, He et al. 2016): RandomResizedCrop(size), RandomHorizontalFlip;
     - fewshot (TH A.4.2, Chen et al. 2019): RandomResizedCrop(size), ImageJitter(0.4 x 3),
-      RandomHorizontalFlip."""
+      RandomHorizontalFlip;
+    - vit (RRL's vit384px): RandomResizedCrop(size) bicubic, RandomHorizontalFlip."""
     check_style(style)
     if not augment:
         return eval_transform(image, size, style)
     image = image.convert("RGB")
     scale = {"domainbed": CROP_SCALE, "cifar": CIFAR_CROP_SCALE}.get(style, IMAGENET_CROP_SCALE)
     top, left, h, w = random_resized_crop_params(image.width, image.height, gen, scale=scale)
-    image = image.crop((left, top, left + w, top + h)).resize((size, size), BICUBIC if style == "cifar" else BILINEAR)
+    image = image.crop((left, top, left + w, top + h)).resize((size, size), BICUBIC if style in ("cifar", "vit") else BILINEAR)
     if style == "fewshot":
         image = image_jitter(image, gen)
     image = _flip(image, gen)

@@ -29,9 +29,10 @@ BICUBIC = Image.Resampling.BICUBIC
 
 # How images become tensors: DomainBed's transforms (every recipe's default), or those the thesis
 # names for a family of datasets: "cifar" (TH A.1, which A.2.1 reuses for CIFAR), "imagenet" (TH
-# A.2.1 after He et al. 2016: ImageNet, iNat18) and "fewshot" (TH A.4.2 after Chen et al. 2019: CUB,
-# miniImageNet). The training side is `owai.data.domainbed.train_transform`.
-STYLES = ("domainbed", "cifar", "imagenet", "fewshot")
+# A.2.1 after He et al. 2016: ImageNet, iNat18), "fewshot" (TH A.4.2 after Chen et al. 2019: CUB,
+# miniImageNet) and "vit" (RRL's fine-tuning of the 384-px ViTs of Figure 2.4, VISSL's tricks_384).
+# The training side is `owai.data.domainbed.train_transform`.
+STYLES = ("domainbed", "cifar", "imagenet", "fewshot", "vit")
 
 
 def visible_dirs(path: Path) -> list[str]:
@@ -56,7 +57,8 @@ def check_style(style: str) -> None:
 
 
 def normalisation(style: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """(mean, std) the images of `style` are normalised with: CIFAR's for "cifar", else ImageNet's."""
+    """(mean, std) the images of `style` are normalised with: CIFAR's for "cifar", else ImageNet's
+    (a Hugging Face checkpoint, as the ViTs under "vit", trades them for its own: owai.models.hf_vision)."""
     check_style(style)
     return (CIFAR_MEAN, CIFAR_STD) if style == "cifar" else (IMAGENET_MEAN, IMAGENET_STD)
 
@@ -100,6 +102,7 @@ def eval_transform(image: Image.Image, size: int, style: str = "domainbed") -> t
       code (256 at 224 px);
     - imagenet (He et al. 2016): Resize(256) bilinear, CenterCrop(224), at other sizes in the same ratio;
     - fewshot (Chen et al. 2019): Resize((int(1.15 size), int(1.15 size))) bilinear, CenterCrop(size);
+    - vit (RRL's vit384px): Resize(size) bicubic, CenterCrop(size);
     then to tensor and normalise (`to_tensor`)."""
     check_style(style)
     image = image.convert("RGB")
@@ -109,6 +112,8 @@ def eval_transform(image: Image.Image, size: int, style: str = "domainbed") -> t
         image = resize_shorter(image, int(size * 8 / 7), BICUBIC)  # 36 at 32 px, 256 at 224 px (RRL's datasets.py)
     elif style == "imagenet":
         image = resize_shorter(image, round(size * 256 / 224), BILINEAR)
+    elif style == "vit":
+        image = resize_shorter(image, size, BICUBIC)
     else:
         side = int(size * 1.15)
         image = image.resize((side, side), BILINEAR)

@@ -100,8 +100,9 @@ class DataConfig:
     augment: bool = True  # random training transforms (pre-training, fine-tuning, distillation); false: the eval transform
     # "domainbed": DomainBed's transforms for every dataset. "thesis": each dataset's as the thesis
     # trained it (TRANSFORM_STYLES): CIFAR's of TH A.1 (also for CIFAR targets, A.2.1), He et al.'s
-    # for ImageNet and iNat18 (A.2.1), Chen et al.'s for CUB and miniImageNet (A.4.2); the digits keep DomainBed's
-    transforms: Literal["domainbed", "thesis"] = "domainbed"
+    # for ImageNet and iNat18 (A.2.1), Chen et al.'s for CUB and miniImageNet (A.4.2); the digits keep DomainBed's.
+    # "vit": RRL's for its 384-px ViTs (Figure 2.4) on every dataset but the digits
+    transforms: Literal["domainbed", "thesis", "vit"] = "domainbed"
     limit_per_class: int = 0  # keep at most this many images per class of every split (0 = all; tests)
     # keep this fraction of every target class's training images (keyed by split_seed, at least one
     # per class): Table A.4's CIFAR10 (1 %) and CIFAR100 (10 %) probes
@@ -714,14 +715,16 @@ def load_split(cfg: Config, name: str, split: Literal["train", "test", "base-tes
         data = _per_class(data, quota, d.split_seed, "rich-fraction", name, split)
     if len(data) == 0:
         raise OwaiError(f"{name} {split} has no images of classes {classes or 'all'}")
-    if d.transforms == "thesis":
+    if d.transforms != "domainbed":
         data = dataclasses.replace(data, style=style_of(cfg, name))
     return data
 
 
 def style_of(cfg: Config, name: str) -> str:
     """How dataset `name`'s images become tensors under this config (`owai.data.images.STYLES`)."""
-    return TRANSFORM_STYLES.get(name, "domainbed") if cfg.data.transforms == "thesis" else "domainbed"
+    if name not in TRANSFORM_STYLES or cfg.data.transforms == "domainbed":
+        return "domainbed"  # the digits keep DomainBed's in every mode
+    return "vit" if cfg.data.transforms == "vit" else TRANSFORM_STYLES[name]
 
 
 def _per_class(data: Any, quota: list[int], seed: int, *key: str) -> Any:
