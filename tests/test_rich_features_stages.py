@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import as_sets, cli_in_process
+from conftest import as_if_killed, as_sets, cli_in_process
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 FEWSHOT = str(RECIPES / "tableA.8-fewshot.yaml")
@@ -516,3 +517,63 @@ def test_networks_pre_trained_with_the_thesis_transforms_are_refused_under_domai
     _one_line_error(["--stage", "probe", *as_sets([*TINY, f"probe.networks=[{run_dir}]", "probe.n=1",
                                                   "probe.sizes=[1]"])],
                     tmp_path / "out", capsys, "pre-trained with data.transforms=thesis")
+
+
+def test_probes_on_augmented_crops_train_as_rrls(cache, tmp_path, capsys) -> None:
+    """probe.augment: the probes train together on freshly augmented crops (one resumable stage, the
+    frozen networks run on every batch). Each head only reads its own gradient, so a probe trained
+    beside others is the probe trained alone on the same batches: Cat_1's accuracy is the same with
+    and without the Cat_2 head, and a killed stage resumes to the same numbers."""
+    crops = [*TINY, "probe.augment=true", "probe.catsub=false"]
+    code, _, err = _cli(["--stage", "distill,probe", "--seeds", "0,1", *as_sets(crops), "-o", str(tmp_path / "both")],
+                        capsys)
+    assert code == 0, err
+    run_dir = next((tmp_path / "both" / "tableA.8-fewshot").iterdir())
+    both = _measured(run_dir)
+    assert {"cat1.acc", "cat2.acc", "single.acc", "distill2.acc"} <= set(both)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["distill", "probe-crops"]
+    code, _, err = _cli(["--stage", "probe", "--seeds", "0,1", *as_sets([*crops, "probe.sizes=[1]"]),
+                         "-o", str(tmp_path / "alone")], capsys)
+    assert code == 0, err
+    alone = _measured(next((tmp_path / "alone" / "tableA.8-fewshot").iterdir()))
+    assert alone["cat1.acc"] == both["cat1.acc"] and alone["single.acc"] == both["single.acc"]
+    # killed after the crops stage's first checkpoint: the resume replays the rest of its batches
+    killed = tmp_path / "killed"
+    shutil.copytree(run_dir, killed)
+    steps = sorted((killed / "checkpoints" / "probe-crops").iterdir())
+    assert len(steps) >= 2
+    as_if_killed(killed, *steps[1:])
+    code, _, err = cli_in_process(["rich-features", "--stage", "distill,probe", "--resume", str(killed), "-q"], capsys)
+    assert code == 0, err
+    assert _measured(killed) == both
+
+
+def test_batches_without_replacement_walk_keyed_epochs() -> None:
+    """StepBatches(sampling="epochs"): each epoch's steps take disjoint slices of one keyed
+    permutation (the last incomplete batch dropped), and another epoch another permutation."""
+    from owai.data.domainbed import StepBatches
+    from owai.errors import OwaiError
+
+    class Data:
+        name, domains = "d", ["all"]
+
+        def size(self, domain):
+            return 10
+
+        def labels(self, domain):
+            return torch.arange(10)
+
+        def image(self, domain, i):
+            from PIL import Image
+
+            return Image.new("RGB", (4, 4), (i, 0, 0))
+
+    batches = StepBatches(Data(), [0], [torch.arange(10)], 3, 4, False, 7, 9, sampling="epochs")
+    epochs = [[batches[s][1].tolist() for s in range(e * 3, e * 3 + 3)] for e in range(3)]
+    for epoch in epochs:
+        seen = [i for batch in epoch for i in batch]
+        assert len(seen) == len(set(seen)) == 9  # 3 batches of 3 of 10, without replacement
+    assert epochs[0] != epochs[1]
+    assert [batches[s][1].tolist() for s in range(3)] == epochs[0]  # a function of the step
+    with pytest.raises(OwaiError, match="sampling must be"):
+        StepBatches(Data(), [0], [torch.arange(10)], 3, 4, False, 7, 9, sampling="sometimes")

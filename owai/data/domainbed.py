@@ -474,12 +474,17 @@ class StepBatches(Dataset):
     `views` = V > 1 (self-supervised pairs, SimSiam) gives every example V independent augmentations
     by `ssl_transform` (view v > 0 keyed by generator(seed, "augment", step, domain, j, v)): x is
     (V*D*B, 3, size, size), the V views stacked view by view, and y, d are those of one view.
-    `style` picks the transforms (`owai.data.images.STYLES`)."""
+    `style` picks the transforms (`owai.data.images.STYLES`). `sampling="epochs"` draws each domain's
+    examples without replacement instead: step s takes slice s mod E of epoch s // E's permutation
+    (keyed by generator(seed, "epoch", epoch, domain)), E = n // batch_per_domain, the last
+    incomplete batch dropped (a linear probe's passes over its training set)."""
 
     def __init__(self, data: MultiDomainDataset, domains: list[int], indices: list[torch.Tensor],
                  batch_per_domain: int, size: int, augment: bool, seed: int, steps: int, views: int = 1,
-                 style: str = "domainbed"):
+                 style: str = "domainbed", sampling: str = "replacement"):
         check_style(style)
+        if sampling not in ("replacement", "epochs"):
+            raise OwaiError(f"StepBatches sampling must be 'replacement' or 'epochs', got {sampling!r}")
         domains = [int(d) for d in domains]
         if not domains:
             raise OwaiError("StepBatches needs at least one training domain")
@@ -500,10 +505,20 @@ class StepBatches(Dataset):
             self.indices.append(idx)
         self.data, self.domains, self.batch_per_domain = data, domains, batch_per_domain
         self.size, self.augment, self.seed, self.steps, self.views = size, augment, seed, steps, views
-        self.style = style
+        self.style, self.sampling = style, sampling
+        if sampling == "epochs" and any(len(idx) < batch_per_domain for idx in self.indices):
+            raise OwaiError(f"StepBatches: a domain has fewer than {batch_per_domain} examples for a batch without replacement")
 
     def __len__(self) -> int:
         return self.steps
+
+    def _picks(self, step: int, domain: int, n: int) -> torch.Tensor:
+        """Positions in the domain's index set of step `step`'s examples."""
+        if self.sampling == "replacement":
+            return torch.randint(n, (self.batch_per_domain,), generator=generator(self.seed, "batch", step, domain))
+        epoch, k = divmod(step, n // self.batch_per_domain)
+        order = torch.randperm(n, generator=generator(self.seed, "epoch", epoch, domain))
+        return order[k * self.batch_per_domain : (k + 1) * self.batch_per_domain]
 
     def __getitem__(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         step = int(step)
@@ -512,9 +527,7 @@ class StepBatches(Dataset):
         xs: list[list[torch.Tensor]] = [[] for _ in range(self.views)]  # view -> examples
         ys = []
         for domain, idx in zip(self.domains, self.indices):
-            gen = generator(self.seed, "batch", step, domain)
-            picks = torch.randint(len(idx), (self.batch_per_domain,), generator=gen)
-            chosen = idx[picks]
+            chosen = idx[self._picks(step, domain, len(idx))]
             for j, i in enumerate(chosen.tolist()):
                 image = self.data.image(domain, i)
                 if self.views == 1:

@@ -27,8 +27,9 @@ A.1-A.4; spec rich_features.md §6, §8). One method, `owai rich-features`, whos
     linear and cosine heads (§6.6).
   Every training is its own resumable `train_loop` stage (`distill`, `probe-net{i}`, `probe-cat{k}`,
   `probe-distill`, `finetune-cat{n}`, `ft-net{i}`, `two-stage-head{n}`) whose batches are a function of
-  (seed, stage, step), so a killed run resumes to the same result. The frozen features the probes,
-  the two-stage head and the episodes read are extracted once per run into `<run>/features/`
+  (seed, stage, step), so a killed run resumes to the same result; with `probe.augment` the probes
+  train together on fresh crops as one stage, `probe-crops` (RRL's linear evaluation). The frozen
+  features the probes, the two-stage head and the episodes read are extracted once per run into `<run>/features/`
   (`extract`: .npy files read memory-mapped, so ImageNet's features under Cat_n need disk, not
   memory), kept for a resume until their last reader is done, and all removed when the run completes.
 
@@ -183,6 +184,10 @@ class ProbeConfig:
     weight_decay: float = 1e-4  # on the Linear only (wd_skip_bn); the thesis searches a grid
     batchnorm: bool = True  # BN1d before the Linear (§6.2); Table 2.1's probe is a plain Linear (§8)
     batch_size: int = 256
+    # true: every probe trains on freshly augmented crops of its training images (the frozen networks
+    # run on each batch, as RRL's linear evaluation does; the heads of one run share the batches);
+    # false: on features extracted once with the evaluation transform (kept on disk: far faster)
+    augment: bool = False
     checkpoint_every: int = 500  # updates
     log_every: int = 50
 
@@ -1268,9 +1273,13 @@ def probe_network(cfg: Config, run: Run, stage: str, net: torch.nn.Module, origi
 
     frozen = ConcatFeatures([strip_head(net)], frozen=True)
     stores = [feature_store(run, f"{stage}-train"), feature_store(run, f"{stage}-test")]
-    z_train, y_train = extract(cfg, frozen, train_set, run.device, stores[0], [origin])
+    if cfg.probe.augment:
+        head = fit_probes_on_crops(cfg, run, stage, frozen, {stage: [0]}, train_set, len(train_set.classes),
+                                   run.device)[stage]
+    else:
+        z_train, y_train = extract(cfg, frozen, train_set, run.device, stores[0], [origin])
+        head = fit_probe(cfg, run, stage, z_train, y_train, len(train_set.classes), run.device)
     z_test, y_test = extract(cfg, frozen, test_set, run.device, stores[1], [origin])
-    head = fit_probe(cfg, run, stage, z_train, y_train, len(train_set.classes), run.device)
     accuracy = _acc(_logits(head, z_test, run.device), y_test)
     for store in stores:  # no longer needed: the next baseline's features take their place on disk
         drop_store(store)
@@ -1470,6 +1479,50 @@ def fit_probe(cfg: Config, run: Run, stage: str, blocks: list[torch.Tensor], y: 
                       checkpoint_every=q.checkpoint_every, log_every=q.log_every, device=device)
 
 
+def fit_probes_on_crops(cfg: Config, run: Run, stage: str, frozen: Any, specs: dict[str, list[int]], train_set: Any,
+                        n_classes: int, device: torch.device) -> dict[str, torch.nn.Module]:
+    """The probes `specs` (name -> the blocks of `frozen` it reads) trained together as one resumable
+    stage on freshly augmented crops (`probe.augment`, RRL's linear evaluation): each update draws the
+    next batch of an epoch's keyed permutation (last incomplete batch dropped), augments every image
+    (the dataset's training transform, keyed by step), runs the frozen networks once and gives every
+    head its blocks. Each head has its own parameters, and SGD's update of a parameter reads only its
+    own gradient and momentum, so training them together on the sum of their losses is training each
+    alone on the same batches. Heads and schedule are fit_probe's; the logged loss is the heads' sum."""
+    from owai.data.domainbed import StepBatches, StepStream
+    from owai.models.rich import ProbeHead
+    from owai.runtime import derive_seed, generator
+    from owai.train import LoopConfig, train_loop
+
+    q, d = cfg.probe, cfg.data
+    frozen = frozen.to(device)
+    heads = torch.nn.ModuleDict({
+        name: ProbeHead(sum(frozen.dims[b] for b in blocks), n_classes, bn=q.batchnorm,
+                        generator=generator(cfg.seed, "probe-init", name))
+        for name, blocks in specs.items()}).to(device)
+    groups = [g for head in heads.values() for g in head.param_groups(q.weight_decay)]
+    optimizer = torch.optim.SGD(groups, lr=q.lr, momentum=q.momentum, nesterov=q.nesterov)
+    n = len(train_set)
+    size = min(q.batch_size, n)
+    per_epoch = max(1, n // size)
+    steps = max(1, round(q.epochs * per_epoch))
+    batches = StepBatches(OneDomain(train_set), [0], [torch.arange(n)], size, d.image_size, True,
+                          derive_seed(cfg.seed, "probe-crops", stage), steps, style=train_set.style, sampling="epochs")
+    stream = StepStream(batches, d.workers, device)
+
+    def loss_at(step: int, micro: int) -> torch.Tensor:
+        x, y = stream.at(step)
+        blocks = frozen.per_network(x)  # eval mode, no gradient: the networks stay as they are
+        return sum(F.cross_entropy(heads[name](torch.cat([blocks[b] for b in specs[name]], 1).float()), y)
+                   for name in specs)
+
+    def lr_at(step: int) -> float:
+        return q.lr * q.gamma ** sum(step / per_epoch >= m for m in q.milestones)
+
+    loop = LoopConfig(steps=steps, checkpoint_every=min(q.checkpoint_every, steps), log_every=min(q.log_every, steps))
+    train_loop(run, stage, heads, optimizer, loss_at, loop, lr_at=lr_at)
+    return {name: head.eval() for name, head in heads.items()}
+
+
 @torch.no_grad()
 def _logits(head: torch.nn.Module, blocks: list[torch.Tensor], device: torch.device, chunk: int = 8192) -> torch.Tensor:
     """The head's logits (N, C) (float32, CPU) on the concatenated feature blocks, `chunk` rows at a time."""
@@ -1529,12 +1582,20 @@ def run_chain(cfg: Config, run: Run) -> Outcome:
             taught = [*origin, "Distill_n student"]
             z_test.append(extract(cfg, frozen_student, test_set, device, feature_store(run, "student-test"), taught)[0][0])
         if "probe" in stages:
-            z_train, y_train = extract(cfg, cat, train_set, device, feature_store(run, "train"), origin)
-            if student is not None:
-                z_train.append(extract(cfg, frozen_student, train_set, device, feature_store(run, "student-train"),
-                                       taught)[0][0])
-            run_probes(cfg, run, z_train, y_train, z_test, y_test, len(nets), student is not None, measured, details)
-            del z_train
+            specs = probe_specs(len(nets), cfg.probe.sizes, student is not None)
+            n_classes = len(train_set.classes)
+            if cfg.probe.augment:
+                frozen = ConcatFeatures([*cat.backbones, *([student] if student is not None else [])], frozen=True)
+                heads = fit_probes_on_crops(cfg, run, "probe-crops", frozen, specs, train_set, n_classes, device)
+            else:
+                z_train, y_train = extract(cfg, cat, train_set, device, feature_store(run, "train"), origin)
+                if student is not None:
+                    z_train.append(extract(cfg, frozen_student, train_set, device, feature_store(run, "student-train"),
+                                           taught)[0][0])
+                heads = {name: fit_probe(cfg, run, name, [z_train[b] for b in blocks], y_train, n_classes, device)
+                         for name, blocks in specs.items()}
+                del z_train
+            run_probes(cfg, heads, z_test, y_test, len(nets), student is not None, measured, details)
             for name in ("train", "student-train"):  # the baselines' features take their place on disk
                 drop_store(feature_store(run, name))
             run_baseline_probes(cfg, run, train_set, test_set, measured)
@@ -1554,22 +1615,31 @@ def run_chain(cfg: Config, run: Run) -> Outcome:
     return Outcome(measured, details)
 
 
-def run_probes(cfg: Config, run: Run, z_train: list[torch.Tensor], y_train: torch.Tensor, z_test: list[torch.Tensor],
-               y_test: torch.Tensor, n: int, with_student: bool, measured: dict[str, Any], details: dict[str, Any]) -> None:
-    """Stage probe: one probe per network (`single.acc` = their mean; the first is Cat_1), one per Cat_k,
-    catsub_k (the mean of the first k per-network probes' logits) and the Distill_n student's probe."""
+def probe_specs(n: int, sizes: list[int], with_student: bool) -> dict[str, list[int]]:
+    """The probes of stage probe, each the feature blocks it reads: one per network (`probe-net{i}`),
+    one per Cat_k with k > 1 (the first k blocks), and the Distill_n student's (block n)."""
+    specs = {f"probe-net{i}": [i] for i in range(n)}
+    specs.update({f"probe-cat{k}": list(range(k)) for k in sorted(sizes) if k > 1})
+    if with_student:
+        specs["probe-distill"] = [n]
+    return specs
+
+
+def run_probes(cfg: Config, heads: dict[str, torch.nn.Module], z_test: list[torch.Tensor], y_test: torch.Tensor,
+               n: int, with_student: bool, measured: dict[str, Any], details: dict[str, Any]) -> None:
+    """Stage probe's measurements, from the trained `heads` (`probe_specs`): one probe per network
+    (`single.acc` = their mean; the first is Cat_1), one per Cat_k, catsub_k (the mean of the first k
+    per-network probes' logits) and the Distill_n student's probe."""
     from owai.models.rich import catsub_logits
 
-    q, device = cfg.probe, run.device
-    n_classes = int(y_train.max()) + 1
-    per_net = [fit_probe(cfg, run, f"probe-net{i}", [z_train[i]], y_train, n_classes, device) for i in range(n)]
+    q, device = cfg.probe, next(iter(heads.values())).linear.weight.device
+    per_net = [heads[f"probe-net{i}"] for i in range(n)]
     net_logits = [_logits(h, [z_test[i]], device) for i, h in enumerate(per_net)]
     for k in sorted(q.sizes):
         if k == 1:
             logits = net_logits[0]
         else:
-            head = fit_probe(cfg, run, f"probe-cat{k}", z_train[:k], y_train, n_classes, device)
-            logits = _logits(head, z_test[:k], device)
+            logits = _logits(heads[f"probe-cat{k}"], z_test[:k], device)
         measured[f"cat{k}.acc"] = _acc(logits, y_test)
         if q.catsub and k > 1:
             with torch.no_grad():
@@ -1578,10 +1648,9 @@ def run_probes(cfg: Config, run: Run, z_train: list[torch.Tensor], y_train: torc
     singles = [_acc(lg, y_test) for lg in net_logits]
     measured["single.acc"] = statistics.fmean(singles)
     details["single_acc"] = singles
-    details["feature_dims"] = cat_dims(z_train)
+    details["feature_dims"] = cat_dims(z_test[:n])
     if with_student:
-        head = fit_probe(cfg, run, "probe-distill", [z_train[n]], y_train, n_classes, device)
-        measured[f"distill{n}.acc"] = _acc(_logits(head, [z_test[n]], device), y_test)
+        measured[f"distill{n}.acc"] = _acc(_logits(heads["probe-distill"], [z_test[n]], device), y_test)
 
 
 @functools.lru_cache(maxsize=None)
