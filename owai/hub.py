@@ -21,27 +21,37 @@ HUB_PROBE_TIMEOUT = 3.0  # seconds to reach the hub before it is declared unreac
 _TRUE = ("1", "ON", "YES", "TRUE")
 
 
-def offline_mode() -> bool:
-    """Hub offline mode as the user set it, also when the variable was set after huggingface_hub
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def offline_mode() -> str:
+    """The offline variable the user set ("" if none), also when it was set after huggingface_hub
     read it at import."""
-    if any(os.environ.get(name, "").strip().upper() in _TRUE
-           for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")):
-        return True
+    for name in OFFLINE_VARIABLES:
+        if os.environ.get(name, "").strip().upper() in _TRUE:
+            return name
     try:
         from huggingface_hub import constants
     except ImportError:
-        return False
-    return bool(getattr(constants, "HF_HUB_OFFLINE", False))
+        return ""
+    return "HF_HUB_OFFLINE" if getattr(constants, "HF_HUB_OFFLINE", False) else ""
 
 
 def hub_unreachable() -> str:
-    """Why the hub cannot be asked ("" when it can): offline mode, or no TCP connection in time."""
+    """Why the hub cannot be asked ("" when it can): offline mode, or no TCP connection in time. Behind
+    an HTTP(S) proxy the hub clients go through the proxy, so no direct connection is tried."""
     from urllib.parse import urlparse
+    from urllib.request import getproxies, proxy_bypass
 
-    if offline_mode():
-        return "Hugging Face offline mode is set (HF_HUB_OFFLINE)"
+    variable = offline_mode()
+    if variable:
+        return f"Hugging Face offline mode is set ({variable})"
     endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    return _probe(endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443))
+    host = endpoint.hostname or "huggingface.co"
+    proxies = getproxies()
+    if (proxies.get(endpoint.scheme or "https") or proxies.get("all")) and not proxy_bypass(host):
+        return ""
+    return _probe(host, endpoint.port or (80 if endpoint.scheme == "http" else 443))
 
 
 @functools.lru_cache(maxsize=4)
@@ -93,5 +103,5 @@ def load_dataset(path: str, *args: Any, what: str, hint: str = "", **kwargs: Any
         with cache_only() if problem else contextlib.nullcontext():
             return datasets.load_dataset(path, *args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - the hub raises many types (ConnectionError, HfHubHTTPError, ...)
-        why = one_line(exc, 200) + (f"; not in the local cache, and {problem}" if problem else "")
+        why = one_line(exc, 200) + (f"; read from the local cache only: {problem}" if problem else "")
         raise DataMissing(f"cannot load {what} from the Hugging Face hub ({why}){hint}") from None

@@ -54,7 +54,7 @@ def test_unreachable_hub_reads_the_cache_alone(monkeypatch):
     with pytest.raises(DataMissing) as e:
         hub.load_dataset("nobody/missing", what="dataset 'nobody/missing'", hint="; use a local path")
     assert str(e.value) == ("cannot load dataset 'nobody/missing' from the Hugging Face hub (ConnectionError: "
-                            f"Couldn't reach 'nobody/missing' on the Hub; not in the local cache, and {UNREACHABLE}); "
+                            f"Couldn't reach 'nobody/missing' on the Hub; read from the local cache only: {UNREACHABLE}); "
                             "use a local path")
     assert sys.modules["datasets.config"].HF_HUB_OFFLINE is False  # restored, also after a failure
     assert constants.HF_HUB_OFFLINE == before
@@ -90,7 +90,27 @@ def test_offline_mode_is_read_at_call_time(monkeypatch):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
     assert not hub.offline_mode()
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # set after the clients were imported
-    assert hub.offline_mode() and "offline mode" in hub.hub_unreachable()
+    assert hub.offline_mode() == "HF_DATASETS_OFFLINE"
+    assert hub.hub_unreachable() == "Hugging Face offline mode is set (HF_DATASETS_OFFLINE)"
+
+
+def test_behind_a_proxy_the_clients_are_left_to_ask(monkeypatch):
+    """A node that reaches the hub only through HTTPS_PROXY: no direct connection is tried."""
+    for name in hub.OFFLINE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+
+    def probe(host, port):
+        raise AssertionError("no direct connection behind a proxy")
+
+    monkeypatch.setattr(hub, "_probe", probe)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    assert hub.hub_unreachable() == ""
+    monkeypatch.setenv("NO_PROXY", "huggingface.co")  # the hub bypasses the proxy: probed directly
+    monkeypatch.setattr(hub, "_probe", lambda host, port: f"{host}:{port}")
+    assert hub.hub_unreachable() == "huggingface.co:443"
 
 
 def test_real_datasets_fails_at_once_without_the_hub(monkeypatch):
@@ -99,6 +119,6 @@ def test_real_datasets_fails_at_once_without_the_hub(monkeypatch):
     pytest.importorskip("datasets")
     monkeypatch.setattr(hub, "hub_unreachable", lambda: UNREACHABLE)
     start = time.monotonic()
-    with pytest.raises(DataMissing, match=r"owai-no-such-org/no-such-set.*not in the local cache, and the hub"):
+    with pytest.raises(DataMissing, match=r"owai-no-such-org/no-such-set.*read from the local cache only: the hub"):
         hub.load_dataset("owai-no-such-org/no-such-set", what="'owai-no-such-org/no-such-set'")
     assert time.monotonic() - start < 5

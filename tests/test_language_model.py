@@ -255,3 +255,10 @@ def test_beam_continuations_rank_by_summed_log_probability():
     greedy, beam = calls
     assert greedy["num_beams"] == 1 and "length_penalty" not in greedy
     assert beam["num_beams"] == 2 and beam["length_penalty"] == 0.0
+
+
+def test_posloss_only_skips_the_training_loss():
+    from owai.commands.mosaic import eval_overrides
+
+    assert "eval.train_loss=false" in eval_overrides([Path("m")], None, None, None, True)
+    assert not any(o.startswith("eval.train_loss") for o in eval_overrides([Path("m")], None, None, None, False))

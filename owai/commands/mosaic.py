@@ -110,7 +110,7 @@ def mosaic_eval(
     dataset: Dataset = None,
     config_name: ConfigName = None,
     context: Context = None,
-    posloss_only: Annotated[bool, typer.Option("--posloss-only", help="Only the validation and per-position losses (Fig 3.9).")] = False,
+    posloss_only: Annotated[bool, typer.Option("--posloss-only", help="Only the validation and per-position losses (Fig 3.9): no training loss, attention or continuations.")] = False,
     data_root: DataRoot = None,
     opts: EvalRunOptions = EvalRunOptions(),
 ) -> None:
@@ -143,7 +143,7 @@ def eval_overrides(models: list[Path], dataset: str | None, config_name: str | N
     if context is not None:
         overrides.append(f"data.block_size={context}")
     if posloss_only:
-        overrides += ["eval.attention_multiples=[]", "eval.continuations=false"]
+        overrides += ["eval.attention_multiples=[]", "eval.continuations=false", "eval.train_loss=false"]
     return overrides
 
 

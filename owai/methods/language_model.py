@@ -160,6 +160,9 @@ class EvalConfig:
     config_name: str = ""  # hub dataset configuration, e.g. 20220301.simple
     posloss_windows: int = 256
     val_batches: int = 50  # final validation-loss batches
+    # also the loss on as many fixed training windows, in eval mode: Table B.2's training loss (the
+    # reference's estimate_loss "train"); off under `owai mosaic-eval --posloss-only`
+    train_loss: bool = True
     attention_sequences: int = 5000  # Figs B.5/B.6 average over 5000 validation sequences
     attention_multiples: list[int] = field(default_factory=lambda: [1, 3])  # contexts of k x block_size
     continuations: bool = True
@@ -517,10 +520,11 @@ def global_batch(windows: Any, cfg: Config, step: int, micro: int, device: torch
 
 
 def eval_batches(windows: Any, n: int, batch_size: int, seed: int, purpose: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This process's share of `n` fixed random batches, the same at every evaluation, for every
-    architecture and any number of processes: batch i is keyed by (seed, purpose, i), and rank r of W
-    takes batches r, r + W, ... With W processes n is rounded up to a multiple of W, so every rank runs
-    as many forward passes (FSDP runs them in lockstep); one process takes batches 0 .. n-1. As the
+    """This process's share of `n` fixed random batches, the same at every evaluation and for every
+    architecture: batch i is keyed by (seed, purpose, i), and rank r of W takes batches r, r + W, ...
+    With W processes n is rounded up to a multiple of W, so every rank runs as many forward passes
+    (FSDP runs them in lockstep); one process takes batches 0 .. n-1, and W processes the same ones
+    when W divides n. As the
     reference's estimate_loss, whose eval_iters batches are per GPU, the ranks split the evaluation;
     `mean_loss` adds their parts up."""
     w = distributed.world()
@@ -791,7 +795,8 @@ def evaluate_model(ev: EvalConfig, run: Run, label: str, model: torch.nn.Module,
     val = eval_batches(data.val, ev.val_batches, ev.batch_size, 0, "final-val")
     # Table B.2's training loss: as the validation loss, eval mode on fixed training windows (the
     # reference's estimate_loss "train"), not the training steps' loss with dropout on
-    train = eval_batches(data.train, ev.val_batches, ev.batch_size, 0, "final-train") if hasattr(data.train, "batch") else []
+    windows = ev.train_loss and hasattr(data.train, "batch")  # a streamed corpus has no training windows
+    train = eval_batches(data.train, ev.val_batches, ev.batch_size, 0, "final-train") if windows else []
     ablations = [""]
     if ev.without_long_term and getattr(model.config, "long_term_memory", False):
         ablations.append("_no_ltm")

@@ -123,7 +123,7 @@ class RecallPretraining(LanguageModelPretraining):
                                   probe=lambda model: learning_probe(cfg, model, suite, device))
             save_model(run, arch, parallel, data)
             model = parallel.module.eval()
-            measured[f"{arch}.train_loss"] = summary["final_loss"]
+            details[f"{arch}.final_step_loss"] = summary["final_loss"]  # training mode, the last steps (as mosaic-train)
             ev = evaluate(cfg, model, data, suite, device)
             measured.update({f"{arch}.{k}": v for k, v in ev.measured.items()})
             details.update({f"{arch}.{k}": v for k, v in ev.details.items()})

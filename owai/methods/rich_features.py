@@ -88,6 +88,7 @@ TRANSFORM_STYLES = {"cifar10": "cifar", "cifar100": "cifar", "imagenet": "imagen
 EVAL_STAGES = ("distill", "probe", "finetune", "two-stage", "fewshot")  # run in this order when chained
 STAGES = ("pretrain", *EVAL_STAGES)
 VERSION = 1  # of the pre-training cache key
+TRANSFORMS_VERSION = 2  # of the evaluation transforms features are extracted with (2: CIFAR's int(size x 8/7))
 
 
 @dataclass
@@ -1316,7 +1317,10 @@ def extract(cfg: Config, cat: Any, data: Any, device: torch.device, store: Path,
     labels_path = store.with_name(f"{store.name}.labels.npy")
     origin_path = store.with_name(f"{store.name}.origin.json")
     paths = [store.with_name(f"{store.name}.net{i}.npy") for i in range(len(cat.backbones))]
-    made_by = {"networks": list(origin), "images": len(data)}
+    # what made them: the networks, and how the images were read (a resume across a change of the
+    # transforms, e.g. CIFAR's 224-px resize, extracts them again)
+    made_by = {"networks": list(origin), "images": len(data), "style": getattr(data, "style", "domainbed"),
+               "image_size": cfg.data.image_size, "transforms": TRANSFORMS_VERSION}
     if labels_path.is_file() and all(p.is_file() for p in paths) and _read_origin(origin_path) == made_by:
         return [_mapped(p) for p in paths], torch.from_numpy(np.load(labels_path))
     drop_store(store)  # an incomplete set, or another's: its disk is freed before the new one is reserved
@@ -1648,7 +1652,7 @@ def run_probes(cfg: Config, heads: dict[str, torch.nn.Module], z_test: list[torc
     singles = [_acc(lg, y_test) for lg in net_logits]
     measured["single.acc"] = statistics.fmean(singles)
     details["single_acc"] = singles
-    details["feature_dims"] = cat_dims(z_test[:n])
+    details["feature_dims"] = cat_dims(z_test)  # the n networks' widths, then the student's
     if with_student:
         measured[f"distill{n}.acc"] = _acc(_logits(heads["probe-distill"], [z_test[n]], device), y_test)
 
