@@ -19,9 +19,7 @@ from owai.errors import DataMissing, one_line
 
 HUB_PROBE_TIMEOUT = 3.0  # seconds to reach the hub before it is declared unreachable
 _TRUE = ("1", "ON", "YES", "TRUE")
-
-
-OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")  # any of them keeps owai local
 
 
 def offline_mode() -> str:

@@ -524,9 +524,8 @@ def eval_batches(windows: Any, n: int, batch_size: int, seed: int, purpose: str)
     architecture: batch i is keyed by (seed, purpose, i), and rank r of W takes batches r, r + W, ...
     With W processes n is rounded up to a multiple of W, so every rank runs as many forward passes
     (FSDP runs them in lockstep); one process takes batches 0 .. n-1, and W processes the same ones
-    when W divides n. As the
-    reference's estimate_loss, whose eval_iters batches are per GPU, the ranks split the evaluation;
-    `mean_loss` adds their parts up."""
+    when W divides n. As in the reference's estimate_loss, whose eval_iters batches are per GPU, the
+    ranks split the evaluation; `mean_loss` adds their parts up."""
     w = distributed.world()
     total = math.ceil(n / w.world_size) * w.world_size
     return [windows.batch(batch_size, generator(seed, purpose, i)) for i in range(w.rank, total, w.world_size)]
@@ -795,8 +794,8 @@ def evaluate_model(ev: EvalConfig, run: Run, label: str, model: torch.nn.Module,
     val = eval_batches(data.val, ev.val_batches, ev.batch_size, 0, "final-val")
     # Table B.2's training loss: as the validation loss, eval mode on fixed training windows (the
     # reference's estimate_loss "train"), not the training steps' loss with dropout on
-    windows = ev.train_loss and hasattr(data.train, "batch")  # a streamed corpus has no training windows
-    train = eval_batches(data.train, ev.val_batches, ev.batch_size, 0, "final-train") if windows else []
+    measure_train = ev.train_loss and hasattr(data.train, "batch")  # a streamed corpus has no training windows
+    train = eval_batches(data.train, ev.val_batches, ev.batch_size, 0, "final-train") if measure_train else []
     ablations = [""]
     if ev.without_long_term and getattr(model.config, "long_term_memory", False):
         ablations.append("_no_ltm")
