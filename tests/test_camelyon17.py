@@ -213,3 +213,34 @@ def test_figure_2_9_leaves_lambda_zero_off_its_log_axis():
     left = fig.axes[0]
     xs = sorted({x for line in left.get_lines() for x in line.get_xdata()})
     assert xs == [1.0, 10.0]
+
+
+@pytest.mark.parametrize("recipe, key, values", [
+    ("tableA.13-synthesis-wd", "bonsai.synthesis_weight_decay", [1e-6, 1e-2]),
+    ("tableA.15-head-init", "bonsai.head", ["average", "random"]),
+])
+def test_appendix_a10_studies_keep_a_row_per_variant(recipe, key, values, tree, tmp_path):
+    """Tables A.13 / A.15 vary a setting beside init and method: the study keeps one row per value
+    (labelled with it, with its own thesis numbers), and A.13's rows carry the synthesis's accuracy
+    on its pseudo-labels (Table A.14)."""
+    from owai import sweep as sweeps
+    from owai.methods.camelyon17 import write_study
+
+    plan = sweeps.create(recipe, "cpu", tiny(tree), seeds=[0], out=tmp_path / "study")
+    summary = sweeps.write_summary(plan, sweeps.run(plan, "local", 1))
+    assert summary["counts"].get("complete") == 6
+    rows, _ = write_study(plan, summary)
+    by_label = {r["label"]: r for r in rows}
+    short = key.split(".")[-1]
+    assert set(by_label) == {f"2-Bonsai-cf / {m} [{short}={v}]" for m in ("ERM", "vREx") for v in values}
+    first, last = (by_label[f"2-Bonsai-cf / vREx [{short}={v}]"] for v in values)
+    assert first[key] == values[0] and last[key] == values[1]
+    expected = {"tableA.13-synthesis-wd": (0.795, 0.758), "tableA.15-head-init": (0.795, 0.797)}[recipe]
+    assert (first["ood"]["thesis"], last["ood"]["thesis"]) == pytest.approx(expected)
+    if recipe == "tableA.13-synthesis-wd":
+        assert 0.0 <= first["synthesis_pseudo_acc"]["train"] <= 1.0
+        caches = {json.loads((Path(pt["run_dir"]) / "results.json").read_text())["details"]["caches"]["synthesis"]
+                  for pt in summary["points"]}
+        assert len(caches) == 2  # a synthesis per weight decay, each its own cache entry
+    study = json.loads((plan.path / "camelyon17.json").read_text())
+    assert {c["verdict"] for c in study["claims"]} == {"n/a"}  # judged at the paper preset only

@@ -829,6 +829,7 @@ def selected_metrics(curves: list[dict[str, float]]) -> dict[str, float]:
 # -- the study: IID / OOD tuning across seeds, per-round table, Figure 2.9 -----------------------
 
 HP_KEYS = ("penalty.weight", "penalty.anneal_iters")  # searched per (init, rounds, method)
+ROW_KEYS = ("init", "rounds", "networks", "method")  # a study row's identity; other grid keys label variants
 STUDY_NAME = "camelyon17"
 TUNES = {"iid": "id_val_acc.iid", "ood": "val_acc.ood"}  # tuning -> the validation metric it maximises
 METHOD_LABELS = {"erm": "ERM", "irm": "IRMv1", "vrex": "vREx", "clove": "CLOvE"}
@@ -891,10 +892,19 @@ def study_rows(sweep: Any, summary: dict[str, Any]) -> tuple[list[dict[str, Any]
                     cell[section] = {**cell.get(section, {}), leaf: v}
             init, rounds, method = cell.get("init"), cell.get("rounds"), cell.get("method")
             networks = cell.get("networks") if init in ENSEMBLE_INITS else None  # Cat_n / Distill_n's n
-            label = f"{init}|{rounds if init in ('bonsai', 'bonsai-cf') else ''}|{networks or ''}|{method}"
+            # other settings the grid varies (Table A.13's synthesis weight decay, A.15's head): a row each
+            variant = {k: v for k, v in group["grid"].items() if k not in HP_KEYS and k not in ROW_KEYS}
+            label = (f"{init}|{rounds if init in ('bonsai', 'bonsai-cf') else ''}|{networks or ''}|{method}|"
+                     + json.dumps(variant, sort_keys=True))
+            shown = "".join(f" [{k.split('.')[-1]}={v}]" for k, v in sorted(variant.items()))
             row = rows.setdefault(label, {"kind": "table2.6", "init": init, "rounds": rounds, "networks": networks,
-                                          "method": method, "label": f"{init_label(init, rounds, networks, method)} / "
-                                                                     f"{METHOD_LABELS.get(method, method)}"})
+                                          "method": method, "variant": variant, **variant,
+                                          "label": f"{init_label(init, rounds, networks, method)} / "
+                                                   f"{METHOD_LABELS.get(method, method)}{shown}"})
+            pseudo = {split: measured[f"synthesis.pseudo_acc.{split}"]["mean"] for split in ("train", "id_val")
+                      if f"synthesis.pseudo_acc.{split}" in measured}
+            if pseudo:  # Table A.14: the synthesis's accuracy on its pseudo-labels (the same for every head)
+                row["synthesis_pseudo_acc"] = pseudo
             values = test["values"]
             mean, std = _stat(values)
             thesis = thesis_for(recipe, f"test_acc.{tune}", cell)
@@ -904,6 +914,7 @@ def study_rows(sweep: Any, summary: dict[str, Any]) -> tuple[list[dict[str, Any]
     rounds_rows = round_rows(summary, params)
     order = {i: n for n, i in enumerate(INITS)}
     table = sorted(rows.values(), key=lambda r: (order.get(r["init"], 99), r["rounds"] or 0, r["networks"] or 0,
+                                                 json.dumps(r["variant"], sort_keys=True, default=str),
                                                  METHODS.index(r["method"]) if r["method"] in METHODS else 99))
     return table, rounds_rows
 
@@ -989,6 +1000,8 @@ def plot_study(summary: dict[str, Any], title: str) -> Any:
             continue
         m = {x["metric"]: x for x in group["metrics"]}
         init = init_label(grid.get("init", ""), grid.get("rounds", ""), grid.get("networks", ""), method)
+        init += "".join(f" [{k.split('.')[-1]}={v}]" for k, v in sorted(grid.items())
+                        if k not in HP_KEYS and k not in ROW_KEYS)  # Table A.13 / A.15 variants: a line each
         if float(grid["penalty.weight"]) <= 0:  # lambda 0 (ERM on the group loader) has no place on the log axis
             continue
         for tune, metric in TUNES.items():
