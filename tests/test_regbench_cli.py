@@ -124,5 +124,23 @@ def test_model_and_size_options_restrict_the_recipe_grid():
     assert out[0]["train.lr"] == grids[0]["train.lr"]  # mm keeps its searched values
     assert out[1] == {"arch": ["lstm"], "data.num_examples": [100, 500]}  # not searched: defaults, recipe sizes
     out = regbench_grid(grids, "mm", None, [250])
-    assert [g["arch"] for g in out] == [["mm", "transformer"], ["ngram"]]
+    assert [g["arch"] for g in out] == [["mm"], ["transformer"], ["ngram"]]
+    assert out[1]["train.grad_clip"] == [0.0]  # seq_icl's transformer trains without clipping
     assert all(g["data.num_examples"] == [250] for g in out)
+
+
+def test_rows_are_labelled_by_the_grids_size_beside_the_automata_trained_on():
+    """seq_icl scales 100 training automata with 1000 test automata down to 90 but labels the run
+    by its config's 100 (its notebook groups by dataset.num_examples): so does owai's study, with the
+    90 beside it, and the thesis's numbers and claims at 100 stay reachable."""
+    from owai.methods.regbench import STUDY_METRICS, study_markdown, study_rows
+
+    metrics = [{"metric": m, "mean": 0.5, "n": 1, "thesis": None} for m in STUDY_METRICS if m != "num_examples"]
+    metrics.append({"metric": "num_examples", "mean": 90.0, "n": 1, "thesis": None})
+    summary = {"grid": [{"arch": ["transformer"], "data.num_examples": [100]}],
+               "selection": {"per": ["arch", "data.num_examples"],
+                             "groups": [{"key": {"arch": "transformer", "data.num_examples": 100}, "grid": {},
+                                         "metrics": metrics, "cell": 0, "candidates": 1}]}}
+    (row,) = study_rows(summary)
+    assert (row["num_examples"], row["trained_on"]) == (100, 90)
+    assert "| Transformer | 100 (90 trained) |" in study_markdown([row], "t", "c")

@@ -6,7 +6,8 @@ way seq_icl does it (shared/specs/evals.md sec 3.3):
     data     `owai.data.regbench`: one sequence of 10-19 strings per random PFA; disjoint train,
              val and test automata (or, `data.iid`, new sequences of the training automata)
     train    AdamW (betas 0.9/0.999, decay on every parameter) at batch 32 for 200 epochs, linear
-             warmup from 1e-6 over 20 epochs, timm cosine to 0.1 x lr, clipping 1.0, through the
+             warmup from 1e-6 over 20 epochs, timm cosine to 0.1 x lr, clipping 1.0 (the Memory
+             Mosaic's config; the recipes turn it off for seq_icl's transformer and LSTM), through the
              shared loop `owai.train.train_loop` (checkpoints, resume)
     select   after every epoch the validation loss (mean over non-separator targets); the best
              epoch's weights are kept (checkpoints/best) and tested: "epochs in {1..200}"
@@ -374,7 +375,12 @@ def study_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
         key, cell = group["key"], group["grid"] or {}
         row: dict[str, Any] = {
             "arch": key.get("arch") or cell.get("arch", "?"),
-            "num_examples": _count(metrics["num_examples"]["mean"] if "num_examples" in metrics else key.get("data.num_examples")),
+            # the grid's size, as seq_icl's notebook labels a run by dataset.num_examples; the automata it
+            # trained on after seq_icl's scale-down (100 with 1000 test automata: 90) beside it
+            "num_examples": _count(key.get("data.num_examples", cell.get("data.num_examples"))
+                                   if "data.num_examples" in {**cell, **key} else
+                                   metrics["num_examples"]["mean"] if "num_examples" in metrics else None),
+            "trained_on": _count(metrics["num_examples"]["mean"]) if "num_examples" in metrics else None,
             "cell": group["cell"],
             "selected": " ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in cell.items() if k in searched),
             "candidates": group["candidates"],
@@ -398,6 +404,14 @@ def _label(arch: str) -> str:
     return SEQUENCE_MODELS[arch].label if arch in SEQUENCE_MODELS else arch
 
 
+def _automata(row: dict[str, Any]) -> str:
+    """The row's training size, and the automata it trained on where seq_icl's scale-down changed it."""
+    from owai.values import fmt
+
+    size, trained = row.get("num_examples"), row.get("trained_on")
+    return fmt(size) + (f" ({fmt(trained)} trained)" if trained is not None and trained != size else "")
+
+
 def study_markdown(rows: list[dict[str, Any]], title: str, command: str) -> str:
     from owai.values import fmt
 
@@ -406,7 +420,7 @@ def study_markdown(rows: list[dict[str, Any]], title: str, command: str) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {_label(r['arch'])} | {fmt(r['num_examples'])} | {fmt(r['accuracy'])} | {fmt(r['thesis_accuracy'])} | "
+            f"| {_label(r['arch'])} | {_automata(r)} | {fmt(r['accuracy'])} | {fmt(r['thesis_accuracy'])} | "
             f"{fmt(r['tvd'])} | {fmt(r['thesis_tvd'])} | {fmt(r['tvd_half'])} | {fmt(r['val_loss'])} | "
             f"{fmt(r['selected_epoch'])} | {fmt(r['parameters'])} | {r['selected'] or '-'} |")
     return "\n".join(lines) + "\n"
@@ -420,13 +434,11 @@ def study_table(rows: list[dict[str, Any]], title: str) -> Any:
     from rich.markup import escape
     from rich.table import Table
 
-    from owai.values import fmt
-
     t = Table(title=escape(title))
     for name in ("model", "automata", "accuracy", "thesis", '"TVD" L1', "thesis", "TVD", "val loss", "selected"):
         t.add_column(name, justify="left" if name in ("model", "selected") else "right")
     for r in rows:
-        t.add_row(escape(_label(r["arch"])), fmt(r["num_examples"]), _num(r["accuracy"]), _num(r["thesis_accuracy"]),
+        t.add_row(escape(_label(r["arch"])), _automata(r), _num(r["accuracy"]), _num(r["thesis_accuracy"]),
                   _num(r["tvd"]), _num(r["thesis_tvd"]), _num(r["tvd_half"]), _num(r["val_loss"]),
                   escape(r["selected"] or ("-" if r["cell"] is None else "")))
     return t
