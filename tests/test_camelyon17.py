@@ -244,3 +244,26 @@ def test_appendix_a10_studies_keep_a_row_per_variant(recipe, key, values, tree, 
         assert len(caches) == 2  # a synthesis per weight decay, each its own cache entry
     study = json.loads((plan.path / "camelyon17.json").read_text())
     assert {c["verdict"] for c in study["claims"]} == {"n/a"}  # judged at the paper preset only
+    legend = [t.get_text() for t in info_figure_legend(plan.path)]
+    assert f"vREx, 2-Bonsai-cf [{short}={values[0]}], OOD tune" in legend  # init and rounds from the params
+
+
+def info_figure_legend(sweep_dir: Path) -> list:
+    """The Figure 2.9 legend of a study, drawn again from its summary."""
+    from owai.methods.camelyon17 import plot_study
+
+    summary = json.loads((sweep_dir / "summary.json").read_text())
+    return plot_study(summary, "t").axes[0].get_legend().get_texts()
+
+
+def test_a_setting_one_rows_grid_fixes_is_not_a_variant():
+    """Table 2.6's CLOvE-from-scratch grid fixes the kernel width at 0.2: its row stays "ERM / CLOvE",
+    in Table 2.6's order; a key with several values in one row's groups is a variant."""
+    from owai.methods.camelyon17 import _variant_order, variant_keys
+
+    groups = [{"grid": {"init": "rand", "method": "clove", "penalty.weight": w, "penalty.clove_width": 0.2}}
+              for w in (0.1, 1.0)]
+    assert variant_keys(groups, {}) == set()
+    groups += [{"grid": {"init": "bonsai-cf", "method": "erm", "bonsai.synthesis_weight_decay": wd}} for wd in (1e-2, 1e-6)]
+    assert variant_keys(groups, {}) == {"bonsai.synthesis_weight_decay"}
+    assert sorted([{"w": 1e-2}, {"w": 1e-6}, {"w": 1e-4}], key=_variant_order) == [{"w": 1e-6}, {"w": 1e-4}, {"w": 1e-2}]

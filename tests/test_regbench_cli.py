@@ -125,7 +125,7 @@ def test_model_and_size_options_restrict_the_recipe_grid():
     assert out[1] == {"arch": ["lstm"], "data.num_examples": [100, 500]}  # not searched: defaults, recipe sizes
     out = regbench_grid(grids, "mm", None, [250])
     assert [g["arch"] for g in out] == [["mm"], ["transformer"], ["ngram"]]
-    assert out[1]["train.grad_clip"] == [0.0]  # seq_icl's transformer trains without clipping
+    assert "train.grad_clip" not in out[1]  # the family's own clipping (grad_clip_of)
     assert all(g["data.num_examples"] == [250] for g in out)
 
 
@@ -144,3 +144,16 @@ def test_rows_are_labelled_by_the_grids_size_beside_the_automata_trained_on():
     (row,) = study_rows(summary)
     assert (row["num_examples"], row["trained_on"]) == (100, 90)
     assert "| Transformer | 100 (90 trained) |" in study_markdown([row], "t", "c")
+
+
+def test_each_family_clips_as_its_official_config():
+    """MemoryMosaics' ICLL mm.yaml clips gradients at 1; seq_icl's trainer does not clip (0)."""
+    from owai.methods.regbench import Config, grad_clip_of
+
+    cfg = Config()
+    assert grad_clip_of(cfg) == 1.0
+    for arch in ("transformer", "lstm"):
+        cfg.arch = arch
+        assert grad_clip_of(cfg) == 0.0
+    cfg.train.grad_clip = 0.5
+    assert grad_clip_of(cfg) == 0.5

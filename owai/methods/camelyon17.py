@@ -830,6 +830,26 @@ def selected_metrics(curves: list[dict[str, float]]) -> dict[str, float]:
 
 HP_KEYS = ("penalty.weight", "penalty.anneal_iters")  # searched per (init, rounds, method)
 ROW_KEYS = ("init", "rounds", "networks", "method")  # a study row's identity; other grid keys label variants
+
+
+def variant_keys(groups: list[dict[str, Any]], base: dict[str, Any]) -> set[str]:
+    """The grid keys (not searched, not a row's identity) that take more than one value among the
+    groups of one row: Table A.13's synthesis weight decay, A.15's head. A key one row's grid fixes
+    (Table 2.6's CLOvE kernel width 0.2) is a setting, not a variant."""
+    seen: dict[tuple[Any, ...], dict[str, set[str]]] = {}
+    for group in groups:
+        grid = group["grid"] or {}
+        full = {**base, **grid}
+        identity = tuple(full.get(k) for k in ROW_KEYS)
+        for k, v in grid.items():
+            if k not in HP_KEYS and k not in ROW_KEYS:
+                seen.setdefault(identity, {}).setdefault(k, set()).add(json.dumps(v, sort_keys=True, default=str))
+    return {k for keys in seen.values() for k, values in keys.items() if len(values) > 1}
+
+
+def _variant_order(variant: dict[str, Any]) -> tuple[Any, ...]:
+    """Variants sorted by value, numbers as numbers (1e-6 < 1e-4 < 1e-2)."""
+    return tuple((k, (0, v, "") if isinstance(v, (int, float)) else (1, 0, str(v))) for k, v in sorted(variant.items()))
 STUDY_NAME = "camelyon17"
 TUNES = {"iid": "id_val_acc.iid", "ood": "val_acc.ood"}  # tuning -> the validation metric it maximises
 METHOD_LABELS = {"erm": "ERM", "irm": "IRMv1", "vrex": "vREx", "clove": "CLOvE"}
@@ -848,7 +868,7 @@ def init_label(init: str, rounds: Any, networks: Any = None, method: str = "erm"
 def _point_params(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """run_dir -> resolved params of every complete point."""
     out = {}
-    for p in summary["points"]:
+    for p in summary.get("points", []):
         if p["status"] == "complete":
             out[p["run_dir"]] = Run(Path(p["run_dir"])).read_config()["params"]
     return out
@@ -875,6 +895,7 @@ def study_rows(sweep: Any, summary: dict[str, Any]) -> tuple[list[dict[str, Any]
     for group in summary["groups"]:
         keys += [k for k in group["grid"] if k not in keys]
     per = [k for k in keys if k not in HP_KEYS]
+    varying = variant_keys(summary["groups"], {k: v for k, v in base.items() if k in ROW_KEYS})
     rows: dict[str, dict[str, Any]] = {}
     for tune, metric in TUNES.items():
         selection = select_cells(summary["groups"], Selection(metric, "max", per))
@@ -893,7 +914,7 @@ def study_rows(sweep: Any, summary: dict[str, Any]) -> tuple[list[dict[str, Any]
             init, rounds, method = cell.get("init"), cell.get("rounds"), cell.get("method")
             networks = cell.get("networks") if init in ENSEMBLE_INITS else None  # Cat_n / Distill_n's n
             # other settings the grid varies (Table A.13's synthesis weight decay, A.15's head): a row each
-            variant = {k: v for k, v in group["grid"].items() if k not in HP_KEYS and k not in ROW_KEYS}
+            variant = {k: v for k, v in group["grid"].items() if k in varying}
             label = (f"{init}|{rounds if init in ('bonsai', 'bonsai-cf') else ''}|{networks or ''}|{method}|"
                      + json.dumps(variant, sort_keys=True))
             shown = "".join(f" [{k.split('.')[-1]}={v}]" for k, v in sorted(variant.items()))
@@ -904,7 +925,7 @@ def study_rows(sweep: Any, summary: dict[str, Any]) -> tuple[list[dict[str, Any]
             pseudo = {split: measured[f"synthesis.pseudo_acc.{split}"]["mean"] for split in ("train", "id_val")
                       if f"synthesis.pseudo_acc.{split}" in measured}
             if pseudo:  # Table A.14: the synthesis's accuracy on its pseudo-labels (the same for every head)
-                row["synthesis_pseudo_acc"] = pseudo
+                row.setdefault("synthesis_pseudo_acc", pseudo)
             values = test["values"]
             mean, std = _stat(values)
             thesis = thesis_for(recipe, f"test_acc.{tune}", cell)
@@ -914,7 +935,7 @@ def study_rows(sweep: Any, summary: dict[str, Any]) -> tuple[list[dict[str, Any]
     rounds_rows = round_rows(summary, params)
     order = {i: n for n, i in enumerate(INITS)}
     table = sorted(rows.values(), key=lambda r: (order.get(r["init"], 99), r["rounds"] or 0, r["networks"] or 0,
-                                                 json.dumps(r["variant"], sort_keys=True, default=str),
+                                                 _variant_order(r["variant"]),
                                                  METHODS.index(r["method"]) if r["method"] in METHODS else 99))
     return table, rounds_rows
 
@@ -993,15 +1014,18 @@ def plot_study(summary: dict[str, Any], title: str) -> Any:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
     lines: dict[tuple[str, str, str], dict[float, tuple[float, float]]] = {}
+    params = _point_params(summary)
+    base = {k: v for k, v in next(iter(params.values()), {}).items() if k in ROW_KEYS}  # init / rounds set as params
+    varying = variant_keys(summary["groups"], base)
     for group in summary["groups"]:
-        grid = group["grid"]
+        grid = {**base, **(group["grid"] or {})}
         method = grid.get("method")
         if method not in ("irm", "vrex", "clove") or "penalty.weight" not in grid:
             continue
         m = {x["metric"]: x for x in group["metrics"]}
         init = init_label(grid.get("init", ""), grid.get("rounds", ""), grid.get("networks", ""), method)
         init += "".join(f" [{k.split('.')[-1]}={v}]" for k, v in sorted(grid.items())
-                        if k not in HP_KEYS and k not in ROW_KEYS)  # Table A.13 / A.15 variants: a line each
+                        if k in varying)  # Table A.13 / A.15 variants: a line each
         if float(grid["penalty.weight"]) <= 0:  # lambda 0 (ERM on the group loader) has no place on the log axis
             continue
         for tune, metric in TUNES.items():

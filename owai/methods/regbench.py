@@ -6,8 +6,8 @@ way seq_icl does it (shared/specs/evals.md sec 3.3):
     data     `owai.data.regbench`: one sequence of 10-19 strings per random PFA; disjoint train,
              val and test automata (or, `data.iid`, new sequences of the training automata)
     train    AdamW (betas 0.9/0.999, decay on every parameter) at batch 32 for 200 epochs, linear
-             warmup from 1e-6 over 20 epochs, timm cosine to 0.1 x lr, clipping 1.0 (the Memory
-             Mosaic's config; the recipes turn it off for seq_icl's transformer and LSTM), through the
+             warmup from 1e-6 over 20 epochs, timm cosine to 0.1 x lr, gradients clipped at 1.0 for
+             the Memory Mosaic (its ICLL config) and not for seq_icl's models (`grad_clip_of`), through the
              shared loop `owai.train.train_loop` (checkpoints, resume)
     select   after every epoch the validation loss (mean over non-separator targets); the best
              epoch's weights are kept (checkpoints/best) and tested: "epochs in {1..200}"
@@ -102,7 +102,9 @@ class TrainConfig:
     # all: every parameter, as seq_icl's Lightning module (one AdamW group; its dfa configs set no
     # optimizer_param_grouping); matrices: tensors with >= 2 dims only (nanoGPT's rule)
     decay_scope: Literal["all", "matrices"] = "all"
-    grad_clip: float = 1.0
+    # None: each family's official setting, clipping at 1 for the Memory Mosaic (MemoryMosaics'
+    # ICLL mm.yaml) and none for the others (seq_icl's trainer: gradient_clip_val 0); 0 = no clipping
+    grad_clip: float | None = None
     eval_every: int = 1  # epochs between validations (and best-checkpoint updates)
     checkpoint_every: int = 10  # epochs between resumable checkpoints
     log_every: int = 10  # updates between loss log lines
@@ -123,6 +125,14 @@ class Config(BaseConfig):
     data: RegBenchConfig = field(default_factory=lambda: RegBenchConfig(num_test_examples=1000))
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def grad_clip_of(cfg: Config) -> float:
+    """The gradient-norm clip of this run: train.grad_clip, else its family's official one (1.0 for
+    the Memory Mosaic's ICLL plug-in, 0 = none for seq_icl's models)."""
+    if cfg.train.grad_clip is not None:
+        return cfg.train.grad_clip
+    return 1.0 if cfg.arch == "mm" else 0.0
 
 
 def sequence_model(arch: str) -> SequenceModel:
@@ -303,7 +313,7 @@ def train(cfg: Config, run: Run, model: torch.nn.Module, data: RegBenchData, dev
             save_checkpoint(best_dir, epoch, state, keep=1)
 
     loop = LoopConfig(steps=total, checkpoint_every=min(per_epoch * t.checkpoint_every, total),
-                      log_every=min(t.log_every, total), grad_clip=t.grad_clip)
+                      log_every=min(t.log_every, total), grad_clip=grad_clip_of(cfg))
     train_loop(run, "train", model, optimizer, loss_at, loop, lr_at=lr_at, after_step=after_step)
     last = latest_checkpoint(best_dir)
     if last is None:
