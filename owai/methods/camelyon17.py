@@ -850,6 +850,8 @@ def variant_keys(groups: list[dict[str, Any]], base: dict[str, Any]) -> set[str]
 def _variant_order(variant: dict[str, Any]) -> tuple[Any, ...]:
     """Variants sorted by value, numbers as numbers (1e-6 < 1e-4 < 1e-2)."""
     return tuple((k, (0, v, "") if isinstance(v, (int, float)) else (1, 0, str(v))) for k, v in sorted(variant.items()))
+
+
 STUDY_NAME = "camelyon17"
 TUNES = {"iid": "id_val_acc.iid", "ood": "val_acc.ood"}  # tuning -> the validation metric it maximises
 METHOD_LABELS = {"erm": "ERM", "irm": "IRMv1", "vrex": "vREx", "clove": "CLOvE"}
