@@ -105,15 +105,6 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-def mean_across_ranks(value: float, device: torch.device) -> float:
-    """The mean of a scalar over ranks (for logging; a no-op in one process)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
-
-
 def sum_across_ranks(values: list[float], device: torch.device) -> list[float]:
     """Each value summed over ranks (exact totals for a mean over every rank's items; a no-op in
     one process)."""
@@ -122,6 +113,11 @@ def sum_across_ranks(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.tolist()
+
+
+def mean_across_ranks(value: float, device: torch.device) -> float:
+    """The mean of a scalar over ranks (for logging; a no-op in one process)."""
+    return sum_across_ranks([value], device)[0] / world().world_size
 
 
 def barrier() -> None:

@@ -55,6 +55,7 @@ import io
 import json
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -1454,9 +1455,7 @@ def train_head(run: Run, stage: str, head: torch.nn.Module, groups: list[dict], 
 
     optimizer = torch.optim.SGD(groups, lr=lr_at_epoch(0.0), momentum=momentum, nesterov=nesterov)
     n = len(y)
-    size = min(batch_size, n)
-    per_epoch = max(1, n // size)
-    steps = max(1, round(epochs * per_epoch))
+    size, per_epoch, steps = epoch_steps(n, batch_size, epochs)
 
     def loss_at(step: int, micro: int) -> torch.Tensor:
         idx = probe_batch(step, per_epoch, size, n, seed, stage)
@@ -1467,19 +1466,36 @@ def train_head(run: Run, stage: str, head: torch.nn.Module, groups: list[dict], 
     return head.eval()
 
 
+def epoch_steps(n: int, batch_size: int, epochs: float) -> tuple[int, int, int]:
+    """(batch size, updates per epoch, updates) of `epochs` passes over `n` examples, the last
+    incomplete batch of each pass dropped (BN1d needs >= 2)."""
+    size = min(batch_size, n)
+    per_epoch = max(1, n // size)
+    return size, per_epoch, max(1, round(epochs * per_epoch))
+
+
+def probe_lr(q: ProbeConfig) -> Callable[[float], float]:
+    """The probe's learning rate at a (fractional) epoch: lr x gamma^(milestones passed)."""
+    return lambda epoch: q.lr * q.gamma ** sum(epoch >= m for m in q.milestones)
+
+
+def probe_head(cfg: Config, width: int, n_classes: int, name: str) -> torch.nn.Module:
+    """A ProbeHead (§6.2) on `width` features, its Linear initialised by the key (seed, "probe-init", name)."""
+    from owai.models.rich import ProbeHead
+    from owai.runtime import generator
+
+    return ProbeHead(width, n_classes, bn=cfg.probe.batchnorm, generator=generator(cfg.seed, "probe-init", name))
+
+
 def fit_probe(cfg: Config, run: Run, stage: str, blocks: list[torch.Tensor], y: torch.Tensor, n_classes: int,
               device: torch.device) -> torch.nn.Module:
     """A ProbeHead on the concatenated feature blocks [(N, d_i)] with the probe's settings (§6.2), as
     stage `stage` (resumable)."""
-    from owai.models.rich import ProbeHead
-    from owai.runtime import generator
-
     q = cfg.probe
-    width = sum(cat_dims(blocks))
-    head = ProbeHead(width, n_classes, bn=q.batchnorm, generator=generator(cfg.seed, "probe-init", stage)).to(device)
+    head = probe_head(cfg, sum(cat_dims(blocks)), n_classes, stage).to(device)
     return train_head(run, stage, head, head.param_groups(q.weight_decay), blocks, y, epochs=q.epochs,
                       batch_size=q.batch_size, momentum=q.momentum, nesterov=q.nesterov, seed=cfg.seed,
-                      lr_at_epoch=lambda e: q.lr * q.gamma ** sum(e >= m for m in q.milestones),
+                      lr_at_epoch=probe_lr(q),
                       checkpoint_every=q.checkpoint_every, log_every=q.log_every, device=device)
 
 
@@ -1493,22 +1509,17 @@ def fit_probes_on_crops(cfg: Config, run: Run, stage: str, frozen: Any, specs: d
     own gradient and momentum, so training them together on the sum of their losses is training each
     alone on the same batches. Heads and schedule are fit_probe's; the logged loss is the heads' sum."""
     from owai.data.domainbed import StepBatches, StepStream
-    from owai.models.rich import ProbeHead
-    from owai.runtime import derive_seed, generator
+    from owai.runtime import derive_seed
     from owai.train import LoopConfig, train_loop
 
     q, d = cfg.probe, cfg.data
     frozen = frozen.to(device)
-    heads = torch.nn.ModuleDict({
-        name: ProbeHead(sum(frozen.dims[b] for b in blocks), n_classes, bn=q.batchnorm,
-                        generator=generator(cfg.seed, "probe-init", name))
-        for name, blocks in specs.items()}).to(device)
+    heads = torch.nn.ModuleDict({name: probe_head(cfg, sum(frozen.dims[b] for b in blocks), n_classes, name)
+                                 for name, blocks in specs.items()}).to(device)
     groups = [g for head in heads.values() for g in head.param_groups(q.weight_decay)]
     optimizer = torch.optim.SGD(groups, lr=q.lr, momentum=q.momentum, nesterov=q.nesterov)
     n = len(train_set)
-    size = min(q.batch_size, n)
-    per_epoch = max(1, n // size)
-    steps = max(1, round(q.epochs * per_epoch))
+    size, per_epoch, steps = epoch_steps(n, q.batch_size, q.epochs)
     batches = StepBatches(OneDomain(train_set), [0], [torch.arange(n)], size, d.image_size, True,
                           derive_seed(cfg.seed, "probe-crops", stage), steps, style=train_set.style, sampling="epochs")
     stream = StepStream(batches, d.workers, device)
@@ -1519,11 +1530,9 @@ def fit_probes_on_crops(cfg: Config, run: Run, stage: str, frozen: Any, specs: d
         return sum(F.cross_entropy(heads[name](torch.cat([blocks[b] for b in specs[name]], 1).float()), y)
                    for name in specs)
 
-    def lr_at(step: int) -> float:
-        return q.lr * q.gamma ** sum(step / per_epoch >= m for m in q.milestones)
-
+    lr_at_epoch = probe_lr(q)
     loop = LoopConfig(steps=steps, checkpoint_every=min(q.checkpoint_every, steps), log_every=min(q.log_every, steps))
-    train_loop(run, stage, heads, optimizer, loss_at, loop, lr_at=lr_at)
+    train_loop(run, stage, heads, optimizer, loss_at, loop, lr_at=lambda s: lr_at_epoch(s / per_epoch))
     return {name: head.eval() for name, head in heads.items()}
 
 
