@@ -151,6 +151,8 @@ class Run:
     def open(cls, path: Path) -> "Run":
         """Open an existing run directory (for --resume and report)."""
         path = Path(path)
+        if path.is_file():
+            raise OwaiError(f"{path} is a file, not a run directory")
         if not path.is_dir():
             raise OwaiError(f"run directory {path} does not exist")
         if not (path / CONFIG).is_file():

@@ -127,6 +127,8 @@ def parse_grid(texts: list[str]) -> dict[str, list[Any]]:
         try:
             values = load_yaml(f"[{raw}]")
         except yaml.YAMLError:
+            if any(not v.strip() for v in raw.split(",")):  # "lr=," or "lr=1,,2": an empty value, not a repeat
+                raise OwaiError(f"--grid {text!r}: an empty value between commas") from None
             values = [parse_override(f"{key}={v}")[1] for v in raw.split(",")]
         if not isinstance(values, list) or not values:
             raise OwaiError(f"--grid {text!r}: expected comma-separated values")
@@ -138,8 +140,11 @@ def parse_grid(texts: list[str]) -> dict[str, list[Any]]:
 
 def parse_seeds(text: str) -> list[int]:
     """`--seeds 0,1,2` -> [0, 1, 2]."""
+    parts = text.split(",")
+    if any(not s.strip() for s in parts) and any(s.strip() for s in parts):
+        raise OwaiError(f"--seeds {text!r}: an empty value between commas")
     try:
-        seeds = [int(s) for s in text.split(",") if s.strip()]
+        seeds = [int(s) for s in parts if s.strip()]
     except ValueError:
         raise OwaiError(f"--seeds {text!r}: expected comma-separated integers, e.g. 0,1,2") from None
     if not seeds:

@@ -125,6 +125,16 @@ def test_bad_input_is_one_line_error(case, message, tmp_path, capsys):
     assert len([l for l in err.splitlines() if l.strip()]) == 1
 
 
+def test_more_groups_per_batch_than_training_hospitals_is_refused_before_the_run(tmp_path, capsys):
+    """The group loader draws n_groups_per_batch distinct hospitals; Camelyon17's training split has 3."""
+    root = make_camelyon(tmp_path / "data", train_per_center=2, id_val_per_center=1, eval_per_center=2)
+    code, out, err = cli_in_process(["bonsai", "--dataset", "camelyon17", "--out", str(tmp_path / "runs"),
+                                     *as_sets([*tiny(root), "data.n_groups_per_batch=4", "data.batch_size=8"])], capsys)
+    assert code == 2 and "the training split has 3 hospital(s)" in err, err + out
+    assert len([l for l in err.splitlines() if l.strip()]) == 1
+    assert not (tmp_path / "runs").exists()
+
+
 def _final_state(run_dir: Path, stage: str) -> dict[str, torch.Tensor]:
     from owai.checkpoint import latest_checkpoint, load_checkpoint
 

@@ -110,8 +110,10 @@ def test_input_normalised_with_other_statistics_reaches_the_checkpoint_as_its_ow
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_vit_at_another_resolution_interpolates_position_encodings(checkpoints):
-    backbone = HFImageBackbone(str(checkpoints["vit"]), image_size=48).eval()
+def test_vit_at_another_input_size_interpolates_position_encodings(checkpoints):
+    """Images of a size the backbone was not built for: transformers' bicubic interpolation at every
+    forward, as the checkpoint itself would do."""
+    backbone = HFImageBackbone(str(checkpoints["vit"])).eval()
     x = imagenet_batch(48)
     with torch.no_grad():
         got = backbone(x)
@@ -121,6 +123,67 @@ def test_vit_at_another_resolution_interpolates_position_encodings(checkpoints):
     torch.testing.assert_close(got, expected.last_hidden_state[:, 0], rtol=1e-4, atol=1e-5)
     with pytest.raises(OwaiError, match="multiple of the patch size 8"):
         HFImageBackbone(str(checkpoints["vit"]), image_size=44)
+    with pytest.raises(OwaiError, match="multiple of the patch size 8"):
+        check_hf_source(str(checkpoints["vit"]), image_size=44)
+
+
+def test_the_position_grid_is_resized_as_scipys_linear_zoom():
+    """RRL (and the original ViT code) resize a 224-px ViT's grid to 384 px with
+    scipy.ndimage.zoom(order=1); resize_position_grid keeps the class / distillation tokens and
+    zooms the grid the same way, up and down."""
+    ndimage = pytest.importorskip("scipy.ndimage")
+    from owai.models.hf_vision import resize_position_grid
+
+    g = torch.Generator().manual_seed(0)
+    for prefix, old, new in ((1, 4, 6), (2, 14, 24), (1, 24, 14), (1, 5, 5)):
+        positions = torch.randn(1, prefix + old * old, 16, generator=g)
+        got = resize_position_grid(positions, prefix, new)
+        grid = positions[0, prefix:].reshape(old, old, 16).numpy()
+        expected = ndimage.zoom(grid, (new / old, new / old, 1), order=1).reshape(1, new * new, 16)
+        assert got.shape == (1, prefix + new * new, 16)
+        assert torch.equal(got[:, :prefix], positions[:, :prefix])
+        torch.testing.assert_close(got[:, prefix:], torch.from_numpy(expected), rtol=0, atol=1e-6)
+    with pytest.raises(OwaiError, match="no square grid"):
+        resize_position_grid(torch.zeros(1, 1 + 15, 4), 1, 6)
+
+
+def test_a_vit_built_for_another_resolution_trains_its_resized_grid(checkpoints):
+    """Given image_size, a ViT is rebuilt once for it (RRL's Figure 2.4 at 384 px): the grid is the
+    checkpoint's zoomed, every other weight the checkpoint's, the forward at that size reads the new
+    grid directly (no interpolation), and fine-tuning sends gradients into the new grid."""
+    from transformers import ViTModel
+
+    from owai.models.hf_vision import POSITIONS, resize_position_grid
+
+    backbone = HFImageBackbone(str(checkpoints["vit"]), image_size=48)
+    raw = raw_model(checkpoints["vit"])
+    state = raw.state_dict()
+    assert backbone.model.config.image_size == 48 and backbone.native_size == 48
+    positions = backbone.model.state_dict()[POSITIONS]
+    assert positions.shape == (1, 1 + 6 * 6, 32)
+    assert torch.equal(positions, resize_position_grid(state[POSITIONS], 1, 6))
+    assert all(torch.equal(v, state[k]) for k, v in backbone.model.state_dict().items() if k != POSITIONS)
+    x = imagenet_batch(48)
+    backbone.eval()
+    with torch.no_grad():
+        reference = ViTModel(backbone.model.config, add_pooling_layer=False).eval()
+        reference.load_state_dict({**{k: v for k, v in state.items() if not k.startswith("pooler.")},
+                                   POSITIONS: positions})
+        expected = reference(pixel_values=(x * IN_STD + IN_MEAN - 0.5) / 0.5).last_hidden_state[:, 0]
+        interpolated = raw(pixel_values=(x * IN_STD + IN_MEAN - 0.5) / 0.5,
+                           interpolate_pos_encoding=True).last_hidden_state[:, 0]
+        got = backbone(x)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(got, interpolated, atol=1e-4)  # a different resize than the per-forward one
+    backbone.train()
+    backbone(x).sum().backward()
+    grid = dict(backbone.model.named_parameters())[POSITIONS]
+    assert grid.grad is not None and grid.grad.shape == (1, 37, 32) and grid.grad.abs().sum() > 0
+    with torch.no_grad():
+        assert backbone(imagenet_batch(32)).shape == (2, 32)  # other sizes still interpolate
+    regnet = HFImageBackbone(str(checkpoints["regnet"]), image_size=48)  # no position grid: unchanged
+    assert all(torch.equal(v, raw_model(checkpoints["regnet"]).state_dict()[k])
+               for k, v in regnet.model.state_dict().items())
 
 
 @pytest.mark.parametrize("name", ["regnet", "vit"])

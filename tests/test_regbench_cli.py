@@ -157,3 +157,28 @@ def test_each_family_clips_as_its_official_config():
         assert grad_clip_of(cfg) == 0.0
     cfg.train.grad_clip = 0.5
     assert grad_clip_of(cfg) == 0.5
+
+
+def test_rows_show_the_best_test_numbers_over_the_cells_beside_the_validation_selected_cell():
+    """seq_icl's notebook picks each point on the test set, accuracy (max) and L1 (min) apart: the
+    study keeps owai's validation-selected cell and shows those two beside it, each possibly from a
+    different cell, and never from another group."""
+    from owai.methods.regbench import study_markdown, study_rows
+    from owai.recipes import Selection
+    from owai.sweep import select_cells
+
+    def cell(lr: float, size: int, val: float, acc: float, tvd: float) -> dict:
+        values = {"val_loss": val, "accuracy": acc, "tvd": tvd}
+        return {"grid": {"arch": "mm", "data.num_examples": size, "train.lr": lr}, "label": f"lr={lr} n={size}",
+                "metrics": [{"metric": k, "mean": v, "n": 1, "thesis": None} for k, v in values.items()]}
+
+    groups = [cell(1e-3, 100, 0.9, 0.60, 0.30), cell(1e-4, 100, 1.0, 0.70, 0.40), cell(1e-5, 100, 1.1, 0.50, 0.20),
+              cell(1e-3, 500, 0.5, 0.95, 0.05), cell(1e-4, 500, 0.6, 0.90, 0.10)]
+    per = ["arch", "data.num_examples"]
+    summary = {"grid": {"arch": ["mm"], "data.num_examples": [100, 500], "train.lr": [1e-3, 1e-4, 1e-5]},
+               "groups": groups, "selection": select_cells(groups, Selection(metric="val_loss", mode="min", per=per))}
+    small, large = study_rows(summary)
+    assert (small["accuracy"], small["tvd"]) == (0.60, 0.30)  # the validation-selected cell
+    assert (small["accuracy_on_test"], small["tvd_on_test"]) == (0.70, 0.20)  # two different cells
+    assert (large["accuracy_on_test"], large["tvd_on_test"]) == (0.95, 0.05)  # its own group only
+    assert "| 0.7 / 0.2 |" in study_markdown([small, large], "t", "c")

@@ -64,6 +64,80 @@ def test_feature_distill_loss_is_one_minus_cosine_summed_over_heads() -> None:
     assert float(feature_distill_loss(teacher, [3.0 * t for t in teacher])) == pytest.approx(0.0, abs=1e-6)
 
 
+def test_simsiam_normalises_each_view_alone() -> None:
+    """Chen & He's code (and the CIFAR code behind RRL's checkpoints) calls the network on each view
+    separately, so every BatchNorm's batch statistics are one view's: in training mode, view 1's
+    projections and predictions do not depend on view 2's images (with both views in one batch they
+    would)."""
+    from owai.models.rich import SimSiam, strip_head
+    from owai.models.vision import build_backbone
+
+    torch.manual_seed(0)
+    net = SimSiam(strip_head(build_backbone("resnet18", 1)), dim=32, pred_dim=8, proj_layers=2).train()
+    gen = torch.Generator().manual_seed(1)
+    one, two, other = (torch.randn(4, 3, 32, 32, generator=gen) for _ in range(3))
+    p, z = net(torch.cat([one, two]))
+    p_other, z_other = net(torch.cat([one, 3.0 * other + 1.0]))
+    assert p.shape == z.shape == (8, 32)
+    torch.testing.assert_close(z[:4], z_other[:4])
+    torch.testing.assert_close(p[:4], p_other[:4])
+    assert not torch.allclose(z[4:], z_other[4:])
+    with pytest.raises(Exception, match="two stacked views"):
+        net(torch.randn(3, 3, 32, 32))
+
+
+def test_the_projector_hidden_width_is_the_backbones_unless_given() -> None:
+    """Chen & He's ImageNet code widens the projector's hidden layers to the backbone's width; the
+    SimSiam CIFAR setting uses 2048 (pretrain.ssl_hidden_dim)."""
+    from owai.models.rich import SimSiam, strip_head
+    from owai.models.vision import build_backbone
+
+    default = SimSiam(strip_head(build_backbone("resnet18", 1)), dim=64, pred_dim=8, proj_layers=2)
+    wide = SimSiam(strip_head(build_backbone("resnet18", 1)), dim=64, pred_dim=8, proj_layers=2, hidden_dim=128)
+    assert [m.out_features for m in default.projector if isinstance(m, torch.nn.Linear)] == [512, 64]
+    assert [m.out_features for m in wide.projector if isinstance(m, torch.nn.Linear)] == [128, 64]
+    assert wide.projector[3].in_features == 128
+
+
+def test_the_cifar_resnet18_keeps_the_32px_grid() -> None:
+    """resnet18_cifar (TH A.1 / A.3.3's network): conv1 3x3 stride 1, no max-pool, so layer4 sees a 4 x 4
+    grid of a 32 px image (1 x 1 with the ImageNet stem); 11,168,832 parameters without the head, the
+    torchvision-style keys of resnet18; its wide variants are Table A.4's r18w2 / r18w4."""
+    from owai.methods.rich_features import WIDE
+    from owai.models.vision import build_backbone
+
+    cifar, imagenet = build_backbone("resnet18_cifar", 10), build_backbone("resnet18", 10)
+    assert cifar.conv1.kernel_size == (3, 3) and cifar.conv1.stride == (1, 1)
+    assert set(cifar.state_dict()) == set(imagenet.state_dict())
+    assert sum(p.numel() for n, p in cifar.named_parameters() if not n.startswith("fc.")) == 11_168_832
+    grids = {}
+    for name, net in (("cifar", cifar), ("imagenet", imagenet)):
+        net.layer4.register_forward_hook(lambda m, i, o, name=name: grids.__setitem__(name, tuple(o.shape[-2:])))
+        net.eval()(torch.randn(1, 3, 32, 32))
+    assert grids == {"cifar": (4, 4), "imagenet": (1, 1)}
+    assert build_backbone(WIDE["resnet18_cifar"].format(k=2), 10).feature_dim == 1024
+
+
+def test_pretraining_in_epochs_passes_over_every_image_once_per_epoch(tmp_path, capsys, monkeypatch) -> None:
+    """pretrain.sampling=epochs (the reference SimSiam CIFAR loader): N // B updates per epoch, each a
+    slice of that epoch's permutation; the cache key differs from the default's (with replacement)."""
+    from owai.experiment import resolve
+    from owai.methods import rich_features as rf
+    from owai.recipes import load
+
+    monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
+    sets = [*TINY, "pretrain.epochs=2.0", "pretrain.batch_size=16", "pretrain.sampling=epochs"]
+    code, _, err = _cli(["--stage", "pretrain", "--seeds", "0", *as_sets(sets), "-o", str(tmp_path / "runs")], capsys)
+    assert code == 0, err
+    results = next((tmp_path / "runs").rglob("results.json"))
+    details = json.loads(results.read_text())["details"]
+    n = details["split_sizes"]["train"]
+    assert details["steps"] == 2 * (n // 16) and n % 16  # the last incomplete batch of each epoch dropped
+    cfg, _ = resolve(load(RECIPE), "cpu", sets)
+    default, _ = resolve(load(RECIPE), "cpu", [*TINY, "pretrain.epochs=2.0", "pretrain.batch_size=16"])
+    assert rf.pretrain_key(cfg, 0) != rf.pretrain_key(default, 0)
+
+
 def test_simsiam_views_are_two_independent_reproducible_augmentations() -> None:
     from owai.data.classification import load_digits
     from owai.data.domainbed import StepBatches

@@ -81,7 +81,8 @@ def chain_run(pretrained, tmp_path_factory) -> Path:
 def test_the_chain_measures_every_stage(chain_run) -> None:
     m = _measured(chain_run)
     expected = {"distill2.base_acc", "teachers.base_acc", "cat1.acc", "cat2.acc", "catsub2.acc", "single.acc",
-                "distill2.acc", "ft.cat2.acc", "ft.single.acc", "ft.ensemble.acc", "two_stage.cat2.acc"}
+                "distill2.acc", "ft.cat2.acc", "ft.distill2.acc", "ft.single.acc", "ft.ensemble.acc",
+                "two_stage.cat2.acc"}
     expected |= {f"fewshot.{rep}.{head}.{k}shot" for rep in ("single", "cat2", "distill2")
                  for head in ("linear", "cosine") for k in (1, 5)}
     assert expected <= set(m)
@@ -92,7 +93,7 @@ def test_the_chain_measures_every_stage(chain_run) -> None:
     assert m["fewshot.single.cosine.1shot"] == pytest.approx(sum(singles) / 2)
     stages = sorted(p.name for p in (chain_run / "checkpoints").iterdir())
     assert stages == sorted(["distill", "probe-net0", "probe-net1", "probe-cat2", "probe-distill", "finetune-cat2",
-                             "ft-net0", "ft-net1", "two-stage-head2"])
+                             "finetune-distill2", "ft-net0", "ft-net1", "two-stage-head2"])
 
 
 def test_two_stage_head_starts_as_the_ensemble_of_the_fine_tuned_networks(chain_run, cache) -> None:
@@ -130,11 +131,11 @@ def test_a_killed_chain_resumes_to_the_same_result(chain_run, cache, tmp_path, m
 
     original, calls = rf.finetune_model, {"n": 0}
 
-    def dying(cfg, run, stage, nets, train_set):  # dies when the second per-network fine-tuning starts
-        calls["n"] += 1
-        if calls["n"] == 3:
+    def dying(cfg, run, stage, backbones, train_set):  # dies when the second per-network fine-tuning starts
+        calls["n"] += 1  # after finetune-cat2, finetune-distill2 and ft-net0
+        if calls["n"] == 4:
             raise KeyboardInterrupt
-        return original(cfg, run, stage, nets, train_set)
+        return original(cfg, run, stage, backbones, train_set)
 
     monkeypatch.setattr(rf, "finetune_model", dying)
     from owai.cli import main
@@ -149,6 +150,37 @@ def test_a_killed_chain_resumes_to_the_same_result(chain_run, cache, tmp_path, m
     code, _, err = cli_in_process(["rich-features", "--stage", CHAIN, "--resume", str(run_dir), "-q"], capsys)
     assert code == 0, err
     assert _measured(run_dir) == _measured(chain_run)
+
+
+def test_the_distilled_student_is_fine_tuned_from_its_distilled_weights(cache, tmp_path, monkeypatch, capsys) -> None:
+    """Table A.3's Distill_n row: stage finetune fine-tunes the student the distill stage produced (its
+    final weights, every parameter trainable), not a fresh network, and leaves the probes' copy frozen."""
+    import owai.methods.rich_features as rf
+    from owai.checkpoint import latest_checkpoint, load_checkpoint
+    from owai.runs import Run
+
+    original, seen = rf.finetune_model, {}
+
+    def spying(cfg, run, stage, backbones, train_set):
+        seen[stage] = ({k: v.clone() for k, v in backbones[0].state_dict().items()},
+                       all(p.requires_grad for b in backbones for p in b.parameters()))
+        return original(cfg, run, stage, backbones, train_set)
+
+    monkeypatch.setattr(rf, "finetune_model", spying)
+    code, _, err = _cli(["--stage", "distill,finetune", "--seeds", "0,1", *as_sets(TINY), "-o", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert sorted(seen) == ["finetune-cat2", "finetune-distill2"]
+    start, trainable = seen["finetune-distill2"]
+    assert trainable
+    run_dir = next((tmp_path / "tableA.8-fewshot").iterdir())
+    _, distilled = load_checkpoint(latest_checkpoint(Run.open(run_dir).checkpoints("distill")))
+    backbone = {k[len("backbone."):]: v for k, v in distilled["model"].items() if k.startswith("backbone.")}
+    assert set(backbone) == set(start)
+    assert all(torch.equal(start[k], backbone[k]) for k in start)
+    _, tuned = load_checkpoint(latest_checkpoint(Run.open(run_dir).checkpoints("finetune-distill2")))
+    moved = [k for k in start if k.endswith("weight") and not torch.equal(tuned["model"][f"0.backbones.0.{k}"], start[k])]
+    assert moved  # it trained
+    assert 0.0 <= _measured(run_dir)["ft.distill2.acc"] <= 1.0
 
 
 def _one_line_error(args: list[str], out: Path, capsys, message: str, recipe: str = FEWSHOT) -> None:

@@ -39,6 +39,41 @@ DATA_ROOT_HELP = ("Data root: DIR/<dataset> (mnist/, camelyon17/, domainbed/PACS
 DataRoot = Annotated[Optional[Path], typer.Option("--data-root", help=DATA_ROOT_HELP, show_default=False)]
 
 
+def _double_quoted(text: str) -> str:
+    """`text` as a double-quoted YAML scalar (json.dumps would escape non-ASCII characters as UTF-16
+    surrogates, which YAML does not read back)."""
+    import yaml
+
+    return yaml.safe_dump(text, default_style='"', width=float("inf"), allow_unicode=True).rstrip("\n")
+
+
+def quoted(value: object) -> str:
+    """A string option's value (a path, a hub id, a name) written for a `--set KEY=VALUE` override: --set
+    reads VALUE as YAML, so pasted bare a path such as 123, true or `a: b` would change type and one holding
+    ` #` would be cut at the comment. Such a value is double-quoted; one YAML reads back as itself stays bare."""
+    import yaml
+
+    from owai.config import load_yaml
+
+    text = str(value)
+    try:
+        if text and text == text.strip() and load_yaml(text) == text:
+            return text
+    except yaml.YAMLError:
+        pass
+    return _double_quoted(text)
+
+
+def quoted_list(values: list[Any]) -> str:
+    """String values as a YAML flow list, each one double-quoted (in a flow list a bare ',' would split it)."""
+    return "[" + ", ".join(_double_quoted(str(v)) for v in values) + "]"
+
+
+def set_str(key: str, value: object) -> str:
+    """The override `KEY="VALUE"` of a string option (see `quoted`)."""
+    return f"{key}={quoted(value)}"
+
+
 def data_root_sets(data_root: Path | None, recipe: str | None = None) -> list[str]:
     """`--data-root DIR` as the `--set data.root=<absolute DIR>` override of a recipe whose method
     reads data (a recipe that only generates data refuses the flag); [] when not given."""
@@ -53,7 +88,7 @@ def data_root_sets(data_root: Path | None, recipe: str | None = None) -> list[st
         rec = load(recipe)
         if "root" not in to_dict(rec.method_class().Config()).get("data", {}):
             raise OwaiError(f"--data-root: recipe {rec.id!r} reads no dataset (it generates its data)")
-    return [f"data.root={Path(data_root).expanduser().resolve()}"]
+    return [set_str("data.root", Path(data_root).expanduser().resolve())]
 
 
 # Where a grid's points run (`owai sweep` and the study commands).
@@ -145,6 +180,14 @@ class Launch(OptionGroup):
         return self.executor.value, self.workers, slurm
 
 
+def resumable_dir(path: Path, kind: str) -> None:
+    """--resume PATH naming a file: said as such (the run or sweep loader would call it missing)."""
+    from owai.errors import OwaiError
+
+    if Path(path).expanduser().is_file():
+        raise OwaiError(f"--resume {path}: a file, not a {kind} directory")
+
+
 def run_recipe(
     recipe: str | None, preset: str | None, sets: list[str] | None, out: Path, resume: Path | None, quiet: bool, as_json: bool,
     methods: tuple[str, ...] | None = None,
@@ -155,6 +198,8 @@ def run_recipe(
     from owai.report import table
 
     console.configure(quiet, as_json)
+    if resume is not None:
+        resumable_dir(resume, "run")
     run, results = execute(recipe, preset, sets or [], out, resume, methods=methods)
     if not run.writes:  # a non-zero torchrun rank: rank 0 reports
         return
@@ -183,7 +228,7 @@ class RunOptions(OptionGroup):
         """`run_recipe` with these options, the given `--set` overrides (and --tracker's) and (when
         given) preset."""
         if self.tracker is not None:
-            sets = [*(sets or []), f"runtime.tracker={self.tracker}"]
+            sets = [*(sets or []), set_str("runtime.tracker", self.tracker)]
         run_recipe(recipe, preset or self.preset, sets, self.out, self.resume, self.quiet, self.as_json, methods)
 
 
@@ -241,6 +286,7 @@ def open_study(resume: Path, method: str, what: str, other_options: bool) -> Any
 
     if other_options:
         raise OwaiError("--resume takes its plan from SWEEP_DIR/sweep.json; drop the other options")
+    resumable_dir(resume, "sweep")
     plan = sweeps.open_sweep(resume)
     if load(recorded_name(plan.recipe, plan.recipe_source)).method != method:
         raise OwaiError(f"{resume} is a sweep of {plan.recipe}, not {what}")

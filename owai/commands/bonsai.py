@@ -29,7 +29,7 @@ import typer
 
 from owai import console
 from owai.commands._common import (DataRoot, Json, Launch, Out, Preset, Quiet, Sets, csv_values, data_root_sets, options,
-                                  run_recipe, run_study, study_recipe)
+                                  run_recipe, run_study, set_str, study_recipe)
 from owai.errors import OwaiError
 
 METHODS = ("coloredmnist", "camelyon17", "twobits")  # the methods `owai bonsai` runs
@@ -104,7 +104,7 @@ def bonsai(
             if value is not None:
                 if len(csv_values(value, f"--{key}")) > 1:
                     raise OwaiError(f"--{key} {value!r}: one value per run (several need --study)")
-                overrides.append(f"{key}={value}")
+                overrides.append(set_str(key, value))  # a name stays a string (see set_str)
         run_recipe(recipe, preset, overrides + list(sets or []) or None, out, None, quiet, as_json)
         return
     wanted = {key: csv_values(value, f"--{key}") for key, value in chosen.items() if value is not None}

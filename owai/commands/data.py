@@ -22,7 +22,7 @@ from typing import Annotated, Optional
 import typer
 
 from owai import console
-from owai.commands._common import DataRoot, Json, Quiet, RunOptions, csv_values, data_root_sets, options, study_recipe
+from owai.commands._common import DataRoot, Json, Quiet, RunOptions, csv_values, data_root_sets, options, set_str, study_recipe
 
 data_app = typer.Typer(help="Datasets and tokenizers: list where they are found, fetch them (verified), verify local copies.",
                        no_args_is_help=True)
@@ -68,12 +68,29 @@ def data_fetch(
     from owai.data.registry import fetch, verify
 
     console.configure(quiet, as_json)
+    if mirror is not None:
+        _check_mirrors(mirror)
     folder = fetch(name, data_root, mirror, info=console.info)
     checked = verify(name, folder)
     if as_json:
         console.emit_json({"name": name, "path": str(folder), "verified": checked})
     elif not quiet:
         console.stdout.print(f"{name}: {folder} (verified: {len(checked)} check(s))", markup=False)
+
+
+def _check_mirrors(text: str) -> None:
+    """--mirror must be base URLs (http, https, ftp or file), checked before fetch makes any folder:
+    a bare word would otherwise fail only as a download, after the data root's folders exist."""
+    from urllib.parse import urlparse
+
+    from owai.errors import OwaiError
+
+    urls = [u.strip() for u in text.split(",") if u.strip()]
+    bad = [u for u in urls if urlparse(u).scheme not in ("http", "https", "ftp", "file")
+           or not (urlparse(u).netloc or urlparse(u).scheme == "file")]
+    if not urls or bad:
+        raise OwaiError(f"--mirror {bad[0] if bad else text!r}: not a URL; give base URLs such as "
+                        "https://host/path/ or file:///dir/, comma-separated")
 
 
 @data_app.command("verify")
@@ -127,9 +144,9 @@ def data_stats(
     study_recipe(chosen, STATS_METHODS)
     sets = data_root_sets(data_root, chosen)
     if source is not None:
-        sets.append(f"data.source={source}")
+        sets.append(set_str("data.source", source))  # quoted: a path stays the path given
     if tokenizer is not None:
-        sets.append(f"data.tokenizer={tokenizer}")
+        sets.append(set_str("data.tokenizer", tokenizer))
     if truncate is not None:
         contexts = csv_values(truncate, "--truncate")
         if not all(c.isdigit() and int(c) > 0 for c in contexts):

@@ -22,7 +22,7 @@ import typer
 
 from owai import console
 from owai.commands._common import (DATA_ROOT_HELP, Json, Launch, Out, Preset, Quiet, Sets, csv_values, data_root_sets, open_study,
-                                  options, run_study, study_recipe)
+                                  options, run_study, set_str, study_recipe)
 
 RECIPE = "table2.8-dropout"
 
@@ -65,9 +65,9 @@ def dropout_ft(
             extra_sets.append("pretrain.steps=0")
         extra_sets += data_root_sets(data_root)
         if backbone is not None:
-            extra_sets.append(f"model.backbone={backbone}")
+            extra_sets.append(set_str("model.backbone", backbone))
         if weights is not None:
-            extra_sets.append(f"model.weights='{weights}'")
+            extra_sets.append(set_str("model.weights", weights))  # quoted: a path may hold a quote or ' #'
         extra_grid = [*(grid or [])]
         for key, text, option in (("data.dataset", dataset, "--dataset"), ("data.test_domain", test_domain, "--test-domain"),
                                   ("model.dropout", dropout, "--dropout")):

@@ -29,7 +29,7 @@ import typer
 
 from owai import console
 from owai.commands._common import (DataRoot, EvalResume, EvalRunOptions, EvalSets, Json, Launch, Out, Preset, Quiet, Sets,
-                                  csv_values, open_study, options, run_recipe, run_study, study_recipe)
+                                  csv_values, open_study, options, run_recipe, run_study, set_str, study_recipe)
 from owai.commands.mosaic import ConfigName, Context, Dataset, Models, run_eval
 from owai.config import MAX_DOCUMENTS, MAX_EXAMPLES, MAX_SAMPLES, MAX_SHOTS
 from owai.errors import OwaiError
@@ -108,7 +108,7 @@ def regbench(
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
-    """RegBench (Fig 3.10, Table B.3): train each model over the recipe's grid, select by validation loss, test on held-out automata."""
+    """RegBench (Fig 3.10, Table B.3): train each model over the recipe's grid, select by validation loss, test on held-out automata (regbench.md also shows the best test numbers over the grid, as seq_icl's notebook reads a sweep)."""
     from owai import sweep as sweeps
     from owai.evals.regbench import POSITIONS
     from owai.methods.regbench import sequence_model, study_table, write_study
@@ -133,7 +133,7 @@ def regbench(
         per = list(rec.sweep.select.per) if rec.sweep and rec.sweep.select else ["arch"]
         if sizes is not None and "data.num_examples" not in per:
             per.append("data.num_examples")  # never select across training sizes
-        extra = [f"eval.positions={positions}"] if positions is not None else []
+        extra = [set_str("eval.positions", positions)] if positions is not None else []
         plan = sweeps.create(recipe, preset, [*(sets or []), *extra], grid or [],
                              sweeps.parse_seeds(seeds) if seeds is not None else None, out, grid=study,
                              select={"metric": "val_loss", "mode": "min", "per": per}, executor=runs_on[0])
@@ -187,10 +187,12 @@ def resume_alone(recipe: str, default: str, preset: str | None, sets: list[str] 
 
 
 def option_sets(sets: list[str] | None, values: dict[str, Any], lists: dict[str, tuple[str | None, str]]) -> list[str]:
-    """`--set` overrides for the options given: KEY=VALUE for `values`, KEY=["a", "b"] for each
-    comma-separated option in `lists` (quoted: "4k" and "2048" are both strings), after the user's."""
+    """`--set` overrides for the options given: KEY=VALUE for `values` (a str quoted: a path or id stays the
+    string given; a number or bool as it is), KEY=["a", "b"] for each comma-separated option in `lists`
+    (quoted: "4k" and "2048" are both strings), after the user's."""
     extra = list(sets or [])
-    extra += [f"{key}={value}" for key, value in values.items() if value is not None]
+    extra += [set_str(key, value) if isinstance(value, str) else f"{key}={json.dumps(value)}"
+              for key, value in values.items() if value is not None]
     extra += [f"{key}={json.dumps(csv_values(value, flag))}" for key, (value, flag) in lists.items() if value is not None]
     return extra
 
@@ -220,7 +222,7 @@ def ruler(
 ) -> None:
     """RULER (Tables 4.4, 4.5, 4.7, 4.8, C.1, C.2): multi-document QA (SQuAD, HotpotQA) and synthetic recall at each context length, prompts fitted with the model's tokenizer."""
     extra = option_sets(sets, {"model": model, "tokenizer": tokenizer, "haystack_dir": haystack_dir, "n": n, "seed": seed,
-                               "allow_overflow": "true" if allow_overflow else None},
+                               "allow_overflow": True if allow_overflow else None},
                         {"ctx": (ctx, "--ctx"), "tasks": (tasks, "--tasks"), "ablate": (ablate, "--ablate")})
     run_evaluation(recipe, RULER_RECIPE, preset, sets, extra, out, resume, quiet, as_json, "ruler")
 
@@ -244,9 +246,10 @@ def icl(
     opts: EvalRunOptions = EvalRunOptions(),
 ) -> None:
     """In-context classification (Figs 4.6-4.9, Table 4.6): LongICLBench's banking77 / goemotion / tacred, semantic and anonymous labels, four prompt strategies."""
-    shot_list = "[" + ", ".join(csv_values(shots, "--shots")) + "]" if shots is not None else None  # numbers
+    # numbers (a non-number stays a string, which the method's check names)
+    shot_list = [int(s) if s.lstrip("-").isdigit() else s for s in csv_values(shots, "--shots")] if shots is not None else None
     extra = option_sets(opts.sets, {"model": model, "task": task, "shots": shot_list, "n_queries": n, "data": data,
-                                    "tokenizer": tokenizer, "allow_overflow": "true" if allow_overflow else None},
+                                    "tokenizer": tokenizer, "allow_overflow": True if allow_overflow else None},
                         {"labels": ("semantic,anonymous" if labels == "both" else labels, "--labels")})
     if opts.resume is not None:
         resume_alone(recipe, ICL_RECIPE, opts.preset, opts.sets, extra)

@@ -23,7 +23,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from owai.commands._common import DataRoot, EvalRunOptions, RunOptions, data_root_sets, options
+from owai.commands._common import DataRoot, EvalRunOptions, RunOptions, data_root_sets, options, quoted_list, set_str
 from owai.config import MAX_CONTEXT, MAX_LAYERS
 from owai.errors import OwaiError
 
@@ -69,11 +69,11 @@ def mosaic_train(
         arch = arch or "mmv2"
     recipe = recipe or TRAIN_RECIPE
     chosen = [
-        f"model.size={size}" if size is not None else None,
+        set_str("model.size", size) if size is not None else None,
         f"archs={_flow_list(arch)}" if arch else None,
         f"model.n_layer={depth}" if depth is not None else None,
-        f"data.source={dataset}" if dataset else None,
-        f"data.tokenizer={tokenizer}" if tokenizer else None,
+        set_str("data.source", dataset) if dataset else None,  # quoted: a path stays the path given
+        set_str("data.tokenizer", tokenizer) if tokenizer else None,
         f"data.block_size={context}" if context is not None else None,
     ]
     if resume is not None and (any(c for c in chosen) or data_root is not None):
@@ -135,11 +135,11 @@ def run_eval(models: list[Path] | None, dataset: str | None, config_name: str | 
 
 def eval_overrides(models: list[Path], dataset: str | None, config_name: str | None, context: int | None, posloss_only: bool) -> list[str]:
     """The `--set` overrides of the mosaic-eval recipe for these command-line choices."""
-    overrides = ["models=" + _flow_list(",".join(str(m.resolve()) for m in models))]
+    overrides = ["models=" + quoted_list([m.resolve() for m in models])]  # quoted: a path may hold ',' or ' #'
     if dataset:
-        overrides.append(f"eval.source={dataset}")
+        overrides.append(set_str("eval.source", dataset))
     if config_name:
-        overrides.append(f"eval.config_name={config_name}")
+        overrides.append(set_str("eval.config_name", config_name))
     if context is not None:
         overrides.append(f"data.block_size={context}")
     if posloss_only:

@@ -22,7 +22,7 @@ they are all in the cache, then each evaluation run. Every step is validated bef
 `pretrain` runs the recipe's seeds (and grid) as a sweep (one point = one network, cached in
 <cache>/pretrained/); the evaluation stages (distill, probe, finetune, two-stage, fewshot; several
 joined by commas) are one run that loads n of them (results.json: cat{k}.acc, single.acc,
-distill{n}.acc, ft.cat{n}.acc, two_stage.cat{n}.acc, fewshot.{rep}.{head}.{k}shot, ...).
+distill{n}.acc, ft.cat{n}.acc, ft.distill{n}.acc, two_stage.cat{n}.acc, fewshot.{rep}.{head}.{k}shot, ...).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import typer
 from owai import console
 from owai.config import MAX_NETWORKS
 from owai.commands._common import (DataRoot, Json, Launch, Out, Preset, Quiet, Sets, csv_values, data_root_sets, open_study,
-                                  options, run_recipe, run_sweep, study_recipe)
+                                  options, quoted_list, run_recipe, run_sweep, set_str, study_recipe)
 
 RECIPE = "table2.2-cat-probe"
 METHOD = "rich_features"
@@ -86,7 +86,7 @@ def rich_features(
         run_recipe(None, None, sets, out, resume, quiet, as_json, methods=(METHOD,))
         return
     study_recipe(recipe, METHOD)
-    extra = [*_eval_sets(sets, data_root, networks, n, seeds), f"stage={stage}"]
+    extra = [*_eval_sets(sets, data_root, networks, n, seeds), set_str("stage", stage)]
     run_recipe(recipe, preset, extra, out, None, quiet, as_json, methods=(METHOD,))
 
 
@@ -96,7 +96,7 @@ def _eval_sets(sets: list[str] | None, data_root: Path | None, networks: str | N
     extra = [*(sets or []), *data_root_sets(data_root)]
     if networks is not None:
         dirs = [str(Path(p).expanduser().resolve()) for p in csv_values(networks, "--networks")]
-        extra.append("probe.networks=[" + ", ".join(f"'{d}'" for d in dirs) + "]")
+        extra.append("probe.networks=" + quoted_list(dirs))  # double-quoted: a path may hold a quote or ' #'
     if seeds is not None:
         from owai import sweep as sweeps
 

@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from owai import console
-from owai.commands._common import Json, Launch, Preset, Quiet, RecipeOption, Sets, one_recipe, options, run_sweep
+from owai.commands._common import Json, Launch, Preset, Quiet, RecipeOption, Sets, one_recipe, options, resumable_dir, run_sweep
 from owai.errors import OwaiError
 
 
@@ -44,6 +44,7 @@ def sweep(
     if resume is not None:
         if recipe or preset or sets or grid or seeds is not None:
             raise OwaiError("--resume takes its plan from SWEEP_DIR/sweep.json; drop RECIPE/--preset/--set/--grid/--seeds")
+        resumable_dir(resume, "sweep")
         plan = sweeps.open_sweep(resume)
     else:
         if not recipe:

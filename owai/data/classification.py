@@ -553,7 +553,8 @@ INAT18_STEP = (f"iNaturalist 2018 is {GATED}: download train_val2018.tar.gz, tra
 CUB_STEP = (f"CUB-200-2011 is {GATED} (non-commercial research use): download CUB_200_2011.tgz from "
             "https://www.vision.caltech.edu/datasets/cub_200_2011/ (https://data.caltech.edu/records/65de6-vp158) and "
             "extract it into $OWAI_DATA/cub/ (CUB_200_2011/images.txt, classes.txt, ...), or pass --data-root")
-MINI_STEP = ("miniImageNet is built from ImageNet, which is licence-gated: put its 60 000 images in $OWAI_DATA/miniimagenet/images/ "
+MINI_STEP = ("miniImageNet is built from ImageNet, which is licence-gated: put its 60 000 images, at ImageNet's own resolution "
+             "(as Chen et al.'s file lists read them; not the 84 x 84 copies), in $OWAI_DATA/miniimagenet/images/ "
              "and Ravi & Larochelle's train.csv, val.csv, test.csv (https://github.com/twitter/meta-learning-lstm, "
              "data/miniImagenet) beside them, or pass --data-root")
 

@@ -132,6 +132,29 @@ class StorySource(TextSource):
         return stories.iter_stories(self.n_val, stories.VAL_SEED)
 
 
+HUB_DATASET_HINT = ("; it is not a local path either: check the id/config and network access, or use owai-stories "
+                    "or a local path")
+
+
+def _hub_dataset_cached(hub_id: str, config: str | None, revision: str | None) -> bool:
+    """Whether `datasets` opens hub dataset `hub_id` (`config`) from its local cache alone: the builder
+    `datasets.load_dataset` would start from, resolved in offline mode (`cache_only`). Reads no data."""
+    import datasets
+
+    from owai.hub import cache_only
+
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity_error()  # no "using the latest cached version" warnings before the run
+    try:
+        with cache_only():
+            datasets.load_dataset_builder(hub_id, config, revision=revision)
+    except Exception:  # noqa: BLE001 - not cached: ConnectionError, FileNotFoundError, ValueError, ...
+        return False
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+    return True
+
+
 class HubSource(TextSource):
     """A Hugging Face dataset, read with `datasets.load_dataset` (streaming by default)."""
 
@@ -151,11 +174,28 @@ class HubSource(TextSource):
             from owai.hub import load_dataset
 
             loaded = load_dataset(self.hub_id, self.config, revision=self.revision, streaming=self.streaming,
-                                  what=f"dataset {self.name!r}",
-                                  hint="; it is not a local path either: check the id/config and network "
-                                       "access, or use owai-stories or a local path")
+                                  what=f"dataset {self.name!r}", hint=HUB_DATASET_HINT)
             self._splits = dict(loaded)
         return self._splits
+
+    def check_readable(self, cached_elsewhere: Callable[[], bool] | None = None) -> None:
+        """Before a run directory exists: where the hub cannot be reached (offline mode, no
+        connection), the dataset must be in the local Hugging Face datasets cache, else one
+        DataMissing line. The source itself is lazy (`_load`), so without this check the same error
+        came only inside the run, leaving a failed run directory behind. `cached_elsewhere()`: the
+        run reads no text because another cache holds what it needs (owai's token cache)."""
+        if Path(self.hub_id).expanduser().exists():
+            return  # a local dataset folder read through `datasets` (owai.hub.load_dataset asks no hub)
+        problem = hub_unreachable()
+        if not problem or (cached_elsewhere is not None and cached_elsewhere()):
+            return
+        import importlib.util
+
+        if importlib.util.find_spec("datasets") is None:
+            raise DataMissing(f"loading dataset {self.name!r} needs the `datasets` package: pip install datasets")
+        if not _hub_dataset_cached(self.hub_id, self.config, self.revision):
+            raise DataMissing(f"cannot load dataset {self.name!r} from the Hugging Face hub (not in the local Hugging "
+                              f"Face datasets cache; read from the local cache only: {problem}){HUB_DATASET_HINT}")
 
     def _pick(self, split: str) -> tuple[Any, bool]:
         """(hub split, whether to apply the held-out rule to it) for our `split`."""

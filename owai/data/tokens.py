@@ -101,14 +101,25 @@ def prepare_tokens(source: str | os.PathLike[str] | TextSource, tokenizer: str |
     `revision`, `streaming`) go to `open_source`."""
     src = open_source(source, text_field, cache_dir, **source_kwargs)
     tok = _resolve_tokenizer(tokenizer, src, cache_dir)
-    final = (cache_root(cache_dir) / "tokens" / f"{slug(src.name)}-{src.fingerprint}"
-             / f"{slug(tok.name)}-{tok.fingerprint}")
-    expect = {"format_version": FORMAT_VERSION, "source_fingerprint": src.fingerprint,
-              "tokenizer_fingerprint": tok.fingerprint}
+    final, expect = _cache_dir(src, tok, cache_dir)
     meta = read_complete_meta(final, expect)
     if meta is None:
         meta = _build(src, tok, final, expect, workers)
     return PreparedTokens(final, tok, meta)
+
+
+def _cache_dir(src: TextSource, tok: Tokenizer, cache_dir: str | Path | None) -> tuple[Path, dict[str, Any]]:
+    """Where the tokens of `src` by `tok` are cached, and the meta.json values a complete cache has."""
+    final = (cache_root(cache_dir) / "tokens" / f"{slug(src.name)}-{src.fingerprint}"
+             / f"{slug(tok.name)}-{tok.fingerprint}")
+    return final, {"format_version": FORMAT_VERSION, "source_fingerprint": src.fingerprint,
+                   "tokenizer_fingerprint": tok.fingerprint}
+
+
+def tokens_cached(src: TextSource, tokenizer: Tokenizer, cache_dir: str | Path | None = None) -> bool:
+    """Whether `prepare_tokens(src, tokenizer)` would reuse a complete cache (and so read no text: a
+    hub corpus then needs neither the hub nor the Hugging Face datasets cache)."""
+    return read_complete_meta(*_cache_dir(src, tokenizer, cache_dir)) is not None
 
 
 def _resolve_tokenizer(tokenizer: str | Tokenizer, src: TextSource, cache_dir: str | Path | None) -> Tokenizer:

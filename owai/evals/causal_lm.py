@@ -196,6 +196,15 @@ def check_model_choice(spec: str, references: str, ablate: list[str] = ()) -> bo
     return reference
 
 
+def looks_like_path(spec: str) -> bool:
+    """Whether a --model value is clearly a filesystem path rather than a hub id (NAME or OWNER/NAME):
+    absolute, ./ ../ or ~ first, more than one '/', or under a folder that exists."""
+    if spec in (".", "..") or spec.startswith(("/", "./", "../", "~")) or spec.count("/") > 1:
+        return True
+    parent = Path(spec).parent
+    return parent != Path(".") and parent.is_dir()
+
+
 def check_model(spec: str, tokenizer: str = "") -> tuple[int | None, Any]:
     """Before a run, without loading weights: a directory holds exactly one saved model whose
     embedding has a row for every token of its tokenizer (the recorded one, or `tokenizer`); a hub id
@@ -209,6 +218,8 @@ def check_model(spec: str, tokenizer: str = "") -> tuple[int | None, Any]:
     if spec.startswith(REFERENCE) or not spec:
         return None, None
     path = Path(spec).expanduser()
+    if not path.exists() and looks_like_path(spec):  # not a hub id (owner/name) that failed: a path that is absent
+        raise DataMissing(f"model path not found: {spec}")
     if not path.exists():  # a hub id: in the local cache, or the hub answers (one line, no minute of retries)
         from owai.data.text import check_tokenizer
 

@@ -291,6 +291,88 @@ def task_manager(include_path: list[str] | None = None) -> Any:
     return TaskManager(include_path=[str(TASKS_DIR), *(include_path or [])])
 
 
+def hub_datasets(manager: Any, tasks: list[str]) -> dict[tuple[str, str | None], tuple[str, dict[str, Any]]]:
+    """The hub datasets `tasks` read, from the harness's task index alone (its YAML configs; nothing is
+    downloaded): (dataset_path, dataset_name) -> (the first task reading it, "TASK" or "GROUP's subtask
+    TASK", and its dataset_kwargs).
+    Groups and tags are walked to their leaf tasks, a group's settings applied to its members as the
+    harness applies them. A task with its own loader (custom_dataset, a Python class), a packaged
+    builder (json, csv, parquet, ...) or an existing local path reads no hub dataset."""
+    try:
+        from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+        from lm_eval.tasks._factory import GROUP_FIELD_NAMES
+        from lm_eval.tasks._index import Kind
+    except ImportError:  # another harness layout: nothing checked before the run (the run's own error stays one line)
+        return {}
+
+    index, found = manager.task_index, {}
+
+    def leaf(name: str, cfg: dict[str, Any]) -> None:
+        who = name if name == top else f"{top}'s subtask {name}"
+        path = cfg.get("dataset_path")
+        if "class" in cfg or cfg.get("custom_dataset") or not isinstance(path, str) or path in _PACKAGED_DATASETS_MODULES \
+                or Path(path).expanduser().exists():
+            return
+        kwargs = dict(cfg.get("dataset_kwargs") or {})
+        kwargs.pop("trust_remote_code", None)  # as the harness drops it under datasets >= 4
+        found.setdefault((path, cfg.get("dataset_name")), (who, kwargs))
+
+    def walk(item: Any, overrides: dict[str, Any], depth: int) -> None:
+        if depth > 16:  # a group that includes itself: the harness reports it when it loads
+            return
+        if isinstance(item, dict):
+            if "group" in item and item["group"] not in index:  # an inline group
+                members = item.get("task") or []
+                more = {k: v for k, v in item.items() if k not in GROUP_FIELD_NAMES}
+                for member in members if isinstance(members, list) else [members]:
+                    walk(member, {**more, **overrides}, depth + 1)
+                return
+            name = item.get("group", item.get("task"))
+            overrides = {**overrides, **{k: v for k, v in item.items() if k not in ("group", "task")}}
+        else:
+            name = item
+        entry = index.get(name)
+        if entry is None:  # an inline task: its settings are the overrides
+            leaf(str(name), overrides)
+        elif entry.kind is Kind.TAG:
+            for task in sorted(entry.tags):
+                if task in index:
+                    walk(task, overrides, depth + 1)
+        elif entry.kind is Kind.GROUP:
+            cfg = entry.cfg or {}
+            members = cfg.get("task") or []
+            more = {k: v for k, v in cfg.items() if k not in GROUP_FIELD_NAMES}
+            for member in members if isinstance(members, list) else [members]:
+                walk(member, {**more, **overrides}, depth + 1)
+        else:
+            leaf(name, {**(entry.cfg or {}), **overrides})
+
+    for top in tasks:
+        walk(top, {}, 0)
+    return found
+
+
+def check_offline(manager: Any, tasks: list[str], why: str) -> None:
+    """Before a run while the hub cannot be reached (`why`): each hub dataset `tasks` read must be in the
+    local datasets cache (asked of `datasets` itself, from the cache alone), else one line naming the
+    task and its dataset. Without it the harness fails mid-run with a ConnectionError."""
+    import datasets
+
+    from owai.errors import DataMissing
+    from owai.hub import cache_only
+
+    for (path, name), (task, kwargs) in hub_datasets(manager, tasks).items():
+        try:
+            with cache_only():
+                datasets.load_dataset_builder(path, name, **kwargs)
+        except Exception:  # noqa: BLE001 - ConnectionError, FileNotFoundError, ...: not in the cache
+            dataset = path + (f" ({name})" if name else "")
+            raise DataMissing(f"harness task {task} reads the hub dataset {dataset}, which is not in the local "
+                              f"Hugging Face datasets cache, and {why}: run it where the hub can be reached once "
+                              "(the cache keeps it), or pick tasks with local data (owai_mc_smoke, owai_gen_smoke, "
+                              "an include_path task)") from None
+
+
 def evaluate(model: Any, tasks: list[str], num_fewshot: int | None = None, limit: int = 0,
              include_path: list[str] | None = None, manager: Any = None, seed: int = 1234) -> dict[str, Any]:
     """Run `tasks` on `model` (an OwaiLM, OracleLM or any harness LM) with `simple_evaluate`; the

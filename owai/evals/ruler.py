@@ -277,12 +277,13 @@ def read_hotpotqa(path: str | Path) -> QAData:
         raise OwaiError(f"{path} is not a HotpotQA file ({one_line(exc, 120)})") from None
 
 
-def _hub_split(hub_id: str, config: str | None, split: str, revision: str | None) -> Any:
+def _hub_split(hub_id: str, config: str | None, split: str, revision: str | None, setting: str) -> Any:
     from owai.hub import load_dataset
 
     name = hub_id + (f":{config}" if config else "")
+    # the hint names the setting that takes the file (`setting`: squad or hotpotqa)
     return load_dataset(hub_id, config, split=split, revision=revision, what=f"{name!r} split {split!r}",
-                        hint="; pass the official JSON file instead")
+                        hint=f"; pass the official JSON file instead: --set {setting}=PATH")
 
 
 def load_squad_hub(hub_id: str = SQUAD_HUB_ID, split: str = "validation", revision: str | None = None) -> QAData:
@@ -292,7 +293,7 @@ def load_squad_hub(hub_id: str = SQUAD_HUB_ID, split: str = "validation", revisi
     does. A paragraph an article repeats stays two paragraphs, as RULER's `read_squad` walks them
     (grouping by text would move the second copy's questions forward and drop it from the
     distractors). A row is answerable iff it has an answer text."""
-    rows = _hub_split(hub_id, None, split, revision)
+    rows = _hub_split(hub_id, None, split, revision, "squad")
     data: list[dict[str, Any]] = []
     try:
         for row in rows:
@@ -312,7 +313,7 @@ def load_squad_hub(hub_id: str = SQUAD_HUB_ID, split: str = "validation", revisi
 def load_hotpotqa_hub(hub_id: str = HOTPOTQA_HUB_ID, config: str = HOTPOTQA_HUB_CONFIG, split: str = "validation",
                       revision: str | None = None) -> QAData:
     """HotpotQA from the hub (`context` = {title: [...], sentences: [[...]]}) -> QAData."""
-    rows = _hub_split(hub_id, config, split, revision)
+    rows = _hub_split(hub_id, config, split, revision, "hotpotqa")
     try:
         converted = [{"question": row["question"], "answer": row["answer"],
                       "context": [[t, list(s)] for t, s in zip(row["context"]["title"], row["context"]["sentences"])]}
@@ -504,6 +505,16 @@ class Task:
         prompt, _, _ = self._make(state, rng, 0, max(step, self._minimum(state, 0)))
         per_unit = tokenizer.count(prompt) / step
         return max(int((budget / per_unit) * 3), 2 * step)
+
+    def smallest(self, budget: int, tokenizer: Tokenizer, seed: int = DEFAULT_SEED) -> int:
+        """The tokens sample 0 needs at `budget` with the smallest haystack the task allows (`_minimum`:
+        the needles alone, one noise line, the question's own documents), what it generates (and vt's
+        example) included: built as `build` builds it, the size search skipped. A length below it
+        leaves no room for any haystack: the sample is an overflow (validation refuses such a length)."""
+        rng = random.Random(seed)
+        state = self._prepare(rng, seed, budget, tokenizer)
+        prompt, _, _ = self._make(state, rng, 0, self._minimum(state, 0))
+        return tokenizer.count(prompt) + self._extra_tokens(state) + self.tokens_to_generate
 
     def build(self, n: int, max_seq_length: int | str, tokenizer: Tokenizer, seed: int = DEFAULT_SEED) -> Built:
         """The first n samples at `max_seq_length` (a name such as 4k or a number of tokens), seeded."""
@@ -1078,9 +1089,16 @@ class FrequentWords(Task):
     def _prepare(self, rng: random.Random, seed: int, budget: int, tokenizer: Tokenizer) -> Any:
         limit = self._limit(budget)
         vocab = limit // 50
-        if vocab < 5 or limit < 32:
-            raise OwaiError(f"fwe needs max_seq_length >= 300 (a vocabulary of 5 words), got {budget}")
+        if vocab < 5 or limit < 32:  # the length that gives 5 words: 250 (2024), 300 (head reserves 50 tokens)
+            raise OwaiError(f"fwe needs a context of at least {250 + budget - limit} tokens (a vocabulary of 5 words), got {budget}")
         return {"seed": seed, "vocab": vocab, "limit": limit}
+
+    def smallest(self, budget: int, tokenizer: Tokenizer, seed: int = DEFAULT_SEED) -> int:
+        """fwe's template with no words (`_fit` stops at a step of words or fewer), plus what its limit reserves."""
+        rng = random.Random(seed)
+        state = self._prepare(rng, seed, budget, tokenizer)
+        prompt, _ = self._render(state, self._vocabulary(state, rng), 0)
+        return tokenizer.count(prompt) + budget - state["limit"]
 
     def _vocabulary(self, state: dict, rng: random.Random) -> list[str]:
         drawn = ["".join(rng.choices(string.ascii_lowercase, k=self.word_length)) for _ in range(state["vocab"])]

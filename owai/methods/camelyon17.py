@@ -165,12 +165,16 @@ class Camelyon17Bonsai(Method):
 
         # metadata columns, empty splits and missing patches: one line before any run directory
         # (reading metadata.csv and listing the patch folders takes seconds for the full release)
-        Camelyon17(root, d.fraction, d.fraction_seed, d.image_size)
+        data = Camelyon17(root, d.fraction, d.fraction_seed, d.image_size)
         for name in ("image_size", "batch_size", "n_groups_per_batch", "eval_batch_size"):
             if getattr(d, name) < 1:
                 raise OwaiError(f"data.{name} must be >= 1, got {getattr(d, name)}")
         if d.batch_size % d.n_groups_per_batch:
             raise OwaiError(f"data.batch_size {d.batch_size} must be a multiple of data.n_groups_per_batch {d.n_groups_per_batch}")
+        hospitals = int(data.centers[data.split("train")].unique().numel())  # the downstream group loader's groups
+        if d.n_groups_per_batch > hospitals:
+            raise OwaiError(f"data.n_groups_per_batch {d.n_groups_per_batch}: the training split has {hospitals} "
+                            f"hospital(s) at data.fraction {d.fraction:g}")
         if d.workers < 0:
             raise OwaiError(f"data.workers must be >= 0, got {d.workers}")
         if cfg.rounds < 1 or (cfg.init in ("bonsai", "bonsai-cf") and cfg.rounds < 2):

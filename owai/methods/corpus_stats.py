@@ -96,7 +96,7 @@ class CorpusStatistics(Method):
 
 def check(cfg: CorpusStatsConfig) -> None:
     """Settings a run cannot start with, and the tokenizer and corpus it reads, before any run directory."""
-    from owai.data.text import LocalSource, check_tokenizer, open_source
+    from owai.data.text import HubSource, LocalSource, check_tokenizer, open_source
 
     if not cfg.splits or len(set(cfg.splits)) != len(cfg.splits) or any(s not in SPLIT_NAMES for s in cfg.splits):
         raise OwaiError(f"splits must be distinct names among {', '.join(SPLIT_NAMES)}, got {cfg.splits}")
@@ -110,6 +110,8 @@ def check(cfg: CorpusStatsConfig) -> None:
     check_tokenizer(cfg.data.tokenizer, cfg.data.root or None)
     source = open_source(cfg.data.source, cfg.data.text_field, data_root=cfg.data.root or None,
                          val_every=cfg.data.val_every)
+    if isinstance(source, HubSource):
+        source.check_readable()  # the hub unreachable and no local copy: one line now, not a failed run directory
     if isinstance(source, LocalSource):
         source.check_nonempty()
         for split in cfg.splits:  # e.g. a corpus under val_every documents has no held-out ones

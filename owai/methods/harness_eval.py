@@ -21,6 +21,8 @@ The 19 benchmarks read hub datasets (online only); humaneval_plus and mbpp execu
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,19 @@ class Config(BaseConfig):
     # the thesis row this model stands for (recipe table4.1-harness): transformer-small, mmv2-small,
     # transformer-large, mmv2-large (4k), the same with -32k, mmv2-large-32k-no-ltm (Tables 4.2, 4.3)
     row: str = ""
+
+
+@contextlib.contextmanager
+def _download_errors() -> Iterator[None]:
+    """A hub download failing mid-run (a dataset validate could not see, e.g. a Python task's) as one
+    line, not an internal error with a ConnectionError."""
+    from owai.errors import DataMissing, one_line
+
+    try:
+        yield
+    except ConnectionError as exc:
+        raise DataMissing(f"the harness could not download a task's dataset ({one_line(exc, 200)}): run where the "
+                          "Hugging Face hub can be reached, or with the dataset in its local cache") from None
 
 
 def check_hflm(target: str, tokenizer: str = "") -> None:
@@ -113,14 +128,18 @@ class Harness(Method):
 
         require_harness()
         from owai.evals import harness
+        from owai.hub import hub_unreachable
 
         known = set(harness.THESIS_TASKS) | set(harness.OWAI_TASKS) | set(harness.MAIN_METRIC)
-        if any(t not in known for t in cfg.tasks):  # index the harness's tasks only when needed (seconds)
+        offline = hub_unreachable() if any(t not in harness.SMOKE_TASKS for t in cfg.tasks) else ""
+        if offline or any(t not in known for t in cfg.tasks):  # index the harness's tasks only when needed (seconds)
             manager = harness.task_manager([str(Path(p).expanduser()) for p in cfg.include_path])
             unknown = [t for t in cfg.tasks if t not in manager.all_tasks]
             if unknown:
                 raise OwaiError(f"unknown harness task(s) {', '.join(unknown)} (lm_eval --tasks list shows them; "
                                 "task YAML folders: --set include_path=[DIR])")
+            if offline:  # a hub dataset not in the cache would fail mid-run (a ConnectionError): refused here
+                harness.check_offline(manager, list(cfg.tasks), offline)
         if cfg.model.startswith(HFLM):
             if cfg.ablate:
                 raise OwaiError("the harness's HFLM has no owai ablation switch: use an owai model path for --ablate")
@@ -130,14 +149,16 @@ class Harness(Method):
         check_ablation(cfg.model, cfg.ablate)
 
     def run(self, cfg: Config, run: Run) -> Outcome:
-        import contextlib
-
         from owai import console
         from owai.evals import harness
         from owai.evals.causal_lm import open_model
+        from owai.hub import cache_only, hub_unreachable
 
         manager = harness.task_manager([str(Path(p).expanduser()) for p in cfg.include_path])
         with contextlib.ExitStack() as stack:
+            stack.enter_context(_download_errors())
+            if hub_unreachable():  # the datasets validate found in the cache are read from it alone
+                stack.enter_context(cache_only())
             if cfg.model == ORACLE:
                 model: Any = harness.OracleLM(manager, list(cfg.tasks))
                 max_length = None

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -275,7 +276,7 @@ def check_inputs(cfg: Config) -> None:
     if cfg.model.init_from:
         from owai.models.lm import lm_config
 
-        for label in (a for a in cfg.archs if parse_arch(a)[0] in SIZED):
+        for label in cfg.archs:  # every architecture, mm and gpt too: a bad directory is refused before the run, not in it
             config = lm_config(parse_arch(label)[0], **model_kwargs(cfg, label, _planned_vocab(cfg)))
             _check_init_from(Path(cfg.model.init_from), label, config)
     if any(parse_arch(a) == ("gpt", {}) for a in cfg.archs) and cfg.model.position == "learned":
@@ -405,6 +406,9 @@ def dry_run_plan(cfg: Config) -> list[str]:
     from owai.plan import GIB, ModelShape, forward_flops_per_token, readable, ranks_needed
 
     if not any(parse_arch(a)[0] in SIZED for a in cfg.archs):
+        if cfg.model.size:  # --size was given: say that it does not apply to these archs, not to give it
+            raise OwaiError(f"--size (model.size={cfg.model.size}) applies to {', '.join(SIZED)}, not {', '.join(cfg.archs)}; "
+                            "--dry-run plans chapter 4's models: give --arch mmv2 or transformer")
         raise OwaiError("--dry-run plans chapter 4's models (mmv2, transformer); give --size or --arch mmv2/transformer")
     missing = None
     try:
@@ -519,7 +523,7 @@ def global_batch(windows: Any, cfg: Config, step: int, micro: int, device: torch
     return x[rows].to(device, non_blocking=True), y[rows].to(device, non_blocking=True)
 
 
-def eval_batches(windows: Any, n: int, batch_size: int, seed: int, purpose: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(windows: Any, n: int, batch_size: int, seed: int, purpose: str) -> EvalBatches:
     """This process's share of `n` fixed random batches, the same at every evaluation and for every
     architecture: batch i is keyed by (seed, purpose, i), and rank r of W takes batches r, r + W, ...
     With W processes n is rounded up to a multiple of W, so every rank runs as many forward passes
@@ -528,7 +532,27 @@ def eval_batches(windows: Any, n: int, batch_size: int, seed: int, purpose: str)
     ranks split the evaluation; `mean_loss` adds their parts up."""
     w = distributed.world()
     total = math.ceil(n / w.world_size) * w.world_size
-    return [windows.batch(batch_size, generator(seed, purpose, i)) for i in range(w.rank, total, w.world_size)]
+    return EvalBatches(windows, range(w.rank, total, w.world_size), batch_size, seed, purpose)
+
+
+@dataclass(frozen=True)
+class EvalBatches:
+    """`eval_batches`' batches, drawn as they are read (each pass draws the same ones: batch i is keyed
+    by (seed, purpose, i)), so that memory does not grow with their number: a list built up front
+    held them all, and a huge train.eval_batches / eval.val_batches ran the process out of memory."""
+
+    windows: Any
+    keys: range
+    batch_size: int
+    seed: int
+    purpose: str
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for i in self.keys:
+            yield self.windows.batch(self.batch_size, generator(self.seed, self.purpose, i))
 
 
 def mean_loss(model: torch.nn.Module, batches: Any, device: torch.device, eot: int | None = None) -> float:
@@ -1071,9 +1095,14 @@ def _check_common_settings(cfg: Any) -> None:
 def _check_common_inputs(cfg: Any) -> None:
     from owai.data.text import open_source
 
-    open_source(cfg.data.source, cfg.data.text_field, data_root=cfg.data.root or None)  # a missing path fails here, before any run directory
+    d = cfg.data
+    # a missing path fails here, before any run directory; a hub dataset this machine cannot read too
+    source = open_source(d.source, d.text_field, data_root=d.root or None, val_every=d.val_every)
+    _check_hub_readable(cfg, source, d.stream)
     if cfg.eval.source:
-        open_source(cfg.eval.source, cfg.data.text_field, config_name=cfg.eval.config_name or None, data_root=cfg.data.root or None)
+        other = open_source(cfg.eval.source, d.text_field, config_name=cfg.eval.config_name or None, data_root=d.root or None,
+                            val_every=d.val_every)
+        _check_hub_readable(cfg, other, False)
     m = getattr(cfg, "model", None)
     if m is not None and m.vocab_size:  # an explicit vocabulary must hold the tokenizer's
         tokenizer = run_tokenizer(cfg.data)
@@ -1082,3 +1111,32 @@ def _check_common_inputs(cfg: Any) -> None:
                 f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {m.vocab_size} "
                 f"(set model.vocab_size >= {tokenizer.vocab_size}, or 0 for the tokenizer's size)"
             )
+
+
+def _check_hub_readable(cfg: Any, source: Any, stream: bool) -> None:
+    """A hub dataset the run could not read here (the hub unreachable, no local copy) is one line
+    before any run directory (`HubSource.check_readable`). A corpus that owai's token cache already
+    holds for every model's tokenizer is read from there (no text, no hub); data.stream reads the
+    text itself as it trains."""
+    from owai.data.text import HubSource
+
+    if isinstance(source, HubSource):
+        source.check_readable(None if stream else lambda: _tokens_cached(cfg, source))
+
+
+def _tokens_cached(cfg: Any, source: Any) -> bool:
+    """Whether `prepare_data` would find the tokens of `source` cached for each tokenizer of the run
+    (mosaic-eval: each model's own), loaded as `run_tokenizer` loads them but never trained."""
+    from owai.data.text import load_tokenizer, open_source, tokenizer_for
+    from owai.data.tokens import tokens_cached
+
+    d = cfg.data
+    if hasattr(cfg, "models"):
+        names = [tokenizer_for(directory, d.tokenizer) for path in cfg.models for _, directory in model_dirs(Path(path))]
+    else:
+        names = [d.tokenizer]
+    try:
+        corpus = open_source(d.source, d.text_field, data_root=d.root or None).fingerprint  # bpe-N's key, as run_tokenizer opens it
+        return all(tokens_cached(source, load_tokenizer(name, corpus_fingerprint=corpus, data_root=d.root or None)) for name in names)
+    except OwaiError:
+        return False

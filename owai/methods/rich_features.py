@@ -20,13 +20,14 @@ A.1-A.4; spec rich_features.md §6, §8). One method, `owai rich-features`, whos
     epochs, no weight decay on BN) on frozen features: one per network (their mean = `single.acc`; the
     first is Cat_1), one per Cat_k, k in `probe.sizes` (the first k networks), catsub_k (the mean of the
     first k per-network probes' logits) and the student's (`distill{n}.acc`);
-  - `finetune`: normal fine-tuning of Cat_n under one Linear head (§6.3);
+  - `finetune`: normal fine-tuning of Cat_n under one Linear head (§6.3), and of the Distill_n student
+    when `distill` ran before it (`ft.distill{n}.acc`, Table A.3's Distill5 row);
   - `two-stage`: each network fine-tuned alone, then `two_stage_head` over their frozen concatenation,
     initialised as their logit-average ensemble (§6.4);
   - `fewshot`: Chen et al.'s episodes on the target's test split for every network, Cat_k and the student,
     linear and cosine heads (§6.6).
   Every training is its own resumable `train_loop` stage (`distill`, `probe-net{i}`, `probe-cat{k}`,
-  `probe-distill`, `finetune-cat{n}`, `ft-net{i}`, `two-stage-head{n}`) whose batches are a function of
+  `probe-distill`, `finetune-cat{n}`, `finetune-distill{n}`, `ft-net{i}`, `two-stage-head{n}`) whose batches are a function of
   (seed, stage, step), so a killed run resumes to the same result; with `probe.augment` the probes
   train together on fresh crops as one stage, `probe-crops` (RRL's linear evaluation). The frozen
   features the probes, the two-stage head and the episodes read are extracted once per run into `<run>/features/`
@@ -47,6 +48,7 @@ on the same dataset, the same (an in-distribution probe, Table 2.2's ImageNet co
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import errno
 import functools
@@ -150,6 +152,11 @@ class PretrainConfig:
     ssl_dim: int = 2048  # SimSiam projection / prediction width
     ssl_pred_dim: int = 512  # SimSiam predictor bottleneck
     ssl_proj_layers: int = 3  # SimSiam projector depth (Chen & He use 2 for CIFAR)
+    ssl_hidden_dim: int = 0  # SimSiam projector's hidden width; 0 = the backbone's (Chen & He's ImageNet code), CIFAR 2048
+    # how training batches are drawn: "replacement" (DomainBed's infinite loader, the default) or
+    # "epochs" (each epoch a fresh permutation, the last incomplete batch dropped: the reference
+    # SimSiam CIFAR code's and torchvision-style loaders')
+    sampling: Literal["replacement", "epochs"] = "replacement"
     # Cat5-s / Distill5-s (TH A.4, Table A.7): also keep the weights at these epochs (cache entries
     # <backbone>-<key>-e<epoch>); the final network does not depend on them
     snapshots: list[float] = field(default_factory=list)
@@ -365,10 +372,10 @@ def check_settings(cfg: Config) -> None:
                         "gamma > 0, checkpoint_every >= 1, log_every >= 1")
     if not 0 < d.target_fraction <= 1:
         raise OwaiError(f"data.target_fraction must be in (0, 1], got {d.target_fraction}")
-    for name in ("ssl_dim", "ssl_pred_dim", "ssl_proj_layers"):
+    for name in ("ssl_dim", "ssl_pred_dim", "ssl_proj_layers", "ssl_hidden_dim"):
         v = getattr(p, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise OwaiError(f"pretrain.{name} must be an integer >= 1, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "ssl_hidden_dim" else 1):
+            raise OwaiError(f"pretrain.{name} must be an integer >= {0 if name == 'ssl_hidden_dim' else 1}, got {v!r}")
     if p.head == "cosine" and (p.objective != "supervised" or m.joint != 1):
         raise OwaiError("pretrain.head=cosine is a supervised single network's head (Baseline++): "
                         "not with pretrain.objective=simsiam or model.joint > 1")
@@ -533,8 +540,9 @@ def plan_chain(recipe: str, preset: str | None, sets: list[str], seeds: list[int
     preset = resolved["preset"]
     chain = chain_steps(base)
     evals = [step for step in chain if step != "pretrain"]
-    if seeds is not None and evals:
-        sets = [*sets, f"probe.seeds={list(seeds)}", f"probe.n={len(seeds)}"]
+    if seeds is not None and evals:  # n = the seeds' count unless given (--n): then check_settings compares them
+        given_n = any(s.split("=", 1)[0].strip() == "probe.n" for s in sets)
+        sets = [*sets, f"probe.seeds={list(seeds)}", *([] if given_n else [f"probe.n={len(seeds)}"])]
     configs = {step: resolve(rec, preset, [*sets, f"stage={step}"], validate=False)[0] for step in evals}
 
     def sweep_step(what: str, step_seeds: list[int] | None, grid: Any) -> ChainStep:
@@ -796,10 +804,12 @@ def pretrain_key(cfg: Config, seed: int) -> str:
             "pretrain": {k: v for k, v in to_dict(cfg.pretrain).items()
                          if k not in ("checkpoint_every", "log_every", "transfer_probe", "snapshots")
                          and (k, v) not in (("optimizer", "sgd"), ("objective", "supervised"), ("schedule", "step"),
-                                            ("head", "linear"))
+                                            ("head", "linear"), ("ssl_hidden_dim", 0), ("sampling", "replacement"))
                          and not (k.startswith("ssl_") and cfg.pretrain.objective == "supervised")},
             "base": d.base, "base_classes": d.base_classes, "root": d.root, "image_size": d.image_size,
             "augment": d.augment, "limit_per_class": d.limit_per_class, "split_seed": d.split_seed}
+    if cfg.pretrain.objective == "simsiam":  # 2: BatchNorm per view (before, over both views together)
+        what["ssl_version"] = 2
     # the base images' style where it changes what pre-training sees (SimSiam's views differ only in
     # CIFAR's statistics); left out at DomainBed's, so keys written before the setting stay valid
     style = style_of(cfg, d.base)
@@ -876,7 +886,8 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
             console.info(f"network seed {cfg.seed}: cached at {path}")
         except Exception:  # noqa: BLE001 - a corrupt cache entry is rebuilt
             console.info(f"rebuilding the corrupt cache entry {path}")
-    per_epoch = len(train_set) / p.batch_size
+    # updates per epoch: N / B drawn with replacement, or N // B passes without (the last batch dropped)
+    per_epoch = len(train_set) / p.batch_size if p.sampling == "replacement" else len(train_set) // p.batch_size
     steps = max(1, round(p.epochs * per_epoch))
     snaps = {max(1, round(e * per_epoch)): snapshot_path(cfg, cfg.seed, e) for e in p.snapshots}  # step -> file
     if state is not None and not all(f.is_file() for f in snaps.values()):
@@ -887,10 +898,12 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
 
         net = build_network(cfg.model.backbone, len(classes), cfg.seed, joint=cfg.model.joint, head=p.head)
         if ssl:
-            net = SimSiam(strip_head(net), p.ssl_dim, p.ssl_pred_dim, p.ssl_proj_layers)
+            net = SimSiam(strip_head(net), p.ssl_dim, p.ssl_pred_dim, p.ssl_proj_layers,
+                          hidden_dim=p.ssl_hidden_dim or None)
         net = net.to(device)
         batches = StepBatches(OneDomain(train_set), [0], [torch.arange(len(train_set))], p.batch_size, d.image_size,
-                              d.augment, cfg.seed, steps, views=2 if ssl else 1, style=train_set.style)
+                              d.augment, cfg.seed, steps, views=2 if ssl else 1, style=train_set.style,
+                              sampling=p.sampling)
         stream = StepStream(batches, d.workers, device)
         optimizer = (torch.optim.Adam(net.parameters(), lr=p.lr, weight_decay=p.weight_decay) if p.optimizer == "adam"
                      else torch.optim.SGD(net.parameters(), lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay))
@@ -1052,7 +1065,7 @@ def find_networks(cfg: Config) -> list[Network]:
             if path is None:  # a Hugging Face model: its config is checked here, its weights when loaded
                 from owai.models.hf_vision import check_hf_source
 
-                check_hf_source(backbone)
+                check_hf_source(backbone, d.image_size)
             elif not path.is_file():
                 raise OwaiError(f"probe.weights: checkpoint file not found: {path}")
             else:
@@ -1160,10 +1173,11 @@ def _meta_backbone(backbone: str) -> torch.nn.Module:
         return build_backbone(backbone, num_classes=1)
 
 
-def load_network(net: Network, style: str = "domainbed") -> torch.nn.Module:
+def load_network(net: Network, style: str = "domainbed", image_size: int | None = None) -> torch.nn.Module:
     """The network's backbone (torchvision keys, its base-class head) with its pretrained weights.
     `style`: how the images it will read are normalised (a Hugging Face model undoes it and applies its
-    checkpoint's own preprocessing; owai's networks read the images as they come)."""
+    checkpoint's own preprocessing; owai's networks read the images as they come); `image_size`: their
+    size (a Hugging Face model with a position grid is rebuilt for it, `HFImageBackbone`)."""
     from owai.checkpoint import load_checkpoint
     from owai.io import read_safetensors
 
@@ -1172,7 +1186,7 @@ def load_network(net: Network, style: str = "domainbed") -> torch.nn.Module:
         from owai.models.hf_vision import HFImageBackbone
 
         mean, std = normalisation(style)
-        return HFImageBackbone(net.backbone[3:], input_mean=mean, input_std=std)
+        return HFImageBackbone(net.backbone[3:], image_size=image_size, input_mean=mean, input_std=std)
     if net.external:  # features only, under a placeholder 1-class head (every stage strips or replaces it)
         from owai.models.rich import strip_head
         from owai.models.vision import build_backbone
@@ -1219,7 +1233,8 @@ def network_from_state(backbone: str, state: dict[str, torch.Tensor], seed: int,
     return model
 
 
-WIDE = {"resnet18": "resnet18_w{k}", "resnet50": "resnet50_w{k}"}  # model.backbone -> its wide variants
+WIDE = {"resnet18": "resnet18_w{k}", "resnet18_cifar": "resnet18_cifar_w{k}",  # model.backbone -> its wide variants
+        "resnet50": "resnet50_w{k}"}
 
 
 def baseline_config(cfg: Config, name: str) -> tuple[Config, str, int]:
@@ -1263,7 +1278,7 @@ def run_baseline_probes(cfg: Config, run: Run, train_set: Any, test_set: Any, me
     """Table 2.2's wide / jointly trained baselines under the same linear probe: `{name}.acc`."""
     for name in cfg.probe.baselines:
         baseline = baseline_network(cfg, name)
-        net = load_network(baseline, train_set.style).to(run.device)
+        net = load_network(baseline, train_set.style, cfg.data.image_size).to(run.device)
         measured[f"{name}.acc"] = probe_network(cfg, run, f"probe-{name}", net, baseline.label, train_set, test_set)
 
 
@@ -1573,7 +1588,7 @@ def run_chain(cfg: Config, run: Run) -> Outcome:
     (Cat_k / per-network / catsub / student linear probes), finetune (normal fine-tuning of Cat_n),
     two-stage (per-network fine-tuning, then the ensemble-initialised head), fewshot (episodes on frozen
     features). Each training is its own resumable train_loop stage."""
-    from owai.models.rich import ConcatFeatures, strip_head
+    from owai.models.rich import ConcatFeatures
 
     stages = stages_of(cfg.stage)
     d, device = cfg.data, run.device
@@ -1587,7 +1602,7 @@ def run_chain(cfg: Config, run: Run) -> Outcome:
                                "classes": train_set.classes, "split_sizes": {"train": len(train_set), "test": len(test_set)}}
     student = run_distill(cfg, run, nets, measured, details) if "distill" in stages else None
     if "probe" in stages or "fewshot" in stages:
-        cat = ConcatFeatures([strip_head(load_network(n, test_set.style)) for n in nets], frozen=True).to(device)
+        cat = ConcatFeatures(network_backbones(nets, test_set.style, d.image_size), frozen=True).to(device)
         origin = [n.label for n in nets]
         z_test, y_test = extract(cfg, cat, test_set, device, feature_store(run, "test"), origin)
         if student is not None:  # the last block = the student, distilled from `origin` in this run
@@ -1618,10 +1633,17 @@ def run_chain(cfg: Config, run: Run) -> Outcome:
         if "fewshot" in stages:
             run_fewshot(cfg, z_test, y_test, len(nets), student is not None, measured, details)
     if "finetune" in stages:
-        model = finetune_model(cfg, run, f"finetune-cat{len(nets)}", nets, train_set)
+        backbones = network_backbones(nets, train_set.style, d.image_size)
+        model = finetune_model(cfg, run, f"finetune-cat{len(nets)}", backbones, train_set)
         logits, y = predict(cfg, model, test_set, device)
         measured[f"ft.cat{len(nets)}.acc"] = _acc(logits, y)
-        del model
+        del model, backbones
+        if student is not None:  # Table A.3's Distill_n row: the student fine-tuned as one network is
+            tunable = copy.deepcopy(student).requires_grad_(True)  # the probes' copy stays frozen
+            model = finetune_model(cfg, run, f"finetune-distill{len(nets)}", [tunable], train_set)
+            logits, y = predict(cfg, model, test_set, device)
+            measured[f"ft.distill{len(nets)}.acc"] = _acc(logits, y)
+            del model, tunable
     if "two-stage" in stages:
         run_two_stage(cfg, run, nets, train_set, test_set, measured, details)
     drop_features(run)
@@ -1732,17 +1754,25 @@ def cat_dims(blocks: list[torch.Tensor]) -> list[int]:
 # -- fine-tuning ---------------------------------------------------------------------------------
 
 
-def finetune_model(cfg: Config, run: Run, stage: str, nets: list[Network], train_set: Any) -> torch.nn.Module:
-    """Normal fine-tuning (§6.3) of the concatenation of `nets` (one network: ordinary fine-tuning) under
-    a new Linear head on the target's training images, as train_loop stage `stage`. Returns
+def network_backbones(nets: list[Network], style: str, image_size: int) -> list[torch.nn.Module]:
+    """The pretrained networks as feature extractors for images of `style` and `image_size` (their
+    base-class heads removed)."""
+    from owai.models.rich import strip_head
+
+    return [strip_head(load_network(n, style, image_size)) for n in nets]
+
+
+def finetune_model(cfg: Config, run: Run, stage: str, backbones: list[torch.nn.Module], train_set: Any) -> torch.nn.Module:
+    """Normal fine-tuning (§6.3) of the concatenation of `backbones` (one: ordinary fine-tuning) under a
+    new Linear head on the target's training images, as train_loop stage `stage`. Returns
     Sequential(ConcatFeatures, Linear) in eval mode."""
     from owai.data.domainbed import StepBatches, StepStream
-    from owai.models.rich import ConcatFeatures, strip_head
+    from owai.models.rich import ConcatFeatures
     from owai.runtime import derive_seed
     from owai.train import LoopConfig, train_loop
 
     d, f, device = cfg.data, cfg.finetune, run.device
-    cat = ConcatFeatures([strip_head(load_network(n, train_set.style)) for n in nets], frozen=False)
+    cat = ConcatFeatures(backbones, frozen=False)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(cfg.seed, "finetune-head", stage))
         head = torch.nn.Linear(cat.out_dim, len(train_set.classes))  # PyTorch's default init (§6.3)
@@ -1784,7 +1814,8 @@ def run_two_stage(cfg: Config, run: Run, nets: list[Network], train_set: Any, te
     from owai.models.rich import ConcatFeatures, two_stage_head
 
     f, device, n = cfg.finetune, run.device, len(nets)
-    tuned = [finetune_model(cfg, run, f"ft-net{i}", [net], train_set) for i, net in enumerate(nets)]
+    tuned = [finetune_model(cfg, run, f"ft-net{i}", network_backbones([net], train_set.style, cfg.data.image_size),
+                            train_set) for i, net in enumerate(nets)]
     singles = []
     for model in tuned:
         logits, y_test = predict(cfg, model, test_set, device)
@@ -1828,7 +1859,8 @@ def run_distill(cfg: Config, run: Run, nets: list[Network], measured: dict[str, 
     base_train = load_split(cfg, d.base, "train", d.base_classes)
     base_test = load_split(cfg, d.base, "base-test", d.base_classes)
     n_classes = len(base_train.classes)
-    teachers = [load_network(net, base_train.style).to(device).eval().requires_grad_(False) for net in nets]
+    teachers = [load_network(net, base_train.style, d.image_size).to(device).eval().requires_grad_(False)
+                for net in nets]
     if on_features:
         teachers = [strip_head(t) for t in teachers]
         n_out = int(teachers[0].feature_dim)  # equal for every network (find_networks)

@@ -92,14 +92,25 @@ class Ruler(Method):
                                 "(e.g. a folder with GPT-2's encoder.json + vocab.bpe)")
             reference_tokenizer(cfg.reference_tokenizer)  # loads, or one line
         check_ablation(cfg.model, cfg.ablate)  # the model's own settings before the data it is fed
+        essays = None
         if any(t in ruler.SYNTHETIC_TASKS for t in cfg.tasks):
             essays = haystack_folder(cfg.haystack_dir)
             if any(ruler.NIAH_VARIANTS.get(t, {}).get("haystack") == "essay" for t in cfg.tasks):
                 ruler.read_essays(essays)
+        offline, pools = "", {}
         for task, kind, source in (("qa_1", "squad", cfg.squad), ("qa_2", "hotpotqa", cfg.hotpotqa)):
             if task in cfg.tasks and not _remote(source):
-                ruler.load_qa(kind, source if source == "synthetic" else qa_source(source))  # missing fields: one line
-        limit, _ = check_model(cfg.model, cfg.tokenizer)
+                pools[task] = ruler.load_qa(kind, source if source == "synthetic" else qa_source(source))  # missing fields: one line
+            elif task in cfg.tasks:
+                from owai.hub import hub_unreachable
+
+                # no hub: the dataset must be in the local cache (a local read), or the run would fail once
+                # started; reading it now refuses before the run directory exists, naming --set squad/hotpotqa
+                offline = offline or hub_unreachable()
+                if offline:
+                    pools[task] = ruler.load_qa(kind, source)
+        limit, tok = check_model(cfg.model, cfg.tokenizer)
+        check_lengths(cfg, pools, essays, tok)
         limit = cfg.max_tokens or limit
         too_long = [c for c in cfg.ctx if limit and ruler.parse_context_length(c) > limit]
         if too_long and not cfg.allow_overflow:
@@ -151,6 +162,34 @@ class Ruler(Method):
                 measured[f"qa.{length}.score"] = score
         result["model"], result["ablate"], result["max_tokens"] = cfg.model, list(cfg.ablate), max_tokens
         return Outcome(measured, result)
+
+
+def check_lengths(cfg: Config, pools: dict[str, Any], essays: Path | None, tok: Any) -> None:
+    """Each context length must leave room for some of each task's prompts, or every sample would
+    overflow and the run score nothing. `Task.smallest` (the template with the least haystack the task
+    allows and the answer, counted with the tokenizer that fits the prompts) finds the lengths near that
+    floor cheaply; at those the run's own samples are built (small at such lengths) and the length is
+    refused when none fits. A QA task whose data the run reads from the hub is checked by its overflow count."""
+    from owai.evals import ruler
+
+    if cfg.model.startswith("reference:"):
+        counter = reference_tokenizer(cfg.reference_tokenizer)
+    else:
+        from owai.data.text import load_tokenizer
+
+        counter = _OwaiTokenizer(tok if tok is not None else load_tokenizer(cfg.tokenizer or cfg.model))
+    for name in cfg.tasks:
+        if name in ruler.QA_TASKS and name not in pools:
+            continue
+        task = (ruler.qa_task(name, pools[name], cfg.template, cfg.rule) if name in pools
+                else ruler.synthetic_task(name, essays, cfg.rule))
+        for length in dict.fromkeys(cfg.ctx):
+            budget = ruler.parse_context_length(length)
+            need = task.smallest(budget, counter, cfg.seed)
+            if 2 * need > budget and not any(s.fits for s in task.build(cfg.n, budget, counter, cfg.seed).samples):
+                raise OwaiError(f"context {length} is too short for {name}: none of its prompts fits in {budget} tokens "
+                                f"with its answer, even with the least haystack (RULER's template and the needles "
+                                f"alone take about {need}); give --ctx {need} or more")
 
 
 def reference_tokenizer(name: str) -> Any:

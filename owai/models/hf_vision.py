@@ -18,7 +18,11 @@ a module mapping a batch of images to (B, feature_dim) features, with a `feature
       -> (B, feature_dim)           feature_dim from the config: hidden_sizes[-1] or hidden_size
 
 At a resolution other than the checkpoint's (`config.image_size`, e.g. fine-tuning a 224 ViT at 384)
-the position embeddings are interpolated (bicubic) at every forward, `interpolate_pos_encoding=True`.
+a model with a learned grid of absolute position embeddings (ViT, DeiT, ViT-MSN) is rebuilt once at
+`image_size`, its grid resized as the original ViT code and RRL do (`resize_position_grid`: a linear
+zoom, scipy's `ndimage.zoom(order=1)`), so fine-tuning trains the new grid; at any other input size, or
+for models without such a grid, the position embeddings are interpolated (bicubic, `transformers`' own)
+at every forward, `interpolate_pos_encoding=True`.
 
 Recipes name such a checkpoint among weight files with the prefix `hf:` (`hf:facebook/regnet-y-320-seer`,
 `hf:/data/ckpt/vit-in21k`): `is_hf_source`, `hf_source`, and `check_hf_source` (validation before a run).
@@ -154,11 +158,13 @@ def hf_feature_dim(text: str) -> int:
     return _feature_dim(config, source)
 
 
-def check_hf_source(text: str) -> None:
+def check_hf_source(text: str, image_size: int | None = None) -> None:
     """Cheap validation before a run starts: the config of `text` (with or without `hf:`) reads and is a
-    supported image model; for a local directory a weights file exists and a .safetensors header parses."""
+    supported image model whose patches tile `image_size` (when given); for a local directory a weights
+    file exists and a .safetensors header parses."""
     source = hf_source(text)
-    _, local = _load_config(source)
+    config, local = _load_config(source)
+    _check_patches(config, source, image_size)
     if local is None:
         return
     present = [local / f for f in WEIGHT_FILES if (local / f).is_file()]
@@ -208,6 +214,67 @@ def _normalisation(config_dir: Path | None, source: str) -> tuple[list[float], l
     return stats[0], stats[1], rescale
 
 
+def _check_patches(config: Any, source: str, image_size: int | None) -> None:
+    """image_size (when given) is a positive integer that the model's patches tile: interpolating or
+    resizing the position embeddings needs whole patches."""
+    if image_size is None:
+        return
+    if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
+        raise OwaiError(f"hf:{source}: image_size must be a positive integer, got {image_size!r}")
+    patch = getattr(config, "patch_size", None)
+    if isinstance(patch, int) and image_size % patch:
+        raise OwaiError(f"hf:{source}: image_size {image_size} is not a multiple of the patch size {patch}")
+
+
+POSITIONS = "embeddings.position_embeddings"  # (1, prefix tokens + g x g, D): ViT, DeiT, ViT-MSN
+
+
+def resize_position_grid(positions: Tensor, prefix: int, size: int) -> Tensor:
+    """(1, prefix + g*g, D) position embeddings -> (1, prefix + size*size, D): the class (and
+    distillation) tokens' rows kept, the g x g grid zoomed linearly to size x size. This is
+    `scipy.ndimage.zoom(grid, (size/g, size/g, 1), order=1)` (the original ViT code's resize, which
+    RRL's Figure 2.4 uses): bilinear with the corners aligned."""
+    tokens = positions.shape[1] - prefix
+    g = math.isqrt(tokens)
+    if positions.dim() != 3 or positions.shape[0] != 1 or g * g != tokens:
+        raise OwaiError(f"position embeddings of shape {tuple(positions.shape)} hold no square grid after "
+                        f"{prefix} prefix token(s)")
+    grid = positions[:, prefix:].reshape(1, g, g, -1).permute(0, 3, 1, 2).double()  # (1, D, g, g)
+    zoomed = torch.nn.functional.interpolate(grid, size=(size, size), mode="bilinear", align_corners=True)
+    zoomed = zoomed.permute(0, 2, 3, 1).reshape(1, size * size, -1).to(positions.dtype)
+    return torch.cat([positions[:, :prefix], zoomed], dim=1)
+
+
+def _at_resolution(model: nn.Module, model_class: Any, kwargs: dict[str, Any], image_size: int) -> nn.Module:
+    """`model` rebuilt for image_size x image_size inputs with its position grid resized once
+    (`resize_position_grid`), when it has a learned absolute grid of its config's image_size; otherwise
+    (no such grid, or already at image_size) `model` itself, which then interpolates at every forward."""
+    import copy
+
+    config = model.config
+    native, patch = getattr(config, "image_size", None), getattr(config, "patch_size", None)
+    if ("interpolate_pos_encoding" not in inspect.signature(model.forward).parameters  # DINOv2 always interpolates
+            or not isinstance(native, int) or not isinstance(patch, int) or native == image_size or native % patch):
+        return model
+    state = model.state_dict()
+    positions = state.get(POSITIONS)
+    if positions is None or positions.dim() != 3:
+        return model
+    prefix = positions.shape[1] - (native // patch) ** 2
+    if prefix < 0:
+        return model
+    resized = copy.deepcopy(config)
+    resized.image_size = image_size
+    with torch.random.fork_rng(devices=[]):  # the fresh weights are all overwritten below
+        rebuilt = model_class(resized, **kwargs).to(torch.float32)
+    state[POSITIONS] = resize_position_grid(positions, prefix, image_size // patch)
+    try:
+        rebuilt.load_state_dict(state, strict=True)
+    except RuntimeError:  # a model whose other weights depend on the size (none known): interpolate instead
+        return model
+    return rebuilt
+
+
 class HFImageBackbone(nn.Module):
     """A transformers image model as a (B, 3, S, S) -> (B, feature_dim) feature backbone.
 
@@ -217,7 +284,8 @@ class HFImageBackbone(nn.Module):
     asked for) get requires_grad=False, so every trainable parameter receives a gradient (DDP). Weights
     the base model needs but the checkpoint lacks are an error, not a silent random initialisation.
     `image_size`, when given, is checked against the patch size of patch models (interpolating the
-    position embeddings needs whole patches). `input_mean` / `input_std` are the statistics the input
+    position embeddings needs whole patches), and a model with a learned absolute position grid is
+    rebuilt for it once (`_at_resolution`). `input_mean` / `input_std` are the statistics the input
     was normalised with, which the module undoes before applying the checkpoint's own: a checkpoint
     always sees its own preprocessing. Fresh, the module is in training mode, like `build_backbone`'s.
     """
@@ -232,13 +300,7 @@ class HFImageBackbone(nn.Module):
         self.model_type: str = config.model_type
         self.feature_dim: int = _feature_dim(config, self.source)
         self.pooled = self.model_type not in CLASS_TOKEN
-        patch = getattr(config, "patch_size", None)
-        if image_size is not None:
-            if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
-                raise OwaiError(f"hf:{self.source}: image_size must be a positive integer, got {image_size!r}")
-            if isinstance(patch, int) and image_size % patch:
-                raise OwaiError(f"hf:{self.source}: image_size {image_size} is not a multiple of the patch size "
-                                f"{patch}")
+        _check_patches(config, self.source, image_size)
         self.image_size = image_size
 
         model_class = AutoModel._model_mapping[type(config)]
@@ -264,13 +326,15 @@ class HFImageBackbone(nn.Module):
             raise OwaiError(f"hf:{self.source}: checkpoint {what} {len(missing or bad)} weight tensors of the "
                             f"{self.model_type} base model "
                             f"(e.g. {(missing or bad)[0]}): not a checkpoint of this architecture")
+        if image_size is not None:
+            model = _at_resolution(model, model_class, kwargs, image_size)
         self.model = model.train()
         for name, p in self.model.named_parameters():
             if name.split(".")[-1] == "mask_token":
                 p.requires_grad_(False)
 
         forward_args = inspect.signature(self.model.forward).parameters
-        native = getattr(config, "image_size", None)
+        native = getattr(self.model.config, "image_size", None)
         self.native_size: int | None = native if isinstance(native, int) else None
         self._interpolate_arg = "interpolate_pos_encoding" in forward_args
 

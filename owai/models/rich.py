@@ -320,17 +320,21 @@ class SimSiam(nn.Module):
     """SimSiam (Chen & He 2021), the self-supervised pre-training of TH Table A.4.
 
     backbone f (B, 3, S, S) -> (B, d); projector g: `proj_layers` x [Linear (no bias) -> BN -> ReLU]
-    with the last block Linear -> BN (no affine, no ReLU), width `dim` (the first hidden width is d);
-    predictor h: Linear(dim, pred_dim, no bias) -> BN -> ReLU -> Linear(pred_dim, dim). Forward on a
-    batch of two stacked views (2B, 3, S, S) returns (p, z), each (2B, dim): predictions and
-    projections. The backbone alone is the representation that is transferred.
+    with the last block Linear -> BN (no affine, no ReLU), width `dim`, hidden width `hidden_dim`
+    (None: d, as Chen & He's ImageNet code; their CIFAR setting is 2048); predictor h:
+    Linear(dim, pred_dim, no bias) -> BN -> ReLU -> Linear(pred_dim, dim). Forward on a batch of two
+    stacked views (2B, 3, S, S) returns (p, z), each (2B, dim): predictions and projections. Each view
+    goes through the network alone, as the reference code calls f(x1) and f(x2): every BatchNorm
+    normalises over one view's B images, never over both views together. The backbone alone is the
+    representation that is transferred.
     """
 
     def __init__(self, backbone: nn.Module, dim: int = 2048, pred_dim: int = 512, proj_layers: int = 3,
-                 feature_dim: int | None = None) -> None:
+                 feature_dim: int | None = None, hidden_dim: int | None = None) -> None:
         super().__init__()
         width = _width(backbone, feature_dim, "SimSiam backbone")
-        for name, v in (("dim", dim), ("pred_dim", pred_dim), ("proj_layers", proj_layers)):
+        hidden = width if hidden_dim is None else hidden_dim
+        for name, v in (("dim", dim), ("pred_dim", pred_dim), ("proj_layers", proj_layers), ("hidden_dim", hidden)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise OwaiError(f"SimSiam {name} must be a positive integer, got {v!r}")
         self.backbone = backbone
@@ -338,16 +342,19 @@ class SimSiam(nn.Module):
         layers: list[nn.Module] = []
         fan_in = width
         for _ in range(proj_layers - 1):
-            layers += [nn.Linear(fan_in, width, bias=False), nn.BatchNorm1d(width), nn.ReLU(inplace=True)]
-            fan_in = width
+            layers += [nn.Linear(fan_in, hidden, bias=False), nn.BatchNorm1d(hidden), nn.ReLU(inplace=True)]
+            fan_in = hidden
         layers += [nn.Linear(fan_in, dim, bias=False), nn.BatchNorm1d(dim, affine=False)]
         self.projector = nn.Sequential(*layers)
         self.predictor = nn.Sequential(nn.Linear(dim, pred_dim, bias=False), nn.BatchNorm1d(pred_dim),
                                        nn.ReLU(inplace=True), nn.Linear(pred_dim, dim))
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        z = self.projector(self.backbone(x))  # (2B, dim)
-        return self.predictor(z), z
+        if x.shape[0] % 2:
+            raise OwaiError(f"SimSiam takes two stacked views (2B, ...), got a batch of {x.shape[0]}")
+        z = [self.projector(self.backbone(view)) for view in x.chunk(2)]  # 2 x (B, dim), BN per view
+        p = [self.predictor(zv) for zv in z]
+        return torch.cat(p), torch.cat(z)  # (2B, dim) each, view 1 then view 2
 
 
 def simsiam_loss(p: Tensor, z: Tensor) -> Tensor:

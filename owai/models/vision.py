@@ -11,6 +11,8 @@ keys and shapes are exactly torchvision's: the official checkpoint files load wi
                 wide_resnet50_k: the bottleneck's inner width is k * 64 * 2^i instead of 64 * 2^i
                 resnet{18,50}_wk: every channel count x k (the thesis's / SwAV's "resnet50w2", "resnet50w5"; no
                 official torchvision weights)
+                resnet18_cifar[_wk]: the CIFAR stem, conv1 3x3/1 and no maxpool (He et al.'s CIFAR networks as
+                the SimSiam CIFAR code and RRL build them for 32 px images; same keys, conv1 3x3)
     DenseNet    features.{conv0, norm0, relu0, pool0, denseblock1, transition1, ..., denseblock4, norm5}
                 - relu - avgpool - classifier; each dense layer BN-ReLU-1x1 (bn_size*growth) -BN-ReLU-3x3 (growth)
     ViT         conv_proj (patch P, stride P) - [class_token; patches] + encoder.pos_embedding
@@ -89,18 +91,26 @@ class Bottleneck(nn.Module):
 
 
 class ResNet(nn.Module):
-    """ResNet (He et al. 2016) with torchvision's module names; `width_per_group` > 64 makes it wide."""
+    """ResNet (He et al. 2016) with torchvision's module names; `width_per_group` > 64 makes it wide.
+    `stem="cifar"`: conv1 3x3 stride 1 and no max-pool, for 32 px images (layer4 at 4 x 4, not 1 x 1)."""
 
     def __init__(self, block: type[BasicBlock] | type[Bottleneck], layers: tuple[int, int, int, int],
-                 num_classes: int = 1000, width_per_group: int = 64, width: int = 1) -> None:
+                 num_classes: int = 1000, width_per_group: int = 64, width: int = 1,
+                 stem: str = "imagenet") -> None:
         super().__init__()
+        if stem not in ("imagenet", "cifar"):
+            raise OwaiError(f"ResNet stem must be 'imagenet' or 'cifar', got {stem!r}")
         base = 64 * width  # `width` > 1 multiplies every channel count (SwAV's / the thesis's "resnet50w2")
         self.inplanes = base
         self.base_width = width_per_group
-        self.conv1 = nn.Conv2d(3, base, 7, 2, 3, bias=False)
+        if stem == "cifar":
+            self.conv1 = nn.Conv2d(3, base, 3, 1, 1, bias=False)
+            self.maxpool: nn.Module = nn.Identity()
+        else:
+            self.conv1 = nn.Conv2d(3, base, 7, 2, 3, bias=False)
+            self.maxpool = nn.MaxPool2d(3, 2, 1)
         self.bn1 = nn.BatchNorm2d(base)
         self.relu = nn.ReLU(inplace=True)
-        self.maxpool = nn.MaxPool2d(3, 2, 1)
         self.layer1 = self._make_layer(block, base, layers[0], 1)
         self.layer2 = self._make_layer(block, 2 * base, layers[1], 2)
         self.layer3 = self._make_layer(block, 4 * base, layers[2], 2)
@@ -131,7 +141,7 @@ class ResNet(nn.Module):
 
     def forward_features(self, x: Tensor) -> Tensor:
         """(B, 3, H, W) -> (B, feature_dim): globally average-pooled layer4 output."""
-        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))  # (B, 64, H/4, W/4)
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))  # (B, 64, H/4, W/4); CIFAR stem (B, 64, H, W)
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))  # (B, feature_dim, H/32, W/32)
         return torch.flatten(self.avgpool(x), 1)
 
@@ -162,6 +172,22 @@ def resnet18_w2(num_classes: int = 1000) -> ResNet:
 def resnet18_w4(num_classes: int = 1000) -> ResNet:
     """ResNet-18 with every channel count x4: 2048-d features (= Cat_4's), 178.6M parameters without the head."""
     return ResNet(BasicBlock, (2, 2, 2, 2), num_classes, width=4)
+
+
+def resnet18_cifar(num_classes: int = 1000) -> ResNet:
+    """ResNet-18 with the CIFAR stem (3x3/1 conv1, no max-pool): TH A.1 / A.3.3's CIFAR ResNet-18, 11.2M
+    parameters; 512-d features."""
+    return ResNet(BasicBlock, (2, 2, 2, 2), num_classes, stem="cifar")
+
+
+def resnet18_cifar_w2(num_classes: int = 1000) -> ResNet:
+    """resnet18_cifar with every channel count doubled (Table A.4's r18w2): 1024-d features."""
+    return ResNet(BasicBlock, (2, 2, 2, 2), num_classes, width=2, stem="cifar")
+
+
+def resnet18_cifar_w4(num_classes: int = 1000) -> ResNet:
+    """resnet18_cifar with every channel count x4 (Table A.4's r18w4): 2048-d features."""
+    return ResNet(BasicBlock, (2, 2, 2, 2), num_classes, width=4, stem="cifar")
 
 
 def resnet50_w2(num_classes: int = 1000) -> ResNet:
@@ -385,6 +411,9 @@ BACKBONES: dict[str, Callable[..., nn.Module]] = {
     "resnet152": resnet152,
     "resnet18_w2": resnet18_w2,
     "resnet18_w4": resnet18_w4,
+    "resnet18_cifar": resnet18_cifar,
+    "resnet18_cifar_w2": resnet18_cifar_w2,
+    "resnet18_cifar_w4": resnet18_cifar_w4,
     "resnet50_w2": resnet50_w2,
     "resnet50_w4": resnet50_w4,
     "resnet50_w5": resnet50_w5,
