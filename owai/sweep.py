@@ -140,7 +140,7 @@ def parse_grid(texts: list[str]) -> dict[str, list[Any]]:
 
 def parse_seeds(text: str) -> list[int]:
     """`--seeds 0,1,2` -> [0, 1, 2]."""
-    parts = text.split(",")
+    parts = text.strip().strip(",").split(",")  # a trailing comma is allowed, as in --grid
     if any(not s.strip() for s in parts) and any(s.strip() for s in parts):
         raise OwaiError(f"--seeds {text!r}: an empty value between commas")
     try:

@@ -145,8 +145,17 @@ def test_a_length_is_refused_only_when_none_of_its_samples_fits(shared_data, nam
 
 # ---------------------------------------------------------------- 5. a model path that does not exist
 
+def test_an_owner_slash_name_stays_a_hub_id_beside_a_folder_of_that_owner(tmp_path, monkeypatch) -> None:
+    from owai.evals.causal_lm import looks_like_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "EleutherAI").mkdir()
+    assert not looks_like_path("EleutherAI/pythia-160m") and not looks_like_path("gpt2")
+    assert looks_like_path("./EleutherAI/pythia-160m") and looks_like_path("a/b/c") and looks_like_path("~/m")
+
+
 @pytest.mark.parametrize("command", ["icl", "harness", "ruler"])
-@pytest.mark.parametrize("model", ["/nonexistent/model", "./nope", "sub/nope"])
+@pytest.mark.parametrize("model", ["/nonexistent/model", "./nope", "sub/dir/nope"])
 def test_a_missing_model_path_is_named_as_one(command, model, tmp_path, monkeypatch, capsys) -> None:
     if command == "harness":
         pytest.importorskip("lm_eval")

@@ -183,6 +183,30 @@ def test_the_distilled_student_is_fine_tuned_from_its_distilled_weights(cache, t
     assert 0.0 <= _measured(run_dir)["ft.distill2.acc"] <= 1.0
 
 
+def test_distillation_accumulates_micro_batches(cache, tmp_path, monkeypatch, capsys) -> None:
+    """distill.accumulate = k: each update reads distill.batch_size images in k micro-batches of
+    batch_size / k (the paper preset's 2048 as 8 x 256); the update count is unchanged."""
+    import owai.models.rich as rich
+
+    original, sizes = rich.distill_loss, []
+
+    def recording(student_logits, teacher_logits, *args, **kwargs):
+        sizes.append(student_logits[0].shape[0])
+        return original(student_logits, teacher_logits, *args, **kwargs)
+
+    monkeypatch.setattr(rich, "distill_loss", recording)
+    code, _, err = _cli(["--stage", "distill", "--seeds", "0,1", *as_sets([*TINY, "distill.accumulate=2"]),
+                         "-o", str(tmp_path)], capsys)
+    assert code == 0, err
+    run_dir = next((tmp_path / "tableA.8-fewshot").iterdir())
+    steps = json.loads((run_dir / "results.json").read_text())["details"]["distill"]["steps"]
+    assert sizes == [8] * (2 * steps)  # batch 16 as 2 x 8, two micro-batches per update
+    code, _, err = _cli(["--stage", "distill", "--seeds", "0,1", *as_sets([*TINY, "distill.accumulate=3"]),
+                         "-o", str(tmp_path / "bad")], capsys)
+    assert code == 2 and "distill.accumulate 3: a divisor of distill.batch_size 16" in err, err
+    assert not (tmp_path / "bad").exists()
+
+
 def _one_line_error(args: list[str], out: Path, capsys, message: str, recipe: str = FEWSHOT) -> None:
     code, _, err = _cli([*args, "-o", str(out)], capsys, recipe)
     assert code == 2, err

@@ -198,11 +198,9 @@ def check_model_choice(spec: str, references: str, ablate: list[str] = ()) -> bo
 
 def looks_like_path(spec: str) -> bool:
     """Whether a --model value is clearly a filesystem path rather than a hub id (NAME or OWNER/NAME):
-    absolute, ./ ../ or ~ first, more than one '/', or under a folder that exists."""
-    if spec in (".", "..") or spec.startswith(("/", "./", "../", "~")) or spec.count("/") > 1:
-        return True
-    parent = Path(spec).parent
-    return parent != Path(".") and parent.is_dir()
+    absolute, ./ ../ or ~ first, or more than one '/'. OWNER/NAME stays a hub id even where a folder
+    OWNER exists here."""
+    return spec in (".", "..") or spec.startswith(("/", "./", "../", "~")) or spec.count("/") > 1
 
 
 def check_model(spec: str, tokenizer: str = "") -> tuple[int | None, Any]:

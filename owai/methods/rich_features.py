@@ -252,6 +252,9 @@ class DistillConfig:
     gamma: float = 0.2
     momentum: float = 0.9
     weight_decay: float = 0.0
+    # micro-batches per update: batch_size images per update in `accumulate` forward/backward passes of
+    # batch_size / accumulate (each its own BatchNorm batch, as one GPU's share of a multi-GPU batch)
+    accumulate: int = 1
     checkpoint_every: int = 500
     log_every: int = 50
 
@@ -419,6 +422,8 @@ def check_settings(cfg: Config) -> None:
             and s.weight_decay >= 0 and s.checkpoint_every >= 1 and s.log_every >= 1):
         raise OwaiError("distill: need tau > 0, 0 <= alpha <= 1, epochs > 0, batch_size >= 1, lr > 0, warmup_epochs >= 0, "
                         "warmup_lr > 0, gamma > 0, 0 <= momentum < 1, weight_decay >= 0, checkpoint_every >= 1, log_every >= 1")
+    if isinstance(s.accumulate, bool) or s.accumulate < 1 or s.batch_size % s.accumulate:
+        raise OwaiError(f"distill.accumulate {s.accumulate}: a divisor of distill.batch_size {s.batch_size}, >= 1")
     if not k.heads or any(h not in HEAD_KINDS for h in k.heads):
         raise OwaiError(f"fewshot.heads {k.heads}: choose from {', '.join(HEAD_KINDS)}")
     if not k.shots or any(isinstance(x, bool) or x < 1 for x in k.shots) or len(set(k.shots)) != len(k.shots):
@@ -1889,8 +1894,14 @@ def run_distill(cfg: Config, run: Run, nets: list[Network], measured: dict[str, 
             return s.warmup_lr + (s.lr - s.warmup_lr) * step / warmup
         return s.lr * s.gamma ** sum(step >= m for m in marks)
 
+    current: dict[str, Any] = {}
+
     def loss_at(step: int, micro: int) -> torch.Tensor:
-        x, y = stream.at(step)
+        if current.get("step") != step:  # the update's whole batch, read once for its micro-batches
+            current.update(step=step, batch=stream.at(step))
+        x, y = current["batch"]
+        size = x.shape[0] // s.accumulate
+        x, y = x[micro * size:(micro + 1) * size], y[micro * size:(micro + 1) * size]
         with torch.no_grad():
             targets = [t(x) for t in teachers]  # n x (B, C) logits, or n x (B, d) features
         if on_features:
@@ -1898,7 +1909,7 @@ def run_distill(cfg: Config, run: Run, nets: list[Network], measured: dict[str, 
         return distill_loss(student(x), targets, s.tau, labels=y, alpha=s.alpha)
 
     loop = LoopConfig(steps=steps, checkpoint_every=min(s.checkpoint_every, steps), log_every=min(s.log_every, steps),
-                      precision=_precision(cfg, device))
+                      precision=_precision(cfg, device), accumulate=s.accumulate)
     summary = train_loop(run, "distill", student, optimizer, loss_at, loop, lr_at=lr_at)
     student.eval()
     details["distill"] = {"steps": steps, "base_train": len(base_train), "base_test": len(base_test),
