@@ -88,6 +88,24 @@ def cache_only() -> Iterator[None]:
             setattr(module, name, value)
 
 
+def dataset_cached(path: str, name: str | None = None, **kwargs: Any) -> bool:
+    """Whether `datasets` opens hub dataset `path` (config `name`) from its local cache alone: the
+    builder `datasets.load_dataset` starts from, resolved under `cache_only`. Reads no data; its
+    "using the latest cached version" warnings are silenced (this runs before a run starts)."""
+    import datasets
+
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity_error()
+    try:
+        with cache_only():
+            datasets.load_dataset_builder(path, name, **kwargs)
+    except Exception:  # noqa: BLE001 - not cached: ConnectionError, FileNotFoundError, ValueError, ...
+        return False
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+    return True
+
+
 def load_dataset(path: str, *args: Any, what: str, hint: str = "", **kwargs: Any) -> Any:
     """`datasets.load_dataset(path, *args, **kwargs)`, from the local caches alone when the hub cannot
     be reached. Any failure is a DataMissing line: "cannot load {what} from the Hugging Face hub

@@ -136,25 +136,6 @@ HUB_DATASET_HINT = ("; it is not a local path either: check the id/config and ne
                     "or a local path")
 
 
-def _hub_dataset_cached(hub_id: str, config: str | None, revision: str | None) -> bool:
-    """Whether `datasets` opens hub dataset `hub_id` (`config`) from its local cache alone: the builder
-    `datasets.load_dataset` would start from, resolved in offline mode (`cache_only`). Reads no data."""
-    import datasets
-
-    from owai.hub import cache_only
-
-    verbosity = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity_error()  # no "using the latest cached version" warnings before the run
-    try:
-        with cache_only():
-            datasets.load_dataset_builder(hub_id, config, revision=revision)
-    except Exception:  # noqa: BLE001 - not cached: ConnectionError, FileNotFoundError, ValueError, ...
-        return False
-    finally:
-        datasets.logging.set_verbosity(verbosity)
-    return True
-
-
 class HubSource(TextSource):
     """A Hugging Face dataset, read with `datasets.load_dataset` (streaming by default)."""
 
@@ -193,7 +174,9 @@ class HubSource(TextSource):
 
         if importlib.util.find_spec("datasets") is None:
             raise DataMissing(f"loading dataset {self.name!r} needs the `datasets` package: pip install datasets")
-        if not _hub_dataset_cached(self.hub_id, self.config, self.revision):
+        from owai.hub import dataset_cached
+
+        if not dataset_cached(self.hub_id, self.config, revision=self.revision):
             raise DataMissing(f"cannot load dataset {self.name!r} from the Hugging Face hub (not in the local Hugging "
                               f"Face datasets cache; read from the local cache only: {problem}){HUB_DATASET_HINT}")
 

@@ -356,16 +356,11 @@ def check_offline(manager: Any, tasks: list[str], why: str) -> None:
     """Before a run while the hub cannot be reached (`why`): each hub dataset `tasks` read must be in the
     local datasets cache (asked of `datasets` itself, from the cache alone), else one line naming the
     task and its dataset. Without it the harness fails mid-run with a ConnectionError."""
-    import datasets
-
     from owai.errors import DataMissing
-    from owai.hub import cache_only
+    from owai.hub import dataset_cached
 
     for (path, name), (task, kwargs) in hub_datasets(manager, tasks).items():
-        try:
-            with cache_only():
-                datasets.load_dataset_builder(path, name, **kwargs)
-        except Exception:  # noqa: BLE001 - ConnectionError, FileNotFoundError, ...: not in the cache
+        if not dataset_cached(path, name, **kwargs):
             dataset = path + (f" ({name})" if name else "")
             raise DataMissing(f"harness task {task} reads the hub dataset {dataset}, which is not in the local "
                               f"Hugging Face datasets cache, and {why}: run it where the hub can be reached once "
