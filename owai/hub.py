@@ -91,9 +91,11 @@ def cache_only() -> Iterator[None]:
 def dataset_cached(path: str, name: str | None = None, **kwargs: Any) -> bool:
     """Whether `datasets` opens hub dataset `path` (config `name`) from its local cache alone: the
     builder `datasets.load_dataset` starts from, resolved under `cache_only`. Reads no data; its
-    "using the latest cached version" warnings are silenced (this runs before a run starts)."""
+    "using the latest cached version" warnings are silenced (this runs before a run starts).
+    `streaming` is a way of reading, not of building: the builder refuses it, so it is not passed."""
     import datasets
 
+    kwargs.pop("streaming", None)
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity_error()
     try:

@@ -94,6 +94,16 @@ def test_hub_dataset_in_the_local_cache_runs_offline(offline, tmp_path, capsys):
     assert list((tmp_path / "runs").glob("*/*/results.json"))
 
 
+def test_a_cached_dataset_read_by_streaming_counts_as_cached(offline):
+    """A harness task may read its dataset with `streaming: True` (its dataset_kwargs); the cache check
+    asks for the builder, which takes no such argument, so a cached dataset must still count."""
+    from owai.hub import dataset_cached
+
+    cache_hub_dataset(offline, "nobody/tiny_stories", STORIES)
+    assert dataset_cached("nobody/tiny_stories", streaming=True)
+    assert not dataset_cached("nobody/absent", streaming=True)
+
+
 def test_hub_corpus_in_owais_token_cache_needs_no_hub_offline(offline, tmp_path):
     """mosaic-train reads a prepared corpus from owai's token cache: then neither the hub nor the
     Hugging Face datasets cache is needed, and the check lets it through."""
