@@ -24,17 +24,21 @@ from owai.runs import Run, config_hash, ensure_writable, environment, is_sweep_d
 
 
 def resolve(recipe: Recipe, preset: str | None, overrides: list[str],
-            missing_ok: bool = False, validate: bool = True) -> tuple[Any, dict[str, Any]]:
+            missing_ok: bool = False, validate: bool = True, refuse_unread: bool = False) -> tuple[Any, dict[str, Any]]:
     """Build the typed config (defaults <- params <- preset <- --set) and its serialisable form.
     With `missing_ok` a valid config that cannot run here (CannotRunHere: an input not on this
     machine, or a model too large for it) resolves, with the reason under "missing" (for `owai
     recipes show` and a sweep's plan, which name it after every setting); a run never passes it. Without
-    `validate` only the types are checked (a dry run that plans, but never runs, the config)."""
+    `validate` only the types are checked (a dry run that plans, but never runs, the config). With
+    `refuse_unread` an override that the run never reads is refused (`refuse_unused`), before the
+    inputs are looked for."""
     preset = preset or recipe.default_preset
     schema = recipe.method_class().Config
     params = apply_overrides(schema, recipe.params_for(preset), overrides)
     cfg = build(schema, params, path="params")
     trackers.require(cfg.runtime.tracker)
+    if refuse_unread:
+        refuse_unused(recipe, [cfg], overrides)
     missing = None
     try:
         if validate:
@@ -54,6 +58,21 @@ def resolve(recipe: Recipe, preset: str | None, overrides: list[str],
     if missing:
         resolved["missing"] = missing
     return cfg, resolved
+
+
+def refuse_unused(recipe: Recipe, cfgs: list[Any], overrides: list[str]) -> None:
+    """One-line refusal of a `--set` that none of the runs `cfgs` reads (`Method.unused_settings`):
+    a new run's own settings, or a sweep's base settings against all its points. A sweep point's grid
+    values are not checked: a grid may cross a setting with another that turns it off (init rand
+    beside erm, each with its anneal lengths)."""
+    method = recipe.method_class()
+    found = [method.unused_settings(cfg) for cfg in cfgs]
+    unused = {key: why for key, why in found[0].items() if all(key in other for other in found[1:])} if found else {}
+    for text in overrides:
+        key = ".".join(parse_override(text)[0])
+        for setting, why in unused.items():
+            if key == setting or key.startswith(setting + "."):
+                raise OwaiError(f"--set {key}: {why}" + (" (so in every point of the sweep)" if len(cfgs) > 1 else ""))
 
 
 def command_line(recipe: Recipe, preset: str, overrides: list[str]) -> str:
@@ -215,7 +234,8 @@ def _prepare(
     recipe = load(recipe_name)
     if not recipe.implemented:
         raise OwaiError(f"recipe {recipe.id!r} needs method {recipe.method!r}, which is not implemented yet")
-    cfg, resolved = resolve(recipe, preset, overrides)
+    # a sweep's point (run_dir) was checked with its sweep: its grid values may be unread
+    cfg, resolved = resolve(recipe, preset, overrides, refuse_unread=run_dir is None)
     from owai.runtime import select_device  # this machine runs it: a device it lacks is refused here
 
     select_device(cfg.runtime.device)

@@ -210,7 +210,7 @@ def _design(
     """The sweep's preset, grid, seeds, points and selection, every point validated against the
     method schema. Settings first, what this machine lacks last (CannotRunHere: an input that the base
     config or a point reads, or the memory a model needs), so a typo is not hidden behind a download."""
-    from owai.experiment import resolve
+    from owai.experiment import refuse_unused, resolve
 
     if not recipe.implemented:
         raise OwaiError(f"recipe {recipe.id!r} needs method {recipe.method!r}, which is not implemented yet")
@@ -237,7 +237,7 @@ def _design(
         if any(key not in sub for sub in subs):
             raise OwaiError(f"select.per {key!r} is not a key of every sub-grid of the sweep grid")
 
-    points, seen, devices = [], set(), set()
+    points, seen, devices, point_cfgs = [], set(), set(), []
     for sub in subs:
         cells: list[dict[str, Any]] = [{}]
         for key, values in sub.items():
@@ -259,9 +259,11 @@ def _design(
                 except OwaiError as e:
                     raise OwaiError(f"sweep point {label}: {e}") from None
                 devices.add(point_cfg.runtime.device)
+                point_cfgs.append(point_cfg)
                 if missing is None and "missing" in point_resolved:
                     missing = f"sweep point {label}: {point_resolved['missing']}"
                 points.append(point)
+    refuse_unused(recipe, point_cfgs, sets)  # a base --set that no point reads
     if missing is not None:
         raise CannotRunHere(missing)
     final: Grid = subs[0] if isinstance(written, dict) else subs

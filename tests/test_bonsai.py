@@ -217,7 +217,7 @@ def test_study_restricts_the_grid_and_writes_table_and_figure(tmp_path, capsys):
     # 41 steps evaluated every 10, of which Table A.12's 20 i grid keeps steps 1, 21 and 41 for
     # IRMv1 (ERM keeps all five); --grid also shortens the grid's own head lengths (1001/3001)
     longer = {"train.steps=6": "train.steps=41", "train.eval_every=3": "train.eval_every=10"}
-    tiny = [a for s in TINY[2:] + ["penalty.anneal_iters=2"] for a in ("--set", longer.get(s, s))]
+    tiny = [a for s in TINY[2:] for a in ("--set", longer.get(s, s))]  # no anneal_iters: no point has init erm
     short = ["--grid", "train.steps=41", "--grid", "train.eval_every=10"]
     code, out, err = cli_in_process(["bonsai", "--study", "-p", "tiny", "--method", "erm,irm", "--init", "rand,bonsai-cf", "--seeds", "0,1",
                                      *tiny, *short, "--out", str(tmp_path / "runs"), "-q", "--json"], capsys)
@@ -323,7 +323,7 @@ def test_study_points_run_through_submitit(tmp_path, capsys):
     points as one job array and writes the same study; a run directory does not take --executor."""
     from conftest import cli_in_process
 
-    tiny = [a for s in TINY[2:] for a in ("--set", s)]
+    tiny = [a for s in TINY[2:] if not s.startswith("bonsai.") for a in ("--set", s)]  # init rand reads no bonsai.*
     code, out, err = cli_in_process(["bonsai", "--study", "-p", "tiny", "--method", "irm", "--init", "rand", "--seeds", "0",
                                      "--executor", "submitit-debug", *tiny, "--out", str(tmp_path / "runs"), "-q", "--json"],
                                     capsys)

@@ -99,7 +99,7 @@ def print_plan(recipe_name: str, preset: str | None, overrides: list[str]) -> No
     recipe = load(recipe_name)
     if recipe.method != "lm_pretrain":
         raise OwaiError(f"--dry-run plans a mosaic-train recipe; {recipe.id} is a {recipe.method} recipe")
-    cfg, _ = resolve(recipe, preset, overrides, validate=False)  # dry_run_plan runs the run's own validation
+    cfg, _ = resolve(recipe, preset, overrides, validate=False, refuse_unread=True)  # dry_run_plan runs the run's own validation
     for line in dry_run_plan(cfg):
         console.stdout.print(line, markup=False, soft_wrap=True)
 

@@ -69,6 +69,14 @@ class Method:
         """Reject impossible settings (sizes, ranges) with an OwaiError; called before any run
         directory is created, so bad input never leaves a half-written run."""
 
+    @staticmethod
+    def unused_settings(cfg: Any) -> dict[str, str]:
+        """Settings (dotted params paths) that a run of `cfg` never reads, each with the reason, e.g.
+        a Memory Mosaics-only model field in a run that trains GPT2 alone. A new run refuses them when
+        the user sets them (`--set`), since a value that changes nothing reads as a result it is not;
+        a recipe's presets may still carry them (one preset serves several architectures)."""
+        return {}
+
     def run(self, cfg: Any, run: "Run") -> Outcome:
         raise NotImplementedError
 

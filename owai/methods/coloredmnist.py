@@ -160,6 +160,19 @@ class ColoredMNISTInvariance(Method):
     cli = "owai bonsai"
 
     @staticmethod
+    def unused_settings(cfg: ColoredMNISTConfig) -> dict[str, str]:
+        """The settings of the initialisations this run does not use (`init`)."""
+        unused = {}
+        if cfg.init != "erm":
+            for key in ("anneal_iters", "anneal_val"):
+                unused[f"penalty.{key}"] = f"a setting of the ERM phase of --init erm; --init {cfg.init} has none (its penalty starts at step 0)"
+        if cfg.init not in ("bonsai", "bonsai-cf"):
+            unused["bonsai"] = f"settings of --init bonsai / bonsai-cf; this run's is --init {cfg.init}"
+        if cfg.init != "perfect":
+            unused["perfect"] = f"settings of --init perfect; this run's is --init {cfg.init}"
+        return unused
+
+    @staticmethod
     def validate(cfg: ColoredMNISTConfig) -> None:
         check(cfg)
 

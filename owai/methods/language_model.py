@@ -192,6 +192,16 @@ class LanguageModelPretraining(Method):
     def validate(cfg: Config) -> None:
         validate_run(cfg)
 
+    @staticmethod
+    def unused_settings(cfg: Config) -> dict[str, str]:
+        """The model fields that no architecture of `archs` reads (`MODEL_FIELD_READERS`)."""
+        families = {parse_arch(label)[0] for label in cfg.archs}
+        unused = {f"model.{key}": f"a setting of {' and '.join(readers)}; this run trains {', '.join(cfg.archs)} (archs)"
+                  for key, readers in MODEL_FIELD_READERS.items() if not families & set(readers)}
+        if "gpt" in families and not any(parse_arch(a) == ("gpt", {}) for a in cfg.archs):
+            unused["model.position"] = f"the position encoding of a plain gpt; archs {', '.join(cfg.archs)} name their own"
+        return unused
+
     def run(self, cfg: Config, run: Run) -> Outcome:
         check_memory(cfg)  # on the ranks the run actually has
         data = prepare_data(cfg.data, cfg.eval, run, cfg.seed)
@@ -221,6 +231,19 @@ class LanguageModelPretraining(Method):
             if cfg.eval.lengths:
                 plot_extrapolation(run, details, cfg)
         return Outcome(measured, details)
+
+
+# The model fields only some architectures read (`model_kwargs`, `sized_kwargs`); the rest (widths,
+# vocabulary, init_from) every architecture reads. A `--set` of one that no architecture of the run
+# reads is refused (`Method.unused_settings`).
+MODEL_FIELD_READERS: dict[str, tuple[str, ...]] = {
+    "dropout": ("mm", "gpt"), "bias": ("mm", "gpt"), "position": ("gpt",),
+    **dict.fromkeys(("contextual_dropout", "pmem_size", "init", "logit_scale"), ("mm",)),
+    **dict.fromkeys(("size", "ffn_hidden"), SIZED),
+    **dict.fromkeys(("n_kv_head", "rope_theta"), ("transformer",)),
+    **dict.fromkeys(("long_term_memory", "short_window", "long_delay_train", "long_delay_eval", "bag_of_k", "bag_weight",
+                     "bag_eta"), ("mmv2",)),
+}
 
 
 def validate_run(cfg: Config, *, memory: bool = True) -> None:
