@@ -134,3 +134,23 @@ def test_a_data_file_with_missing_fields_is_one_line(tmp_path, capsys) -> None:
                        "-o", str(tmp_path / "runs")], capsys)
     assert rc != 0 and "train.csv" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_check_before_the_run_finds_the_prompt_with_the_most_tokens() -> None:
+    """The longest prompt is the one with the most tokens, not the one whose query has the most
+    characters (on goemotion and tacred they differ by 1 to 4 GPT-2 tokens)."""
+    from owai.evals.longicl import Example, ICLData, PromptOptions, render_prompt, select_demonstrations, select_queries
+    from owai.methods.icl_eval import Config, longest_prompt
+
+    class Words:
+        def encode(self, text: str) -> list[str]:
+            return text.split()
+
+    long_word, many_words = "x" * 40, "a b c d e f"
+    data = ICLData("banking77", [Example("hi", "l1"), Example("yo", "l2")],
+                   [Example(long_word, "l1"), Example(many_words, "l2")], ["l1", "l2"])
+    cfg = Config(task="banking77", shots=[1], n_queries=2, labels=["semantic", "anonymous"])
+    shots = select_demonstrations(data, 1)
+    exact = max(len(Words().encode(render_prompt(data, shots, q, PromptOptions(labels=mode))[0]))
+                for q in select_queries(data, 2) for mode in cfg.labels)
+    assert longest_prompt(cfg, data, Words()) == exact == len(Words().encode(render_prompt(data, shots, data.test[1])[0]))

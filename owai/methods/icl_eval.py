@@ -16,6 +16,7 @@ accuracy). The figure is Figs 4.6-4.9's accuracy against shots.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,16 +142,20 @@ class InContextClassification(Method):
 
 
 def longest_prompt(cfg: Config, data: Any, tokenizer: Any) -> int:
-    """Tokens of the longest prompt the run will build: the most shots, the longest query, each label
-    mode, the newline delimiter (a space is never longer)."""
+    """Tokens of the longest prompt the run will build: the most shots, the query whose own part has
+    the most tokens, each label mode, the newline delimiter (a space is never longer). The query is
+    chosen by tokens, not characters: on goemotion and tacred the longest text is not the one with
+    the most tokens (1 to 4 GPT-2 tokens short), so the check before the run could pass a prompt
+    that then overflows."""
     from owai.evals import longicl
 
     shots = longicl.select_demonstrations(data, max(cfg.shots))
     queries = longicl.select_queries(data, cfg.n_queries)
-    query = max(queries, key=lambda q: len(q.text))
+    fields = longicl.PromptOptions(trailing_space=cfg.trailing_space, tacred_format=cfg.tacred_format)
+    query = max(queries, key=lambda q: len(tokenizer.encode(longicl.render_query(data, q, fields))))
     lengths = []
     for mode in cfg.labels:
-        options = longicl.PromptOptions(labels=mode, trailing_space=cfg.trailing_space, tacred_format=cfg.tacred_format)
+        options = dataclasses.replace(fields, labels=mode)
         prompt, _ = longicl.render_prompt(data, shots, query, options)
         lengths.append(len(tokenizer.encode(prompt)))
     return max(lengths)
