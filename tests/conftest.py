@@ -1,9 +1,11 @@
-"""Shared test helpers: a tiny three-moons config, `--set` lists, and CLI runners (in a subprocess,
+"""Shared test helpers: a tiny three-moons config, `--set` lists, the CLI's own parse of a command
+line (`parse_owai`), and CLI runners (in a subprocess,
 in this process with pytest's captured output, or as a torchrun job). Also which runs see CUDA: only `-m gpu` (cuda_hidden)."""
 
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import re
@@ -157,6 +159,42 @@ def as_if_killed(run: Path, *lost: Path) -> None:
 def as_sets(settings: list[str]) -> list[str]:
     """["a=1", "b=2"] -> ["--set", "a=1", "--set", "b=2"]."""
     return [arg for s in settings for arg in ("--set", s)]
+
+
+@functools.lru_cache(maxsize=None)
+def owai_command() -> object:
+    """The `owai` command as the CLI's Click parser sees it (built once: building it takes a while)."""
+    import typer
+
+    from owai.cli import app
+
+    return typer.main.get_command(app)
+
+
+def parse_owai(words: list[str]) -> tuple[object, dict]:
+    """Parse `owai WORDS` with the CLI's own parser, as running it would, down to the subcommand they
+    name: (that command, its parsed parameters); nothing runs. An unknown command or option, a missing
+    required option or argument or a bad value raises the CLI's UsageError. A bare group (`owai eval`)
+    is not an error: running it prints its help.
+
+    A group is told by its subcommands (`resolve_command`), not by class: Typer >= 0.22 parses with its
+    own copy of Click, whose groups are no `click.Group` (an isinstance test never descends)."""
+    cmd = owai_command()
+    if not words:
+        return cmd, {}
+    ctx = cmd.make_context("owai", list(words))
+    while hasattr(cmd, "resolve_command"):
+        protected = getattr(ctx, "_protected_args", None)  # Click >= 8.2 (and Typer's copy); older: protected_args
+        args = [*(protected if protected is not None else getattr(ctx, "protected_args", [])), *ctx.args]
+        if not args:
+            break
+        name, sub, args = cmd.resolve_command(ctx, args)
+        assert sub is not None, f"owai {' '.join(words)}: no command {name!r}"
+        if not args and getattr(sub, "no_args_is_help", False):
+            return sub, {}
+        ctx = sub.make_context(name, list(args), parent=ctx)
+        cmd = sub
+    return cmd, ctx.params
 
 
 def cli_in_process(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

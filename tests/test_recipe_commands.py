@@ -14,26 +14,9 @@ import json
 import shlex
 from pathlib import Path
 
-import click
 import pytest
-import typer
 
-from conftest import as_sets, cli_in_process
-
-
-def _parse(words: list[str]) -> tuple[click.Command, dict]:
-    """Parse `owai WORDS` with the CLI's own parser, as running it would (no command runs)."""
-    from owai.cli import app
-
-    cmd: click.Command = typer.main.get_command(app)
-    ctx = cmd.make_context("owai", list(words))
-    args = list(ctx.protected_args) + list(ctx.args) if hasattr(ctx, "protected_args") else list(ctx.args)
-    while isinstance(cmd, click.Group):
-        name, sub, args = cmd.resolve_command(ctx, args)
-        assert sub is not None, f"owai {' '.join(words)}: no command {name!r}"
-        ctx = sub.make_context(name, list(args), parent=ctx)
-        cmd, args = sub, list(getattr(ctx, "protected_args", [])) + list(ctx.args)
-    return cmd, ctx.params
+from conftest import as_sets, cli_in_process, parse_owai
 
 
 def _printed() -> dict[str, str]:
@@ -74,7 +57,7 @@ def test_printed_command_parses_and_validates(rid: str, shared_data: Path, tmp_p
     words = shlex.split(command)
     assert words[0] == "owai"
     inputs = [w for w in words if w.endswith("...") and w[:-3].isupper()]  # what the user gives (MODELS...)
-    _, params = _parse([str(tmp_path) if w in inputs else w for w in words[1:]])  # a UsageError fails the test
+    _, params = parse_owai([str(tmp_path) if w in inputs else w for w in words[1:]])  # a UsageError fails the test
     rec = recipes.load(rid)
     if inputs:
         assert rid == "mosaic-eval"  # the one recipe that evaluates the user's own models

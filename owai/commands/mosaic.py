@@ -1,13 +1,13 @@
 """`owai mosaic-train` / `owai mosaic-eval`: Memory Mosaics v1 against GPT2 language models (sec 3.5, App. B).
 
-    owai mosaic-train                                  MM and GPT, depth 1, embedded stories (cpu preset of fig3.8-depth)
-    owai mosaic-train --depth 4 --arch mm,gpt          another depth (Figs 3.8/B.4)
-    owai mosaic-train --recipe fig3.9-posloss -p paper 12-block models, per-position loss on Simple Wikipedia
+    owai mosaic-train                                     MM and GPT, depth 1, embedded stories (cpu preset of fig3.8-depth)
+    owai mosaic-train --depth 4 --arch mm,gpt             another depth (Figs 3.8/B.4)
+    owai mosaic-train --recipe fig3.9-posloss -p paper    12-block models, per-position loss on Simple Wikipedia
     torchrun --nproc_per_node 8 -m owai mosaic-train -p paper     the thesis scale, data-parallel
-    owai mosaic-train --size large                     Memory Mosaics v2 large (Table 4.2), recipe table4.2-pretrain
+    owai mosaic-train --size large                        Memory Mosaics v2 large (Table 4.2), recipe table4.2-pretrain
     owai mosaic-train --size large --arch transformer --dry-run    the Llama baseline's memory plan, nothing run
     owai mosaic-train --size tiny --arch mmv2,transformer          both chapter-4 models on CPU (cpu preset)
-    owai mosaic-eval runs/fig3.8-depth/<run>           evaluate the run's saved models again
+    owai mosaic-eval runs/fig3.8-depth/<run>              evaluate the run's saved models again
     owai mosaic-eval MODEL_DIR --dataset wikipedia --config-name 20220301.simple
 
 The options are `--set` overrides of the recipe (`--depth` = model.n_layer, `--arch` = archs,
