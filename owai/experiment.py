@@ -72,7 +72,7 @@ def refuse_unused(recipe: Recipe, cfgs: list[Any], overrides: list[str]) -> None
         key = ".".join(parse_override(text)[0])
         for setting, why in unused.items():
             if key == setting or key.startswith(setting + "."):
-                raise OwaiError(f"--set {key}: {why}" + (" (so in every point of the sweep)" if len(cfgs) > 1 else ""))
+                raise OwaiError(f"{key} is unused here: {why}" + (" (so in every point of the sweep)" if len(cfgs) > 1 else ""))
 
 
 def command_line(recipe: Recipe, preset: str, overrides: list[str]) -> str:

@@ -1,4 +1,5 @@
-"""Every `owai ...` command line the documents quote parses with the CLI's own parser.
+"""Every `owai ...` command line the documents quote parses with the CLI's own parser, and each one
+that starts a run gets, through the command's own code, to where its run would begin.
 
 The README, docs/*.md, the recipes' text and comments, and the commands' own docstrings and help
 texts (owai/cli.py, owai/commands/*.py) show command lines a user copies: an option renamed since must
@@ -18,6 +19,13 @@ How a quote is read:
   each parsed (a table's `tiny\\|small\\|large` included); `owai CMD` is any method command;
 - a quote that only names a command (`owai report`) must name one that exists; one that ends with an
   option and no value (`owai sweep --resume`) names the option, which must exist.
+
+Parsing does not see what the command body checks: a `--set` key renamed since, a value of the wrong
+type, an unknown preset, `--size` or `--init`, a `--set` the run never reads, options the command does
+not combine. So each command line that parses is also run in this process, with each run stopped
+where it would begin and its config resolved against the method's schema, nothing validated against
+this machine's inputs (`stopped_where_runs_begin`, and the comment above PARSE_ONLY for what each kind
+of command line goes through). Its refusal fails here, naming the file, the line and the message.
 """
 
 from __future__ import annotations
@@ -25,8 +33,10 @@ from __future__ import annotations
 import ast
 import contextlib
 import io
+import os
 import re
 import shlex
+import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -345,6 +355,215 @@ def check(text: str, whole: bool = True) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Through the command: each command line that starts a run, up to where its run would begin
+# ---------------------------------------------------------------------------------------------------
+
+# What each kind of command line is taken through, past the parse:
+# - a run (the method commands, `owai sweep`, `owai recipes run`, `owai eval ...`, `owai data stats`):
+#   the command's own code with the documented arguments, up to where the run would begin. A new
+#   run's config is resolved against its method's schema with the run's own refusal of a `--set` it
+#   never reads (experiment._prepare's `resolve(..., refuse_unread=True)`), and stops at the first
+#   write (`ensure_writable`); a sweep or study plans every point of its grid (sweep._design: the
+#   base config and each point's config resolved, a base `--set` that no point reads refused) and
+#   stops at the same place; rich-features without --stage plans its chain (`plan_chain`: every
+#   pretrain sweep point, each evaluation step's settings), then each evaluation step is resolved as
+#   its run would be; mosaic-train's --dry-run stops after its resolution, before the plan is built.
+#   Never validated: no input is looked for (`resolve(..., validate=False)`: data, tokenizers, the
+#   model to evaluate; plan_chain's own checks may look, and a missing input is then no failure), no
+#   device is asked for (`runtime.device=cuda` is the documentation's, not this machine's), `--executor
+#   slurm` finds an `sbatch` stand-in on PATH (never called), nothing is written, run or downloaded.
+#   So a value that only the method's `validate` checks (`--task`, `--ctx`, dropout-ft's `--dataset`,
+#   harness task names) is not checked here: validate mixes the settings' checks with reading the
+#   inputs (data, tokenizers, the models): minutes over the documented commands, not seconds;
+# - a resumed run or sweep (`--resume DIR`) and `owai report DIR`: the command's own checks of its
+#   options, up to where it opens the directory (a placeholder, which is not there);
+# - `owai recipes show`: run as it is (it resolves the recipe, read only; nothing validated);
+# - parsed only (PARSE_ONLY: they read data, checksum it or download it; or list every recipe), and a
+#   quote that says too little to be taken further: one that stands for any command (`owai CMD ...`,
+#   `owai <command> ...`) or any recipe (`owai sweep RECIPE`, `-r ID`, `-r TREE/recipes/x.yaml`), one
+#   with a shell variable (`--set $x`), `--help`, `--version`, a bare group, an inline span that only
+#   names a command or an option.
+# Placeholders are filled as for the parse (a name, a number, or nothing), a `--set KEY=S` /
+# `--set data.root=DIR` value too (`_VALUE_HOLE`); one filling that gets to its run is enough.
+# An input not on this machine (CannotRunHere, DataMissing) is no failure; a refusal of the command
+# (OwaiError: an unknown key or name, a bad value, options it does not combine) is.
+PARSE_ONLY = {("data", "list"), ("data", "fetch"), ("data", "verify"), ("recipes", "list")}
+
+# Quotes that parse but are refused once taken through the command, and stay as written:
+# (file, the quote as read) -> why. Strict expected failures, as ALLOWED.
+REFUSED: dict[tuple[str, str], str] = {
+    ("docs/results.md", "owai dropout-ft --dropout 1.5"): "quoted as a bad value that owai refuses (the sweep planner's order)",
+    ("docs/decisions.md", "owai dropout-ft --dropout 1.5"): "quoted as a bad value that owai refuses (the sweep planner's order)",
+    ("docs/decisions.md", "owai moons --set train.lr=-1"): "quoted as a bad value that owai once trained with and now refuses",
+}
+
+
+class Reached(BaseException):
+    """The command got to where its run begins, or to the run directory it opens. Not an Exception:
+    no handler of the command's takes it for an error of its own."""
+
+
+class WouldRun(BaseException):
+    """Past every stop: the command would have run (a test failure, never tolerated)."""
+
+
+def _command_path(words: list[str]) -> tuple[str, ...]:
+    """The subcommand the words name: ("eval", "ruler"), ("moons",), () for the bare `owai`."""
+    cmd, path = owai_command(), []
+    for word in words:
+        commands = getattr(cmd, "commands", None)
+        if not commands or word not in commands:
+            break
+        cmd = commands[word]
+        path.append(word)
+    return tuple(path)
+
+
+@contextlib.contextmanager
+def stopped_where_runs_begin():
+    """owai with each run stopped where it would begin (see the comment above PARSE_ONLY)."""
+    import torch
+
+    from owai import experiment, runs, runtime, sweep
+    from owai.methods import language_model, rich_features
+    from owai.recipes import load
+
+    resolve, plan_chain = experiment.resolve, rich_features.plan_chain
+
+    def unvalidated(recipe, preset, overrides, missing_ok=False, validate=True, refuse_unread=False):
+        return resolve(recipe, preset, overrides, missing_ok=missing_ok, validate=False, refuse_unread=refuse_unread)
+
+    def chain(recipe, preset, sets, seeds=None):
+        steps = plan_chain(recipe, preset, sets, seeds)
+        for step in steps:  # each evaluation step resolved as its run will be (plan_chain does not refuse unread keys)
+            if step.stage != "pretrain":
+                resolve(load(recipe), preset, step.sets, validate=False, refuse_unread=True)
+        raise Reached(f"the chain of {len(steps)} step(s) of {recipe}")
+
+    def stop(what):
+        def stopped(*args, **kwargs):
+            raise Reached(what)
+        return stopped
+
+    def would_run(what):
+        def ran(*args, **kwargs):
+            raise WouldRun(f"{what}: the command was not stopped before its run")
+        return ran
+
+    with pytest.MonkeyPatch.context() as mp, tempfile.TemporaryDirectory() as bin_dir:
+        sbatch = Path(bin_dir) / "sbatch"  # `--executor slurm` as on a cluster (never called: nothing is submitted)
+        sbatch.write_text("#!/bin/sh\nexit 1\n")
+        sbatch.chmod(0o755)
+        mp.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(experiment, "resolve", unvalidated)  # every resolution: the run's, a sweep's points', a chain's, show's
+        mp.setattr(runtime, "select_device", lambda name: torch.device("cpu" if name == "auto" else name))  # not this machine's
+        mp.setattr(experiment, "ensure_writable", stop("a new run"))  # _prepare: resolved, refuse_unread
+        mp.setattr(sweep, "ensure_writable", stop("a new sweep"))  # sweep.create: every point planned
+        mp.setattr(rich_features, "plan_chain", chain)
+        mp.setattr(language_model, "dry_run_plan", stop("mosaic-train --dry-run's plan"))  # print_plan: resolved
+        mp.setattr(runs.Run, "open", classmethod(stop("an existing run directory")))  # --resume RUN_DIR, report
+        mp.setattr(sweep, "open_sweep", stop("an existing sweep directory"))
+        for module, name in ((experiment, "_run_method"), (sweep, "run"), (sweep, "run_point"), (runs.Run, "create"),
+                             (runs.Run, "create_at")):
+            mp.setattr(module, name, would_run(name) if module is not runs.Run else classmethod(would_run(name)))
+        yield
+
+
+def _taken_through(words: list[str]) -> Exception | None:
+    """The command body's refusal of `owai WORDS` (an OwaiError other than an input not on this
+    machine, or any other error), or None when it gets to its run (or, `owai recipes show`, to its end)."""
+    from owai import console
+    from owai.errors import CannotRunHere
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            owai_command().main(args=list(words), prog_name="owai", standalone_mode=False)
+    except (Reached, CannotRunHere):
+        return None
+    except Exception as e:  # noqa: BLE001 - an OwaiError of the command's, or an internal error
+        return e
+    finally:
+        console.configure()
+    return None
+
+
+def taken_through(words: list[str]) -> str:
+    """How far a command line (placeholders filled, parsed) goes here: "resolved" (to where its run
+    begins), "opened" (to the run or sweep directory it opens), "shown" (`owai recipes show`, run)
+    or "parsed" (see the comment above PARSE_ONLY)."""
+    path = _command_path(words)
+    group = bool(path) and hasattr(owai_command().commands[path[0]], "commands") and len(path) < 2
+    if not path or group or path in PARSE_ONLY or any(w in ("--help", "--version") for w in words):
+        return "parsed"
+    if path == ("report",) or "--resume" in words[len(path):]:
+        return "opened"
+    return "shown" if path == ("recipes", "show") else "resolved"
+
+
+# `--set KEY=S`, `--set data.root=DIR`: a value that is a placeholder (one capital letter, or a name
+# ending in DIR, PATH or VALUE), filled as a placeholder word is
+_VALUE_HOLE = re.compile(r"^([\w.]+=)\$?\{?([A-Z]|[A-Z][A-Z0-9_]*(DIR|PATH|VALUE))\}?$")
+_FILLER = "\0"
+
+
+def _unsaid(words: list[str], holes: list[int]) -> str | None:
+    """Why a filled command line says too little to be taken through its command, or None: a shell
+    variable (`--set $x`), a recipe that is a placeholder (`owai sweep RECIPE`, `-r ID`, `<lm recipe>`)
+    or lies under one (`-r TREE/recipes/a.yaml`)."""
+    if any("$" in w for w in words):
+        return "a shell variable"
+    _, params = parse_owai(words)  # it parses (`through`)
+    for name in ("recipe", "recipe_option"):
+        value = params.get(name)
+        if isinstance(value, str) and (holes and value in ("x", "1") or re.match(r"[A-Z][A-Z0-9_]*/", value)):
+            return "the recipe is a placeholder"
+    return None
+
+
+def through(text: str, whole: bool = True) -> list[tuple[str, list[list[str]], str]]:
+    """Each command of a quote: (`owai WORDS` as quoted, its fillings that parse, how far it is taken:
+    `taken_through`'s kind, or "parsed" for one that says too little: a span that names a command,
+    `owai CMD ...`, a shell variable, a recipe placeholder). A command that does not parse is the
+    parse test's: "parsed", with no fillings."""
+    try:
+        lines = command_lines(text)
+    except ValueError:
+        return []
+    out = []
+    for args in lines:
+        words, holes = _cleaned(args)
+        marked = [m.group(1) + _FILLER if (m := _VALUE_HOLE.match(w)) and i and words[i - 1] in ("--set", "-s", "--grid", "-g")
+                  else w for i, w in enumerate(words)]
+        filled = [[w.replace(_FILLER, value) for w in t] for t, value in zip(_fillings(marked, holes), ("x", "1", "x"))]
+        tries = [t for i, t in enumerate(filled) if t not in filled[:i] and _parse_error(t) is None]
+        kind = "parsed" if not whole and _names_a_command(words) or 0 in holes or not tries else taken_through(tries[0])
+        if kind != "parsed" and _unsaid(tries[0], holes + [i for i, w in enumerate(marked) if w != words[i]]):
+            kind = "parsed"
+        out.append((f"owai {shlex.join(words)}", tries, kind))
+    return out
+
+
+def check_through(text: str, whole: bool = True) -> list[str]:
+    """The problems of a quote's commands once taken through each command (empty: each gets as far as
+    `through` says). A filled command line (of those that parse) that gets there is enough."""
+    problems = []
+    for command, tries, kind in through(text, whole):
+        if kind == "parsed":
+            continue
+        errors: list[Exception | None] = []
+        with stopped_where_runs_begin():
+            for t in tries:
+                errors.append(_taken_through(t))
+                if errors[-1] is None:
+                    break
+        if all(errors):
+            said = list(dict.fromkeys(f"{type(e).__name__}: {' '.join(str(e).split())}" for e in errors))
+            problems.append(f"{command}: " + "; with the placeholders filled otherwise: ".join(said))
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------------
 # Tests
 # ---------------------------------------------------------------------------------------------------
 
@@ -362,6 +581,18 @@ def test_documented_command_parses(quote: Quote) -> None:
     assert not problems, f"{quote.path}:{quote.line}: `{quote.text}` does not parse:\n  " + "\n  ".join(problems)
 
 
+def _through_param(q: Quote):
+    reason = REFUSED.get((q.path, q.text))
+    return pytest.param(q, id=str(q), marks=[pytest.mark.xfail(strict=True, reason=reason)] if reason else [])
+
+
+@pytest.mark.parametrize("quote", [_through_param(q) for q in QUOTES])
+def test_documented_command_gets_to_its_run(quote: Quote) -> None:
+    problems = check_through(quote.text, quote.whole)
+    assert not problems, (f"{quote.path}:{quote.line}: `{quote.text}` parses, but the command refuses it:\n  "
+                          + "\n  ".join(problems))
+
+
 def test_every_place_quotes_commands() -> None:
     """The extractor finds each place's commands (one that found none would pass)."""
     found = Counter(q.path for q in QUOTES)
@@ -374,6 +605,13 @@ def test_allowed_entries_are_quoted() -> None:
     """Each allow-list entry names a quote still in its file."""
     quoted = {(q.path, q.text) for q in QUOTES}
     assert [key for key in ALLOWED if key not in quoted] == []
+    assert [key for key in REFUSED if key not in quoted] == []
+
+
+def test_most_commands_are_taken_through() -> None:
+    """The run commands are resolved, not just parsed (a rule that made them all "parsed" would pass)."""
+    kinds = Counter(kind for q in QUOTES for _, _, kind in through(q.text, q.whole))
+    assert kinds["resolved"] >= 250 and kinds["opened"] >= 30 and kinds["shown"] >= 3, kinds
 
 
 @pytest.mark.parametrize("text, refusal", [
@@ -420,6 +658,82 @@ def test_a_broken_command_is_reported(text: str, refusal: str) -> None:
 ])
 def test_a_good_command_passes(text: str) -> None:
     assert check(text) == [] and check(text, whole=False) == []
+
+
+@pytest.mark.parametrize("text, refusal", [
+    ("owai moons --set train.stepz=3", "unknown key 'stepz' in train (did you mean 'steps'?)"),
+    ("owai moons three-moons --set seed=S --set train.lr=fast", "params.train.lr: expected float, got str 'fast'"),
+    ("owai rich-features --stage probe --n N --set probe.lrr=1", "unknown key 'lrr' in probe"),
+    ("owai moons -p nope", "recipe 'three-moons' has no preset 'nope'"),
+    ("owai recipes run three-moons --set train.stepz=3", "unknown key 'stepz'"),
+    ("owai mosaic-train --size huge", "--size must be one of"),
+    ("owai mosaic-train --arch gpt --set model.pmem_size=2", "a setting of mm; this run trains gpt"),  # never read
+    ("owai mosaic-train --size large --arch transformer --dry-run --set model.n_layerz=2", "unknown key 'n_layerz'"),
+    ("owai bonsai --init nope", "params.init: expected one of"),
+    ("owai bonsai --set penalty.anneal_iters=10", "a setting of the ERM phase of --init erm"),
+    ("owai bonsai --study --method irm --seeds 0,1 --set bonsai.roundz=2", "unknown key 'roundz' in bonsai"),
+    ("owai sweep three-moons --grid train.lrr=1e-2,1e-3", "--grid train.lrr: unknown key 'lrr'"),
+    ("owai dropout-ft --dropout 1.5", "params.model.dropout must be in [0, 1)"),  # a grid point's value
+    ("owai rich-features -r tableA.8-fewshot --set probe.nn=2", "unknown key 'nn' in probe"),  # the chain
+    ("owai eval ruler --model RUN_DIR --set ctxx=[4k]", "unknown key 'ctxx'"),
+    ("owai mosaic-eval MODEL_DIR --set eval.sourc=x", "unknown key 'sourc'"),
+    ("owai data stats --set data.max_documentz=3", "unknown key 'max_documentz'"),
+    ("owai recipes show three-moons --set train.stepz=3", "unknown key 'stepz'"),
+    ("owai moons --resume RUN_DIR -p paper", "drop --preset"),  # an option the resume refuses, before RUN_DIR is opened
+    ("owai sweep three-moons --resume SWEEP_DIR", "drop RECIPE"),
+    ("owai report RUN_DIR --markdown --json", "two output formats"),
+])
+def test_a_refused_command_is_reported(text: str, refusal: str) -> None:
+    assert check(text) == []  # it parses
+    problems = check_through(text)
+    assert len(problems) == 1 and refusal in problems[0], problems
+
+
+@pytest.mark.parametrize("text, kind", [
+    ("owai moons --set train.steps=3", "resolved"),
+    ("owai moons --set runtime.device=cuda", "resolved"),  # the documentation's device, not this machine's
+    ("owai moons --set seed=S", "resolved"),  # a value placeholder
+    ("owai sweep three-moons --executor slurm --partition gpu --gpus-per-node 1", "resolved"),  # as on a cluster
+    ("owai bonsai --study --method irm,vrex --init rand,erm --seeds 0,1", "resolved"),
+    ("owai rich-features -r tableA.8-fewshot", "resolved"),  # its chain, from an empty cache
+    ("owai rich-features --stage probe --networks SWEEP_DIR", "resolved"),
+    ("owai mosaic-train --size large --arch transformer --dry-run", "resolved"),
+    ("owai mosaic-eval runs/fig3.8-depth/<run> --dataset wikipedia", "resolved"),  # no model needed to resolve
+    ("owai eval ruler --ctx 32k --model RUN_DIR", "resolved"),
+    ("owai eval harness --model hflm:mistralai/Mistral-7B-v0.1 --tasks arc_easy,hellaswag", "resolved"),
+    ("owai bonsai --dataset camelyon17 --study -p paper --data-root ~/data", "resolved"),  # data not there: fine
+    ("owai bonsai --resume runs/table2.4-coloredmnist/sweep-...", "opened"),
+    ("owai rich-features --stage probe --resume RUN_DIR", "opened"),
+    ("owai report RUN_DIR --json", "opened"),
+    ("owai recipes show three-moons -p paper", "shown"),
+    ("owai sweep RECIPE --seeds 0,1", "parsed"),  # which recipe is not said
+    ("owai recipes show <lm recipe> -p paper", "parsed"),
+    ("owai rich-features -r TREE/recipes/tableA.8-fewshot.yaml", "parsed"),
+    ("owai moons --set $x", "parsed"),  # a shell variable (a loop's)
+    ("owai CMD --set a.b=1", "parsed"),
+    ("owai data fetch mnist", "parsed"),  # never downloads
+    ("owai data verify mnist", "parsed"),
+    ("owai recipes list --runs runs/", "parsed"),
+    ("owai eval", "parsed"),
+    ("owai moons --help", "parsed"),
+])
+def test_a_command_that_gets_to_its_run_passes(text: str, kind: str) -> None:
+    assert [k for _, _, k in through(text)] == [kind]
+    assert check_through(text) == []
+
+
+def test_nothing_runs_past_the_stops(tmp_path: Path) -> None:
+    """The stops come before anything is written; had a run got past them, it would fail loudly."""
+    from owai import experiment, sweep
+
+    with stopped_where_runs_begin():
+        with pytest.raises(Reached):
+            experiment.execute("three-moons", None, [], tmp_path)
+        with pytest.raises(Reached):
+            sweep.create("three-moons", seeds=[0, 1], out=tmp_path)
+        with pytest.raises(WouldRun):
+            sweep.run(None)
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("text", ["owai report", "owai recipes list / show / run", "owai sweep --resume", "owai data fetch"])

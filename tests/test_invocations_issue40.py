@@ -75,7 +75,8 @@ def _probe_run(out: Path) -> Path:
 RULER = ["eval", "ruler", "--tasks", "niah_single_1", "--ctx", "1k", "--n", "1"]
 # the inputs a run reads besides the one a case spoils, generated (the real essays and GPT-2 BPE, the
 # State of the Union corpus): each case reaches its own check on a machine without the real data
-RULER_INPUTS = ["--haystack-dir", "{hay}", "--set", "reference_tokenizer=bytes"]
+RULER_INPUTS = ["--haystack-dir", "{hay}"]
+RULER_REFERENCE = [*RULER_INPUTS, "--set", "reference_tokenizer=bytes"]  # a reference model's prompts: fitted with bytes
 TINY_INPUTS = ["--set", "data.source={corpus}"]
 ICL = ["eval", "icl", "--task", "synthetic", "--shots", "1", "--n", "2"]
 HARNESS = ["eval", "harness", "--tasks", "owai_mc_smoke", "--limit", "1"]
@@ -122,7 +123,7 @@ CASES: list[tuple[str, list[str], str, dict[str, str]]] = [
     ("rf-pretrain-corrupt-mnist", ["rich-features", "--stage", "pretrain", "--data-root", "{badmnist}"],
      "train-images-idx3-ubyte.gz", {}),
     # silently accepted before
-    ("ruler-reference-tokenizer", [*RULER, *RULER_INPUTS, "--model", "reference:oracle", "--tokenizer", "/nonexistent"], "--tokenizer", {}),
+    ("ruler-reference-tokenizer", [*RULER, *RULER_REFERENCE, "--model", "reference:oracle", "--tokenizer", "/nonexistent"], "--tokenizer", {}),
     ("icl-reference-tokenizer", [*ICL, "--model", "reference:knn", "--tokenizer", "/nonexistent"], "--tokenizer", {}),
     ("harness-reference-tokenizer", [*HARNESS, "--model", "reference:oracle", "--tokenizer", "/nonexistent"],
      "--tokenizer", {}),

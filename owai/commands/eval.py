@@ -1,7 +1,7 @@
 """`owai eval`: evaluations of trained models and benchmarks, one subcommand each.
 
     owai eval posloss MODEL_DIR... [--dataset wikipedia --config-name 20220301.simple]
-        per-position loss (Fig 3.9) and validation loss; the same as `owai mosaic-eval --posloss-only`
+        per-position loss (Fig 3.9) and validation loss; the same as `owai mosaic-eval MODEL_DIR... --posloss-only`
     owai eval regbench [--model mm,transformer] [--train-size 100,500] [--positions all|last-string]
         RegBench (Fig 3.10, Table B.3): the recipe's grid search as a sweep, the cell with the lowest
         validation loss per model and size, its test accuracy and "TVD" beside the thesis's, the figure

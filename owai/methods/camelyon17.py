@@ -72,6 +72,9 @@ from owai.runs import Run
 
 INITS = ("none", "rand", "erm", "erm-cf", "cat-cf", "distill-cf", "bonsai", "bonsai-cf")  # the study's row order
 ENSEMBLE_INITS = ("cat-cf", "distill-cf")  # built from `networks` ERM networks (Table 2.3)
+ROUND_INITS = ("none", "bonsai", "bonsai-cf")  # train `rounds` discovery rounds (the others: round 0 at most)
+SYNTHESIS_INITS = ("bonsai", "bonsai-cf", "distill-cf")  # start from a synthesis (`bonsai.synthesis_*`, `bonsai.head`)
+FROZEN_INITS = ("erm-cf", "cat-cf", "distill-cf", "bonsai-cf")  # a frozen featurizer (`downstream.frozen_bn`)
 METHODS = ("erm", "irm", "vrex", "clove")
 EVAL_SPLITS = ("id_val", "val", "test")
 CACHE_VERSION = 1
@@ -152,6 +155,54 @@ class Config(BaseConfig):
 class Camelyon17Bonsai(Method):
     Config = Config
     cli = "owai bonsai --dataset camelyon17"
+
+    @staticmethod
+    def unused_settings(cfg: Config) -> dict[str, str]:
+        """The settings of the stages this run's `init` and `method` skip (`run`), one key each (a
+        sweep refuses a base setting only when every point names it). `bonsai.dro_eta` and `train.*`
+        are kept wherever round 0 is read: they key its cache entry (`discovery_key`)."""
+        init, method = cfg.init, cfg.method
+        scratch = init == "rand" and method != "erm"  # no discovery round, no cache: the downstream network from scratch
+        reused = init == "rand" and method == "erm"  # round 0 itself (WILDS ERM): no downstream stage
+        unused: dict[str, str] = {}
+        if init == "none":
+            unused["method"] = "the downstream method (--method); --init none trains the discovery rounds only (Table 2.7)"
+        if init not in ROUND_INITS:
+            unused["rounds"] = (f"the discovery rounds of --init bonsai / bonsai-cf / none; --init {init}"
+                                + (f" --method {method} trains from scratch, with none" if scratch else " reads round 0 alone"))
+        if init not in ENSEMBLE_INITS:
+            unused["networks"] = f"the number of ERM networks of --init cat-cf / distill-cf; this run's is --init {init}"
+        if scratch:
+            unused["bonsai.dro_eta"] = (f"the GroupDRO step of the discovery rounds; --init rand --method {method} trains "
+                                        "from scratch, with none")
+        if init not in SYNTHESIS_INITS:
+            for key in ("synthesis_epochs", "synthesis_lr", "synthesis_weight_decay", "group_method", "distill_groups", "head"):
+                unused[f"bonsai.{key}"] = (f"a setting of the synthesis of --init bonsai / bonsai-cf / distill-cf; this run's "
+                                           f"is --init {init}")
+        elif init == "distill-cf":
+            unused["bonsai.group_method"] = ("the synthesis groups of --init bonsai / bonsai-cf; --init distill-cf's are "
+                                             "bonsai.distill_groups")
+        else:
+            unused["bonsai.distill_groups"] = (f"the synthesis groups of --init distill-cf; --init {init}'s are "
+                                               "bonsai.group_method")
+        penalty = ("weight", "anneal_iters", "clove_width", "divide_by_weight")
+        if init == "none" or reused:
+            why = ("--init none trains the discovery rounds only" if init == "none"
+                   else "--init rand --method erm is round 0 itself (WILDS ERM), reused")
+            unused.update({f"penalty.{key}": f"a setting of the downstream penalty; {why}" for key in penalty})
+            unused.update({f"downstream.{key}": f"a setting of the downstream stage; {why}"
+                           for key in ("weight_decay", "frozen_bn")})
+            unused["data.n_groups_per_batch"] = f"the groups per batch of the synthesis and downstream loaders; {why}"
+            return unused
+        if method == "erm":
+            unused.update({f"penalty.{key}": "a setting of the penalty of --method irm / vrex / clove; --method erm has none"
+                           for key in penalty})
+        elif method != "clove":
+            unused["penalty.clove_width"] = f"the kernel width of --method clove; this run's is --method {method}"
+        if init not in FROZEN_INITS:
+            unused["downstream.frozen_bn"] = (f"the frozen featurizer's BatchNorm mode of --init erm-cf / cat-cf / distill-cf / "
+                                              f"bonsai-cf; --init {init} trains the whole network")
+        return unused
 
     @staticmethod
     def validate(cfg: Config) -> None:

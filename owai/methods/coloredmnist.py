@@ -168,6 +168,9 @@ class ColoredMNISTInvariance(Method):
                 unused[f"penalty.{key}"] = f"a setting of the ERM phase of --init erm; --init {cfg.init} has none (its penalty starts at step 0)"
         if cfg.init not in ("bonsai", "bonsai-cf"):
             unused["bonsai"] = f"settings of --init bonsai / bonsai-cf; this run's is --init {cfg.init}"
+        elif cfg.bonsai.stopping == "fixed":
+            for key in ("val_fraction", "val_every"):
+                unused[f"bonsai.{key}"] = "a setting of bonsai.stopping: validation; this run's phases run for fixed step counts"
         if cfg.init != "perfect":
             unused["perfect"] = f"settings of --init perfect; this run's is --init {cfg.init}"
         return unused

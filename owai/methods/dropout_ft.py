@@ -132,6 +132,24 @@ class DropoutFineTuning(Method):
     resume_overrides = ("train.lr", "train.weight_decay")
 
     @staticmethod
+    def unused_settings(cfg: Config) -> dict[str, str]:
+        """RotatedMNIST's settings on another dataset, an image folder's on RotatedMNIST, and the
+        pretrain stage's settings when it is off (`pretrain.steps: 0`, the backbone from model.weights)."""
+        d = cfg.data
+        unused: dict[str, str] = {}
+        if d.dataset != "rotated-mnist":
+            for key in ("angles", "per_domain", "pool"):
+                unused[f"data.{key}"] = f"a setting of --dataset rotated-mnist; this run's is --dataset {d.dataset}"
+        else:
+            unused["data.skip_unreadable"] = "a setting of the image-folder datasets; --dataset rotated-mnist reads MNIST's file"
+        if cfg.pretrain.steps == 0:
+            for key in ("source", "lr", "momentum", "weight_decay", "batch_size", "seed"):
+                unused[f"pretrain.{key}"] = ("a setting of the pretrain stage (pretrain.steps > 0, the offline stand-in for "
+                                             "ImageNet pre-training); this run's pretrain.steps is 0 (the backbone starts "
+                                             "from model.weights)")
+        return unused
+
+    @staticmethod
     def validate(cfg: Config) -> None:
         from owai.models.vision import BACKBONES
 

@@ -108,6 +108,18 @@ class Harness(Method):
     cli = "owai eval harness"
 
     @staticmethod
+    def unused_settings(cfg: Config) -> dict[str, str]:
+        """The generation budget of owai's adapter (`OwaiLM`), which the oracle and the harness's own
+        HFLM do not use."""
+        if cfg.model == ORACLE:
+            return {"max_gen_toks": f"the generation budget of owai's adapter for a model; --model {ORACLE} reads the gold "
+                                    "answers"}
+        if cfg.model.startswith(HFLM):
+            return {"max_gen_toks": f"the generation budget of owai's adapter for a model; --model {cfg.model} runs the "
+                                    "harness's own HFLM, with its own budget"}
+        return {}
+
+    @staticmethod
     def validate(cfg: Config) -> None:
         from owai.evals.causal_lm import check_ablation, check_model, check_model_choice
 

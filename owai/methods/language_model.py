@@ -239,7 +239,7 @@ class LanguageModelPretraining(Method):
 MODEL_FIELD_READERS: dict[str, tuple[str, ...]] = {
     "dropout": ("mm", "gpt"), "bias": ("mm", "gpt"), "position": ("gpt",),
     **dict.fromkeys(("contextual_dropout", "pmem_size", "init", "logit_scale"), ("mm",)),
-    **dict.fromkeys(("size", "ffn_hidden"), SIZED),
+    "ffn_hidden": SIZED,  # (model.size with other archs: check_settings's own message)
     **dict.fromkeys(("n_kv_head", "rope_theta"), ("transformer",)),
     **dict.fromkeys(("long_term_memory", "short_window", "long_delay_train", "long_delay_eval", "bag_of_k", "bag_weight",
                      "bag_eta"), ("mmv2",)),

@@ -171,6 +171,15 @@ class RegBench(Method):
     resume_overrides = ("train.lr", "train.grad_clip", "train.weight_decay")
 
     @staticmethod
+    def unused_settings(cfg: Config) -> dict[str, str]:
+        """The training settings of the in-context n-gram (nothing to train), and its order for the
+        trained models. (A `model.*` setting the architecture lacks is refused by `validate`.)"""
+        if cfg.arch == "ngram":
+            return {"train": "settings of the trained models (--model mm / transformer / lstm); --model ngram, the "
+                             "in-context n-gram, trains nothing"}
+        return {"eval.ngram_order": f"the order of --model ngram, the in-context n-gram; this run's is --model {cfg.arch}"}
+
+    @staticmethod
     def validate(cfg: Config) -> None:
         from owai import distributed
 

@@ -63,6 +63,26 @@ class Ruler(Method):
     cli = "owai eval ruler"
 
     @staticmethod
+    def unused_settings(cfg: Config) -> dict[str, str]:
+        """The inputs of the tasks this run does not score (`tasks`), and the reference models'
+        tokenizer when the model has its own."""
+        from owai.evals import ruler
+
+        tasks = f"this run's tasks are {', '.join(map(str, cfg.tasks)) or 'none'} (--tasks)"
+        unused: dict[str, str] = {}
+        for task, key, name in (("qa_1", "squad", "SQuAD v2"), ("qa_2", "hotpotqa", "HotpotQA")):
+            if task not in cfg.tasks:
+                unused[key] = f"the {name} dev file of task {task}; {tasks}"
+        if not any(t in ruler.QA_TASKS for t in cfg.tasks):
+            unused["template"] = f"the QA prompt of tasks qa_1 / qa_2; {tasks}"
+        if not any(t in ruler.SYNTHETIC_TASKS for t in cfg.tasks):
+            unused["haystack_dir"] = f"the essay haystack (--haystack-dir) of the synthetic tasks (niah_*, vt, cwe, fwe); {tasks}"
+        if cfg.model and not cfg.model.startswith("reference:"):
+            unused["reference_tokenizer"] = ("the tokenizer that fits the prompts of a reference model (--model reference:...); "
+                                             f"--model {cfg.model} fits them with its own (--tokenizer overrides it)")
+        return unused
+
+    @staticmethod
     def validate(cfg: Config) -> None:
         from owai.evals import ruler
         from owai.evals.causal_lm import REFERENCE, check_ablation, check_model, check_model_choice

@@ -102,6 +102,13 @@ class TwoBitsLandscape(Method):
     cli = "owai bonsai --recipe figA.2-twobits"
 
     @staticmethod
+    def unused_settings(cfg: TwoBitsConfig) -> dict[str, str]:
+        """Figure A.2's heat-map floor when no figure is drawn."""
+        if not cfg.figure:
+            return {"log_floor": "the heat-map floor of Figure A.2; this run draws no figure (figure: false)"}
+        return {}
+
+    @staticmethod
     def validate(cfg: TwoBitsConfig) -> None:
         check(cfg)
 
