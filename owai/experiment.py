@@ -60,19 +60,40 @@ def resolve(recipe: Recipe, preset: str | None, overrides: list[str],
     return cfg, resolved
 
 
-def refuse_unused(recipe: Recipe, cfgs: list[Any], overrides: list[str]) -> None:
-    """One-line refusal of a `--set` that none of the runs `cfgs` reads (`Method.unused_settings`):
-    a new run's own settings, or a sweep's base settings against all its points. A sweep point's grid
-    values are not checked: a grid may cross a setting with another that turns it off (init rand
-    beside erm, each with its anneal lengths)."""
+def refuse_unused(recipe: Recipe, cfgs: list[Any], overrides: list[str], sweep: bool = False) -> None:
+    """One-line refusal of an override that none of the runs `cfgs` reads (`Method.unused_settings`):
+    a new run's own settings, or (`sweep`) a sweep's base settings against all its points. A key is
+    unread where it, or a section above it, is named; a mapping (`--set 'penalty={weight: 3}'`) is
+    read key by key. A sweep point's grid values are not checked: a grid may cross a setting with
+    another that turns it off (init rand beside erm, each with its anneal lengths)."""
     method = recipe.method_class()
     found = [method.unused_settings(cfg) for cfg in cfgs]
-    unused = {key: why for key, why in found[0].items() if all(key in other for other in found[1:])} if found else {}
-    for text in overrides:
-        key = ".".join(parse_override(text)[0])
+    if not found or not any(found):
+        return
+
+    def why_unread(key: str, unused: dict[str, str]) -> str | None:
         for setting, why in unused.items():
             if key == setting or key.startswith(setting + "."):
-                raise OwaiError(f"{key} is unused here: {why}" + (" (so in every point of the sweep)" if len(cfgs) > 1 else ""))
+                return why
+        return None
+
+    for text in overrides:
+        parts, value = parse_override(text)
+        for key in _leaf_keys(".".join(parts), value):
+            reasons = [why_unread(key, unused) for unused in found]
+            if all(reasons):
+                if not sweep:
+                    raise OwaiError(f"{key} is unused here: {reasons[0]}")
+                distinct = list(dict.fromkeys(reasons))
+                raise OwaiError(f"{key} is unused in every point of the sweep: {distinct[0]}"
+                                + (f" (and {len(distinct) - 1} more reasons)" if len(distinct) > 1 else ""))
+
+
+def _leaf_keys(key: str, value: Any) -> list[str]:
+    """The dotted keys a `--set KEY=VALUE` writes: KEY, or for a mapping each key under it."""
+    if isinstance(value, dict) and value:
+        return [leaf for k, v in value.items() for leaf in _leaf_keys(f"{key}.{k}", v)]
+    return [key]
 
 
 def command_line(recipe: Recipe, preset: str, overrides: list[str]) -> str:

@@ -263,7 +263,7 @@ def _design(
                 if missing is None and "missing" in point_resolved:
                     missing = f"sweep point {label}: {point_resolved['missing']}"
                 points.append(point)
-    refuse_unused(recipe, point_cfgs, sets)  # a base --set that no point reads
+    refuse_unused(recipe, point_cfgs, sets, sweep=True)  # a base --set that no point reads
     if missing is not None:
         raise CannotRunHere(missing)
     final: Grid = subs[0] if isinstance(written, dict) else subs

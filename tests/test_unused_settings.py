@@ -49,17 +49,17 @@ from owai.errors import OwaiError
     (["bonsai", "--dataset", "camelyon17", "--init", "rand", "--method", "erm", "--set", "downstream.weight_decay=0.1"],
      "downstream.weight_decay is unused here: a setting of the downstream stage; --init rand --method erm is round 0 itself"),
     # dropout-ft: a study, so the base --set is refused when no point reads it
-    (["dropout-ft", "--dataset", "pacs", "--set", "data.angles=[0.0,45.0]"],
-     "data.angles is unused here: a setting of --dataset rotated-mnist; this run's is --dataset pacs (so in every point of the sweep)"),
+    (["dropout-ft", "--dataset", "pacs", "--set", "data.angles=[0.0,45.0]"],  # (a mapping is read key by key below)
+     "data.angles is unused in every point of the sweep: a setting of --dataset rotated-mnist; this run's is --dataset pacs"),
     (["dropout-ft", "--dataset", "pacs", "--set", "pretrain.lr=0.1"],  # --dataset pacs turns the pretrain stage off
-     "pretrain.lr is unused here: a setting of the pretrain stage (pretrain.steps > 0"),
+     "pretrain.lr is unused in every point of the sweep: a setting of the pretrain stage (pretrain.steps > 0"),
     (["dropout-ft", "-p", "tiny", "--set", "data.skip_unreadable=true"],
-     "data.skip_unreadable is unused here: a setting of the image-folder datasets; --dataset rotated-mnist reads MNIST's file"),
+     "data.skip_unreadable is unused in every point of the sweep: a setting of the image-folder datasets; --dataset rotated-mnist reads MNIST's file"),
     # RegBench's in-context n-gram trains nothing; the trained models have no n-gram order
     (["eval", "regbench", "--model", "ngram", "--set", "train.epochs=3"],
-     "train.epochs is unused here: settings of the trained models (--model mm / transformer / lstm); --model ngram"),
+     "train.epochs is unused in every point of the sweep: settings of the trained models (--model mm / transformer / lstm); --model ngram"),
     (["eval", "regbench", "--model", "mm", "--set", "eval.ngram_order=2"],
-     "eval.ngram_order is unused here: the order of --model ngram, the in-context n-gram; this run's is --model mm"),
+     "eval.ngram_order is unused in every point of the sweep: the order of --model ngram, the in-context n-gram; this run's is --model mm"),
     # RULER: the inputs of tasks the run does not score, a reference model's tokenizer
     (["eval", "ruler", "--model", "reference:oracle", "--tasks", "niah_single_1", "--set", "squad=synthetic"],
      "squad is unused here: the SQuAD v2 dev file of task qa_1; this run's tasks are niah_single_1 (--tasks)"),
@@ -146,12 +146,12 @@ def test_camelyon17_names_each_key_so_a_sweep_refuses_what_no_point_reads() -> N
 
     recipe = load("table2.6-camelyon17")
     cfgs = [resolve(recipe, None, [f"method={m}", "init=bonsai-cf"], validate=False)[0] for m in ("erm", "irm")]
-    with pytest.raises(OwaiError, match=r"penalty.clove_width is unused here: .* \(so in every point of the sweep\)"):
-        refuse_unused(recipe, cfgs, ["penalty.clove_width=0.2"])
-    refuse_unused(recipe, cfgs, ["penalty.weight=10"])  # the IRMv1 point reads it
+    with pytest.raises(OwaiError, match=r"penalty.clove_width is unused in every point of the sweep: "):
+        refuse_unused(recipe, cfgs, ["penalty.clove_width=0.2"], sweep=True)
+    refuse_unused(recipe, cfgs, ["penalty.weight=10"], sweep=True)  # the IRMv1 point reads it
     cfgs = [resolve(recipe, None, [f"init={i}", "method=irm"], validate=False)[0] for i in ("rand", "erm-cf")]
-    with pytest.raises(OwaiError, match="bonsai.head is unused here: a setting of the synthesis"):
-        refuse_unused(recipe, cfgs, ["bonsai.head=random"])
+    with pytest.raises(OwaiError, match="bonsai.head is unused in every point of the sweep: a setting of the synthesis"):
+        refuse_unused(recipe, cfgs, ["bonsai.head=random"], sweep=True)
 
 
 def test_presets_carry_unread_settings_and_still_run() -> None:
@@ -173,7 +173,42 @@ def test_a_sweep_refuses_a_base_setting_only_when_no_point_reads_it(shared_data:
     points = plan("table2.4-coloredmnist", "tiny", ["penalty.anneal_iters=5"], ["init=rand,erm"], [0])
     inits = {p.grid["init"] for p in points}
     assert inits == {"rand", "erm"}, inits
-    with pytest.raises(OwaiError, match=r"penalty.anneal_iters is unused here: .* \(so in every point of the sweep\)"):
+    with pytest.raises(OwaiError, match=r"penalty.anneal_iters is unused in every point of the sweep: "):
         plan("table2.4-coloredmnist", "tiny", ["penalty.anneal_iters=5"], ["init=rand,bonsai"], [0])
     # a grid value that a point does not read is the grid's business: init rand beside erm with anneal lengths
     plan("table2.4-coloredmnist", "tiny", [], ["init=rand,erm", "penalty.anneal_iters=5,10"], [0])
+
+
+def test_a_section_named_in_one_point_and_a_key_in_another_is_still_unread(shared_data: Path) -> None:
+    """ColoredMNIST names all of `bonsai` for init rand and only bonsai.val_fraction / val_every for
+    a Bonsai init with fixed stopping: a sweep over both refuses bonsai.val_fraction, whichever
+    point comes first, and says that the points' reasons differ."""
+    from owai.sweep import plan
+
+    for inits in (["rand", "bonsai-cf"], ["bonsai-cf", "rand"]):
+        with pytest.raises(OwaiError, match=r"bonsai.val_fraction is unused in every point of the sweep: .*\(and 1 more reasons\)"):
+            plan("table2.4-coloredmnist", "cpu", ["bonsai.val_fraction=0.2"], None, [0], grid={"method": ["irm"], "init": inits})
+
+
+def test_a_mapping_is_read_key_by_key() -> None:
+    from owai.experiment import refuse_unused, resolve
+    from owai.recipes import load
+
+    recipe = load("table2.6-camelyon17")
+    sets = ["init=bonsai-cf", "method=erm", "penalty={weight: 3.0}"]
+    cfg, _ = resolve(recipe, None, sets, validate=False)
+    with pytest.raises(OwaiError, match="penalty.weight is unused here"):
+        refuse_unused(recipe, [cfg], sets)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["mosaic-train", "--set", "archs=[]", "--set", "model.dropout=0.1"], "archs: give one or more distinct architectures"),
+    (["eval", "ruler", "--model", "reference:oracle", "--set", "tasks=[]", "--set", "squad=synthetic"], "tasks"),
+])
+def test_an_invalid_config_gets_its_own_message_not_an_unused_one(args: list[str], message: str, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli_in_process([*args, "--out", str(tmp_path / "runs")], capsys)
+    assert code == 2 and message in err and "unused" not in err, err
+

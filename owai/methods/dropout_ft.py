@@ -146,7 +146,8 @@ class DropoutFineTuning(Method):
             for key in ("source", "lr", "momentum", "weight_decay", "batch_size", "seed"):
                 unused[f"pretrain.{key}"] = ("a setting of the pretrain stage (pretrain.steps > 0, the offline stand-in for "
                                              "ImageNet pre-training); this run's pretrain.steps is 0 (the backbone starts "
-                                             "from model.weights)")
+                                             "from model.weights; `--weights`, and `--dataset` without rotated-mnist, "
+                                             "switch the stage off)")
         return unused
 
     @staticmethod

@@ -195,6 +195,8 @@ class LanguageModelPretraining(Method):
     @staticmethod
     def unused_settings(cfg: Config) -> dict[str, str]:
         """The model fields that no architecture of `archs` reads (`MODEL_FIELD_READERS`)."""
+        if not cfg.archs or len(set(cfg.archs)) != len(cfg.archs):
+            return {}  # `check_settings` refuses the architectures themselves
         families = {parse_arch(label)[0] for label in cfg.archs}
         unused = {f"model.{key}": f"a setting of {' and '.join(readers)}; this run trains {', '.join(cfg.archs)} (archs)"
                   for key, readers in MODEL_FIELD_READERS.items() if not families & set(readers)}

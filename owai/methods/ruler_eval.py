@@ -68,8 +68,13 @@ class Ruler(Method):
         tokenizer when the model has its own."""
         from owai.evals import ruler
 
-        tasks = f"this run's tasks are {', '.join(map(str, cfg.tasks)) or 'none'} (--tasks)"
         unused: dict[str, str] = {}
+        if cfg.model and not cfg.model.startswith("reference:"):
+            unused["reference_tokenizer"] = ("the tokenizer that fits the prompts of a reference model (--model reference:...); "
+                                             f"--model {cfg.model} fits them with its own (--tokenizer overrides it)")
+        if not cfg.tasks:
+            return unused  # `validate` refuses the empty task list itself
+        tasks = f"this run's tasks are {', '.join(map(str, cfg.tasks))} (--tasks)"
         for task, key, name in (("qa_1", "squad", "SQuAD v2"), ("qa_2", "hotpotqa", "HotpotQA")):
             if task not in cfg.tasks:
                 unused[key] = f"the {name} dev file of task {task}; {tasks}"
@@ -77,9 +82,6 @@ class Ruler(Method):
             unused["template"] = f"the QA prompt of tasks qa_1 / qa_2; {tasks}"
         if not any(t in ruler.SYNTHETIC_TASKS for t in cfg.tasks):
             unused["haystack_dir"] = f"the essay haystack (--haystack-dir) of the synthetic tasks (niah_*, vt, cwe, fwe); {tasks}"
-        if cfg.model and not cfg.model.startswith("reference:"):
-            unused["reference_tokenizer"] = ("the tokenizer that fits the prompts of a reference model (--model reference:...); "
-                                             f"--model {cfg.model} fits them with its own (--tokenizer overrides it)")
         return unused
 
     @staticmethod
