@@ -92,6 +92,14 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _file_sha256(path: Path, name: str) -> str:
+    """The sha256 of file `name` of checkpoint `path`; one that cannot be read is an OwaiError naming it."""
+    try:
+        return _sha256(path / name)
+    except OSError as e:
+        raise OwaiError(f"checkpoint {path} is corrupt: {name} cannot be read ({e.strerror or type(e).__name__})") from None
+
+
 def _split(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
     """Replace tensors in a nested structure by references; collect them in `tensors`."""
     if isinstance(obj, torch.Tensor):
@@ -183,10 +191,14 @@ def latest_checkpoint(directory: Path) -> Path | None:
 
 def _read_meta(path: Path) -> dict[str, Any]:
     """state.json of checkpoint `path`, checked to be an owai checkpoint whose step is its name's."""
+    if not path.is_dir():  # a file, or a broken symlink, named like a checkpoint
+        raise OwaiError(f"checkpoint {path} is not a folder: the run's checkpoints are damaged")
     try:
         meta = json.loads((path / STATE).read_text())
     except FileNotFoundError:
         raise OwaiError(f"checkpoint {path} is incomplete: {STATE} is missing") from None
+    except OSError as e:  # a folder, or a symlink loop, where state.json belongs; unreadable
+        raise OwaiError(f"checkpoint {path} is corrupt: {STATE} cannot be read ({e.strerror or type(e).__name__})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise OwaiError(f"checkpoint {path} is corrupt: {STATE} is not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
     if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, SHARDED_FORMAT):
@@ -243,7 +255,7 @@ def load_checkpoint(path: Path, expect: dict[str, Any] | None = None, verify_sha
     tensor_file = path / TENSORS
     if not tensor_file.is_file():
         raise OwaiError(f"checkpoint {path} is incomplete: {TENSORS} is missing")
-    if _sha256(tensor_file) != meta.get("sha256"):
+    if _file_sha256(path, TENSORS) != meta.get("sha256"):
         raise OwaiError(f"checkpoint {path} is corrupt: {TENSORS} does not match its sha256")
     if meta["format"] == SHARDED_FORMAT and verify_shards:
         _check_shard_files(path, meta, sorted(meta["shards"]["files"]))
@@ -272,7 +284,7 @@ def _check_shard_files(path: Path, meta: dict[str, Any], names: list[str]) -> No
         file = root / name
         if not file.is_file():
             raise OwaiError(f"checkpoint {path} is incomplete: {SHARDS}/{name} is missing")
-        if _sha256(file) != files[name]:
+        if _file_sha256(path, f"{SHARDS}/{name}") != files[name]:
             raise OwaiError(f"checkpoint {path} is corrupt: {SHARDS}/{name} does not match its sha256")
     extra = sorted(set(_files_under(root)) - set(files))
     if extra:

@@ -208,7 +208,7 @@ def report(
             if verdicts:
                 console.stdout.print(claims_table(verdicts, f"thesis claims on {source}: {summary_counts(verdicts)}"))
         return
-    results = Run.open(run_dir).results()
+    results = Run.open(run_dir, check_layout=False).results()  # report reads config.yaml and results.json only
     if results is None:
         from owai.experiment import resume_hint
 

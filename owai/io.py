@@ -20,9 +20,16 @@ def umask() -> int:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary file beside `path`, fsync, then rename over it (mode as open() gives)."""
+    """Write to a temporary file beside `path`, fsync, then rename over it (mode as open() gives).
+    A write that fails (no such folder, no room, a folder where the file goes) leaves `path` as it was
+    and is one OwaiError naming it: every owai writer goes through here."""
+    from owai.errors import OwaiError
+
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise OwaiError(f"cannot write {path}: {e.strerror or type(e).__name__}") from None
     try:
         os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600 files; results are meant to be shared
         with os.fdopen(fd, "wb") as f:
@@ -30,8 +37,10 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise OwaiError(f"cannot write {path}: {e.strerror or type(e).__name__}") from None
         raise
 
 
@@ -92,14 +101,38 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
 
 
 def check_cache_root() -> Path:
-    """The cache root, refused in one line when it exists and is not a folder (OWAI_CACHE naming a file):
-    checked once, before any command writes anything."""
+    """The cache root, refused in one line when it exists and is not a folder (OWAI_CACHE naming a file)
+    or does not exist and cannot be made (under a file, /proc or /sys, a broken symlink): checked once,
+    before any command writes anything, where the cache's writers would fail inside a run. A cache
+    that exists is not written to here (a read-only one holding prepared data serves)."""
     from owai.errors import OwaiError
 
     root = cache_root()
     if root.exists() and not root.is_dir():
         raise OwaiError(f"the cache {root} (${CACHE_ENV}) is not a folder: point {CACHE_ENV} at a folder")
+    if not root.exists():
+        _probe_folder(root, f"the cache {root} (${CACHE_ENV})", f"point {CACHE_ENV} at a folder you can write")
     return root
+
+
+def _probe_folder(folder: Path, what: str, remedy: str) -> None:
+    """Whether `folder` (missing) can be made: make it and its missing parents, then remove them again;
+    an OwaiError naming `what` and the `remedy` if it cannot."""
+    from owai.errors import OwaiError
+
+    missing = [p for p in [folder, *folder.parents] if not os.path.lexists(p)]  # deepest first
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OwaiError(f"{what} cannot be made ({e.strerror or type(e).__name__}): {remedy}") from None
+    finally:
+        for made in missing:
+            if not os.path.lexists(made):  # mkdir stopped before it
+                continue
+            try:
+                made.rmdir()
+            except OSError:  # filled meanwhile by another process: keep it (and its parents)
+                break
 
 
 def _safetensors_problem(path: Path, error: BaseException) -> Exception:

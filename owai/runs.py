@@ -38,6 +38,10 @@ METRICS = "metrics.jsonl"
 RESULTS = "results.json"
 HISTORY = "config_history.jsonl"
 SWEEP = "sweep.json"  # a sweep directory's plan (owai.sweep); a run directory has none
+# What a run directory holds (see above): a resume writes them again, so one that is there as
+# something else (a folder where a file belongs, a broken symlink) is refused before it writes.
+RUN_FILES = (CONFIG, ENV, STATUS, METRICS, RESULTS, HISTORY)
+RUN_FOLDERS = ("figures", "checkpoints", "models")
 
 
 def is_sweep_dir(path: Path) -> bool:
@@ -45,16 +49,81 @@ def is_sweep_dir(path: Path) -> bool:
     return (Path(path) / SWEEP).is_file()
 
 
+def entry_kind(path: Path) -> str:
+    """What `path` is, in words: "a file", "a folder", "a broken symlink" (dangling or a loop),
+    "not a regular file" (a device, a pipe) or "missing"."""
+    path = Path(path)
+    if path.is_dir():
+        return "a folder"
+    if path.is_file():
+        return "a file"
+    if not os.path.lexists(path):
+        return "missing"
+    return "a broken symlink" if not path.exists() else "not a regular file"
+
+
+def check_entry(path: Path, folder: bool, what: str = "the run directory") -> None:
+    """OwaiError unless `path` is absent or what `what` holds there: a folder (`folder`) or a regular file."""
+    want = "a folder" if folder else "a file"
+    kind = entry_kind(path)
+    if kind not in ("missing", want):
+        raise OwaiError(f"{path} is {kind}, not {want}: {what} is damaged")
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in file `path`; one that cannot be read, is not JSON or holds another value
+    (a list, null) is an OwaiError naming it."""
+    try:
+        data = json.loads(Path(path).read_bytes())
+    except OSError as e:
+        raise OwaiError(f"{path} cannot be read ({e.strerror or type(e).__name__})") from None
+    except ValueError:
+        raise OwaiError(f"{path} is corrupt: not JSON") from None
+    if not isinstance(data, dict):
+        raise OwaiError(f"{path} is corrupt: not a JSON object")
+    return data
+
+
+# the JSON files of a saved model directory that owai reads (weights: owai.models.lm.check_saved_weights)
+MODEL_JSON = ("config.json", "generation_config.json", "owai_tokenizer.json")
+
+
+def check_saved_model(directory: Path) -> None:
+    """Refuse a saved model directory whose JSON files (config.json, generation_config.json, the
+    owai_tokenizer.json that names its tokenizer, and the tokenizer file that one names) are damaged:
+    each must be a file holding a JSON object. A missing tokenizer file it names, or a run's model
+    without its owai_tokenizer.json, is refused too: the model would otherwise be evaluated with
+    another tokenizer (the default, or bpe-N trained on the evaluation corpus). Checked before a run exists."""
+    for name in MODEL_JSON:
+        check_entry(directory / name, folder=False, what=f"the saved model {directory}")
+        if (directory / name).is_file():
+            read_json_object(directory / name)
+    spec = directory / "owai_tokenizer.json"
+    if not os.path.lexists(spec) and directory.parent.name == "models" and (directory.parent.parent / CONFIG).is_file():
+        # a run's models/<arch>/ always records its tokenizer: without it the default one would be used
+        raise OwaiError(f"{spec} is missing: the model saved by run {directory.parent.parent} is damaged (it names the model's tokenizer)")
+    named = read_json_object(spec).get("file") if spec.is_file() else None
+    if named is not None:
+        file = directory / str(named)
+        if entry_kind(file) != "a file":
+            raise OwaiError(f"{spec} names the model's tokenizer {file}, which is {entry_kind(file)}: the saved model is damaged")
+        if file.suffix == ".json":
+            read_json_object(file)
+
+
 def model_dirs(path: Path) -> list[tuple[str, Path]]:
     """(label, directory) of each saved model under `path`: a save_pretrained dir or a run dir
-    (its models/<arch>/, as language-model training saves them)."""
+    (its models/<arch>/, as language-model training saves them); each checked by `check_saved_model`."""
     if not path.exists():
         raise DataMissing(f"model path not found: {path}")
     if (path / "config.json").is_file():
-        return [(path.name, path)]
-    found = sorted(p for p in (path / "models").glob("*") if (p / "config.json").is_file()) if (path / "models").is_dir() else []
+        found = [path]
+    else:
+        found = sorted(p for p in (path / "models").glob("*") if (p / "config.json").is_file()) if (path / "models").is_dir() else []
     if not found:
         raise OwaiError(f"{path} holds no saved model (no config.json, no models/<arch>/config.json)")
+    for directory in found:
+        check_saved_model(directory)
     return [(p.name, p) for p in found]
 
 
@@ -133,6 +202,9 @@ class Run:
             path.mkdir()
             return cls._populate(path, resolved)
         except FileExistsError:
+            kind = entry_kind(path)
+            if kind != "a folder":  # a broken symlink or a file where the run directory goes
+                raise OwaiError(f"cannot create run directory {path}: it is {kind}") from None
             raise OwaiError(f"run directory {path} already exists; continue it with --resume") from None
         except OSError as e:
             raise OwaiError(f"cannot create run directory {path}: {e.strerror or e}") from None
@@ -148,16 +220,42 @@ class Run:
         return run
 
     @classmethod
-    def open(cls, path: Path) -> "Run":
-        """Open an existing run directory (for --resume and report)."""
+    def open(cls, path: Path, check_layout: bool = True) -> "Run":
+        """Open an existing run directory (for --resume and report), its files and folders checked
+        by `check_layout` unless `check_layout` is False (report: it reads config.yaml and results.json only)."""
         path = Path(path)
         if path.is_file():
             raise OwaiError(f"{path} is a file, not a run directory")
         if not path.is_dir():
             raise OwaiError(f"run directory {path} does not exist")
         if not (path / CONFIG).is_file():
-            raise OwaiError(f"{path} is not a run directory: {CONFIG} is missing")
-        return cls(path)
+            kind = entry_kind(path / CONFIG)
+            if os.path.lexists(path / SWEEP) or (path / "points").is_dir():
+                raise OwaiError(f"{path} is not a run directory: {CONFIG} is {kind} (a sweep directory whose {SWEEP} is {entry_kind(path / SWEEP)}?)")
+            raise OwaiError(f"{path} is not a run directory: {CONFIG} is {kind}")
+        run = cls(path)
+        if check_layout:
+            run.check_layout()
+        return run
+
+    def check_layout(self) -> None:
+        """Refuse a run directory that a resume would trip over half-way (its status never written):
+        a file or folder of it that is something else (a folder where results.json belongs, a file
+        or a broken symlink where a checkpoint folder belongs) or an unreadable env.json. Checked when
+        the run is opened, before anything is written."""
+        for name in RUN_FILES:
+            check_entry(self.path / name, folder=False)
+        for name in RUN_FOLDERS:
+            check_entry(self.path / name, folder=True)
+        root = self.path / "checkpoints"
+        for stage in sorted(root.iterdir()) if root.is_dir() else []:
+            if stage.name.startswith("."):
+                continue
+            check_entry(stage, folder=True)
+            for entry in sorted(stage.iterdir()) if stage.is_dir() else []:
+                if entry.name.startswith("step-"):
+                    check_entry(entry, folder=True)
+        self.env()
 
     # -- files --------------------------------------------------------------------------------
     @property
@@ -181,10 +279,12 @@ class Run:
     def config_history(self) -> list[dict[str, Any]]:
         """The settings changed by resumes, oldest first: [{"time", "overrides", "checkpoints"}]."""
         path = self.path / HISTORY
-        if not path.exists():
+        if not os.path.lexists(path):
             return []
         try:
-            entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            entries = [json.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+        except OSError as e:
+            raise OwaiError(f"{path} cannot be read ({e.strerror or type(e).__name__})") from None
         except ValueError:
             raise OwaiError(f"{path} is corrupt") from None
         if not all(isinstance(e, dict) and isinstance(e.get("overrides"), list) for e in entries):
@@ -209,15 +309,27 @@ class Run:
             return {}
         return info if isinstance(info, dict) else {}
 
+    def env(self) -> dict[str, Any]:
+        """env.json ({} before it is written); an unreadable or corrupt one is an OwaiError naming it."""
+        path = self.path / ENV
+        if not os.path.lexists(path):
+            return {}
+        try:
+            facts = read_json_object(path)
+        except OwaiError as e:
+            raise OwaiError(f"{e}; it records the environment the run started in: remove it to resume the run") from None
+        if not isinstance(facts.get("resumed", []), list):
+            raise OwaiError(f"{path} is corrupt: its resumed is not a list; remove it to resume the run")
+        return facts
+
     def write_env(self, facts: dict[str, Any]) -> None:
         if not self.writes:
             return
-        env_path = self.path / ENV
-        if env_path.exists():  # a resume: keep the original facts, record this start
-            old = json.loads(env_path.read_text())
+        old = self.env()
+        if old:  # a resume: keep the original facts, record this start
             old.setdefault("resumed", []).append({k: facts[k] for k in ("started", "host", "device", "argv")})
             facts = old
-        atomic_write_json(env_path, facts)
+        atomic_write_json(self.path / ENV, facts)
 
     def set_status(self, status: str, **extra: Any) -> None:
         if not self.writes:
@@ -225,10 +337,9 @@ class Run:
         atomic_write_json(self.path / STATUS, {"status": status, "time": dt.datetime.now().isoformat(timespec="seconds"), **extra})
 
     def status(self) -> str:
-        try:
-            return json.loads((self.path / STATUS).read_text())["status"]
-        except (OSError, ValueError, KeyError):
-            return "unknown"
+        """running | complete | failed | interrupted, or "unknown" (status.json missing or unreadable)."""
+        status = self.status_info().get("status")
+        return status if isinstance(status, str) else "unknown"
 
     # -- metrics ------------------------------------------------------------------------------
     def log(self, stage: str, step: int, **values: Any) -> None:
@@ -242,22 +353,30 @@ class Run:
             self.tracker.log(stage, step, values)
 
     def metrics(self) -> list[dict[str, Any]]:
+        """The logged metrics, one dict per line; lines that are not one (cut by a kill, damaged) are skipped."""
         path = self.path / METRICS
         if not path.exists():
             return []
+        try:
+            lines = path.read_bytes().splitlines()
+        except OSError as e:
+            raise OwaiError(f"{path} cannot be read ({e.strerror or type(e).__name__})") from None
         rows = []
-        for line in path.read_text().splitlines():
+        for line in lines:
             try:
-                rows.append(json.loads(line))
-            except ValueError:  # a line cut by a kill
+                row = json.loads(line)
+            except ValueError:  # a line cut by a kill (or not UTF-8)
                 continue
+            if isinstance(row, dict):
+                rows.append(row)
         return rows
 
     def trim_metrics(self, stage: str, step: int) -> None:
-        """Drop the metrics a killed run logged for `stage` after its last checkpoint `step`."""
-        if not self.writes:
+        """Drop the metrics a killed run logged for `stage` after its last checkpoint `step` (0: the
+        stage starts again from scratch), and lines cut by the kill."""
+        if not self.writes or not os.path.lexists(self.path / METRICS):
             return
-        rows = [r for r in self.metrics() if not (r.get("stage") == stage and r.get("step", 0) > step)]
+        rows = [r for r in self.metrics() if not (r.get("stage") == stage and isinstance(r.get("step"), (int, float)) and r["step"] > step)]
         atomic_write_bytes(self.path / METRICS, "".join(json.dumps(r) + "\n" for r in rows).encode())
 
     # -- figures and results ------------------------------------------------------------------
@@ -269,6 +388,7 @@ class Run:
         if not self.writes:
             plt.close(fig)
         else:
+            self.figures.mkdir(exist_ok=True)  # a resumed run whose figures/ was removed
             atomic_write_figure(path, fig)
         return path
 
@@ -280,13 +400,21 @@ class Run:
         return path
 
     def results(self) -> dict[str, Any] | None:
+        """results.json (None before it is written). One that cannot be read or is not an owai
+        results file (the recipe and its rows of metric and measured value) is an OwaiError naming it:
+        never taken as missing, or as a run that measured nothing."""
         path = self.path / RESULTS
-        if not path.exists():
+        if not os.path.lexists(path):
             return None
         try:
-            return json.loads(path.read_text())
-        except ValueError:
-            raise OwaiError(f"{path} is corrupt") from None
+            results = read_json_object(path)
+        except OwaiError as e:
+            raise OwaiError(f"{e}; remove it and resume the run to write it again") from None
+        rows = results.get("rows")
+        if not (isinstance(results.get("recipe"), str) and isinstance(rows, list)
+                and all(isinstance(r, dict) and isinstance(r.get("metric"), str) and "measured" in r for r in rows)):
+            raise OwaiError(f"{path} is corrupt: not an owai results file; remove it and resume the run to write it again")
+        return results
 
 
 def timestamp() -> str:
@@ -311,6 +439,8 @@ def ensure_writable(out: Path) -> None:
     out = Path(out)
     probe = out
     while not probe.exists():
+        if probe.is_symlink():  # a dangling symlink (or a loop) that mkdir would stop at with "File exists"
+            raise OwaiError(f"cannot create run directory under {out}: {probe} is a broken symlink")
         probe = probe.parent
     if not probe.is_dir():
         raise OwaiError(f"cannot create run directory under {out}: {probe} is not a directory")

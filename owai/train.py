@@ -130,6 +130,8 @@ def train_loop(
     identity = {**run.identity, "stage": stage}
     start, recent = 0, []
     last = latest_checkpoint(ckpt_dir)
+    if last is None and main:  # from scratch: what a run killed before this stage's first checkpoint logged goes
+        run.trim_metrics(stage, 0)
     if last is not None:
         shards: dict[str, Any] | None = None
         if is_sharded(last):  # read into this run's layout, whatever wrote it
