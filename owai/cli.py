@@ -213,6 +213,8 @@ def report(
         from owai.experiment import resume_hint
 
         raise OwaiError(f"{run_dir} has no results.json yet (status: {Run(run_dir).status()}); {resume_hint(Run(run_dir))}")
+    if "recipe" not in results:  # the tables and the claims are the recipe's
+        raise OwaiError(f"{Path(run_dir) / 'results.json'} is corrupt: it names no recipe; remove it and resume the run to write it again")
     verdicts = run_claims(run_dir, results)
     if as_json:
         console.emit_json({**results, "claims": verdicts})

@@ -108,10 +108,11 @@ def check_cache_root() -> Path:
     from owai.errors import OwaiError
 
     root = cache_root()
+    what = f"the cache {root}" + (f" (${CACHE_ENV})" if os.environ.get(CACHE_ENV) else "")
     if root.exists() and not root.is_dir():
-        raise OwaiError(f"the cache {root} (${CACHE_ENV}) is not a folder: point {CACHE_ENV} at a folder")
+        raise OwaiError(f"{what} is not a folder: point {CACHE_ENV} at a folder")
     if not root.exists():
-        _probe_folder(root, f"the cache {root} (${CACHE_ENV})", f"point {CACHE_ENV} at a folder you can write")
+        _probe_folder(root, what, f"point {CACHE_ENV} at a folder you can write")
     return root
 
 

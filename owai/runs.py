@@ -51,7 +51,7 @@ def is_sweep_dir(path: Path) -> bool:
 
 def entry_kind(path: Path) -> str:
     """What `path` is, in words: "a file", "a folder", "a broken symlink" (dangling or a loop),
-    "not a regular file" (a device, a pipe) or "missing"."""
+    "a special file" (a device, a pipe, or a link to one) or "missing"."""
     path = Path(path)
     if path.is_dir():
         return "a folder"
@@ -59,7 +59,7 @@ def entry_kind(path: Path) -> str:
         return "a file"
     if not os.path.lexists(path):
         return "missing"
-    return "a broken symlink" if not path.exists() else "not a regular file"
+    return "a broken symlink" if not path.exists() else "a special file"
 
 
 def check_entry(path: Path, folder: bool, what: str = "the run directory") -> None:
@@ -255,6 +255,10 @@ class Run:
             for entry in sorted(stage.iterdir()) if stage.is_dir() else []:
                 if entry.name.startswith("step-"):
                     check_entry(entry, folder=True)
+        models = self.path / "models"
+        for model in sorted(models.iterdir()) if models.is_dir() else []:  # models/<arch>/, saved when a stage ends
+            if not model.name.startswith("."):
+                check_entry(model, folder=True)
         self.env()
 
     # -- files --------------------------------------------------------------------------------
@@ -268,6 +272,8 @@ class Run:
     def read_config(self) -> dict[str, Any]:
         from owai.config import load_yaml
 
+        if not (self.path / CONFIG).is_file():
+            raise OwaiError(f"{self.path} is not a run directory: {CONFIG} is {entry_kind(self.path / CONFIG)}")
         try:
             data = load_yaml((self.path / CONFIG).read_text())
         except Exception as e:  # noqa: BLE001 - any parse failure is a corrupt run dir
@@ -401,8 +407,8 @@ class Run:
 
     def results(self) -> dict[str, Any] | None:
         """results.json (None before it is written). One that cannot be read or is not an owai
-        results file (the recipe and its rows of metric and measured value) is an OwaiError naming it:
-        never taken as missing, or as a run that measured nothing."""
+        results file (its rows of metric and measured value, and the recipe's id) is an OwaiError
+        naming it: never taken as missing, or as a run that measured nothing."""
         path = self.path / RESULTS
         if not os.path.lexists(path):
             return None
@@ -411,7 +417,7 @@ class Run:
         except OwaiError as e:
             raise OwaiError(f"{e}; remove it and resume the run to write it again") from None
         rows = results.get("rows")
-        if not (isinstance(results.get("recipe"), str) and isinstance(rows, list)
+        if not (isinstance(results.get("recipe", ""), str) and isinstance(rows, list)
                 and all(isinstance(r, dict) and isinstance(r.get("metric"), str) and "measured" in r for r in rows)):
             raise OwaiError(f"{path} is corrupt: not an owai results file; remove it and resume the run to write it again")
         return results

@@ -83,6 +83,11 @@ def make_broken_link(path: Path) -> None:
     path.symlink_to("/nonexistent/owai-damaged")
 
 
+def make_device_link(path: Path) -> None:
+    path.unlink()
+    path.symlink_to(os.devnull)
+
+
 # -- results.json -----------------------------------------------------------------------------
 
 
@@ -126,6 +131,7 @@ def test_results_of_a_sweep_point_that_is_a_list_is_corrupt(finished_run, tmp_pa
 
 DAMAGED_LAYOUTS = [
     ("status.json", make_folder, "status.json is a folder, not a file"),
+    ("status.json", make_device_link, "status.json is a special file, not a file"),
     ("metrics.jsonl", make_folder, "metrics.jsonl is a folder, not a file"),
     ("env.json", make_folder, "env.json is a folder, not a file"),
     ("config_history.jsonl", make_folder, "config_history.jsonl is a folder, not a file"),
@@ -136,6 +142,7 @@ DAMAGED_LAYOUTS = [
     (f"checkpoints/{STAGE}/step-000006", make_file, "step-000006 is a file, not a folder"),
     (f"checkpoints/{STAGE}/step-000006", make_broken_link, "step-000006 is a broken symlink, not a folder"),
     ("figures", make_file, "figures is a file, not a folder"),
+    ("models/arch", make_file, "arch is a file, not a folder"),
 ]
 
 
@@ -143,9 +150,11 @@ DAMAGED_LAYOUTS = [
 def test_resume_refuses_a_damaged_layout_before_writing(finished_run, tmp_path, capsys, entry, damage, message):
     """Each was a traceback (IsADirectoryError, NotADirectoryError, FileExistsError) from the resumed
     run's writers, some after it had rewritten results.json and env.json; a checkpoint folder that
-    had become a file was skipped, the stage resumed from the one before, then crashed saving over it."""
+    had become a file was skipped, the stage resumed from the one before, then crashed saving over it;
+    a models/<arch> that is a file or a broken symlink crashed mosaic-train saving the model at the end."""
     run = copy_of(finished_run, tmp_path, killed=True)
-    if entry == "config_history.jsonl":
+    if entry in ("config_history.jsonl", "models/arch"):  # what a resumed run or a language-model stage writes
+        (run / entry).parent.mkdir(exist_ok=True)
         (run / entry).write_text("")
     damage(run / entry)
     before = snapshot(run)
