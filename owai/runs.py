@@ -94,15 +94,16 @@ def check_saved_model(directory: Path) -> None:
     each must be a file holding a JSON object. A missing tokenizer file it names, or a run's model
     without its owai_tokenizer.json, is refused too: the model would otherwise be evaluated with
     another tokenizer (the default, or bpe-N trained on the evaluation corpus). Checked before a run exists."""
+    read: dict[str, dict[str, Any]] = {}
     for name in MODEL_JSON:
         check_entry(directory / name, folder=False, what=f"the saved model {directory}")
         if (directory / name).is_file():
-            read_json_object(directory / name)
+            read[name] = read_json_object(directory / name)
     spec = directory / "owai_tokenizer.json"
     if not os.path.lexists(spec) and directory.parent.name == "models" and (directory.parent.parent / CONFIG).is_file():
         # a run's models/<arch>/ always records its tokenizer: without it the default one would be used
         raise OwaiError(f"{spec} is missing: the model saved by run {directory.parent.parent} is damaged (it names the model's tokenizer)")
-    named = read_json_object(spec).get("file") if spec.is_file() else None
+    named = read.get(spec.name, {}).get("file")
     if named is not None:
         file = directory / str(named)
         if entry_kind(file) != "a file":
