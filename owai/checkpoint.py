@@ -424,6 +424,23 @@ def save_sharded_checkpoint(
     return final
 
 
+def _drop_state_not_saved(path: Path, shards: dict[str, Any]) -> None:
+    """Remove from `shards["optimizer"]["state"]` the parameters the checkpoint holds no optimizer
+    state for. torch's optimizers make a parameter's state at the first step that reads its gradient,
+    so one that had none by the checkpoint's step has none saved, while the template
+    (`distributed.sharded_state` of a fresh optimizer) initialised one for every parameter. Without
+    its entry the optimizer resumes with no state for it, as the uninterrupted run has."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    state = shards.get("optimizer", {}).get("state") if isinstance(shards.get("optimizer"), dict) else None
+    if not isinstance(state, dict):
+        return
+    saved = FileSystemReader(str(path / SHARDS)).read_metadata().state_dict_metadata
+    with_state = {key[len("optimizer.state."):] for key in saved if key.startswith("optimizer.state.")}
+    for name in [n for n in state if not any(key.startswith(f"{n}.") for key in with_state)]:
+        del state[name]
+
+
 def load_shards(path: Path, shards: dict[str, Any]) -> None:
     """Read the shards of sharded checkpoint `path` into `shards` in place (the same structure
     it was saved from, in any layout: e.g. `owai.distributed.sharded_state` of the current model,
@@ -437,6 +454,7 @@ def load_shards(path: Path, shards: dict[str, Any]) -> None:
     path = Path(path)
     w = distributed.world()
     try:
+        _drop_state_not_saved(path, shards)
         with _quiet_single_process():
             dcp.load(shards, checkpoint_id=str(path / SHARDS), no_dist=w.world_size == 1)
         error = None

@@ -274,10 +274,21 @@ class Parallel:
         return get_state_dict(self.module, optimizer, options=opts)
 
     def load_state_dict(self, optimizer: torch.optim.Optimizer, model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        """Load `state_dict`'s layout back (a collective under torchrun)."""
+        _load_state(self.module, optimizer, model_state, optim_state, full=True)
 
-        opts = StateDictOptions(full_state_dict=True)
-        set_state_dict(self.module, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=opts)
+
+def _load_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any],
+                optim_state: dict[str, Any], full: bool) -> None:
+    """Load model state strictly and optimizer state allowing parameters without any: torch's
+    optimizers make a parameter's state at the first step that reads its gradient, so a checkpoint
+    written before a parameter had one (Memory Mosaics v2's long-term memory while the context is
+    no longer than the short window) has none for it, and the resumed run, like the uninterrupted
+    one, makes it when the gradient comes."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    set_model_state_dict(module, model_state, options=StateDictOptions(full_state_dict=full))
+    set_optimizer_state_dict(module, optimizer, optim_state, options=StateDictOptions(full_state_dict=full, strict=False))
 
 
 def sharded_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -294,10 +305,7 @@ def sharded_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
 def load_sharded_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
     """Put state dicts of `sharded_state`'s layout (after `torch.distributed.checkpoint.load` filled
     them) back into the model and optimizer."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
-                   options=StateDictOptions(full_state_dict=False))
+    _load_state(module, optimizer, model_state, optim_state, full=False)
 
 
 def full_state_on_rank0(parallel: Parallel) -> dict[str, torch.Tensor] | None:

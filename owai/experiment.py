@@ -235,7 +235,9 @@ def execute(
     resolved = effective_config(run, recipe, resolved)
     cfg = build(recipe.method_class().Config, resolved["params"], path=f"{run.path}/config.yaml params")
     if resume is not None:
-        if run.status() == "complete" and run.results() is not None:
+        if run.results() is not None:
+            if run.status() != "complete":  # killed after its results were written, or status.json lost
+                run.set_status("complete")
             console.info(f"[green]{run.path} is already complete[/green]")
             return run, run.results()  # type: ignore[return-value]
         console.info(f"resuming {run.path}")
@@ -283,16 +285,18 @@ def _prepare_resume(
     if methods is not None and recipe.method not in methods:
         raise OwaiError(f"{run.path} is a run of `{recipe.method_class().cli}` (recipe {recipe.id}), not of this "
                         f"command; resume it with `owai recipes run {_recipe_argument(recipe)} --resume {run.path}`")
-    if run.status() == "complete" and run.results() is not None:
+    if run.results() is not None:  # written atomically, as a run's last step: the run is complete
         if overrides:
             raise OwaiError(f"{run.path} is already complete; --set with --resume changes only an unfinished run")
         return run
     resolved = effective_config(run, recipe, resolved)
+    schema = recipe.method_class().Config
+    # a value edited into config.yaml is named here, not taken for a checkpoint of another config
+    recipe.method_class().validate(build(schema, resolved["params"], path=f"{run.path}/config.yaml params"))
     if overrides:
         if is_sweep_dir(run.path.parent.parent):
             raise OwaiError(f"{run.path} is a sweep point, whose settings are its grid's; --set with --resume applies to single runs")
         check_resume_overrides(recipe, overrides)
-        schema = recipe.method_class().Config
         cfg = build(schema, apply_overrides(schema, resolved["params"], overrides), path="params")
         recipe.method_class().validate(cfg)
     checkpoints = verify_checkpoints(run, run_identity(recipe, resolved["params"]))

@@ -101,31 +101,44 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
 
 
 def check_cache_root() -> Path:
-    """The cache root, refused in one line when it exists and is not a folder (OWAI_CACHE naming a file)
-    or does not exist and cannot be made (under a file, /proc or /sys, a broken symlink): checked once,
-    before any command writes anything, where the cache's writers would fail inside a run. A cache
-    that exists is not written to here (a read-only one holding prepared data serves)."""
-    from owai.errors import OwaiError
-
+    """The cache root, refused in one line when it is not a folder (OWAI_CACHE naming a file) or does
+    not exist and cannot be made (under a file, /proc or /sys, a broken symlink): checked once, before
+    any command writes anything, where the cache's writers would fail inside a run. A cache that
+    exists is not written to here (a read-only one holding prepared data serves)."""
     root = cache_root()
-    what = f"the cache {root}" + (f" (${CACHE_ENV})" if os.environ.get(CACHE_ENV) else "")
-    if root.exists() and not root.is_dir():
-        raise OwaiError(f"{what} is not a folder: point {CACHE_ENV} at a folder")
-    if not root.exists():
-        _probe_folder(root, what, f"point {CACHE_ENV} at a folder you can write")
+    check_folder(root, f"the cache {root}" + (f" (${CACHE_ENV})" if os.environ.get(CACHE_ENV) else ""),
+                 f"point {CACHE_ENV} at a folder you can write", writable=False)
     return root
 
 
-def _probe_folder(folder: Path, what: str, remedy: str) -> None:
-    """Whether `folder` (missing) can be made: make it and its missing parents, then remove them again;
-    an OwaiError naming `what` and the `remedy` if it cannot."""
+def check_folder(folder: Path, what: str, remedy: str = "", writable: bool = True) -> None:
+    """Refuse in one line (`what`, the problem, then the `remedy`) a folder that cannot take new files:
+    one on whose path a file or a broken symlink stands, one that exists but is not writable (with
+    `writable`), or a missing one that cannot be made. That is tried by making it, with its missing
+    parents, and removing them again: permission bits miss a read-only mount or /proc. Nothing stays."""
     from owai.errors import OwaiError
 
+    folder = Path(folder)
+
+    def refuse(problem: str) -> OwaiError:
+        return OwaiError(f"{what} {problem}" + (f": {remedy}" if remedy else ""))
+
+    nearest = folder
+    while not nearest.exists():
+        if nearest.is_symlink():  # dangling (or a loop): mkdir would stop at it with "File exists"
+            raise refuse(f"cannot be made: {nearest} is a broken symlink")
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        raise refuse(f"cannot be made: {nearest} is not a folder" if nearest != folder else "is not a folder")
+    if nearest == folder:
+        if writable and not os.access(folder, os.W_OK | os.X_OK):
+            raise refuse("is not writable")
+        return
     missing = [p for p in [folder, *folder.parents] if not os.path.lexists(p)]  # deepest first
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise OwaiError(f"{what} cannot be made ({e.strerror or type(e).__name__}): {remedy}") from None
+        raise refuse(f"cannot be made ({e.strerror or type(e).__name__})") from None
     finally:
         for made in missing:
             if not os.path.lexists(made):  # mkdir stopped before it

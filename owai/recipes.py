@@ -165,14 +165,17 @@ def available() -> dict[str, Path]:
 def load(name: str) -> Recipe:
     """Load a recipe by id (packaged) or by path to a YAML file, and validate it."""
     path = Path(name)
-    if name.endswith((".yaml", ".yml")) or path.exists():
+    known = available()
+    if name.endswith((".yaml", ".yml")) or path.is_file():
         if not path.is_file():
-            raise OwaiError(f"recipe file {name} does not exist")
-    else:
-        known = available()
-        if name not in known:
-            raise OwaiError(f"unknown recipe {name!r}{did_you_mean(name, known)} (known: {', '.join(known) or 'none'})")
+            what = "is a folder, not a file" if path.is_dir() else "does not exist"
+            raise OwaiError(f"recipe file {name} {what}")
+    elif name in known:  # a folder of that name (e.g. runs made with `-o .`) does not hide the recipe
         path = known[name]
+    elif path.is_dir():
+        raise OwaiError(f"recipe {name} is a folder, not a recipe id or YAML file (known: {', '.join(known) or 'none'})")
+    else:
+        raise OwaiError(f"unknown recipe {name!r}{did_you_mean(name, known)} (known: {', '.join(known) or 'none'})")
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:

@@ -29,7 +29,7 @@ from typing import Any
 from owai import __version__
 from owai.errors import DataMissing, OwaiError
 from owai.trackers import Tracker
-from owai.io import atomic_write_bytes, atomic_write_figure, atomic_write_json, atomic_write_yaml
+from owai.io import atomic_write_bytes, atomic_write_figure, atomic_write_json, atomic_write_yaml, check_folder
 
 CONFIG = "config.yaml"
 ENV = "env.json"
@@ -443,13 +443,4 @@ def new_unique_dir(parent: Path, base: str) -> Path:
 
 def ensure_writable(out: Path) -> None:
     """Fail early, before any work, if run directories cannot be created under `out`."""
-    out = Path(out)
-    probe = out
-    while not probe.exists():
-        if probe.is_symlink():  # a dangling symlink (or a loop) that mkdir would stop at with "File exists"
-            raise OwaiError(f"cannot create run directory under {out}: {probe} is a broken symlink")
-        probe = probe.parent
-    if not probe.is_dir():
-        raise OwaiError(f"cannot create run directory under {out}: {probe} is not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise OwaiError(f"cannot create run directory under {out}: {probe} is not writable")
+    check_folder(out, f"the run folder {out}")

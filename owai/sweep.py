@@ -381,6 +381,8 @@ def run_point(task: dict[str, Any]) -> dict[str, Any]:
 
             torch.set_num_threads(task["threads"])  # runtime.threads, when set, still wins
         path = Path(task["dir"])
+        if path.exists() and not path.is_dir():
+            raise OwaiError(f"{path} is a file where this point's run directory belongs; remove it to rerun this point")
         if (path / RESULTS).is_file():
             pass
         elif (path / CONFIG).is_file():

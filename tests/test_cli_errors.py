@@ -77,7 +77,7 @@ def test_unwritable_run_dir(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     proc = run_owai("moons", "--out", str(blocker / "runs"))
-    assert_one_line_error(proc, "cannot create run directory", "is not a directory")
+    assert_one_line_error(proc, f"the run folder {blocker / 'runs'} cannot be made: {blocker} is not a folder")
     assert blocker.read_text() == "not a directory"
 
 

@@ -198,6 +198,39 @@ def test_resume_with_a_status_json_of_another_value(finished_run, tmp_path, caps
     assert Run(run).status() == "complete" and Run(run).results() is not None
 
 
+@pytest.mark.parametrize("status", [None, "running"])
+def test_resume_of_a_run_with_results_but_no_complete_status_only_repairs_the_status(finished_run, tmp_path, capsys, status):
+    """Killed between writing results.json and status.json, or status.json lost: the run is complete
+    (results.json is its last, atomic write); --resume evaluated it again."""
+    run = copy_of(finished_run, tmp_path)
+    if status is None:
+        (run / "status.json").unlink()
+    else:
+        (run / "status.json").write_text(json.dumps({"status": status}))
+    before = {k: v for k, v in snapshot(run).items() if k != "status.json"}
+    code, _, err = cli_in_process(["moons", "--resume", str(run)], capsys)
+    assert code == 0, err
+    assert "is already complete" in err
+    assert Run(run).status() == "complete"
+    assert {k: v for k, v in snapshot(run).items() if k != "status.json"} == before
+
+
+def test_resume_names_a_bad_value_edited_into_config_yaml(finished_run, tmp_path, capsys):
+    """Not 'the checkpoint was written under another config' (the hash differs), but the value."""
+    run = copy_of(finished_run, tmp_path, killed=True)
+    config = run / "config.yaml"
+    original = config.read_text()
+    for key, value, message in (("seed", "fast", f"{run}/config.yaml params.seed: expected int, got str 'fast'"),
+                                ("train_panel", "9", "eval.train_panel=9 is not an index of data.train_periods")):
+        assert len(re.findall(rf"\b{key}: \d+", original)) == 1
+        config.write_text(re.sub(rf"\b{key}: \d+", f"{key}: {value}", original))
+        before = snapshot(run)
+        code, _, err = cli_in_process(["moons", "--resume", str(run)], capsys)
+        assert_refused(code, err, message)
+        assert "config" not in err.split(message)[-1], err
+        assert snapshot(run) == before
+
+
 def test_resume_skips_damaged_metrics_lines(finished_run, tmp_path, capsys):
     """Bytes that are not UTF-8 were a UnicodeDecodeError, a line holding a list or null an
     AttributeError, a step that is no number a TypeError: the trim after the checkpoint read them all."""
@@ -377,6 +410,26 @@ def test_a_cache_to_be_made_is_probed_without_a_trace(tmp_path, capsys, monkeypa
     code, _, err = cli_in_process(["recipes", "list", "--quiet"], capsys)
     assert code == 0, err
     assert not (tmp_path / "new").exists()
+
+
+def test_one_folder_check_for_run_folders_and_the_cache(tmp_path, capsys):
+    """check_folder makes a missing folder to see that it can (then removes it): /proc refuses what
+    permission bits allow; a file on the path is named."""
+    from owai.io import check_folder
+
+    check_folder(tmp_path / "a" / "b", "the test folder")
+    assert list(tmp_path.iterdir()) == []
+    if Path("/proc/self").is_dir():
+        with pytest.raises(OwaiError, match=r"^the test folder cannot be made \(.+\): use another$"):
+            check_folder(Path("/proc/owai-probe/x"), "the test folder", "use another")
+    (tmp_path / "f").write_text("")
+    with pytest.raises(OwaiError, match="^the test folder is not a folder$"):
+        check_folder(tmp_path / "f", "the test folder")
+    with pytest.raises(OwaiError, match=f"^the test folder cannot be made: {tmp_path / 'f'} is not a folder$"):
+        check_folder(tmp_path / "f" / "g", "the test folder")
+    if Path("/proc/self").is_dir():
+        code, _, err = cli_in_process(["moons", *as_sets(TINY_MOONS), "--out", "/proc/owai-runs", "--quiet"], capsys)
+        assert_refused(code, err, "the run folder /proc/owai-runs cannot be made (")
 
 
 def test_out_that_is_a_broken_symlink_is_named(tmp_path, capsys):

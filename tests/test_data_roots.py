@@ -180,6 +180,14 @@ def test_missing_dataset_is_one_line_and_no_run_dir(capsys, no_data, tmp_path, a
     _fails_cleanly(capsys, args, tmp_path / "runs", expected)
 
 
+@pytest.mark.parametrize("value, says", [("a-file", "is a file, not a folder"), ("nowhere", "does not exist")])
+@pytest.mark.parametrize("args", [["mosaic-train", "--size", "tiny"], ["eval", "icl", "--task", "banking77", "--model", "reference:knn"]])
+def test_owai_data_that_names_no_folder_is_said_so(capsys, no_data, tmp_path, monkeypatch, value, says, args):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("OWAI_DATA", str(tmp_path / value))
+    _fails_cleanly(capsys, args, tmp_path / "runs", f"$OWAI_DATA={tmp_path / value} {says}")
+
+
 def test_recipes_show_resolves_without_the_data(capsys, no_data):
     """`owai recipes show` prints a valid config whose data are not here, with the missing piece
     named; a bad value is still an error (CannotRunHere, DataMissing among it, is the only exception it tolerates)."""

@@ -319,6 +319,15 @@ def test_a_saved_models_tokenizer_without_endoftext_reloads_with_its_eot_and_bos
     assert (again.eot_id, again.bos_id) == (2, 1) and again.encode("The cat") == tok.encode("The cat")
 
 
+def test_a_folder_saved_by_transformers_is_read_with_its_own_tokenizer(llama_dir, tmp_path) -> None:
+    """No owai_tokenizer.json, but transformers' tokenizer files: the folder's tokenizer, not the default."""
+    from owai.data.text import tokenizer_for
+
+    assert tokenizer_for(llama_dir, "bpe-4096") == str(llama_dir)
+    (tmp_path / "tokenizer.json").write_text((llama_dir / "tokenizer.json").read_text())
+    assert tokenizer_for(tmp_path, "bpe-4096") == "bpe-4096"  # owai's own file without its spec: unknown
+
+
 @pytest.mark.slow  # a full end-to-end path (tens of seconds); `pytest -m slow`
 def test_importing_owais_adapter_leaves_the_harnesss_own_models_usable(llama_dir) -> None:
     """In one fresh process: import owai's adapter, then run lm-eval's own `hf` model by name."""

@@ -133,6 +133,21 @@ def test_unknown_recipe_id():
         recipes.load("nope")
 
 
+def test_a_folder_named_like_a_recipe_does_not_hide_it(tmp_path, monkeypatch):
+    """`owai moons -o .` makes ./three-moons/; the recipe id still names the packaged recipe."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "three-moons").mkdir()
+    assert recipes.load("three-moons").id == "three-moons"
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(OwaiError, match="recipe mine is a folder, not a recipe id or YAML file"):
+        recipes.load("mine")
+    (tmp_path / "mine.yaml").mkdir()
+    with pytest.raises(OwaiError, match="recipe file mine.yaml is a folder, not a file"):
+        recipes.load("mine.yaml")
+    with pytest.raises(OwaiError, match="recipe file gone.yaml does not exist"):
+        recipes.load("gone.yaml")
+
+
 def test_malformed_yaml(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("id: bad\nreproduces: [\n  - x: : y\n")

@@ -127,6 +127,14 @@ def test_resume_runs_only_unfinished_points(grid_sweep: Path, tmp_path: Path, ca
     assert code == 2 and "--resume" in err
 
 
+def test_a_point_whose_folder_is_a_file_fails_with_one_line(tmp_path: Path) -> None:
+    (tmp_path / "p0").write_text("not a run")
+    outcome = sweeps.run_point({"id": "p0", "dir": str(tmp_path / "p0")})
+    assert outcome["status"] == "failed"
+    assert outcome["error"] == f"{tmp_path / 'p0'} is a file where this point's run directory belongs; remove it to rerun this point"
+    assert (tmp_path / "p0").read_text() == "not a run"
+
+
 def test_report_renders_a_sweep(grid_sweep: Path, capsys) -> None:
     code, out, _ = cli(["report", str(grid_sweep)], capsys)
     assert code == 0 and "train.lr=0.01" in out and "±" in out and "heads3.disentanglement" in out

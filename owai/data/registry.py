@@ -214,13 +214,24 @@ def locate(name: str, root: str | Path | None = None, required: tuple[str, ...] 
     return None
 
 
+def data_env_problem() -> str:
+    """"$OWAI_DATA=PATH is a file, not a folder" or "$OWAI_DATA=PATH does not exist" when it is set but
+    names no folder, else "": what a missing-data message adds to say why nothing was found there."""
+    value = os.environ.get(DATA_ENV)
+    if not value or Path(value).expanduser().is_dir():
+        return ""
+    return f"${DATA_ENV}={value} {'is a file, not a folder' if Path(value).expanduser().exists() else 'does not exist'}"
+
+
 def missing_message(name: str, root: str | Path | None = None) -> str:
     """One line: where the dataset was looked for and how to get it."""
     ds = dataset(name)
     if root:
         where = str(explicit_folder(ds, root))
     else:
-        where = ", ".join(f"{label} ({folder})" for label, folder in candidates(ds))
+        problem = data_env_problem()
+        where = ", ".join(f"{label} ({folder}{f': {problem}' if problem and label == f'${DATA_ENV}' else ''})"
+                          for label, folder in candidates(ds))
     fetch = ds.how_to_get()
     if root and not ds.manual:
         fetch = f"run `owai data fetch {ds.name} --data-root {root}`"

@@ -924,11 +924,17 @@ def read_tokenizer_spec(path: Path) -> dict[str, Any]:
 
 
 def tokenizer_for(path: Path, default: str) -> str:
-    """The tokenizer a saved model was trained with (see save_tokenizer), else `default`."""
+    """The tokenizer a saved model was trained with: the one its owai_tokenizer.json names (see
+    save_tokenizer), else the folder's own when transformers saved one there (tokenizer_config.json,
+    as `save_pretrained` writes) or it holds GPT-2's BPE files, else `default`."""
     spec = read_tokenizer_spec(path)
     if spec.get("file") and (path / spec["file"]).is_file():
         return str(path / spec["file"])
-    return spec.get("name", default)
+    if "name" in spec:
+        return spec["name"]
+    if (path / "tokenizer_config.json").is_file() or _bpe_files(path) is not None:
+        return str(path)
+    return default
 
 
 def _bpe_files(folder: Path) -> tuple[Path, Path] | None:

@@ -206,7 +206,7 @@ def load_task(cfg: Config) -> Any:
 def task_folder(task: str, data: str) -> Path:
     """The task's folder by owai's data-root rule (`registry.find_relative`): under `data` when given
     (data/icl/<task>, data/<task>, or `data` itself), else under $OWAI_DATA, then the cache."""
-    from owai.data.registry import find_relative
+    from owai.data.registry import data_env_problem, find_relative
     from owai.errors import DataMissing
 
     sub = DATA_FOLDERS[task]
@@ -219,7 +219,9 @@ def task_folder(task: str, data: str) -> Path:
         if root.is_dir() and any(root.iterdir()):
             return root
         raise DataMissing(f"{task}: no data at {root} (looked for {root / sub} and {root})")
-    raise DataMissing(f"{task}: set $OWAI_DATA (with {sub}/ under it), or --set data=DIR, or data=hf for the hub ids")
+    problem = data_env_problem()
+    raise DataMissing(f"{task}: {problem + '; set it to a folder' if problem else 'set $OWAI_DATA'} (with {sub}/ under it), "
+                      "or --set data=DIR, or data=hf for the hub ids")
 
 
 def plot_curves(run: Run, task: str, model: str, shots: list[int], curves: dict[str, list[float | None]]) -> None:
