@@ -322,7 +322,8 @@ def test_a_missing_data_root_tokenizer_says_how_to_fetch_it(tmp_path: Path, monk
         with pytest.raises(OwaiError) as e:
             check_tokenizer(name)
         message = one_line_error(e)
-        assert f"not found in $OWAI_DATA ({data / 'tokenizers' / 'gpt2'})" in message and "owai data fetch gpt2" in message
+        assert f"not found in $OWAI_DATA ({data / 'tokenizers' / 'gpt2'}: $OWAI_DATA={data} does not exist)" in message
+        assert "owai data fetch gpt2" in message
         assert "Hugging Face" not in message
     (data / "tokenizers" / "gpt2").mkdir(parents=True)
     assert resolve_tokenizer("tokenizers/gpt2") == str(data / "tokenizers" / "gpt2")
