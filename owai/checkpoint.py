@@ -48,6 +48,7 @@ SHARDED_FORMAT = "owai-checkpoint-v2"  # v1 + the model and optimizer state as D
 TENSORS = "tensors.safetensors"
 STATE = "state.json"
 SHARDS = "dcp"
+TEMPORARY_PREFIX = ".tmp-step-"  # a checkpoint being written (both formats), before its rename
 
 
 class NonFiniteError(OwaiError):
@@ -145,7 +146,7 @@ def save_checkpoint(
         raise NonFiniteError(f"refusing to write checkpoint {final}: {bad[0]} holds non-finite values",
                              directory.name, step)
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:06d}-", dir=directory))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TEMPORARY_PREFIX}{step:06d}-", dir=directory))
     os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700 directories
     try:
         _commit(tmp, final, tensors, {"format": FORMAT, "step": step}, skeleton, identity)
@@ -187,6 +188,22 @@ def list_checkpoints(directory: Path) -> list[Path]:
 def latest_checkpoint(directory: Path) -> Path | None:
     found = list_checkpoints(directory)
     return found[-1] if found else None
+
+
+def remove_leftovers(directory: Path, keep: int = 2) -> None:
+    """Remove what a process killed while saving a checkpoint in `directory` left there: the temporary
+    folder of a save not yet committed, and checkpoints older than the newest `keep` (keep <= 0: all
+    kept, as `save_checkpoint`) that it had not finished pruning, whole or half removed. Nothing reads
+    them, but each can hold a whole checkpoint, and a stage that had ended never saves again to prune
+    them. Call only where no save is under way (a stage's start, on rank 0)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    for path in directory.iterdir():
+        if path.name.startswith(TEMPORARY_PREFIX) and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+    for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
@@ -385,7 +402,7 @@ def save_sharded_checkpoint(
     bad = _first_nonfinite(shards) or (next(iter(nonfinite_tensors(tensors)), None) if w.is_main else None)
     _raise_first([f"refusing to write checkpoint {final}: {b} holds non-finite values" if b else None
                   for b in distributed.gather_objects(bad)], lambda m: NonFiniteError(m, directory.name, step))
-    tmp = directory / f".tmp-step-{step:06d}-sharded"
+    tmp = directory / f"{TEMPORARY_PREFIX}{step:06d}-sharded"
     error = None
     if w.is_main:
         try:

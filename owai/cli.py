@@ -10,7 +10,9 @@ import importlib
 import inspect
 import os
 import pkgutil
+import signal
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -276,12 +278,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     except Exception as e:  # noqa: BLE001 - the last line of defence against tracebacks
         if os.environ.get("OWAI_DEBUG"):
             raise
+        _wait_for_rank0()
         console.stderr.print(f"internal error: {type(e).__name__}: {e} (set OWAI_DEBUG=1 for the traceback)", markup=False, soft_wrap=True)
-        sys.exit(1)
+        _exit(1)
     if code == 130:  # Typer turns Ctrl-C into Exit(130)
         _fail("interrupted", 130)
     if isinstance(code, int) and not isinstance(code, bool) and code:  # typer.Exit(code) / ctx.exit(code)
         sys.exit(code)
+    if argv is None:  # the process's command is done: a Ctrl-C during the interpreter's shutdown would
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # print a traceback from its atexit handlers
 
 
 def usage_message(error: click.ClickException) -> str:
@@ -294,6 +299,46 @@ def usage_message(error: click.ClickException) -> str:
     return text
 
 
+# Under torchrun every rank runs the same command line, so an error that every rank reaches (bad
+# input, a refusal, the one rank 0 broadcast while setting up the run) would print once per rank.
+# Rank 0 prints at once; another rank waits this long first: when rank 0 fails too, torchrun stops
+# the other ranks as soon as it exits, so the line is printed once, and an error of that rank alone
+# is still printed, this much later.
+OTHER_RANK_ERROR_DELAY_S = 5.0
+
+
+def _wait_for_rank0() -> None:
+    """Before a torchrun job's rank other than 0 prints an error (see OTHER_RANK_ERROR_DELAY_S). The
+    rank is torchrun's environment's: the process group may not be joined (or torch imported) yet."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0:
+        try:
+            time.sleep(OTHER_RANK_ERROR_DELAY_S)
+        except KeyboardInterrupt:  # a second Ctrl-C: print now
+            pass
+
+
 def _fail(message: str, code: int) -> None:
+    _wait_for_rank0()
     console.stderr.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
+    _exit(code)
+
+
+def _exit(code: int) -> None:
+    """Exit after an error: `sys.exit(code)`, except in a rank that joined a torchrun job's process
+    group. Such a rank leaves the group without tearing it down (a collective teardown could wait
+    for a peer that is still working), and Python's shutdown beside a live peer then aborted in
+    gloo's destructors about one time in two ("terminate called without an active exception",
+    SIGABRT instead of the exit code): it flushes its output and ends at once, as torchrun then
+    ends the other ranks."""
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
     sys.exit(code)
+
+
+if __name__ == "__main__":  # `python -m owai.cli ...` (e.g. `torchrun -m owai.cli ...`) is `python -m owai ...`
+    main()

@@ -63,6 +63,11 @@ def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def launch_rank() -> int:
+    """This process's rank as torchrun set it (RANK; 0 outside torchrun), known before `init`."""
+    return int(os.environ.get("RANK", "0")) if launched_by_torchrun() else 0
+
+
 def init() -> World:
     """Join the torchrun job if there is one (idempotent); returns this process's World.
 
@@ -284,11 +289,18 @@ def _load_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, model
     optimizers make a parameter's state at the first step that reads its gradient, so a checkpoint
     written before a parameter had one (Memory Mosaics v2's long-term memory while the context is
     no longer than the short window) has none for it, and the resumed run, like the uninterrupted
-    one, makes it when the gradient comes."""
+    one, makes it when the gradient comes. torch's loader first gives every parameter the state of
+    one zero-gradient step (Adam's `step` 1) and keeps it where the checkpoint has none: that state
+    is dropped, or the parameter's first updates would differ (Adam's bias correction counts it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     set_model_state_dict(module, model_state, options=StateDictOptions(full_state_dict=full))
     set_optimizer_state_dict(module, optimizer, optim_state, options=StateDictOptions(full_state_dict=full, strict=False))
+    names = {param: name for name, param in module.named_parameters()}
+    saved = optim_state.get("state", {})
+    if set(saved) <= set(names.values()):  # keyed by parameter name, as get_state_dict writes
+        for param in [p for p in optimizer.state if p in names and names[p] not in saved]:
+            del optimizer.state[param]
 
 
 def sharded_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -300,6 +300,7 @@ def _prepare_resume(
         cfg = build(schema, apply_overrides(schema, resolved["params"], overrides), path="params")
         recipe.method_class().validate(cfg)
     checkpoints = verify_checkpoints(run, run_identity(recipe, resolved["params"]))
+    run.remove_write_temporaries()
     if overrides:
         run.record_overrides(overrides, checkpoints)
     return run

@@ -3,8 +3,11 @@ reader of .safetensors files, and the cache root."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,55 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         if isinstance(e, OSError):
             raise OwaiError(f"cannot write {path}: {e.strerror or type(e).__name__}") from None
         raise
+
+
+def folder_to_build(final: Path, kind: str = "tmp") -> Path:
+    """A new, empty folder beside `final` in which to build it before renaming it into place (a reader
+    sees all of `final` or nothing), named `.NAME.KIND-HOST-PID-XXXXXXXX`. The folders of this KIND that
+    processes of this host were killed in while building `final` are removed first: nothing else
+    cleans them from a shared cache, and each can be as large as `final`. Those of live processes
+    (another process building `final` now), of other hosts sharing the folder, and older unnamed
+    ones stay."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    owner = f".{final.name}.{kind}-{socket.gethostname()}-"
+    for path in final.parent.glob(glob.escape(owner) + "*"):
+        pid = path.name[len(owner):].split("-", 1)[0]
+        if pid.isdigit() and not _process_alive(int(pid)) and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{owner}{os.getpid()}-", dir=final.parent))
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process `pid` of this host exists (another user's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists
+        return True
+    return True
+
+
+def is_write_temporary(path: Path) -> bool:
+    """Whether `path` is named as `atomic_write_bytes`'s temporary files are (`.NAME.XXXXXXXX.tmp`):
+    what a process killed in the middle of a write leaves beside the file, never a result."""
+    name = Path(path).name
+    return name.startswith(".") and name.endswith(".tmp")
+
+
+def remove_write_temporaries(folder: Path) -> None:
+    """Remove the temporary files (`is_write_temporary`) that writes killed in `folder` left there. Only
+    where no write is under way (a resume, before it writes); one that cannot be removed is left."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for path in folder.iterdir():
+        if is_write_temporary(path) and path.is_file() and not path.is_symlink():
+            try:
+                path.unlink()
+            except OSError:  # harmless where it is: nothing reads it
+                pass
 
 
 def share_files(folder: Path) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 from owai import __version__
 from owai.errors import DataMissing, OwaiError
 from owai.trackers import Tracker
-from owai.io import atomic_write_bytes, atomic_write_figure, atomic_write_json, atomic_write_yaml, check_folder
+from owai.io import atomic_write_bytes, atomic_write_figure, atomic_write_json, atomic_write_yaml, check_folder, remove_write_temporaries
 
 CONFIG = "config.yaml"
 ENV = "env.json"
@@ -261,6 +261,12 @@ class Run:
             if not model.name.startswith("."):
                 check_entry(model, folder=True)
         self.env()
+
+    def remove_write_temporaries(self) -> None:
+        """Remove the temporary files that writes killed in this run directory left beside its files and
+        figures (a kill between a write's start and its rename): for a resume, before it writes."""
+        for folder in (self.path, self.figures):
+            remove_write_temporaries(folder)
 
     # -- files --------------------------------------------------------------------------------
     @property

@@ -41,7 +41,7 @@ import yaml
 from owai import console
 from owai.config import build, coerce, load_yaml, parse_override
 from owai.errors import CannotRunHere, OwaiError, one_line
-from owai.io import atomic_write_json
+from owai.io import atomic_write_json, is_write_temporary, remove_write_temporaries
 from owai.recipes import Grid, Recipe, Selection, check_path, load, recipe_claims, recorded_name, sub_grids
 from owai.runs import CONFIG, RESULTS, SWEEP, Run, config_hash, ensure_writable, is_sweep_dir, new_unique_dir, timestamp
 from owai.values import fmt, numeric
@@ -389,7 +389,8 @@ def run_point(task: dict[str, Any]) -> dict[str, Any]:
             execute(resume=path)
         else:
             if path.exists():  # made, but killed before its config was written: nothing to keep
-                if any(p.is_file() for p in path.rglob("*")):
+                # (a kill while config.yaml was written leaves only that write's temporary file)
+                if any(p.is_file() and not is_write_temporary(p) for p in path.rglob("*")):
                     raise OwaiError(f"{path} holds files but no {CONFIG}; remove it to rerun this point")
                 shutil.rmtree(path)
             execute(task["recipe"], task["preset"], task["overrides"], run_dir=path)
@@ -419,6 +420,7 @@ def run(
 ) -> list[dict[str, Any]]:
     """Run every unfinished point; returns this invocation's outcomes [{id, status, error, seconds}]."""
     check_executor(executor, workers)
+    remove_write_temporaries(sweep.path)  # what a killed write of summary.json left (its points: their resumes)
     todo = [p for p in sweep.points if point_status(sweep, p) != "complete"]
     done = len(sweep.points) - len(todo)
     if done:

@@ -38,6 +38,7 @@ from owai.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     load_shards,
+    remove_leftovers,
     save_checkpoint,
     save_sharded_checkpoint,
     verify_shard_files,
@@ -127,6 +128,8 @@ def train_loop(
         return parallel.state_dict(optimizer)
 
     ckpt_dir = run.checkpoints(stage)
+    if main:  # what a run killed while saving a checkpoint left: no save is under way yet
+        remove_leftovers(ckpt_dir, loop.keep_checkpoints)
     identity = {**run.identity, "stage": stage}
     start, recent = 0, []
     last = latest_checkpoint(ckpt_dir)
@@ -167,6 +170,7 @@ def train_loop(
         if main:
             run.trim_metrics(stage, start)
         if start >= loop.steps:
+            model.eval()  # as a stage that trains to its end leaves it
             return {"final_loss": _mean(recent), "steps": start}
 
     model.train()

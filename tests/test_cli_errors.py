@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import yaml
@@ -137,3 +138,22 @@ def test_study_commands_check_their_recipe_and_resume_alone(tmp_path, capsys):
         code, _, err = cli_in_process([*args, "--out", str(tmp_path / "runs")], capsys)
         assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, (args, err)
     assert no_runs(tmp_path / "runs") and not any((moons / "points").iterdir())
+
+
+def test_a_finished_command_ignores_ctrl_c_during_shutdown(monkeypatch, capsys):
+    """A Ctrl-C in the moment after a command finished printed a traceback from torch's atexit
+    handlers (or killed the process by the signal): the console entry point ignores it then."""
+    import signal
+
+    from owai.cli import main
+
+    before = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(sys, "argv", ["owai", "recipes", "list"])
+    try:
+        main()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+    main(["recipes", "list"])  # in-process callers (tests, notebooks) keep their handler
+    assert signal.getsignal(signal.SIGINT) is before
+    capsys.readouterr()

@@ -13,7 +13,7 @@ import torch
 from owai.data.recall import (KEYS, Pieces, bucket_of, buckets_for, icl_episode, recall_episode, training_episode)
 from owai.errors import OwaiError
 from owai.evals.recall import accuracy_by_group, score
-from conftest import SHARED_DATA, as_sets, cli_in_process, run_owai
+from conftest import SHARED_DATA, as_if_killed, as_sets, cli_in_process, run_owai
 from test_chapter4_training import corpus
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "table4.4-recall.yaml"
@@ -250,6 +250,26 @@ def test_tiny_pipeline_trains_both_models_and_measures_every_point(tiny_run):
         assert c["verdict"] in ("holds", "misses") or c["detail"].startswith(("premise fails", "judged at preset")), c
     evals = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
     assert {r["stage"] for r in evals} >= {"mmv2-eval", "transformer-eval"}
+
+
+def test_a_resume_after_the_evaluations_logs_each_models_scores_once(tiny_run, tmp_path):
+    """Killed after both models' evaluations were logged (before results.json): the resume evaluates
+    them again and replaces their rows, to the same numbers; each row used to be there twice."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    as_if_killed(run)
+    proc = run_owai("recipes", "run", str(RECIPE), "--resume", str(run), "-q")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    def evaluation_rows(path: Path) -> list[dict]:
+        rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+        return [r for r in rows if r["stage"].endswith("-eval")]
+
+    assert evaluation_rows(run) == evaluation_rows(tiny_run) and len(evaluation_rows(run)) == 2
+    before = {r["metric"]: r["measured"] for r in json.loads((tiny_run / "results.json").read_text())["rows"]}
+    after = {r["metric"]: r["measured"] for r in json.loads((run / "results.json").read_text())["rows"]}
+    assert after == before
 
 
 def test_owai_report_prints_the_verdicts(tiny_run):

@@ -366,14 +366,25 @@ def test_prepare_is_idempotent_and_atomic(tmp_path: Path, cache: Path, monkeypat
     again = prepare_tokens(str(data), "bytes", cache)
     assert again.root == first.root and again.path("train").stat().st_mtime_ns == stamp
     monkeypatch.undo()
-    # a leftover temporary directory (killed run) and a half-written cache are never used
-    leftover = first.root.parent / f".{first.root.name}.tmp-dead"
-    leftover.mkdir()
-    (leftover / "train.bin").write_bytes(b"\0\0")
+    # a leftover temporary directory (killed run) and a half-written cache are never used; a rebuild
+    # removes the folders of this host's processes that are gone, and keeps a live one's, another
+    # host's and an old unnamed one
+    import socket
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    host = socket.gethostname()
+    folders = {name: first.root.parent / f".{first.root.name}.tmp-{name}"
+               for name in ("dead", f"{host}-{gone}-x1", f"{host}-{os.getpid()}-x2", f"elsewhere-{gone}-x3")}
+    for folder in folders.values():
+        folder.mkdir()
+        (folder / "train.bin").write_bytes(b"\0\0")
     with open(first.path("val"), "r+b") as f:
         f.truncate(10)
     rebuilt = prepare_tokens(str(data), "bytes", cache)
-    assert rebuilt.path("val").stat().st_size == 2 * rebuilt.n_tokens["val"] and leftover.is_dir()
+    assert rebuilt.path("val").stat().st_size == 2 * rebuilt.n_tokens["val"]
+    assert {name for name, folder in folders.items() if folder.is_dir()} == {"dead", f"{host}-{os.getpid()}-x2", f"elsewhere-{gone}-x3"}
     # a crash while writing leaves no cache directory behind
     other = tmp_path / "other.jsonl"
     write_jsonl(other, DOCS[:150])

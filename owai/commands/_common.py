@@ -172,6 +172,9 @@ class Launch(OptionGroup):
         from owai import sweep as sweeps
         from owai.errors import OwaiError
 
+        # every rank would make its own sweep directory and run every point in it
+        refuse_torchrun("this command runs each run in one process (a sweep's points side by side: --workers N or "
+                        "--executor slurm), not under torchrun, where every rank would repeat it")
         slurm = sweeps.SlurmOptions(self.partition, self.gpus_per_node, self.cpus_per_task, self.timeout_min, self.mem_gb,
                                     self.array_parallelism)
         if self.executor is Executor.local and any(v is not None for v in vars(slurm).values()):
@@ -188,6 +191,40 @@ def resumable_dir(path: Path, kind: str) -> None:
         raise OwaiError(f"--resume {path}: a file, not a {kind} directory")
 
 
+def refuse_torchrun(message: str) -> None:
+    """Under torchrun (WORLD_SIZE > 1), refuse a command that does not run data-parallel with
+    `message`, before any directory exists: every rank runs the same command line, so each would
+    repeat the whole work and write beside the others. Every rank refuses alike; `owai.cli` prints
+    the line once."""
+    from owai import distributed
+    from owai.errors import OwaiError
+
+    if distributed.launched_by_torchrun():
+        raise OwaiError(message)
+
+
+def refuse_one_process_method(recipe: str | None, resume: Path | None) -> None:
+    """`refuse_torchrun` for a run (new: of `recipe`; resumed: of the run directory's recipe) whose
+    method does not run data-parallel (`Method.data_parallel`)."""
+    from owai import distributed
+
+    if not distributed.launched_by_torchrun():
+        return
+    from owai.recipes import load, recorded_name
+    from owai.runs import Run
+
+    if resume is not None:
+        resolved = Run.open(resume).read_config()
+        rec = load(recorded_name(resolved["recipe"], resolved.get("recipe_source")))
+    elif recipe is not None:
+        rec = load(recipe)
+    else:
+        return  # execute says what is missing
+    if not rec.method_class().data_parallel:
+        refuse_torchrun(f"`{rec.method_class().cli}` runs in one process, not under torchrun, where every rank would "
+                        "repeat it; torchrun runs mosaic-train, mosaic-eval and eval posloss data-parallel")
+
+
 def run_recipe(
     recipe: str | None, preset: str | None, sets: list[str] | None, out: Path, resume: Path | None, quiet: bool, as_json: bool,
     methods: tuple[str, ...] | None = None,
@@ -200,6 +237,7 @@ def run_recipe(
     console.configure(quiet, as_json)
     if resume is not None:
         resumable_dir(resume, "run")
+    refuse_one_process_method(recipe, resume)
     run, results = execute(recipe, preset, sets or [], out, resume, methods=methods)
     if not run.writes:  # a non-zero torchrun rank: rank 0 reports
         return

@@ -91,7 +91,7 @@ def print_plan(recipe_name: str, preset: str | None, overrides: list[str]) -> No
     """--dry-run: the config resolved and checked as a run's is (one-line refusal where the run would
     refuse, the memory fit aside), then each chapter-4 model's plan as the run would build it:
     parameters, vocabulary, strategy, precision, per-rank memory, FLOPs (`language_model.dry_run_plan`)."""
-    from owai import console
+    from owai import console, distributed
     from owai.experiment import resolve
     from owai.methods.language_model import dry_run_plan
     from owai.recipes import load
@@ -100,8 +100,10 @@ def print_plan(recipe_name: str, preset: str | None, overrides: list[str]) -> No
     if recipe.method != "lm_pretrain":
         raise OwaiError(f"--dry-run plans a mosaic-train recipe; {recipe.id} is a {recipe.method} recipe")
     cfg, _ = resolve(recipe, preset, overrides, validate=False, refuse_unread=True)  # dry_run_plan runs the run's own validation
-    for line in dry_run_plan(cfg):
-        console.stdout.print(line, markup=False, soft_wrap=True)
+    lines = dry_run_plan(cfg)
+    if distributed.launch_rank() == 0:  # under torchrun every rank plans (and refuses) alike; rank 0 prints
+        for line in lines:
+            console.stdout.print(line, markup=False, soft_wrap=True)
 
 
 @options

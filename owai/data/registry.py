@@ -41,7 +41,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -49,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from owai.errors import DataMissing, OwaiError, one_line
-from owai.io import cache_root
+from owai.io import cache_root, folder_to_build
 
 DATA_ENV = "OWAI_DATA"
 MNIST_MIRROR_ENV = "OWAI_MNIST_MIRROR"  # comma-separated base URLs replacing MNIST_MIRRORS
@@ -436,7 +435,7 @@ def _publish(final: Path, fill: Callable[[Path], None], info: Callable[[str], No
     final.parent.mkdir(parents=True, exist_ok=True)
     if final.exists() and not final.is_dir():
         raise OwaiError(f"{final} exists and is not a directory")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.fetch-", dir=final.parent))
+    tmp = folder_to_build(final, "fetch")
     try:
         fill(tmp)
         if final.is_dir():  # an incomplete earlier copy: keep what it has beside the new files

@@ -53,7 +53,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -61,7 +60,7 @@ from typing import Any, TextIO
 from owai.data import registry, stories
 from owai.errors import DataMissing, OwaiError, one_line
 from owai.hub import hub_unreachable
-from owai.io import atomic_write_json, atomic_write_text, cache_root  # cache_root: tokens.py uses it from here
+from owai.io import atomic_write_json, atomic_write_text, cache_root, folder_to_build  # cache_root: tokens.py uses it from here
 
 SPLITS = ("train", "val")
 SPLIT_ALIASES = {"train": "train", "val": "val", "valid": "val", "validation": "val"}
@@ -735,8 +734,7 @@ def extract_7z(archive: Path, cache_dir: str | Path | None = None) -> Path:
         import py7zr
     except ImportError:
         raise OwaiError(f"reading {archive} needs py7zr: pip install py7zr") from None
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp = folder_to_build(final)
     try:
         with _Concatenated(volumes) as raw, py7zr.SevenZipFile(io.BufferedReader(raw), mode="r") as z:
             z.extractall(path=tmp)

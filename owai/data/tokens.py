@@ -10,8 +10,8 @@ one flat memory-mappable file per split:
 
 `<cache>` is `cache_dir`, else `$OWAI_CACHE`, else `~/.cache/owai`. The directory is built under a
 temporary name and renamed into place when complete, so a reader sees a whole cache or none; a
-complete cache (meta.json matching, file sizes matching n_tokens) is reused as is, and leftover
-temporary directories from killed runs are ignored.
+complete cache (meta.json matching, file sizes matching n_tokens) is reused as is, and the
+temporary directories of processes killed while building it are removed (`owai.io.folder_to_build`).
 
 `TokenWindows` samples `(x, y)` batches as the reference does: offsets drawn uniformly over
 `len(data) - block_size - 2` positions (its `RandomSampler` over `StoriesDataset`), `x = data[i:i+T]`,
@@ -24,7 +24,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +46,7 @@ from owai.data.text import (
     slug,
 )
 from owai.errors import OwaiError
-from owai.io import atomic_write_json
+from owai.io import atomic_write_json, folder_to_build
 
 FORMAT_VERSION = 1
 DOCS_PER_BATCH = 512  # documents per encode_batch call / worker task
@@ -148,8 +147,7 @@ def read_complete_meta(root: Path, expect: dict[str, Any]) -> dict[str, Any] | N
 def _build(src: TextSource, tok: Tokenizer, final: Path, expect: dict[str, Any],
            workers: int | None) -> dict[str, Any]:
     """Write every split into a temporary sibling directory, then rename it to `final`."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp = folder_to_build(final)
     try:
         dtype = token_dtype(tok.vocab_size)
         counts = {split: _write_split(src, split, tok, tmp / f"{split}.bin", dtype, workers) for split in SPLITS}
@@ -175,7 +173,7 @@ def _install(tmp: Path, final: Path, expect: dict[str, Any], meta: dict[str, Any
             shutil.rmtree(tmp, ignore_errors=True)
             return theirs
         if final.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+            trash = folder_to_build(final, "old")
             os.rename(final, trash / "old")
             shutil.rmtree(trash, ignore_errors=True)
         try:

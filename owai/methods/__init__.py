@@ -53,6 +53,10 @@ class Method:
     # Optimisation settings (dotted params paths) that `--resume RUN --set KEY=VALUE` may change,
     # e.g. a lower train.lr after the run failed on NaN; they stay out of the checkpoints' config hash.
     resume_overrides: ClassVar[tuple[str, ...]] = ()
+    # Whether it runs data-parallel under torchrun (each rank its share of the batches, rank 0
+    # writes): the language models. Any other method is refused under torchrun, where every rank
+    # would repeat the whole run beside the others (`owai.commands._common.refuse_one_process_method`).
+    data_parallel: ClassVar[bool] = False
 
     @classmethod
     def lr_override(cls, stage: str) -> str | None:

@@ -187,6 +187,7 @@ class LanguageModelPretraining(Method):
     Config = Config
     cli = "owai mosaic-train"
     resume_overrides = ("train.lr", "train.min_lr", "train.grad_clip", "train.weight_decay")
+    data_parallel = True
 
     @staticmethod
     def validate(cfg: Config) -> None:
@@ -1034,6 +1035,7 @@ class EvalOnlyConfig(BaseConfig):
 class LanguageModelEvaluation(Method):
     Config = EvalOnlyConfig
     cli = "owai mosaic-eval"
+    data_parallel = True
 
     @staticmethod
     def validate(cfg: EvalOnlyConfig) -> None:

@@ -127,8 +127,11 @@ class RecallPretraining(LanguageModelPretraining):
             ev = evaluate(cfg, model, data, suite, device)
             measured.update({f"{arch}.{k}": v for k, v in ev.measured.items()})
             details.update({f"{arch}.{k}": v for k, v in ev.details.items()})
-            # each model's scores in metrics.jsonl as soon as they exist (a long cpu run shows its first model early)
-            run.log(f"{arch}-eval", summary.get("steps", 0), **{k: v for k, v in ev.measured.items()})
+            # each model's scores in metrics.jsonl as soon as they exist (a long cpu run shows its first model early);
+            # a resume evaluates a model again: its row replaces the one logged before the kill
+            step = summary.get("steps", 0)
+            run.trim_metrics(f"{arch}-eval", step - 1)
+            run.log(f"{arch}-eval", step, **{k: v for k, v in ev.measured.items()})
         if distributed.is_main():
             plot(run, cfg, measured)
         return Outcome(measured, details)
@@ -233,8 +236,10 @@ def evaluate(cfg: Config, model: torch.nn.Module, data: LMData, suite: dict[str,
     from owai.evals.recall import accuracy_by_group, score
 
     r = cfg.recall
-    measured: dict[str, Any] = {"val_loss": mean_loss(model, eval_batches(data.val, r.val_batches, cfg.train.batch_size, 0,
-                                                                         "final-val"), device)}
+    # batches of the global training batch's rows (train.batch_size is per rank): the same batches,
+    # split among the ranks, whatever the number of processes
+    rows = cfg.train.batch_size * distributed.world().world_size
+    measured: dict[str, Any] = {"val_loss": mean_loss(model, eval_batches(data.val, r.val_batches, rows, 0, "final-val"), device)}
     details: dict[str, Any] = {}
     ablations = [""]
     if r.without_long_term and getattr(model.config, "long_term_memory", False):
