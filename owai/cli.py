@@ -309,8 +309,12 @@ OTHER_RANK_ERROR_DELAY_S = 5.0
 
 def _wait_for_rank0() -> None:
     """Before a torchrun job's rank other than 0 prints an error (see OTHER_RANK_ERROR_DELAY_S). The
-    rank is torchrun's environment's: the process group may not be joined (or torch imported) yet."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0:
+    rank is torchrun's environment's: the process group may not be joined yet."""
+    if "WORLD_SIZE" not in os.environ:  # not under torchrun: owai.distributed (and torch) stay unimported
+        return
+    from owai.distributed import launch_rank
+
+    if launch_rank() != 0:
         try:
             time.sleep(OTHER_RANK_ERROR_DELAY_S)
         except KeyboardInterrupt:  # a second Ctrl-C: print now
