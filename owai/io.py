@@ -49,19 +49,35 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def folder_to_build(final: Path, kind: str = "tmp") -> Path:
     """A new, empty folder beside `final` in which to build it before renaming it into place (a reader
-    sees all of `final` or nothing), named `.NAME.KIND-HOST-PID-XXXXXXXX`. The folders of this KIND that
-    processes of this host were killed in while building `final` are removed first: nothing else
-    cleans them from a shared cache, and each can be as large as `final`. Those of live processes
-    (another process building `final` now), of other hosts sharing the folder, and older unnamed
-    ones stay."""
+    sees all of `final` or nothing), named `.NAME.KIND-HOST-PID-XXXXXXXX`, with the mode mkdir gives
+    (0777 less the umask). The folders of this KIND that processes of this host were killed in while
+    building `final` are removed first (`remove_dead_builds`)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    owner = f".{final.name}.{kind}-{socket.gethostname()}-"
-    for path in final.parent.glob(glob.escape(owner) + "*"):
-        pid = path.name[len(owner):].split("-", 1)[0]
-        if pid.isdigit() and not _process_alive(int(pid)) and path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"{owner}{os.getpid()}-", dir=final.parent))
+    remove_dead_builds(final, kind)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_build_prefix(final, kind)}{os.getpid()}-", dir=final.parent))
+    os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700 folders: renamed into a shared cache, only their owner could read them
+    return tmp
+
+
+def remove_dead_builds(final: Path, *kinds: str) -> None:
+    """Remove the `folder_to_build` folders of `final` (of each KIND, default tmp) that processes of
+    this host were killed in: nothing else cleans them from a shared cache, and each can be as large
+    as `final`. Also where `final` is found complete and reused: the process that finished it may not
+    be the one that was killed. Those of live processes (another process building `final` now), of
+    other hosts sharing the folder, and older unnamed ones stay."""
+    final = Path(final)
+    for kind in kinds or ("tmp",):
+        owner = _build_prefix(final, kind)
+        for path in final.parent.glob(glob.escape(owner) + "*"):
+            pid = path.name[len(owner):].split("-", 1)[0]
+            if pid.isdigit() and not _process_alive(int(pid)) and path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _build_prefix(final: Path, kind: str) -> str:
+    """The name of `final`'s build folders of KIND made on this host, up to the process id."""
+    return f".{final.name}.{kind}-{socket.gethostname()}-"
 
 
 def _process_alive(pid: int) -> bool:

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from owai.errors import DataMissing, OwaiError, one_line
-from owai.io import cache_root, folder_to_build
+from owai.io import cache_root, folder_to_build, remove_dead_builds
 
 DATA_ENV = "OWAI_DATA"
 MNIST_MIRROR_ENV = "OWAI_MNIST_MIRROR"  # comma-separated base URLs replacing MNIST_MIRRORS
@@ -379,6 +379,7 @@ def fetch(name: str, root: str | Path | None = None, base_url: str | None = None
         raise OwaiError(f"{'--data-root ' + str(base) if root else 'the cache ' + str(base)}: {blocked} is a file, "
                         "not a folder to fetch into")
     if ds.present(final) and ds.required:
+        remove_dead_builds(final, "fetch")  # a fetch killed while another one finished it
         info(f"{ds.title} is already in {final}")
         return final
     if ds.manual:
@@ -438,17 +439,33 @@ def _publish(final: Path, fill: Callable[[Path], None], info: Callable[[str], No
     tmp = folder_to_build(final, "fetch")
     try:
         fill(tmp)
-        if final.is_dir():  # an incomplete earlier copy: keep what it has beside the new files
-            for item in tmp.iterdir():
-                os.replace(item, final / item.name)
-            tmp.rmdir()
-        else:
-            os.rename(tmp, final)
+        try:
+            os.rename(tmp, final)  # atomic; refused where `final` is a folder with files in it
+        except OSError as e:
+            if not final.is_dir():
+                raise OwaiError(f"cannot save {final} ({e.strerror or type(e).__name__})") from None
+            # An incomplete earlier copy, or one another process fetched meanwhile: keep what it has
+            # beside the new files. Looked at after the rename is refused, not before: a copy that
+            # appeared between that look and the rename failed the fetch (an internal error).
+            _merge_into(tmp, final)
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     info(f"saved in {final}")
     return final
+
+
+def _merge_into(source: Path, folder: Path) -> None:
+    """Move everything under `source` into `folder`, file by file (each replace is atomic): a folder
+    that both have is merged the same way, since a rename refuses a folder onto one with files in it
+    (two fetches of a dataset with subfolders, e.g. an unpacked archive, finishing one after the other)."""
+    for item in source.iterdir():
+        target = folder / item.name
+        if item.is_dir() and not item.is_symlink() and target.is_dir() and not target.is_symlink():
+            _merge_into(item, target)
+        else:
+            os.replace(item, target)
 
 
 def _fetch_files(ds: Dataset, tmp: Path, urls: tuple[str, ...], info: Callable[[str], None]) -> None:

@@ -60,7 +60,7 @@ from typing import Any, TextIO
 from owai.data import registry, stories
 from owai.errors import DataMissing, OwaiError, one_line
 from owai.hub import hub_unreachable
-from owai.io import atomic_write_json, atomic_write_text, cache_root, folder_to_build  # cache_root: tokens.py uses it from here
+from owai.io import atomic_write_json, atomic_write_text, cache_root, folder_to_build, remove_dead_builds  # cache_root: tokens.py uses it from here
 
 SPLITS = ("train", "val")
 SPLIT_ALIASES = {"train": "train", "val": "val", "valid": "val", "validation": "val"}
@@ -729,6 +729,7 @@ def extract_7z(archive: Path, cache_dir: str | Path | None = None) -> Path:
     key = digest([[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in volumes])
     final = cache_root(cache_dir) / "extracted" / f"{slug(archive.name)}-{key}"
     if final.is_dir():
+        remove_dead_builds(final)  # a process killed extracting it while another finished it
         return final
     try:
         import py7zr

@@ -11,7 +11,9 @@ one flat memory-mappable file per split:
 `<cache>` is `cache_dir`, else `$OWAI_CACHE`, else `~/.cache/owai`. The directory is built under a
 temporary name and renamed into place when complete, so a reader sees a whole cache or none; a
 complete cache (meta.json matching, file sizes matching n_tokens) is reused as is, and the
-temporary directories of processes killed while building it are removed (`owai.io.folder_to_build`).
+temporary directories of processes killed while building it are removed when it is built or reused
+(`owai.io.remove_dead_builds`). Processes building the same cache at once each build their own
+directory; the first renamed into place is the one every process uses.
 
 `TokenWindows` samples `(x, y)` batches as the reference does: offsets drawn uniformly over
 `len(data) - block_size - 2` positions (its `RandomSampler` over `StoriesDataset`), `x = data[i:i+T]`,
@@ -46,7 +48,7 @@ from owai.data.text import (
     slug,
 )
 from owai.errors import OwaiError
-from owai.io import atomic_write_json, folder_to_build
+from owai.io import atomic_write_json, folder_to_build, remove_dead_builds
 
 FORMAT_VERSION = 1
 DOCS_PER_BATCH = 512  # documents per encode_batch call / worker task
@@ -104,6 +106,7 @@ def prepare_tokens(source: str | os.PathLike[str] | TextSource, tokenizer: str |
     meta = read_complete_meta(final, expect)
     if meta is None:
         meta = _build(src, tok, final, expect, workers)
+    remove_dead_builds(final, "tmp", "old")  # a process killed building it while another finished it: cleaned on reuse too
     return PreparedTokens(final, tok, meta)
 
 
@@ -166,21 +169,34 @@ def _build(src: TextSource, tok: Tokenizer, final: Path, expect: dict[str, Any],
 
 def _install(tmp: Path, final: Path, expect: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     """Rename `tmp` to `final` and return the installed meta; a complete `final` written meanwhile
-    by another process wins, an incomplete or stale one is moved out of the way first."""
+    by another process wins, an incomplete or stale one is moved out of the way first.
+
+    The rename is tried first and `final` looked at only when it is refused: a look before it could
+    find `final` missing or stale just before another process installs a complete one, which would
+    then be moved away (and deleted) while that process reads it. Another process may move the same
+    stale `final` away first; and one it moved away that turns out complete is put back."""
     for _ in range(3):
+        try:
+            os.rename(tmp, final)  # atomic; refused while `final` is a folder with files in it (or a file)
+            return meta
+        except OSError:
+            pass
         theirs = read_complete_meta(final, expect)
         if theirs is not None:
             shutil.rmtree(tmp, ignore_errors=True)
             return theirs
-        if final.exists():
-            trash = folder_to_build(final, "old")
-            os.rename(final, trash / "old")
-            shutil.rmtree(trash, ignore_errors=True)
+        trash = folder_to_build(final, "old")
         try:
-            os.rename(tmp, final)
-            return meta
-        except OSError:  # lost a race: look again
-            continue
+            os.rename(final, trash / "old")
+        except FileNotFoundError:  # another process moved it away first
+            pass
+        else:
+            if read_complete_meta(trash / "old", expect) is not None:  # installed between our look and the move
+                try:
+                    os.rename(trash / "old", final)
+                except OSError:  # a third one is in place now: it serves as well
+                    pass
+        shutil.rmtree(trash, ignore_errors=True)
     raise OwaiError(f"cannot install token cache {final} (another process keeps replacing it)")
 
 

@@ -1,0 +1,187 @@
+"""Several owai processes sharing one cache (a sweep's workers, two users' jobs): the races a
+concurrency fuzz pass found, each replayed deterministically by making the other process's move
+happen at the unlucky moment. No process may see half an entry, crash, or delete another's."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from owai.data import registry, tokens
+from owai.data.stories import generate_stories
+from owai.data.tokens import prepare_tokens, read_complete_meta
+from owai.io import folder_to_build, umask
+
+DOCS = generate_stories(120, seed=3)
+
+
+def corpus(tmp_path: Path) -> str:
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    return str(path)
+
+
+def dead_pid() -> int:
+    """The id of a process of this host that has exited."""
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(child.stdout)
+
+
+def hidden(folder: Path) -> list[str]:
+    """The temporary entries (build folders, trash, write temporaries) under `folder`."""
+    return sorted(p.name for p in folder.rglob(".*"))
+
+
+def other_process_installs(final: Path, complete: Path) -> None:
+    """What another process finishing the same cache does: its whole folder renamed into place."""
+    tmp = final.parent / ".theirs"
+    shutil.copytree(complete, tmp)
+    (tmp / "theirs").write_text("")  # to tell whose copy is in place
+    os.rename(tmp, final)
+
+
+@pytest.fixture
+def complete(tmp_path: Path) -> tuple[str, Path]:
+    """A corpus and a complete token cache of it (bytes), built elsewhere, to copy as the other's."""
+    source = corpus(tmp_path)
+    return source, prepare_tokens(source, "bytes", tmp_path / "elsewhere").root
+
+
+def make_stale(final: Path, complete: Path) -> None:
+    """A `final` that is not a complete cache (an older format's): to be replaced by a build."""
+    shutil.copytree(complete, final)
+    meta = json.loads((final / "meta.json").read_text())
+    (final / "meta.json").write_text(json.dumps({**meta, "format_version": 0}))
+
+
+def test_a_cache_another_process_completes_after_our_look_is_kept(tmp_path: Path, complete: tuple[str, Path],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes replacing the same stale cache: the other one installs its complete copy just
+    after this one looked (and found the stale one). That copy used to be moved away and deleted
+    while the other process read it (its train.bin gone: "token file not found")."""
+    source, theirs = complete
+    cache = tmp_path / "cache"
+    final, _ = tokens._cache_dir(tokens.open_source(source), tokens.ByteTokenizer(), cache)
+    make_stale(final, theirs)
+    real, looks = tokens.read_complete_meta, []
+
+    def look(root: Path, expect: dict) -> dict | None:
+        found = real(root, expect)
+        looks.append(root)
+        if found is None and root == final and len(looks) == 2:  # the look inside the install
+            shutil.rmtree(final)  # the other process moves the stale one away and installs its own
+            other_process_installs(final, theirs)
+        return found
+
+    monkeypatch.setattr(tokens, "read_complete_meta", look)
+    prepared = prepare_tokens(source, "bytes", cache)
+    assert (final / "theirs").is_file(), "the other process's complete cache was deleted"
+    assert prepared.root == final and read_complete_meta(final, {}) == prepared.meta
+    assert hidden(cache) == []
+
+
+def test_a_stale_cache_another_process_moved_away_first(tmp_path: Path, complete: tuple[str, Path],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes replacing the same stale cache: the other one moves it away between this one's
+    look and its move. That used to be a FileNotFoundError (an internal error, exit 1)."""
+    source, theirs = complete
+    cache = tmp_path / "cache"
+    final, _ = tokens._cache_dir(tokens.open_source(source), tokens.ByteTokenizer(), cache)
+    make_stale(final, theirs)
+    real = tokens.folder_to_build
+
+    def trash_folder(path: Path, kind: str = "tmp") -> Path:
+        if kind == "old" and final.exists():
+            shutil.rmtree(final)  # the other process got there first
+        return real(path, kind)
+
+    monkeypatch.setattr(tokens, "folder_to_build", trash_folder)
+    prepared = prepare_tokens(source, "bytes", cache)
+    assert read_complete_meta(final, {}) == prepared.meta and prepared.meta["format_version"] == tokens.FORMAT_VERSION
+    assert hidden(cache) == []
+
+
+def test_reuse_removes_the_build_folder_of_a_process_killed_while_another_finished(tmp_path: Path) -> None:
+    """A process killed while building a cache that another process then finished: its folder (as
+    large as the cache) used to stay until the cache was built again, i.e. for ever. The next
+    process that reuses the cache removes it; a live process's folder and another host's stay."""
+    source = corpus(tmp_path)
+    cache = tmp_path / "cache"
+    final = prepare_tokens(source, "bytes", cache).root
+    host, gone = socket.gethostname(), dead_pid()
+    folders = {name: final.parent / f".{final.name}.{name}"
+               for name in (f"tmp-{host}-{gone}-a1", f"old-{host}-{gone}-a2", f"tmp-{host}-{os.getpid()}-a3",
+                            f"tmp-elsewhere-{gone}-a4")}
+    for folder in folders.values():
+        folder.mkdir()
+        (folder / "train.bin").write_bytes(b"\0\0")
+    prepare_tokens(source, "bytes", cache)
+    assert sorted(p.name for p in final.parent.glob(".*")) == sorted(
+        folders[n].name for n in (f"tmp-{host}-{os.getpid()}-a3", f"tmp-elsewhere-{gone}-a4"))
+    # the same for a dataset fetch that another one finished
+    root = tmp_path / "data"
+    gpt2 = root / registry.dataset("gpt2").subfolder
+    gpt2.mkdir(parents=True)
+    for name in registry.dataset("gpt2").required:
+        (gpt2 / name).write_text("{}")
+    killed = gpt2.parent / f".{gpt2.name}.fetch-{host}-{gone}-b1"
+    killed.mkdir()
+    assert registry.fetch("gpt2", root=root) == gpt2 and not killed.exists()
+
+
+def test_cache_folders_are_shared_as_mkdir_makes_them(tmp_path: Path) -> None:
+    """Build folders are renamed into the cache as they are: mkdtemp's 0700 left another user of a
+    shared cache unable to read a token cache, an extracted archive or a fetched dataset."""
+    old = os.umask(0o002)  # a group-shared cache
+    try:
+        folder = folder_to_build(tmp_path / "cache" / "entry")
+        assert folder.stat().st_mode & 0o777 == 0o775 == 0o777 & ~umask()
+        final = prepare_tokens(corpus(tmp_path), "bytes", tmp_path / "cache").root
+        assert final.stat().st_mode & 0o777 == 0o775
+    finally:
+        os.umask(old)
+
+
+def test_a_fetch_that_finishes_after_another_keeps_both_copies_whole(tmp_path: Path) -> None:
+    """Two fetches of a dataset with a subfolder (an unpacked archive, a hub snapshot): the second to
+    finish used to fail renaming its subfolder onto the first one's (OSError: Directory not empty)."""
+    final = tmp_path / "data" / "set"
+
+    def download(tmp: Path, mark: str) -> None:
+        (tmp / "batches").mkdir()
+        (tmp / "batches" / "data_1").write_text("same bytes")
+        (tmp / "readme").write_text("same bytes")
+        if mark == "second":  # meanwhile the other fetch finished and installed its copy
+            registry._publish(final, lambda t: download(t, "first"), lambda _: None)
+
+    assert registry._publish(final, lambda t: download(t, "second"), lambda _: None) == final
+    assert sorted(str(p.relative_to(final)) for p in final.rglob("*")) == ["batches", "batches/data_1", "readme"]
+    assert hidden(final.parent) == []
+
+
+def _prepare(source: str, cache: str, start: Any) -> dict:
+    start.wait()
+    return prepare_tokens(source, "bytes", cache).meta
+
+
+def test_two_processes_build_the_same_cache(tmp_path: Path) -> None:
+    """Two processes started together on an empty cache (a sweep's workers): both get the same
+    complete cache, and nothing temporary is left."""
+    source, cache = corpus(tmp_path), tmp_path / "cache"
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager, context.Pool(2) as pool:
+        start = manager.Event()
+        pending = [pool.apply_async(_prepare, (source, str(cache), start)) for _ in range(2)]
+        start.set()
+        metas = [p.get(timeout=60) for p in pending]
+    assert metas[0] == metas[1] == prepare_tokens(source, "bytes", cache).meta
+    assert hidden(cache) == []
