@@ -40,6 +40,11 @@ class Runtime:
     tracker: Literal["none", "tensorboard", "wandb"] = "none"
 
 
+# The dtype of an evaluated model's weights (owai.evals.causal_lm.CausalLM: "auto" = bfloat16 on CUDA,
+# float32 elsewhere): the `precision` of the ruler, icl and harness evaluations.
+EvalPrecision = Literal["auto", "float32", "bfloat16"]
+
+
 @dataclasses.dataclass
 class BaseConfig:
     """Fields every method config has; method configs subclass this."""
@@ -145,9 +150,22 @@ def build(cls: type, data: dict[str, Any], path: str = "params") -> Any:
         raise OwaiError(f"{path}: missing required key {missing[0]!r}")
     obj = cls(**kwargs)
     if isinstance(obj, BaseConfig):  # a method's whole config: sizes must fit in memory, rates in their ranges
+        check_runtime_dtype(obj, path)
         check_sizes(obj, path)
         check_ranges(obj, path)
     return obj
+
+
+def check_runtime_dtype(cfg: Any, path: str = "params") -> None:
+    """Refuse runtime.dtype other than float32: no method computes in it (each trains or evaluates in
+    float32 unless its own precision setting asks for bf16), so env.json would record a bfloat16 run
+    whose numbers are float32's. The refusal names the method's precision settings, where it has any."""
+    dtype = cfg.runtime.dtype
+    if dtype == "float32":
+        return
+    settings = [field_path for field_path, name, _ in _number_fields(cfg, "", (str,)) if name == "precision"]
+    where = (f"set {' / '.join(settings)} instead" if settings else "this method computes in float32 only")
+    raise OwaiError(f"{path}.runtime.dtype={dtype} changes nothing (no method computes in runtime.dtype); {where}")
 
 
 # The largest value of each size-like setting (flags and --set alike; docs/decisions.md, issue #40):

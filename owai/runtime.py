@@ -72,3 +72,14 @@ def auto_precision(name: str, device: torch.device) -> str:
     if name == "auto":
         return "bfloat16" if device.type == "cuda" else "float32"
     return name
+
+
+def training_precision(name: str, device: torch.device, setting: str) -> str:
+    """A training stage's autocast precision (`setting`, e.g. "train.precision"), resolved on `device`
+    (auto_precision); bfloat16 or float16 autocast trains on CUDA only. CPU autocast is no stand-in:
+    its bf16 convolutions can return garbage weight gradients (oneDNN, a stride-2 convolution on a 1x1
+    map, as a ResNet's at 16 px), which a run would report as a non-finite loss to lower the lr for."""
+    resolved = auto_precision(name, device)
+    if resolved != "float32" and device.type != "cuda":
+        raise OwaiError(f"{setting}={name} needs a CUDA device (this run is on {device.type})")
+    return resolved

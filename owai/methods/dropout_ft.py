@@ -196,6 +196,9 @@ class DropoutFineTuning(Method):
             raise OwaiError("train: need lr > 0, weight_decay >= 0, 0 <= momentum < 1, last_lr_factor > 0, gamma > 0")
         if t.average_start < 0:
             raise OwaiError(f"train.average_start must be >= 0, got {t.average_start}")
+        from owai.runtime import select_device
+
+        _precision(cfg, select_device(cfg.runtime.device))  # bf16 autocast off CUDA: refused here, not in the run
         # the data and the weights file, before any run directory: a bad test domain, class folders
         # that differ between domains, unreadable images or a corrupt weights file fail here
         if d.dataset != "rotated-mnist":
@@ -353,7 +356,9 @@ def initial_weights(cfg: Config, run: Run, data: Any, device: torch.device) -> P
     return pretrained_backbone(cfg, run, pool, device)
 
 
-def pretrain_key(cfg: Config) -> str:
+def pretrain_key(cfg: Config, precision: str = "float32") -> str:
+    """The cache key of the pretrain stage's backbone; `precision` is the one it trains in (resolved:
+    train.precision), so a float32 run never takes a backbone trained under bf16 autocast."""
     import hashlib
 
     from owai.config import to_dict
@@ -364,6 +369,8 @@ def pretrain_key(cfg: Config) -> str:
         del pretrain["source"]
     what = {"backbone": cfg.model.backbone, "pretrain": pretrain, "root": d.root, "pool": d.pool,
             "trial_seed": d.trial_seed, "image_size": d.image_size, "augment": d.augment, "version": 1}
+    if precision != "float32":  # float32 keys written before the precision was keyed stay valid
+        what["precision"] = precision
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -377,7 +384,7 @@ def pretrained_backbone(cfg: Config, run: Run, pool: Any, device: torch.device) 
     from owai.runtime import derive_seed
     from owai.train import LoopConfig, train_loop
 
-    path = cache_root() / "pretrained" / f"{cfg.model.backbone}-{pretrain_key(cfg)}.safetensors"
+    path = cache_root() / "pretrained" / f"{cfg.model.backbone}-{pretrain_key(cfg, _precision(cfg, device))}.safetensors"
     if path.is_file():
         try:
             return load_file(str(path))
@@ -407,9 +414,9 @@ def pretrained_backbone(cfg: Config, run: Run, pool: Any, device: torch.device) 
 
 
 def _precision(cfg: Config, device: torch.device) -> str:
-    from owai.runtime import auto_precision
+    from owai.runtime import training_precision
 
-    return auto_precision(cfg.train.precision, device)
+    return training_precision(cfg.train.precision, device, "train.precision")
 
 
 # -- evaluation and tracks ----------------------------------------------------------------------

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from owai.config import MAX_DOCUMENTS, MAX_SHOTS, BaseConfig, check_count
+from owai.config import MAX_DOCUMENTS, MAX_SHOTS, BaseConfig, EvalPrecision, check_count
 from owai.errors import OwaiError
 from owai.methods import Method, Outcome
 from owai.runs import Run
@@ -54,7 +54,7 @@ class Config(BaseConfig):
     include_path: list[str] = field(default_factory=list)  # extra folders of task YAMLs
     max_gen_toks: int = 256  # generation budget when a task sets none
     seed: int = 1234  # the harness's seeds (few-shot sampling)
-    precision: str = "auto"
+    precision: EvalPrecision = "auto"  # bfloat16 on CUDA
     # the thesis row this model stands for (recipe table4.1-harness): transformer-small, mmv2-small,
     # transformer-large, mmv2-large (4k), the same with -32k, mmv2-large-32k-no-ltm (Tables 4.2, 4.3)
     row: str = ""

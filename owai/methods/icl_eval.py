@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from owai.config import MAX_CONTEXT, MAX_SAMPLES, MAX_SHOTS, BaseConfig, check_count
+from owai.config import MAX_CONTEXT, MAX_SAMPLES, MAX_SHOTS, BaseConfig, EvalPrecision, check_count
 from owai.errors import OwaiError
 from owai.methods import Method, Outcome
 from owai.runs import Run
@@ -54,7 +54,7 @@ class Config(BaseConfig):
     parse: str = "local"  # LongICLBench's answer parsing: local (prompt + continuation) or api (continuation)
     tacred_format: str = "thesis"  # thesis (App. C.2.3) or longiclbench
     synthetic_classes: int = 8
-    precision: str = "auto"  # bfloat16 on CUDA
+    precision: EvalPrecision = "auto"  # bfloat16 on CUDA
     batch_size: int = 1  # prompts per generate call (left-padded; models that cannot pad run one at a time)
     # the thesis row this model stands for, to set its numbers beside the measured ones (recipe
     # fig4.6-icl: Table 4.6 gives mmv2-large's); "" = none

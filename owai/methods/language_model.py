@@ -703,13 +703,9 @@ def load_weights(model: torch.nn.Module, directory: Path, label: str) -> None:
 
 
 def precision_for(name: str, device: torch.device) -> str:
-    from owai.runtime import auto_precision
+    from owai.runtime import training_precision
 
-    if name == "auto":
-        return auto_precision(name, device)
-    if name != "float32" and device.type != "cuda":
-        raise OwaiError(f"train.precision={name} needs a CUDA device (this run is on {device.type})")
-    return name
+    return training_precision(name, device, "train.precision")
 
 
 def train_model(cfg: Config, run: Run, arch: str, parallel: Any, data: LMData, device: torch.device,

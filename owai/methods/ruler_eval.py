@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from owai.config import MAX_CONTEXT, MAX_SAMPLES, BaseConfig, check_count
+from owai.config import MAX_CONTEXT, MAX_SAMPLES, BaseConfig, EvalPrecision, check_count
 from owai.errors import OwaiError
 from owai.methods import Method, Outcome
 from owai.runs import Run
@@ -50,7 +50,7 @@ class Config(BaseConfig):
     # prompts are counted as overflows (the thesis's "x" columns), never truncated
     allow_overflow: bool = False
     ablate: list[str] = field(default_factory=list)  # e.g. [long_term_memory] (Table C.1), at inference only
-    precision: str = "auto"
+    precision: EvalPrecision = "auto"  # bfloat16 on CUDA
     batch_size: int = 1  # prompts per generate call (left-padded; models that cannot pad run one at a time)
     # the thesis row this model stands for, to set its numbers beside the measured ones (recipe
     # table4.4-ruler): transformer-small, mmv2-small, transformer-large, mmv2-large (trained at 4k,
