@@ -185,3 +185,21 @@ def test_two_processes_build_the_same_cache(tmp_path: Path) -> None:
         metas = [p.get(timeout=60) for p in pending]
     assert metas[0] == metas[1] == prepare_tokens(source, "bytes", cache).meta
     assert hidden(cache) == []
+
+
+def test_downloaded_weights_are_shared_as_open_makes_files(tmp_path: Path) -> None:
+    """Weights fetched into the cache (`models.vision._download`, through a mkstemp file of mode 0600)
+    get the mode open() gives, so other users of a shared cache can read them: torch's
+    download_url_to_file writes its own file and moves it over ours."""
+    import os
+
+    from owai.io import umask
+    from owai.models.vision import _download
+
+    source = tmp_path / "weights.pth"
+    source.write_bytes(b"\0" * 64)
+    target = tmp_path / "cache" / "weights.pth"
+    _download(source.as_uri(), target)
+    assert target.read_bytes() == source.read_bytes()
+    assert target.stat().st_mode & 0o777 == 0o666 & ~umask()
+    assert [p.name for p in target.parent.iterdir()] == ["weights.pth"]

@@ -262,3 +262,17 @@ def test_posloss_only_skips_the_training_loss():
 
     assert "eval.train_loss=false" in eval_overrides([Path("m")], None, None, None, True)
     assert not any(o.startswith("eval.train_loss") for o in eval_overrides([Path("m")], None, None, None, False))
+
+
+@pytest.mark.parametrize("arch", ["mm", "gpt", "lstm"])
+def test_every_unsized_architecture_builds_from_mosaic_trains_settings(arch):
+    """`mosaic-train -a lstm` passed n_head and bias, which the LSTM has not: refused with
+    "unknown lstm model setting 'n_head'" after its run directory existed."""
+    from owai.experiment import resolve
+    from owai.methods.language_model import model_kwargs
+    from owai.models.lm import build_lm
+    from owai.recipes import load
+
+    cfg, _ = resolve(load("fig3.8-depth"), None, [f"archs=[{arch}]", "model.dropout=0.1"])
+    model = build_lm(arch, **model_kwargs(cfg, arch, 500))
+    assert model.config.vocab_size == 512 and model.config.n_embd == cfg.model.n_embd

@@ -494,3 +494,14 @@ def test_cache_root_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None
     assert text.cache_root() == Path.home() / ".cache" / "owai"
     assert text.cache_root(tmp_path) == tmp_path
     assert os.fspath(text.cache_root("~/x")).startswith(os.path.expanduser("~"))
+
+
+def test_the_byte_tokenizer_decodes_ids_past_its_vocabulary_to_nothing() -> None:
+    """A model's embedding is padded past the 257 byte ids (to a multiple of 64): a sampled padded
+    id was a ValueError ("byte must be in range(0, 256)") at the end of a bytes-tokenizer run."""
+    from owai.data.text import load_tokenizer
+
+    tok = load_tokenizer("bytes")
+    ids = tok.encode("ab")
+    assert tok.decode([*ids, 300, 319, tok.eot_id, *ids]) == "ab<|endoftext|>ab"
+    assert tok.decode([*ids, 300], skip_special=True) == "ab"

@@ -15,7 +15,7 @@ from owai.errors import OwaiError
 @pytest.mark.parametrize("args, message", [
     (["mosaic-train", "--arch", "gpt", "--set", "model.logit_scale=none"], "model.logit_scale is unused here: a setting of mm; this run trains gpt"),
     (["mosaic-train", "--arch", "gpt-rope", "--set", "model.position=alibi"], "model.position is unused here: the position encoding of a plain gpt"),
-    (["mosaic-train", "--size", "tiny", "--set", "model.dropout=0.1"], "model.dropout is unused here: a setting of mm and gpt; this run trains mmv2"),
+    (["mosaic-train", "--size", "tiny", "--set", "model.dropout=0.1"], "model.dropout is unused here: a setting of mm and gpt and lstm; this run trains mmv2"),
     (["mosaic-train", "--size", "tiny", "--arch", "transformer", "--set", "model.short_window=8", "--dry-run"],
      "model.short_window is unused here: a setting of mmv2; this run trains transformer"),
     (["mosaic-train", "--arch", "mm", "--set", "model.n_kv_head=2"], "model.n_kv_head is unused here: a setting of transformer; this run trains mm"),

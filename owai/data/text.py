@@ -824,8 +824,8 @@ class ByteTokenizer(Tokenizer):
             if int(i) == self.eot_id:
                 out.append(chunk.decode("utf-8", errors="replace") + ("" if skip_special else EOT_TEXT))
                 chunk = bytearray()
-            else:
-                chunk.append(int(i))
+            elif 0 <= int(i) < 256:  # ids past the vocabulary (a model's padded embedding rows) decode to
+                chunk.append(int(i))  # nothing, as Hugging Face tokenizers skip ids they do not have
         return "".join(out) + chunk.decode("utf-8", errors="replace")
 
 

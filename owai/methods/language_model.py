@@ -240,7 +240,7 @@ class LanguageModelPretraining(Method):
 # vocabulary, init_from) every architecture reads. A `--set` of one that no architecture of the run
 # reads is refused (`Method.unused_settings`).
 MODEL_FIELD_READERS: dict[str, tuple[str, ...]] = {
-    "dropout": ("mm", "gpt"), "bias": ("mm", "gpt"), "position": ("gpt",),
+    "dropout": ("mm", "gpt", "lstm"), "bias": ("mm", "gpt"), "position": ("gpt",),
     **dict.fromkeys(("contextual_dropout", "pmem_size", "init", "logit_scale"), ("mm",)),
     "ffn_hidden": SIZED,  # (model.size with other archs: check_settings's own message)
     **dict.fromkeys(("n_kv_head", "rope_theta"), ("transformer",)),
@@ -604,6 +604,8 @@ def model_kwargs(cfg: Config, label: str, tokenizer_vocab: int) -> dict[str, Any
         kw.update(ic_dropout=m.dropout, hd_dropout=m.dropout, contextual_dropout=m.contextual_dropout, init=m.init, logit_scale=m.logit_scale, pmem_size=m.pmem_size or None)
     elif arch == "gpt":
         kw.update(dropout=m.dropout, position=m.position, block_size=cfg.data.block_size)
+    elif arch == "lstm":  # no heads and no bias switch: its own fields
+        kw = dict(vocab_size=vocab, n_layer=m.n_layer, n_embd=m.n_embd, dropout=m.dropout)
     kw.update(variant)
     return kw
 
