@@ -154,3 +154,12 @@ def test_the_check_before_the_run_finds_the_prompt_with_the_most_tokens() -> Non
     exact = max(len(Words().encode(render_prompt(data, shots, q, PromptOptions(labels=mode))[0]))
                 for q in select_queries(data, 2) for mode in cfg.labels)
     assert longest_prompt(cfg, data, Words()) == exact == len(Words().encode(render_prompt(data, shots, data.test[1])[0]))
+
+
+def test_a_model_with_no_room_beyond_the_generation_is_refused_before_the_run(tiny_lm, tmp_path, capsys) -> None:
+    """With --allow-overflow too: the prompt budget (context less max_new_tokens) was 0, an error
+    after the run directory existed."""
+    rc, _, err = _icl(["--model", str(tiny_lm), "--task", "synthetic", "--shots", "1", "--n", "2", "--allow-overflow",
+                       "--set", "max_tokens=16", "--set", "max_new_tokens=16", "-o", str(tmp_path / "runs")], capsys)
+    assert rc == 2 and "takes 16 tokens, no more than the max_new_tokens=16" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "runs").exists()

@@ -100,6 +100,9 @@ class InContextClassification(Method):
         select_demonstrations(data, max(cfg.shots))  # a pool too small for the shots asked for
         limit, tokenizer = check_model(cfg.model, cfg.tokenizer)
         limit = cfg.max_tokens or limit
+        if limit and limit <= cfg.max_new_tokens:  # no room left for any prompt, --allow-overflow or not
+            raise OwaiError(f"{cfg.model} takes {limit} tokens, no more than the max_new_tokens={cfg.max_new_tokens} "
+                            "it is to generate: lower max_new_tokens, or give a model with a longer context")
         if limit and tokenizer is not None and not cfg.allow_overflow:
             longest = longest_prompt(cfg, data, tokenizer)
             if longest + cfg.max_new_tokens > limit:
