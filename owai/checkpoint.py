@@ -153,8 +153,7 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+    _prune(directory, keep)
     return final
 
 
@@ -202,6 +201,11 @@ def remove_leftovers(directory: Path, keep: int = 2) -> None:
     for path in directory.iterdir():
         if path.name.startswith(TEMPORARY_PREFIX) and path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
+    _prune(directory, keep)
+
+
+def _prune(directory: Path, keep: int) -> None:
+    """Remove the checkpoints in `directory` older than the newest `keep` (keep <= 0: keep all)."""
     for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -435,8 +439,7 @@ def save_sharded_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
             error = f"cannot write checkpoint {final}: {e.strerror or e}"
         if error is None:
-            for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
-                shutil.rmtree(old, ignore_errors=True)
+            _prune(directory, keep)
     _raise_first([distributed.broadcast_object(error)])
     return final
 

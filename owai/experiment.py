@@ -235,11 +235,12 @@ def execute(
     resolved = effective_config(run, recipe, resolved)
     cfg = build(recipe.method_class().Config, resolved["params"], path=f"{run.path}/config.yaml params")
     if resume is not None:
-        if run.results() is not None:
+        results = run.results()
+        if results is not None:
             if run.status() != "complete":  # killed after its results were written, or status.json lost
                 run.set_status("complete")
             console.info(f"[green]{run.path} is already complete[/green]")
-            return run, run.results()  # type: ignore[return-value]
+            return run, results
         console.info(f"resuming {run.path}")
     return _run_method(recipe, cfg, resolved, run)
 
@@ -291,14 +292,14 @@ def _prepare_resume(
         return run
     resolved = effective_config(run, recipe, resolved)
     schema = recipe.method_class().Config
-    # a value edited into config.yaml is named here, not taken for a checkpoint of another config
-    recipe.method_class().validate(build(schema, resolved["params"], path=f"{run.path}/config.yaml params"))
     if overrides:
         if is_sweep_dir(run.path.parent.parent):
             raise OwaiError(f"{run.path} is a sweep point, whose settings are its grid's; --set with --resume applies to single runs")
         check_resume_overrides(recipe, overrides)
-        cfg = build(schema, apply_overrides(schema, resolved["params"], overrides), path="params")
-        recipe.method_class().validate(cfg)
+    # the config the resume will run, checked here: a value edited into config.yaml is named, not
+    # taken for a checkpoint of another config
+    params = apply_overrides(schema, resolved["params"], overrides) if overrides else resolved["params"]
+    recipe.method_class().validate(build(schema, params, path="params" if overrides else f"{run.path}/config.yaml params"))
     checkpoints = verify_checkpoints(run, run_identity(recipe, resolved["params"]))
     run.remove_write_temporaries()
     if overrides:
