@@ -29,6 +29,8 @@ class Runtime:
     """Where and how a run executes; shared by every method."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # only float32 is accepted (check_runtime_dtype): no method computes in this dtype; mixed precision
+    # is each method's own setting (train.precision, pretrain.precision, an evaluation's precision)
     dtype: Literal["float32", "bfloat16"] = "float32"
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     deterministic: bool = True
