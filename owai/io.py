@@ -29,8 +29,9 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     from owai.errors import OwaiError
 
     path = Path(path)
+    remove_dead_builds(path, "write")  # what writes of `path` killed on this host left (a shared cache has no resume)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f"{_build_prefix(path, 'write')}{os.getpid()}-", suffix=".tmp", dir=path.parent)
     except OSError as e:
         raise OwaiError(f"cannot write {path}: {e.strerror or type(e).__name__}") from None
     try:
@@ -65,14 +66,19 @@ def remove_dead_builds(final: Path, *kinds: str) -> None:
     this host were killed in: nothing else cleans them from a shared cache, and each can be as large
     as `final`. Also where `final` is found complete and reused: the process that finished it may not
     be the one that was killed. Those of live processes (another process building `final` now), of
-    other hosts sharing the folder, and older unnamed ones stay."""
+    other hosts sharing the folder, and older unnamed ones stay. KIND "write" is
+    `atomic_write_bytes`'s temporary files, removed the same way."""
     final = Path(final)
     for kind in kinds or ("tmp",):
         owner = _build_prefix(final, kind)
         for path in final.parent.glob(glob.escape(owner) + "*"):
             pid = path.name[len(owner):].split("-", 1)[0]
-            if pid.isdigit() and not _process_alive(int(pid)) and path.is_dir() and not path.is_symlink():
+            if not pid.isdigit() or _process_alive(int(pid)) or path.is_symlink():
+                continue
+            if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
+            elif kind == "write" and path.is_file():
+                path.unlink(missing_ok=True)
 
 
 def _build_prefix(final: Path, kind: str) -> str:
@@ -92,7 +98,8 @@ def _process_alive(pid: int) -> bool:
 
 
 def is_write_temporary(path: Path) -> bool:
-    """Whether `path` is named as `atomic_write_bytes`'s temporary files are (`.NAME.XXXXXXXX.tmp`):
+    """Whether `path` is named as `atomic_write_bytes`'s temporary files are (`.NAME.write-HOST-PID-XXXXXXXX.tmp`,
+    or `.NAME.XXXXXXXX.tmp` before they carried the writer's host and process id):
     what a process killed in the middle of a write leaves beside the file, never a result."""
     name = Path(path).name
     return name.startswith(".") and name.endswith(".tmp")

@@ -126,15 +126,19 @@ def torchrun(
     the out-of-memory killer), a wrong result or a second crash is never retried: they fail the test."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     env.pop("OWAI_DEBUG", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
-    signal = rank_signal(proc)
-    if signal not in NATIVE_CRASHES or before_retry is None:
-        return proc
-    warnings.warn(f"torchrun: a rank died of signal {signal}; running the job once more. Its output:\n"
-                  f"{proc.stderr[-6000:]}", stacklevel=2)
-    before_retry()
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+    # torchrun's own log folder, which it would otherwise leave behind as a `torchelastic_*` folder in
+    # the system's temporary directory on every launch.
+    with tempfile.TemporaryDirectory(prefix="owai-torchrun-") as logs:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               f"--log-dir={logs}", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+        signal = rank_signal(proc)
+        if signal not in NATIVE_CRASHES or before_retry is None:
+            return proc
+        warnings.warn(f"torchrun: a rank died of signal {signal}; running the job once more. Its output:\n"
+                      f"{proc.stderr[-6000:]}", stacklevel=2)
+        before_retry()
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
 
 
 def rank_signal(proc: subprocess.CompletedProcess) -> int | None:

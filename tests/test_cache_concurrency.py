@@ -19,7 +19,7 @@ import pytest
 from owai.data import registry, tokens
 from owai.data.stories import generate_stories
 from owai.data.tokens import prepare_tokens, read_complete_meta
-from owai.io import folder_to_build, umask
+from owai.io import atomic_write_bytes, folder_to_build, is_write_temporary, umask
 
 DOCS = generate_stories(120, seed=3)
 
@@ -203,3 +203,24 @@ def test_downloaded_weights_are_shared_as_open_makes_files(tmp_path: Path) -> No
     assert target.read_bytes() == source.read_bytes()
     assert target.stat().st_mode & 0o777 == 0o666 & ~umask()
     assert [p.name for p in target.parent.iterdir()] == ["weights.pth"]
+
+
+def test_a_write_killed_on_this_host_is_removed_by_the_next_write_of_that_file(tmp_path: Path) -> None:
+    """`atomic_write_bytes` names its temporary file by host and process id. A process killed in the
+    middle of writing a file of a shared cache (where no resume cleans up) used to leave it there for
+    ever; the next write of the same file removes it. A live writer's, another host's, another file's
+    and a folder stay."""
+    host, gone = socket.gethostname(), dead_pid()
+    target = tmp_path / "meta.json"
+    left = {name: tmp_path / name for name in (
+        f".meta.json.write-{host}-{gone}-k1.tmp",            # killed here: removed
+        f".meta.json.write-{host}-{os.getpid()}-k2.tmp",     # writing now (this process): stays
+        f".meta.json.write-elsewhere-{gone}-k3.tmp",         # another host's: stays
+        f".vocab.json.write-{host}-{gone}-k4.tmp")}          # another file's: stays until it is written
+    for path in left.values():
+        path.write_text("{")
+    atomic_write_bytes(target, b"{}")
+    assert target.read_bytes() == b"{}"
+    assert sorted(p.name for p in tmp_path.glob(".*")) == sorted(
+        name for name in left if "-k1." not in name)
+    assert all(is_write_temporary(path) for path in left.values())

@@ -13,7 +13,6 @@ import torch
 
 from conftest import TINY_MOONS, as_if_killed, as_sets, cli_in_process
 from owai import sweep as sweeps
-from owai.distributed import Parallel
 from owai.runs import Run
 from owai.train import LoopConfig, train_loop
 

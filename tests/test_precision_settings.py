@@ -84,6 +84,23 @@ def test_dropout_ft_pretrain_cache_is_keyed_by_its_precision() -> None:
     assert dft.pretrain_key(cfg) == dft.pretrain_key(cfg, "float32") != dft.pretrain_key(cfg, "bfloat16")
 
 
+
+def test_rich_features_pretrain_cache_keys_auto_as_what_it_resolves_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pretrain.precision=auto trains under bf16 autocast on CUDA and in float32 elsewhere; one key
+    for both let a CPU run take a network trained on a GPU from a shared cache. On CUDA the key is
+    explicit bfloat16's; on the CPU it stays the one written before (cached networks stay valid)."""
+    import owai.methods.rich_features as rf
+    from owai.config import build
+
+    auto = build(rf.Config, {})
+    bf16 = build(rf.Config, {"pretrain": {"precision": "bfloat16"}})
+    on_cpu = rf.pretrain_key(auto, 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # runtime.device=auto picks CUDA
+    assert rf.pretrain_key(auto, 0) == rf.pretrain_key(bf16, 0) != on_cpu
+    cpu = build(rf.Config, {"runtime": {"device": "cpu"}})
+    assert rf.pretrain_key(cpu, 0) == on_cpu
+
+
 TINY_LMS = {
     "gpt": dict(n_layer=1, n_embd=32, n_head=2, block_size=64),
     "mm": dict(n_layer=1, n_embd=32, n_head=2, pmem_size=8, leaky_chunk=16, ic_dropout=0.0, hd_dropout=0.0),

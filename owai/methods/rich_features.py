@@ -825,6 +825,13 @@ def pretrain_key(cfg: Config, seed: int) -> str:
         what["transforms"] = style
     if cfg.model.joint != 1:
         what["joint"] = cfg.model.joint
+    if cfg.pretrain.precision == "auto":  # keyed as what it resolves to where that is bf16 (on CUDA), so a
+        # CPU run never takes a network trained under CUDA autocast; float32 keys written before stay valid
+        from owai.runtime import auto_precision, select_device
+
+        resolved = auto_precision("auto", select_device(cfg.runtime.device))
+        if resolved != "float32":
+            what["pretrain"]["precision"] = resolved
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
