@@ -37,10 +37,11 @@ STATUS = "status.json"
 METRICS = "metrics.jsonl"
 RESULTS = "results.json"
 HISTORY = "config_history.jsonl"
+ANSWERS = "answers.jsonl"  # an evaluation's answers so far (owai.evals.answers): what its resume does not ask again
 SWEEP = "sweep.json"  # a sweep directory's plan (owai.sweep); a run directory has none
 # What a run directory holds (see above): a resume writes them again, so one that is there as
 # something else (a folder where a file belongs, a broken symlink) is refused before it writes.
-RUN_FILES = (CONFIG, ENV, STATUS, METRICS, RESULTS, HISTORY)
+RUN_FILES = (CONFIG, ENV, STATUS, METRICS, RESULTS, HISTORY, ANSWERS)
 RUN_FOLDERS = ("figures", "checkpoints", "models")
 
 

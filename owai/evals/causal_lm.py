@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from owai.errors import DataMissing, OwaiError
+from owai.evals.answers import AnswerLog, occurrence_keys
 
 REFERENCE = "reference:"
 ABLATIONS = ("long_term_memory",)
@@ -146,25 +147,44 @@ class CausalLM:
             self.ablated.discard(name)
 
 
-def generate_all(model: Any, prompts: list[str], progress: Callable[[int], Any] | None = None, **kwargs: Any) -> list[str]:
+def generate_all(model: Any, prompts: list[str], progress: Callable[[int], Any] | None = None,
+                 answers: AnswerLog | None = None, **kwargs: Any) -> list[str]:
     """The continuations of `prompts` from any suite model: batched through `generate_many` where the
     model has it, else one `generate(prompt, **kwargs)` each. With `progress` (a progress bar's
     update), `progress(k)` after every k prompts answered: the prompts go to the model `batch_size`
-    at a time, the batches `generate_many` makes itself, so the answers are the same."""
+    at a time, the batches `generate_many` makes itself, so the answers are the same. With `answers`
+    (the run's `AnswerLog`), a prompt answered before a kill is not asked again, and each batch's
+    answers are logged once it is answered; the prompts left make the batches they made before."""
     prompts = list(prompts)
     many = getattr(model, "generate_many", None)
 
     def answer(batch: list[str]) -> list[str]:
         return many(batch, **kwargs) if many is not None else [model.generate(p, **kwargs) for p in batch]
 
-    if progress is None:
+    if progress is None and answers is None:
         return answer(prompts)
+    out: list[Any] = [None] * len(prompts)
+    keys = occurrence_keys(("generate", p, kwargs) for p in prompts) if answers is not None else []
+    for i, key in enumerate(keys):
+        if key in answers:
+            out[i] = answers.get(key)
+    todo = [i for i in range(len(prompts)) if not keys or keys[i] not in answers]
+    if progress is not None and len(todo) < len(prompts):
+        progress(len(prompts) - len(todo))  # answered before a kill
     step = max(1, int(getattr(model, "batch_size", 1) or 1))
-    out: list[str] = []
-    for start in range(0, len(prompts), step):
-        batch = prompts[start:start + step]
-        out += answer(batch)
-        progress(len(batch))
+    for start in range(0, len(todo), step):
+        batch = todo[start:start + step]
+        texts = list(answer([prompts[i] for i in batch]))
+        if len(texts) != len(batch):
+            raise OwaiError(f"{type(model).__name__} answered {len(texts)} of {len(batch)} prompts")
+        for i, text in zip(batch, texts):
+            out[i] = text
+            if answers is not None:
+                answers.add(keys[i], text)
+        if answers is not None:
+            answers.flush()
+        if progress is not None:
+            progress(len(batch))
     return out
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from owai.errors import OwaiError
+from owai.evals.answers import AnswerLog, answer_key
 
 TASKS_DIR = Path(__file__).resolve().parent / "harness_tasks"
 SMOKE_TASKS = ("owai_mc_smoke", "owai_gen_smoke")
@@ -105,12 +106,16 @@ HARNESS_DEFAULT_LENGTH = 2048  # HFLM's maximum length when a model's config giv
 @register_model("owai")
 class OwaiLM(TemplateLM):
     """The harness's LM over a `CausalLM` (batch size 1). `lm` is an opened model; from the harness
-    CLI, `--model owai --model_args pretrained=DIR[,tokenizer=NAME]` opens one with `open_model`."""
+    CLI, `--model owai --model_args pretrained=DIR[,tokenizer=NAME]` opens one with `open_model`.
+    With `answers` (an owai run's `AnswerLog`), every request's answer is logged and a request
+    answered before a kill is not computed again (one request at a time: its answer does not depend
+    on the others)."""
 
     def __init__(self, lm: Any = None, pretrained: str = "", tokenizer: str = "", max_length: int | None = None,
                  max_gen_toks: int = DEFAULT_GEN_TOKS, device: Any = None, precision: str = "auto",
-                 batch_size: Any = 1, **kwargs: Any) -> None:
+                 batch_size: Any = 1, answers: AnswerLog | None = None, **kwargs: Any) -> None:
         super().__init__()
+        self.answers = answers
         if lm is None:
             if not pretrained:
                 raise OwaiError("OwaiLM: pass an opened model (lm=) or pretrained=DIR")
@@ -179,11 +184,30 @@ class OwaiLM(TemplateLM):
         `((context, continuation), context_tokens, continuation_tokens)`."""
         out = []
         for key, context, continuation in _track(requests, "harness loglikelihood", disable_tqdm):
-            answer = self._score(list(context), list(continuation))
+            logged = self._logged("loglikelihood", *key) if key is not None else None
+            answer = tuple(logged) if logged is not None else self._score(list(context), list(continuation))
             if key is not None:
+                self._log("loglikelihood", key, answer)
                 self.cache_hook.add_partial("loglikelihood", key, answer)
             out.append(answer)
+        self._flush()
         return out
+
+    # -- the run's answer log -----------------------------------------------------------------------
+    def _logged(self, kind: str, *request: Any) -> Any:
+        """The answer logged for this request before a kill, or None."""
+        if self.answers is None:
+            return None
+        key = answer_key(kind, *request)
+        return self.answers.get(key) if key in self.answers else None
+
+    def _log(self, kind: str, request: Any, answer: Any) -> None:
+        if self.answers is not None:
+            self.answers.add(answer_key(kind, *request), list(answer) if isinstance(answer, tuple) else answer)
+
+    def _flush(self) -> None:
+        if self.answers is not None:
+            self.answers.flush()
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
@@ -192,24 +216,32 @@ class OwaiLM(TemplateLM):
         out = []
         for request in _track(requests, "harness loglikelihood_rolling", disable_tqdm):
             (text,) = request.args
-            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=window,
-                context_len=1)]
-            total = sum(ll for ll, _ in self._loglikelihood_tokens([(None, c, t) for c, t in windows], disable_tqdm=True))
+            total = self._logged("loglikelihood_rolling", text)
+            if total is None:
+                windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=window,
+                    context_len=1)]
+                total = sum(ll for ll, _ in self._loglikelihood_tokens([(None, c, t) for c, t in windows], disable_tqdm=True))
+                self._log("loglikelihood_rolling", (text,), total)
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
             out.append(total)
+        self._flush()
         return out
 
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
         out = []
         for request in _track(requests, "harness generate_until", disable_tqdm):
             context, kwargs = request.args
-            kwargs = dict(kwargs or {})
-            until = kwargs.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
-            text = self.greedy(context, int(kwargs.get("max_gen_toks", self.max_gen_toks)), until)
+            text = self._logged("generate_until", context, kwargs)
+            if text is None:
+                settings = dict(kwargs or {})
+                until = settings.get("until") or []
+                until = [until] if isinstance(until, str) else list(until)
+                text = self.greedy(context, int(settings.get("max_gen_toks", self.max_gen_toks)), until)
+                self._log("generate_until", (context, kwargs), text)
             self.cache_hook.add_partial("generate_until", (context, request.args[1]), text)
             out.append(text)
+        self._flush()
         return out
 
     def greedy(self, context: str, max_new_tokens: int, until: list[str]) -> str:

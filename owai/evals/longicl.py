@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 from owai import console
 from owai.errors import DataMissing, OwaiError, one_line
+from owai.evals.answers import AnswerLog
 
 SUITE = "longicl"
 DEFAULT_QUERIES = 500  # `--test_number 500` in every LongICLBench script
@@ -749,9 +750,10 @@ THESIS_TABLE_4_6 = {"banking77": (10, 0.895), "tacred": (10, 0.630), "goemotion"
 
 def score_prompts(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Example]], queries: Sequence[Example],
                   options: PromptOptions, *, max_tokens: int | None = None, n_examples: int = 3,
-                  progress: Callable[[int], Any] | None = None) -> dict[str, Any]:
+                  progress: Callable[[int], Any] | None = None, answers: AnswerLog | None = None) -> dict[str, Any]:
     """One strategy, one shot count: render, check the token budget, generate, parse, score.
-    `progress(k)` (a progress bar's update) after every k queries answered or overflowed."""
+    `progress(k)` (a progress bar's update) after every k queries answered or overflowed; `answers`:
+    the run's log of continuations (`generate_all`)."""
     count: Callable[[str], int] | None = getattr(model, "count_tokens", None)
     if max_tokens is not None and count is None:
         raise OwaiError("longicl: max_tokens needs a model with count_tokens(prompt)")
@@ -776,7 +778,7 @@ def score_prompts(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Examp
                 record["overflow"] = True
         pending.append((record, prompt, gold))
     shown = [(r, p, g) for r, p, g in pending if not r.get("overflow")]
-    answers = iter(generate_all(model, [p for _, p, _ in shown], progress=progress))  # batched where the model can
+    continuations = iter(generate_all(model, [p for _, p, _ in shown], progress=progress, answers=answers))  # batched where the model can
     if progress is not None and overflow:
         progress(overflow)
     for record, prompt, gold in pending:
@@ -784,7 +786,7 @@ def score_prompts(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Examp
             if len(examples) < n_examples:
                 examples.append(record)
             continue
-        out = next(answers)
+        out = next(continuations)
         if not isinstance(out, str):
             raise OwaiError(f"longicl: model.generate must return a string, got {type(out).__name__}")
         query = queries[record["query"]]
@@ -820,8 +822,9 @@ def sweep_strategies(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Ex
 
 def evaluate(model: ICLModel, data: ICLData, shots: Sequence[int], options: PromptOptions | None = None,
              n_queries: int = DEFAULT_QUERIES, *, strategies: Sequence[Strategy] = STRATEGIES,
-             max_tokens: int | None = None, n_examples: int = 3) -> dict[str, Any]:
-    """Accuracy per shot count and per strategy, plus the best strategy, as a JSON-able dict.
+             max_tokens: int | None = None, n_examples: int = 3, answers: AnswerLog | None = None) -> dict[str, Any]:
+    """Accuracy per shot count and per strategy, plus the best strategy, as a JSON-able dict. With
+    `answers` (the run's log), a resumed run asks the model only for what a kill left unanswered.
 
     The demonstrations are selected once for max(shots) and sliced, and the queries once. A prompt
     over `max_tokens` (counted with `model.count_tokens`) is an overflow: it is reported in
@@ -842,7 +845,7 @@ def evaluate(model: ICLModel, data: ICLData, shots: Sequence[int], options: Prom
         for n in shot_counts:
             bar.update(0, status=f"{n}-shot")
             sweep = sweep_strategies(model, data, all_shots[:n], queries, options, strategies, progress=bar.update,
-                                     max_tokens=max_tokens, n_examples=n_examples)
+                                     max_tokens=max_tokens, n_examples=n_examples, answers=answers)
             results[str(n)] = {"n_demonstrations": sum(len(s) for s in all_shots[:n])} | sweep
     config = {
         "task": data.task,

@@ -57,6 +57,7 @@ from typing import Any, Protocol
 from owai import console
 from owai.config import MAX_CONTEXT
 from owai.errors import DataMissing, OwaiError, one_line
+from owai.evals.answers import AnswerLog
 
 # ------------------------------------------------------------------------------------------ constants
 
@@ -1360,7 +1361,7 @@ class Model(Protocol):
 
 def evaluate(model: Model, tasks: Sequence[Task], lengths: Sequence[str | int], n: int = DEFAULT_SAMPLES,
              seed: int = DEFAULT_SEED, tokenizer: Tokenizer | None = None, max_tokens: int | None = None,
-             keep_records: bool = True) -> dict[str, Any]:
+             keep_records: bool = True, answers: AnswerLog | None = None) -> dict[str, Any]:
     """Build every task at every length and score `model` on it; a JSON-able dict.
 
     The model is called as `model.generate(prompt, max_new_tokens=task.tokens_to_generate)`, or
@@ -1370,7 +1371,8 @@ def evaluate(model: Model, tasks: Sequence[Task], lengths: Sequence[str | int], 
     budget (the haystack could not shrink enough). Per task and length: score (100 x mean over the
     n samples, 2 decimals; None when every sample overflowed), n, nulls (empty predictions among the
     answered), overflow, the searched haystack size, mean prompt tokens. With both qa_1 and qa_2,
-    `qa_mean` per length is their unweighted mean (the thesis's number, sec 1.1)."""
+    `qa_mean` per length is their unweighted mean (the thesis's number, sec 1.1). With `answers` (the
+    run's log), a resumed run asks the model only for the prompts a kill left unanswered."""
     if tokenizer is None:
         raise OwaiError("ruler: a tokenizer is needed (prompts are fitted to token budgets)")
     names = [t.name for t in tasks]
@@ -1385,7 +1387,7 @@ def evaluate(model: Model, tasks: Sequence[Task], lengths: Sequence[str | int], 
     records: dict[str, dict[str, list]] = {}
     with console.Bar("ruler", total=len(tasks) * len(budgets) * n) as bar:
         for task in tasks:
-            _evaluate_task(model, task, budgets, n, seed, tokenizer, max_tokens, results, records, bar)
+            _evaluate_task(model, task, budgets, n, seed, tokenizer, max_tokens, results, records, bar, answer_log=answers)
     out: dict[str, Any] = {
         "suite": "ruler",
         "config": {"tasks": {t.name: t.describe() for t in tasks}, "lengths": budgets, "n": n, "seed": seed,
@@ -1404,7 +1406,7 @@ def evaluate(model: Model, tasks: Sequence[Task], lengths: Sequence[str | int], 
 
 def _evaluate_task(model: Model, task: Task, budgets: dict[str, int], n: int, seed: int, tokenizer: Tokenizer,
                    max_tokens: int | None, results: dict[str, dict[str, Any]], records: dict[str, dict[str, list]],
-                   bar: console.Bar) -> None:
+                   bar: console.Bar, answer_log: AnswerLog | None = None) -> None:
     """`evaluate`'s cells of one task, one per length, into `results` and `records`; `bar` advances per
     sample (answered or overflowed)."""
     metric = SAMPLE_METRICS[task.metric]
@@ -1418,7 +1420,7 @@ def _evaluate_task(model: Model, task: Task, budgets: dict[str, int], n: int, se
         from owai.evals.causal_lm import generate_all
 
         answers = dict(zip((s.index for s in shown),
-                           generate_all(model, [s.prompt for s in shown], progress=bar.update,
+                           generate_all(model, [s.prompt for s in shown], progress=bar.update, answers=answer_log,
                                         max_new_tokens=task.tokens_to_generate)))
         bar.update(len(built.samples) - len(shown))  # the overflows
         for sample in built.samples:

@@ -163,8 +163,10 @@ class Harness(Method):
     def run(self, cfg: Config, run: Run) -> Outcome:
         from owai import console
         from owai.evals import harness
+        from owai.evals.answers import AnswerLog
         from owai.evals.causal_lm import open_model
         from owai.hub import cache_only, hub_unreachable
+        from owai.runs import ANSWERS
 
         manager = harness.task_manager([str(Path(p).expanduser()) for p in cfg.include_path])
         with contextlib.ExitStack() as stack:
@@ -188,7 +190,7 @@ class Harness(Method):
                 lm = open_model(cfg.model, cfg.tokenizer, run.device, cfg.precision)
                 for name in cfg.ablate:
                     stack.enter_context(lm.ablate(name))
-                model = harness.OwaiLM(lm, max_gen_toks=cfg.max_gen_toks)
+                model = harness.OwaiLM(lm, max_gen_toks=cfg.max_gen_toks, answers=AnswerLog(run.path / ANSWERS))
                 max_length = model.max_length
             result = harness.evaluate(model, list(cfg.tasks), cfg.num_fewshot, cfg.limit, manager=manager,
                                       seed=cfg.seed)

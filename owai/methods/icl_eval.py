@@ -113,7 +113,9 @@ class InContextClassification(Method):
     def run(self, cfg: Config, run: Run) -> Outcome:
         from owai import console
         from owai.evals import longicl
+        from owai.evals.answers import AnswerLog
         from owai.evals.causal_lm import open_model
+        from owai.runs import ANSWERS
 
         data = load_task(cfg)
         model = open_model(cfg.model, cfg.tokenizer, run.device, cfg.precision, reference_data=_reference)
@@ -123,6 +125,7 @@ class InContextClassification(Method):
         max_tokens = cfg.max_tokens or getattr(model, "max_tokens", None)
         budget = max_tokens - cfg.max_new_tokens if max_tokens else None
         strategies = [s for s in longicl.STRATEGIES if s.name in cfg.strategies]
+        answers = AnswerLog(run.path / ANSWERS)  # what a resumed run does not ask again
         measured: dict[str, Any] = {}
         details: dict[str, Any] = {"task": data.name, "model": cfg.model, "max_tokens": max_tokens}
         curves: dict[str, list[float | None]] = {}
@@ -131,7 +134,7 @@ class InContextClassification(Method):
                                             trailing_space=cfg.trailing_space, tacred_format=cfg.tacred_format,
                                             parse=cfg.parse)
             result = longicl.evaluate(generator, data, cfg.shots, options, cfg.n_queries, strategies=strategies,
-                                      max_tokens=budget)
+                                      max_tokens=budget, answers=answers)
             details[mode] = result
             curves[mode] = []
             for n in sorted(set(cfg.shots)):

@@ -1,0 +1,110 @@
+"""The answers an evaluation has already had from its model, kept in its run directory so that a
+killed evaluation, resumed, asks the model only for the rest (RULER's own code appends its
+predictions to a file and skips those on a restart; lm-evaluation-harness keeps a request cache).
+
+`answers.jsonl` holds one JSON object per answer, `{"key": KEY, "value": VALUE}`, appended and
+fsynced a batch at a time. KEY is a hash of what was asked (`answer_key`), VALUE what the model
+answered (a continuation, a log-likelihood). A kill can cut only the last line: it is dropped when
+the log is opened, and the file cut back to its last whole line before anything is appended, so
+every line read is one whole answer. A run is resumed only with the settings it was started with
+(`owai.experiment`), so every answer in the log is one the same model gave to the same question.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from owai.errors import OwaiError
+
+FLUSH_SECONDS = 10.0  # answers buffered by `add` reach the disk at least this often
+
+
+def answer_key(*parts: Any) -> str:
+    """The key of one question: a hash of `parts` (the request kind, the prompt, the generation
+    settings, ...) as canonical JSON."""
+    text = json.dumps(parts, sort_keys=True, ensure_ascii=False, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def occurrence_keys(parts: Iterable[tuple[Any, ...]]) -> list[str]:
+    """`answer_key` of each question in a list, with the number of times the same question came before
+    it in the list: a question asked twice in one call is answered twice, as it is without a log (the
+    batches a resumed call makes are then the uninterrupted call's)."""
+    seen: dict[str, int] = {}
+    keys = []
+    for p in parts:
+        base = answer_key(*p)
+        keys.append(answer_key(base, seen.get(base, 0)))
+        seen[base] = seen.get(base, 0) + 1
+    return keys
+
+
+class AnswerLog:
+    """The answers in `path` (module docstring), and new ones appended to it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._answers: dict[str, Any] = {}
+        self._pending: list[str] = []
+        self._last_flush = time.monotonic()
+        self._read()
+
+    def _read(self) -> None:
+        """Load the whole lines; cut a last line a kill left unfinished off the file."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise OwaiError(f"{self.path} cannot be read ({e.strerror or type(e).__name__})") from None
+        whole = data.rfind(b"\n") + 1  # bytes up to the end of the last whole line
+        for line in data[:whole].splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:  # damaged: that answer is asked again
+                continue
+            if isinstance(row, dict) and isinstance(row.get("key"), str) and "value" in row:
+                self._answers[row["key"]] = row["value"]
+        if whole < len(data):
+            try:
+                with open(self.path, "r+b") as f:
+                    f.truncate(whole)
+            except OSError as e:
+                raise OwaiError(f"cannot write {self.path}: {e.strerror or type(e).__name__}") from None
+
+    def __len__(self) -> int:
+        return len(self._answers)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._answers
+
+    def get(self, key: str) -> Any:
+        """The answer logged under `key` (KeyError when there is none)."""
+        return self._answers[key]
+
+    def add(self, key: str, value: Any) -> None:
+        """Log one answer; it reaches the disk at the next `flush`, or within FLUSH_SECONDS."""
+        self._answers[key] = value
+        self._pending.append(json.dumps({"key": key, "value": value}, allow_nan=True))
+        if time.monotonic() - self._last_flush >= FLUSH_SECONDS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Append the answers logged since the last flush, and fsync."""
+        self._last_flush = time.monotonic()
+        if not self._pending:
+            return
+        text = "".join(line + "\n" for line in self._pending)
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise OwaiError(f"cannot write {self.path}: {e.strerror or type(e).__name__}") from None
+        self._pending.clear()

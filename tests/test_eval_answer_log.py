@@ -1,0 +1,173 @@
+"""A killed evaluation resumes where it was killed (`owai.evals.answers`): `eval ruler`, `eval icl`
+and `eval harness` log each answer in the run directory, and `--resume` asks the model only for the
+prompts a kill left unanswered, in the batches the uninterrupted run made, to its results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import cli_in_process, save_tiny_gpt2
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CLOCK = ("date", "start_time", "end_time", "total_evaluation_time_seconds")  # what the harness records of when it ran
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory) -> Path:
+    return save_tiny_gpt2(tmp_path_factory.mktemp("tiny-lm"), positions=2048)
+
+
+class Killed(KeyboardInterrupt):
+    """The kill, raised from inside the model (a Ctrl-C or SIGTERM arrives the same way)."""
+
+
+class Echo:
+    """A suite model that records every batch it is asked and answers each prompt with its length."""
+
+    def __init__(self, batch_size: int, kill_at: int | None = None) -> None:
+        self.batch_size, self.kill_at, self.batches = batch_size, kill_at, []
+
+    def generate_many(self, prompts: list[str], **kwargs: Any) -> list[str]:
+        if self.kill_at is not None and len(self.batches) == self.kill_at:
+            raise Killed
+        self.batches.append(list(prompts))
+        return [f"{len(p)}:{kwargs.get('max_new_tokens')}" for p in prompts]
+
+
+def test_a_line_cut_by_a_kill_is_dropped_and_the_log_goes_on_after_the_whole_ones(tmp_path) -> None:
+    from owai.evals.answers import AnswerLog
+
+    path = tmp_path / "answers.jsonl"
+    path.write_text('{"key": "a", "value": "one"}\n{"key": "b", "value": [-1.5, true]}\n{"key": "c", "val')
+    log = AnswerLog(path)
+    assert len(log) == 2 and log.get("a") == "one" and log.get("b") == [-1.5, True] and "c" not in log
+    assert path.read_text().endswith("true]}\n")  # cut back to the last whole line before anything is appended
+    log.add("c", "line\nbreak")
+    log.add("d", float("-inf"))
+    log.flush()
+    again = AnswerLog(path)
+    assert [again.get(k) for k in "abcd"] == ["one", [-1.5, True], "line\nbreak", float("-inf")]
+    assert len(path.read_text().splitlines()) == 4
+
+
+def test_generate_all_asks_again_only_what_a_kill_left_in_the_uninterrupted_batches(tmp_path) -> None:
+    from owai.evals.answers import AnswerLog
+    from owai.evals.causal_lm import generate_all
+
+    prompts = ["p0", "p11", "p222", "p0", "p4444", "p55555", "p666666", "p0"]  # "p0" asked three times
+    whole = Echo(3)
+    want = generate_all(whole, prompts, answers=AnswerLog(tmp_path / "whole.jsonl"), max_new_tokens=5)
+    assert want == [f"{len(p)}:5" for p in prompts] and len(whole.batches) == 3
+    killed = Echo(3, kill_at=2)
+    with pytest.raises(Killed):
+        generate_all(killed, prompts, answers=AnswerLog(tmp_path / "killed.jsonl"), max_new_tokens=5)
+    resumed, done = Echo(3), []
+    got = generate_all(resumed, prompts, progress=done.append, answers=AnswerLog(tmp_path / "killed.jsonl"),
+                       max_new_tokens=5)
+    assert got == want
+    assert killed.batches + resumed.batches == whole.batches  # the third batch, as it was, and nothing else
+    assert done == [6, 2]  # answered before the kill, then the last batch
+    other = Echo(3)  # other generation settings are other questions
+    generate_all(other, prompts, answers=AnswerLog(tmp_path / "killed.jsonl"), max_new_tokens=6)
+    assert other.batches == whole.batches
+
+
+def _run_dir(out: Path, recipe: str) -> Path:
+    (run_dir,) = (out / recipe).iterdir()
+    return run_dir
+
+
+def _killed_then_resumed(args: list[str], recipe: str, out: Path, capsys, monkeypatch, kill_at: int) -> tuple[dict, int]:
+    """Run `owai ARGS` with the model killed at its `kill_at`-th batch (counted from 0), resume it;
+    its results and the number of batches the resume asked."""
+    from owai.evals.causal_lm import CausalLM
+
+    real, asked = CausalLM.generate_many, []
+
+    def generate_many(self: CausalLM, prompts: list[str], **kwargs: Any) -> list[str]:
+        if len(asked) == kill_at:
+            asked.append(None)
+            raise Killed
+        asked.append(prompts)
+        return real(self, prompts, **kwargs)
+
+    monkeypatch.setattr(CausalLM, "generate_many", generate_many)
+    rc, _, err = cli_in_process([*args, "-o", str(out)], capsys)
+    assert rc == 130, err
+    run_dir = _run_dir(out, recipe)
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "interrupted"
+    assert not (run_dir / "results.json").exists()
+    logged = len((run_dir / "answers.jsonl").read_text().splitlines())
+    assert logged > 0
+    before = len(asked)
+    rc, _, err = cli_in_process([*args[:2], "-q", "--resume", str(run_dir)], capsys)
+    assert rc == 0, err
+    return json.loads((run_dir / "results.json").read_text()), len(asked) - before
+
+
+def _uninterrupted(args: list[str], recipe: str, out: Path, capsys) -> tuple[dict, int]:
+    """Run `owai ARGS`; its results and the number of answers it logged."""
+    rc, _, err = cli_in_process([*args, "-o", str(out)], capsys)
+    assert rc == 0, err
+    run_dir = _run_dir(out, recipe)
+    return json.loads((run_dir / "results.json").read_text()), len((run_dir / "answers.jsonl").read_text().splitlines())
+
+
+def test_eval_ruler_killed_in_a_cell_resumes_there_to_the_uninterrupted_results(tiny_lm, shared_data, tmp_path, capsys,
+                                                                               monkeypatch) -> None:
+    args = ["eval", "ruler", "-q", "--model", str(tiny_lm), "--tasks", "niah_single_1,niah_multikey_2",
+            "--ctx", "1024,1536", "--n", "3", "--set", "tokenizer=", "--set", "batch_size=2"]
+    whole, answered = _uninterrupted(args, "table4.4-ruler", tmp_path / "whole", capsys)
+    assert answered == 12  # 2 tasks x 2 lengths x 3 prompts, each logged once
+    resumed, asked = _killed_then_resumed(args, "table4.4-ruler", tmp_path / "killed", capsys, monkeypatch, kill_at=5)
+    # the first task's 4 batches (2 per length) and the second's first were logged: 3 batches are left
+    assert asked == 3
+    assert resumed["rows"] == whole["rows"]
+    assert resumed["details"]["results"] == whole["details"]["results"]
+
+
+def test_eval_icl_killed_between_strategies_resumes_there_to_the_uninterrupted_results(tiny_lm, tmp_path, capsys,
+                                                                                      monkeypatch) -> None:
+    args = ["eval", "icl", "-q", "--model", str(tiny_lm), "--task", "synthetic", "--shots", "1", "--n", "4",
+            "--set", "synthetic_classes=4", "--set", "max_new_tokens=3", "--labels", "semantic", "--set", "batch_size=3"]
+    whole, answered = _uninterrupted(args, "fig4.6-icl", tmp_path / "whole", capsys)
+    resumed, asked = _killed_then_resumed(args, "fig4.6-icl", tmp_path / "killed", capsys, monkeypatch, kill_at=3)
+    per_strategy = 2  # 4 queries in batches of 3
+    assert answered % 4 == 0 and asked == answered // 4 * per_strategy - 3
+    assert resumed["rows"] == whole["rows"]
+    assert resumed["details"]["semantic"]["results"] == whole["details"]["semantic"]["results"]
+
+
+def test_the_harness_adapter_answers_a_logged_request_from_the_log(tiny_lm, tmp_path) -> None:
+    """OwaiLM logs each request's answer; a new adapter on the same log (a resumed run) answers those
+    without the model, as they were, and computes only the others."""
+    import torch
+    from lm_eval.api.instance import Instance
+
+    from owai.evals import harness
+    from owai.evals.answers import AnswerLog
+    from owai.evals.causal_lm import open_model
+
+    lm = open_model(str(tiny_lm), "", torch.device("cpu"), "float32")
+    pairs = [("The cat", " sat."), ("", "hello"), ("a b", " c")]
+    scoring = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    rolling = [Instance("loglikelihood_rolling", {}, ("one two three " * 3,), 0)]
+    generating = [Instance("generate_until", {}, ("Once", {"until": ["\n"], "max_gen_toks": 4}), 0)]
+    first = harness.OwaiLM(lm, answers=AnswerLog(tmp_path / "answers.jsonl"))
+    want = (first.loglikelihood(scoring[:2]), first.loglikelihood_rolling(rolling), first.generate_until(generating))
+
+    again = harness.OwaiLM(lm, answers=AnswerLog(tmp_path / "answers.jsonl"))
+    scored = []
+    real = again._score
+    again._score = lambda context, continuation: scored.append(continuation) or real(context, continuation)
+    again.greedy = lambda *a: pytest.fail("a logged generation was computed again")
+    got = (again.loglikelihood(scoring), again.loglikelihood_rolling(rolling), again.generate_until(generating))
+    assert got[0][:2] == want[0] and got[1:] == want[1:]
+    assert all(isinstance(answer, tuple) for answer in got[0])
+    assert len(scored) == 1  # the third pair only
+    assert got[0][2] == harness.OwaiLM(lm).loglikelihood(scoring[2:])[0]
