@@ -70,6 +70,9 @@ from owai.models.memory_mosaics import MemoryMosaicsCache, _as, _unit, _unit_adj
 
 SHORT_EDGES = ("open", "closed")  # open: j >= t-h+1 (thesis main text); closed: j >= t-h (paper appendix)
 LONG_EDGES = ("inclusive", "strict")  # inclusive: j <= t-m; strict: j <= t-m-1
+# The edges pair: open with inclusive (the main text), closed with strict (the appendix). Together the
+# two memories then read every lag once at m = h; open with strict leaves lag h unread there, closed
+# with inclusive reads it twice.
 ATTN_IMPLS = ("auto", "sdpa", "flex")  # auto: flex on CUDA (training, prefill), sdpa elsewhere
 SCAN_IMPLS = ("auto", "chunked", "compiled", "triton")  # auto: the chunked scan as one compiled graph on CUDA
 STATIC_DECODING = ("auto", "on", "off")  # auto: on CUDA when generate knows the length (StaticDecoder)
