@@ -143,9 +143,10 @@ def test_eval_icl_killed_between_strategies_resumes_there_to_the_uninterrupted_r
     assert resumed["details"]["semantic"]["results"] == whole["details"]["semantic"]["results"]
 
 
-def test_the_harness_adapter_answers_a_logged_request_from_the_log(tiny_lm, tmp_path) -> None:
-    """OwaiLM logs each request's answer; a new adapter on the same log (a resumed run) answers those
-    without the model, as they were, and computes only the others."""
+def test_a_harness_model_answers_a_logged_request_from_the_log(tiny_lm, tmp_path) -> None:
+    """`log_answers` on owai's adapter: every request's answer is logged; on a new adapter over the
+    same log (a resumed run) those are answered without the model, as they were, and only the
+    others are computed."""
     import torch
     from lm_eval.api.instance import Instance
 
@@ -158,16 +159,59 @@ def test_the_harness_adapter_answers_a_logged_request_from_the_log(tiny_lm, tmp_
     scoring = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
     rolling = [Instance("loglikelihood_rolling", {}, ("one two three " * 3,), 0)]
     generating = [Instance("generate_until", {}, ("Once", {"until": ["\n"], "max_gen_toks": 4}), 0)]
-    first = harness.OwaiLM(lm, answers=AnswerLog(tmp_path / "answers.jsonl"))
+    first = harness.log_answers(harness.OwaiLM(lm), AnswerLog(tmp_path / "answers.jsonl"))
     want = (first.loglikelihood(scoring[:2]), first.loglikelihood_rolling(rolling), first.generate_until(generating))
 
-    again = harness.OwaiLM(lm, answers=AnswerLog(tmp_path / "answers.jsonl"))
+    again = harness.OwaiLM(lm)
     scored = []
     real = again._score
     again._score = lambda context, continuation: scored.append(continuation) or real(context, continuation)
     again.greedy = lambda *a: pytest.fail("a logged generation was computed again")
+    harness.log_answers(again, AnswerLog(tmp_path / "answers.jsonl"))
     got = (again.loglikelihood(scoring), again.loglikelihood_rolling(rolling), again.generate_until(generating))
     assert got[0][:2] == want[0] and got[1:] == want[1:]
     assert all(isinstance(answer, tuple) for answer in got[0])
     assert len(scored) == 1  # the third pair only
     assert got[0][2] == harness.OwaiLM(lm).loglikelihood(scoring[2:])[0]
+
+
+def test_a_harness_model_killed_in_a_call_keeps_the_answers_it_gave(tmp_path, monkeypatch) -> None:
+    """Any harness LM (here a minimal one, as the harness's HFLM reports each answer to its cache
+    hook): the answers given before a kill in the middle of one call are logged, flushed within
+    FLUSH_SECONDS, and the resumed call asks only for the rest."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.model import LM
+
+    from owai.evals import answers as answer_log
+    from owai.evals import harness
+
+    class Lengths(LM):
+        def __init__(self, kill_at: int | None = None) -> None:
+            super().__init__()
+            self.kill_at, self.asked = kill_at, []
+
+        def generate_until(self, requests, disable_tqdm=False):
+            out = []
+            for request in requests:
+                if len(self.asked) == self.kill_at:
+                    raise Killed
+                self.asked.append(request.args[0])
+                out.append(str(len(request.args[0])))
+                self.cache_hook.add_partial("generate_until", request.args, out[-1])
+            return out
+
+        def loglikelihood(self, requests, disable_tqdm=False):
+            raise NotImplementedError
+
+        def loglikelihood_rolling(self, requests, disable_tqdm=False):
+            raise NotImplementedError
+
+    requests = [Instance("generate_until", {}, ("x" * n, {"until": ["\n"]}), n) for n in range(1, 7)]
+    killed = harness.log_answers(Lengths(kill_at=4), answer_log.AnswerLog(tmp_path / "answers.jsonl"))
+    monkeypatch.setattr(answer_log, "FLUSH_SECONDS", 0.0)  # every hook call reaches the disk
+    with pytest.raises(Killed):
+        killed.generate_until(requests)
+    resumed = Lengths()
+    assert harness.log_answers(resumed, answer_log.AnswerLog(tmp_path / "answers.jsonl")).generate_until(requests) == \
+        ["1", "2", "3", "4", "5", "6"]
+    assert resumed.asked == ["xxxxx", "xxxxxx"]

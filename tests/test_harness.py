@@ -229,9 +229,22 @@ def test_the_harnesss_own_hflm_runs_through_the_same_command(tiny_dir, tmp_path,
     rc, _, err = cli_in_process(["eval", "harness", "-q", "-o", str(tmp_path / "runs"), "--model", f"hflm:{hf_dir}",
                                  "--tasks", "owai_mc_smoke", "--limit", "4"], capsys)
     assert rc == 0, err
-    results = json.loads(next((tmp_path / "runs" / "table4.1-harness").iterdir()).joinpath("results.json").read_text())
+    run_dir = next((tmp_path / "runs" / "table4.1-harness").iterdir())
+    results = json.loads(run_dir.joinpath("results.json").read_text())
     assert results["details"]["results"]["owai_mc_smoke"]["sample_len"] == 4
     assert 0.0 <= {r["metric"]: r["measured"] for r in results["rows"]}["owai_mc_smoke.acc"] <= 1.0
+    # its answers are logged too: a resumed run (here of a run killed after its last answer) asks HFLM nothing
+    assert len(run_dir.joinpath("answers.jsonl").read_text().splitlines()) >= 8
+    from conftest import as_if_killed
+    from lm_eval.models.huggingface import HFLM
+
+    as_if_killed(run_dir)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(HFLM, "_loglikelihood_tokens", lambda *a, **k: pytest.fail("a logged request was asked again"))
+        rc, _, err = cli_in_process(["eval", "harness", "-q", "--resume", str(run_dir)], capsys)
+    assert rc == 0, err
+    resumed = json.loads(run_dir.joinpath("results.json").read_text())
+    assert resumed["rows"] == results["rows"]
 
 
 # ------------------------------------------------------------------ agreement with the harness's own HFLM (issue #35)

@@ -106,16 +106,12 @@ HARNESS_DEFAULT_LENGTH = 2048  # HFLM's maximum length when a model's config giv
 @register_model("owai")
 class OwaiLM(TemplateLM):
     """The harness's LM over a `CausalLM` (batch size 1). `lm` is an opened model; from the harness
-    CLI, `--model owai --model_args pretrained=DIR[,tokenizer=NAME]` opens one with `open_model`.
-    With `answers` (an owai run's `AnswerLog`), every request's answer is logged and a request
-    answered before a kill is not computed again (one request at a time: its answer does not depend
-    on the others)."""
+    CLI, `--model owai --model_args pretrained=DIR[,tokenizer=NAME]` opens one with `open_model`."""
 
     def __init__(self, lm: Any = None, pretrained: str = "", tokenizer: str = "", max_length: int | None = None,
                  max_gen_toks: int = DEFAULT_GEN_TOKS, device: Any = None, precision: str = "auto",
-                 batch_size: Any = 1, answers: AnswerLog | None = None, **kwargs: Any) -> None:
+                 batch_size: Any = 1, **kwargs: Any) -> None:
         super().__init__()
-        self.answers = answers
         if lm is None:
             if not pretrained:
                 raise OwaiError("OwaiLM: pass an opened model (lm=) or pretrained=DIR")
@@ -184,30 +180,11 @@ class OwaiLM(TemplateLM):
         `((context, continuation), context_tokens, continuation_tokens)`."""
         out = []
         for key, context, continuation in _track(requests, "harness loglikelihood", disable_tqdm):
-            logged = self._logged("loglikelihood", *key) if key is not None else None
-            answer = tuple(logged) if logged is not None else self._score(list(context), list(continuation))
+            answer = self._score(list(context), list(continuation))
             if key is not None:
-                self._log("loglikelihood", key, answer)
                 self.cache_hook.add_partial("loglikelihood", key, answer)
             out.append(answer)
-        self._flush()
         return out
-
-    # -- the run's answer log -----------------------------------------------------------------------
-    def _logged(self, kind: str, *request: Any) -> Any:
-        """The answer logged for this request before a kill, or None."""
-        if self.answers is None:
-            return None
-        key = answer_key(kind, *request)
-        return self.answers.get(key) if key in self.answers else None
-
-    def _log(self, kind: str, request: Any, answer: Any) -> None:
-        if self.answers is not None:
-            self.answers.add(answer_key(kind, *request), list(answer) if isinstance(answer, tuple) else answer)
-
-    def _flush(self) -> None:
-        if self.answers is not None:
-            self.answers.flush()
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
@@ -216,32 +193,24 @@ class OwaiLM(TemplateLM):
         out = []
         for request in _track(requests, "harness loglikelihood_rolling", disable_tqdm):
             (text,) = request.args
-            total = self._logged("loglikelihood_rolling", text)
-            if total is None:
-                windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=window,
-                    context_len=1)]
-                total = sum(ll for ll, _ in self._loglikelihood_tokens([(None, c, t) for c, t in windows], disable_tqdm=True))
-                self._log("loglikelihood_rolling", (text,), total)
+            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=window,
+                context_len=1)]
+            total = sum(ll for ll, _ in self._loglikelihood_tokens([(None, c, t) for c, t in windows], disable_tqdm=True))
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
             out.append(total)
-        self._flush()
         return out
 
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
         out = []
         for request in _track(requests, "harness generate_until", disable_tqdm):
             context, kwargs = request.args
-            text = self._logged("generate_until", context, kwargs)
-            if text is None:
-                settings = dict(kwargs or {})
-                until = settings.get("until") or []
-                until = [until] if isinstance(until, str) else list(until)
-                text = self.greedy(context, int(settings.get("max_gen_toks", self.max_gen_toks)), until)
-                self._log("generate_until", (context, kwargs), text)
+            kwargs = dict(kwargs or {})
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            text = self.greedy(context, int(kwargs.get("max_gen_toks", self.max_gen_toks)), until)
             self.cache_hook.add_partial("generate_until", (context, request.args[1]), text)
             out.append(text)
-        self._flush()
         return out
 
     def greedy(self, context: str, max_new_tokens: int, until: list[str]) -> str:
@@ -398,6 +367,57 @@ def check_offline(manager: Any, tasks: list[str], why: str) -> None:
                               f"Hugging Face datasets cache, and {why}: run it where the hub can be reached once "
                               "(the cache keeps it), or pick tasks with local data (owai_mc_smoke, owai_gen_smoke, "
                               "an include_path task)") from None
+
+
+REQUEST_TYPES = ("loglikelihood", "loglikelihood_rolling", "generate_until")
+
+
+def log_answers(lm: Any, answers: AnswerLog) -> Any:
+    """Make `lm` (any harness LM: OwaiLM, the harness's HFLM, OracleLM) log the answer of every
+    request in `answers`, as it is computed (the harness's cache hook, which every LM calls per
+    request), and answer a request logged before (a resumed run) from the log, sending only the
+    others to the model. Returns `lm`, whose three request methods are wrapped on the instance.
+    The harness's own request cache (`CachingLM`) is not used: it stores answers as pickles."""
+    from lm_eval.api.model import CacheHook
+
+    class LogHook(CacheHook):
+        def __init__(self) -> None:
+            super().__init__(None)
+
+        def add_partial(self, attr: str, req: Any, res: Any) -> None:
+            key = answer_key(attr, *req)
+            if key not in answers:
+                answers.add(key, list(res) if isinstance(res, tuple) else res)
+
+    lm.set_cache_hook(LogHook())
+    for kind in REQUEST_TYPES:
+        setattr(lm, kind, _answered_from(answers, kind, getattr(lm, kind)))
+    return lm
+
+
+def _answered_from(answers: AnswerLog, kind: str, method: Any) -> Any:
+    """`method` (an LM's request method of `kind`) for only the requests `answers` lacks; the rest
+    come from the log (log-likelihoods as (float, bool) tuples, as the harness's LMs return them)."""
+
+    def answer(requests: list, disable_tqdm: bool = False) -> list:
+        keys = [answer_key(kind, *request.args) for request in requests]
+        todo = [i for i, key in enumerate(keys) if key not in answers]
+        computed = method([requests[i] for i in todo], disable_tqdm=disable_tqdm) if todo else []
+        if len(computed) != len(todo):
+            raise OwaiError(f"the harness model answered {len(computed)} of {len(todo)} {kind} requests")
+        out: list[Any] = [None] * len(requests)
+        for i, value in zip(todo, computed):
+            out[i] = value
+            if keys[i] not in answers:  # an LM that does not call the cache hook
+                answers.add(keys[i], list(value) if isinstance(value, tuple) else value)
+        answers.flush()
+        for i, key in enumerate(keys):
+            if out[i] is None:
+                logged = answers.get(key)
+                out[i] = tuple(logged) if kind == "loglikelihood" else logged
+        return out
+
+    return answer
 
 
 def evaluate(model: Any, tasks: list[str], num_fewshot: int | None = None, limit: int = 0,

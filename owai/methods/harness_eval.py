@@ -190,8 +190,9 @@ class Harness(Method):
                 lm = open_model(cfg.model, cfg.tokenizer, run.device, cfg.precision)
                 for name in cfg.ablate:
                     stack.enter_context(lm.ablate(name))
-                model = harness.OwaiLM(lm, max_gen_toks=cfg.max_gen_toks, answers=AnswerLog(run.path / ANSWERS))
+                model = harness.OwaiLM(lm, max_gen_toks=cfg.max_gen_toks)
                 max_length = model.max_length
+            harness.log_answers(model, AnswerLog(run.path / ANSWERS))  # what a resume does not ask again
             result = harness.evaluate(model, list(cfg.tasks), cfg.num_fewshot, cfg.limit, manager=manager,
                                       seed=cfg.seed)
         measured: dict[str, Any] = harness.main_metrics(result, list(cfg.tasks))
