@@ -334,13 +334,17 @@ def _exit(code: int) -> None:
     gloo's destructors about one time in two ("terminate called without an active exception",
     SIGABRT instead of the exit code): it flushes its output and ends at once, as torchrun then
     ends the other ranks."""
-    if "torch.distributed" in sys.modules:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+    # torch.distributed is looked up, never imported: a Ctrl-C can stop torch's own import half-way,
+    # and importing it again then fails inside torch ("duplicate registrations for aten...")
+    dist = sys.modules.get("torch.distributed")
+    try:
+        joined = dist is not None and dist.is_available() and dist.is_initialized()
+    except Exception:  # half-initialised by that interrupted import: no process group was joined
+        joined = False
+    if joined:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
 
 

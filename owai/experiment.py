@@ -242,6 +242,7 @@ def execute(
             console.info(f"[green]{run.path} is already complete[/green]")
             return run, results
         console.info(f"resuming {run.path}")
+        run.set_status("running")  # not the killed attempt's interrupted / failed while it runs again
     return _run_method(recipe, cfg, resolved, run)
 
 

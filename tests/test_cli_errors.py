@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from conftest import TINY_MOONS, cli_in_process, run_owai
@@ -157,3 +158,18 @@ def test_a_finished_command_ignores_ctrl_c_during_shutdown(monkeypatch, capsys):
     main(["recipes", "list"])  # in-process callers (tests, notebooks) keep their handler
     assert signal.getsignal(signal.SIGINT) is before
     capsys.readouterr()
+
+
+def test_an_error_exit_after_torchs_import_was_cut_short_is_the_exit_code(monkeypatch):
+    """A Ctrl-C while torch is being imported leaves a half-initialised torch.distributed in
+    sys.modules; the exit looked it up by importing it again, which failed inside torch and ended
+    in a traceback and exit code 1 instead of `error: interrupted` and 130."""
+    import types
+
+    from owai import cli
+
+    for name in ("torch", "torch.distributed"):  # as the interrupted import left them: no attributes yet
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    with pytest.raises(SystemExit) as exited:
+        cli._exit(130)
+    assert exited.value.code == 130

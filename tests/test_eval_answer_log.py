@@ -77,6 +77,75 @@ def test_generate_all_asks_again_only_what_a_kill_left_in_the_uninterrupted_batc
     assert other.batches == whole.batches
 
 
+def test_a_batch_reaches_the_log_whole_however_long_it_took(tmp_path, monkeypatch) -> None:
+    """A batch slower than FLUSH_SECONDS (RULER at 128k tokens) is still written in one piece: a kill
+    after a write never leaves part of a batch, which would shift every later batch of the resume."""
+    from owai.evals import answers as answer_log
+    from owai.evals.causal_lm import generate_all
+
+    monkeypatch.setattr(answer_log, "FLUSH_SECONDS", 0.0)
+    real, writes = answer_log.AnswerLog.flush, []
+
+    def flush_then_killed(self) -> None:
+        real(self)
+        writes.append(len(self.path.read_text().splitlines()))
+        if len(writes) == 2:
+            raise Killed
+
+    prompts = [f"p{i}" * (i + 1) for i in range(8)]
+    whole = Echo(3)
+    generate_all(whole, prompts, answers=answer_log.AnswerLog(tmp_path / "whole.jsonl"))
+    monkeypatch.setattr(answer_log.AnswerLog, "flush", flush_then_killed)
+    with pytest.raises(Killed):
+        generate_all(Echo(3), prompts, answers=answer_log.AnswerLog(tmp_path / "killed.jsonl"))
+    monkeypatch.setattr(answer_log.AnswerLog, "flush", real)
+    assert writes == [3, 6]
+    resumed = Echo(3)
+    generate_all(resumed, prompts, answers=answer_log.AnswerLog(tmp_path / "killed.jsonl"))
+    assert resumed.batches == whole.batches[2:]
+
+
+def test_an_answer_damaged_into_another_json_value_is_asked_again(tmp_path) -> None:
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.model import LM
+
+    from owai.evals import harness
+    from owai.evals.answers import AnswerLog, answer_key, occurrence_keys
+    from owai.evals.causal_lm import generate_all
+
+    path = tmp_path / "answers.jsonl"
+    (key,) = occurrence_keys([("generate", "p0", {})])
+    path.write_text(json.dumps({"key": key, "value": None}) + "\n")
+    model = Echo(2)
+    assert generate_all(model, ["p0"], answers=AnswerLog(path)) == ["2:None"] and model.batches == [["p0"]]
+
+    class Scores(LM):
+        asked: list = []
+
+        def loglikelihood(self, requests, disable_tqdm=False):
+            self.asked += [r.args for r in requests]
+            return [(-1.0, True) for _ in requests]
+
+        def loglikelihood_rolling(self, requests, disable_tqdm=False):
+            self.asked += [r.args for r in requests]
+            return [-2.0 for _ in requests]
+
+        def generate_until(self, requests, disable_tqdm=False):
+            raise NotImplementedError
+
+    pairs = [("a", " b"), ("c", " d"), ("e", " f"), ("g", " h")]
+    damaged = [7, ["x", True], [-1.0, "yes"], [-3.5, False]]  # the last one is whole
+    path = tmp_path / "harness.jsonl"
+    path.write_text("".join(json.dumps({"key": answer_key("loglikelihood", *pair), "value": value}) + "\n"
+                            for pair, value in zip(pairs, damaged))
+                    + json.dumps({"key": answer_key("loglikelihood_rolling", "text"), "value": "oops"}) + "\n")
+    lm = harness.log_answers(Scores(), AnswerLog(path))
+    got = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)])
+    assert got == [(-1.0, True)] * 3 + [(-3.5, False)]
+    assert lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("text",), 0)]) == [-2.0]
+    assert Scores.asked == [*pairs[:3], ("text",)]
+
+
 def _run_dir(out: Path, recipe: str) -> Path:
     (run_dir,) = (out / recipe).iterdir()
     return run_dir
@@ -87,13 +156,14 @@ def _killed_then_resumed(args: list[str], recipe: str, out: Path, capsys, monkey
     its results and the number of batches the resume asked."""
     from owai.evals.causal_lm import CausalLM
 
-    real, asked = CausalLM.generate_many, []
+    real, asked, statuses = CausalLM.generate_many, [], []
 
     def generate_many(self: CausalLM, prompts: list[str], **kwargs: Any) -> list[str]:
         if len(asked) == kill_at:
             asked.append(None)
             raise Killed
         asked.append(prompts)
+        statuses.append(json.loads((_run_dir(out, recipe) / "status.json").read_text())["status"])
         return real(self, prompts, **kwargs)
 
     monkeypatch.setattr(CausalLM, "generate_many", generate_many)
@@ -107,6 +177,7 @@ def _killed_then_resumed(args: list[str], recipe: str, out: Path, capsys, monkey
     before = len(asked)
     rc, _, err = cli_in_process([*args[:2], "-q", "--resume", str(run_dir)], capsys)
     assert rc == 0, err
+    assert set(statuses) == {"running"}  # while the resume runs, not the killed attempt's "interrupted"
     return json.loads((run_dir / "results.json").read_text()), len(asked) - before
 
 

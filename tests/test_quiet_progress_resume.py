@@ -32,6 +32,19 @@ def test_eval_icl_quiet_prints_nothing_on_success(tiny_lm, tmp_path) -> None:
     assert len(list((tmp_path / "fig4.6-icl").glob("*/results.json"))) == 1
 
 
+def test_eval_harness_quiet_prints_nothing_outside_a_git_repository(tmp_path, monkeypatch) -> None:
+    """The harness records the working directory's git commit with `git describe`, whose "fatal: not
+    a git repository" reached the terminal under --quiet wherever a user runs owai outside one."""
+    pytest.importorskip("lm_eval")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # no repository above the run's folder either
+    proc = run_owai("eval", "harness", "--quiet", "--model", "reference:oracle", "--tasks", "owai_mc_smoke",
+                    "--limit", "2", "-o", str(tmp_path / "runs"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "" and proc.stderr == ""
+
+
 def test_quiet_silences_the_libraries_and_the_next_mode_restores_them(capsys) -> None:
     import tqdm
 
@@ -141,7 +154,7 @@ def test_evaluation_help_shows_evaluation_settings_and_resume(command, capsys, m
     monkeypatch.setenv("COLUMNS", "400")  # one help line per option
     code, stdout, _ = cli_in_process([*command, "--help"], capsys)
     assert code == 0
-    assert "--resume" in stdout and "evaluated again from the start" in stdout
+    assert "--resume" in stdout and "only for what it had not answered" in stdout
     assert "train.lr" not in stdout and "optimisation" not in stdout  # a training run's --set / --resume help
     assert "--set runtime.device=cpu" in stdout
 

@@ -28,7 +28,7 @@ Sets = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override
 EvalSets = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override an evaluation setting: --set runtime.device=cpu (repeatable; `owai recipes show RECIPE` lists them).")]
 Out = Annotated[Path, typer.Option("--out", "-o", help="Root for results: OUT/<recipe>/<time>-<hash>/ for a run, OUT/<recipe>/sweep-<time>-<hash>/ for a sweep or study.")]
 Resume = Annotated[Optional[Path], typer.Option("--resume", help="Continue a killed or failed run from its last checkpoint; --set may then change only the method's optimisation settings (learning rates, weight decay, clipping: `owai report RUN_DIR` names the one to lower).")]
-EvalResume = Annotated[Optional[Path], typer.Option("--resume", help="Finish a killed or failed evaluation RUN_DIR with its recorded settings (evaluated again from the start, the same results as an uninterrupted run; a complete run is reported as it is). Takes no other settings.", show_default=False)]
+EvalResume = Annotated[Optional[Path], typer.Option("--resume", help="Finish a killed or failed evaluation RUN_DIR with its recorded settings (ruler, icl and harness ask the model only for what it had not answered; posloss evaluates again from the start; either way the results of an uninterrupted run; a complete run is reported as it is). Takes no other settings.", show_default=False)]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or info; errors still print.")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (nothing else).")]
 TrackerOption = Annotated[Optional[str], typer.Option(
@@ -273,7 +273,7 @@ class RunOptions(OptionGroup):
 @dataclasses.dataclass(frozen=True)
 class EvalRunOptions(RunOptions):
     """RunOptions of an evaluation command: its --set and --resume say what they do for an evaluation
-    (an evaluation has no optimisation settings, and resuming evaluates again with the recorded ones)."""
+    (an evaluation has no optimisation settings, and resuming finishes it with the recorded ones)."""
 
     sets: EvalSets = None
     resume: EvalResume = None

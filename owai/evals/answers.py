@@ -53,6 +53,10 @@ class AnswerLog:
         self._pending: list[str] = []
         self._last_flush = time.monotonic()
         self._read()
+        try:  # a log that cannot be appended to is refused now, before the model is loaded
+            open(self.path, "a").close()
+        except OSError as e:
+            raise OwaiError(f"cannot write {self.path}: {e.strerror or type(e).__name__}") from None
 
     def _read(self) -> None:
         """Load the whole lines; cut a last line a kill left unfinished off the file."""
@@ -83,16 +87,29 @@ class AnswerLog:
     def __contains__(self, key: str) -> bool:
         return key in self._answers
 
-    def get(self, key: str) -> Any:
-        """The answer logged under `key` (KeyError when there is none)."""
-        return self._answers[key]
+    def get(self, key: str, kind: type | tuple[type, ...] = object) -> Any:
+        """The answer logged under `key`, or None when there is none or it is not of `kind` (a line
+        damaged into another JSON value: that question is asked again)."""
+        value = self._answers.get(key)
+        return value if isinstance(value, kind) else None
 
     def add(self, key: str, value: Any) -> None:
-        """Log one answer; it reaches the disk at the next `flush`, or within FLUSH_SECONDS."""
-        self._answers[key] = value
-        self._pending.append(json.dumps({"key": key, "value": value}, allow_nan=True))
+        """Log one answer; it reaches the disk at the next `flush`, or within FLUSH_SECONDS (for
+        answers that come one at a time, as the harness's cache hook reports them)."""
+        self._remember(key, value)
         if time.monotonic() - self._last_flush >= FLUSH_SECONDS:
             self.flush()
+
+    def add_batch(self, answers: dict[str, Any]) -> None:
+        """Log a batch's answers and flush them in one write: the log never holds part of a batch,
+        so a resume asks for the batches the uninterrupted run made."""
+        for key, value in answers.items():
+            self._remember(key, value)
+        self.flush()
+
+    def _remember(self, key: str, value: Any) -> None:
+        self._answers[key] = value
+        self._pending.append(json.dumps({"key": key, "value": value}, allow_nan=True))
 
     def flush(self) -> None:
         """Append the answers logged since the last flush, and fsync."""

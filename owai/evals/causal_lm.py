@@ -166,9 +166,8 @@ def generate_all(model: Any, prompts: list[str], progress: Callable[[int], Any] 
     out: list[Any] = [None] * len(prompts)
     keys = occurrence_keys(("generate", p, kwargs) for p in prompts) if answers is not None else []
     for i, key in enumerate(keys):
-        if key in answers:
-            out[i] = answers.get(key)
-    todo = [i for i in range(len(prompts)) if not keys or keys[i] not in answers]
+        out[i] = answers.get(key, str)
+    todo = [i for i in range(len(prompts)) if out[i] is None]
     if progress is not None and len(todo) < len(prompts):
         progress(len(prompts) - len(todo))  # answered before a kill
     step = max(1, int(getattr(model, "batch_size", 1) or 1))
@@ -179,10 +178,8 @@ def generate_all(model: Any, prompts: list[str], progress: Callable[[int], Any] 
             raise OwaiError(f"{type(model).__name__} answered {len(texts)} of {len(batch)} prompts")
         for i, text in zip(batch, texts):
             out[i] = text
-            if answers is not None:
-                answers.add(keys[i], text)
         if answers is not None:
-            answers.flush()
+            answers.add_batch({keys[i]: out[i] for i in batch})
         if progress is not None:
             progress(len(batch))
     return out

@@ -386,7 +386,7 @@ def log_answers(lm: Any, answers: AnswerLog) -> Any:
 
         def add_partial(self, attr: str, req: Any, res: Any) -> None:
             key = answer_key(attr, *req)
-            if key not in answers:
+            if _logged(answers, attr, key) is None:
                 answers.add(key, list(res) if isinstance(res, tuple) else res)
 
     lm.set_cache_hook(LogHook())
@@ -395,26 +395,41 @@ def log_answers(lm: Any, answers: AnswerLog) -> Any:
     return lm
 
 
+def _logged(answers: AnswerLog, kind: str, key: str) -> Any:
+    """The answer `answers` holds for a request of `kind`, as the harness's LMs return it (a
+    log-likelihood as a (float, bool) tuple), or None when there is none or it is not of that form
+    (a damaged line: the request is asked again)."""
+    if kind == "generate_until":
+        return answers.get(key, str)
+    value = answers.get(key, (list, int, float))
+    number = (int, float)
+    if kind == "loglikelihood" and isinstance(value, list) and len(value) == 2 \
+            and isinstance(value[0], number) and not isinstance(value[0], bool) and isinstance(value[1], bool):
+        return tuple(value)
+    if kind == "loglikelihood_rolling" and isinstance(value, number) and not isinstance(value, bool):
+        return value
+    return None
+
+
 def _answered_from(answers: AnswerLog, kind: str, method: Any) -> Any:
     """`method` (an LM's request method of `kind`) for only the requests `answers` lacks; the rest
-    come from the log (log-likelihoods as (float, bool) tuples, as the harness's LMs return them)."""
+    come from the log."""
 
     def answer(requests: list, disable_tqdm: bool = False) -> list:
-        keys = [answer_key(kind, *request.args) for request in requests]
-        todo = [i for i, key in enumerate(keys) if key not in answers]
-        computed = method([requests[i] for i in todo], disable_tqdm=disable_tqdm) if todo else []
+        out = [_logged(answers, kind, answer_key(kind, *request.args)) for request in requests]
+        todo = [i for i, value in enumerate(out) if value is None]
+        try:
+            computed = method([requests[i] for i in todo], disable_tqdm=disable_tqdm) if todo else []
+        finally:  # what the cache hook logged, a Ctrl-C included
+            answers.flush()
         if len(computed) != len(todo):
             raise OwaiError(f"the harness model answered {len(computed)} of {len(todo)} {kind} requests")
-        out: list[Any] = [None] * len(requests)
         for i, value in zip(todo, computed):
             out[i] = value
-            if keys[i] not in answers:  # an LM that does not call the cache hook
-                answers.add(keys[i], list(value) if isinstance(value, tuple) else value)
+            key = answer_key(kind, *requests[i].args)
+            if _logged(answers, kind, key) is None:  # an LM that does not call the cache hook
+                answers.add(key, list(value) if isinstance(value, tuple) else value)
         answers.flush()
-        for i, key in enumerate(keys):
-            if out[i] is None:
-                logged = answers.get(key)
-                out[i] = tuple(logged) if kind == "loglikelihood" else logged
         return out
 
     return answer
@@ -424,18 +439,38 @@ def evaluate(model: Any, tasks: list[str], num_fewshot: int | None = None, limit
              include_path: list[str] | None = None, manager: Any = None, seed: int = 1234) -> dict[str, Any]:
     """Run `tasks` on `model` (an OwaiLM, OracleLM or any harness LM) with `simple_evaluate`; the
     harness's results dict, JSON-able (samples dropped)."""
+    import contextlib
+    from unittest import mock
+
+    import lm_eval.evaluator
     from lm_eval import simple_evaluate
 
     manager = manager or task_manager(include_path)
     unsafe = any(t in UNSAFE_TASKS for t in tasks)
-    result = simple_evaluate(model=model, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit or None,
-                             task_manager=manager, log_samples=False, bootstrap_iters=0,
-                             confirm_run_unsafe_code=unsafe, random_seed=seed, numpy_random_seed=seed,
-                             torch_random_seed=seed, fewshot_random_seed=seed)
+    with contextlib.ExitStack() as stack:
+        if hasattr(lm_eval.evaluator, "get_git_commit_hash"):
+            stack.enter_context(mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", _quiet_git_hash))
+        result = simple_evaluate(model=model, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit or None,
+                                 task_manager=manager, log_samples=False, bootstrap_iters=0,
+                                 confirm_run_unsafe_code=unsafe, random_seed=seed, numpy_random_seed=seed,
+                                 torch_random_seed=seed, fewshot_random_seed=seed)
     if result is None:
         raise OwaiError("the harness returned no results")
     result = {k: v for k, v in dict(result).items() if k not in ("samples", "config")}
     return json.loads(json.dumps(result, default=str, allow_nan=True))
+
+
+def _quiet_git_hash() -> str | None:
+    """The harness's `git_hash` (the commit of the working directory's repository, if any) without
+    git's "fatal: not a git repository" on stderr outside one: the harness runs `git describe` with
+    the terminal's stderr, which `--quiet` must not show."""
+    import subprocess
+
+    try:
+        found = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (found.stdout.strip() or None) if found.returncode == 0 else None
 
 
 def main_metrics(result: dict[str, Any], tasks: list[str]) -> dict[str, float]:
