@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from conftest import cli_in_process, save_tiny_gpt2
+from owai.evals.answers import AnswerLog
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,23 +41,23 @@ class Echo:
 
 
 def test_a_line_cut_by_a_kill_is_dropped_and_the_log_goes_on_after_the_whole_ones(tmp_path) -> None:
-    from owai.evals.answers import AnswerLog
+    """One line per write: a line cut by a kill (the last) loses that whole write, never part of it."""
 
     path = tmp_path / "answers.jsonl"
-    path.write_text('{"key": "a", "value": "one"}\n{"key": "b", "value": [-1.5, true]}\n{"key": "c", "val')
+    path.write_text('{"answers": {"a": "one"}}\n{"answers": {"b": [-1.5, true], "e": "x"}}\n{"answers": {"c": "z", "f')
     log = AnswerLog(path)
-    assert len(log) == 2 and log.get("a") == "one" and log.get("b") == [-1.5, True] and "c" not in log
-    assert path.read_text().endswith("true]}\n")  # cut back to the last whole line before anything is appended
+    assert len(log) == 3 and log.get("a") == "one" and log.get("b") == [-1.5, True] and "c" not in log
+    assert path.read_text().endswith('"x"}}\n')  # cut back to the last whole line before anything is appended
     log.add("c", "line\nbreak")
     log.add("d", float("-inf"))
     log.flush()
+    log.add_batch({"f": "1", "g": "2"})
     again = AnswerLog(path)
-    assert [again.get(k) for k in "abcd"] == ["one", [-1.5, True], "line\nbreak", float("-inf")]
+    assert [again.get(k) for k in "abcdefg"] == ["one", [-1.5, True], "line\nbreak", float("-inf"), "x", "1", "2"]
     assert len(path.read_text().splitlines()) == 4
 
 
 def test_generate_all_asks_again_only_what_a_kill_left_in_the_uninterrupted_batches(tmp_path) -> None:
-    from owai.evals.answers import AnswerLog
     from owai.evals.causal_lm import generate_all
 
     prompts = ["p0", "p11", "p222", "p0", "p4444", "p55555", "p666666", "p0"]  # "p0" asked three times
@@ -88,7 +89,7 @@ def test_a_batch_reaches_the_log_whole_however_long_it_took(tmp_path, monkeypatc
 
     def flush_then_killed(self) -> None:
         real(self)
-        writes.append(len(self.path.read_text().splitlines()))
+        writes.append(len(answer_log.AnswerLog(self.path)))
         if len(writes) == 2:
             raise Killed
 
@@ -110,12 +111,12 @@ def test_an_answer_damaged_into_another_json_value_is_asked_again(tmp_path) -> N
     from lm_eval.api.model import LM
 
     from owai.evals import harness
-    from owai.evals.answers import AnswerLog, answer_key, occurrence_keys
+    from owai.evals.answers import answer_key, occurrence_keys
     from owai.evals.causal_lm import generate_all
 
     path = tmp_path / "answers.jsonl"
     (key,) = occurrence_keys([("generate", "p0", {})])
-    path.write_text(json.dumps({"key": key, "value": None}) + "\n")
+    path.write_text(json.dumps({"answers": {key: None}}) + "\n")
     model = Echo(2)
     assert generate_all(model, ["p0"], answers=AnswerLog(path)) == ["2:None"] and model.batches == [["p0"]]
 
@@ -136,9 +137,8 @@ def test_an_answer_damaged_into_another_json_value_is_asked_again(tmp_path) -> N
     pairs = [("a", " b"), ("c", " d"), ("e", " f"), ("g", " h")]
     damaged = [7, ["x", True], [-1.0, "yes"], [-3.5, False]]  # the last one is whole
     path = tmp_path / "harness.jsonl"
-    path.write_text("".join(json.dumps({"key": answer_key("loglikelihood", *pair), "value": value}) + "\n"
-                            for pair, value in zip(pairs, damaged))
-                    + json.dumps({"key": answer_key("loglikelihood_rolling", "text"), "value": "oops"}) + "\n")
+    logged = {answer_key("loglikelihood", *pair): value for pair, value in zip(pairs, damaged)}
+    path.write_text(json.dumps({"answers": {**logged, answer_key("loglikelihood_rolling", "text"): "oops"}}) + "\n")
     lm = harness.log_answers(Scores(), AnswerLog(path))
     got = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)])
     assert got == [(-1.0, True)] * 3 + [(-3.5, False)]
@@ -172,8 +172,7 @@ def _killed_then_resumed(args: list[str], recipe: str, out: Path, capsys, monkey
     run_dir = _run_dir(out, recipe)
     assert json.loads((run_dir / "status.json").read_text())["status"] == "interrupted"
     assert not (run_dir / "results.json").exists()
-    logged = len((run_dir / "answers.jsonl").read_text().splitlines())
-    assert logged > 0
+    assert len(AnswerLog(run_dir / "answers.jsonl")) > 0
     before = len(asked)
     rc, _, err = cli_in_process([*args[:2], "-q", "--resume", str(run_dir)], capsys)
     assert rc == 0, err
@@ -186,7 +185,7 @@ def _uninterrupted(args: list[str], recipe: str, out: Path, capsys) -> tuple[dic
     rc, _, err = cli_in_process([*args, "-o", str(out)], capsys)
     assert rc == 0, err
     run_dir = _run_dir(out, recipe)
-    return json.loads((run_dir / "results.json").read_text()), len((run_dir / "answers.jsonl").read_text().splitlines())
+    return json.loads((run_dir / "results.json").read_text()), len(AnswerLog(run_dir / "answers.jsonl"))
 
 
 def test_eval_ruler_killed_in_a_cell_resumes_there_to_the_uninterrupted_results(tiny_lm, shared_data, tmp_path, capsys,
@@ -222,7 +221,6 @@ def test_a_harness_model_answers_a_logged_request_from_the_log(tiny_lm, tmp_path
     from lm_eval.api.instance import Instance
 
     from owai.evals import harness
-    from owai.evals.answers import AnswerLog
     from owai.evals.causal_lm import open_model
 
     lm = open_model(str(tiny_lm), "", torch.device("cpu"), "float32")

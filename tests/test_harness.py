@@ -234,7 +234,9 @@ def test_the_harnesss_own_hflm_runs_through_the_same_command(tiny_dir, tmp_path,
     assert results["details"]["results"]["owai_mc_smoke"]["sample_len"] == 4
     assert 0.0 <= {r["metric"]: r["measured"] for r in results["rows"]}["owai_mc_smoke.acc"] <= 1.0
     # its answers are logged too: a resumed run (here of a run killed after its last answer) asks HFLM nothing
-    assert len(run_dir.joinpath("answers.jsonl").read_text().splitlines()) >= 8
+    from owai.evals.answers import AnswerLog
+
+    assert len(AnswerLog(run_dir / "answers.jsonl")) >= 8
     from conftest import as_if_killed
     from lm_eval.models.huggingface import HFLM
 

@@ -2,11 +2,11 @@
 killed evaluation, resumed, asks the model only for the rest (RULER's own code appends its
 predictions to a file and skips those on a restart; lm-evaluation-harness keeps a request cache).
 
-`answers.jsonl` holds one JSON object per answer, `{"key": KEY, "value": VALUE}`, appended and
-fsynced a batch at a time. KEY is a hash of what was asked (`answer_key`), VALUE what the model
+`answers.jsonl` holds one line per write, `{"answers": {KEY: VALUE, ...}}`, appended and fsynced: a
+batch's answers are one line. KEY is a hash of what was asked (`answer_key`), VALUE what the model
 answered (a continuation, a log-likelihood). A kill can cut only the last line: it is dropped when
 the log is opened, and the file cut back to its last whole line before anything is appended, so
-every line read is one whole answer. A run is resumed only with the settings it was started with
+every line read is one whole write, and a batch is in the log whole or not at all. A run is resumed only with the settings it was started with
 (`owai.experiment`), so every answer in the log is one the same model gave to the same question.
 """
 
@@ -50,7 +50,7 @@ class AnswerLog:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._answers: dict[str, Any] = {}
-        self._pending: list[str] = []
+        self._pending: dict[str, Any] = {}
         self._last_flush = time.monotonic()
         self._read()
         try:  # a log that cannot be appended to is refused now, before the model is loaded
@@ -72,8 +72,8 @@ class AnswerLog:
                 row = json.loads(line)
             except ValueError:  # damaged: that answer is asked again
                 continue
-            if isinstance(row, dict) and isinstance(row.get("key"), str) and "value" in row:
-                self._answers[row["key"]] = row["value"]
+            if isinstance(row, dict) and isinstance(row.get("answers"), dict):
+                self._answers.update(row["answers"])
         if whole < len(data):
             try:
                 with open(self.path, "r+b") as f:
@@ -101,7 +101,7 @@ class AnswerLog:
             self.flush()
 
     def add_batch(self, answers: dict[str, Any]) -> None:
-        """Log a batch's answers and flush them in one write: the log never holds part of a batch,
+        """Log a batch's answers and flush them as one line: the log never holds part of a batch,
         so a resume asks for the batches the uninterrupted run made."""
         for key, value in answers.items():
             self._remember(key, value)
@@ -109,14 +109,14 @@ class AnswerLog:
 
     def _remember(self, key: str, value: Any) -> None:
         self._answers[key] = value
-        self._pending.append(json.dumps({"key": key, "value": value}, allow_nan=True))
+        self._pending[key] = value
 
     def flush(self) -> None:
-        """Append the answers logged since the last flush, and fsync."""
+        """Append the answers logged since the last flush as one line, and fsync."""
         self._last_flush = time.monotonic()
         if not self._pending:
             return
-        text = "".join(line + "\n" for line in self._pending)
+        text = json.dumps({"answers": self._pending}, allow_nan=True) + "\n"
         try:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(text)
@@ -124,4 +124,4 @@ class AnswerLog:
                 os.fsync(f.fileno())
         except OSError as e:
             raise OwaiError(f"cannot write {self.path}: {e.strerror or type(e).__name__}") from None
-        self._pending.clear()
+        self._pending = {}
