@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from owai.errors import OwaiError
+from owai.runs import ANSWERS
 
 FLUSH_SECONDS = 10.0  # answers buffered by `add` reach the disk at least this often
 
@@ -42,6 +43,11 @@ def occurrence_keys(parts: Iterable[tuple[Any, ...]]) -> list[str]:
         keys.append(answer_key(base, seen.get(base, 0)))
         seen[base] = seen.get(base, 0) + 1
     return keys
+
+
+def run_log(run_dir: Path) -> AnswerLog:
+    """The answer log of the run in `run_dir` (its `answers.jsonl`)."""
+    return AnswerLog(Path(run_dir) / ANSWERS)
 
 
 class AnswerLog:

@@ -385,9 +385,7 @@ def log_answers(lm: Any, answers: AnswerLog) -> Any:
             super().__init__(None)
 
         def add_partial(self, attr: str, req: Any, res: Any) -> None:
-            key = answer_key(attr, *req)
-            if _logged(answers, attr, key) is None:
-                answers.add(key, list(res) if isinstance(res, tuple) else res)
+            _record(answers, attr, answer_key(attr, *req), res)
 
     lm.set_cache_hook(LogHook())
     for kind in REQUEST_TYPES:
@@ -401,7 +399,7 @@ def _logged(answers: AnswerLog, kind: str, key: str) -> Any:
     (a damaged line: the request is asked again)."""
     if kind == "generate_until":
         return answers.get(key, str)
-    value = answers.get(key, (list, int, float))
+    value = answers.get(key)
     number = (int, float)
     if kind == "loglikelihood" and isinstance(value, list) and len(value) == 2 \
             and isinstance(value[0], number) and not isinstance(value[0], bool) and isinstance(value[1], bool):
@@ -416,7 +414,8 @@ def _answered_from(answers: AnswerLog, kind: str, method: Any) -> Any:
     come from the log."""
 
     def answer(requests: list, disable_tqdm: bool = False) -> list:
-        out = [_logged(answers, kind, answer_key(kind, *request.args)) for request in requests]
+        keys = [answer_key(kind, *request.args) for request in requests]
+        out = [_logged(answers, kind, key) for key in keys]
         todo = [i for i, value in enumerate(out) if value is None]
         try:
             computed = method([requests[i] for i in todo], disable_tqdm=disable_tqdm) if todo else []
@@ -426,13 +425,17 @@ def _answered_from(answers: AnswerLog, kind: str, method: Any) -> Any:
             raise OwaiError(f"the harness model answered {len(computed)} of {len(todo)} {kind} requests")
         for i, value in zip(todo, computed):
             out[i] = value
-            key = answer_key(kind, *requests[i].args)
-            if _logged(answers, kind, key) is None:  # an LM that does not call the cache hook
-                answers.add(key, list(value) if isinstance(value, tuple) else value)
+            _record(answers, kind, keys[i], value)  # for an LM that does not call the cache hook
         answers.flush()
         return out
 
     return answer
+
+
+def _record(answers: AnswerLog, kind: str, key: str, value: Any) -> None:
+    """Log a request's answer (a tuple as a JSON list) unless the log holds it already."""
+    if _logged(answers, kind, key) is None:
+        answers.add(key, list(value) if isinstance(value, tuple) else value)
 
 
 def evaluate(model: Any, tasks: list[str], num_fewshot: int | None = None, limit: int = 0,

@@ -163,10 +163,9 @@ class Harness(Method):
     def run(self, cfg: Config, run: Run) -> Outcome:
         from owai import console
         from owai.evals import harness
-        from owai.evals.answers import AnswerLog
+        from owai.evals.answers import run_log
         from owai.evals.causal_lm import open_model
         from owai.hub import cache_only, hub_unreachable
-        from owai.runs import ANSWERS
 
         manager = harness.task_manager([str(Path(p).expanduser()) for p in cfg.include_path])
         with contextlib.ExitStack() as stack:
@@ -192,7 +191,7 @@ class Harness(Method):
                     stack.enter_context(lm.ablate(name))
                 model = harness.OwaiLM(lm, max_gen_toks=cfg.max_gen_toks)
                 max_length = model.max_length
-            harness.log_answers(model, AnswerLog(run.path / ANSWERS))  # what a resume does not ask again
+            harness.log_answers(model, run_log(run.path))  # what a resume does not ask again
             result = harness.evaluate(model, list(cfg.tasks), cfg.num_fewshot, cfg.limit, manager=manager,
                                       seed=cfg.seed)
         measured: dict[str, Any] = harness.main_metrics(result, list(cfg.tasks))

@@ -113,9 +113,8 @@ class InContextClassification(Method):
     def run(self, cfg: Config, run: Run) -> Outcome:
         from owai import console
         from owai.evals import longicl
-        from owai.evals.answers import AnswerLog
+        from owai.evals.answers import run_log
         from owai.evals.causal_lm import open_model
-        from owai.runs import ANSWERS
 
         data = load_task(cfg)
         model = open_model(cfg.model, cfg.tokenizer, run.device, cfg.precision, reference_data=_reference)
@@ -125,7 +124,7 @@ class InContextClassification(Method):
         max_tokens = cfg.max_tokens or getattr(model, "max_tokens", None)
         budget = max_tokens - cfg.max_new_tokens if max_tokens else None
         strategies = [s for s in longicl.STRATEGIES if s.name in cfg.strategies]
-        answers = AnswerLog(run.path / ANSWERS)  # what a resumed run does not ask again
+        answers = run_log(run.path)  # what a resumed run does not ask again
         measured: dict[str, Any] = {}
         details: dict[str, Any] = {"task": data.name, "model": cfg.model, "max_tokens": max_tokens}
         curves: dict[str, list[float | None]] = {}

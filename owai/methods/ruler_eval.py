@@ -144,9 +144,8 @@ class Ruler(Method):
 
         from owai import console
         from owai.evals import ruler
-        from owai.evals.answers import AnswerLog
+        from owai.evals.answers import run_log
         from owai.evals.causal_lm import REFERENCE, open_model
-        from owai.runs import ANSWERS
 
         pools = {}
         for task, kind, source in (("qa_1", "squad", cfg.squad), ("qa_2", "hotpotqa", cfg.hotpotqa)):
@@ -175,7 +174,7 @@ class Ruler(Method):
             for name in cfg.ablate:
                 stack.enter_context(model.ablate(name))
             result = ruler.evaluate(model, tasks, cfg.ctx, cfg.n, cfg.seed, tokenizer, max_tokens,
-                                    answers=AnswerLog(run.path / ANSWERS))
+                                    answers=run_log(run.path))
         measured: dict[str, Any] = {}
         for task, by_length in result["results"].items():
             for length, cell in by_length.items():
