@@ -120,6 +120,15 @@ def sum_across_ranks(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
+def on_every_rank(flag: bool, device: torch.device) -> bool:
+    """Whether `flag` holds on every rank (`flag` itself in one process): what the ranks agree on
+    before one of them may skip a step the others take (under FSDP a forward pass is a collective
+    that every rank enters)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    return sum_across_ranks([1.0 if flag else 0.0], device)[0] == world().world_size
+
+
 def mean_across_ranks(value: float, device: torch.device) -> float:
     """The mean of a scalar over ranks (for logging; a no-op in one process)."""
     return sum_across_ranks([value], device)[0] / world().world_size

@@ -1,5 +1,5 @@
 """Atomic file writes (a reader sees the old file or the new one, never half of one), the one safe
-reader of .safetensors files, and the cache root."""
+reader of .safetensors files (weights, and the cache's entries), and the cache root."""
 
 from __future__ import annotations
 
@@ -9,10 +9,14 @@ import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
+
+T = TypeVar("T")
 
 
 def umask() -> int:
@@ -79,6 +83,69 @@ def remove_dead_builds(final: Path, *kinds: str) -> None:
                 shutil.rmtree(path, ignore_errors=True)
             elif kind == "write" and path.is_file():
                 path.unlink(missing_ok=True)
+
+
+@contextmanager
+def build_lock(final: Path) -> Iterator[None]:
+    """Hold the lock of the cache entry `final` while looking for it and, when it is missing, building
+    it: the workers of a sweep (or the jobs of a SLURM array) that need the same tokenizer, token cache
+    or pre-trained network build it once, and the others wait, then find it built. Without it each
+    built its own copy, and the atomic rename kept one: the same result, at the cost of N builds.
+
+    The lock is `flock` on `.NAME.lock` beside `final`, which its holder removes when it is done
+    (a waiter that then holds the lock of a removed file tries again). The kernel releases a killed
+    holder's lock, so a kill never blocks the next build. Where the file system has no locks, every
+    process builds, as before. Locks are taken one at a time (none is taken while another is held),
+    so processes cannot wait on each other in a circle."""
+    from owai import console
+
+    final = Path(final)
+    path = final.parent / f".{final.name}.lock"
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd = _locked(path, final, console.info)
+    except OSError:  # a folder that cannot be made: the build says so
+        fd = None
+    try:
+        yield
+    finally:
+        if fd is not None:
+            try:
+                path.unlink()
+            except OSError:
+                pass
+            os.close(fd)  # releases the lock
+
+
+def _locked(path: Path, final: Path, say: Callable[[str], Any]) -> int | None:
+    """An open descriptor of the lock file `path`, locked exclusively; None where locks are not
+    available (the file system has none, or the folder is read-only)."""
+    import fcntl
+
+    waited = False
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o666 & ~umask())
+        except OSError:
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not waited:
+                    say(f"waiting for another process to finish building {final}")
+                    waited = True
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # no locks on this file system
+            os.close(fd)
+            return None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:  # not a lock file its holder removed while this process waited for it
+            return fd
+        os.close(fd)
 
 
 def _build_prefix(final: Path, kind: str) -> str:
@@ -256,3 +323,35 @@ def read_safetensors(path: str | Path, device: str = "cpu") -> dict[str, Any]:
         return load_file(str(path), device=device)
     except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, a header that is not JSON: a bad file
         raise _safetensors_problem(path, e) from None
+
+
+def write_cache_entry(path: str | Path, tensors: dict[str, Any], metadata: dict[str, str] | None = None) -> None:
+    """Write a cache entry atomically: `tensors` (moved to the CPU, contiguous) and string `metadata`
+    as one .safetensors file, which `read_cache_entry` reads back."""
+    from safetensors.torch import save
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    flat = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    atomic_write_bytes(path, save(flat, metadata=metadata))
+
+
+def read_cache_entry(path: str | Path, parse: Callable[[dict[str, Any], dict[str, str]], T]) -> T | None:
+    """`parse(tensors, metadata)` of a cache entry (a .safetensors file of owai's cache), or None when
+    there is none. An entry that cannot be read or parsed (a damaged disk, a file of an older owai) is
+    None too, said in one info line: a cache entry is derived data, rebuilt rather than trusted."""
+    from safetensors import safe_open
+
+    from owai import console
+
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            metadata = f.metadata() or {}
+        return parse(tensors, metadata)
+    except Exception:  # noqa: BLE001 - SafetensorError, OSError, a missing tensor or metadata field: rebuilt
+        console.info(f"rebuilding the unreadable cache entry {path}")
+        return None

@@ -224,3 +224,116 @@ def test_a_write_killed_on_this_host_is_removed_by_the_next_write_of_that_file(t
     assert sorted(p.name for p in tmp_path.glob(".*")) == sorted(
         name for name in left if "-k1." not in name)
     assert all(is_write_temporary(path) for path in left.values())
+
+
+def test_a_cache_entry_that_cannot_be_read_or_parsed_is_rebuilt_not_trusted(tmp_path: Path, capsys) -> None:
+    """`read_cache_entry` (the Bonsai representations, Camelyon17's rounds, the pre-trained networks of
+    dropout-ft and rich-features): a missing, damaged or unparseable entry is None, said in one line."""
+    import torch
+
+    from owai import console
+    from owai.io import read_cache_entry, write_cache_entry
+
+    path = tmp_path / "cache" / "entry.safetensors"
+    assert read_cache_entry(path, lambda t, m: t) is None
+    weights = torch.arange(6.0).view(2, 3).t()  # not contiguous: written as it reads
+    write_cache_entry(path, {"w": weights}, {"info": json.dumps({"round": 2})})
+    tensors, info = read_cache_entry(path, lambda t, m: (t, json.loads(m["info"])))
+    assert torch.equal(tensors["w"], weights) and info == {"round": 2}
+    assert capsys.readouterr().err == ""
+    console.configure()
+    assert read_cache_entry(path, lambda t, m: json.loads(m["details"])) is None  # a field it lacks
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # truncated
+    assert read_cache_entry(path, lambda t, m: t) is None
+    err = capsys.readouterr().err
+    assert err.count(f"rebuilding the unreadable cache entry {path}") == 2 and "Traceback" not in err
+
+
+def _train_bpe_counted(source: str, cache: str, log: str, start: Any) -> dict:
+    """A sweep worker's tokenisation with bpe-300, each tokenizer training and token-cache build
+    recorded in `log` (one line per build, with this process's id)."""
+    import time
+
+    from owai.data import text
+
+    real_train, real_build = text.train_bpe, tokens._build
+
+    def train_bpe(*a: Any, **kw: Any) -> Any:
+        with open(log, "a") as f:
+            f.write(f"bpe {os.getpid()}\n")
+        time.sleep(1.0)  # a real corpus's training takes minutes: the others arrive while it runs
+        return real_train(*a, **kw)
+
+    def build(*a: Any, **kw: Any) -> Any:
+        with open(log, "a") as f:
+            f.write(f"tokens {os.getpid()}\n")
+        time.sleep(1.0)
+        return real_build(*a, **kw)
+
+    text.train_bpe, tokens._build = train_bpe, build
+    start.wait()
+    return prepare_tokens(source, "bpe-300", cache).meta
+
+
+def test_concurrent_workers_train_a_tokenizer_and_tokenise_a_corpus_once(tmp_path: Path) -> None:
+    """Three processes started together on an empty cache (a sweep's workers, `owai.io.build_lock`):
+    one trains the bpe tokenizer and one tokenises the corpus, the others wait and read theirs; every
+    lock file is gone afterwards."""
+    source, cache, log = corpus(tmp_path), tmp_path / "cache", tmp_path / "builds.log"
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager, context.Pool(3) as pool:
+        start = manager.Event()
+        pending = [pool.apply_async(_train_bpe_counted, (source, str(cache), str(log), start)) for _ in range(3)]
+        start.set()
+        metas = [p.get(timeout=120) for p in pending]
+    assert metas[0] == metas[1] == metas[2]
+    builds = [line.split()[0] for line in log.read_text().splitlines()]
+    assert sorted(builds) == ["bpe", "tokens"]
+    assert hidden(cache) == []
+
+
+def _hold_then(path: str, seconds: float, held: Any, killed: bool) -> None:
+    """Take `path`'s build lock, say so, and build it for `seconds` (or be killed while holding it)."""
+    import time
+
+    from owai.io import build_lock
+
+    with build_lock(Path(path)):
+        held.set()
+        if killed:
+            os.kill(os.getpid(), 9)
+        time.sleep(seconds)
+        Path(path).write_text("built by the holder")
+
+
+def test_a_build_lock_waits_for_its_holder_and_not_for_a_killed_one(tmp_path: Path, capsys) -> None:
+    import time
+
+    from owai import console
+    from owai.io import build_lock
+
+    final = tmp_path / "entry"
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager:
+        held = manager.Event()
+        holder = context.Process(target=_hold_then, args=(str(final), 1.0, held, False))
+        holder.start()
+        assert held.wait(60)
+        console.configure()
+        with build_lock(final):  # waits for the holder, then finds its entry
+            assert final.read_text() == "built by the holder"
+        holder.join(60)
+        assert "waiting for another process to finish building" in capsys.readouterr().err
+        held.clear()
+        final.unlink()
+        killer = context.Process(target=_hold_then, args=(str(final), 0.0, held, True))
+        killer.start()
+        assert held.wait(60)
+        killer.join(60)
+        assert killer.exitcode == -9
+        started = time.monotonic()
+        with build_lock(final):  # the kernel released the killed holder's lock
+            assert not final.exists()
+        assert time.monotonic() - started < 5
+    assert hidden(tmp_path) == []

@@ -5,6 +5,7 @@ prompts a kill left unanswered, in the batches the uninterrupted run made, to it
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -284,3 +285,262 @@ def test_a_harness_model_killed_in_a_call_keeps_the_answers_it_gave(tmp_path, mo
     assert harness.log_answers(resumed, answer_log.AnswerLog(tmp_path / "answers.jsonl")).generate_until(requests) == \
         ["1", "2", "3", "4", "5", "6"]
     assert resumed.asked == ["xxxxx", "xxxxxx"]
+
+
+# -- the language-model evaluations (mosaic-eval, mosaic-train's final evaluation, eval posloss) --
+
+
+class CountedLM:
+    """A tiny GPT-2 over the byte tokenizer that counts its forward passes and can be killed at one."""
+
+    def __init__(self, kill_at: int | None = None) -> None:
+        import torch
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        self.model = GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=64, n_embd=16, n_layer=1, n_head=2,
+                                                bos_token_id=256, eos_token_id=256))
+        self.calls, self.kill_at = 0, kill_at
+
+        def count(*_: Any) -> None:
+            if self.kill_at is not None and self.calls == self.kill_at:
+                raise Killed
+            self.calls += 1
+
+        self.model.register_forward_pre_hook(count)
+
+
+def lm_windows(n: int = 5, batch: int = 3, length: int = 16) -> list[tuple[Any, Any]]:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, 256, (n * batch, length + 1), generator=g)
+    rows[::4, 5] = 256  # some end-of-text tokens: documents read apart
+    windows = [(rows[i:i + batch, :-1], rows[i:i + batch, 1:].clone()) for i in range(0, n * batch, batch)]
+    windows[1][1][0, -3:] = -100  # masked targets are not counted
+    return windows
+
+
+def test_lm_losses_resume_bit_exactly_computing_only_the_batches_a_kill_left(tmp_path) -> None:
+    """`loss_totals` and `per_position_loss` log each batch's numbers; killed and resumed, they compute
+    only the batches left and add up to the uninterrupted run's values to the last bit."""
+    import torch
+
+    from owai.evals.lm import BatchLog, loss_totals, per_position_loss
+
+    cpu = torch.device("cpu")
+    windows = lm_windows()
+    whole = CountedLM()
+    want_totals = loss_totals(whole.model, windows, cpu, eot=256)
+    want_curve = per_position_loss(whole.model, windows, cpu, eot=256)
+    assert whole.calls == 10
+    for kill_at in (0, 2, 4):
+        path = tmp_path / f"answers-{kill_at}.jsonl"
+        killed = CountedLM(kill_at)
+        with pytest.raises(Killed):
+            loss_totals(killed.model, windows, cpu, 256, BatchLog(AnswerLog(path), ("m", "val"), cpu))
+        resumed = CountedLM()
+        got = loss_totals(resumed.model, windows, cpu, 256, BatchLog(AnswerLog(path), ("m", "val"), cpu))
+        assert got == want_totals and resumed.calls == 5 - kill_at
+        killed = CountedLM(kill_at)
+        with pytest.raises(Killed):
+            per_position_loss(killed.model, windows, cpu, 256, BatchLog(AnswerLog(path), ("m", "posloss"), cpu))
+        resumed = CountedLM()
+        curve = per_position_loss(resumed.model, windows, cpu, 256, BatchLog(AnswerLog(path), ("m", "posloss"), cpu))
+        assert curve == want_curve and resumed.calls == 5 - kill_at
+    again = CountedLM()  # everything logged: nothing is computed
+    assert loss_totals(again.model, windows, cpu, 256, BatchLog(AnswerLog(path), ("m", "val"), cpu)) == want_totals
+    assert again.calls == 0
+    other = CountedLM()  # another scope (model, pass) or other tokens are other batches
+    loss_totals(other.model, windows, cpu, 256, BatchLog(AnswerLog(path), ("other", "val"), cpu))
+    changed = [(x, y) for x, y in windows]
+    changed[3] = (changed[3][0].flip(1), changed[3][1])
+    loss_totals(other.model, changed, cpu, 256, BatchLog(AnswerLog(path), ("m", "val"), cpu))
+    assert other.calls == 5 + 1
+
+
+def test_a_damaged_batch_result_is_computed_again(tmp_path) -> None:
+    import torch
+
+    from owai.evals.lm import BatchLog, per_position_loss
+
+    cpu = torch.device("cpu")
+    windows = lm_windows()
+    path = tmp_path / "answers.jsonl"
+    want = per_position_loss(CountedLM().model, windows, cpu, None, BatchLog(AnswerLog(path), ("m",), cpu))
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 1 and len(rows[0]["answers"]) == 5  # one line per flush, not per batch
+    (first, curve), (second, _) = list(rows[0]["answers"].items())[:2]
+    damaged = {first: curve[:-1], second: ["x"] * len(curve)}  # a curve one number short, one of strings
+    path.write_text(json.dumps({"answers": {**rows[0]["answers"], **damaged}}) + "\n")
+    again = CountedLM()
+    assert per_position_loss(again.model, windows, cpu, None, BatchLog(AnswerLog(path), ("m",), cpu)) == want
+    assert again.calls == 2
+
+
+def test_continuations_resume_from_the_prompts_a_kill_left(tmp_path) -> None:
+    import torch
+
+    from owai.data.text import ByteTokenizer
+    from owai.evals.lm import BatchLog, continuations
+
+    cpu = torch.device("cpu")
+    prompts = ["Once upon a time", "The cat", "Lily and"]
+    tok = ByteTokenizer()
+    whole = CountedLM()
+    want = continuations(whole.model, tok, prompts, cpu, max_new_tokens=4)
+    per_prompt = whole.calls // 3
+    path = tmp_path / "answers.jsonl"
+    killed = CountedLM(kill_at=per_prompt + 1)  # inside the second prompt's generation
+    with pytest.raises(Killed):
+        continuations(killed.model, tok, prompts, cpu, max_new_tokens=4, log=BatchLog(AnswerLog(path), ("m",), cpu))
+    resumed, done = CountedLM(), []
+    got = continuations(resumed.model, tok, prompts, cpu, max_new_tokens=4, progress=lambda: done.append(1),
+                        log=BatchLog(AnswerLog(path), ("m",), cpu))
+    assert got == want and resumed.calls == 2 * per_prompt and len(done) == 3
+    longer = CountedLM()  # other generation settings: asked again
+    continuations(longer.model, tok, prompts, cpu, max_new_tokens=5, log=BatchLog(AnswerLog(path), ("m",), cpu))
+    assert longer.calls > 0
+
+
+def test_mosaic_eval_killed_in_its_losses_resumes_there_to_the_uninterrupted_results(tiny_lm, tmp_path, capsys,
+                                                                                   monkeypatch) -> None:
+    """`owai mosaic-eval` killed in the middle of its per-position losses: the resume computes only the
+    batches left, and its results are the uninterrupted run's to the last digit."""
+    from owai.evals import lm as lme
+
+    sets = ["data.source=owai-stories:600", "data.block_size=32", "eval.val_batches=3", "eval.batch_size=2",
+            "eval.posloss_windows=6", "eval.lengths=[64]", "eval.attention_multiples=[]", "eval.max_new_tokens=3"]
+    args = ["mosaic-eval", str(tiny_lm), "-q", *[a for s in sets for a in ("--set", s)]]
+    real, calls = lme.token_losses, []
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(lme, "token_losses", counted)
+    whole, _ = _uninterrupted(args, "mosaic-eval", tmp_path / "whole", capsys)
+    total = len(calls)
+    assert total == 3 + 3 + 3 + 3  # validation, training, per-position loss at 32 and at 64 tokens
+
+    def killed_at_8(*a: Any, **kw: Any) -> Any:
+        if len(calls) == 8:
+            raise Killed
+        return counted(*a, **kw)
+
+    calls.clear()
+    monkeypatch.setattr(lme, "token_losses", killed_at_8)
+    out = tmp_path / "killed"
+    rc, _, err = cli_in_process([*args, "-o", str(out)], capsys)
+    assert rc == 130, err
+    (run_dir,) = out.glob("*/*")
+    monkeypatch.setattr(lme, "token_losses", counted)
+    calls.clear()
+    rc, _, err = cli_in_process(["mosaic-eval", "-q", "--resume", str(run_dir)], capsys)
+    assert rc == 0, err
+    assert len(calls) == total - 8
+    resumed = json.loads((run_dir / "results.json").read_text())
+    assert resumed["rows"] == whole["rows"]
+    for name in ("posloss", "posloss_64", "continuations"):
+        (key,) = [k for k in whole["details"] if k.endswith(f".{name}")]
+        assert whole["details"][key] and resumed["details"][key] == whole["details"][key]
+
+
+def test_mosaic_train_killed_in_its_final_evaluation_resumes_there(tmp_path, capsys, monkeypatch) -> None:
+    """mosaic-train killed in the first model's final evaluation (its training done): the resume
+    evaluates the model it reads back from its last checkpoint from where the kill was, to the
+    uninterrupted run's results."""
+    from owai.evals import lm as lme
+    from owai.methods import language_model
+
+    sets = ["data.source=owai-stories:1500", "data.tokenizer=bytes", "data.block_size=32", "model.n_layer=1",
+            "model.n_embd=32", "model.n_head=2", "model.dropout=0.0", "train.steps=20", "train.batch_size=8",
+            "train.warmup=5", "train.eval_every=10", "train.eval_batches=2", "train.checkpoint_every=10",
+            "eval.posloss_windows=8", "eval.batch_size=2", "eval.val_batches=2", "eval.attention_sequences=2",
+            "eval.max_new_tokens=3"]
+    args = ["mosaic-train", "-q", *[a for s in sets for a in ("--set", s)]]
+    real_losses, real_evaluate = lme.token_losses, language_model.evaluate_model
+    calls: list[str] = []  # the model evaluated at each call of token_losses in a final evaluation
+    evaluating: list[str] = []
+    kill_at: list[int] = []
+
+    def evaluate_model(ev: Any, run: Any, label: str, *a: Any, **kw: Any) -> Any:
+        evaluating.append(label)
+        try:
+            return real_evaluate(ev, run, label, *a, **kw)
+        finally:
+            evaluating.clear()
+
+    def token_losses(*a: Any, **kw: Any) -> Any:
+        if evaluating:
+            if kill_at and len(calls) == kill_at[0]:
+                raise Killed
+            calls.append(evaluating[0])
+        return real_losses(*a, **kw)
+
+    monkeypatch.setattr(language_model, "evaluate_model", evaluate_model)
+    monkeypatch.setattr(lme, "token_losses", token_losses)
+    whole, _ = _uninterrupted(args, "fig3.8-depth", tmp_path / "whole", capsys)
+    total = len(calls)
+    assert calls.count("mm") == calls.count("gpt") > 4
+    calls.clear()
+    kill_at.append(5)  # the mm evaluation's per-position loss, its second batch
+    out = tmp_path / "killed"
+    rc, _, err = cli_in_process([*args, "-o", str(out)], capsys)
+    assert rc == 130 and calls == ["mm"] * 5, err
+    kill_at.clear()
+    calls.clear()
+    (run_dir,) = out.glob("*/*")
+    rc, _, err = cli_in_process(["mosaic-train", "-q", "--resume", str(run_dir)], capsys)
+    assert rc == 0, err
+    assert len(calls) == total - 5
+    resumed = json.loads((run_dir / "results.json").read_text())
+    assert resumed["rows"] == whole["rows"] and resumed["details"] == whole["details"]
+
+
+AGREEMENT_SCRIPT = '''
+import json, sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from owai.evals.answers import AnswerLog
+from owai.evals.lm import BatchLog, loss_totals
+
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=64, n_embd=16, n_layer=1, n_head=2))
+calls = []
+model.register_forward_pre_hook(lambda *_: calls.append(1))
+rows = torch.randint(0, 256, (10, 17), generator=torch.Generator().manual_seed(1))
+windows = [(rows[i:i + 2, :-1], rows[i:i + 2, 1:]) for i in range(0, 10, 2)]
+cpu = torch.device("cpu")
+rank = int(sys.argv[2])
+log = lambda: BatchLog(AnswerLog(Path(sys.argv[1]) / f"rank{rank}.jsonl"), ("m",), cpu)
+# before the job: rank 0 logged all five batches, rank 1 (killed earlier) the first two
+want = loss_totals(model, windows if rank == 0 else windows[:2], cpu, log=log())
+want = loss_totals(model, windows, cpu)
+calls.clear()
+dist.init_process_group("gloo")
+assert dist.get_rank() == rank
+got = loss_totals(model, windows, cpu, log=log())
+first = len(calls)
+again = loss_totals(model, windows, cpu, log=log())
+print(json.dumps({"rank": rank, "first": first, "again": len(calls) - first, "equal": [got == want, again == want]}))
+dist.destroy_process_group()
+'''
+
+
+def test_under_torchrun_a_batch_is_read_back_only_when_every_rank_logged_it(tmp_path) -> None:
+    """Rank 0 has all five batches logged, rank 1 two: both compute the last three (under FSDP a forward
+    pass is a collective every rank must enter), and a second pass computes nothing."""
+    from conftest import torchrun
+
+    script = tmp_path / "agree.py"
+    script.write_text(AGREEMENT_SCRIPT.replace("int(sys.argv[2])", "int(__import__('os').environ['RANK'])"))
+    proc = torchrun(2, [str(script), str(tmp_path)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the two ranks' lines can reach the shared output interleaved on one line
+    reports = sorted((json.loads(m) for m in re.findall(r'\{"rank".*?\]\}', proc.stdout)), key=lambda r: r["rank"])
+    assert reports == [{"rank": r, "first": 3, "again": 0, "equal": [True, True]} for r in (0, 1)]

@@ -60,7 +60,7 @@ from typing import Any, TextIO
 from owai.data import registry, stories
 from owai.errors import DataMissing, OwaiError, one_line
 from owai.hub import hub_unreachable
-from owai.io import atomic_write_json, atomic_write_text, cache_root, folder_to_build, remove_dead_builds  # cache_root: tokens.py uses it from here
+from owai.io import atomic_write_json, atomic_write_text, build_lock, cache_root, folder_to_build, remove_dead_builds  # cache_root: tokens.py uses it from here
 
 SPLITS = ("train", "val")
 SPLIT_ALIASES = {"train": "train", "val": "val", "valid": "val", "validation": "val"}
@@ -1081,16 +1081,16 @@ def _bpe(vocab: int, root: Path, texts: Iterable[str] | None, fingerprint: str |
         capped = _cap_chars(texts, BPE_TRAIN_MAX_CHARS)
         fingerprint = digest(capped)
     path = root / "tokenizers" / f"bpe-{vocab}-{digest(fingerprint, vocab, BPE_TRAIN_MAX_CHARS)}" / "tokenizer.json"
-    if path.is_file():
-        backend = Backend.from_file(str(path))
-        return HFTokenizer(f"bpe-{vocab}", backend, backend.token_to_id(EOT_TEXT))
-    if capped is None:
-        if texts is None:
+    if not path.is_file():
+        if capped is None and texts is None:
             raise OwaiError(f"tokenizer bpe-{vocab} for this corpus is not cached yet: pass training texts")
-        capped = _cap_chars(texts, BPE_TRAIN_MAX_CHARS)
-    backend = train_bpe(capped, vocab)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, backend.to_str())
+        with build_lock(path.parent):  # one process trains it; the others wait and read it
+            if not path.is_file():
+                backend = train_bpe(capped if capped is not None else _cap_chars(texts, BPE_TRAIN_MAX_CHARS), vocab)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(path, backend.to_str())
+                return HFTokenizer(f"bpe-{vocab}", backend, backend.token_to_id(EOT_TEXT))
+    backend = Backend.from_file(str(path))
     return HFTokenizer(f"bpe-{vocab}", backend, backend.token_to_id(EOT_TEXT))
 
 

@@ -48,7 +48,7 @@ from owai.data.text import (
     slug,
 )
 from owai.errors import OwaiError
-from owai.io import atomic_write_json, folder_to_build, remove_dead_builds
+from owai.io import atomic_write_json, build_lock, folder_to_build, remove_dead_builds
 
 FORMAT_VERSION = 1
 DOCS_PER_BATCH = 512  # documents per encode_batch call / worker task
@@ -105,7 +105,10 @@ def prepare_tokens(source: str | os.PathLike[str] | TextSource, tokenizer: str |
     final, expect = _cache_dir(src, tok, cache_dir)
     meta = read_complete_meta(final, expect)
     if meta is None:
-        meta = _build(src, tok, final, expect, workers)
+        with build_lock(final):  # one process builds it; the others wait and read it
+            meta = read_complete_meta(final, expect)
+            if meta is None:
+                meta = _build(src, tok, final, expect, workers)
     remove_dead_builds(final, "tmp", "old")  # a process killed building it while another finished it: cleaned on reuse too
     return PreparedTokens(final, tok, meta)
 

@@ -46,8 +46,14 @@ def occurrence_keys(parts: Iterable[tuple[Any, ...]]) -> list[str]:
 
 
 def run_log(run_dir: Path) -> AnswerLog:
-    """The answer log of the run in `run_dir` (its `answers.jsonl`)."""
-    return AnswerLog(Path(run_dir) / ANSWERS)
+    """This process's answer log in the run in `run_dir`: its `answers.jsonl`, or under torchrun
+    rank R's `answers.rankR.jsonl` for R > 0 (the language-model evaluations run on every rank, each
+    on its own batches, and a file has one writer)."""
+    from owai.distributed import world
+
+    rank = world().rank
+    name = ANSWERS if rank == 0 else ANSWERS.replace(".jsonl", f".rank{rank}.jsonl")
+    return AnswerLog(Path(run_dir) / name)
 
 
 class AnswerLog:

@@ -278,33 +278,27 @@ def cached_representation(run: Run, data: ColoredMNIST, dataset: str, cfg: Bonsa
                           data_key: dict[str, Any] | None = None) -> Representation:
     """`build_representation`, through the cache: a hit loads the tensors, a miss builds the
     representation in the run's stages and writes the cache file atomically."""
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import save
-
-    from owai.io import atomic_write_bytes, cache_root
+    from owai.io import build_lock, cache_root, read_cache_entry, write_cache_entry
 
     key = representation_key(dataset, cfg, seed=seed, hidden=hidden, lr=lr, l2=l2, data=data_key or {})
     path = cache_root() / "bonsai" / f"{dataset}-seed{seed}-{key}.safetensors"
-    if path.is_file():
-        try:
-            with safe_open(str(path), "pt") as f:
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-                meta = f.metadata() or {}
-            rep = Representation(
-                featurizer={k.removeprefix("featurizer."): v.to(device) for k, v in tensors.items() if k.startswith("featurizer.")},
-                head_weight=tensors["head_weight"].to(device), head_bias=tensors["head_bias"].to(device),
-                heads_weight=tensors["heads_weight"].to(device), heads_bias=tensors["heads_bias"].to(device),
-                details=json.loads(meta["details"]))
-            rep.details["cache"] = str(path)
+
+    def representation(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Representation:
+        return Representation(
+            featurizer={k.removeprefix("featurizer."): v.to(device) for k, v in tensors.items() if k.startswith("featurizer.")},
+            head_weight=tensors["head_weight"].to(device), head_bias=tensors["head_bias"].to(device),
+            heads_weight=tensors["heads_weight"].to(device), heads_bias=tensors["heads_bias"].to(device),
+            details={**json.loads(meta["details"]), "cache": str(path)})
+
+    with build_lock(path):  # a study's workers build a seed's representation once
+        rep = read_cache_entry(path, representation)
+        if rep is not None:
             return rep
-        except (OSError, KeyError, ValueError, SafetensorError) as e:
-            raise OwaiError(f"Bonsai cache file {path} is corrupt ({e}); delete it to rebuild") from None
-    rep = build_representation(run, data, dataset, cfg, seed=seed, hidden=hidden, lr=lr, l2=l2, device=device,
-                               checkpoint_every=checkpoint_every, log_every=log_every)
-    tensors = {f"featurizer.{k}": v.cpu().contiguous() for k, v in rep.featurizer.items()}
-    tensors.update(head_weight=rep.head_weight.cpu().contiguous(), head_bias=rep.head_bias.cpu().contiguous(),
-                   heads_weight=rep.heads_weight.cpu().contiguous(), heads_bias=rep.heads_bias.cpu().contiguous())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, save(tensors, metadata={"details": json.dumps(rep.details)}))
+        rep = build_representation(run, data, dataset, cfg, seed=seed, hidden=hidden, lr=lr, l2=l2, device=device,
+                                   checkpoint_every=checkpoint_every, log_every=log_every)
+        tensors = {f"featurizer.{k}": v for k, v in rep.featurizer.items()}
+        tensors.update(head_weight=rep.head_weight, head_bias=rep.head_bias, heads_weight=rep.heads_weight,
+                       heads_bias=rep.heads_bias)
+        write_cache_entry(path, tensors, {"details": json.dumps(rep.details)})
     rep.details["cache"] = str(path)
     return rep

@@ -65,6 +65,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from owai import console
+from owai.io import build_lock
 from owai.config import BaseConfig
 from owai.errors import OwaiError
 from owai.methods import Method, Outcome
@@ -442,28 +443,16 @@ def synthesis_name(ctx: Context, rounds: int, distill: bool = False) -> str:
 
 def save_entry(path: Path, tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> None:
     """A cache entry: safetensors with the JSON `info` in its metadata, written atomically."""
-    from safetensors.torch import save
+    from owai.io import write_cache_entry
 
-    from owai.io import atomic_write_bytes
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    flat = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    atomic_write_bytes(path, save(flat, metadata={"info": json.dumps(info)}))
+    write_cache_entry(path, tensors, {"info": json.dumps(info)})
 
 
 def load_entry(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
     """(tensors, info) of a cache entry, None when absent or unreadable (then it is rebuilt)."""
-    from safetensors import safe_open
+    from owai.io import read_cache_entry
 
-    if not path.is_file():
-        return None
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            info = json.loads((f.metadata() or {})["info"])
-            return {k: f.get_tensor(k) for k in f.keys()}, info
-    except Exception:  # noqa: BLE001 - a corrupt cache entry is rebuilt
-        console.info(f"rebuilding the unreadable cache entry {path}")
-        return None
+    return read_cache_entry(path, lambda tensors, metadata: (tensors, json.loads(metadata["info"])))
 
 
 def _prefixed(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -503,50 +492,51 @@ def discovery_round(ctx: Context, k: int, earlier: list[RoundResult], checkpoint
     from owai.methods.invariance import make_penalty
 
     path = cache_dir(ctx) / f"round{k}.safetensors"
-    entry = load_entry(path)
-    if entry is not None:
-        tensors, info = entry
-        console.info(f"round {k}: cached {path}")
-        return RoundResult(_unprefixed(tensors, "state."), _unprefixed(tensors, "pred."), info["curves"], info["epoch"], path)
-    cfg, data, t = ctx.cfg, ctx.data, ctx.cfg.train
-    train_idx = data.split("train")
-    y = data.labels[train_idx]
-    net = build_network(cfg, 2, "round", k).to(ctx.device)
-    optimizer = torch.optim.SGD(net.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
-    spe = steps_per_epoch(ctx)
-    stage = f"round{k}"
-    if k == 0:
-        examples = train_idx
-        sampler: Any = StandardSampler(train_idx.numel(), cfg.data.batch_size, ctx.seed, stage)
-        groups = None
-        penalty = None
-    else:
-        copies, groups = round_groups([r.preds["train"] for r in earlier], y)
-        examples = train_idx[copies]
-        sampler = UniformGroupSampler(groups, cfg.data.batch_size, ctx.seed, stage, steps_per_epoch=spe)
-        penalty = make_penalty("groupdro", eta=cfg.bonsai.dro_eta)
-        present = groups.unique()  # WILDS: q is uniform over the groups present in train
-    stream = StepStream(ImageBatches(data, examples, sampler, spe * t.epochs), cfg.data.workers)
-    labels = data.labels[examples]
+    with build_lock(path):  # a sweep's workers train a round once
+        entry = load_entry(path)
+        if entry is not None:
+            tensors, info = entry
+            console.info(f"round {k}: cached {path}")
+            return RoundResult(_unprefixed(tensors, "state."), _unprefixed(tensors, "pred."), info["curves"], info["epoch"], path)
+        cfg, data, t = ctx.cfg, ctx.data, ctx.cfg.train
+        train_idx = data.split("train")
+        y = data.labels[train_idx]
+        net = build_network(cfg, 2, "round", k).to(ctx.device)
+        optimizer = torch.optim.SGD(net.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+        spe = steps_per_epoch(ctx)
+        stage = f"round{k}"
+        if k == 0:
+            examples = train_idx
+            sampler: Any = StandardSampler(train_idx.numel(), cfg.data.batch_size, ctx.seed, stage)
+            groups = None
+            penalty = None
+        else:
+            copies, groups = round_groups([r.preds["train"] for r in earlier], y)
+            examples = train_idx[copies]
+            sampler = UniformGroupSampler(groups, cfg.data.batch_size, ctx.seed, stage, steps_per_epoch=spe)
+            penalty = make_penalty("groupdro", eta=cfg.bonsai.dro_eta)
+            present = groups.unique()  # WILDS: q is uniform over the groups present in train
+        stream = StepStream(ImageBatches(data, examples, sampler, spe * t.epochs), cfg.data.workers)
+        labels = data.labels[examples]
 
-    def loss_at(step: int, micro: int) -> torch.Tensor:
-        x, pos = stream.at(step)
-        logits = net(x.to(ctx.device))  # (B, 2)
-        target = labels[pos].to(ctx.device)
-        if penalty is None:
-            return F.cross_entropy(logits, target)
-        return group_dro_loss(penalty, logits, target, groups[pos].to(ctx.device), present)
+        def loss_at(step: int, micro: int) -> torch.Tensor:
+            x, pos = stream.at(step)
+            logits = net(x.to(ctx.device))  # (B, 2)
+            target = labels[pos].to(ctx.device)
+            if penalty is None:
+                return F.cross_entropy(logits, target)
+            return group_dro_loss(penalty, logits, target, groups[pos].to(ctx.device), present)
 
-    def evaluate() -> dict[str, float]:
-        return split_metrics(ctx, {s: forward_split(ctx, net, s) for s in EVAL_SPLITS})
+        def evaluate() -> dict[str, float]:
+            return split_metrics(ctx, {s: forward_split(ctx, net, s) for s in EVAL_SPLITS})
 
-    result = train_stage(ctx, checkpoints or stage, net, optimizer, loss_at, t.epochs, spe, evaluate, "id_val.acc",
-                         penalty=penalty)
-    net.load_state_dict(result.best_state)
-    preds = {s: forward_split(ctx, net, s).argmax(1) for s in ("train", *EVAL_SPLITS)}
-    save_entry(path, {**_prefixed(result.best_state, "state."), **_prefixed(preds, "pred.")},
-               {"curves": result.curves, "epoch": result.epoch, "key": discovery_key(ctx), "round": k})
-    return RoundResult(result.best_state, preds, result.curves, result.epoch, path)
+        result = train_stage(ctx, checkpoints or stage, net, optimizer, loss_at, t.epochs, spe, evaluate, "id_val.acc",
+                             penalty=penalty)
+        net.load_state_dict(result.best_state)
+        preds = {s: forward_split(ctx, net, s).argmax(1) for s in ("train", *EVAL_SPLITS)}
+        save_entry(path, {**_prefixed(result.best_state, "state."), **_prefixed(preds, "pred.")},
+                   {"curves": result.curves, "epoch": result.epoch, "key": discovery_key(ctx), "round": k})
+        return RoundResult(result.best_state, preds, result.curves, result.epoch, path)
 
 
 def group_dro_loss(penalty: Any, logits: torch.Tensor, target: torch.Tensor, g: torch.Tensor,
@@ -633,48 +623,49 @@ def synthesis(ctx: Context, rounds: list[RoundResult], distill: bool = False) ->
     K = len(rounds)
     group_method = b.distill_groups if distill else b.group_method
     path = cache_dir(ctx) / f"{synthesis_name(ctx, K, distill)}.safetensors"
-    entry = load_entry(path)
-    if entry is not None:
-        tensors, info = entry
-        console.info(f"synthesis: cached {path}")
-        return Synthesis(_unprefixed(tensors, "state."), info["curves"], info["epoch"], info["pseudo_acc"], path)
-    train_idx = data.split("train")
-    pseudo = {s: torch.stack([r.preds[s] for r in rounds]) for s in ("train", "id_val")}  # (K, n_s)
-    groups = synthesis_groups(pseudo["train"], data.labels[train_idx], group_method)
-    n_groups = min(cfg.data.n_groups_per_batch, int(groups.unique().numel()))
-    if n_groups < cfg.data.n_groups_per_batch:
-        console.info(f"synthesis: only {n_groups} {group_method!r} group(s) present; batches draw from it alone")
-    spe = steps_per_epoch(ctx)
-    per_batch = cfg.data.batch_size - cfg.data.batch_size % n_groups
-    sampler = GroupSampler(groups, per_batch, n_groups, ctx.seed, "synthesis", steps_per_epoch=spe)
-    stream = StepStream(ImageBatches(data, train_idx, sampler, spe * b.synthesis_epochs), cfg.data.workers)
-    net = build_network(cfg, 2 * K, "synthesis").to(ctx.device)
-    optimizer = torch.optim.SGD(net.parameters(), lr=b.synthesis_lr, momentum=cfg.train.momentum,
-                                weight_decay=b.synthesis_weight_decay)
-    objective = make_penalty("erm", risk_reduction="sum")  # sum_k CE(head_k, pseudo_k)
+    with build_lock(path):  # a sweep's workers train it once
+        entry = load_entry(path)
+        if entry is not None:
+            tensors, info = entry
+            console.info(f"synthesis: cached {path}")
+            return Synthesis(_unprefixed(tensors, "state."), info["curves"], info["epoch"], info["pseudo_acc"], path)
+        train_idx = data.split("train")
+        pseudo = {s: torch.stack([r.preds[s] for r in rounds]) for s in ("train", "id_val")}  # (K, n_s)
+        groups = synthesis_groups(pseudo["train"], data.labels[train_idx], group_method)
+        n_groups = min(cfg.data.n_groups_per_batch, int(groups.unique().numel()))
+        if n_groups < cfg.data.n_groups_per_batch:
+            console.info(f"synthesis: only {n_groups} {group_method!r} group(s) present; batches draw from it alone")
+        spe = steps_per_epoch(ctx)
+        per_batch = cfg.data.batch_size - cfg.data.batch_size % n_groups
+        sampler = GroupSampler(groups, per_batch, n_groups, ctx.seed, "synthesis", steps_per_epoch=spe)
+        stream = StepStream(ImageBatches(data, train_idx, sampler, spe * b.synthesis_epochs), cfg.data.workers)
+        net = build_network(cfg, 2 * K, "synthesis").to(ctx.device)
+        optimizer = torch.optim.SGD(net.parameters(), lr=b.synthesis_lr, momentum=cfg.train.momentum,
+                                    weight_decay=b.synthesis_weight_decay)
+        objective = make_penalty("erm", risk_reduction="sum")  # sum_k CE(head_k, pseudo_k)
 
-    def loss_at(step: int, micro: int) -> torch.Tensor:
-        x, pos = stream.at(step)
-        logits = net(x.to(ctx.device))  # (B, 2K)
-        target = pseudo["train"][:, pos].to(ctx.device)  # (K, B)
-        heads = [EnvBatch(logits[:, 2 * k : 2 * k + 2], target[k]) for k in range(K)]
-        return objective.objective(heads, step).loss
+        def loss_at(step: int, micro: int) -> torch.Tensor:
+            x, pos = stream.at(step)
+            logits = net(x.to(ctx.device))  # (B, 2K)
+            target = pseudo["train"][:, pos].to(ctx.device)  # (K, B)
+            heads = [EnvBatch(logits[:, 2 * k : 2 * k + 2], target[k]) for k in range(K)]
+            return objective.objective(heads, step).loss
 
-    def pseudo_accuracy(split: str) -> float:
-        logits = forward_split(ctx, net, split)  # (n, 2K)
-        pred = logits.reshape(logits.shape[0], K, 2).argmax(2).T  # (K, n)
-        return float((pred == pseudo[split]).float().mean())
+        def pseudo_accuracy(split: str) -> float:
+            logits = forward_split(ctx, net, split)  # (n, 2K)
+            pred = logits.reshape(logits.shape[0], K, 2).argmax(2).T  # (K, n)
+            return float((pred == pseudo[split]).float().mean())
 
-    def evaluate() -> dict[str, float]:
-        return {"id_val.pseudo_acc": pseudo_accuracy("id_val")}
+        def evaluate() -> dict[str, float]:
+            return {"id_val.pseudo_acc": pseudo_accuracy("id_val")}
 
-    result = train_stage(ctx, "synthesis", net, optimizer, loss_at, b.synthesis_epochs, spe, evaluate, "id_val.pseudo_acc")
-    net.load_state_dict(result.best_state)
-    accs = {"train": pseudo_accuracy("train"), "id_val": result.curves[result.epoch - 1]["id_val.pseudo_acc"]}
-    save_entry(path, _prefixed(result.best_state, "state."),
-               {"curves": result.curves, "epoch": result.epoch, "pseudo_acc": accs, "rounds": K,
-                "key": discovery_key(ctx), "bonsai": synthesis_key(ctx, K, distill), "distill": distill})
-    return Synthesis(result.best_state, result.curves, result.epoch, accs, path)
+        result = train_stage(ctx, "synthesis", net, optimizer, loss_at, b.synthesis_epochs, spe, evaluate, "id_val.pseudo_acc")
+        net.load_state_dict(result.best_state)
+        accs = {"train": pseudo_accuracy("train"), "id_val": result.curves[result.epoch - 1]["id_val.pseudo_acc"]}
+        save_entry(path, _prefixed(result.best_state, "state."),
+                   {"curves": result.curves, "epoch": result.epoch, "pseudo_acc": accs, "rounds": K,
+                    "key": discovery_key(ctx), "bonsai": synthesis_key(ctx, K, distill), "distill": distill})
+        return Synthesis(result.best_state, result.curves, result.epoch, accs, path)
 
 
 def convert(ctx: Context, syn: Synthesis, rounds: int) -> dict[str, torch.Tensor]:
@@ -791,12 +782,13 @@ def make_downstream_penalty(cfg: Config) -> Any:
 def cached_features(ctx: Context, net: nn.Module, key: str) -> dict[str, torch.Tensor]:
     """Eval-mode features (n, d) of the frozen featurizer on every split, cached beside the rounds."""
     path = cache_dir(ctx) / f"features-{key}.safetensors"
-    entry = load_entry(path)
-    if entry is not None:
-        return entry[0]
-    feats = {s: forward_split(ctx, net, s, "features") for s in ("train", *EVAL_SPLITS)}
-    save_entry(path, feats, {"of": key})
-    return feats
+    with build_lock(path):  # a sweep's workers compute them once
+        entry = load_entry(path)
+        if entry is not None:
+            return entry[0]
+        feats = {s: forward_split(ctx, net, s, "features") for s in ("train", *EVAL_SPLITS)}
+        save_entry(path, feats, {"of": key})
+        return feats
 
 
 def downstream(ctx: Context, start: Start, details: dict[str, Any]) -> tuple[list[dict[str, float]], nn.Module]:

@@ -376,20 +376,24 @@ def pretrain_key(cfg: Config, precision: str = "float32") -> str:
 
 def pretrained_backbone(cfg: Config, run: Run, pool: Any, device: torch.device) -> dict[str, torch.Tensor]:
     """ERM on the upright `pool` (stage `pretrain`, resumable), cached under <cache>/pretrained/<key>."""
-    from safetensors.torch import load_file, save
+    from owai.io import build_lock, cache_root, read_cache_entry, write_cache_entry
 
+    path = cache_root() / "pretrained" / f"{cfg.model.backbone}-{pretrain_key(cfg, _precision(cfg, device))}.safetensors"
+    with build_lock(path):  # a sweep's workers pre-train a backbone once
+        state = read_cache_entry(path, lambda tensors, _: tensors)
+        if state is None:
+            state = _pretrain(cfg, run, pool, device)
+            write_cache_entry(path, state)
+        return state
+
+
+def _pretrain(cfg: Config, run: Run, pool: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    """`pretrained_backbone`'s training: its final weights, on the CPU."""
     from owai.data.domainbed import StepBatches, StepStream
-    from owai.io import atomic_write_bytes, cache_root
     from owai.models.vision import build_backbone
     from owai.runtime import derive_seed
     from owai.train import LoopConfig, train_loop
 
-    path = cache_root() / "pretrained" / f"{cfg.model.backbone}-{pretrain_key(cfg, _precision(cfg, device))}.safetensors"
-    if path.is_file():
-        try:
-            return load_file(str(path))
-        except Exception:  # noqa: BLE001 - a corrupt cache entry is rebuilt
-            console.info(f"rebuilding the corrupt cache entry {path}")
     d, p = cfg.data, cfg.pretrain
     rng = torch.get_rng_state()
     torch.manual_seed(derive_seed(p.seed, "pretrain-init", cfg.model.backbone))
@@ -407,10 +411,7 @@ def pretrained_backbone(cfg: Config, run: Run, pool: Any, device: torch.device) 
     loop = LoopConfig(steps=p.steps, checkpoint_every=max(1, min(cfg.train.checkpoint_every, p.steps)),
                       log_every=max(1, min(cfg.train.log_every, p.steps)), precision=_precision(cfg, device))
     train_loop(run, "pretrain", net, optimizer, loss_at, loop, lr_at=lambda s: p.lr * (0.1 if s >= decay_at else 1.0))
-    state = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, save(state))
-    return state
+    return {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
 
 
 def _precision(cfg: Config, device: torch.device) -> str:

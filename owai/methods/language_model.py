@@ -581,12 +581,14 @@ class EvalBatches:
             yield self.windows.batch(self.batch_size, generator(self.seed, self.purpose, i))
 
 
-def mean_loss(model: torch.nn.Module, batches: Any, device: torch.device, eot: int | None = None) -> float:
+def mean_loss(model: torch.nn.Module, batches: Any, device: torch.device, eot: int | None = None,
+              log: Any = None) -> float:
     """The mean next-token loss (eval mode) over every rank's `batches`: summed losses over summed
-    targets, so W processes give the number one process gives on the same batches."""
+    targets, so W processes give the number one process gives on the same batches. `log`: an
+    `owai.evals.lm.BatchLog` (a resumed evaluation computes only the batches not logged)."""
     from owai.evals.lm import loss_totals
 
-    total, count = distributed.sum_across_ranks(list(loss_totals(model, batches, device, eot)), device)
+    total, count = distributed.sum_across_ranks(list(loss_totals(model, batches, device, eot, log)), device)
     return total / max(count, 1)
 
 
@@ -831,9 +833,19 @@ def evaluate_model(ev: EvalConfig, run: Run, label: str, model: torch.nn.Module,
     """Validation loss, per-position loss (also at `ev.lengths`, and without the long-term memory when
     asked), attention profiles and continuations of one model. `eot`: read documents apart. One
     progress bar (owai.console) counts every batch of every pass: the evaluation of a large model
-    takes minutes."""
+    takes minutes.
+
+    Each batch's result goes into the run's answer log (`owai.evals.lm.BatchLog`), and a resumed run
+    computes only the batches a kill left (the attention profiles, a few sequences, are computed
+    again)."""
     from owai.evals import lm as lme
+    from owai.evals.answers import run_log
     from owai.models.lm import context_limit
+
+    answers = run_log(run.path)
+
+    def logged(*scope: Any) -> lme.BatchLog:
+        return lme.BatchLog(answers, (label, *scope), device)
 
     model.eval()
     block = data.val.block_size
@@ -861,13 +873,13 @@ def evaluate_model(ev: EvalConfig, run: Run, label: str, model: torch.nn.Module,
             if suffix:
                 model.config.long_term_memory = False  # the evaluation interface's ablation: weights untouched
             bar.update(0, status=f"validation loss{suffix}")
-            measured["val_loss" + suffix] = mean_loss(model, _counted(val, bar), device, eot)
+            measured["val_loss" + suffix] = mean_loss(model, _counted(val, bar), device, eot, logged("val", suffix))
             if train and not suffix:
                 bar.update(0, status="training loss")
-                measured["train_loss"] = mean_loss(model, _counted(train, bar), device, eot)
+                measured["train_loss"] = mean_loss(model, _counted(train, bar), device, eot, logged("train"))
             bar.update(0, status=f"per-position loss{suffix}")
             windows = data.posloss.sequential(max_windows=ev.posloss_windows, batch_size=ev.batch_size)
-            curve, n = lme.per_position_loss(model, _counted(windows, bar), device, eot)
+            curve, n = lme.per_position_loss(model, _counted(windows, bar), device, eot, logged("posloss", suffix, block))
             details["posloss" + suffix] = curve
             details["posloss_windows"] = n
             measured["posloss_first50" + suffix] = lme.mean_over(curve, 0, 50)
@@ -875,7 +887,8 @@ def evaluate_model(ev: EvalConfig, run: Run, label: str, model: torch.nn.Module,
             for length, max_windows, batch_size in extrapolation:  # windows of `length` tokens, the model trained at `block`
                 bar.update(0, status=f"per-position loss at {length}{suffix}")
                 windows = data.posloss.with_block_size(length).sequential(max_windows=max_windows, batch_size=batch_size)
-                curve, n = lme.per_position_loss(model, _counted(windows, bar), device, eot)
+                curve, n = lme.per_position_loss(model, _counted(windows, bar), device, eot,
+                                                 logged("posloss", suffix, length))
                 details[f"posloss_{length}{suffix}"] = curve
                 details[f"posloss_{length}_windows"] = n
                 measured[f"loss_{length}{suffix}"] = lme.mean_over(curve, 0)
@@ -896,7 +909,8 @@ def evaluate_model(ev: EvalConfig, run: Run, label: str, model: torch.nn.Module,
             plot_attention(run, label, profiles, block, lambdas)
         if prompts:
             bar.update(0, status="continuations")
-            rows = lme.continuations(model, data.tokenizer, prompts, device, ev.max_new_tokens, progress=bar.update)
+            rows = lme.continuations(model, data.tokenizer, prompts, device, ev.max_new_tokens, progress=bar.update,
+                                     log=logged("continuations"))
             details["continuations"] = rows
             if distributed.is_main():
                 write_continuations(run, label, rows)

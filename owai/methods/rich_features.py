@@ -882,10 +882,8 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
     """Stage `pretrain`: one network on the base classes (or its cache entry), then its base test accuracy
     (supervised), or SimSiam on the base images (pretrain.objective=simsiam: no labels, no head; the
     measure is its final loss, `pretrain.ssl_loss`, and its transfer probe)."""
-    from safetensors.torch import load_file, save
-
     from owai.data.domainbed import StepBatches, StepStream
-    from owai.io import atomic_write_bytes
+    from owai.io import read_cache_entry, write_cache_entry
     from owai.train import LoopConfig, train_loop
 
     d, p, device = cfg.data, cfg.pretrain, run.device
@@ -894,13 +892,10 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
     test_set = load_split(cfg, d.base, "base-test", d.base_classes)
     classes = train_set.classes
     path = weights_path(cfg, cfg.seed)
-    state, cached = None, False
-    if path.is_file():
-        try:
-            state, cached = load_file(str(path)), True
-            console.info(f"network seed {cfg.seed}: cached at {path}")
-        except Exception:  # noqa: BLE001 - a corrupt cache entry is rebuilt
-            console.info(f"rebuilding the corrupt cache entry {path}")
+    state = read_cache_entry(path, lambda tensors, _: tensors)
+    cached = state is not None
+    if cached:
+        console.info(f"network seed {cfg.seed}: cached at {path}")
     # updates per epoch: N / B drawn with replacement, or N // B passes without (the last batch dropped)
     per_epoch = len(train_set) / p.batch_size if p.sampling == "replacement" else len(train_set) // p.batch_size
     steps = max(1, round(p.epochs * per_epoch))
@@ -939,14 +934,12 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
                           precision=_precision(cfg, device))
         def snapshot(done: int) -> None:  # before the step's checkpoint: a resumed run has every earlier one
             if done in snaps:
-                snaps[done].parent.mkdir(parents=True, exist_ok=True)
-                atomic_write_bytes(snaps[done], save({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}))
+                write_cache_entry(snaps[done], net.state_dict())
 
         summary = train_loop(run, "pretrain", net, optimizer, loss_at, loop, lr_at=lr_at, after_step=snapshot)
         kept = net.backbone if ssl else net  # SimSiam: the backbone's features only (no projector, no head)
         state = {k: v.detach().cpu().contiguous() for k, v in kept.state_dict().items()}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, save(state))
+        write_cache_entry(path, state)
     net = network_from_state(cfg.model.backbone, state, cfg.seed, cfg.model.joint, str(path)).to(device).eval()
     details = {"weights": str(path), "cached": cached, "seed": cfg.seed, "key": pretrain_key(cfg, cfg.seed),
                "objective": p.objective, "snapshots": {f"{e:g}": str(snapshot_path(cfg, cfg.seed, e)) for e in p.snapshots},

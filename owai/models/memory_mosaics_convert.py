@@ -312,15 +312,15 @@ def load_official_checkpoint(
     path = Path(path)
     if not path.is_file():
         raise OwaiError(f"memory mosaics checkpoint: no file {path}")
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
+    if path.suffix == ".safetensors":
+        from owai.io import read_safetensors
 
-            checkpoint: Any = load_file(str(path))
-        else:
+        checkpoint: Any = read_safetensors(path)  # unreadable: one line naming the file
+    else:
+        try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - any unreadable file is a user error here
-        raise OwaiError(f"memory mosaics checkpoint: cannot read {path}: {one_line(err)}") from err
+        except Exception as err:  # noqa: BLE001 - any unreadable file is a user error here
+            raise OwaiError(f"memory mosaics checkpoint: cannot read {path}: {one_line(err)}") from err
     config, sd = convert_official_state_dict(checkpoint, source, **{**_hints(checkpoint), **config_overrides})
     model = MemoryMosaicsForCausalLM(config)
     model.load_state_dict(sd, strict=True)
