@@ -86,26 +86,30 @@ def remove_dead_builds(final: Path, *kinds: str) -> None:
 
 
 @contextmanager
-def build_lock(final: Path) -> Iterator[None]:
-    """Hold the lock of the cache entry `final` while looking for it and, when it is missing, building
-    it: the workers of a sweep (or the jobs of a SLURM array) that need the same tokenizer, token cache
-    or pre-trained network build it once, and the others wait, then find it built. Without it each
-    built its own copy, and the atomic rename kept one: the same result, at the cost of N builds.
+def build_lock(final: Path, ready: Callable[[], bool] | None = None) -> Iterator[None]:
+    """Hold the lock of the cache entry `final` while looking for it again and, when it is missing,
+    building it: the workers of a sweep (or the jobs of a SLURM array) that need the same tokenizer,
+    token cache or pre-trained network build it once, and the others wait, then find it built.
+    Without it each built its own copy, and the atomic rename kept one: the same result, at the
+    cost of N builds. `ready()` true (the entry is there) takes no lock: readers do not queue.
 
     The lock is `flock` on `.NAME.lock` beside `final`, which its holder removes when it is done
     (a waiter that then holds the lock of a removed file tries again). The kernel releases a killed
-    holder's lock, so a kill never blocks the next build. Where the file system has no locks, every
-    process builds, as before. Locks are taken one at a time (none is taken while another is held),
-    so processes cannot wait on each other in a circle."""
+    holder's lock, so a kill never blocks the next build. Where the file system has no locks, or the
+    folder cannot be written, every process builds, as before. Locks are taken one at a time (none
+    is taken while another is held), so processes cannot wait on each other in a circle."""
     from owai import console
 
     final = Path(final)
     path = final.parent / f".{final.name}.lock"
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        fd = _locked(path, final, console.info)
-    except OSError:  # a folder that cannot be made: the build says so
-        fd = None
+    fd = None
+    if ready is None or not ready():
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+        except OSError:  # a folder that cannot be made: the build says so
+            pass
+        else:
+            fd = _locked(path, final, console.info)
     try:
         yield
     finally:
@@ -126,6 +130,11 @@ def _locked(path: Path, final: Path, say: Callable[[str], Any]) -> int | None:
     while True:
         try:
             fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o666 & ~umask())
+        except PermissionError:  # another user's lock file: flock needs no write access
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                return None
         except OSError:
             return None
         try:
@@ -136,13 +145,12 @@ def _locked(path: Path, final: Path, say: Callable[[str], Any]) -> int | None:
                     say(f"waiting for another process to finish building {final}")
                     waited = True
                 fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:  # no locks on this file system
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:  # its holder removed it while this process waited for it
+            same = False
+        except OSError:  # no locks on this file system (or a stale NFS handle): no lock
             os.close(fd)
             return None
-        try:
-            same = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
         if same:  # not a lock file its holder removed while this process waited for it
             return fd
         os.close(fd)

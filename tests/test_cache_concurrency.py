@@ -337,3 +337,34 @@ def test_a_build_lock_waits_for_its_holder_and_not_for_a_killed_one(tmp_path: Pa
             assert not final.exists()
         assert time.monotonic() - started < 5
     assert hidden(tmp_path) == []
+
+
+def test_a_waiter_that_locked_a_removed_lock_file_waits_for_the_new_holder(tmp_path: Path) -> None:
+    """The race `build_lock`'s inode check closes: a waiter queued on the first holder's lock file
+    gets its lock only after that file was removed, by which time a third process holds a fresh
+    lock file at the same path. The waiter must wait for that one too, not build beside it."""
+    import fcntl
+    import threading
+    import time
+
+    from owai.io import _locked
+
+    path, final = tmp_path / ".entry.lock", tmp_path / "entry"
+    first = os.open(path, os.O_CREAT | os.O_RDWR)
+    fcntl.flock(first, fcntl.LOCK_EX)
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(_locked(path, final, lambda _: None)))
+    waiter.start()
+    time.sleep(0.5)  # queued on the first lock file
+    path.unlink()  # the first holder is done: it removes its lock file ...
+    fresh = os.open(path, os.O_CREAT | os.O_RDWR)  # ... a third process makes and locks a new one ...
+    fcntl.flock(fresh, fcntl.LOCK_EX)
+    os.close(first)  # ... and the first holder releases its lock
+    time.sleep(0.5)
+    assert waiter.is_alive() and got == []  # waiting for the new holder, not building beside it
+    path.unlink()
+    os.close(fresh)
+    waiter.join(10)
+    assert not waiter.is_alive() and got[0] is not None
+    assert os.fstat(got[0]).st_ino == os.stat(path).st_ino  # it holds the lock file now at the path
+    os.close(got[0])

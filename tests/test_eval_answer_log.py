@@ -25,7 +25,8 @@ def tiny_lm(tmp_path_factory) -> Path:
 
 
 class Killed(KeyboardInterrupt):
-    """The kill, raised from inside the model (a Ctrl-C or SIGTERM arrives the same way)."""
+    """The kill, raised from inside the model (a Ctrl-C arrives the same way; a SIGKILL, which runs
+    no Python at all, is tested apart)."""
 
 
 class Echo:
@@ -368,11 +369,11 @@ def test_a_damaged_batch_result_is_computed_again(tmp_path) -> None:
     windows = lm_windows()
     path = tmp_path / "answers.jsonl"
     want = per_position_loss(CountedLM().model, windows, cpu, None, BatchLog(AnswerLog(path), ("m",), cpu))
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert len(rows) == 1 and len(rows[0]["answers"]) == 5  # one line per flush, not per batch
-    (first, curve), (second, _) = list(rows[0]["answers"].items())[:2]
-    damaged = {first: curve[:-1], second: ["x"] * len(curve)}  # a curve one number short, one of strings
-    path.write_text(json.dumps({"answers": {**rows[0]["answers"], **damaged}}) + "\n")
+    rows = [json.loads(line)["answers"] for line in path.read_text().splitlines()]
+    assert [len(r) for r in rows] == [1] * 5  # one line per batch, written as it is computed
+    ((first, curve),), ((second, _),) = rows[0].items(), rows[1].items()
+    rows[:2] = [{first: curve[:-1]}, {second: ["x"] * len(curve)}]  # a curve one number short, one of strings
+    path.write_text("".join(json.dumps({"answers": r}) + "\n" for r in rows))
     again = CountedLM()
     assert per_position_loss(again.model, windows, cpu, None, BatchLog(AnswerLog(path), ("m",), cpu)) == want
     assert again.calls == 2
@@ -544,3 +545,69 @@ def test_under_torchrun_a_batch_is_read_back_only_when_every_rank_logged_it(tmp_
     # the two ranks' lines can reach the shared output interleaved on one line
     reports = sorted((json.loads(m) for m in re.findall(r'\{"rank".*?\]\}', proc.stdout)), key=lambda r: r["rank"])
     assert reports == [{"rank": r, "first": 3, "again": 0, "equal": [True, True]} for r in (0, 1)]
+
+
+SIGKILL_SCRIPT = """
+import os, signal, sys
+from pathlib import Path
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from owai.evals.answers import AnswerLog
+from owai.evals.lm import BatchLog, per_position_loss
+
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=64, n_embd=16, n_layer=1, n_head=2))
+calls = []
+
+def count(*_):
+    if len(calls) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)  # nothing of Python runs after this: no finally, no flush
+    calls.append(1)
+
+model.register_forward_pre_hook(count)
+rows = torch.randint(0, 256, (10, 17), generator=torch.Generator().manual_seed(1))
+windows = [(rows[i:i + 2, :-1], rows[i:i + 2, 1:]) for i in range(0, 10, 2)]
+cpu = torch.device("cpu")
+per_position_loss(model, windows, cpu, log=BatchLog(AnswerLog(Path(sys.argv[1])), ("m",), cpu))
+"""
+
+
+def test_a_sigkilled_evaluation_keeps_every_batch_it_finished(tmp_path) -> None:
+    """SIGKILL (what the out-of-memory killer sends, and what follows SLURM's SIGTERM) runs no
+    `finally`: the batches computed before it are on disk all the same, and the resume computes the
+    rest only."""
+    import signal
+    import subprocess
+    import sys
+
+    import torch
+
+    from owai.evals.lm import BatchLog, per_position_loss
+
+    script, log = tmp_path / "killed.py", tmp_path / "answers.jsonl"
+    script.write_text(SIGKILL_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(log)], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert len(AnswerLog(log)) == 3
+    rows = torch.randint(0, 256, (10, 17), generator=torch.Generator().manual_seed(1))
+    windows = [(rows[i:i + 2, :-1], rows[i:i + 2, 1:]) for i in range(0, 10, 2)]
+    cpu = torch.device("cpu")
+    whole = CountedLM()
+    want = per_position_loss(whole.model, windows, cpu)
+    resumed = CountedLM()
+    assert per_position_loss(resumed.model, windows, cpu, log=BatchLog(AnswerLog(log), ("m",), cpu)) == want
+    assert resumed.calls == 2
+
+
+def test_each_rank_has_its_own_answer_log(tmp_path, monkeypatch) -> None:
+    """Under torchrun the language-model evaluations log on every rank: one file per rank, one writer
+    per file (rank 0's is the run's answers.jsonl)."""
+    from owai import distributed
+    from owai.evals.answers import run_log
+
+    assert run_log(tmp_path).path == tmp_path / "answers.jsonl"
+    monkeypatch.setattr(distributed, "world", lambda: distributed.World(3, 4, 3))
+    assert run_log(tmp_path).path == tmp_path / "answers.rank3.jsonl"

@@ -16,7 +16,7 @@
 `owai eval posloss` takes `--data-root` (named corpora, relative paths); `owai eval regbench` (and
 `owai moons`) generate their data, so they have no data flag. `--resume RUN_DIR` finishes a killed
 evaluation with its recorded settings (ruler, harness, icl: only what the model had not answered;
-posloss: again from the start) or study
+posloss: only the batches not yet logged) or study
 (regbench: its unfinished points).
 """
 

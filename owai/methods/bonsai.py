@@ -283,17 +283,18 @@ def cached_representation(run: Run, data: ColoredMNIST, dataset: str, cfg: Bonsa
     key = representation_key(dataset, cfg, seed=seed, hidden=hidden, lr=lr, l2=l2, data=data_key or {})
     path = cache_root() / "bonsai" / f"{dataset}-seed{seed}-{key}.safetensors"
 
-    def representation(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Representation:
-        return Representation(
-            featurizer={k.removeprefix("featurizer."): v.to(device) for k, v in tensors.items() if k.startswith("featurizer.")},
-            head_weight=tensors["head_weight"].to(device), head_bias=tensors["head_bias"].to(device),
-            heads_weight=tensors["heads_weight"].to(device), heads_bias=tensors["heads_bias"].to(device),
-            details={**json.loads(meta["details"]), "cache": str(path)})
+    def representation(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> dict[str, Any]:
+        """The entry's fields, on the CPU (a device's error is not a damaged entry)."""
+        fields = ("head_weight", "head_bias", "heads_weight", "heads_bias")
+        return dict(featurizer={k.removeprefix("featurizer."): v for k, v in tensors.items() if k.startswith("featurizer.")},
+                    **{name: tensors[name] for name in fields}, details={**json.loads(meta["details"]), "cache": str(path)})
 
-    with build_lock(path):  # a study's workers build a seed's representation once
-        rep = read_cache_entry(path, representation)
-        if rep is not None:
-            return rep
+    with build_lock(path, ready=path.is_file):  # a study's workers build a seed's representation once
+        entry = read_cache_entry(path, representation)
+        if entry is not None:
+            on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+            on_device["featurizer"] = {k: v.to(device) for k, v in entry["featurizer"].items()}
+            return Representation(**on_device)
         rep = build_representation(run, data, dataset, cfg, seed=seed, hidden=hidden, lr=lr, l2=l2, device=device,
                                    checkpoint_every=checkpoint_every, log_every=log_every)
         tensors = {f"featurizer.{k}": v for k, v in rep.featurizer.items()}

@@ -492,7 +492,7 @@ def discovery_round(ctx: Context, k: int, earlier: list[RoundResult], checkpoint
     from owai.methods.invariance import make_penalty
 
     path = cache_dir(ctx) / f"round{k}.safetensors"
-    with build_lock(path):  # a sweep's workers train a round once
+    with build_lock(path, ready=path.is_file):  # a sweep's workers train a round once
         entry = load_entry(path)
         if entry is not None:
             tensors, info = entry
@@ -623,7 +623,7 @@ def synthesis(ctx: Context, rounds: list[RoundResult], distill: bool = False) ->
     K = len(rounds)
     group_method = b.distill_groups if distill else b.group_method
     path = cache_dir(ctx) / f"{synthesis_name(ctx, K, distill)}.safetensors"
-    with build_lock(path):  # a sweep's workers train it once
+    with build_lock(path, ready=path.is_file):  # a sweep's workers train it once
         entry = load_entry(path)
         if entry is not None:
             tensors, info = entry
@@ -782,7 +782,7 @@ def make_downstream_penalty(cfg: Config) -> Any:
 def cached_features(ctx: Context, net: nn.Module, key: str) -> dict[str, torch.Tensor]:
     """Eval-mode features (n, d) of the frozen featurizer on every split, cached beside the rounds."""
     path = cache_dir(ctx) / f"features-{key}.safetensors"
-    with build_lock(path):  # a sweep's workers compute them once
+    with build_lock(path, ready=path.is_file):  # a sweep's workers compute them once
         entry = load_entry(path)
         if entry is not None:
             return entry[0]

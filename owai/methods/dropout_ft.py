@@ -379,7 +379,7 @@ def pretrained_backbone(cfg: Config, run: Run, pool: Any, device: torch.device) 
     from owai.io import build_lock, cache_root, read_cache_entry, write_cache_entry
 
     path = cache_root() / "pretrained" / f"{cfg.model.backbone}-{pretrain_key(cfg, _precision(cfg, device))}.safetensors"
-    with build_lock(path):  # a sweep's workers pre-train a backbone once
+    with build_lock(path, ready=path.is_file):  # a sweep's workers pre-train a backbone once
         state = read_cache_entry(path, lambda tensors, _: tensors)
         if state is None:
             state = _pretrain(cfg, run, pool, device)
