@@ -577,8 +577,11 @@ def test_compiled_blocks_on_the_flex_path_take_a_new_delay_without_recompiling()
             assert torch.allclose(model(input_ids=ids, position_ids=pos, long_delay=13).logits, eager[13], atol=1e-5)
 
 
-@pytest.mark.parametrize("docs", [pytest.param(None, marks=pytest.mark.slow), [[30, 34], [5, 1, 58]]],
-                         ids=["one-document", "documents"])  # ~45 s each, cold
+# slow, both (70-90 s each, cold, on the 2-core machine: the default run's largest): the CPU's compiled
+# training path, which no GPU run takes (CUDA reads through flex, whose compiled blocks the default run
+# checks at a new delay in test_compiled_blocks_on_the_flex_path_take_a_new_delay_without_recompiling)
+@pytest.mark.slow
+@pytest.mark.parametrize("docs", [None, [[30, 34], [5, 1, 58]]], ids=["one-document", "documents"])
 def test_compiled_blocks_train_at_every_delay_on_the_sdpa_path(docs):
     """Compiled blocks (train.compile) training on the CPU's read path (SDPA), the long-term delay drawn
     per step: after one recompilation (the delay made symbolic) every other delay reuses the graph and
@@ -647,7 +650,7 @@ def test_compiled_memory_inputs_equal_eager(phase):
         assert (eager - compiled).norm() <= 1e-5 * eager.norm(), ((eager - compiled).norm() / eager.norm()).item()
 
 
-@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("autocast", [pytest.param(False, marks=pytest.mark.slow), True])  # True: as CUDA trains
 def test_compiled_memory_inputs_take_bf16_projections_as_on_a_gpu(autocast):
     """Under CUDA autocast a memory's projections arrive in bf16 and its reads run in bf16: the
     compiled `memory_inputs` (inductor) takes and returns those dtypes, forward and backward (bf16
