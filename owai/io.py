@@ -86,7 +86,7 @@ def remove_dead_builds(final: Path, *kinds: str) -> None:
 
 
 @contextmanager
-def build_lock(final: Path, ready: Callable[[], bool] | None = None) -> Iterator[None]:
+def build_lock(final: Path, ready: Callable[[], bool] | None = None, wait: bool = True) -> Iterator[bool]:
     """Hold the lock of the cache entry `final` while looking for it again and, when it is missing,
     building it: the workers of a sweep (or the jobs of a SLURM array) that need the same tokenizer,
     token cache or pre-trained network build it once, and the others wait, then find it built.
@@ -97,21 +97,27 @@ def build_lock(final: Path, ready: Callable[[], bool] | None = None) -> Iterator
     (a waiter that then holds the lock of a removed file tries again). The kernel releases a killed
     holder's lock, so a kill never blocks the next build. Where the file system has no locks, or the
     folder cannot be written, every process builds, as before. Locks are taken one at a time (none
-    is taken while another is held), so processes cannot wait on each other in a circle."""
+    is taken while another is held), so processes cannot wait on each other in a circle.
+
+    `wait=False` does not wait: it yields False when another process holds the lock (a sweep point
+    that another process is running), True otherwise."""
     from owai import console
 
     final = Path(final)
     path = final.parent / f".{final.name}.lock"
-    fd = None
+    fd: int | None = None
     if ready is None or not ready():
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
         except OSError:  # a folder that cannot be made: the build says so
             pass
         else:
-            fd = _locked(path, final, console.info)
+            fd = _locked(path, final, console.info, wait)
+    if fd == _HELD_ELSEWHERE:
+        yield False
+        return
     try:
-        yield
+        yield True
     finally:
         if fd is not None:
             try:
@@ -121,9 +127,13 @@ def build_lock(final: Path, ready: Callable[[], bool] | None = None) -> Iterator
             os.close(fd)  # releases the lock
 
 
-def _locked(path: Path, final: Path, say: Callable[[str], Any]) -> int | None:
+_HELD_ELSEWHERE = -1  # `_locked` without waiting, when another process holds the lock
+
+
+def _locked(path: Path, final: Path, say: Callable[[str], Any], wait: bool = True) -> int | None:
     """An open descriptor of the lock file `path`, locked exclusively; None where locks are not
-    available (the file system has none, or the folder is read-only)."""
+    available (the file system has none, or the folder is read-only); with `wait=False`,
+    _HELD_ELSEWHERE when another process holds it."""
     import fcntl
 
     waited = False
@@ -141,6 +151,9 @@ def _locked(path: Path, final: Path, say: Callable[[str], Any]) -> int | None:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                if not wait:
+                    os.close(fd)
+                    return _HELD_ELSEWHERE
                 if not waited:
                     say(f"waiting for another process to finish building {final}")
                     waited = True

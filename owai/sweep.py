@@ -33,6 +33,7 @@ import re
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ import yaml
 from owai import console
 from owai.config import build, coerce, load_yaml, parse_override
 from owai.errors import CannotRunHere, OwaiError, one_line
-from owai.io import atomic_write_json, is_write_temporary, remove_write_temporaries
+from owai.io import atomic_write_json, build_lock, is_write_temporary, remove_write_temporaries
 from owai.recipes import Grid, Recipe, Selection, check_path, load, recipe_claims, recorded_name, sub_grids
 from owai.runs import CONFIG, RESULTS, SWEEP, Run, config_hash, ensure_writable, is_sweep_dir, new_unique_dir, timestamp
 from owai.values import fmt, numeric
@@ -375,30 +376,37 @@ def run_point(task: dict[str, Any]) -> dict[str, Any]:
     console.configure(quiet=True)
     started = time.time()
     outcome: dict[str, Any] = {"id": task["id"], "status": "failed", "error": None}
-    try:
-        if task.get("threads"):
-            import torch
+    path = Path(task["dir"])
+    # one process runs a point at a time: a --resume while the jobs (or orphaned workers) of an
+    # earlier invocation still run leaves their points to them, rather than running them twice
+    with build_lock(path, wait=False) as mine:
+        try:
+            if not mine:
+                outcome["status"] = "running"
+                raise OwaiError("another process is running this point (an earlier invocation's job or worker); "
+                                "resume the sweep when it has finished")
+            if task.get("threads"):
+                import torch
 
-            torch.set_num_threads(task["threads"])  # runtime.threads, when set, still wins
-        path = Path(task["dir"])
-        if path.exists() and not path.is_dir():
-            raise OwaiError(f"{path} is a file where this point's run directory belongs; remove it to rerun this point")
-        if (path / RESULTS).is_file():
-            pass
-        elif (path / CONFIG).is_file():
-            execute(resume=path)
-        else:
-            if path.exists():  # made, but killed before its config was written: nothing to keep
-                # (a kill while config.yaml was written leaves only that write's temporary file)
-                if any(p.is_file() and not is_write_temporary(p) for p in path.rglob("*")):
-                    raise OwaiError(f"{path} holds files but no {CONFIG}; remove it to rerun this point")
-                shutil.rmtree(path)
-            execute(task["recipe"], task["preset"], task["overrides"], run_dir=path)
-        outcome["status"] = "complete"
-    except Exception as e:  # noqa: BLE001 - a failed point is recorded; the sweep goes on
-        outcome["error"] = one_line(e, None)
-    finally:
-        console.configure(*saved)
+                torch.set_num_threads(task["threads"])  # runtime.threads, when set, still wins
+            if path.exists() and not path.is_dir():
+                raise OwaiError(f"{path} is a file where this point's run directory belongs; remove it to rerun this point")
+            if (path / RESULTS).is_file():
+                pass
+            elif (path / CONFIG).is_file():
+                execute(resume=path)
+            else:
+                if path.exists():  # made, but killed before its config was written: nothing to keep
+                    # (a kill while config.yaml was written leaves only that write's temporary file)
+                    if any(p.is_file() and not is_write_temporary(p) for p in path.rglob("*")):
+                        raise OwaiError(f"{path} holds files but no {CONFIG}; remove it to rerun this point")
+                    shutil.rmtree(path)
+                execute(task["recipe"], task["preset"], task["overrides"], run_dir=path)
+            outcome["status"] = "complete"
+        except Exception as e:  # noqa: BLE001 - a failed point is recorded; the sweep goes on
+            outcome["error"] = one_line(e, None)
+        finally:
+            console.configure(*saved)
     outcome["seconds"] = round(time.time() - started, 2)
     return outcome
 
@@ -411,8 +419,16 @@ def check_executor(executor: str, workers: int = 1) -> None:
         raise OwaiError(f"--workers must be >= 1, got {workers}")
     if workers > 1 and executor != "local":
         raise OwaiError("--workers is for --executor local; SLURM jobs run side by side (--array-parallelism)")
-    if executor == "slurm" and shutil.which("sbatch") is None:
-        raise OwaiError("--executor slurm needs SLURM, but sbatch is not on PATH (use --executor local)")
+    if executor == "slurm":
+        missing = [tool for tool in ("sbatch", "srun") if shutil.which(tool) is None]
+        if missing:
+            raise OwaiError(f"--executor slurm needs SLURM, but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                            "not on PATH (use --executor local)")
+    if executor != "local":
+        import importlib.util
+
+        if importlib.util.find_spec("submitit") is None:
+            raise OwaiError(f"--executor {executor} needs submitit: pip install submitit")
 
 
 def run(
@@ -436,28 +452,95 @@ def _run_local(sweep: Sweep, todo: list[Point], workers: int) -> list[dict[str, 
     description = f"sweep {sweep.recipe}"
     if workers == 1:
         return [run_point(_task(sweep, p)) for p in console.track(todo, total=len(todo), description=description)]
+    threads = max(1, _cpus() // workers)
+    with console.Bar(description, total=len(todo)) as bar:
+        return pooled([_task(sweep, p, threads) for p in todo], workers, bar.update)
 
+
+def pooled(tasks: list[dict[str, Any]], workers: int, done: Callable[[], Any], run: Callable[..., dict[str, Any]] = run_point,
+           retry: bool = True) -> list[dict[str, Any]]:
+    """`run(task)` for each task on `workers` spawned processes (`done()` after each). A worker that
+    dies (the out-of-memory killer) breaks Python's pool, which then fails every task in flight or
+    waiting: those run again in a new pool, and if that one breaks too, each in a pool of its own,
+    so that only the point that kills its worker is failed."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
 
-    threads = max(1, _cpus() // workers)
-    pool = ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=multiprocessing.get_context("spawn"))
-    outcomes = []
+    n = min(workers, len(tasks))
+    context = multiprocessing.get_context("spawn")
+    gpus = context.Queue()
+    for device in _worker_devices(n):
+        gpus.put(device)
+    pool = ProcessPoolExecutor(max_workers=n, mp_context=context, initializer=_worker_setup, initargs=(gpus, os.getpid()))
+    outcomes, broken = [], []
     try:
-        futures = {pool.submit(run_point, _task(sweep, p, threads)): p for p in todo}
-        for future in console.track(as_completed(futures), total=len(futures), description=description):
+        futures = {pool.submit(run, task): task for task in tasks}
+        for future in as_completed(futures):
             try:
                 outcomes.append(future.result())
-            except Exception as e:  # noqa: BLE001 - the worker process itself died
-                outcomes.append({"id": futures[future].id, "status": "failed", "error": f"worker: {one_line(e, None)}"})
+            except BrokenProcessPool:
+                broken.append(futures[future])
+                continue
+            except Exception as e:  # noqa: BLE001 - a task that could not be sent or read back
+                outcomes.append({"id": futures[future]["id"], "status": "failed", "error": f"worker: {one_line(e, None)}"})
+            done()
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown()
+    if broken and retry:
+        console.info(f"a worker process died; running its {len(broken)} unfinished point(s) again")
+        return outcomes + pooled(broken, workers, done, run, retry=False)
+    if len(broken) > 1:  # one pool each: only the point that kills its worker fails
+        return outcomes + [o for task in broken for o in pooled([task], 1, done, run, retry=False)]
+    for task in broken:
+        outcomes.append({"id": task["id"], "status": "failed", "error": "worker: its process died (killed, e.g. out of memory)"})
+        done()
     return outcomes
 
 
+def _worker_devices(workers: int) -> list[str | None]:
+    """The CUDA_VISIBLE_DEVICES of each local worker: the visible GPUs dealt out in turn (one worker per
+    GPU when there are as many), so that `--workers 4` on four GPUs does not put every point on the
+    first; None (unchanged) without GPUs."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        devices = [d.strip() for d in visible.split(",") if d.strip()]
+    else:
+        try:
+            import torch
+
+            devices = [str(i) for i in range(torch.cuda.device_count())]
+        except Exception:  # noqa: BLE001 - no CUDA build, no driver: no GPUs to deal out
+            devices = []
+    if len(devices) < 2:
+        return [None] * workers
+    return [devices[i % len(devices)] for i in range(workers)]
+
+
+def _worker_setup(devices: Any, parent: int) -> None:
+    """A local worker's start: its GPU (`_worker_devices`), and its end with its parent's: a sweep
+    killed by SIGTERM or SIGKILL leaves no worker running points that a later --resume also runs."""
+    device = devices.get()
+    if device is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = device
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the line above
+            os._exit(1)
+    except (OSError, AttributeError):  # not Linux: the point lock still keeps a second runner out
+        pass
+
+
 def _run_submitit(sweep: Sweep, todo: list[Point], executor: str, opts: SlurmOptions) -> list[dict[str, Any]]:
+    import signal
+
     import submitit
 
     cluster = "slurm" if executor == "slurm" else "debug"
@@ -474,16 +557,27 @@ def _run_submitit(sweep: Sweep, todo: list[Point], executor: str, opts: SlurmOpt
         "slurm_partition": opts.partition,
     }
     ex.update_parameters(**{k: v for k, v in params.items() if v is not None})
-    ex.update_parameters(slurm_array_parallelism=opts.array_parallelism or len(todo))
+    chunk = max_array_size() if cluster == "slurm" else len(todo)
+    ex.update_parameters(slurm_array_parallelism=min(opts.array_parallelism or len(todo), chunk))
     threads = (opts.cpus_per_task or 0) if cluster == "slurm" else 0  # debug runs in this process
+    tasks = [_task(sweep, p, threads) for p in todo]
+    jobs: list[Any] = []
     try:
-        jobs = ex.map_array(run_point, [_task(sweep, p, threads) for p in todo])
+        for start in range(0, len(tasks), chunk):  # SLURM refuses an array larger than its MaxArraySize
+            jobs += ex.map_array(run_point, tasks[start:start + chunk])
     except Exception as e:  # noqa: BLE001 - sbatch refused: a user-facing problem
+        _cancel(jobs, cluster)
         raise OwaiError(f"submitting {len(todo)} jobs failed: {one_line(e, None)}") from None
+    arrays = sorted({str(job.job_id).split("_")[0] for job in jobs})
     if cluster == "slurm":
-        console.info(f"submitted job array {jobs[0].job_id.split('_')[0]} ({len(jobs)} points); waiting")
+        console.info(f"submitted job array{'s' if len(arrays) > 1 else ''} {', '.join(arrays)} ({len(jobs)} points); waiting")
     point_of = {id(job): p for job, p in zip(jobs, todo)}
     outcomes = []
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # SIGTERM / SIGHUP (a closed terminal, a killed login job): as Ctrl-C
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         completed = submitit.helpers.as_completed(jobs, poll_frequency=10 if cluster == "slurm" else 0.1)
         for job in console.track(completed, total=len(jobs), description=f"sweep {sweep.recipe}"):
@@ -493,10 +587,42 @@ def _run_submitit(sweep: Sweep, todo: list[Point], executor: str, opts: SlurmOpt
                 error = f"job {job.job_id}: {one_line(e, None)}"
                 outcomes.append({"id": point_of[id(job)].id, "status": "failed", "error": error})
     except KeyboardInterrupt:
-        for job in jobs:  # no job should keep writing a point that a later --resume reruns
-            job.cancel(check=False)
+        _cancel(jobs, cluster)  # no job should keep writing a point that a later --resume reruns
         raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return outcomes
+
+
+def max_array_size() -> int:
+    """The most tasks one SLURM job array may have: the cluster's MaxArraySize (`scontrol show
+    config`), or SLURM's default, 1001, when it does not say."""
+    import subprocess
+
+    try:
+        text = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 1001
+    match = re.search(r"^MaxArraySize\s*=\s*(\d+)", text, re.MULTILINE)
+    return max(1, int(match.group(1))) if match else 1001
+
+
+def _cancel(jobs: list[Any], cluster: str) -> None:
+    """Cancel every job: on SLURM one `scancel` per array (all its tasks at once, so a second Ctrl-C
+    cannot leave some running); submitit's debug jobs one by one."""
+    import subprocess
+
+    if cluster != "slurm":
+        for job in jobs:
+            job.cancel(check=False)
+        return
+    arrays = sorted({str(job.job_id).split("_")[0] for job in jobs})
+    if arrays:
+        try:
+            subprocess.run(["scancel", *arrays], capture_output=True, check=False, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            console.info(f"could not cancel job array(s) {', '.join(arrays)}: scancel them by hand")
 
 
 # --- summary ------------------------------------------------------------------------------------
@@ -519,6 +645,7 @@ def summarise(sweep: Sweep, outcomes: list[dict[str, Any]] | None = None) -> dic
     when the sweep has a selection, the best cell per group (`select_cells`)."""
     stored = _stored_errors(sweep)  # errors of points that never got a run directory
     errors = {o["id"]: o["error"] for o in outcomes or [] if o.get("error")}
+    elsewhere = {o["id"] for o in outcomes or [] if o.get("status") == "running"}  # left to another process
     points, cells = [], {}
     for p in sweep.points:
         path = sweep.point_dir(p)
@@ -535,7 +662,9 @@ def summarise(sweep: Sweep, outcomes: list[dict[str, Any]] | None = None) -> dic
                 pass
         if status != "complete":
             error = errors.get(p.id) or error or (stored.get(p.id) if status == "pending" else None)
-            if error and status in ("pending", "running", "unknown"):
+            if p.id in elsewhere:
+                status = "running"
+            elif error and status in ("pending", "running", "unknown"):
                 status = "failed"
         points.append({"id": p.id, "label": p.label, "grid": p.grid, "seed": p.seed, "status": status,
                        "error": error, "run_dir": str(path)})
@@ -638,11 +767,16 @@ def failures(summary: dict[str, Any]) -> list[dict[str, Any]]:
 def raise_on_failures(summary: dict[str, Any], rerun: str) -> None:
     """Print one stderr line per failed point, then raise one OwaiError that says how to rerun them."""
     failed = failures(summary)
-    if not failed:
-        return
+    elsewhere = [p for p in summary["points"] if p["status"] == "running" and p.get("error")]  # run_point left them
+    for p in elsewhere:
+        console.stderr.print(f"running elsewhere: {p['label']}: {p['error']}", markup=False, soft_wrap=True)
     for p in failed:
         console.stderr.print(f"failed: {p['label']}: {p['error'] or p['status']}", markup=False, soft_wrap=True)
-    raise OwaiError(f"{len(failed)} of {len(summary['points'])} sweep points failed; rerun them with {rerun}")
+    if failed:
+        raise OwaiError(f"{len(failed)} of {len(summary['points'])} sweep points failed; rerun them with {rerun}")
+    if elsewhere:
+        raise OwaiError(f"{len(elsewhere)} of {len(summary['points'])} sweep points are running in another process; "
+                        f"finish them with {rerun} once it is done")
 
 
 def _mean_std(m: dict[str, Any]) -> str:

@@ -371,7 +371,7 @@ def check(text: str, whole: bool = True) -> list[str]:
 #   Never validated: no input is looked for (`resolve(..., validate=False)`: data, tokenizers, the
 #   model to evaluate; plan_chain's own checks may look, and a missing input is then no failure), no
 #   device is asked for (`runtime.device=cuda` is the documentation's, not this machine's), `--executor
-#   slurm` finds an `sbatch` stand-in on PATH (never called), nothing is written, run or downloaded.
+#   slurm` finds `sbatch` and `srun` stand-ins on PATH (never called), nothing is written, run or downloaded.
 #   So a value that only the method's `validate` checks (`--task`, `--ctx`, dropout-ft's `--dataset`,
 #   harness task names) is not checked here: validate mixes the settings' checks with reading the
 #   inputs (data, tokenizers, the models): minutes over the documented commands, not seconds;
@@ -451,9 +451,10 @@ def stopped_where_runs_begin():
         return ran
 
     with pytest.MonkeyPatch.context() as mp, tempfile.TemporaryDirectory() as bin_dir:
-        sbatch = Path(bin_dir) / "sbatch"  # `--executor slurm` as on a cluster (never called: nothing is submitted)
-        sbatch.write_text("#!/bin/sh\nexit 1\n")
-        sbatch.chmod(0o755)
+        for tool in ("sbatch", "srun"):  # `--executor slurm` as on a cluster (never called: nothing is submitted)
+            stand_in = Path(bin_dir) / tool
+            stand_in.write_text("#!/bin/sh\nexit 1\n")
+            stand_in.chmod(0o755)
         mp.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
         mp.setenv("HF_HUB_OFFLINE", "1")
         mp.setattr(experiment, "resolve", unvalidated)  # every resolution: the run's, a sweep's points', a chain's, show's

@@ -258,11 +258,15 @@ def test_slurm_executor_wiring(tmp_path: Path, capsys, monkeypatch) -> None:
             self.params.update(params)
 
         def map_array(self, fn, tasks):
-            self.tasks = list(tasks)
-            return [FakeJob(fn, t, i) for i, t in enumerate(self.tasks)]
+            tasks = list(tasks)
+            self.arrays.append(len(tasks))
+            self.tasks += tasks
+            return [FakeJob(fn, t, i) for i, t in enumerate(tasks, start=len(self.tasks) - len(tasks))]
 
+    FakeExecutor.arrays = []
     monkeypatch.setattr(submitit, "AutoExecutor", FakeExecutor)
     monkeypatch.setattr(sweeps.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(sweeps, "max_array_size", lambda: 1)  # one task per array: two arrays
     code, out, err = cli(["sweep", "three-moons", *sets(), "--seeds", "1,2", "--executor", "slurm", "--partition", "gpu",
                           "--gpus-per-node", "1", "--cpus-per-task", "1", "--timeout-min", "30", "--mem-gb", "2",
                           "--out", str(tmp_path), "--json"], capsys)
@@ -271,7 +275,8 @@ def test_slurm_executor_wiring(tmp_path: Path, capsys, monkeypatch) -> None:
     (path,) = sweep_dirs(tmp_path)
     assert ex.cluster == "slurm" and ex.folder == path / "slurm"
     assert ex.params == {"name": "owai-three-moons", "timeout_min": 30, "cpus_per_task": 1, "gpus_per_node": 1,
-                         "mem_gb": 2.0, "slurm_partition": "gpu", "slurm_array_parallelism": 2}
+                         "mem_gb": 2.0, "slurm_partition": "gpu", "slurm_array_parallelism": 1}
+    assert FakeExecutor.arrays == [1, 1]  # no array larger than the cluster's MaxArraySize
     assert [t["threads"] for t in ex.tasks] == [1, 1]
     assert json.loads(out)["counts"] == {"points": 2, "complete": 1, "failed": 1}
 
@@ -469,3 +474,92 @@ def test_a_bad_grid_value_is_named_before_the_missing_data(no_data, tmp_path, ca
     code, _, err = cli(["dropout-ft", "--out", str(out)], capsys)
     assert code == 2 and "MNIST" in err and "not found" in err and "owai data fetch mnist" in err, err
     assert not out.exists()
+
+
+# --- executors: a point run once, a worker that dies, GPUs, SLURM's array size --------------------
+
+
+def test_a_point_another_process_is_running_is_left_to_it(tmp_path: Path, capsys) -> None:
+    """A --resume while an earlier invocation's job or worker still runs a point (its lock held) does
+    not run that point beside it: the point is reported running, the others complete."""
+    import fcntl
+    import os
+
+    code, _, err = cli(["sweep", "three-moons", *sets(), "--seeds", "1,2", "--out", str(tmp_path), "-q"], capsys)
+    assert code == 0, err
+    (path,) = sweep_dirs(tmp_path)
+    busy = next(p for p in (path / "points").iterdir() if p.name.startswith("seed=2"))
+    shutil.rmtree(busy)  # as if killed before its config was written
+    lock = os.open(busy.parent / f".{busy.name}.lock", os.O_CREAT | os.O_RDWR)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # another process runs it now
+    try:
+        code, _, err = cli(["sweep", "--resume", str(path), "-q"], capsys)
+    finally:
+        os.close(lock)
+    assert code == 2 and "another process is running this point" in err
+    assert not busy.exists()  # not started beside the other process
+    summary = json.loads((path / "summary.json").read_text())
+    assert summary["counts"] == {"points": 2, "complete": 1, "running": 1}
+    code, _, err = cli(["sweep", "--resume", str(path), "-q"], capsys)  # once it has let go
+    assert code == 0, err and (busy / "results.json").is_file()
+    assert not list((path / "points").glob(".*.lock"))
+
+
+def _dies_on_seed_2(task: dict) -> dict:
+    """A point function for `pooled`: the seed-2 point kills its own process (as the out-of-memory
+    killer would); the others complete."""
+    import os
+    import signal
+
+    if task["id"].endswith("seed=2"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"id": task["id"], "status": "complete", "error": None, "pid": os.getpid()}
+
+
+def test_a_worker_that_dies_fails_only_its_own_point() -> None:
+    """Python's pool fails every point in flight when one worker dies; owai runs those again, and
+    then one pool each, so only the point that kills its worker is failed."""
+    tasks = [{"id": f"lr={lr} seed={s}"} for lr in (1, 2) for s in (1, 2, 3)]
+    done: list[int] = []
+    outcomes = sweeps.pooled(tasks, 2, lambda: done.append(1), run=_dies_on_seed_2)
+    status = {o["id"]: o["status"] for o in outcomes}
+    assert status == {t["id"]: "failed" if t["id"].endswith("seed=2") else "complete" for t in tasks}
+    assert len(outcomes) == len(tasks) == len(done)
+    assert all("process died" in o["error"] for o in outcomes if o["status"] == "failed")
+
+
+def test_local_workers_are_dealt_the_visible_gpus(monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    assert sweeps._worker_devices(4) == ["0", "1", "2", "0"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    assert sweeps._worker_devices(2) == ["5", "7"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # one GPU: shared, as before
+    assert sweeps._worker_devices(3) == [None, None, None]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # hidden (the tests' default): no GPU
+    assert sweeps._worker_devices(2) == [None, None]
+
+
+def test_slurm_needs_srun_and_submitit_before_any_directory(tmp_path: Path, capsys, monkeypatch) -> None:
+    import importlib.util
+
+    monkeypatch.setattr(sweeps.shutil, "which", lambda name: "/usr/bin/sbatch" if name == "sbatch" else None)
+    code, _, err = cli(["sweep", "three-moons", "--executor", "slurm", "--out", str(tmp_path)], capsys)
+    assert code == 2 and "srun is not on PATH" in err and err.count("\n") == 1
+    monkeypatch.setattr(sweeps.shutil, "which", lambda name: f"/usr/bin/{name}")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "submitit" else real(name, *a))
+    code, _, err = cli(["sweep", "three-moons", "--executor", "slurm", "--out", str(tmp_path)], capsys)
+    assert code == 2 and "needs submitit" in err
+    assert not (tmp_path / "three-moons").exists()
+
+
+def test_max_array_size_reads_the_clusters_limit(monkeypatch) -> None:
+    import subprocess
+
+    def scontrol(args, **kw):
+        return subprocess.CompletedProcess(args, 0, stdout="AccountingStorageType   = x\nMaxArraySize            = 40\n")
+
+    monkeypatch.setattr(subprocess, "run", scontrol)
+    assert sweeps.max_array_size() == 40
+    monkeypatch.setattr(subprocess, "run", lambda args, **kw: (_ for _ in ()).throw(FileNotFoundError("scontrol")))
+    assert sweeps.max_array_size() == 1001  # SLURM's default
