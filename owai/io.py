@@ -96,8 +96,12 @@ def build_lock(final: Path, ready: Callable[[], bool] | None = None, wait: bool 
     The lock is `flock` on `.NAME.lock` beside `final`, which its holder removes when it is done
     (a waiter that then holds the lock of a removed file tries again). The kernel releases a killed
     holder's lock, so a kill never blocks the next build. Where the file system has no locks, or the
-    folder cannot be written, every process builds, as before. Locks are taken one at a time (none
-    is taken while another is held), so processes cannot wait on each other in a circle.
+    folder cannot be written, every process builds, as before. No process waits for a lock while it
+    holds another it waited for (a sweep point's lock, held while the point runs and takes cache
+    locks, is only ever tried, never waited for), so processes cannot wait on each other in a circle.
+    A forked child closes its copies of the lock descriptors (`_close_held_locks_in_child`). The lock
+    reaches across machines where the shared file system implements flock across them (NFS does;
+    Lustre only with its `flock` mount option).
 
     `wait=False` does not wait: it yields False when another process holds the lock (a sweep point
     that another process is running), True otherwise."""
@@ -116,10 +120,13 @@ def build_lock(final: Path, ready: Callable[[], bool] | None = None, wait: bool 
     if fd == _HELD_ELSEWHERE:
         yield False
         return
+    if fd is not None:
+        _HELD.add(fd)
     try:
         yield True
     finally:
         if fd is not None:
+            _HELD.discard(fd)
             try:
                 path.unlink()
             except OSError:
@@ -128,6 +135,21 @@ def build_lock(final: Path, ready: Callable[[], bool] | None = None, wait: bool 
 
 
 _HELD_ELSEWHERE = -1  # `_locked` without waiting, when another process holds the lock
+_HELD: set[int] = set()  # this process's lock descriptors (`build_lock`)
+
+
+def _close_held_locks_in_child() -> None:
+    """In a forked child (a DataLoader's worker): close the copies of the parent's lock descriptors,
+    so that a lock is released when its holder dies, not when its last forked worker notices."""
+    for fd in _HELD:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_locks_in_child)
 
 
 def _locked(path: Path, final: Path, say: Callable[[str], Any], wait: bool = True) -> int | None:

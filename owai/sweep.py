@@ -457,47 +457,89 @@ def _run_local(sweep: Sweep, todo: list[Point], workers: int) -> list[dict[str, 
         return pooled([_task(sweep, p, threads) for p in todo], workers, bar.update)
 
 
-def pooled(tasks: list[dict[str, Any]], workers: int, done: Callable[[], Any], run: Callable[..., dict[str, Any]] = run_point,
-           retry: bool = True) -> list[dict[str, Any]]:
-    """`run(task)` for each task on `workers` spawned processes (`done()` after each). A worker that
-    dies (the out-of-memory killer) breaks Python's pool, which then fails every task in flight or
-    waiting: those run again in a new pool, and if that one breaks too, each in a pool of its own,
-    so that only the point that kills its worker is failed."""
+def pooled(tasks: list[dict[str, Any]], workers: int, done: Callable[[], Any],
+           run: Callable[..., dict[str, Any]] = run_point) -> list[dict[str, Any]]:
+    """`run(task)` for each task, each in a spawned process of its own, at most `workers` at once
+    (`done()` after each). A process per point, not a pool of workers: a point whose process dies
+    (the out-of-memory killer) fails alone, where Python's pool fails every point in flight or
+    waiting; and on Ctrl-C or SIGTERM this process stops every point it started (a pool's workers
+    would go on taking points). Each process gets a free slot's GPU (`_worker_devices`)."""
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-    from concurrent.futures.process import BrokenProcessPool
+    from multiprocessing.connection import wait
 
     n = min(workers, len(tasks))
     context = multiprocessing.get_context("spawn")
-    gpus = context.Queue()
-    for device in _worker_devices(n):
-        gpus.put(device)
-    pool = ProcessPoolExecutor(max_workers=n, mp_context=context, initializer=_worker_setup, initargs=(gpus, os.getpid()))
-    outcomes, broken = [], []
+    devices = _worker_devices(n)
+    free, pending = list(range(n)), list(tasks)
+    running: dict[int, tuple[Any, dict[str, Any], Any]] = {}  # slot -> (process, task, its outcome's pipe)
+    outcomes: list[dict[str, Any]] = []
     try:
-        futures = {pool.submit(run, task): task for task in tasks}
-        for future in as_completed(futures):
-            try:
-                outcomes.append(future.result())
-            except BrokenProcessPool:
-                broken.append(futures[future])
-                continue
-            except Exception as e:  # noqa: BLE001 - a task that could not be sent or read back
-                outcomes.append({"id": futures[future]["id"], "status": "failed", "error": f"worker: {one_line(e, None)}"})
-            done()
+        while pending or running:
+            while pending and free:
+                slot, task = free.pop(0), pending.pop(0)
+                receive, send = context.Pipe(duplex=False)
+                process = context.Process(target=_point_process, args=(run, task, devices[slot], os.getpid(), send),
+                                          daemon=False)
+                process.start()
+                send.close()
+                running[slot] = (process, task, receive)
+            ready = wait([c for _, _, c in running.values()] + [p.sentinel for p, _, _ in running.values()])
+            for slot, (process, task, receive) in list(running.items()):
+                if receive not in ready and process.sentinel not in ready:
+                    continue
+                try:
+                    outcome = receive.recv() if receive.poll() else None
+                except (EOFError, OSError):
+                    outcome = None
+                process.join()
+                receive.close()
+                if outcome is None:
+                    outcome = {"id": task["id"], "status": "failed",
+                               "error": f"its process died (exit code {process.exitcode}: killed, e.g. out of memory)"}
+                outcomes.append(outcome)
+                del running[slot]
+                free.append(slot)
+                done()
     except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)
+        _stop(process for process, _, _ in running.values())
         raise
-    pool.shutdown()
-    if broken and retry:
-        console.info(f"a worker process died; running its {len(broken)} unfinished point(s) again")
-        return outcomes + pooled(broken, workers, done, run, retry=False)
-    if len(broken) > 1:  # one pool each: only the point that kills its worker fails
-        return outcomes + [o for task in broken for o in pooled([task], 1, done, run, retry=False)]
-    for task in broken:
-        outcomes.append({"id": task["id"], "status": "failed", "error": "worker: its process died (killed, e.g. out of memory)"})
-        done()
     return outcomes
+
+
+def _point_process(run: Callable[..., dict[str, Any]], task: dict[str, Any], device: str | None, parent: int,
+                   send: Any) -> None:
+    """One point in its own process (`pooled`): its GPU, its end with its parent's (Linux's parent-death
+    signal: a sweep killed by SIGKILL leaves no point running that a later --resume also runs), no
+    Ctrl-C of its own (the parent stops it), then its outcome back through `send`."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if device is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = device
+    try:
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the point lock still keeps a second runner out
+        pass
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(1)
+    send.send(run(task))
+    send.close()
+
+
+def _stop(processes: Any) -> None:
+    """SIGTERM each point process, then SIGKILL those still running after 10 s."""
+    processes = list(processes)
+    for process in processes:
+        process.terminate()
+    deadline = time.time() + 10
+    for process in processes:
+        process.join(max(0.0, deadline - time.time()))
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def _worker_devices(workers: int) -> list[str | None]:
@@ -517,25 +559,6 @@ def _worker_devices(workers: int) -> list[str | None]:
     if len(devices) < 2:
         return [None] * workers
     return [devices[i % len(devices)] for i in range(workers)]
-
-
-def _worker_setup(devices: Any, parent: int) -> None:
-    """A local worker's start: its GPU (`_worker_devices`), and its end with its parent's: a sweep
-    killed by SIGTERM or SIGKILL leaves no worker running points that a later --resume also runs."""
-    device = devices.get()
-    if device is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = device
-    try:
-        import ctypes
-        import signal
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died before the line above
-            os._exit(1)
-    except (OSError, AttributeError):  # not Linux: the point lock still keeps a second runner out
-        pass
 
 
 def _run_submitit(sweep: Sweep, todo: list[Point], executor: str, opts: SlurmOptions) -> list[dict[str, Any]]:
@@ -562,22 +585,39 @@ def _run_submitit(sweep: Sweep, todo: list[Point], executor: str, opts: SlurmOpt
     threads = (opts.cpus_per_task or 0) if cluster == "slurm" else 0  # debug runs in this process
     tasks = [_task(sweep, p, threads) for p in todo]
     jobs: list[Any] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # SIGTERM / SIGHUP (a closed terminal, a killed login job): as Ctrl-C
+
+    # not over an ignored signal: a sweep started under nohup keeps its jobs when the terminal closes
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(sig) is not signal.SIG_IGN}
     try:
-        for start in range(0, len(tasks), chunk):  # SLURM refuses an array larger than its MaxArraySize
-            jobs += ex.map_array(run_point, tasks[start:start + chunk])
-    except Exception as e:  # noqa: BLE001 - sbatch refused: a user-facing problem
-        _cancel(jobs, cluster)
-        raise OwaiError(f"submitting {len(todo)} jobs failed: {one_line(e, None)}") from None
+        try:
+            for start in range(0, len(tasks), chunk):  # SLURM refuses an array larger than its MaxArraySize
+                jobs += ex.map_array(run_point, tasks[start:start + chunk])
+        except Exception as e:  # noqa: BLE001 - sbatch refused: a user-facing problem
+            _cancel(jobs, cluster)
+            raise OwaiError(f"submitting {len(todo)} jobs failed: {one_line(e, None)}") from None
+        except BaseException:  # interrupted between two arrays: none of them stays queued
+            _cancel(jobs, cluster)
+            raise
+        return _wait_for(sweep, jobs, todo, cluster)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _wait_for(sweep: Sweep, jobs: list[Any], todo: list[Point], cluster: str) -> list[dict[str, Any]]:
+    """The outcomes of the submitted `jobs` (one per point of `todo`), as they finish; an interruption
+    cancels them all."""
+    import submitit
+
     arrays = sorted({str(job.job_id).split("_")[0] for job in jobs})
     if cluster == "slurm":
         console.info(f"submitted job array{'s' if len(arrays) > 1 else ''} {', '.join(arrays)} ({len(jobs)} points); waiting")
     point_of = {id(job): p for job, p in zip(jobs, todo)}
     outcomes = []
-
-    def stop(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt  # SIGTERM / SIGHUP (a closed terminal, a killed login job): as Ctrl-C
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         completed = submitit.helpers.as_completed(jobs, poll_frequency=10 if cluster == "slurm" else 0.1)
         for job in console.track(completed, total=len(jobs), description=f"sweep {sweep.recipe}"):
@@ -589,9 +629,6 @@ def _run_submitit(sweep: Sweep, todo: list[Point], executor: str, opts: SlurmOpt
     except KeyboardInterrupt:
         _cancel(jobs, cluster)  # no job should keep writing a point that a later --resume reruns
         raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     return outcomes
 
 
@@ -635,7 +672,8 @@ def _cell_label(grid: dict[str, Any]) -> str:
 def _stored_errors(sweep: Sweep) -> dict[str, str]:
     try:
         data = json.loads((sweep.path / SUMMARY).read_text())
-        return {p["id"]: p["error"] for p in data["points"] if p.get("error")}
+        # a point left to another process (`run_point`) is not failed by that
+        return {p["id"]: p["error"] for p in data["points"] if p.get("error") and p.get("status") != "running"}
     except (OSError, ValueError, KeyError, TypeError):
         return {}
 

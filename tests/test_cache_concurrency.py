@@ -368,3 +368,36 @@ def test_a_waiter_that_locked_a_removed_lock_file_waits_for_the_new_holder(tmp_p
     assert not waiter.is_alive() and got[0] is not None
     assert os.fstat(got[0]).st_ino == os.stat(path).st_ino  # it holds the lock file now at the path
     os.close(got[0])
+
+
+def _hold_fork_and_die(path: str, held: Any) -> None:
+    """Take `path`'s lock, fork a child that lives on (a DataLoader worker), then be SIGKILLed."""
+    import time
+
+    from owai.io import build_lock
+
+    with build_lock(Path(path)):
+        if os.fork() == 0:  # the child: alive for a while after its parent's death
+            time.sleep(5)
+            os._exit(0)
+        held.set()
+        time.sleep(0.2)
+        os.kill(os.getpid(), 9)
+
+
+def test_a_forked_child_does_not_keep_its_dead_parents_lock(tmp_path: Path) -> None:
+    """A lock's holder killed while a process it forked still runs (an image run's DataLoader
+    workers): the lock is free at once, not when the child notices and exits."""
+    from owai.io import build_lock
+
+    final = tmp_path / "point"
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager:
+        held = manager.Event()
+        holder = context.Process(target=_hold_fork_and_die, args=(str(final), held))
+        holder.start()
+        assert held.wait(60)
+        holder.join(60)
+        assert holder.exitcode == -9
+        with build_lock(final, wait=False) as mine:
+            assert mine  # the forked child (still sleeping) holds no copy of it

@@ -243,7 +243,7 @@ def test_slurm_executor_wiring(tmp_path: Path, capsys, monkeypatch) -> None:
 
         def result(self):
             if self.task["id"].startswith("seed=2"):
-                raise submitit.core.utils.UncompletedJobError("Job 4242_1 timed out")
+                raise submitit.core.utils.UncompletedJobError(f"Job {self.job_id} timed out")
             return self.fn(self.task)
 
         def cancel(self, check: bool = True) -> None:
@@ -261,7 +261,10 @@ def test_slurm_executor_wiring(tmp_path: Path, capsys, monkeypatch) -> None:
             tasks = list(tasks)
             self.arrays.append(len(tasks))
             self.tasks += tasks
-            return [FakeJob(fn, t, i) for i, t in enumerate(tasks, start=len(self.tasks) - len(tasks))]
+            jobs = [FakeJob(fn, t, i) for i, t in enumerate(tasks)]
+            for job in jobs:
+                job.job_id = f"{4241 + len(self.arrays)}_{job.job_id.split('_')[1]}"  # one array id per array
+            return jobs
 
     FakeExecutor.arrays = []
     monkeypatch.setattr(submitit, "AutoExecutor", FakeExecutor)
@@ -277,6 +280,7 @@ def test_slurm_executor_wiring(tmp_path: Path, capsys, monkeypatch) -> None:
     assert ex.params == {"name": "owai-three-moons", "timeout_min": 30, "cpus_per_task": 1, "gpus_per_node": 1,
                          "mem_gb": 2.0, "slurm_partition": "gpu", "slurm_array_parallelism": 1}
     assert FakeExecutor.arrays == [1, 1]  # no array larger than the cluster's MaxArraySize
+    assert "submitted job arrays 4242, 4243 (2 points)" in err
     assert [t["threads"] for t in ex.tasks] == [1, 1]
     assert json.loads(out)["counts"] == {"points": 2, "complete": 1, "failed": 1}
 
@@ -501,7 +505,8 @@ def test_a_point_another_process_is_running_is_left_to_it(tmp_path: Path, capsys
     summary = json.loads((path / "summary.json").read_text())
     assert summary["counts"] == {"points": 2, "complete": 1, "running": 1}
     code, _, err = cli(["sweep", "--resume", str(path), "-q"], capsys)  # once it has let go
-    assert code == 0, err and (busy / "results.json").is_file()
+    assert code == 0, err
+    assert (busy / "results.json").is_file()
     assert not list((path / "points").glob(".*.lock"))
 
 
@@ -563,3 +568,14 @@ def test_max_array_size_reads_the_clusters_limit(monkeypatch) -> None:
     assert sweeps.max_array_size() == 40
     monkeypatch.setattr(subprocess, "run", lambda args, **kw: (_ for _ in ()).throw(FileNotFoundError("scontrol")))
     assert sweeps.max_array_size() == 1001  # SLURM's default
+
+
+def test_an_interrupted_slurm_sweep_cancels_each_array_once(monkeypatch) -> None:
+    import subprocess
+    from types import SimpleNamespace
+
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda args, **kw: calls.append(list(args)))
+    jobs = [SimpleNamespace(job_id=i) for i in ("4242_0", "4242_1", "4243_0")]
+    sweeps._cancel(jobs, "slurm")
+    assert calls == [["scancel", "4242", "4243"]]
