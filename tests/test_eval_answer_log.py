@@ -337,18 +337,12 @@ def test_lm_losses_resume_bit_exactly_computing_only_the_batches_a_kill_left(tmp
     assert whole.calls == 10
     for kill_at in (0, 2, 4):
         path = tmp_path / f"answers-{kill_at}.jsonl"
-        killed = CountedLM(kill_at)
-        with pytest.raises(Killed):
-            loss_totals(killed.model, windows, cpu, 256, BatchLog(AnswerLog(path), ("m", "val"), cpu))
-        resumed = CountedLM()
-        got = loss_totals(resumed.model, windows, cpu, 256, BatchLog(AnswerLog(path), ("m", "val"), cpu))
-        assert got == want_totals and resumed.calls == 5 - kill_at
-        killed = CountedLM(kill_at)
-        with pytest.raises(Killed):
-            per_position_loss(killed.model, windows, cpu, 256, BatchLog(AnswerLog(path), ("m", "posloss"), cpu))
-        resumed = CountedLM()
-        curve = per_position_loss(resumed.model, windows, cpu, 256, BatchLog(AnswerLog(path), ("m", "posloss"), cpu))
-        assert curve == want_curve and resumed.calls == 5 - kill_at
+        for evaluate, scope, want in ((loss_totals, "val", want_totals), (per_position_loss, "posloss", want_curve)):
+            with pytest.raises(Killed):
+                evaluate(CountedLM(kill_at).model, windows, cpu, 256, BatchLog(AnswerLog(path), ("m", scope), cpu))
+            resumed = CountedLM()
+            got = evaluate(resumed.model, windows, cpu, 256, BatchLog(AnswerLog(path), ("m", scope), cpu))
+            assert got == want and resumed.calls == 5 - kill_at
     again = CountedLM()  # everything logged: nothing is computed
     assert loss_totals(again.model, windows, cpu, 256, BatchLog(AnswerLog(path), ("m", "val"), cpu)) == want_totals
     assert again.calls == 0
