@@ -62,6 +62,14 @@ def select_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def planned_device(name: str) -> torch.device:
+    """The device a run with runtime.device=`name` is planned for, where it is checked before it runs:
+    'cuda' taken at its word (a SLURM sweep planned on a login node without GPUs runs on GPU nodes;
+    the machine that runs it refuses a device it lacks: `experiment._prepare`, and `sweep.create` for
+    local points), 'auto' as `select_device` chooses on this machine."""
+    return torch.device("cuda" if name == "cuda" else select_device(name).type)
+
+
 def autocast(device: torch.device, dtype: torch.dtype) -> torch.autocast:
     """Mixed precision context: bf16 autocast when asked for, a no-op for float32."""
     return torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32)

@@ -129,3 +129,24 @@ def test_evaluated_model_in_the_bf16_weights_a_gpu_gives_it(arch, one_thread) ->
     if arch == "mmv2":
         with lm.ablate("long_term_memory"):
             assert torch.isfinite(torch.tensor(lm.loglikelihood("Mia found a red", " ball.")[0]))
+
+
+@pytest.mark.parametrize(("args", "setting", "recipe", "preset"), [
+    (["recipes", "run", "table2.8-dropout"], "train.precision", "table2.8-dropout", None),
+    (["rich-features", "-r", "table2.2-cat-probe", "-p", "tiny"], "pretrain.precision", "table2.2-cat-probe", "tiny"),
+    (["mosaic-train", "--size", "tiny"], "train.precision", "table4.2-pretrain", "cpu"),
+])
+def test_a_gpu_run_is_planned_without_a_gpu_and_refused_only_where_it_would_run(args, setting, recipe, preset, tmp_path,
+                                                                               capsys, monkeypatch) -> None:
+    """runtime.device=cuda with bf16 autocast: the method's settings check (`validate`, which a SLURM
+    sweep planned on a login node runs for every point) takes the GPU at its word; the machine that
+    would run it, here without one, refuses the device itself, before any directory."""
+    from owai import runtime
+    from owai.experiment import resolve
+    from owai.recipes import load
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert runtime.planned_device("cuda") == torch.device("cuda") and runtime.planned_device("auto").type == "cpu"
+    resolve(load(recipe), preset, [f"{setting}=bfloat16", "runtime.device=cuda"], missing_ok=True)  # not refused
+    line = _refused([*args, "--set", f"{setting}=bfloat16", "--set", "runtime.device=cuda"], tmp_path / "out", capsys)
+    assert line == "error: runtime.device is 'cuda' but no CUDA device is available"

@@ -196,9 +196,9 @@ class DropoutFineTuning(Method):
             raise OwaiError("train: need lr > 0, weight_decay >= 0, 0 <= momentum < 1, last_lr_factor > 0, gamma > 0")
         if t.average_start < 0:
             raise OwaiError(f"train.average_start must be >= 0, got {t.average_start}")
-        from owai.runtime import select_device
+        from owai.runtime import planned_device
 
-        _precision(cfg, select_device(cfg.runtime.device))  # bf16 autocast off CUDA: refused here, not in the run
+        _precision(cfg, planned_device(cfg.runtime.device))  # bf16 autocast off CUDA: refused here, not in the run
         # the data and the weights file, before any run directory: a bad test domain, class folders
         # that differ between domains, unreadable images or a corrupt weights file fail here
         if d.dataset != "rotated-mnist":

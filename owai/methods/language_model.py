@@ -287,7 +287,9 @@ def check_settings(cfg: Config) -> None:
         raise OwaiError("train.warmup must be >= 0 and train.betas a pair")
     if t.tokens < 0:
         raise OwaiError(f"train.tokens must be >= 0, got {t.tokens}")
-    precision_for(t.precision, _run_device(cfg))
+    from owai.runtime import planned_device
+
+    precision_for(t.precision, planned_device(cfg.runtime.device))  # the run's own machine checks the device
 
 
 def check_inputs(cfg: Config) -> None:

@@ -389,9 +389,9 @@ def check_settings(cfg: Config) -> None:
     if q.snapshots and (q.networks or len(q.snapshots) != q.n or len(set(q.snapshots)) != q.n):
         raise OwaiError(f"probe.snapshots {q.snapshots}: give probe.n={q.n} distinct epochs of one pretrain run "
                         "(its cache entries; not with probe.networks)")
-    from owai.runtime import select_device
+    from owai.runtime import planned_device
 
-    _precision(cfg, select_device(cfg.runtime.device))  # bf16 autocast off CUDA: refused here, not in the run
+    _precision(cfg, planned_device(cfg.runtime.device))  # bf16 autocast off CUDA: refused here, not in the run
     check_count("probe.n", q.n, 1, MAX_NETWORKS)
     bad = [k for k in q.sizes if not 1 <= k <= q.n]
     if not q.sizes or bad or len(set(q.sizes)) != len(q.sizes):
