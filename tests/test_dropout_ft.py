@@ -150,6 +150,30 @@ def test_study_on_the_miniature_tree_writes_every_track(study: dict) -> None:
     assert "| dropout 0.9+Ens-multi |" in (study["sweep"] / "dropout_ft.md").read_text()
 
 
+def test_multi_run_results_name_their_device_and_another_device_computes_them_again(study: dict) -> None:
+    """Ens-multi / WA-multi run where the study command runs: multi_run.json records the device and
+    precision, and an entry of another device is not taken as this one's."""
+    import torch
+
+    from owai.methods.dropout_ft import HP_KEYS, MULTI_JSON, _grid_keys, multi_run
+    from owai.sweep import open_sweep, summarise
+
+    path = study["sweep"] / MULTI_JSON
+    cache = json.loads(path.read_text())
+    assert cache and all(e["device"] == "cpu" and e["precision"] == "float32" for e in cache.values())
+    sweep = open_sweep(study["sweep"])
+    summary = summarise(sweep)
+    per = [k for k in _grid_keys(summary) if k not in HP_KEYS]
+    again = multi_run(sweep, summary, per, torch.device("cpu"))  # all cached: the same entries
+    assert again and again == {k: cache[k] for k in again}
+    tampered = {k: {**v, "device": "cuda", "ens_multi": {"d0": -1.0}} for k, v in cache.items()}
+    path.write_text(json.dumps(tampered))
+    try:
+        assert multi_run(sweep, summary, per, torch.device("cpu")) == again  # another device's numbers not reused
+    finally:
+        path.write_text(json.dumps(cache))
+
+
 def test_fig_2_10_boxes_hold_every_choice_of_cell_per_test_domain() -> None:
     """One value per choice of (lr, wd) cell for each test domain, averaged over the test domains
     (the verylarge_dropout README's 6^4 = 1296 per method), per track."""

@@ -636,7 +636,10 @@ def _nested(flat: dict[str, Any]) -> dict[str, Any]:
 
 def multi_run(sweep: Any, summary: dict[str, Any], per: list[str], device: torch.device) -> dict[str, dict[str, Any]]:
     """Ens-multi and WA-multi per (group of `per` values, seed): the final networks of the group's
-    grid runs, their logits averaged, or their weights averaged (DiWA). Cached in multi_run.json."""
+    grid runs, their logits averaged, or their weights averaged (DiWA). Cached in multi_run.json,
+    with the device and precision they were computed in: the study's last step runs where the
+    study command runs (a SLURM sweep's submitting machine), and another device computes them
+    again rather than take numbers another device gave."""
     from owai.io import atomic_write_json
 
     cache_path = sweep.path / MULTI_JSON
@@ -652,7 +655,7 @@ def multi_run(sweep: Any, summary: dict[str, Any], per: list[str], device: torch
     out = {}
     for key, dirs in runs.items():
         signature = sorted(dirs)
-        if key in cache and cache[key]["runs"] == signature:
+        if key in cache and cache[key]["runs"] == signature and cache[key].get("device") == device.type:
             out[key] = cache[key]
             continue
         finals = [final_state(Path(d)) for d in signature]
@@ -668,7 +671,8 @@ def multi_run(sweep: Any, summary: dict[str, Any], per: list[str], device: torch
         ens = {k: sum(lg[k] for lg in logits) for k in logits[0]}
         model.load_state_dict(average_states([state for _, state in finals]))
         wa = predict(model, sets, device, precision)
-        out[key] = {"runs": signature, "ens_multi": accuracies(ens, sets), "wa_multi": accuracies(wa, sets)}
+        out[key] = {"runs": signature, "device": device.type, "precision": precision,
+                    "ens_multi": accuracies(ens, sets), "wa_multi": accuracies(wa, sets)}
         cache[key] = out[key]
         atomic_write_json(cache_path, cache)
     return out
