@@ -543,9 +543,9 @@ def _stop(processes: Any) -> None:
 
 
 def _worker_devices(workers: int) -> list[str | None]:
-    """The CUDA_VISIBLE_DEVICES of each local worker: the visible GPUs dealt out in turn (one worker per
-    GPU when there are as many), so that `--workers 4` on four GPUs does not put every point on the
-    first; None (unchanged) without GPUs."""
+    """The CUDA_VISIBLE_DEVICES of each of `pooled`'s slots: the visible GPUs dealt out in turn (one slot
+    per GPU when there are as many), so that `--workers 4` on four GPUs does not put every point on the
+    first; None (unchanged) with one GPU or none."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         devices = [d.strip() for d in visible.split(",") if d.strip()]
@@ -613,7 +613,7 @@ def _wait_for(sweep: Sweep, jobs: list[Any], todo: list[Point], cluster: str) ->
     cancels them all."""
     import submitit
 
-    arrays = sorted({str(job.job_id).split("_")[0] for job in jobs})
+    arrays = _array_ids(jobs)
     if cluster == "slurm":
         console.info(f"submitted job array{'s' if len(arrays) > 1 else ''} {', '.join(arrays)} ({len(jobs)} points); waiting")
     point_of = {id(job): p for job, p in zip(jobs, todo)}
@@ -645,6 +645,11 @@ def max_array_size() -> int:
     return max(1, int(match.group(1))) if match else 1001
 
 
+def _array_ids(jobs: list[Any]) -> list[str]:
+    """The SLURM job arrays of `jobs` (submitit's job ids are ARRAY_TASK)."""
+    return sorted({str(job.job_id).split("_")[0] for job in jobs})
+
+
 def _cancel(jobs: list[Any], cluster: str) -> None:
     """Cancel every job: on SLURM one `scancel` per array (all its tasks at once, so a second Ctrl-C
     cannot leave some running); submitit's debug jobs one by one."""
@@ -654,7 +659,7 @@ def _cancel(jobs: list[Any], cluster: str) -> None:
         for job in jobs:
             job.cancel(check=False)
         return
-    arrays = sorted({str(job.job_id).split("_")[0] for job in jobs})
+    arrays = _array_ids(jobs)
     if arrays:
         try:
             subprocess.run(["scancel", *arrays], capture_output=True, check=False, timeout=60)

@@ -68,9 +68,6 @@ class BatchLog:
         SIGKILL, loses at most the batch it interrupts. A batch takes far longer than the write."""
         self.answers.add_batch({key: value})
 
-    def flush(self) -> None:
-        self.answers.flush()
-
 
 def _numbers(value: Any, n: int) -> bool:
     """`value` is a list of `n` numbers (NaN included: a model's loss can be one)."""
@@ -112,20 +109,16 @@ def loss_totals(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, to
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
-    try:
-        for i, (x, y) in enumerate(batches):
-            key = log.key(i, x, y) if log is not None else ""
-            part = log.logged(key, lambda v: _numbers(v, 2)) if log is not None else None
-            if part is None:
-                y = y.to(device)
-                part = [token_losses(model, x.to(device), y, eot).sum().item(), int((y != IGNORE_INDEX).sum())]
-                if log is not None:
-                    log.add(key, part)
-            total += float(part[0])
-            count += int(part[1])
-    finally:
-        if log is not None:
-            log.flush()
+    for i, (x, y) in enumerate(batches):
+        key = log.key(i, x, y) if log is not None else ""
+        part = log.logged(key, lambda v: _numbers(v, 2)) if log is not None else None
+        if part is None:
+            y = y.to(device)
+            part = [token_losses(model, x.to(device), y, eot).sum().item(), int((y != IGNORE_INDEX).sum())]
+            if log is not None:
+                log.add(key, part)
+        total += float(part[0])
+        count += int(part[1])
     model.train(was_training)
     return total, count
 
@@ -141,21 +134,17 @@ def per_position_loss(
     model.eval()
     total: torch.Tensor | None = None
     n = 0
-    try:
-        for i, (x, y) in enumerate(windows):
-            key = log.key(i, x, y) if log is not None else ""
-            logged = log.logged(key, lambda v: _numbers(v, x.shape[1])) if log is not None else None
-            if logged is not None:
-                losses = torch.tensor(logged, dtype=torch.float64)
-            else:
-                losses = token_losses(model, x.to(device), y.to(device), eot).sum(0).double().cpu()  # (T,)
-                if log is not None:
-                    log.add(key, losses.tolist())  # float64 values: JSON gives them back exactly
-            total = losses if total is None else total + losses
-            n += x.shape[0]
-    finally:
-        if log is not None:
-            log.flush()
+    for i, (x, y) in enumerate(windows):
+        key = log.key(i, x, y) if log is not None else ""
+        logged = log.logged(key, lambda v: _numbers(v, x.shape[1])) if log is not None else None
+        if logged is not None:
+            losses = torch.tensor(logged, dtype=torch.float64)
+        else:
+            losses = token_losses(model, x.to(device), y.to(device), eot).sum(0).double().cpu()  # (T,)
+            if log is not None:
+                log.add(key, losses.tolist())  # float64 values: JSON gives them back exactly
+        total = losses if total is None else total + losses
+        n += x.shape[0]
     if total is None:
         return [], 0
     return (total / n).tolist(), n
@@ -199,24 +188,20 @@ def continuations(
         max_new_tokens = min(max_new_tokens, limit // 2)
     names = [_beam_name(beam) for beam in beams]
     rows = []
-    try:
-        for i, prompt in enumerate(prompts):
-            ids = torch.tensor([tokenizer.encode(prompt)], device=device)
-            if limit is not None:
-                ids = ids[:, -(limit - max_new_tokens) :]
-            key = log.key(i, ids, torch.tensor([max_new_tokens, *beams])) if log is not None else ""
-            row = log.logged(key, lambda v: isinstance(v, dict) and v.get("prompt") == prompt and all(
-                isinstance(v.get(name), str) for name in names)) if log is not None else None
-            if row is None:
-                row = _continue(model, tokenizer, prompt, ids, max_new_tokens, beams, sharded)
-                if log is not None:
-                    log.add(key, row)
-            rows.append(row)
-            if progress is not None:
-                progress()
-    finally:
-        if log is not None:
-            log.flush()
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor([tokenizer.encode(prompt)], device=device)
+        if limit is not None:
+            ids = ids[:, -(limit - max_new_tokens) :]
+        key = log.key(i, ids, torch.tensor([max_new_tokens, *beams])) if log is not None else ""
+        row = log.logged(key, lambda v: isinstance(v, dict) and v.get("prompt") == prompt and all(
+            isinstance(v.get(name), str) for name in names)) if log is not None else None
+        if row is None:
+            row = _continue(model, tokenizer, prompt, ids, max_new_tokens, beams, sharded)
+            if log is not None:
+                log.add(key, row)
+        rows.append(row)
+        if progress is not None:
+            progress()
     return rows
 
 
