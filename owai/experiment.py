@@ -342,7 +342,7 @@ def _run_method(recipe: Recipe, cfg: Any, resolved: dict[str, Any], run: Run) ->
         if run.writes:
             run.tracker = trackers.open_tracker(cfg.runtime.tracker, run.path, resolved)
         outcome = method.run(cfg, run)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C; a SLURM job's timeout (submitit exits it to requeue it)
         run.set_status("interrupted")
         raise
     except NonFiniteError as e:

@@ -411,6 +411,24 @@ def run_point(task: dict[str, Any]) -> dict[str, Any]:
     return outcome
 
 
+class PointJob:
+    """`run_point` as a submitit job that SLURM requeues when its time runs out.
+
+    submitit signals a job (USR2) shortly before its `--timeout-min`; for a callable with a
+    `checkpoint` method it then requeues the job (at most three timeouts per point, submitit's
+    default) instead of failing it. The killed run is marked interrupted, and the requeued job's
+    `run_point` resumes it from its last checkpoint, as `owai sweep --resume` would. (A preempted job
+    is requeued by submitit either way.)"""
+
+    def __call__(self, task: dict[str, Any]) -> dict[str, Any]:
+        return run_point(task)
+
+    def checkpoint(self, task: dict[str, Any]) -> Any:
+        from submitit.helpers import DelayedSubmission
+
+        return DelayedSubmission(self, task)  # the same point again: it resumes from its run directory
+
+
 def check_executor(executor: str, workers: int = 1) -> None:
     """Fail before a sweep directory is made if the executor cannot run here."""
     if executor not in EXECUTORS:
@@ -595,7 +613,7 @@ def _run_submitit(sweep: Sweep, todo: list[Point], executor: str, opts: SlurmOpt
     try:
         try:
             for start in range(0, len(tasks), chunk):  # SLURM refuses an array larger than its MaxArraySize
-                jobs += ex.map_array(run_point, tasks[start:start + chunk])
+                jobs += ex.map_array(PointJob(), tasks[start:start + chunk])
         except Exception as e:  # noqa: BLE001 - sbatch refused: a user-facing problem
             _cancel(jobs, cluster)
             raise OwaiError(f"submitting {len(todo)} jobs failed: {one_line(e, None)}") from None

@@ -579,3 +579,75 @@ def test_an_interrupted_slurm_sweep_cancels_each_array_once(monkeypatch) -> None
     jobs = [SimpleNamespace(job_id=i) for i in ("4242_0", "4242_1", "4243_0")]
     sweeps._cancel(jobs, "slurm")
     assert calls == [["scancel", "4242", "4243"]]
+
+
+# --- SLURM time limits: the job is requeued and its point resumes ----------------------------------
+
+
+def test_a_slurm_job_is_checkpointable_and_requeues_its_own_point() -> None:
+    """submitit requeues a job at its time limit only when its callable has `checkpoint`; the
+    resubmission is the same point, which `run_point` resumes from its run directory."""
+    import pickle
+
+    task = {"id": "p0", "dir": "/x/p0", "recipe": "three-moons", "preset": "cpu", "overrides": [], "threads": 0}
+    job = sweeps.PointJob()
+    again = job.checkpoint(task)
+    assert again.function is job and again.args == (task,) and again.kwargs == {}
+    assert isinstance(pickle.loads(pickle.dumps(again.function)), sweeps.PointJob)  # what submitit stores
+
+
+def test_a_run_that_submitit_exits_is_interrupted_not_failed(tmp_path: Path, capsys, monkeypatch) -> None:
+    """submitit ends a timed-out job with sys.exit after requeueing it: the run is `interrupted` (and
+    resumable), as after Ctrl-C, not `failed`."""
+    from owai.methods import three_moons
+
+    def exit_mid_run(*args, **kwargs):
+        raise SystemExit(-1)
+
+    monkeypatch.setattr(three_moons, "train_loop", exit_mid_run)
+    with pytest.raises(SystemExit):
+        from owai.experiment import execute
+
+        execute("three-moons", "cpu", TINY, run_dir=tmp_path / "run")
+    assert Run(tmp_path / "run").status() == "interrupted"
+
+
+@pytest.mark.slow
+def test_a_timed_out_job_is_requeued_and_resumes_its_point(tmp_path: Path) -> None:
+    """A real submitit job (its local executor: the same signal handling as on SLURM) gets the
+    time-limit signal after its first checkpoint; submitit requeues it, and the point resumes and ends
+    as an uninterrupted run of it."""
+    import os
+    import signal
+    import time
+
+    import submitit
+
+    overrides = [*TINY[:-1], "train.steps=300", "train.checkpoint_every=10"]
+    task = {"id": "p0", "dir": str(tmp_path / "p0"), "recipe": "three-moons", "preset": "cpu",
+            "overrides": overrides, "threads": 1}
+    ex = submitit.LocalExecutor(folder=tmp_path / "slurm")
+    ex.update_parameters(timeout_min=30)
+    job = ex.submit(sweeps.PointJob(), task)
+    stage = tmp_path / "p0" / "checkpoints" / "heads3-r0"
+    deadline = time.time() + 240
+    while not (stage.is_dir() and any(p.name.startswith("step-") for p in stage.iterdir())):
+        assert time.time() < deadline and not job.done(), job.stderr()
+        time.sleep(0.05)
+    # USR2 to the job's task, as SLURM sends before the time limit (submitit's local controller, the
+    # job's own process, would not pass it on); the job has run past submitit's margin: a timeout
+    controller = job._process.pid
+    (task_pid,) = map(int, Path(f"/proc/{controller}/task/{controller}/children").read_text().split())
+    os.kill(task_pid, signal.SIGUSR2)
+    outcome = job.result()
+    assert outcome["status"] == "complete", outcome
+    log = job.stdout()
+    assert log.count("Starting with JobEnvironment") == 2, log  # requeued once
+    env = json.loads((tmp_path / "p0" / "env.json").read_text())
+    assert len(env["resumed"]) == 1  # continued from its checkpoint, not restarted
+
+    uninterrupted = sweeps.run_point({**task, "id": "p1", "dir": str(tmp_path / "p1")})
+    assert uninterrupted["status"] == "complete"
+    rows = [{r["metric"]: r["measured"] for r in json.loads((tmp_path / d / "results.json").read_text())["rows"]}
+            for d in ("p0", "p1")]
+    assert rows[0] == rows[1]

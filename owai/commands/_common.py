@@ -106,7 +106,7 @@ ExecutorOption = Annotated[Executor, typer.Option("--executor", "-e", help="loca
 Partition = Annotated[Optional[str], typer.Option("--partition", help="SLURM partition.", rich_help_panel=SLURM)]
 GpusPerNode = Annotated[Optional[int], typer.Option("--gpus-per-node", min=0, help="GPUs per job.", rich_help_panel=SLURM)]
 CpusPerTask = Annotated[Optional[int], typer.Option("--cpus-per-task", min=1, help="CPUs per job (also its torch threads).", rich_help_panel=SLURM)]
-TimeoutMin = Annotated[Optional[int], typer.Option("--timeout-min", min=1, help="Time limit per job in minutes (default 240).", rich_help_panel=SLURM)]
+TimeoutMin = Annotated[Optional[int], typer.Option("--timeout-min", min=1, help="Time limit per job in minutes (default 240); a job that reaches it is requeued and resumes from its last checkpoint, up to three times.", rich_help_panel=SLURM)]
 MemGb = Annotated[Optional[float], typer.Option("--mem-gb", min=0, help="Memory per job in GB.", rich_help_panel=SLURM)]
 ArrayParallelism = Annotated[Optional[int], typer.Option("--array-parallelism", min=1, help="Jobs running at once per job array (default: all; a sweep larger than the cluster's MaxArraySize goes out as several arrays).", rich_help_panel=SLURM)]
 
