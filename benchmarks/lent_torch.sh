@@ -12,14 +12,20 @@
 #     bash benchmarks/lent_torch.sh --all           # the whole default run (5 minutes on 2 cores, once installed)
 #
 # The virtual environment is kept outside the checkout ($OWAI_LENT_VENV, default
-# ${TMPDIR:-/tmp}/owai-lent-torch) and reused by the next run. numpy stays below 2.4 there: triton 3.6's
+# ${XDG_CACHE_HOME:-~/.cache}/owai/lent-torch) and reused by the next run (only if it is yours and not
+# writable by others: a shared /tmp would let another user plant its python). numpy stays below 2.4 there: triton 3.6's
 # interpreter, which runs the key scan's kernel on the CPU, fails under numpy >= 2.4 (the lent machines
 # compile that kernel for their GPU instead, so their numpy 2.5 does not matter to them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv="${OWAI_LENT_VENV:-${TMPDIR:-/tmp}/owai-lent-torch}"
+venv="${OWAI_LENT_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/owai/lent-torch}"
 py="$venv/bin/python"
+if [ -e "$venv" ] && { [ ! -O "$venv" ] || [ -n "$(find "$venv" -maxdepth 0 -perm /022)" ]; }; then
+    echo "error: $venv is not yours or is writable by others; set OWAI_LENT_VENV to a folder of your own" >&2
+    exit 2
+fi
 if [ ! -x "$py" ]; then
+    mkdir -p "$(dirname "$venv")"
     python3 -m venv "$venv"
 fi
 "$py" -m pip install -q --upgrade pip "setuptools>=77,<82"

@@ -30,6 +30,7 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import shutil
 import tempfile
 import warnings
@@ -444,18 +445,70 @@ def save_sharded_checkpoint(
     return final
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` is a pickle, and `pickle.load` (what DCP's reader calls) runs whatever it
+    names. This reads it with only the classes DCP writes there: its metadata dataclasses and enums,
+    torch.Size and dtypes, layouts, paths. Anything else is refused (a run directory from elsewhere
+    is data, not code)."""
+
+    _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+    _NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+              ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+              ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name) if module in self._MODULES or (module, name) in self._NAMES or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)) else None
+        if found is None or (module in self._MODULES and not isinstance(found, type)):
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+        return found
+
+
+def _check_metadata(path: Path) -> Any:
+    """The DCP metadata of sharded checkpoint `path`, read with `_MetadataUnpickler` (before DCP
+    reads it with pickle): a one-line OwaiError if it names anything else, or holds byte items
+    other than the optimizer's hyper-parameters."""
+    file = path / SHARDS / ".metadata"
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
+        raise OwaiError(f"checkpoint {path} cannot be read safely: {file.name}: {e}") from None
+    entries = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(entries, dict):
+        raise OwaiError(f"checkpoint {path} cannot be read safely: {file.name} is not DCP metadata")
+    return metadata
+
+
+def _weights_only_planner() -> Any:
+    """DCP's default load planner, except that the non-tensor items (the optimizer's param_groups:
+    lr, betas, ...) are read with `torch.load(weights_only=True)`; DCP's own reads them with
+    weights_only=False, which runs any code a tampered file names."""
+    import io
+
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            item = torch.load(value, weights_only=True)  # refuses anything but plain data and tensors
+            safe = io.BytesIO()
+            torch.save(item, safe)
+            safe.seek(0)
+            super().load_bytes(read_item, safe)  # DCP's placement of the item, on what was just checked
+
+    return WeightsOnlyLoadPlanner()
+
+
 def _drop_state_not_saved(path: Path, shards: dict[str, Any]) -> None:
     """Remove from `shards["optimizer"]["state"]` the parameters the checkpoint holds no optimizer
     state for. torch's optimizers make a parameter's state at the first step that reads its gradient,
     so one that had none by the checkpoint's step has none saved, while the template
     (`distributed.sharded_state` of a fresh optimizer) initialised one for every parameter. Without
     its entry the optimizer resumes with no state for it, as the uninterrupted run has."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     state = shards.get("optimizer", {}).get("state") if isinstance(shards.get("optimizer"), dict) else None
     if not isinstance(state, dict):
         return
-    saved = FileSystemReader(str(path / SHARDS)).read_metadata().state_dict_metadata
+    saved = _check_metadata(path).state_dict_metadata  # not DCP's reader: it unpickles anything
     with_state = {key[len("optimizer.state."):] for key in saved if key.startswith("optimizer.state.")}
     for name in [n for n in state if not any(key.startswith(f"{n}.") for key in with_state)]:
         del state[name]
@@ -474,10 +527,13 @@ def load_shards(path: Path, shards: dict[str, Any]) -> None:
     path = Path(path)
     w = distributed.world()
     try:
+        _check_metadata(path)  # before DCP's own read of it, which is pickle.load
         _drop_state_not_saved(path, shards)
         with _quiet_single_process():
-            dcp.load(shards, checkpoint_id=str(path / SHARDS), no_dist=w.world_size == 1)
+            dcp.load(shards, checkpoint_id=str(path / SHARDS), planner=_weights_only_planner(), no_dist=w.world_size == 1)
         error = None
+    except OwaiError as e:
+        error = str(e)
     except _dcp_errors() as e:  # DCP wraps anything a rank raised
         error = f"checkpoint {path} does not fit this model: {_dcp_message(e)}"
     _raise_first(distributed.gather_objects(error))

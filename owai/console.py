@@ -191,7 +191,7 @@ def info(message: str) -> None:
     """A human-readable status line on stderr (stdout carries only the result); nothing under --quiet."""
     if state.quiet:
         return
-    stderr.print(message)
+    stderr.print(message, markup=False)  # paths and names may hold '[...]'
 
 
 def emit_json(obj: Any) -> None:

@@ -239,7 +239,7 @@ def execute(
         if results is not None:
             if run.status() != "complete":  # killed after its results were written, or status.json lost
                 run.set_status("complete")
-            console.info(f"[green]{run.path} is already complete[/green]")
+            console.info(f"{run.path} is already complete")
             return run, results
         console.info(f"resuming {run.path}")
         run.set_status("running")  # not the killed attempt's interrupted / failed while it runs again

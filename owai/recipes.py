@@ -10,6 +10,7 @@ grids and seeds, and a selection of the best grid cell per group). Recipes ship 
 from __future__ import annotations
 
 import dataclasses
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -221,6 +222,9 @@ def parse(text: str, source: str) -> Recipe:
 def validate(recipe: Recipe) -> None:
     """Structural checks beyond types; params and presets are checked against the method schema."""
     where = f"recipe {recipe.id}"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", recipe.id):
+        # it names the run directories (OUT/<id>/...): a '/' or '..' would put them outside OUT
+        raise OwaiError(f"recipe id {recipe.id!r} must be a plain name (letters, digits, '.', '_', '-'; no '/' or leading '.')")
     if not recipe.reproduces:
         raise OwaiError(f"{where}: 'reproduces' must name at least one table or figure")
     for name in REQUIRED_PRESETS:

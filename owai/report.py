@@ -28,7 +28,7 @@ def table(results: dict[str, Any]) -> Table:
     t.add_column("thesis")
     t.add_column("ref")
     for row in results["rows"]:
-        t.add_row(row["metric"], fmt(row["measured"]), _thesis(row), row.get("ref") or "")
+        t.add_row(escape(row["metric"]), escape(fmt(row["measured"])), escape(_thesis(row)), escape(row.get("ref") or ""))
     return console.fit_table(t, whole=(0,))  # the metric names: what claims, --grid and select name
 
 

@@ -277,3 +277,47 @@ def test_a_setting_one_rows_grid_fixes_is_not_a_variant():
     groups += [{"grid": {"init": "bonsai-cf", "method": "erm", "bonsai.synthesis_weight_decay": wd}} for wd in (1e-2, 1e-6)]
     assert variant_keys(groups, {}) == {"bonsai.synthesis_weight_decay"}
     assert sorted([{"w": 1e-2}, {"w": 1e-6}, {"w": 1e-4}], key=_variant_order) == [{"w": 1e-6}, {"w": 1e-4}, {"w": 1e-2}]
+
+
+def _fetch_from(tmp_path: Path, monkeypatch, archive: Path, capsys) -> tuple[int, str, str]:
+    from conftest import cli_in_process
+    from owai.data import camelyon17
+
+    monkeypatch.setattr(camelyon17, "DOWNLOAD_URL", archive.as_uri())
+    return cli_in_process(["data", "fetch", "camelyon17", "--data-root", str(tmp_path / "data")], capsys)
+
+
+def test_a_download_that_is_not_an_archive_is_one_line_and_leaves_nothing(tmp_path: Path, monkeypatch, capsys) -> None:
+    page = tmp_path / "page.html"
+    page.write_text("<html>maintenance</html>")
+    code, _, err = _fetch_from(tmp_path, monkeypatch, page, capsys)
+    assert code == 2 and err.startswith("error: ") and "is not a readable tar.gz archive" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "data" / "camelyon17").exists()
+
+
+def test_an_archive_member_outside_plain_files_is_refused(tmp_path: Path, monkeypatch, capsys) -> None:
+    """WILDS publishes no checksum: an archive with a link (the way out of tarfile's data filter on
+    older Pythons) is refused before anything of it is written."""
+    import io
+    import tarfile
+
+    archive = tmp_path / "camelyon17_v1.0.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        link = tarfile.TarInfo("camelyon17_v1.0/escape")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc"
+        tar.addfile(link)
+        data = b"patch,node\n"
+        info = tarfile.TarInfo("camelyon17_v1.0/metadata.csv")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    code, _, err = _fetch_from(tmp_path, monkeypatch, archive, capsys)
+    assert code == 2 and "member 'camelyon17_v1.0/escape' is not a plain file or folder" in err, err
+    assert not (tmp_path / "data" / "camelyon17").exists()
+
+
+def test_mirror_is_refused_where_it_would_be_ignored(tmp_path: Path, capsys) -> None:
+    from conftest import cli_in_process
+
+    code, _, err = cli_in_process(["data", "fetch", "camelyon17", "--mirror", "https://example.org/",
+                                   "--data-root", str(tmp_path)], capsys)
+    assert code == 2 and "--mirror is for datasets downloaded from checked URLs" in err, err

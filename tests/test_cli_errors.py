@@ -173,3 +173,35 @@ def test_an_error_exit_after_torchs_import_was_cut_short_is_the_exit_code(monkey
     with pytest.raises(SystemExit) as exited:
         cli._exit(130)
     assert exited.value.code == 130
+
+
+@pytest.mark.parametrize("bad_id", ["../../escaped", "/tmp/absolute", ".hidden", "a/b"])
+def test_a_recipe_id_cannot_name_a_folder_outside_out(tmp_path, capsys, bad_id):
+    """A user's recipe file names its run directories OUT/<id>/...: an id with '/' or '..' would
+    write them elsewhere."""
+    path = _recipe_variant(tmp_path, lambda d: d.update(id=bad_id))
+    code, _, err = cli_in_process(["recipes", "run", str(path), "--out", str(tmp_path / "out" / "runs")], capsys)
+    assert code == 2 and err.startswith("error: recipe id") and "plain name" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["three-moons.yaml"]
+
+
+def test_paths_with_brackets_are_printed_as_they_are(tmp_path, capsys):
+    """Rich markup in a user's path ('[/]', '[bold]') is text, not a style: it once crashed the
+    command after its run directory existed."""
+    root = tmp_path / "q[/]" / "[bold]x"
+    root.mkdir(parents=True)
+    code, out, err = cli_in_process(["data", "list", "--data-root", str(root)], capsys)
+    assert code == 0, err
+    assert "[bold]" in out, out  # as text, not taken as a style
+    out_dir = tmp_path / "o[/]"
+    code, out, err = cli_in_process(["moons", *sum((["--set", s] for s in TINY_MOONS), []), "--out", str(out_dir)], capsys)
+    assert code == 0, err
+    (run,) = (out_dir / "three-moons").iterdir()
+    assert f"results: {run / 'results.json'}" in out
+
+
+def test_a_test_set_larger_than_memory_is_refused_before_the_run(tmp_path, capsys):
+    code, _, err = cli_in_process(["moons", "linear", "--set", "eval.test_size=1000000000", "--out", str(tmp_path / "runs")],
+                                  capsys)
+    assert code == 2 and "eval.test_size=1000000000" in err and "lower eval.test_size" in err, err
+    assert no_runs(tmp_path / "runs")

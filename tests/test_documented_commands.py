@@ -639,7 +639,7 @@ def test_a_broken_command_is_reported(text: str, refusal: str) -> None:
 @pytest.mark.parametrize("text", [
     "owai moons --preset paper # the thesis's own settings",
     "OWAI_DATA=~/data owai recipes run table4.4-recall",
-    "torchrun --nproc_per_node 8 -m owai mosaic-train --size large --set train.accumulate=32",
+    "torchrun --nproc_per_node 8 -m owai mosaic-train --size large --set train.global_batch=2048",
     "python -m owai report runs/three-moons/<run> --json | jq .rows > out.json",
     "owai report RUN_DIR",
     "owai mosaic-eval MODEL_DIR... --dataset wikipedia",

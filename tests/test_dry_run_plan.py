@@ -47,6 +47,8 @@ BAD = [
     ("size-with-gpt", ["--arch", "mmv2,gpt"], "model.size applies to"),
     ("bf16-on-cpu", ["--set", "train.precision=bfloat16", "--set", "runtime.device=cpu"], "needs a CUDA device"),
     ("vocab-below-tokenizer", ["--set", "model.vocab_size=64"], "tokenizer has"),
+    ("global-batch-indivisible", ["--set", "train.global_batch=12"], "train.global_batch=12 is not a multiple of train.batch_size x ranks = 8 x 1"),
+    ("global-batch-and-accumulate", ["--set", "train.global_batch=16", "--set", "train.accumulate=2"], "leave train.accumulate at 1"),
 ]
 
 
@@ -67,7 +69,8 @@ def test_a_dry_run_refuses_what_a_run_refuses(extra: list[str], fragment: str, t
 
 
 @needs_sotu
-@pytest.mark.parametrize("case", ["steps-negative", "depth-zero", "tokenizer-unknown", "lr-negative", "context-negative"])
+@pytest.mark.parametrize("case", ["steps-negative", "depth-zero", "tokenizer-unknown", "lr-negative", "context-negative",
+                                  "global-batch-indivisible"])
 def test_a_run_refuses_the_same_cases(case: str, tmp_path: Path, capsys) -> None:
     extra, fragment = next(c[1:] for c in BAD if c[0] == case)
     out_dir = tmp_path / "runs"
@@ -185,3 +188,24 @@ def test_model_dimensions_without_a_size_are_gpt2_small_or_as_given() -> None:
     assert (legacy.n_layer, legacy.n_embd, legacy.ffn_hidden) == (4, 256, 768)
     with pytest.raises(OwaiError, match="model.size=tiny has n_layer=4, not model.n_layer=8"):
         ModelConfig(size="tiny", n_layer=8)
+
+
+def test_a_global_batch_is_the_same_on_any_number_of_ranks(monkeypatch) -> None:
+    """train.global_batch (chapter 3's 512, chapter 4's 1024) divides into micro-batches per rank;
+    the README's `torchrun --nproc_per_node 8` runs once made chapter 3's batch 8 x 512."""
+    from owai.errors import OwaiError
+    from owai.methods.language_model import TrainConfig, accumulation, sequences_per_update
+
+    chapter3 = TrainConfig(batch_size=8, global_batch=512)
+    assert [accumulation(chapter3, ranks) for ranks in (1, 8, 64)] == [64, 8, 1]
+    assert {sequences_per_update(chapter3, ranks) for ranks in (1, 8, 64)} == {512}
+    assert accumulation(TrainConfig(batch_size=8, accumulate=3), 4) == 3  # without global_batch: as given
+    with pytest.raises(OwaiError, match="not a multiple of train.batch_size x ranks = 8 x 3"):
+        accumulation(chapter3, 3)
+
+
+@needs_sotu
+def test_a_dry_run_plans_the_global_batch_for_its_ranks(capsys) -> None:
+    code, out, err = cli_in_process(["mosaic-train", "--size", "large", "--dry-run"], capsys)
+    assert code == 0, err
+    assert "238,419 updates of 1024 sequences (256 micro-batches of 4 per rank)" in out  # 1T tokens / 4M per update

@@ -17,11 +17,13 @@ from conftest import torchrun
 
 from owai.checkpoint import (
     SHARDED_FORMAT,
+    _weights_only_planner,
     NonFiniteError,
     is_sharded,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    load_shards,
     save_sharded_checkpoint,
 )
 from owai.distributed import Parallel
@@ -245,3 +247,44 @@ def test_sharded_checkpoints_are_pruned_and_never_hold_nonfinite_values(tmp_path
     with pytest.raises(NonFiniteError, match=r"refusing to write checkpoint .*step-000007: model.w holds non-finite values"):
         save_sharded_checkpoint(stage, 7, {"model": {"w": torch.tensor([1.0, float("nan")])}}, {"torch_rng": torch.get_rng_state()})
     assert latest_checkpoint(stage).name == "step-000006" and not (stage / "step-000007").exists()
+
+
+class _Marker:
+    """A pickled object whose unpickling writes a file: what a tampered checkpoint could run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.write_text, (self.path, "ran"))
+
+
+def test_a_tampered_sharded_checkpoint_runs_no_code(tmp_path: Path):
+    """DCP reads `.metadata` with pickle.load and the optimizer's hyper-parameters with
+    torch.load(weights_only=False): a run directory from elsewhere could run code on --resume. owai
+    reads the metadata with DCP's classes only and those items weights-only. (The sha256 in
+    state.json, rewritten here too, catches corruption, not tampering.)"""
+    import hashlib
+    import io
+    import pickle
+
+    worker.train(str(tmp_path / "run"), steps=2, checkpoint_every=2, sharded=True)
+    last = latest_checkpoint(tmp_path / "run" / "checkpoints" / "gpt")
+    marker = tmp_path / "ran.txt"
+    metadata = last / "dcp" / ".metadata"
+    metadata.write_bytes(pickle.dumps(_Marker(marker)))
+    state = json.loads((last / "state.json").read_text())
+    state["shards"]["files"][".metadata"] = hashlib.sha256(metadata.read_bytes()).hexdigest()
+    (last / "state.json").write_text(json.dumps(state))
+    load_checkpoint(last)  # the files are as state.json lists them
+    with pytest.raises(OwaiError, match=r"cannot be read safely: \.metadata: pathlib\.Path\.write_text is not part of a checkpoint's metadata"):
+        load_shards(last, {"model": {"w": torch.zeros(1)}})
+    assert not marker.exists()
+
+    planner = _weights_only_planner()
+    item = io.BytesIO()
+    torch.save(_Marker(marker), item)
+    item.seek(0)
+    with pytest.raises(pickle.UnpicklingError):
+        planner.load_bytes(None, item)
+    assert not marker.exists()

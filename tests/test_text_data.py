@@ -505,3 +505,23 @@ def test_the_byte_tokenizer_decodes_ids_past_its_vocabulary_to_nothing() -> None
     ids = tok.encode("ab")
     assert tok.decode([*ids, 300, 319, tok.eot_id, *ids]) == "ab<|endoftext|>ab"
     assert tok.decode([*ids, 300], skip_special=True) == "ab"
+
+
+def test_a_local_copy_of_another_dump_is_not_read_for_the_named_config(tmp_path: Path) -> None:
+    """Fig 3.9 names Wikipedia's 20220301.simple dump; `owai data fetch wikipedia` gets 20231101.simple.
+    With that copy in the data root, the named config must not be read from it silently."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "text" / "wikipedia"
+    (folder / "20231101.simple").mkdir(parents=True)
+    (folder / "owai-manifest.json").write_text("{}")
+    pq.write_table(pa.table({"text": DOCS[:20]}), folder / "20231101.simple" / "train.parquet")
+    with pytest.raises(OwaiError) as e:
+        open_source("wikipedia", config_name="20220301.simple", data_root=tmp_path)
+    message = one_line_error(e)
+    assert "'20220301.simple' is not in the local copy" in message and "holds 20231101.simple" in message
+    assert "hf:wikipedia" in message
+    held = open_source("wikipedia", config_name="20231101.simple", data_root=tmp_path)
+    assert isinstance(held, text.LocalSource) and list(held.texts("train"))[:2] == DOCS[:2]
+    assert isinstance(open_source("wikipedia", data_root=tmp_path), text.LocalSource)  # no config: the copy

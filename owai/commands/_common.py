@@ -245,7 +245,7 @@ def run_recipe(
         console.emit_json(results)
     elif not quiet:
         console.stdout.print(table(results))
-        console.stdout.print(f"results: {run.path / 'results.json'}")
+        console.stdout.print(f"results: {run.path / 'results.json'}", markup=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,7 +343,7 @@ def run_sweep(plan: Any, runs_on: tuple[str, int, Any], rerun: str, quiet: bool,
         console.emit_json(summary)
     elif not quiet:
         console.stdout.print(sweeps.table(summary))
-        console.stdout.print(f"summary: {plan.path / sweeps.SUMMARY}" + (f"\n{next_step}" if next_step else ""))
+        console.stdout.print(f"summary: {plan.path / sweeps.SUMMARY}" + (f"\n{next_step}" if next_step else ""), markup=False)
     sweeps.raise_on_failures(summary, rerun)
 
 
@@ -364,5 +364,5 @@ def run_study(plan: Any, runs_on: tuple[str, int, Any], write_study: Callable[[A
         console.emit_json({"rows": rows, **info, "sweep_dir": str(plan.path), "failed": [p["label"] for p in failed]})
     elif not quiet:
         console.stdout.print(console.fit_table(study_table(rows, info["title"]), whole=(0,)))  # row labels whole
-        console.stdout.print(f"table: {info.get('table') or plan.path / table_name}\nfigure: {info['figure']}")
+        console.stdout.print(f"table: {info.get('table') or plan.path / table_name}\nfigure: {info['figure']}", markup=False)
     sweeps.raise_on_failures(summary, rerun)

@@ -21,6 +21,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from rich.markup import escape
+
 from owai import console
 from owai.commands._common import DataRoot, Json, Quiet, RunOptions, csv_values, data_root_sets, options, set_str, study_recipe
 
@@ -47,9 +49,10 @@ def data_list(data_root: DataRoot = None, quiet: Quiet = False, as_json: Json = 
         table.add_column(col)
     for row in rows:
         found = "[green]yes[/green]" if row["found"] == "yes" else "[red]no[/red]"
-        verified = {"yes": "[green]yes[/green]", "FAILED": "[red]FAILED[/red]"}.get(row["verified"], row["verified"])
+        verified = {"yes": "[green]yes[/green]", "FAILED": "[red]FAILED[/red]"}.get(row["verified"], escape(row["verified"]))
         name = row["name"] + (" (tokenizer)" if row["kind"] == "tokenizer" else "")
-        table.add_row(name, found, verified, row["where"], row["size"], row["get"] + (f"; {row['note']}" if row["note"] else ""))
+        how = row["get"] + (f"; {row['note']}" if row["note"] else "")
+        table.add_row(escape(name), found, verified, escape(row["where"]), escape(row["size"]), escape(how))  # paths: not markup
     console.stdout.print(console.fit_table(table, whole=(0,)))
 
 

@@ -45,7 +45,7 @@ from torch.utils.data import Dataset
 from owai.data.images import eval_transform, loader, stack, step_loader
 from owai.data.registry import Dataset as CatalogueEntry
 from owai.data.registry import register, require
-from owai.errors import OwaiError
+from owai.errors import OwaiError, one_line
 from owai.runtime import generator
 
 VERSION_DIR = "camelyon17_v1.0"
@@ -74,20 +74,35 @@ def find_root(root: str | Path | None = None) -> Path:
     return data_dir(require("camelyon17", root or None))
 
 
+BY_HAND = "download it by hand and extract it into the data root's camelyon17/ folder"
+
+
 def download(root: str | Path) -> Path:
-    """Download and extract the WILDS camelyon17 v1.0 archive into `root` (user machines with a network)."""
+    """Download and extract the WILDS camelyon17 v1.0 archive into `root` (user machines with a
+    network). WILDS publishes no checksum; the archive must hold only plain files and folders
+    inside `root` (each member is checked before it is written, in one streaming pass)."""
     import tarfile
-    import urllib.request
+    import urllib.error
+
+    from owai.data.registry import download_to
 
     root = Path(root).expanduser()
     root.mkdir(parents=True, exist_ok=True)
     archive = root / "camelyon17_v1.0.tar.gz"
     try:
-        urllib.request.urlretrieve(DOWNLOAD_URL, archive)
-    except OSError as e:
-        raise OwaiError(f"cannot download Camelyon17 from {DOWNLOAD_URL} ({e}); fetch it by hand into {root}") from None
-    with tarfile.open(archive) as tar:
-        tar.extractall(root, filter="data")
+        download_to(DOWNLOAD_URL, archive)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise OwaiError(f"cannot download Camelyon17 from {DOWNLOAD_URL} ({getattr(e, 'reason', None) or e}); {BY_HAND}") from None
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            for member in tar:
+                parts = Path(member.name).parts
+                if not (member.isfile() or member.isdir()) or Path(member.name).is_absolute() or ".." in parts:
+                    raise OwaiError(f"{DOWNLOAD_URL}: member {member.name!r} is not a plain file or folder inside the "
+                                    "archive; refused")
+                tar.extract(member, root, filter="data")
+    except (tarfile.TarError, EOFError, OSError) as e:
+        raise OwaiError(f"{DOWNLOAD_URL} is not a readable tar.gz archive ({one_line(e, None)}); {BY_HAND}") from None
     archive.unlink()
     return data_dir(root)
 

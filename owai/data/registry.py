@@ -361,7 +361,7 @@ def mirrors(base_url: str | None = None) -> tuple[str, ...]:
     return tuple(u if u.endswith("/") else u + "/" for u in urls) or MNIST_MIRRORS
 
 
-def _download(url: str, dest: Path) -> None:
+def download_to(url: str, dest: Path) -> None:
     """Stream `url` into `dest` (a temporary path)."""
     with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT) as response, open(dest, "wb") as out:  # noqa: S310 - http(s) URLs of the catalogue
         shutil.copyfileobj(response, out, 1 << 20)
@@ -372,6 +372,9 @@ def fetch(name: str, root: str | Path | None = None, base_url: str | None = None
     """Download dataset `name` into `root/<subfolder>` (default: the cache), verified; returns the folder.
     An existing, complete copy is kept (verify it with `owai data verify`)."""
     ds = dataset(name)
+    if base_url and not (ds.archive or ds.md5 or (ds.sha256 and ds.urls)):
+        raise OwaiError(f"--mirror is for datasets downloaded from checked URLs (mnist, cifar10, ...); "
+                        f"{ds.name} is fetched from its own source")
     base = Path(root).expanduser() if root else cache_data_root()
     final = base / ds.subfolder
     blocked = next((p for p in (final, *final.parents) if p.exists() and not p.is_dir()), None)
@@ -417,7 +420,7 @@ def _fetch_checked(ds: Dataset, tmp: Path, urls: tuple[str, ...], info: Callable
             dest = tmp / file
             try:
                 info(f"downloading {url}{file}")
-                _download(url + file, dest)
+                download_to(url + file, dest)
             except (urllib.error.URLError, OSError, ValueError) as exc:
                 dest.unlink(missing_ok=True)
                 problems.append(f"{url}{file}: {getattr(exc, 'reason', None) or exc}")
@@ -491,7 +494,7 @@ def _fetch_archive(ds: Dataset, tmp: Path, urls: tuple[str, ...], info: Callable
     for url in urls:
         try:
             info(f"downloading {url}{ds.archive}")
-            _download(url + ds.archive, dest)
+            download_to(url + ds.archive, dest)
         except (urllib.error.URLError, OSError, ValueError) as exc:
             dest.unlink(missing_ok=True)
             problems.append(f"{url}{ds.archive}: {getattr(exc, 'reason', None) or exc}")

@@ -347,7 +347,9 @@ def open_source(source: str | os.PathLike[str] | TextSource, text_field: str = "
     if isinstance(source, TextSource):
         return source
     if isinstance(source, str):
-        source = resolve_source(source, data_root)
+        name, source = source, resolve_source(source, data_root)
+        if config_name and name in NAMED_CORPORA and source != NAMED_CORPORA[name]:
+            source = _local_config(name, Path(source), config_name)
     if isinstance(source, os.PathLike):
         path = Path(source).expanduser()
         if not path.exists():
@@ -366,6 +368,18 @@ def open_source(source: str | os.PathLike[str] | TextSource, text_field: str = "
     if _looks_like_hub_id(source):
         return _hub_source(source, text_field, config_name, revision, streaming, val_every)
     raise DataMissing(f"dataset path not found: {source}")
+
+
+def _local_config(name: str, folder: Path, config_name: str) -> str:
+    """The `config_name` part of a catalogue corpus's local copy (its sub-folder, as `owai data
+    fetch` lays out hub configs): a copy of another dump is refused rather than read in its place
+    (Fig 3.9 names the 20220301 dump of Wikipedia; `owai data fetch wikipedia` gets 20231101)."""
+    if (folder / config_name).is_dir():
+        return str(folder / config_name)
+    held = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")) if folder.is_dir() else []
+    raise DataMissing(f"{name} config {config_name!r} is not in the local copy {folder} (it holds "
+                      f"{', '.join(held) or 'no config folders'}); set the config it holds, or read the hub's with "
+                      f"source hf:{NAMED_CORPORA[name] or name}")
 
 
 def load_texts(source: str | os.PathLike[str] | TextSource, split: str, text_field: str = "text",

@@ -138,6 +138,7 @@ class TrainConfig:
     tokens: int = 0  # > 0: train on this many tokens (steps = tokens / global batch tokens, rounded up)
     batch_size: int = 8  # sequences per micro-batch per process
     accumulate: int = 1  # micro-batches per update; global batch = batch_size x accumulate x ranks
+    global_batch: int = 0  # > 0: sequences per update on any number of ranks (accumulate = global_batch / (batch_size x ranks))
     lr: float = 5e-3
     min_lr: float = 1e-4
     warmup: int = 2000
@@ -281,6 +282,12 @@ def check_settings(cfg: Config) -> None:
     for name in ("steps", "batch_size", "accumulate", "eval_every", "eval_batches", "checkpoint_every", "log_every"):
         if getattr(t, name) < 1:
             raise OwaiError(f"train.{name} must be >= 1, got {getattr(t, name)}")
+    if t.global_batch < 0:
+        raise OwaiError(f"train.global_batch must be >= 0 (0: batch_size x accumulate x ranks), got {t.global_batch}")
+    if t.global_batch and t.accumulate != 1:
+        raise OwaiError(f"train.global_batch={t.global_batch} sets the accumulation itself; leave train.accumulate at 1 "
+                        f"(got {t.accumulate}) or set train.global_batch=0")
+    accumulation(t, int(os.environ.get("WORLD_SIZE", "1")))  # this job's ranks (torchrun's), before any directory
     if not 0 < t.min_lr <= t.lr:  # lr > 0: config.check_ranges
         raise OwaiError(f"train.min_lr must be in (0, train.lr={t.lr}], got {t.min_lr}")
     if t.warmup < 0 or len(t.betas) != 2:
@@ -456,7 +463,8 @@ def dry_run_plan(cfg: Config) -> list[str]:
         lines += plan.lines()
         shape = ModelShape.of(plan.model.config)
         lines.append(f"  model: {shape.n_layer} layers, d {shape.d}, {shape.n_head} heads, FFN {shape.ffn}, vocabulary {rows:,} ({source}); "
-                     f"{total_steps(cfg):,} updates of {cfg.train.batch_size * cfg.train.accumulate * plan.world_size} sequences, "
+                     f"{total_steps(cfg, plan.world_size):,} updates of {sequences_per_update(cfg.train, plan.world_size)} sequences "
+                     f"({accumulation(cfg.train, plan.world_size)} micro-batches of {cfg.train.batch_size} per rank), "
                      f"precision {precision} on {device.type}")
         flops = ", ".join(f"{readable(forward_flops_per_token(plan.model, ctx))} at context {ctx}"
                           for ctx in sorted({256, cfg.data.block_size}))
@@ -632,11 +640,28 @@ def sized_kwargs(m: ModelConfig, arch: str, vocab: int) -> dict[str, Any]:
     return kw
 
 
-def total_steps(cfg: Config) -> int:
+def accumulation(t: TrainConfig, world_size: int) -> int:
+    """Micro-batches per update on `world_size` ranks: train.accumulate, or, when train.global_batch
+    is set, global_batch / (batch_size x ranks), so that a recipe's update is the thesis's on any
+    number of GPUs (as nanoGPT divides its accumulation by the ranks, torchtitan its global batch)."""
+    if t.global_batch <= 0:
+        return t.accumulate
+    per_pass = t.batch_size * world_size
+    if t.global_batch % per_pass:
+        raise OwaiError(f"train.global_batch={t.global_batch} is not a multiple of train.batch_size x ranks = "
+                        f"{t.batch_size} x {world_size}; change train.batch_size or the number of ranks")
+    return t.global_batch // per_pass
+
+
+def sequences_per_update(t: TrainConfig, world_size: int) -> int:
+    return t.batch_size * accumulation(t, world_size) * world_size
+
+
+def total_steps(cfg: Config, world_size: int | None = None) -> int:
     """Updates of the run: train.steps, or train.tokens / (global batch x context) rounded up."""
     t = cfg.train
     if t.tokens > 0:
-        per_step = t.batch_size * t.accumulate * distributed.world().world_size * cfg.data.block_size
+        per_step = sequences_per_update(t, world_size or distributed.world().world_size) * cfg.data.block_size
         return max(1, math.ceil(t.tokens / per_step))
     return t.steps
 
@@ -781,9 +806,9 @@ def train_model(cfg: Config, run: Run, arch: str, parallel: Any, data: LMData, d
         checkpoint_every=min(t.checkpoint_every, steps),
         log_every=min(t.log_every, steps),
         grad_clip=t.grad_clip,
-        accumulate=t.accumulate,
+        accumulate=accumulation(t, world.world_size),
         precision=precision_for(t.precision, device),
-        tokens_per_step=t.batch_size * t.accumulate * world.world_size * cfg.data.block_size,
+        tokens_per_step=sequences_per_update(t, world.world_size) * cfg.data.block_size,
         flops_per_token=3 * forward_flops_per_token(model, cfg.data.block_size) if parse_arch(arch)[0] in SIZED else 0.0,
     )
     lr_at = warmup_cosine_schedule(t.lr, t.warmup, t.decay_steps or steps, t.min_lr)

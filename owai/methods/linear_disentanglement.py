@@ -31,7 +31,7 @@ from typing import Any, Literal
 import numpy as np
 
 from owai import console
-from owai.config import BaseConfig
+from owai.config import BaseConfig, memory_bytes
 from owai.data.linear_tasks import entangle, random_orthonormal, sample_task
 from owai.errors import OwaiError
 from owai.io import atomic_write_json
@@ -151,6 +151,12 @@ def check(cfg: LinearDisentanglementConfig) -> None:
             raise OwaiError(f"{name} must be >= 1, got {value}")
     if e.val_size is not None and e.val_size < 1:
         raise OwaiError(f"eval.val_size must be >= 1 (or null for the training size), got {e.val_size}")
+    rows = sizes[-1] + (e.val_size or sizes[-1]) + e.test_size  # one repeat's samples at the largest size
+    needed = 3 * 8 * rows * d.n_features  # float64, disentangled and entangled views, the solver's copy
+    if needed > memory_bytes():
+        raise OwaiError(f"eval.test_size={e.test_size}, eval.train_sizes up to {sizes[-1]} and data.n_features={d.n_features} "
+                        f"need about {needed / 2**30:,.0f} GiB for one repeat, more than this machine's "
+                        f"{memory_bytes() / 2**30:,.0f} GiB; lower eval.test_size")
     if not 0 < e.target_accuracy < 1:
         raise OwaiError(f"eval.target_accuracy must be in (0, 1), got {e.target_accuracy}")
     if e.workers < 0:
