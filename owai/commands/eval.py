@@ -154,6 +154,8 @@ def harness(
     num_fewshot: Annotated[Optional[int], typer.Option("--num-fewshot", min=0, max=MAX_SHOTS, help="Shots for every task (default: each task's own).")] = None,
     tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", help="Override the model's tokenizer (hub id or tokenizer.json).")] = None,
     ablate: Annotated[Optional[str], typer.Option("--ablate", help="Switch a part off at inference: long_term_memory (Tables 4.2, 4.3).")] = None,
+    confirm_run_unsafe_code: Annotated[bool, typer.Option(
+        "--confirm-run-unsafe-code", help="Run tasks that execute the model's generated code (lm-eval's unsafe_code tasks: humaneval_plus and mbpp in -p paper), unsandboxed on this machine, with HF_ALLOW_CODE_EVAL=1; without it they are refused.")] = False,
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="table4.1-harness or a harness recipe file.")] = HARNESS_RECIPE,
     preset: Preset = None,
     sets: EvalSets = None,
@@ -163,7 +165,8 @@ def harness(
     as_json: Json = False,
 ) -> None:
     """lm-evaluation-harness (Tables 4.1-4.3): the thesis's 19 benchmarks, each task's main metric (0-1), persistent / new-knowledge averages."""
-    extra = option_sets(sets, {"model": model, "tokenizer": tokenizer, "limit": limit, "num_fewshot": num_fewshot},
+    extra = option_sets(sets, {"model": model, "tokenizer": tokenizer, "limit": limit, "num_fewshot": num_fewshot,
+                               "confirm_run_unsafe_code": True if confirm_run_unsafe_code else None},
                         {"tasks": (tasks, "--tasks"), "ablate": (ablate, "--ablate")})
     run_evaluation(recipe, HARNESS_RECIPE, preset, sets, extra, out, resume, quiet, as_json, "harness")
 

@@ -30,12 +30,24 @@ Task names (spec sec 5.2): `THESIS_TASKS` maps the thesis's 19 columns, in Table
 tasks; `PERSISTENT` (the first 13, Table 4.2) and `NEW` (the last 6, Table 4.3). `race_middle` is not
 built into the harness: owai ships its YAML in `TASKS_DIR`, with two offline smoke tasks
 (`owai_mc_smoke`, `owai_gen_smoke`: 20 hand-written questions each, JSONL beside the YAML).
+
+No code from task files (owai's rule: no code from data or configs): the task YAMLs of `include_path`
+folders, and every file they `include:`, are read before a run with a loader that refuses `!function`
+and Python tags (`check_task_files`: lm-eval would import and run them), may name only lm-eval's
+registered metrics (another name is an `evaluate` script it would download and run) and may not
+replace a task, group or tag of lm-eval or owai (`task_index`). lm-eval's own task folder and owai's
+`TASKS_DIR` are installed code and trusted. Templates render in a Jinja sandbox (`_sandbox_templates`).
+Tasks lm-eval marks `unsafe_code` (humaneval, mbpp, ...) run the model's generated code unsandboxed:
+`code_tasks` finds them through groups and tags, and they run only when the user confirms it
+(`confirm_run_unsafe_code`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +89,9 @@ NEW: list[str] = THESIS_TASKS[13:]  # Table 4.3: they need the context (long-ter
 MAIN_METRIC: dict[str, str] = {task: metric for _, task, metric in THESIS_COLUMNS} | {
     "owai_mc_smoke": "acc", "owai_gen_smoke": "exact_match", "mmlu": "acc", "squadv2": "exact",
     "hendrycks_math": "exact_match", "gsm8k_cot": "exact_match", "bbh_cot_fewshot": "exact_match"}
-UNSAFE_TASKS = ("humaneval_plus", "humaneval", "mbpp")  # execute the model's code (HF_ALLOW_CODE_EVAL=1)
+# the tasks of THESIS_TASKS / MAIN_METRIC that lm-eval marks unsafe_code (they execute the model's code);
+# other task names are looked up in the task index (code_tasks)
+UNSAFE_TASKS = ("humaneval_plus", "mbpp")
 FILTER_PREFERENCE = ("strict-match", "remove_whitespace", "none", "create_test")
 
 
@@ -97,10 +111,32 @@ def require_harness() -> Any:
 require_harness()  # the classes below subclass the harness's
 
 import lm_eval.models  # noqa: E402,F401  (the harness's own models first: it fills its registry only when empty)
+import lm_eval.tasks  # noqa: E402
 from lm_eval.api.model import LM, TemplateLM  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
 
 HARNESS_DEFAULT_LENGTH = 2048  # HFLM's maximum length when a model's config gives none (lm_eval.defaults)
+HARNESS_TASKS_DIR = Path(lm_eval.tasks.__file__).resolve().parent  # lm-eval's own task YAMLs (installed code)
+TRUSTED_TASK_DIRS = (HARNESS_TASKS_DIR, TASKS_DIR)
+
+
+def _sandbox_templates() -> None:
+    """Render the harness's Jinja templates (a task's doc_to_text, doc_to_target, ...) in Jinja's
+    sandbox: lm-eval renders them in a plain `Environment`, where a template from a task file reaches
+    Python (`{{ cycler.__init__.__globals__.os }}`). The sandbox refuses underscore attributes and
+    unsafe calls; the harness's own templates render as before."""
+    from jinja2.sandbox import SandboxedEnvironment
+    from lm_eval import utils
+
+    if isinstance(utils.env, SandboxedEnvironment):
+        return
+    env = SandboxedEnvironment(loader=utils.env.loader, undefined=utils.env.undefined,
+                               keep_trailing_newline=utils.env.keep_trailing_newline)
+    env.filters.update(utils.env.filters)  # regex_replace
+    utils.env = env
+
+
+_sandbox_templates()
 
 
 @register_model("owai")
@@ -286,39 +322,151 @@ def _track(requests: list, description: str, disable: bool) -> Any:
 
 
 def task_manager(include_path: list[str] | None = None) -> Any:
-    """The harness's TaskManager over its own tasks, owai's (TASKS_DIR) and `include_path` folders."""
+    """The harness's TaskManager over its own tasks, owai's (TASKS_DIR) and `include_path` folders
+    (which `check_task_files` and `task_index` must have passed: the manager loads their YAMLs)."""
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_path=[str(TASKS_DIR), *(include_path or [])])
 
 
-def hub_datasets(manager: Any, tasks: list[str]) -> dict[tuple[str, str | None], tuple[str, dict[str, Any]]]:
-    """The hub datasets `tasks` read, from the harness's task index alone (its YAML configs; nothing is
-    downloaded): (dataset_path, dataset_name) -> (the first task reading it, "TASK" or "GROUP's subtask
-    TASK", and its dataset_kwargs).
-    Groups and tags are walked to their leaf tasks, a group's settings applied to its members as the
-    harness applies them. A task with its own loader (custom_dataset, a Python class), a packaged
-    builder (json, csv, parquet, ...) or an existing local path reads no hub dataset."""
+# ---------------------------------------------------------------- include_path task files: data, never code
+
+class _CodeTag(Exception):
+    """A YAML tag that names Python code (`!function utils.fn`, `!!python/...`) or that owai does not know."""
+
+
+def _refuse_tag(loader: Any, node: Any) -> Any:
+    value = node.value if isinstance(node.value, str) else "..."
+    raise _CodeTag(f"{node.tag} {value}".strip())
+
+
+def _task_file_loader() -> type:
+    """A YAML loader for task files: YAML's plain types only; every other tag, `!function` (which
+    lm-eval imports) and `!!python/...` included, raises `_CodeTag` instead of being constructed."""
+    import yaml
+
+    base = yaml.CSafeLoader if getattr(yaml, "__with_libyaml__", False) else yaml.SafeLoader
+
+    class TaskFileLoader(base):  # type: ignore[misc,valid-type]
+        pass
+
+    TaskFileLoader.add_constructor(None, _refuse_tag)
+    return TaskFileLoader
+
+
+# settings with which a task file would make lm-eval or transformers run code from elsewhere: an
+# `evaluate` metric script (hf_evaluate), a hub or local `custom_generate/generate.py` (HFLM's generate)
+CODE_KEYS = ("trust_remote_code", "custom_generate", "hf_evaluate")
+
+
+def _trusted(path: Path) -> bool:
+    """A file or folder in lm-eval's own task folder or owai's (installed code)."""
+    return any(path == root or root in path.parents for root in TRUSTED_TASK_DIRS)
+
+
+def _check_settings(data: Any, path: Path, metrics: Any) -> None:
+    """A task file's settings that would run code though no tag names it (CODE_KEYS, a prompt file,
+    a metric not in `metrics`, lm-eval's metric registry), at any depth (a group's task overrides)."""
+    items = list(data.items()) if isinstance(data, dict) else list(enumerate(data)) if isinstance(data, list) else []
+    for key, value in items:
+        if key in CODE_KEYS and value not in (None, False):
+            raise OwaiError(f"harness task file {path} sets {key}: owai runs no code from task files")
+        if key == "use_prompt" and isinstance(value, str) and ".yaml" in value:
+            raise OwaiError(f"harness task file {path} reads prompts from another YAML (use_prompt: {value}): "
+                            "put doc_to_text / doc_to_target in the task file")
+        if key == "metric_list" and isinstance(value, list):
+            for metric in value:
+                name = metric.get("metric") if isinstance(metric, dict) else None
+                if not isinstance(name, str) or name not in metrics:
+                    raise OwaiError(f"harness task file {path}: metric {name!r} is not one of lm-eval's registered "
+                                    f"metrics ({', '.join(sorted(metrics.keys()))}); owai runs no code from task "
+                                    "files (another name is an evaluate script lm-eval would run)")
+        _check_settings(value, path, metrics)
+
+
+def _check_task_file(path: Path, seen: set[Path], metrics: Any) -> None:
+    import yaml
+
+    from owai.errors import one_line
+
+    path = path.expanduser().resolve()
+    if path in seen or _trusted(path):
+        return
+    seen.add(path)
     try:
-        from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+        data = yaml.load(path.read_bytes(), Loader=_task_file_loader())  # noqa: S506 - a safe loader
+    except _CodeTag as exc:
+        raise OwaiError(f"harness task file {path} uses the YAML tag `{exc}`: owai runs no code from task files "
+                        "(!function and Python tags are refused; use lm-eval's templates, filters and metrics)") from None
+    except (OSError, yaml.YAMLError) as exc:
+        raise OwaiError(f"harness task file {path} does not read as YAML ({one_line(exc, 160)})") from None
+    _check_settings(data, path, metrics)
+    includes = data.get("include") if isinstance(data, dict) else None
+    for include in includes if isinstance(includes, list) else [] if includes is None else [includes]:
+        if not isinstance(include, str) or not include:
+            raise OwaiError(f"harness task file {path}: include {include!r} is not a file name")
+        target = Path(include) if Path(include).is_absolute() else path.parent / include  # as lm-eval resolves it
+        if not target.expanduser().is_file():
+            raise OwaiError(f"harness task file {path} includes {include}, which is not a file")
+        _check_task_file(target, seen, metrics)
+
+
+def check_task_files(folders: list[str]) -> None:
+    """Before a run: every task YAML under the `include_path` folders (*.yaml, *.yml, recursively) and
+    every file they `include:` (relative to the including file's folder, or absolute) holds data only:
+    no `!function` or other Python tag, no setting that loads code (CODE_KEYS), only lm-eval's
+    registered metrics. lm-eval's task folder and owai's TASKS_DIR are trusted; only the given
+    folders and their includes are read."""
+    import lm_eval.api.metrics  # noqa: F401  (fills the metric registry)
+    from lm_eval.api.registry import metric_registry
+
+    seen: set[Path] = set()
+    for folder in folders:
+        root = Path(folder).expanduser().resolve()
+        if _trusted(root):
+            continue
+        for path in sorted({*root.glob("**/*.yaml"), *root.glob("**/*.yml")}):
+            if path.is_file():
+                _check_task_file(path, seen, metric_registry)
+
+
+@functools.lru_cache(maxsize=1)
+def builtin_tasks() -> Any:
+    """The TaskManager of lm-eval's tasks and owai's (indexed once per process: seconds)."""
+    return task_manager()
+
+
+def task_index(include_path: list[str] | None = None) -> dict[str, Any]:
+    """The harness's task index (name -> entry: tasks, groups, tags; their YAMLs parsed, no function
+    resolved) over lm-eval's tasks, owai's and the `include_path` folders (passed by
+    `check_task_files`), as `task_manager(include_path)` merges them. A name a folder defines that
+    lm-eval or owai has already is refused: it would silently replace that task."""
+    from lm_eval.tasks import TaskManager
+
+    index = dict(builtin_tasks().task_index)
+    folders = [str(Path(p).expanduser()) for p in include_path or [] if not _trusted(Path(p).expanduser().resolve())]
+    if not folders:
+        return index
+    theirs = TaskManager(include_path=folders, include_defaults=False).task_index
+    for name, entry in theirs.items():
+        if name in index:  # a tag has no file of its own: the first task it tags names one
+            path = entry.yaml_path or next((theirs[t].yaml_path for t in sorted(entry.tags) if t in theirs), None)
+            raise OwaiError(f"harness task file {path} uses the task, group or tag name {name!r}, a name lm-eval or "
+                            "owai already has: rename it (an include_path task may not replace a built-in one)")
+    return {**index, **theirs}
+
+
+def _leaves(index: dict[str, Any], tasks: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(who, config) of each leaf task `tasks` run, from the task index alone: groups and tags walked
+    to their leaf tasks, a group's settings applied to its members as the harness applies them; who
+    is "TASK" or "GROUP's subtask TASK". Nothing for another harness layout."""
+    try:
         from lm_eval.tasks._factory import GROUP_FIELD_NAMES
         from lm_eval.tasks._index import Kind
     except ImportError:  # another harness layout: nothing checked before the run (the run's own error stays one line)
-        return {}
+        return
 
-    index, found = manager.task_index, {}
-
-    def leaf(name: str, cfg: dict[str, Any]) -> None:
-        who = name if name == top else f"{top}'s subtask {name}"
-        path = cfg.get("dataset_path")
-        if "class" in cfg or cfg.get("custom_dataset") or not isinstance(path, str) or path in _PACKAGED_DATASETS_MODULES \
-                or Path(path).expanduser().exists():
-            return
-        kwargs = dict(cfg.get("dataset_kwargs") or {})
-        kwargs.pop("trust_remote_code", None)  # as the harness drops it under datasets >= 4
-        found.setdefault((path, cfg.get("dataset_name")), (who, kwargs))
-
-    def walk(item: Any, overrides: dict[str, Any], depth: int) -> None:
+    def walk(top: str, item: Any, overrides: dict[str, Any], depth: int) -> Iterator[tuple[str, dict[str, Any]]]:
         if depth > 16:  # a group that includes itself: the harness reports it when it loads
             return
         if isinstance(item, dict):
@@ -326,30 +474,66 @@ def hub_datasets(manager: Any, tasks: list[str]) -> dict[tuple[str, str | None],
                 members = item.get("task") or []
                 more = {k: v for k, v in item.items() if k not in GROUP_FIELD_NAMES}
                 for member in members if isinstance(members, list) else [members]:
-                    walk(member, {**more, **overrides}, depth + 1)
+                    yield from walk(top, member, {**more, **overrides}, depth + 1)
                 return
             name = item.get("group", item.get("task"))
             overrides = {**overrides, **{k: v for k, v in item.items() if k not in ("group", "task")}}
         else:
             name = item
+        who = str(name) if name == top else f"{top}'s subtask {name}"
         entry = index.get(name)
         if entry is None:  # an inline task: its settings are the overrides
-            leaf(str(name), overrides)
+            yield who, overrides
         elif entry.kind is Kind.TAG:
             for task in sorted(entry.tags):
                 if task in index:
-                    walk(task, overrides, depth + 1)
+                    yield from walk(top, task, overrides, depth + 1)
         elif entry.kind is Kind.GROUP:
             cfg = entry.cfg or {}
             members = cfg.get("task") or []
             more = {k: v for k, v in cfg.items() if k not in GROUP_FIELD_NAMES}
             for member in members if isinstance(members, list) else [members]:
-                walk(member, {**more, **overrides}, depth + 1)
+                yield from walk(top, member, {**more, **overrides}, depth + 1)
         else:
-            leaf(name, {**(entry.cfg or {}), **overrides})
+            yield who, {**(entry.cfg or {}), **overrides}
 
     for top in tasks:
-        walk(top, {}, 0)
+        yield from walk(top, top, {}, 0)
+
+
+def _index_of(manager: Any) -> dict[str, Any]:
+    return manager if isinstance(manager, dict) else manager.task_index
+
+
+def code_tasks(manager: Any, tasks: list[str]) -> list[str]:
+    """The leaf tasks of `tasks` (through groups and tags) that run the model's generated code: those
+    lm-eval marks `unsafe_code` (it refuses them unless `confirm_run_unsafe_code`), as "TASK" or
+    "GROUP's subtask TASK". `manager`: a TaskManager or a `task_index`."""
+    return list(dict.fromkeys(who for who, cfg in _leaves(_index_of(manager), tasks)
+                              if cfg.get("unsafe_code", False) is not False))  # lm-eval's own test
+
+
+def hub_datasets(manager: Any, tasks: list[str]) -> dict[tuple[str, str | None], tuple[str, dict[str, Any]]]:
+    """The hub datasets `tasks` read, from the harness's task index alone (its YAML configs; nothing is
+    downloaded): (dataset_path, dataset_name) -> (the first task reading it, "TASK" or "GROUP's subtask
+    TASK", and its dataset_kwargs). `manager`: a TaskManager or a `task_index`.
+    Groups and tags are walked to their leaf tasks (`_leaves`). A task with its own loader
+    (custom_dataset, a Python class), a packaged builder (json, csv, parquet, ...) or an existing local
+    path reads no hub dataset."""
+    try:
+        from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+    except ImportError:  # another datasets layout: nothing checked before the run
+        return {}
+
+    found: dict[tuple[str, str | None], tuple[str, dict[str, Any]]] = {}
+    for who, cfg in _leaves(_index_of(manager), tasks):
+        path = cfg.get("dataset_path")
+        if "class" in cfg or cfg.get("custom_dataset") or not isinstance(path, str) or path in _PACKAGED_DATASETS_MODULES \
+                or Path(path).expanduser().exists():
+            continue
+        kwargs = dict(cfg.get("dataset_kwargs") or {})
+        kwargs.pop("trust_remote_code", None)  # as the harness drops it under datasets >= 4
+        found.setdefault((path, cfg.get("dataset_name")), (who, kwargs))
     return found
 
 
@@ -439,24 +623,30 @@ def _record(answers: AnswerLog, kind: str, key: str, value: Any) -> None:
 
 
 def evaluate(model: Any, tasks: list[str], num_fewshot: int | None = None, limit: int = 0,
-             include_path: list[str] | None = None, manager: Any = None, seed: int = 1234) -> dict[str, Any]:
+             include_path: list[str] | None = None, manager: Any = None, seed: int = 1234,
+             confirm_run_unsafe_code: bool = False) -> dict[str, Any]:
     """Run `tasks` on `model` (an OwaiLM, OracleLM or any harness LM) with `simple_evaluate`; the
-    harness's results dict, JSON-able (samples dropped)."""
+    harness's results dict, JSON-able (samples dropped). `confirm_run_unsafe_code` (the user's opt-in)
+    lets the tasks lm-eval marks unsafe_code run the model's code: it is passed on, with
+    HF_ALLOW_CODE_EVAL=1 (evaluate's code_eval asks for it) while the harness runs; without it the
+    harness refuses them."""
     import contextlib
+    import os
     from unittest import mock
 
     import lm_eval.evaluator
     from lm_eval import simple_evaluate
 
     manager = manager or task_manager(include_path)
-    unsafe = any(t in UNSAFE_TASKS for t in tasks)
     with contextlib.ExitStack() as stack:
         if hasattr(lm_eval.evaluator, "get_git_commit_hash"):
             stack.enter_context(mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", _quiet_git_hash))
+        if confirm_run_unsafe_code:
+            stack.enter_context(mock.patch.dict(os.environ, {"HF_ALLOW_CODE_EVAL": "1"}))
         result = simple_evaluate(model=model, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit or None,
                                  task_manager=manager, log_samples=False, bootstrap_iters=0,
-                                 confirm_run_unsafe_code=unsafe, random_seed=seed, numpy_random_seed=seed,
-                                 torch_random_seed=seed, fewshot_random_seed=seed)
+                                 confirm_run_unsafe_code=bool(confirm_run_unsafe_code), random_seed=seed,
+                                 numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
     if result is None:
         raise OwaiError("the harness returned no results")
     result = {k: v for k, v in dict(result).items() if k not in ("samples", "config")}

@@ -12,11 +12,16 @@ dict (per-task metrics with their filters, configs, shots, versions).
                 hflm:ID_OR_DIR runs the harness's own HFLM instead of owai's adapter (its batching,
                 its tokenizer handling), to compare owai's numbers with the harness's usual ones
     tasks       harness task names, owai's (race_middle, owai_mc_smoke, owai_gen_smoke) and those of
-                `include_path` folders of task YAMLs
+                `include_path` folders of task YAMLs (data only: no `!function`, no name lm-eval or
+                owai already has; `owai.evals.harness.check_task_files`)
     ablate      long_term_memory: Tables 4.2 / 4.3's "without long-term memory" row
+    confirm_run_unsafe_code
+                the user's opt-in to tasks that run the model's generated code unsandboxed (those
+                lm-eval marks unsafe_code: humaneval_plus and mbpp among the 19, reached directly or
+                through a group or tag); without it they are refused before the run; with it the
+                run has HF_ALLOW_CODE_EVAL=1 (`--confirm-run-unsafe-code`)
 
-The 19 benchmarks read hub datasets (online only); humaneval_plus and mbpp execute the model's code
-(the harness asks for HF_ALLOW_CODE_EVAL=1). Needs the `eval` extra: pip install 'owai[eval]'.
+The 19 benchmarks read hub datasets (online only). Needs the `eval` extra: pip install 'owai[eval]'.
 """
 
 from __future__ import annotations
@@ -51,7 +56,10 @@ class Config(BaseConfig):
     num_fewshot: int | None = None  # None = each task's default (gsm8k 5, bbh_fewshot 3, minerva_math 4, ...)
     limit: int = 0  # documents per task (0 = all)
     ablate: list[str] = field(default_factory=list)  # e.g. [long_term_memory] (Tables 4.2, 4.3)
-    include_path: list[str] = field(default_factory=list)  # extra folders of task YAMLs
+    include_path: list[str] = field(default_factory=list)  # extra folders of task YAMLs (data only, no code)
+    # run tasks that execute the model's generated code (lm-eval's unsafe_code: humaneval_plus, mbpp),
+    # unsandboxed, with HF_ALLOW_CODE_EVAL=1: the user's explicit opt-in, never a recipe default
+    confirm_run_unsafe_code: bool = False
     max_gen_toks: int = 256  # generation budget when a task sets none
     seed: int = 1234  # the harness's seeds (few-shot sampling)
     precision: EvalPrecision = "auto"  # bfloat16 on CUDA
@@ -142,16 +150,26 @@ class Harness(Method):
         from owai.evals import harness
         from owai.hub import hub_unreachable
 
+        folders = [str(Path(p).expanduser()) for p in cfg.include_path]
+        harness.check_task_files(folders)  # before lm-eval reads them: data, never code
         known = set(harness.THESIS_TASKS) | set(harness.OWAI_TASKS) | set(harness.MAIN_METRIC)
         offline = hub_unreachable() if any(t not in harness.SMOKE_TASKS for t in cfg.tasks) else ""
-        if offline or any(t not in known for t in cfg.tasks):  # index the harness's tasks only when needed (seconds)
-            manager = harness.task_manager([str(Path(p).expanduser()) for p in cfg.include_path])
-            unknown = [t for t in cfg.tasks if t not in manager.all_tasks]
+        index = None
+        if folders or offline or any(t not in known for t in cfg.tasks):  # index the tasks only when needed (seconds)
+            index = harness.task_index(folders)  # an include_path name that replaces a built-in one: refused
+            unknown = [t for t in cfg.tasks if t not in index]
             if unknown:
                 raise OwaiError(f"unknown harness task(s) {', '.join(unknown)} (lm_eval --tasks list shows them; "
                                 "task YAML folders: --set include_path=[DIR])")
-            if offline:  # a hub dataset not in the cache would fail mid-run (a ConnectionError): refused here
-                harness.check_offline(manager, list(cfg.tasks), offline)
+            code = harness.code_tasks(index, list(cfg.tasks))
+        else:
+            code = [t for t in cfg.tasks if t in harness.UNSAFE_TASKS]
+        if code and not cfg.confirm_run_unsafe_code:
+            raise OwaiError(f"harness task(s) {', '.join(code)} run the model's generated code, unsandboxed, on this "
+                            "machine (lm-eval marks them unsafe_code): to run them, opt in with "
+                            "--confirm-run-unsafe-code (--set confirm_run_unsafe_code=true); else leave them out of --tasks")
+        if offline:  # a hub dataset not in the cache would fail mid-run (a ConnectionError): refused here
+            harness.check_offline(index, list(cfg.tasks), offline)
         if cfg.model.startswith(HFLM):
             if cfg.ablate:
                 raise OwaiError("the harness's HFLM has no owai ablation switch: use an owai model path for --ablate")
@@ -192,8 +210,10 @@ class Harness(Method):
                 model = harness.OwaiLM(lm, max_gen_toks=cfg.max_gen_toks)
                 max_length = model.max_length
             harness.log_answers(model, run_log(run.path))  # what a resume does not ask again
+            if cfg.confirm_run_unsafe_code:
+                console.info("confirm_run_unsafe_code: tasks lm-eval marks unsafe_code run the model's code unsandboxed")
             result = harness.evaluate(model, list(cfg.tasks), cfg.num_fewshot, cfg.limit, manager=manager,
-                                      seed=cfg.seed)
+                                      seed=cfg.seed, confirm_run_unsafe_code=cfg.confirm_run_unsafe_code)
         measured: dict[str, Any] = harness.main_metrics(result, list(cfg.tasks))
         measured.update(harness.averages(measured))
         for key, value in measured.items():
