@@ -26,7 +26,6 @@ match. Format v1 checkpoints (the full variant) are written and read exactly as 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -42,7 +41,7 @@ import torch
 from safetensors.torch import save_file
 
 from owai.errors import OwaiError
-from owai.io import read_safetensors, umask
+from owai.io import file_digest, read_safetensors, umask
 
 FORMAT = "owai-checkpoint-v1"
 SHARDED_FORMAT = "owai-checkpoint-v2"  # v1 + the model and optimizer state as DCP shards under dcp/
@@ -86,18 +85,10 @@ def nonfinite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
     return [k for k, t in tensors.items() if t.is_floating_point() and not all_finite([t])]
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _file_sha256(path: Path, name: str) -> str:
     """The sha256 of file `name` of checkpoint `path`; one that cannot be read is an OwaiError naming it."""
     try:
-        return _sha256(path / name)
+        return file_digest(path / name, "sha256")
     except OSError as e:
         raise OwaiError(f"checkpoint {path} is corrupt: {name} cannot be read ({e.strerror or type(e).__name__})") from None
 
@@ -164,7 +155,7 @@ def _commit(tmp: Path, final: Path, tensors: dict[str, torch.Tensor], meta: dict
     then rename it to `final` (replacing a checkpoint of the same step): both formats commit so."""
     save_file(tensors, str(tmp / TENSORS))
     os.chmod(tmp / TENSORS, 0o666 & ~umask())
-    meta = {**meta, "sha256": _sha256(tmp / TENSORS), "state": skeleton}
+    meta = {**meta, "sha256": file_digest(tmp / TENSORS, "sha256"), "state": skeleton}
     if identity is not None:
         meta["identity"] = identity
     with open(tmp / STATE, "w") as f:
@@ -427,7 +418,7 @@ def save_sharded_checkpoint(
         error = f"cannot write checkpoint {final}: {_dcp_message(e)}"
     _raise_first(distributed.gather_objects(error))
     names = distributed.broadcast_object(_files_under(tmp / SHARDS) if w.is_main else None)
-    mine = {name: _sha256(tmp / SHARDS / name) for name in names[w.rank :: w.world_size]}
+    mine = {name: file_digest(tmp / SHARDS / name, "sha256") for name in names[w.rank :: w.world_size]}
     files = {k: v for part in distributed.gather_objects(mine) for k, v in part.items()}
     error = None
     if w.is_main:

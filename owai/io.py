@@ -52,6 +52,39 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
+DOWNLOAD_TIMEOUT = 60.0  # seconds without data before a download is abandoned
+
+
+def download(url: str, dest: Path, timeout: float = DOWNLOAD_TIMEOUT) -> None:
+    """Stream `url` into `dest` through a temporary file beside it, renamed into place when complete
+    (a cut download never looks like the file); `timeout`: seconds without data. Raises what urllib
+    and the file system raise (URLError, OSError, ValueError): callers word the one-line error."""
+    import urllib.request
+
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f"{_build_prefix(dest, 'write')}{os.getpid()}-", suffix=".tmp", dir=dest.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~umask())
+        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - callers' URLs
+            shutil.copyfileobj(response, out, 1 << 20)
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def file_digest(path: Path, algorithm: str) -> str:
+    """Hex digest of a file (md5, sha256, ...), read in 1 MiB blocks."""
+    import hashlib
+
+    h = hashlib.new(algorithm)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def folder_to_build(final: Path, kind: str = "tmp") -> Path:
     """A new, empty folder beside `final` in which to build it before renaming it into place (a reader
     sees all of `final` or nothing), named `.NAME.KIND-HOST-PID-XXXXXXXX`, with the mode mkdir gives

@@ -188,9 +188,9 @@ def test_two_processes_build_the_same_cache(tmp_path: Path) -> None:
 
 
 def test_downloaded_weights_are_shared_as_open_makes_files(tmp_path: Path) -> None:
-    """Weights fetched into the cache (`models.vision._download`, through a mkstemp file of mode 0600)
-    get the mode open() gives, so other users of a shared cache can read them: torch's
-    download_url_to_file writes its own file and moves it over ours."""
+    """Weights fetched into the cache (`models.vision._download` through `io.download`: a mkstemp
+    file, of mode 0600, renamed into place) get the mode open() gives, so other users of a shared
+    cache can read them."""
     import os
 
     from owai.io import umask

@@ -469,7 +469,7 @@ def test_fetch_cifar_checks_the_md5_unpacks_and_verifies(capsys, monkeypatch, no
             raise urllib.error.URLError("not found")
         dest.write_bytes(served[url])
 
-    monkeypatch.setattr(registry, "_download", download)
+    monkeypatch.setattr(registry, "download", download)
     root = tmp_path / "root"
     with pytest.raises(OwaiError, match=r"bad/cifar-10-python.tar.gz has md5 \w+, expected c58f3010.* \(refused\)"):
         registry.fetch("cifar10", root, "http://mirror.test/missing/,http://mirror.test/bad/")  # the real md5
@@ -496,7 +496,7 @@ def test_fetch_refuses_an_archive_that_escapes_its_folder(monkeypatch, no_data, 
         info.size = 2
         tar.addfile(info, io.BytesIO(b"hi"))
     archive = buf.getvalue()
-    monkeypatch.setattr(registry, "_download", lambda url, dest: dest.write_bytes(archive))
+    monkeypatch.setattr(registry, "download", lambda url, dest: dest.write_bytes(archive))
     monkeypatch.setitem(cl.CIFAR_ARCHIVES, "cifar10", ("cifar-10-python.tar.gz", hashlib.md5(archive).hexdigest()))
     root = tmp_path / "root"
     with pytest.raises(OwaiError, match="cannot unpack"):

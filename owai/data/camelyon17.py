@@ -84,13 +84,13 @@ def download(root: str | Path) -> Path:
     import tarfile
     import urllib.error
 
-    from owai.data.registry import download_to
+    from owai.io import download
 
     root = Path(root).expanduser()
     root.mkdir(parents=True, exist_ok=True)
     archive = root / "camelyon17_v1.0.tar.gz"
     try:
-        download_to(DOWNLOAD_URL, archive)
+        download(DOWNLOAD_URL, archive)
     except (urllib.error.URLError, OSError, ValueError) as e:
         raise OwaiError(f"cannot download Camelyon17 from {DOWNLOAD_URL} ({getattr(e, 'reason', None) or e}); {BY_HAND}") from None
     try:

@@ -5,9 +5,9 @@ Local layout: a directory holding `{prefix}-images-idx3-ubyte[.gz]` and
 test split). Every file is validated before use: the IDX magic number (2051 for images, 2049 for
 labels), the header's dimensions (28x28 images), the payload size against the header, matching
 image/label counts and labels in 0..9. A missing, truncated or corrupt file raises `OwaiError` with a
-one-line message naming the file. `check_md5=True` additionally compares a `.gz` file with the
-published digest of the official distribution (a re-compressed mirror can differ while its content
-is fine, hence off by default).
+one-line message naming the file. `check_md5=True` additionally compares a file with the published
+digest of the official distribution (`registry.check_md5`, as fetch and verify do: a mirror's
+re-compressed `.gz` passes when its content has the raw file's digest).
 
 Where MNIST comes from (`mnist_dir`): the data-root rule of `owai.data.registry` (an explicit
 root, `$OWAI_MNIST_DIR` (legacy alias), `$OWAI_DATA/mnist`, `<cache>/data/mnist`; `owai data fetch
@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from owai.data import registry
 from owai.data.registry import MNIST_MIRRORS, Dataset, locate, register, require
 from owai.errors import OwaiError
 
@@ -118,9 +119,7 @@ def _read_bytes(path: Path, check_md5: bool) -> bytes:
     except OSError as exc:
         raise OwaiError(f"cannot read MNIST file {path}: {exc.strerror or exc}") from None
     if check_md5 and path.name in OFFICIAL_MD5:
-        digest = hashlib.md5(raw).hexdigest()  # noqa: S324 - a published checksum, not security
-        if digest != OFFICIAL_MD5[path.name]:
-            raise OwaiError(f"MNIST file {path} has md5 {digest}, expected {OFFICIAL_MD5[path.name]}")
+        registry.check_md5(path, OFFICIAL_MD5, "mnist")  # as `owai data fetch / verify` check it (a mirror's re-compressed .gz too)
     if path.suffix == ".gz":
         try:
             return gzip.decompress(raw)

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from owai.errors import DataMissing, OwaiError, one_line
-from owai.io import cache_root, folder_to_build, remove_dead_builds
+from owai.io import cache_root, download, file_digest, folder_to_build, remove_dead_builds
 
 DATA_ENV = "OWAI_DATA"
 MNIST_MIRROR_ENV = "OWAI_MNIST_MIRROR"  # comma-separated base URLs replacing MNIST_MIRRORS
@@ -58,7 +58,6 @@ MNIST_MIRRORS = (
     "https://ossci-datasets.s3.amazonaws.com/mnist/",
     "https://storage.googleapis.com/cvdf-datasets/mnist/",
 )
-DOWNLOAD_TIMEOUT = 60.0  # seconds without data before a download is abandoned
 
 
 @dataclass(frozen=True)
@@ -261,15 +260,6 @@ def find_relative(path: str, root: str | Path | None = None) -> Path | None:
 # -- verify ---------------------------------------------------------------------------------------
 
 
-def file_digest(path: Path, algorithm: str) -> str:
-    """Hex digest of a file, read in 1 MiB blocks."""
-    h = hashlib.new(algorithm)
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def verify(name: str, folder: Path) -> list[str]:
     """Check the copy at `folder`; returns what was checked (one line each) or raises `OwaiError`
     with the first problem. Published md5 where known, else the fetch-time manifest, else the layout."""
@@ -361,12 +351,6 @@ def mirrors(base_url: str | None = None) -> tuple[str, ...]:
     return tuple(u if u.endswith("/") else u + "/" for u in urls) or MNIST_MIRRORS
 
 
-def download_to(url: str, dest: Path) -> None:
-    """Stream `url` into `dest` (a temporary path)."""
-    with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT) as response, open(dest, "wb") as out:  # noqa: S310 - http(s) URLs of the catalogue
-        shutil.copyfileobj(response, out, 1 << 20)
-
-
 def fetch(name: str, root: str | Path | None = None, base_url: str | None = None,
           info: Callable[[str], None] = lambda _: None) -> Path:
     """Download dataset `name` into `root/<subfolder>` (default: the cache), verified; returns the folder.
@@ -420,7 +404,7 @@ def _fetch_checked(ds: Dataset, tmp: Path, urls: tuple[str, ...], info: Callable
             dest = tmp / file
             try:
                 info(f"downloading {url}{file}")
-                download_to(url + file, dest)
+                download(url + file, dest)
             except (urllib.error.URLError, OSError, ValueError) as exc:
                 dest.unlink(missing_ok=True)
                 problems.append(f"{url}{file}: {getattr(exc, 'reason', None) or exc}")
@@ -494,7 +478,7 @@ def _fetch_archive(ds: Dataset, tmp: Path, urls: tuple[str, ...], info: Callable
     for url in urls:
         try:
             info(f"downloading {url}{ds.archive}")
-            download_to(url + ds.archive, dest)
+            download(url + ds.archive, dest)
         except (urllib.error.URLError, OSError, ValueError) as exc:
             dest.unlink(missing_ok=True)
             problems.append(f"{url}{ds.archive}: {getattr(exc, 'reason', None) or exc}")

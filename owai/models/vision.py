@@ -598,22 +598,13 @@ def resolve_weights(backbone: str, weights: str) -> Path | None:
 
 
 def _download(url: str, path: Path) -> None:
-    """Fetch `url` to `path` atomically (a partial download never looks like a weights file)."""
-    import os
-    import tempfile
+    """Fetch `url` to `path` (`io.download`: atomic, so a partial download never looks like a weights file)."""
+    from owai.io import download
 
-    from torch.hub import download_url_to_file
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        os.close(fd)
-        download_url_to_file(url, tmp, progress=False)
-        os.replace(tmp, path)
+        download(url, path)
     except Exception as e:  # noqa: BLE001 - no network, HTTP errors, disk full: one line for the user
-        Path(tmp).unlink(missing_ok=True)
-        raise OwaiError(f"cannot download {url} ({one_line(e, 200)}); "
-                        f"put the file at {path}") from None
+        raise OwaiError(f"cannot download {url} ({one_line(e, 200)}); put the file at {path}") from None
 
 
 def _remove_head(backbone: nn.Module) -> None:
