@@ -191,8 +191,6 @@ def test_downloaded_weights_are_shared_as_open_makes_files(tmp_path: Path) -> No
     """Weights fetched into the cache (`models.vision._download` through `io.download`: a mkstemp
     file, of mode 0600, renamed into place) get the mode open() gives, so other users of a shared
     cache can read them."""
-    import os
-
     from owai.io import umask
     from owai.models.vision import _download
 
