@@ -30,6 +30,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -185,6 +186,18 @@ def silence_libraries(quiet: bool) -> None:
             import tqdm.std
 
             tqdm.std.tqdm.__init__ = saved.tqdm_init  # type: ignore[method-assign]
+
+
+def text_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]], left: Sequence[str] = ()) -> Table:
+    """A table of plain text, the one shape of the studies' tables: the title and every cell are
+    escaped (a preset's "[cpu]" in a title is text, not a style Rich drops); the columns named in
+    `left` are left-aligned (labels), the others right-aligned (numbers)."""
+    table = Table(title=escape(title))
+    for name in columns:
+        table.add_column(escape(name), justify="left" if name in left else "right")
+    for row in rows:
+        table.add_row(*(escape(str(cell)) for cell in row))
+    return table
 
 
 def info(message: str) -> None:

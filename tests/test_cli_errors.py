@@ -205,3 +205,17 @@ def test_a_test_set_larger_than_memory_is_refused_before_the_run(tmp_path, capsy
                                   capsys)
     assert code == 2 and "eval.test_size=1000000000" in err and "lower eval.test_size" in err, err
     assert no_runs(tmp_path / "runs")
+
+
+def test_study_tables_print_their_preset_in_brackets(capsys):
+    """A study table's title ends in "[cpu]" (its preset): Rich dropped it as an unknown style."""
+    from owai import console
+    from owai.methods import camelyon17, regbench
+
+    row = {"label": "ERM [rand]", "iid": {"mean": 0.5, "std": 0.1, "seeds": 2}, "ood": {}}
+    console.stdout.print(camelyon17.study_table([row], "Table 2.6 [cpu]"))
+    out = capsys.readouterr().out
+    assert "[cpu]" in out and "ERM [rand]" in out, out
+    table = regbench.study_table([], "Fig 3.10 [paper]")
+    console.stdout.print(table)
+    assert "[paper]" in capsys.readouterr().out

@@ -1040,16 +1040,10 @@ def study_markdown(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], tit
 
 
 def study_table(rows: list[dict[str, Any]], title: str) -> Any:
-    from rich.table import Table
-
-    table = Table(title=title)
-    for col in ("init / method", "IID tune", "thesis", "OOD tune", "thesis", "seeds"):
-        table.add_column(col, justify="left" if col == "init / method" else "right")
-    for r in rows:
-        iid, ood = r.get("iid") or {}, r.get("ood") or {}
-        table.add_row(r["label"], _pm(iid), _pct(iid.get("thesis")), _pm(ood), _pct(ood.get("thesis")),
-                      str(iid.get("seeds", ood.get("seeds", 0))))
-    return table
+    cells = [[r["label"], _pm(iid), _pct(iid.get("thesis")), _pm(ood), _pct(ood.get("thesis")), iid.get("seeds", ood.get("seeds", 0))]
+             for r in rows for iid, ood in [(r.get("iid") or {}, r.get("ood") or {})]]
+    return console.text_table(title, ("init / method", "IID tune", "thesis", "OOD tune", "thesis", "seeds"), cells,
+                              left=("init / method",))
 
 
 def plot_study(summary: dict[str, Any], title: str) -> Any:

@@ -479,17 +479,11 @@ def _num(value: Any) -> str:
 
 
 def study_table(rows: list[dict[str, Any]], title: str) -> Any:
-    from rich.markup import escape
-    from rich.table import Table
-
-    t = Table(title=escape(title))
-    for name in ("model", "automata", "accuracy", "thesis", '"TVD" L1', "thesis", "TVD", "val loss", "selected"):
-        t.add_column(name, justify="left" if name in ("model", "selected") else "right")
-    for r in rows:
-        t.add_row(escape(_label(r["arch"])), _automata(r), _num(r["accuracy"]), _num(r["thesis_accuracy"]),
-                  _num(r["tvd"]), _num(r["thesis_tvd"]), _num(r["tvd_half"]), _num(r["val_loss"]),
-                  escape(r["selected"] or ("-" if r["cell"] is None else "")))
-    return t
+    cells = [[_label(r["arch"]), _automata(r), _num(r["accuracy"]), _num(r["thesis_accuracy"]), _num(r["tvd"]),
+              _num(r["thesis_tvd"]), _num(r["tvd_half"]), _num(r["val_loss"]), r["selected"] or ("-" if r["cell"] is None else "")]
+             for r in rows]
+    return console.text_table(title, ("model", "automata", "accuracy", "thesis", '"TVD" L1', "thesis", "TVD", "val loss", "selected"),
+                              cells, left=("model", "selected"))
 
 
 def plot_study(rows: list[dict[str, Any]], title: str) -> Any:
