@@ -121,12 +121,26 @@ class CausalLM:
         ctx, cont = self.tokenizer.encode(context), self.tokenizer.encode(continuation)
         if not cont:
             raise OwaiError(f"{self.label}: the continuation {continuation!r} encodes to no tokens")
-        ids = (ctx + cont)[-(self.max_tokens or len(ctx) + len(cont)) - 1:]  # the harness keeps the tail
-        x = torch.tensor([ids[:-1]], device=self.device)
-        logits = self.model(input_ids=x).logits[0, -len(cont):].float()  # (len(cont), V)
-        logp = torch.log_softmax(logits, dim=-1)
-        target = torch.tensor(cont, device=self.device)
-        return float(logp.gather(1, target[:, None]).sum()), bool((logits.argmax(-1) == target).all())
+        return self.score_tokens(ctx, cont)
+
+    def score_tokens(self, context: list[int], continuation: list[int], max_length: int | None = None) -> tuple[float, bool]:
+        """`loglikelihood` on token ids, the one scorer (owai's harness adapter calls it too): the
+        sequence is cut to its last `max_length` (default: the model's) + 1 tokens, as the harness
+        keeps the tail, and only the continuation tokens left in it are scored; an empty
+        continuation is (0.0, True)."""
+        if not continuation:
+            return 0.0, True
+        ids = context + continuation
+        limit = max_length or self.max_tokens
+        if limit:
+            ids = ids[-(limit + 1):]
+        n = min(len(continuation), len(ids) - 1)
+        with torch.no_grad():
+            x = torch.tensor([ids[:-1]], device=self.device)
+            logits = self.model(input_ids=x).logits[0, -n:].float()  # (n, V)
+        target = torch.tensor(continuation[-n:], device=logits.device)
+        logp = torch.log_softmax(logits, dim=-1).gather(1, target[:, None])
+        return float(logp.sum()), bool((logits.argmax(-1) == target).all())
 
     @contextlib.contextmanager
     def ablate(self, name: str) -> Iterator[None]:

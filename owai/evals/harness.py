@@ -196,20 +196,7 @@ class OwaiLM(TemplateLM):
 
     # -- scoring ------------------------------------------------------------------------------------
     def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
-        import torch
-
-        if not continuation:
-            return 0.0, True
-        ids = context + continuation
-        if self._max_length:
-            ids = ids[-(self._max_length + 1):]  # the harness keeps the tail
-        n = min(len(continuation), len(ids) - 1)
-        with torch.no_grad():
-            x = torch.tensor([ids[:-1]], device=self.lm.device)
-            logits = self.lm.model(input_ids=x).logits[0, -n:].float()
-        target = torch.tensor(continuation[-n:], device=logits.device)
-        logp = torch.log_softmax(logits, dim=-1).gather(1, target[:, None])
-        return float(logp.sum()), bool((logits.argmax(-1) == target).all())
+        return self.lm.score_tokens(context, continuation, self._max_length)
 
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
         """(sum of log p(continuation | context), every continuation token the argmax) per request
