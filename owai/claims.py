@@ -19,8 +19,10 @@ Kinds (each a small class in `KINDS`, checked strictly when the recipe loads):
 
 A metric reference is a metric name (`heads3.val.accurate_from`), a mapping `{metric: NAME, where:
 {field: value}}` that picks one record of a study (e.g. `{metric: accuracy, where: {arch: mm,
-num_examples: 1000}}`), or an aggregate `{min|max|mean: [references]}` over the references that were
-measured. `given` (a `compare` without its own id and text) is a claim's premise: a claim about a
+num_examples: 1000}}`), or an aggregate `{min|max|mean|max_drop: [references]}` over the references that
+were measured (`max_drop`: the largest fall from an earlier member to a later one, members in order,
+e.g. a method's accuracy over increasing pre-training lengths; it needs two measured members).
+`given` (a `compare` without its own id and text) is a claim's premise: a claim about a
 fall from a 1x score, say, means nothing when the 1x score is at chance, so when the premise fails
 the verdict is "n/a" with the premise's numbers, neither "holds" nor "misses". The records come
 from the run (`records`): a single run is one record of its results rows (plus its params as
@@ -42,7 +44,17 @@ from owai.errors import OwaiError, did_you_mean
 from owai.values import numeric
 
 HOLDS, MISSES, NA = "holds", "misses", "n/a"
-AGGREGATES: dict[str, Callable[[list[float]], float]] = {"min": min, "max": max, "mean": lambda v: sum(v) / len(v)}
+
+
+def max_drop(values: list[float]) -> float:
+    """The largest fall values[i] - values[j] over i < j (negative when the values only rise): a
+    drop between an earlier setting and a later one, e.g. Fig 2.7's "too much pre-training"."""
+    return max(a - b for i, a in enumerate(values) for b in values[i + 1:])
+
+
+AGGREGATES: dict[str, Callable[[list[float]], float]] = {"min": min, "max": max, "mean": lambda v: sum(v) / len(v),
+                                                         "max_drop": max_drop}
+LEAST_MEMBERS = {"max_drop": 2}  # measured members an aggregate needs (others: one)
 OPS: dict[str, Callable[[float, float], bool]] = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 COMMON_KEYS = ("id", "text", "kind", "presets", "given")
 
@@ -56,15 +68,16 @@ class Missing(Exception):
 # --- metric references -----------------------------------------------------------------------------
 
 def check_ref(ref: Any, where: str) -> None:
-    """A metric reference must be a name, {metric, where} or {min|max|mean: [refs]}."""
+    """A metric reference must be a name, {metric, where} or {min|max|mean|max_drop: [refs]}."""
     if isinstance(ref, str):
         if not ref.strip():
             raise OwaiError(f"{where}: empty metric name")
         return
     if isinstance(ref, dict) and len(ref) == 1 and next(iter(ref)) in AGGREGATES:
-        members = next(iter(ref.values()))
-        if not isinstance(members, list) or not members:
-            raise OwaiError(f"{where}: {next(iter(ref))} takes a non-empty list of metrics")
+        (agg, members), = ref.items()
+        least = LEAST_MEMBERS.get(agg, 1)
+        if not isinstance(members, list) or len(members) < least:
+            raise OwaiError(f"{where}: {agg} takes a list of {'at least two' if least > 1 else 'one or more'} metrics")
         for m in members:
             check_ref(m, where)
         return
@@ -77,7 +90,7 @@ def check_ref(ref: Any, where: str) -> None:
         if not isinstance(ref.get("where", {}), dict):
             raise OwaiError(f"{where}: where must be a mapping {{field: value}}")
         return
-    raise OwaiError(f"{where}: expected a metric name, {{metric: NAME, where: {{...}}}} or {{min|max|mean: [...]}}, "
+    raise OwaiError(f"{where}: expected a metric name, {{metric: NAME, where: {{...}}}} or {{{'|'.join(AGGREGATES)}: [...]}}, "
                     f"got {ref!r}")
 
 
@@ -143,6 +156,8 @@ def resolve(ref: Any, records: list[Record], numbers: dict[str, float]) -> float
                 continue
         if not values:
             raise Missing(f"none of {label(ref)} measured")
+        if len(values) < LEAST_MEMBERS.get(agg, 1):
+            raise Missing(f"fewer than {LEAST_MEMBERS[agg]} of {label(ref)} measured")
         value = AGGREGATES[agg](values)
     numbers[label(ref)] = value
     return value

@@ -336,3 +336,35 @@ def test_study_points_run_through_submitit(tmp_path, capsys):
     (point,) = list((study / "points").iterdir())
     code, _, err = cli_in_process(["bonsai", "--resume", str(point), "--executor", "submitit-debug"], capsys)
     assert code == 2 and "a run directory resumes in this process" in err
+
+
+def test_fig_2_8_study_rows_record_the_drift_from_the_perfect_initialisation(tmp_path, capsys):
+    """Fig 2.8 top: each (method, perfect) row carries the initialisation's own accuracy (the blue star,
+    `start_acc`) and the accuracy at the last evaluated step (`last_acc`), means over restarts, and
+    `owai report` judges perfect-drifts-away on them (start - last, the smallest over the methods, > 0)."""
+    from conftest import cli_in_process
+
+    sets = ["model.hidden=16", "train.steps=9", "train.eval_every=4", "train.checkpoint_every=4", "train.log_every=4",
+            "perfect.steps=5"]
+    code, out, err = cli_in_process(["bonsai", "--recipe", "fig2.8-init", "--study", "-p", "tiny", "--method", "irm,sd",
+                                     "--init", "perfect", "--seeds", "0,1", *(a for s in sets for a in ("--set", s)),
+                                     "--out", str(tmp_path / "runs"), "-q", "--json"], capsys)
+    assert code == 0, err
+    (study,) = list((tmp_path / "runs" / "fig2.8-init").glob("sweep-*"))
+    rows = {r["method"]: r for r in json.loads((study / "bonsai.json").read_text())["rows"]}
+    assert set(rows) == {"irm", "sd"}
+    for method, row in rows.items():
+        results = [json.loads((p / "results.json").read_text()) for p in (study / "points").iterdir()
+                   if f"method={method}" in p.name]
+        assert len(results) == 2 and row["n"] == 2
+        starts = [r["details"]["perfect"]["worst_test_acc"] for r in results]
+        lasts = [r["details"]["curve"][-1] for r in results]
+        assert row["start_acc"] == pytest.approx(sum(starts) / 2)
+        assert row["last_step"] == 9 and all(c["step"] == 9 for c in lasts)
+        assert row["last_acc"] == pytest.approx(sum(c["worst_test_acc"] for c in lasts) / 2)
+    code, out, err = cli_in_process(["report", str(study), "--json"], capsys)
+    assert code == 0, err
+    drift = next(v for v in json.loads(out)["claims"] if v["id"] == "perfect-drifts-away")
+    smallest = min(rows[m]["start_acc"] - rows[m]["last_acc"] for m in ("irm", "sd"))
+    assert drift["verdict"] == ("holds" if smallest > 0 else "misses")
+    assert drift["numbers"][next(k for k in drift["numbers"] if k.startswith("min("))] == pytest.approx(smallest)

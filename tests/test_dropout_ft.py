@@ -147,6 +147,21 @@ def test_study_on_the_miniature_tree_writes_every_track(study: dict) -> None:
     for r in rows:
         assert set(r["ood"]) == {"d0"} and 0.0 <= r["avg"] <= 1.0
     assert (study["sweep"] / "figures" / "dropout_ft.png").stat().st_size > 0
+    # Fig 2.10's box of every single-run track (one value per lr here: one test domain), for the claims
+    import numpy as np
+
+    from owai.methods.dropout_ft import grid_boxes
+
+    boxes = grid_boxes(study["summary"])
+    for r in rows:
+        if r["track"] in ("wa_multi", "ens_multi"):
+            assert "box" not in r  # single points in the figure, not boxes
+            continue
+        values = boxes[r["dataset"]][r["label"]]
+        assert len(values) == 2 == r["box"]["n"]
+        assert [r["box"][q] for q in ("q25", "median", "q75")] == pytest.approx(
+            [v / 100 for v in np.percentile(values, [25, 50, 75])])
+        assert min(values) / 100 <= r["box"]["q25"] <= r["box"]["q75"] <= max(values) / 100
     assert "| dropout 0.9+Ens-multi |" in (study["sweep"] / "dropout_ft.md").read_text()
 
 

@@ -330,6 +330,24 @@ def test_imagenet_probes_train_as_imagenet_pre_training(recipe, preset, weight_d
         assert "ImageNet" not in thesis_for(r, "cat2.acc", paper).claim
 
 
+def test_seer_two_stage_numbers_are_matched_only_at_384_px() -> None:
+    """Table A.6's two-stage column is "Imagenet (384px)": a 224-px run (the paper preset's probes) is
+    not printed beside 0.845 / 0.851 / 0.855; the same run at 384 px is, and the probes' 224-px numbers
+    do not depend on the size."""
+    from owai.config import to_dict
+    from owai.experiment import resolve
+    from owai.recipes import load, thesis_for
+
+    r = load("tableA.6-seer")
+    at224 = to_dict(resolve(r, "paper", [], validate=False)[0])
+    at384 = to_dict(resolve(r, "paper", ["data.image_size=384"], validate=False)[0])
+    assert at224["data"]["image_size"] == 224
+    for k, value in ((2, 0.845), (3, 0.851), (4, 0.855)):
+        assert thesis_for(r, f"two_stage.cat{k}.acc", at224) is None
+        assert thesis_for(r, f"two_stage.cat{k}.acc", at384).value == value
+    assert thesis_for(r, "cat4.acc", at224).value == 0.783
+
+
 def test_a_full_disk_is_one_line_before_features_are_written(tmp_path, monkeypatch) -> None:
     """The feature files' space is reserved first: no room is an OwaiError naming the folder, not a SIGBUS
     when a page of a sparse memory-mapped file cannot be written."""

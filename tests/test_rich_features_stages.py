@@ -91,6 +91,9 @@ def test_the_chain_measures_every_stage(chain_run) -> None:
     assert set(details["fewshot"]) >= {"net0.cosine.5shot", "net1.linear.1shot", "cat2.linear.5shot"}
     singles = [details["fewshot"][f"net{i}.cosine.1shot"]["mean"] for i in (0, 1)]
     assert m["fewshot.single.cosine.1shot"] == pytest.approx(sum(singles) / 2)
+    # the last network alone (Fig 2.4's ViT-L/16 baseline), beside the mean of the two
+    assert m["single.last.acc"] == details["single_acc"][1] and m["single.acc"] == pytest.approx(sum(details["single_acc"]) / 2)
+    assert m["ft.single.last.acc"] == details["ft_single_acc"][1]
     stages = sorted(p.name for p in (chain_run / "checkpoints").iterdir())
     assert stages == sorted(["distill", "probe-net0", "probe-net1", "probe-cat2", "probe-distill", "finetune-cat2",
                              "finetune-distill2", "ft-net0", "ft-net1", "two-stage-head2"])
@@ -288,6 +291,56 @@ def test_weight_decay_sweep_measures_transfer_and_judges_its_claims(tmp_path, mo
     assert set(verdicts.values()) <= {"holds", "misses"}  # measured, never n/a
 
 
+def test_the_probe_schedule_is_step_or_cosine() -> None:
+    """probe.schedule: "step" (the default, §6.2) multiplies lr by gamma at each milestone; "cosine"
+    is lr (1 + cos(pi e / epochs)) / 2 at fractional epoch e, whatever the milestones say."""
+    import math
+
+    from owai.methods.rich_features import ProbeConfig, probe_lr
+
+    step = probe_lr(ProbeConfig(lr=0.1, epochs=28, milestones=[8, 16, 24]))
+    assert [step(e) for e in (0, 7.9, 8, 16, 24, 27.9)] == pytest.approx([0.1, 0.1, 0.01, 1e-3, 1e-4, 1e-4])
+    cosine = probe_lr(ProbeConfig(lr=0.1, epochs=200, schedule="cosine", milestones=[100, 150]))
+    assert [cosine(e) for e in (0, 50, 100, 150, 200)] == pytest.approx([0.1, 0.1 * (1 + math.sqrt(0.5)) / 2, 0.05,
+                                                                           0.1 * (1 - math.sqrt(0.5)) / 2, 0.0])
+    assert cosine(99.9) > cosine(100.1)  # no step at a milestone: smooth through 100
+
+
+def test_table_2_1s_paper_probe_shares_the_pre_trainings_hyper_parameters() -> None:
+    """TH A.1: "The linear probing process shares the same training hyper-parameters as the supervised
+    training part except for a zero L2 weight decay": optimiser, lr, batch, epochs, cosine schedule and
+    the training augmentation."""
+    from owai.experiment import resolve
+    from owai.recipes import load
+
+    cfg = resolve(load(WD), "paper", [], validate=False)[0]
+    p, q = cfg.pretrain, cfg.probe
+    assert (q.schedule, q.lr, q.batch_size, q.epochs, q.momentum, q.nesterov) == (
+        p.schedule, p.lr, p.batch_size, p.epochs, p.momentum, False) == ("cosine", 0.1, 128, 200, 0.9, False)
+    assert q.weight_decay == 0.0 and q.augment and cfg.data.augment and not q.batchnorm
+    assert resolve(load(WD), "cpu", [], validate=False)[0].probe.schedule == "step"  # the stand-in keeps its steps
+
+
+def test_the_transfer_probe_trains_under_the_schedule_it_names(tmp_path, monkeypatch, capsys, one_thread) -> None:
+    """The learning rates the transfer probe logs are the cosine's (lr at update s = the schedule at
+    epoch s / updates per epoch), on augmented crops as the paper preset trains it."""
+    import math
+
+    monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
+    sets = [*WD_TINY, "probe.schedule=cosine", "probe.augment=true", "probe.epochs=3", "probe.log_every=1"]
+    code, _, err = _cli(["--stage", "pretrain", "--seeds", "0", *as_sets(sets), "-o", str(tmp_path / "runs")], capsys, WD)
+    assert code == 0, err
+    point = next(p for p in (tmp_path / "runs").rglob("metrics.jsonl"))
+    lines = [json.loads(x) for x in point.read_text().splitlines()]
+    logged = [(x["step"], x["lr"]) for x in lines if x.get("stage") == "transfer-probe" and "lr" in x]
+    steps = logged[-1][0]
+    assert [s for s, _ in logged] == list(range(1, steps + 1)) and steps >= 3
+    per_epoch = steps / 3  # updates per epoch of the 3-epoch probe
+    # the lr logged after update s is the one update s - 1 trained with
+    assert [lr for _, lr in logged] == pytest.approx([0.1 * 0.5 * (1 + math.cos(math.pi * (s - 1) / per_epoch / 3))
+                                                     for s, _ in logged])
+
+
 @pytest.mark.parametrize("stage", ["probe", "pretrain"])
 def test_a_corrupt_cifar_file_is_one_line_before_any_run(cache, tmp_path, capsys, stage) -> None:
     from test_classification_data import make_cifar10
@@ -325,6 +378,61 @@ def test_joint_network_trains_every_backbone_under_one_head() -> None:
         assert torch.allclose(z, torch.cat([a(x), b(x)], 1))
 
 
+def test_joint_sub_networks_are_measured_alone_on_training_images(monkeypatch) -> None:
+    """Table A.1 is "Training accuracy": each sub-network's block of the joint head alone, in eval mode on
+    the training images with the evaluation transform; above JOINT_TRAIN_IMAGES a keyed subset of them."""
+    from owai.config import build
+    from owai.data.classification import ClassificationData
+    from owai.methods import rich_features as R
+
+    cfg = build(R.Config, {"data": {"image_size": 16, "eval_batch_size": 7, "workers": 0}})
+    torch.manual_seed(0)
+    data = ClassificationData(torch.randint(0, 255, (20, 16, 16), dtype=torch.uint8), torch.arange(20) % 5,
+                              list("abcde"), "test images")
+    net = R.build_network("resnet18", 5, seed=0, joint=2)
+    with torch.no_grad():  # make sub-network 1's block of the head point away from the truth
+        net.fc.weight[:, 512:] *= 0
+    got = R.joint_sub_accuracies(cfg, net, data, torch.device("cpu"), "train_acc")
+    assert set(got) == {"joint.sub0.train_acc", "joint.sub1.train_acc"} and not net.training
+    x = torch.cat([xb for xb, _ in R._batches(cfg, data)])  # the evaluation transform, in order
+    a, b = net.features.backbones
+    w_a, w_b = torch.split(net.fc.weight, [512, 512], dim=1)
+    with torch.no_grad():
+        expect = [float(((z @ w.T + net.fc.bias).argmax(1) == data.labels).float().mean())
+                  for z, w in ((a(x), w_a), (b(x), w_b))]
+    assert [got["joint.sub0.train_acc"], got["joint.sub1.train_acc"]] == pytest.approx(expect)
+    assert R.joint_train_subset(data, 0) is data  # few images: all of them
+    monkeypatch.setattr(R, "JOINT_TRAIN_IMAGES", 8)
+    first, again, other = R.joint_train_subset(data, 0), R.joint_train_subset(data, 0), R.joint_train_subset(data, 1)
+    assert len(first) == 8 and torch.equal(first.images, again.images) and torch.equal(first.labels, again.labels)
+    assert not torch.equal(first.images, other.images)  # keyed by the seed
+    rows = [next(i for i in range(20) if torch.equal(data.images[i], im)) for im in first.images]
+    assert rows == sorted(rows) and torch.equal(first.labels, data.labels[rows])  # training images, in index order
+
+
+def test_the_joint_recipe_judges_its_claims_on_training_accuracy(tmp_path, monkeypatch, capsys, one_thread) -> None:
+    """tableA.1-joint end to end at miniature scale: every joint size measures its sub-networks on the
+    training images and the test split, and `owai report` judges both claims on the training accuracy."""
+    monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
+    joint = str(RECIPES / "tableA.1-joint.yaml")
+    sets = ["data.base=mnist-t10k", "data.target=mnist-t10k", "data.limit_per_class=10", "data.image_size=16",
+            "pretrain.epochs=1.0", "pretrain.batch_size=16", "pretrain.milestones=[0.5]"]
+    code, _, err = _cli(["--stage", "pretrain", *as_sets(sets), "-o", str(tmp_path / "runs")], capsys, joint)
+    assert code == 0, err
+    sweep = next((tmp_path / "runs" / "tableA.1-joint").glob("sweep-*"))
+    summary = json.loads((sweep / "summary.json").read_text())
+    cells = {g["grid"]["model.joint"]: {m["metric"] for m in g["metrics"]} for g in summary["groups"]}
+    for k in (2, 4):
+        assert {f"joint.sub{i}.{what}" for i in range(k) for what in ("train_acc", "base_acc")} <= cells[k]
+    code, out, err = cli_in_process(["report", str(sweep), "--json"], capsys)
+    assert code == 0, err
+    verdicts = {v["id"]: v for v in json.loads(out)["claims"]}
+    assert set(verdicts) == {"one-dominates-2x", "one-dominates-4x"}
+    assert all(v["verdict"] in ("holds", "misses") for v in verdicts.values())  # measured, never n/a
+    numbers = [k for v in verdicts.values() for k in v["numbers"]]
+    assert "joint.sub3.train_acc[joint=4]" in numbers and not any("base_acc" in k for k in numbers)
+
+
 @pytest.mark.slow  # a full end-to-end path (tens of seconds); `pytest -m slow`
 def test_wide_and_joint_baselines_are_probed_beside_cat(cache, tmp_path, capsys) -> None:
     for extra in (["model.joint=2"], ["model.backbone=resnet18_w2"]):
@@ -335,7 +443,8 @@ def test_wide_and_joint_baselines_are_probed_beside_cat(cache, tmp_path, capsys)
                          "-o", str(tmp_path / "probe")], capsys)
     assert code == 0, err
     joint_run = next(p for p in (tmp_path / "pre").rglob("results.json") if "joint.sub0.base_acc" in p.read_text())
-    assert {"joint.sub0.base_acc", "joint.sub1.base_acc", "pretrain.base_acc"} <= set(_measured(joint_run.parent))
+    assert {"joint.sub0.base_acc", "joint.sub1.base_acc", "joint.sub0.train_acc", "joint.sub1.train_acc",
+            "pretrain.base_acc"} <= set(_measured(joint_run.parent))
     probe_run = next((tmp_path / "probe" / "tableA.8-fewshot").iterdir())
     m = _measured(probe_run)
     assert {"cat2.acc", "single.acc", "wide2.acc", "joint2.acc"} <= set(m)

@@ -522,9 +522,10 @@ def _point_records(sweep: Any) -> list[dict[str, Any]]:
         results = run.results() or {}
         curve = results.get("details", {}).get("curve") or []
         searched = {k: v for k, v in sorted(p.grid.items()) if k not in GROUP_KEYS and k != "seed"}
+        steps = {c["step"]: c["worst_test_acc"] for c in curve}
         records.append({"dataset": params["dataset"], "method": ALIASES.get(params["method"], params["method"]),
                         "init": params["init"], "searched": searched, "seed": p.seed, "params": params,
-                        "curve": {c["step"]: c["worst_test_acc"] for c in curve},
+                        "curve": steps, "last": (max(steps), steps[max(steps)]) if steps else None,
                         "start": results.get("details", {}).get("perfect", {}).get("worst_test_acc")})
     return records
 
@@ -586,9 +587,26 @@ def study_rows(sweep: Any, window: Literal["all", "a12"] = "a12") -> list[dict[s
     return select_rows(records, lambda metric, params: thesis_for(recipe, metric, params))
 
 
+def start_and_last(runs: list[dict[str, Any]], searched: dict[str, Any]) -> dict[str, Any]:
+    """Fig 2.8's drift, over the restarts of the selected setting: `start_acc`, the mean accuracy of the
+    initialisation itself (init perfect's blue star; None for other inits), and `last_acc` at
+    `last_step`, the mean at the runs' last evaluated step (their whole curve, not the selection
+    window; None when the restarts end at different steps)."""
+    import numpy as np
+
+    chosen = [r for r in runs if r["searched"] == searched]
+    starts = [r["start"] for r in chosen if r.get("start") is not None]
+    lasts = [r["last"] for r in chosen if r.get("last") is not None]
+    same = bool(lasts) and len(lasts) == len(chosen) and len({step for step, _ in lasts}) == 1
+    return {"start_acc": float(np.mean(starts)) if starts and len(starts) == len(chosen) else None,
+            "last_acc": float(np.mean([acc for _, acc in lasts])) if same else None,
+            "last_step": lasts[0][0] if same else None}
+
+
 def select_rows(records: list[dict[str, Any]], thesis_of: Any = lambda metric, params: None) -> list[dict[str, Any]]:
-    """One row per (dataset, method, init): the selected mean ± std (`select_across_restarts`) and the
-    thesis's number (`thesis_of(metric, params)`, an object with .value/.ref, or None). When the grid
+    """One row per (dataset, method, init): the selected mean ± std (`select_across_restarts`), the
+    selected setting's initial and last accuracies (`start_and_last`) and the thesis's number
+    (`thesis_of(metric, params)`, an object with .value/.ref, or None). When the grid
     searches penalty.anneal_iters for init erm (Fig 2.7), one more row per pre-training length with
     `anneal` set, also when the grid holds a single length (the cpu preset's 100), so that claims can
     name the length (`where: {anneal: 100}`)."""
@@ -603,7 +621,8 @@ def select_rows(records: list[dict[str, Any]], thesis_of: Any = lambda metric, p
         if chosen is None:
             continue
         rows.append({"dataset": dataset, "method": method, "init": init, "anneal": None, "metric": metric,
-                     **chosen, "thesis": thesis.value if thesis else None, "ref": thesis.ref if thesis else ""})
+                     **chosen, **start_and_last(runs, chosen["searched"]),
+                     "thesis": thesis.value if thesis else None, "ref": thesis.ref if thesis else ""})
         anneals = sorted({r["searched"].get("penalty.anneal_iters") for r in runs} - {None})
         if init == "erm":
             for a in anneals:

@@ -740,6 +740,7 @@ def study_rows(sweep: Any, summary: dict[str, Any], device: torch.device | None 
     rows = list(table.values())
     for row in rows:
         row["avg"] = statistics.fmean(row["ood"].values()) if row["ood"] else None
+    add_box_quartiles(rows, grid_boxes(summary))
     order = {t: i for i, t in enumerate((*TRACKS, *MULTI))}
     rows.sort(key=lambda r: (r["dataset"], r["variant"], order[r["track"]]))
     return rows
@@ -846,6 +847,20 @@ def grid_boxes(summary: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
             picks = ([rng.choice(c) for c in choices] for _ in range(BOX_CAP))
         boxes.setdefault(dataset, {})[label] = [statistics.fmean(p) for p in picks]
     return boxes
+
+
+def add_box_quartiles(rows: list[dict[str, Any]], boxes: dict[str, dict[str, list[float]]]) -> None:
+    """Fig 2.10's box of each single-run row as `box: {q25, median, q75, n}` (fractions; numpy's linear
+    percentiles, as matplotlib's boxplot draws them), so that claims can compare the boxes (TH 2.4.3.3:
+    "the bottom of very-large dropout box (25% quartile) outperforms the top of other baseline boxes
+    (75% quartile)"). A row without a box (a sweep still running) gets none."""
+    import numpy as np
+
+    for row in rows:
+        values = boxes.get(str(row["dataset"]), {}).get(row["label"])
+        if row["track"] in TRACKS and values:
+            q25, median, q75 = (float(v) / 100 for v in np.percentile(values, [25, 50, 75]))
+            row["box"] = {"q25": q25, "median": median, "q75": q75, "n": len(values)}
 
 
 def plot_study(summary: dict[str, Any], rows: list[dict[str, Any]], title: str) -> Any:

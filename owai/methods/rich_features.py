@@ -17,9 +17,10 @@ A.1-A.4; spec rich_features.md §6, §8). One method, `owai rich-features`, whos
   several joined by commas and run in this order in one run:
   - `distill`: Distill_n, a student with n heads fitting the networks' softened logits (§6.5);
   - `probe`: linear probes `ProbeHead` (BN1d -> Linear; SGD Nesterov, the step schedule of §6.2 in
-    epochs, no weight decay on BN) on frozen features: one per network (their mean = `single.acc`; the
-    first is Cat_1), one per Cat_k, k in `probe.sizes` (the first k networks), catsub_k (the mean of the
-    first k per-network probes' logits) and the student's (`distill{n}.acc`);
+    epochs, or `probe.schedule: cosine`; no weight decay on BN) on frozen features: one per network
+    (their mean = `single.acc`, the last = `single.last.acc`; the first is Cat_1), one per Cat_k, k in
+    `probe.sizes` (the first k networks), catsub_k (the mean of the first k per-network probes' logits)
+    and the student's (`distill{n}.acc`);
   - `finetune`: normal fine-tuning of Cat_n under one Linear head (§6.3), and of the Distill_n student
     when `distill` ran before it (`ft.distill{n}.acc`, Table A.3's Distill5 row);
   - `two-stage`: each network fine-tuned alone, then `two_stage_head` over their frozen concatenation,
@@ -185,6 +186,9 @@ class ProbeConfig:
     # this config's pre-training at the first network's seed (pretrain it with --set model.joint=k / backbone)
     baselines: list[str] = field(default_factory=list)
     epochs: int = 28
+    # "step": lr x gamma at each of `milestones` (§6.2); "cosine": lr (1 + cos(pi e / epochs)) / 2 at
+    # (fractional) epoch e, milestones unused (Table 2.1: the probe shares the pre-training's cosine)
+    schedule: Literal["step", "cosine"] = "step"
     milestones: list[int] = field(default_factory=lambda: [8, 16, 24])
     gamma: float = 0.1
     lr: float = 0.01
@@ -956,8 +960,9 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
                 correct += int((net(x.to(device)).argmax(1).cpu() == y).sum())
         measured["pretrain.base_acc"] = correct / len(test_set)
         console.info(f"network seed {cfg.seed}: base test accuracy {measured['pretrain.base_acc']:.4f}")
-    if cfg.model.joint > 1:  # Table A.1: each sub-network alone under its block of the joint head
-        measured.update(joint_sub_accuracies(cfg, net, test_set, device))
+    if cfg.model.joint > 1:  # Table A.1 (training accuracy): each sub-network alone under its block of the joint head
+        measured.update(joint_sub_accuracies(cfg, net, joint_train_subset(train_set, cfg.seed), device, "train_acc"))
+        measured.update(joint_sub_accuracies(cfg, net, test_set, device, "base_acc"))
     if p.transfer_probe:  # Table 2.1: this network's features, linearly probed on the target task
         target_train = load_split(cfg, d.target, "train", d.target_classes, d.target_fraction)
         target_test = load_split(cfg, d.target, "test", d.target_classes)
@@ -968,17 +973,38 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
     return Outcome(measured, details)
 
 
+JOINT_TRAIN_IMAGES = 10_000  # Table A.1's training accuracy is measured on at most this many training images
+
+
+def joint_train_subset(train_set: Any, seed: int) -> Any:
+    """The training images Table A.1's sub-network accuracies are measured on: all of them up to
+    JOINT_TRAIN_IMAGES, else that many drawn by a permutation keyed by (seed, "joint-train-acc") (in
+    index order). ImageNet's 1.28M would cost a third of a training epoch per network; 10 000 images
+    give a standard error of at most half a point, against sub-networks 20 to 70 points apart."""
+    from owai.data import classification as cl
+    from owai.runtime import generator
+
+    if len(train_set) <= JOINT_TRAIN_IMAGES:
+        return train_set
+    keep = torch.randperm(len(train_set), generator=generator(seed, "joint-train-acc"))[:JOINT_TRAIN_IMAGES]
+    return cl._subset(train_set, keep.sort().values)
+
+
 @torch.no_grad()
-def joint_sub_accuracies(cfg: Config, net: torch.nn.Module, data: Any, device: torch.device) -> dict[str, float]:
-    """`joint.sub{i}.base_acc`: the accuracy of sub-network i of a JointNetwork alone, its features
-    through its own block of the head, W[:, block_i] z_i + b (TH Table A.1: one sub-network dominates)."""
+def joint_sub_accuracies(cfg: Config, net: torch.nn.Module, data: Any, device: torch.device,
+                         name: str) -> dict[str, float]:
+    """`joint.sub{i}.<name>`: the accuracy on `data` (eval mode, the evaluation transform) of sub-network
+    i of a JointNetwork alone, its features through its own block of the head, W[:, block_i] z_i + b (TH
+    Table A.1: one sub-network dominates). run_pretrain measures it on training images (`train_acc`,
+    what Table A.1 reports) and on the base test split (`base_acc`)."""
     cat, fc = net.features, net.fc
+    net.eval()
     blocks = torch.split(fc.weight, list(cat.dims), dim=1)  # n x (C, d_i)
     correct = [0] * len(blocks)
     for x, y in _batches(cfg, data):
         for i, (z, w) in enumerate(zip(cat.per_network(x.to(device)), blocks)):
             correct[i] += int(((z @ w.T + fc.bias).argmax(1).cpu() == y).sum())
-    return {f"joint.sub{i}.base_acc": c / len(data) for i, c in enumerate(correct)}
+    return {f"joint.sub{i}.{name}": c / len(data) for i, c in enumerate(correct)}
 
 
 # -- probe: the networks ------------------------------------------------------------------------
@@ -1498,7 +1524,10 @@ def epoch_steps(n: int, batch_size: int, epochs: float) -> tuple[int, int, int]:
 
 
 def probe_lr(q: ProbeConfig) -> Callable[[float], float]:
-    """The probe's learning rate at a (fractional) epoch: lr x gamma^(milestones passed)."""
+    """The probe's learning rate at a (fractional) epoch: lr x gamma^(milestones passed) (step), or
+    lr (1 + cos(pi epoch / epochs)) / 2 (cosine, as the pre-training's `pretrain.schedule: cosine`)."""
+    if q.schedule == "cosine":
+        return lambda epoch: q.lr * 0.5 * (1 + math.cos(math.pi * epoch / q.epochs))
     return lambda epoch: q.lr * q.gamma ** sum(epoch >= m for m in q.milestones)
 
 
@@ -1671,8 +1700,8 @@ def probe_specs(n: int, sizes: list[int], with_student: bool) -> dict[str, list[
 def run_probes(cfg: Config, heads: dict[str, torch.nn.Module], z_test: list[torch.Tensor], y_test: torch.Tensor,
                n: int, with_student: bool, measured: dict[str, Any], details: dict[str, Any]) -> None:
     """Stage probe's measurements, from the trained `heads` (`probe_specs`): one probe per network
-    (`single.acc` = their mean; the first is Cat_1), one per Cat_k, catsub_k (the mean of the first k
-    per-network probes' logits) and the Distill_n student's probe."""
+    (`single.acc` = their mean, `single.last.acc` the n-th alone; the first is Cat_1), one per Cat_k,
+    catsub_k (the mean of the first k per-network probes' logits) and the Distill_n student's probe."""
     from owai.models.rich import catsub_logits
 
     q, device = cfg.probe, next(iter(heads.values())).linear.weight.device
@@ -1690,6 +1719,7 @@ def run_probes(cfg: Config, heads: dict[str, torch.nn.Module], z_test: list[torc
             measured[f"catsub{k}.acc"] = _acc(sub, y_test)
     singles = [_acc(lg, y_test) for lg in net_logits]
     measured["single.acc"] = statistics.fmean(singles)
+    measured["single.last.acc"] = singles[-1]  # the n-th network alone: Fig 2.4's ViT-L/16, the larger one
     details["single_acc"] = singles
     details["feature_dims"] = cat_dims(z_test)  # the n networks' widths, then the student's
     if with_student:
@@ -1815,8 +1845,9 @@ def finetune_model(cfg: Config, run: Run, stage: str, backbones: list[torch.nn.M
 
 def run_two_stage(cfg: Config, run: Run, nets: list[Network], train_set: Any, test_set: Any,
                   measured: dict[str, Any], details: dict[str, Any]) -> None:
-    """Stage two-stage (§6.4): fine-tune each network alone (`ft.single.acc` = their mean), freeze them,
-    concatenate, and train `two_stage_head` (initialised as their logit-average ensemble: `ft.ensemble.acc`
+    """Stage two-stage (§6.4): fine-tune each network alone (`ft.single.acc` = their mean,
+    `ft.single.last.acc` the n-th's), freeze them, concatenate, and train `two_stage_head`
+    (initialised as their logit-average ensemble: `ft.ensemble.acc`
     is its accuracy before training) for head_epochs on the frozen features of the training images (the
     evaluation transform: features are extracted once)."""
     from owai.models.rich import ConcatFeatures, two_stage_head
@@ -1829,6 +1860,7 @@ def run_two_stage(cfg: Config, run: Run, nets: list[Network], train_set: Any, te
         logits, y_test = predict(cfg, model, test_set, device)
         singles.append(_acc(logits, y_test))
     measured["ft.single.acc"] = statistics.fmean(singles)
+    measured["ft.single.last.acc"] = singles[-1]  # the n-th network fine-tuned alone (Fig 2.4: ViT-L/16)
     details["ft_single_acc"] = singles
     cat = ConcatFeatures([m[0].backbones[0] for m in tuned], frozen=True).to(device)
     tuned_from = [*(n.label for n in nets), "fine-tuned"]
