@@ -742,3 +742,21 @@ def test_batches_without_replacement_walk_keyed_epochs() -> None:
     assert [batches[s][1].tolist() for s in range(3)] == epochs[0]  # a function of the step
     with pytest.raises(OwaiError, match="sampling must be"):
         StepBatches(Data(), [0], [torch.arange(10)], 3, 4, False, 7, 9, sampling="sometimes")
+
+
+def test_two_processes_that_need_the_same_network_train_it_once(tmp_path):
+    """Two chains (or sweeps) started together on an empty cache need seed 0's network: one trains it
+    under the entry's build lock, the other waits and reads it (`cached` in its results)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OWAI_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "owai", "rich-features", "-r", FEWSHOT, "-p", "cpu", "--stage", "pretrain",
+                               "--seeds", "0", *as_sets(TINY), "-o", str(tmp_path / f"runs{i}"), "--json"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    cached = sorted(json.loads(results.read_text())["details"]["cached"]
+                    for i in range(2) for results in (tmp_path / f"runs{i}").rglob("points/*/results.json"))
+    assert cached == [False, True]

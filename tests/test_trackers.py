@@ -67,3 +67,13 @@ def test_unknown_tracker_is_refused(tmp_path, tiny_moons, capsys):
 
 def test_scalars_keep_only_finite_real_numbers():
     assert trackers.scalars({"loss": 1.5, "n": 3, "ok": True, "name": "x", "bad": float("nan")}) == {"loss": 1.5, "n": 3.0}
+
+
+@pytest.mark.parametrize("command", [["eval", "ruler"], ["eval", "harness"], ["eval", "icl"]])
+def test_every_evaluation_command_takes_tracker(command, tmp_path, capsys, monkeypatch):
+    """--tracker reaches the run's runtime.tracker (refused here, before any run, for a missing package)."""
+    real = trackers.importlib.util.find_spec
+    monkeypatch.setattr(trackers.importlib.util, "find_spec", lambda mod, *a: None if mod == "wandb" else real(mod, *a))
+    out = tmp_path / "runs"
+    code, _, err = cli_in_process([*command, "-q", "-o", str(out), "--tracker", "wandb"], capsys)
+    assert code == 2 and "owai[wandb]" in err and not out.exists(), err

@@ -29,8 +29,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from owai import console
-from owai.commands._common import (DataRoot, EvalResume, EvalRunOptions, EvalSets, Json, Launch, Out, Preset, Quiet, Sets,
-                                  csv_values, open_study, options, run_recipe, run_study, set_str, study_recipe)
+from owai.commands._common import (DataRoot, EvalRunOptions, Json, Launch, Out, Preset, Quiet, Sets, csv_values, open_study,
+                                  options, run_study, set_str, study_recipe)
 from owai.commands.mosaic import ConfigName, Context, Dataset, Models, run_eval
 from owai.config import MAX_DOCUMENTS, MAX_EXAMPLES, MAX_SAMPLES, MAX_SHOTS
 from owai.errors import OwaiError
@@ -146,6 +146,7 @@ HARNESS_RECIPE = "table4.1-harness"
 
 
 @eval_app.command("harness")
+@options
 def harness(
     model: Annotated[Optional[str], typer.Option(
         "--model", "-m", help="A run or save_pretrained directory, a Hugging Face id, reference:oracle, or hflm:ID (the harness's own HFLM).")] = None,
@@ -157,30 +158,24 @@ def harness(
     confirm_run_unsafe_code: Annotated[bool, typer.Option(
         "--confirm-run-unsafe-code", help="Run tasks that execute the model's generated code (lm-eval's unsafe_code tasks: humaneval_plus and mbpp in -p paper), unsandboxed on this machine, with HF_ALLOW_CODE_EVAL=1; without it they are refused.")] = False,
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="table4.1-harness or a harness recipe file.")] = HARNESS_RECIPE,
-    preset: Preset = None,
-    sets: EvalSets = None,
-    out: Out = Path("runs"),
-    resume: EvalResume = None,
-    quiet: Quiet = False,
-    as_json: Json = False,
+    opts: EvalRunOptions = EvalRunOptions(),
 ) -> None:
     """lm-evaluation-harness (Tables 4.1-4.3): the thesis's 19 benchmarks, each task's main metric (0-1), persistent / new-knowledge averages."""
-    extra = option_sets(sets, {"model": model, "tokenizer": tokenizer, "limit": limit, "num_fewshot": num_fewshot,
-                               "confirm_run_unsafe_code": True if confirm_run_unsafe_code else None},
+    extra = option_sets(opts.sets, {"model": model, "tokenizer": tokenizer, "limit": limit, "num_fewshot": num_fewshot,
+                                    "confirm_run_unsafe_code": True if confirm_run_unsafe_code else None},
                         {"tasks": (tasks, "--tasks"), "ablate": (ablate, "--ablate")})
-    run_evaluation(recipe, HARNESS_RECIPE, preset, sets, extra, out, resume, quiet, as_json, "harness")
+    run_evaluation(opts, recipe, HARNESS_RECIPE, extra, "harness")
 
 
-def run_evaluation(recipe: str, default: str, preset: str | None, sets: list[str] | None, extra: list[str], out: Path,
-                   resume: Path | None, quiet: bool, as_json: bool, method: str) -> None:
+def run_evaluation(opts: EvalRunOptions, recipe: str, default: str, extra: list[str], method: str) -> None:
     """Run the evaluation recipe with the options' overrides `extra`, or (--resume) finish the run
     RUN_DIR with its recorded settings, which then must be all it is given (`default`: the command's
     own recipe, left as it is)."""
-    if resume is not None:
-        resume_alone(recipe, default, preset, sets, extra)
-        run_recipe(None, None, sets, out, resume, quiet, as_json, methods=(method,))
+    if opts.resume is not None:
+        resume_alone(recipe, default, opts.preset, opts.sets, extra)
+        opts.run(None, opts.sets, methods=(method,))
         return
-    run_recipe(recipe, preset, extra, out, None, quiet, as_json, methods=(method,))
+    opts.run(recipe, extra, methods=(method,))
 
 
 def resume_alone(recipe: str, default: str, preset: str | None, sets: list[str] | None, extra: list[str]) -> None:
@@ -205,6 +200,7 @@ RULER_RECIPE = "table4.4-ruler"
 
 
 @eval_app.command("ruler")
+@options
 def ruler(
     model: Annotated[Optional[str], typer.Option(
         "--model", "-m", help="A run or save_pretrained directory, a Hugging Face id, or reference:oracle / reference:null / reference:slot:K.")] = None,
@@ -217,18 +213,13 @@ def ruler(
     ablate: Annotated[Optional[str], typer.Option("--ablate", help="Switch a part off at inference: long_term_memory (Table C.1).")] = None,
     allow_overflow: Annotated[bool, typer.Option("--allow-overflow", help="Count prompts longer than the model takes as overflows (the thesis's x) instead of refusing to start.")] = False,
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="table4.4-ruler or a RULER recipe file.")] = RULER_RECIPE,
-    preset: Preset = None,
-    sets: EvalSets = None,
-    out: Out = Path("runs"),
-    resume: EvalResume = None,
-    quiet: Quiet = False,
-    as_json: Json = False,
+    opts: EvalRunOptions = EvalRunOptions(),
 ) -> None:
     """RULER (Tables 4.4, 4.5, 4.7, 4.8, C.1, C.2): multi-document QA (SQuAD, HotpotQA) and synthetic recall at each context length, prompts fitted with the model's tokenizer."""
-    extra = option_sets(sets, {"model": model, "tokenizer": tokenizer, "haystack_dir": haystack_dir, "n": n, "seed": seed,
-                               "allow_overflow": True if allow_overflow else None},
+    extra = option_sets(opts.sets, {"model": model, "tokenizer": tokenizer, "haystack_dir": haystack_dir, "n": n, "seed": seed,
+                                    "allow_overflow": True if allow_overflow else None},
                         {"ctx": (ctx, "--ctx"), "tasks": (tasks, "--tasks"), "ablate": (ablate, "--ablate")})
-    run_evaluation(recipe, RULER_RECIPE, preset, sets, extra, out, resume, quiet, as_json, "ruler")
+    run_evaluation(opts, recipe, RULER_RECIPE, extra, "ruler")
 
 
 ICL_RECIPE = "fig4.6-icl"
@@ -255,11 +246,7 @@ def icl(
     extra = option_sets(opts.sets, {"model": model, "task": task, "shots": shot_list, "n_queries": n, "data": data,
                                     "tokenizer": tokenizer, "allow_overflow": True if allow_overflow else None},
                         {"labels": ("semantic,anonymous" if labels == "both" else labels, "--labels")})
-    if opts.resume is not None:
-        resume_alone(recipe, ICL_RECIPE, opts.preset, opts.sets, extra)
-        opts.run(None, opts.sets, methods=("icl",))
-        return
-    opts.run(recipe, extra, methods=("icl",))
+    run_evaluation(opts, recipe, ICL_RECIPE, extra, "icl")
 
 
 def register(app: typer.Typer) -> None:

@@ -78,6 +78,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from owai import console
 from owai.config import BaseConfig
 from owai.data.colored_mnist import ColoredMNIST, accuracy, load_colored_mnist, training_pool_size, variant
 from owai.data.mnist import check_mnist_dir, mnist_dir
@@ -664,18 +665,11 @@ def study_markdown(rows: list[dict[str, Any]], title: str, command: str) -> str:
 
 
 def study_table(rows: list[dict[str, Any]], title: str) -> Any:
-    from rich.markup import escape
-    from rich.table import Table
-
-    t = Table(title=escape(title))
-    for col in ("dataset", "method", "init", "worst test acc % (thesis)", "chosen", "n"):
-        t.add_column(col)
-    for r in rows:
-        if r["anneal"] is not None:
-            continue
-        settings = ", ".join(f"{k}={v}" for k, v in r["searched"].items())
-        t.add_row(r["dataset"], r["method"], r["init"], _cell(r), escape(f"{settings} step {r['step']}".strip()), str(r["n"]))
-    return t
+    columns = ("dataset", "method", "init", "worst test acc % (thesis)", "chosen", "n")
+    cells = [[r["dataset"], r["method"], r["init"], _cell(r),
+              f"{', '.join(f'{k}={v}' for k, v in r['searched'].items())} step {r['step']}".strip(), r["n"]]
+             for r in rows if r["anneal"] is None]
+    return console.text_table(title, columns, cells, left=columns)
 
 
 def plot_study(sweep: Any, rows: list[dict[str, Any]], label: str) -> Any:

@@ -791,16 +791,10 @@ def study_markdown(rows: list[dict[str, Any]], title: str, command: str) -> str:
 
 
 def study_table(rows: list[dict[str, Any]], title: str) -> Any:
-    from rich.table import Table
-
     domains = list(dict.fromkeys(d for r in rows for d in r["ood"]))
-    table = Table(title=title)
-    for col in ("dataset", "method", *domains, "avg", "thesis"):
-        table.add_column(col, justify="left" if col in ("dataset", "method") else "right")
-    for r in rows:
-        table.add_row(r["dataset"], r["label"], *(_pct(r["ood"].get(d)) for d in domains), _pct(r["avg"]),
-                      _pct(r["thesis_avg"]))
-    return table
+    cells = [[r["dataset"], r["label"], *(_pct(r["ood"].get(d)) for d in domains), _pct(r["avg"]), _pct(r["thesis_avg"])]
+             for r in rows]
+    return console.text_table(title, ("dataset", "method", *domains, "avg", "thesis"), cells, left=("dataset", "method"))
 
 
 BOX_CAP = 200_000  # combinations per box beyond which a seeded sample of this many stands for them

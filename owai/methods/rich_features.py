@@ -887,7 +887,7 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
     (supervised), or SimSiam on the base images (pretrain.objective=simsiam: no labels, no head; the
     measure is its final loss, `pretrain.ssl_loss`, and its transfer probe)."""
     from owai.data.domainbed import StepBatches, StepStream
-    from owai.io import read_cache_entry, write_cache_entry
+    from owai.io import build_lock, read_cache_entry, write_cache_entry
     from owai.train import LoopConfig, train_loop
 
     d, p, device = cfg.data, cfg.pretrain, run.device
@@ -896,54 +896,56 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
     test_set = load_split(cfg, d.base, "base-test", d.base_classes)
     classes = train_set.classes
     path = weights_path(cfg, cfg.seed)
-    state = read_cache_entry(path, lambda tensors, _: tensors)
-    cached = state is not None
-    if cached:
-        console.info(f"network seed {cfg.seed}: cached at {path}")
     # updates per epoch: N / B drawn with replacement, or N // B passes without (the last batch dropped)
     per_epoch = len(train_set) / p.batch_size if p.sampling == "replacement" else len(train_set) // p.batch_size
     steps = max(1, round(p.epochs * per_epoch))
     snaps = {max(1, round(e * per_epoch)): snapshot_path(cfg, cfg.seed, e) for e in p.snapshots}  # step -> file
-    if state is not None and not all(f.is_file() for f in snaps.values()):
-        state, cached = None, False  # trained again (deterministically) for the snapshots it lacks
     summary: dict[str, Any] = {}
-    if state is None:
-        from owai.models.rich import SimSiam, simsiam_loss, strip_head
+    # one process trains a seed's network: a chain's or a sweep's workers that need the same entry wait for it
+    with build_lock(path, ready=lambda: path.is_file() and all(f.is_file() for f in snaps.values())):
+        state = read_cache_entry(path, lambda tensors, _: tensors)
+        cached = state is not None
+        if cached:
+            console.info(f"network seed {cfg.seed}: cached at {path}")
+        if state is not None and not all(f.is_file() for f in snaps.values()):
+            state, cached = None, False  # trained again (deterministically) for the snapshots it lacks
+        if state is None:
+            from owai.models.rich import SimSiam, simsiam_loss, strip_head
 
-        net = build_network(cfg.model.backbone, len(classes), cfg.seed, joint=cfg.model.joint, head=p.head)
-        if ssl:
-            net = SimSiam(strip_head(net), p.ssl_dim, p.ssl_pred_dim, p.ssl_proj_layers,
-                          hidden_dim=p.ssl_hidden_dim or None)
-        net = net.to(device)
-        batches = StepBatches(OneDomain(train_set), [0], [torch.arange(len(train_set))], p.batch_size, d.image_size,
-                              d.augment, cfg.seed, steps, views=2 if ssl else 1, style=train_set.style,
-                              sampling=p.sampling)
-        stream = StepStream(batches, d.workers, device)
-        optimizer = (torch.optim.Adam(net.parameters(), lr=p.lr, weight_decay=p.weight_decay) if p.optimizer == "adam"
-                     else torch.optim.SGD(net.parameters(), lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay))
-        marks = [round(m * per_epoch) for m in p.milestones]
-
-        def loss_at(step: int, micro: int) -> torch.Tensor:
-            x, y = stream.at(step)
+            net = build_network(cfg.model.backbone, len(classes), cfg.seed, joint=cfg.model.joint, head=p.head)
             if ssl:
-                return simsiam_loss(*net(x))  # x: the two views stacked, (2B, 3, S, S)
-            return F.cross_entropy(net(x), y)
+                net = SimSiam(strip_head(net), p.ssl_dim, p.ssl_pred_dim, p.ssl_proj_layers,
+                              hidden_dim=p.ssl_hidden_dim or None)
+            net = net.to(device)
+            batches = StepBatches(OneDomain(train_set), [0], [torch.arange(len(train_set))], p.batch_size, d.image_size,
+                                  d.augment, cfg.seed, steps, views=2 if ssl else 1, style=train_set.style,
+                                  sampling=p.sampling)
+            stream = StepStream(batches, d.workers, device)
+            optimizer = (torch.optim.Adam(net.parameters(), lr=p.lr, weight_decay=p.weight_decay) if p.optimizer == "adam"
+                         else torch.optim.SGD(net.parameters(), lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay))
+            marks = [round(m * per_epoch) for m in p.milestones]
 
-        def lr_at(step: int) -> float:
-            if p.schedule == "cosine":
-                return p.lr * 0.5 * (1 + math.cos(math.pi * step / steps))
-            return p.lr * p.gamma ** sum(step >= m for m in marks)
+            def loss_at(step: int, micro: int) -> torch.Tensor:
+                x, y = stream.at(step)
+                if ssl:
+                    return simsiam_loss(*net(x))  # x: the two views stacked, (2B, 3, S, S)
+                return F.cross_entropy(net(x), y)
 
-        loop = LoopConfig(steps=steps, checkpoint_every=min(p.checkpoint_every, steps), log_every=min(p.log_every, steps),
-                          precision=_precision(cfg, device))
-        def snapshot(done: int) -> None:  # before the step's checkpoint: a resumed run has every earlier one
-            if done in snaps:
-                write_cache_entry(snaps[done], net.state_dict())
+            def lr_at(step: int) -> float:
+                if p.schedule == "cosine":
+                    return p.lr * 0.5 * (1 + math.cos(math.pi * step / steps))
+                return p.lr * p.gamma ** sum(step >= m for m in marks)
 
-        summary = train_loop(run, "pretrain", net, optimizer, loss_at, loop, lr_at=lr_at, after_step=snapshot)
-        kept = net.backbone if ssl else net  # SimSiam: the backbone's features only (no projector, no head)
-        state = {k: v.detach().cpu().contiguous() for k, v in kept.state_dict().items()}
-        write_cache_entry(path, state)
+            loop = LoopConfig(steps=steps, checkpoint_every=min(p.checkpoint_every, steps), log_every=min(p.log_every, steps),
+                              precision=_precision(cfg, device))
+            def snapshot(done: int) -> None:  # before the step's checkpoint: a resumed run has every earlier one
+                if done in snaps:
+                    write_cache_entry(snaps[done], net.state_dict())
+
+            summary = train_loop(run, "pretrain", net, optimizer, loss_at, loop, lr_at=lr_at, after_step=snapshot)
+            kept = net.backbone if ssl else net  # SimSiam: the backbone's features only (no projector, no head)
+            state = {k: v.detach().cpu().contiguous() for k, v in kept.state_dict().items()}
+            write_cache_entry(path, state)
     net = network_from_state(cfg.model.backbone, state, cfg.seed, cfg.model.joint, str(path)).to(device).eval()
     details = {"weights": str(path), "cached": cached, "seed": cfg.seed, "key": pretrain_key(cfg, cfg.seed),
                "objective": p.objective, "snapshots": {f"{e:g}": str(snapshot_path(cfg, cfg.seed, e)) for e in p.snapshots},
