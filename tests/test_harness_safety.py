@@ -95,6 +95,7 @@ def test_the_auditors_recipe_with_a_function_tag_runs_nothing(tmp_path, capsys) 
     assert not marker.exists() and _no_run(out)
 
 
+@pytest.mark.slow  # 14 s: a real run first; the scan itself is the first-run test's
 def test_a_resumed_run_whose_task_folder_now_holds_code_runs_nothing(tmp_path, capsys) -> None:
     """The recorded config of an unfinished run names its include_path: a `--resume` scans it again."""
     from conftest import as_if_killed, cli_in_process
@@ -118,15 +119,15 @@ def test_a_resumed_run_whose_task_folder_now_holds_code_runs_nothing(tmp_path, c
 
 def test_a_function_tag_reached_through_an_include_chain_is_refused(tmp_path) -> None:
     """lm-eval resolves `include:` relative to the including file's folder (or absolute): a.yaml ->
-    sub/b.yaml -> ../../shared/base.yml (outside the folder, and not a *.yaml) holds the function."""
-    shared = tmp_path / "shared"
+    sub/b.yaml -> ../../common/base.yml (outside the folder, and not a *.yaml) holds the function."""
+    shared = tmp_path / "common"
     shared.mkdir()
     (shared / "base.yml").write_text("output_type: multiple_choice\nprocess_docs: !function helpers.process\n")
     (shared / "helpers.py").write_text("raise SystemExit('imported')\n")
     folder = tmp_path / "tasks"
     (folder / "sub").mkdir(parents=True)
     (folder / "a.yaml").write_text("task: chained_task\ninclude: sub/b.yaml\n")
-    (folder / "sub" / "b.yaml").write_text("include: ../../shared/base.yml\ntest_split: test\n")
+    (folder / "sub" / "b.yaml").write_text("include: ../../common/base.yml\ntest_split: test\n")
     text = _refused(REFUSED_CODE, tasks=["chained_task"], include_path=[str(folder)])
     assert str(shared / "base.yml") in text and "!function helpers.process" in text
     (folder / "sub" / "b.yaml").write_text(f"include: {json.dumps(str(shared / 'base.yml'))}\n")  # absolute
