@@ -654,6 +654,7 @@ def accumulation(t: TrainConfig, world_size: int) -> int:
 
 
 def sequences_per_update(t: TrainConfig, world_size: int) -> int:
+    """The global batch: sequences per update across the `world_size` ranks."""
     return t.batch_size * accumulation(t, world_size) * world_size
 
 
