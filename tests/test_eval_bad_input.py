@@ -41,7 +41,7 @@ def test_eval_options_quote_strings_and_keep_numbers() -> None:
 
 def test_path_overrides_of_the_other_commands_read_back(tmp_path) -> None:
     from owai.commands._common import data_root_sets
-    from owai.commands.mosaic import eval_overrides
+    from owai.commands._common import eval_overrides
     from owai.commands.rich_features import _eval_sets
     from owai.config import parse_override
 

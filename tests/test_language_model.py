@@ -258,7 +258,7 @@ def test_beam_continuations_rank_by_summed_log_probability():
 
 
 def test_posloss_only_skips_the_training_loss():
-    from owai.commands.mosaic import eval_overrides
+    from owai.commands._common import eval_overrides
 
     assert "eval.train_loss=false" in eval_overrides([Path("m")], None, None, None, True)
     assert not any(o.startswith("eval.train_loss") for o in eval_overrides([Path("m")], None, None, None, False))

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Optional, TypeVar
 import typer
 
 from owai import console
-from owai.config import MAX_WORKERS
+from owai.config import MAX_CONTEXT, MAX_WORKERS
 
 Preset = Annotated[Optional[str], typer.Option("--preset", "-p", help="Scale preset of the recipe: cpu (the default), paper (the thesis's settings), and where a recipe has them tiny (a run scale: the data that ships with owai only; not mosaic-train's --size tiny, a model size) and paper variants (paper-cosine, paper-imagenet, ...: `owai recipes show RECIPE` lists them).")]
 Sets = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a parameter: --set KEY.PATH=VALUE, e.g. --set seed=1 (repeatable; `owai recipes show RECIPE` lists the keys).")]
@@ -366,3 +366,44 @@ def run_study(plan: Any, runs_on: tuple[str, int, Any], write_study: Callable[[A
         console.stdout.print(console.fit_table(study_table(rows, info["title"]), whole=(0,)))  # row labels whole
         console.stdout.print(f"table: {info.get('table') or plan.path / table_name}\nfigure: {info['figure']}", markup=False)
     sweeps.raise_on_failures(summary, rerun)
+
+
+# --- language-model evaluations (owai mosaic-eval, owai eval posloss) ------------------------------
+
+EVAL_RECIPE = "mosaic-eval"
+Dataset = Annotated[Optional[str], typer.Option("--dataset", "-d", help="owai-stories (embedded), a Hugging Face dataset id, or a local txt/jsonl/parquet/7z file or directory.")]
+Context = Annotated[Optional[int], typer.Option("--context", min=2, max=MAX_CONTEXT, help="Context length in tokens (data.block_size).")]
+Models = Annotated[Optional[list[Path]], typer.Argument(
+    help="Model directories (save_pretrained) or mosaic-train run directories (none with --resume).", show_default=False)]
+ConfigName = Annotated[Optional[str], typer.Option("--config-name", help="Hub dataset configuration of --dataset, e.g. 20220301.simple.")]
+
+
+def run_eval(models: list[Path] | None, dataset: str | None, config_name: str | None, context: int | None,
+             posloss_only: bool, opts: RunOptions, data_root: Path | None = None) -> None:
+    """A new evaluation of `models`, or (--resume) the continuation of an interrupted one."""
+    from owai.errors import OwaiError
+
+    if opts.resume is not None:
+        if models or dataset or config_name or context is not None or posloss_only or data_root is not None:
+            raise OwaiError("--resume takes its models and settings from the run directory; drop MODEL_DIR/--dataset/"
+                            "--config-name/--context/--posloss-only")
+        opts.run(None, opts.sets, methods=("lm_eval",))
+        return
+    if not models:
+        raise OwaiError("give the model directories to evaluate (MODEL_DIR...), or --resume RUN_DIR")
+    opts.run(EVAL_RECIPE, eval_overrides(models, dataset, config_name, context, posloss_only) + data_root_sets(data_root)
+            + list(opts.sets or []))
+
+
+def eval_overrides(models: list[Path], dataset: str | None, config_name: str | None, context: int | None, posloss_only: bool) -> list[str]:
+    """The `--set` overrides of the mosaic-eval recipe for these command-line choices."""
+    overrides = ["models=" + quoted_list([m.resolve() for m in models])]  # quoted: a path may hold ',' or ' #'
+    if dataset:
+        overrides.append(set_str("eval.source", dataset))
+    if config_name:
+        overrides.append(set_str("eval.config_name", config_name))
+    if context is not None:
+        overrides.append(f"data.block_size={context}")
+    if posloss_only:
+        overrides += ["eval.attention_multiples=[]", "eval.continuations=false", "eval.train_loss=false"]
+    return overrides

@@ -29,9 +29,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from owai import console
-from owai.commands._common import (DataRoot, EvalRunOptions, Json, Launch, Out, Preset, Quiet, Sets, csv_values, open_study,
-                                  options, run_study, set_str, study_recipe)
-from owai.commands.mosaic import ConfigName, Context, Dataset, Models, run_eval
+from owai.commands._common import (ConfigName, Context, DataRoot, Dataset, EvalRunOptions, Json, Launch, Models, Out, Preset,
+                                  Quiet, Sets, csv_values, open_study, options, run_eval, run_study, set_str, study_recipe)
 from owai.config import MAX_DOCUMENTS, MAX_EXAMPLES, MAX_SAMPLES, MAX_SHOTS
 from owai.errors import OwaiError
 

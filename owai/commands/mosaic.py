@@ -18,25 +18,19 @@ preset of that size (cpu, paper-small, paper), and Memory Mosaics v2 unless --ar
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from owai.commands._common import DataRoot, EvalRunOptions, RunOptions, data_root_sets, options, quoted_list, set_str
-from owai.config import MAX_CONTEXT, MAX_LAYERS
+from owai.commands._common import (ConfigName, Context, DataRoot, Dataset, EvalRunOptions, Models, RunOptions, data_root_sets,
+                                  options, run_eval, set_str)
+from owai.config import MAX_LAYERS
 from owai.errors import OwaiError
 
 TRAIN_RECIPE = "fig3.8-depth"
 CHAPTER4_RECIPE = "table4.2-pretrain"
-EVAL_RECIPE = "mosaic-eval"
 
-Dataset = Annotated[Optional[str], typer.Option("--dataset", "-d", help="owai-stories (embedded), a Hugging Face dataset id, or a local txt/jsonl/parquet/7z file or directory.")]
 Tokenizer = Annotated[Optional[str], typer.Option("--tokenizer", help="gpt2 (hub), bytes, bpe-N (trained locally), or a tokenizer directory.")]
-Context = Annotated[Optional[int], typer.Option("--context", min=2, max=MAX_CONTEXT, help="Context length in tokens (data.block_size).")]
-Models = Annotated[Optional[list[Path]], typer.Argument(
-    help="Model directories (save_pretrained) or mosaic-train run directories (none with --resume).", show_default=False)]
-ConfigName = Annotated[Optional[str], typer.Option("--config-name", help="Hub dataset configuration of --dataset, e.g. 20220301.simple.")]
 
 
 def _flow_list(text: str) -> str:
@@ -118,35 +112,6 @@ def mosaic_eval(
 ) -> None:
     """Evaluate saved language models: validation and per-position loss, attention plots, continuations."""
     run_eval(models, dataset, config_name, context, posloss_only, opts, data_root)
-
-
-def run_eval(models: list[Path] | None, dataset: str | None, config_name: str | None, context: int | None,
-             posloss_only: bool, opts: RunOptions, data_root: Path | None = None) -> None:
-    """A new evaluation of `models`, or (--resume) the continuation of an interrupted one."""
-    if opts.resume is not None:
-        if models or dataset or config_name or context is not None or posloss_only or data_root is not None:
-            raise OwaiError("--resume takes its models and settings from the run directory; drop MODEL_DIR/--dataset/"
-                            "--config-name/--context/--posloss-only")
-        opts.run(None, opts.sets, methods=("lm_eval",))
-        return
-    if not models:
-        raise OwaiError("give the model directories to evaluate (MODEL_DIR...), or --resume RUN_DIR")
-    opts.run(EVAL_RECIPE, eval_overrides(models, dataset, config_name, context, posloss_only) + data_root_sets(data_root)
-            + list(opts.sets or []))
-
-
-def eval_overrides(models: list[Path], dataset: str | None, config_name: str | None, context: int | None, posloss_only: bool) -> list[str]:
-    """The `--set` overrides of the mosaic-eval recipe for these command-line choices."""
-    overrides = ["models=" + quoted_list([m.resolve() for m in models])]  # quoted: a path may hold ',' or ' #'
-    if dataset:
-        overrides.append(set_str("eval.source", dataset))
-    if config_name:
-        overrides.append(set_str("eval.config_name", config_name))
-    if context is not None:
-        overrides.append(f"data.block_size={context}")
-    if posloss_only:
-        overrides += ["eval.attention_multiples=[]", "eval.continuations=false", "eval.train_loss=false"]
-    return overrides
 
 
 def register(app: typer.Typer) -> None:
