@@ -740,7 +740,6 @@ def study_rows(sweep: Any, summary: dict[str, Any], device: torch.device | None 
     rows = list(table.values())
     for row in rows:
         row["avg"] = statistics.fmean(row["ood"].values()) if row["ood"] else None
-    add_box_quartiles(rows, grid_boxes(summary))
     order = {t: i for i, t in enumerate((*TRACKS, *MULTI))}
     rows.sort(key=lambda r: (r["dataset"], r["variant"], order[r["track"]]))
     return rows
@@ -857,8 +856,8 @@ def add_box_quartiles(rows: list[dict[str, Any]], boxes: dict[str, dict[str, lis
             row["box"] = {"q25": q25, "median": median, "q75": q75, "n": len(values)}
 
 
-def plot_study(summary: dict[str, Any], rows: list[dict[str, Any]], title: str) -> Any:
-    """Fig 2.10: per dataset, one box per method over the hyper-parameter choices (`grid_boxes`),
+def plot_study(rows: list[dict[str, Any]], boxes: dict[str, dict[str, list[float]]], title: str) -> Any:
+    """Fig 2.10: per dataset, one box per method over the hyper-parameter choices (`boxes`, `grid_boxes`),
     the multi-run ensembles and weight averages (one value each) as points; with three or more
     dropout rates, Fig 2.11's average OOD (solid) and IID (dashed) accuracy against the rate."""
     import matplotlib
@@ -866,7 +865,6 @@ def plot_study(summary: dict[str, Any], rows: list[dict[str, Any]], title: str) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    boxes = grid_boxes(summary)
     rates = sorted({r for r in (_rate(row["variant"]) for row in rows) if r is not None})
     datasets = list(boxes) or [""]
     panels = len(datasets) + (1 if len(rates) >= 3 else 0)
@@ -921,10 +919,12 @@ def write_study(sweep: Any, summary: dict[str, Any], device: torch.device) -> tu
     from owai.sweep import write_study_files
 
     rows = study_rows(sweep, summary, device)
+    boxes = grid_boxes(summary)  # the figure's boxes, and their quartiles in the rows (for the claims)
+    add_box_quartiles(rows, boxes)
     title = f"{sweep.recipe} [{sweep.preset}]: OOD accuracy, IID model selection"
     command = f"owai dropout-ft --resume {sweep.path}"
     figure = write_study_files(sweep, STUDY_NAME, title, rows, study_markdown(rows, title, command),
-                               plot_study(summary, rows, f"{sweep.recipe} [{sweep.preset}]"))
+                               plot_study(rows, boxes, f"{sweep.recipe} [{sweep.preset}]"))
     return rows, {"title": title, "figure": str(figure)}
 
 
