@@ -1529,7 +1529,9 @@ def probe_lr(q: ProbeConfig) -> Callable[[float], float]:
     """The probe's learning rate at a (fractional) epoch: lr x gamma^(milestones passed) (step), or
     lr (1 + cos(pi epoch / epochs)) / 2 (cosine, as the pre-training's `pretrain.schedule: cosine`)."""
     if q.schedule == "cosine":
-        return lambda epoch: q.lr * 0.5 * (1 + math.cos(math.pi * epoch / q.epochs))
+        from owai.optim import warmup_cosine_schedule
+
+        return warmup_cosine_schedule(q.lr, 0, q.epochs, 0.0)  # no warm-up, down to 0 at the last epoch
     return lambda epoch: q.lr * q.gamma ** sum(epoch >= m for m in q.milestones)
 
 
