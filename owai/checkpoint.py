@@ -457,8 +457,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def _check_metadata(path: Path) -> Any:
     """The DCP metadata of sharded checkpoint `path`, read with `_MetadataUnpickler` (before DCP
-    reads it with pickle): a one-line OwaiError if it names anything else, or holds byte items
-    other than the optimizer's hyper-parameters."""
+    reads it with pickle): a one-line OwaiError if it names anything else or is not DCP metadata."""
     file = path / SHARDS / ".metadata"
     try:
         with open(file, "rb") as f:
@@ -490,7 +489,7 @@ def _weights_only_planner() -> Any:
     return WeightsOnlyLoadPlanner()
 
 
-def _drop_state_not_saved(path: Path, shards: dict[str, Any]) -> None:
+def _drop_state_not_saved(metadata: Any, shards: dict[str, Any]) -> None:
     """Remove from `shards["optimizer"]["state"]` the parameters the checkpoint holds no optimizer
     state for. torch's optimizers make a parameter's state at the first step that reads its gradient,
     so one that had none by the checkpoint's step has none saved, while the template
@@ -499,7 +498,7 @@ def _drop_state_not_saved(path: Path, shards: dict[str, Any]) -> None:
     state = shards.get("optimizer", {}).get("state") if isinstance(shards.get("optimizer"), dict) else None
     if not isinstance(state, dict):
         return
-    saved = _check_metadata(path).state_dict_metadata  # not DCP's reader: it unpickles anything
+    saved = metadata.state_dict_metadata  # `_check_metadata`'s: DCP's reader unpickles anything
     with_state = {key[len("optimizer.state."):] for key in saved if key.startswith("optimizer.state.")}
     for name in [n for n in state if not any(key.startswith(f"{n}.") for key in with_state)]:
         del state[name]
@@ -518,8 +517,7 @@ def load_shards(path: Path, shards: dict[str, Any]) -> None:
     path = Path(path)
     w = distributed.world()
     try:
-        _check_metadata(path)  # before DCP's own read of it, which is pickle.load
-        _drop_state_not_saved(path, shards)
+        _drop_state_not_saved(_check_metadata(path), shards)  # read before DCP's own read, pickle.load
         with _quiet_single_process():
             dcp.load(shards, checkpoint_id=str(path / SHARDS), planner=_weights_only_planner(), no_dist=w.world_size == 1)
         error = None
