@@ -488,22 +488,18 @@ def _leaves(index: dict[str, Any], tasks: list[str]) -> Iterator[tuple[str, dict
         yield from walk(top, top, {}, 0)
 
 
-def _index_of(manager: Any) -> dict[str, Any]:
-    return manager if isinstance(manager, dict) else manager.task_index
-
-
-def code_tasks(manager: Any, tasks: list[str]) -> list[str]:
+def code_tasks(index: dict[str, Any], tasks: list[str]) -> list[str]:
     """The leaf tasks of `tasks` (through groups and tags) that run the model's generated code: those
     lm-eval marks `unsafe_code` (it refuses them unless `confirm_run_unsafe_code`), as "TASK" or
-    "GROUP's subtask TASK". `manager`: a TaskManager or a `task_index`."""
-    return list(dict.fromkeys(who for who, cfg in _leaves(_index_of(manager), tasks)
+    "GROUP's subtask TASK". `index`: `task_index`'s."""
+    return list(dict.fromkeys(who for who, cfg in _leaves(index, tasks)
                               if cfg.get("unsafe_code", False) is not False))  # lm-eval's own test
 
 
-def hub_datasets(manager: Any, tasks: list[str]) -> dict[tuple[str, str | None], tuple[str, dict[str, Any]]]:
+def hub_datasets(index: dict[str, Any], tasks: list[str]) -> dict[tuple[str, str | None], tuple[str, dict[str, Any]]]:
     """The hub datasets `tasks` read, from the harness's task index alone (its YAML configs; nothing is
     downloaded): (dataset_path, dataset_name) -> (the first task reading it, "TASK" or "GROUP's subtask
-    TASK", and its dataset_kwargs). `manager`: a TaskManager or a `task_index`.
+    TASK", and its dataset_kwargs). `index`: `task_index`'s.
     Groups and tags are walked to their leaf tasks (`_leaves`). A task with its own loader
     (custom_dataset, a Python class), a packaged builder (json, csv, parquet, ...) or an existing local
     path reads no hub dataset."""
@@ -513,7 +509,7 @@ def hub_datasets(manager: Any, tasks: list[str]) -> dict[tuple[str, str | None],
         return {}
 
     found: dict[tuple[str, str | None], tuple[str, dict[str, Any]]] = {}
-    for who, cfg in _leaves(_index_of(manager), tasks):
+    for who, cfg in _leaves(index, tasks):
         path = cfg.get("dataset_path")
         if "class" in cfg or cfg.get("custom_dataset") or not isinstance(path, str) or path in _PACKAGED_DATASETS_MODULES \
                 or Path(path).expanduser().exists():
@@ -524,14 +520,14 @@ def hub_datasets(manager: Any, tasks: list[str]) -> dict[tuple[str, str | None],
     return found
 
 
-def check_offline(manager: Any, tasks: list[str], why: str) -> None:
+def check_offline(index: dict[str, Any], tasks: list[str], why: str) -> None:
     """Before a run while the hub cannot be reached (`why`): each hub dataset `tasks` read must be in the
     local datasets cache (asked of `datasets` itself, from the cache alone), else one line naming the
     task and its dataset. Without it the harness fails mid-run with a ConnectionError."""
     from owai.errors import DataMissing
     from owai.hub import dataset_cached
 
-    for (path, name), (task, kwargs) in hub_datasets(manager, tasks).items():
+    for (path, name), (task, kwargs) in hub_datasets(index, tasks).items():
         if not dataset_cached(path, name, **kwargs):
             dataset = path + (f" ({name})" if name else "")
             raise DataMissing(f"harness task {task} reads the hub dataset {dataset}, which is not in the local "
