@@ -56,6 +56,23 @@ def linear_schedule(start: float, end: float, steps: int):
     return lr_at
 
 
+def step_schedule(lr: float, gamma: float, milestones: Iterable[float], warmup: float = 0.0, warmup_lr: float = 0.0):
+    """lr x gamma^(number of milestones <= t): torch's MultiStepLR, where t is whatever the milestones
+    count in (updates or fractional epochs) and the lr at a milestone is already multiplied.
+
+    With `warmup` > 0: linear from `warmup_lr` to `lr` over t < warmup first (the distillation's warm-up,
+    DeiT's), the milestones still counted from t = 0.
+    """
+    marks = list(milestones)
+
+    def lr_at(t: float) -> float:
+        if t < warmup:
+            return warmup_lr + (lr - warmup_lr) * t / warmup
+        return lr * gamma ** sum(t >= m for m in marks)
+
+    return lr_at
+
+
 def warmup_cosine_schedule(
     peak: float, warmup: int, decay_steps: int, min_lr: float, start_lr: float = 0.0, cosine_after_warmup: bool = True
 ):

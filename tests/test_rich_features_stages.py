@@ -306,6 +306,37 @@ def test_the_probe_schedule_is_step_or_cosine() -> None:
     assert cosine(99.9) > cosine(100.1)  # no step at a milestone: smooth through 100
 
 
+def test_step_and_cosine_schedules_equal_torchs_schedulers() -> None:
+    """`optim.step_schedule` (every milestone schedule of chapter 2) is torch's MultiStepLR update by
+    update, the lr at a milestone already multiplied; with a warm-up it first climbs linearly from
+    warmup_lr. The cosine that pre-training and fine-tuning use (`warmup_cosine_schedule` with no
+    warm-up) is CosineAnnealingLR's closed form in the float32 that SGD applies."""
+    import numpy as np
+
+    from owai.optim import step_schedule, warmup_cosine_schedule
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    sgd = torch.optim.SGD([param], lr=0.1)
+    torch_step = torch.optim.lr_scheduler.MultiStepLR(sgd, milestones=[3, 7], gamma=0.2)
+    ours = step_schedule(0.1, 0.2, [3, 7])
+    for update in range(10):
+        assert ours(update) == pytest.approx(sgd.param_groups[0]["lr"], rel=1e-12), update
+        sgd.step()
+        torch_step.step()
+    assert ours(2.99) == 0.1 and ours(3) == pytest.approx(0.02)  # fractional epochs count too
+    warm = step_schedule(0.1, 0.1, [10], warmup=4, warmup_lr=0.02)
+    assert [warm(t) for t in (0, 2, 4, 9, 10)] == pytest.approx([0.02, 0.06, 0.1, 0.1, 0.01])
+
+    sgd = torch.optim.SGD([param], lr=0.05)
+    torch_cosine = torch.optim.lr_scheduler.CosineAnnealingLR(sgd, T_max=37, eta_min=1e-4)
+    ours = warmup_cosine_schedule(0.05, 0, 37, 1e-4)
+    for update in range(37):
+        closed = torch_cosine._get_closed_form_lr()[0]
+        assert np.float32(ours(update)) == np.float32(closed), update
+        sgd.step()
+        torch_cosine.step()
+
+
 def test_table_2_1s_paper_probe_shares_the_pre_trainings_hyper_parameters() -> None:
     """TH A.1: "The linear probing process shares the same training hyper-parameters as the supervised
     training part except for a zero L2 weight decay": optimiser, lr, batch, epochs, cosine schedule and

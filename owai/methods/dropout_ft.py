@@ -499,7 +499,9 @@ class Tracks:
 
 def lr_schedule(t: TrainConfig) -> Callable[[int], float]:
     """MultiStepLR: lr x gamma^(number of milestones <= update index)."""
-    return lambda step: t.lr * t.gamma ** sum(step >= m for m in t.milestones)
+    from owai.optim import step_schedule
+
+    return step_schedule(t.lr, t.gamma, t.milestones)
 
 
 def train(cfg: Config, run: Run, model: torch.nn.Module, data: Any, sets: list[EvalSet], device: torch.device) -> Tracks:

@@ -70,6 +70,7 @@ from owai import console
 from owai.config import MAX_NETWORKS, BaseConfig, check_count
 from owai.errors import DataMissing, OwaiError, one_line
 from owai.methods import Method, Outcome
+from owai.optim import step_schedule, warmup_cosine_schedule
 from owai.runs import Run
 
 DIGIT_SETS = ("mnist", "mnist-t10k", "digits")  # one label space: the digits "0".."9"
@@ -923,18 +924,14 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
             stream = StepStream(batches, d.workers, device)
             optimizer = (torch.optim.Adam(net.parameters(), lr=p.lr, weight_decay=p.weight_decay) if p.optimizer == "adam"
                          else torch.optim.SGD(net.parameters(), lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay))
-            marks = [round(m * per_epoch) for m in p.milestones]
+            lr_at = (warmup_cosine_schedule(p.lr, 0, steps, 0.0) if p.schedule == "cosine"  # lr (1 + cos(pi t / T)) / 2
+                     else step_schedule(p.lr, p.gamma, [round(m * per_epoch) for m in p.milestones]))
 
             def loss_at(step: int, micro: int) -> torch.Tensor:
                 x, y = stream.at(step)
                 if ssl:
                     return simsiam_loss(*net(x))  # x: the two views stacked, (2B, 3, S, S)
                 return F.cross_entropy(net(x), y)
-
-            def lr_at(step: int) -> float:
-                if p.schedule == "cosine":
-                    return p.lr * 0.5 * (1 + math.cos(math.pi * step / steps))
-                return p.lr * p.gamma ** sum(step >= m for m in marks)
 
             loop = LoopConfig(steps=steps, checkpoint_every=min(p.checkpoint_every, steps), log_every=min(p.log_every, steps),
                               precision=_precision(cfg, device))
@@ -1529,10 +1526,8 @@ def probe_lr(q: ProbeConfig) -> Callable[[float], float]:
     """The probe's learning rate at a (fractional) epoch: lr x gamma^(milestones passed) (step), or
     lr (1 + cos(pi epoch / epochs)) / 2 (cosine, as the pre-training's `pretrain.schedule: cosine`)."""
     if q.schedule == "cosine":
-        from owai.optim import warmup_cosine_schedule
-
         return warmup_cosine_schedule(q.lr, 0, q.epochs, 0.0)  # no warm-up, down to 0 at the last epoch
-    return lambda epoch: q.lr * q.gamma ** sum(epoch >= m for m in q.milestones)
+    return step_schedule(q.lr, q.gamma, q.milestones)
 
 
 def probe_head(cfg: Config, width: int, n_classes: int, name: str) -> torch.nn.Module:
@@ -1835,11 +1830,13 @@ def finetune_model(cfg: Config, run: Run, stage: str, backbones: list[torch.nn.M
         x, y = stream.at(step)
         return F.cross_entropy(model(x), y)
 
-    def schedule(step: int) -> float:
-        """Cosine from lr to min_lr over the steps, or with milestones lr x gamma^(milestones passed)."""
-        if f.milestones:
-            return f.lr * f.gamma ** sum(step / per_epoch >= m for m in f.milestones)
-        return f.min_lr + 0.5 * (f.lr - f.min_lr) * (1 + math.cos(math.pi * step / steps))
+    if f.milestones:  # lr x gamma^(milestones passed), the milestones in epochs
+        by_epoch = step_schedule(f.lr, f.gamma, f.milestones)
+
+        def schedule(step: int) -> float:
+            return by_epoch(step / per_epoch)
+    else:  # cosine from lr to min_lr over the steps
+        schedule = warmup_cosine_schedule(f.lr, 0, steps, f.min_lr)
 
     loop = LoopConfig(steps=steps, checkpoint_every=min(f.checkpoint_every, steps), log_every=min(f.log_every, steps),
                       precision=_precision(cfg, device))
@@ -1926,12 +1923,8 @@ def run_distill(cfg: Config, run: Run, nets: list[Network], measured: dict[str, 
     stream = StepStream(batches, d.workers, device)
     optimizer = (torch.optim.Adam(student.parameters(), lr=s.lr, weight_decay=s.weight_decay) if s.optimizer == "adam"
                  else torch.optim.SGD(student.parameters(), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay))
-    warmup, marks = s.warmup_epochs * per_epoch, [m * per_epoch for m in s.milestones]
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return s.warmup_lr + (s.lr - s.warmup_lr) * step / warmup
-        return s.lr * s.gamma ** sum(step >= m for m in marks)
+    lr_at = step_schedule(s.lr, s.gamma, [m * per_epoch for m in s.milestones], warmup=s.warmup_epochs * per_epoch,
+                          warmup_lr=s.warmup_lr)
 
     current: dict[str, Any] = {}
 
