@@ -33,7 +33,7 @@ import re
 import shutil
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -637,8 +637,14 @@ def _wait_for(sweep: Sweep, jobs: list[Any], todo: list[Point], cluster: str) ->
     point_of = {id(job): p for job, p in zip(jobs, todo)}
     outcomes = []
     try:
-        completed = submitit.helpers.as_completed(jobs, poll_frequency=10 if cluster == "slurm" else 0.1)
-        for job in console.track(completed, total=len(jobs), description=f"sweep {sweep.recipe}"):
+        if cluster == "slurm":
+            finished = _as_finished(jobs, poll=10, grace=LOST_JOB_GRACE_S, queued=_queued_job_ids)
+        else:
+            finished = ((job, None) for job in submitit.helpers.as_completed(jobs, poll_frequency=0.1))
+        for job, lost in console.track(finished, total=len(jobs), description=f"sweep {sweep.recipe}"):
+            if lost is not None:
+                outcomes.append({"id": point_of[id(job)].id, "status": "failed", "error": lost})
+                continue
             try:
                 outcomes.append(job.result())
             except Exception as e:  # noqa: BLE001 - the job died (timeout, preemption, node failure)
@@ -648,6 +654,62 @@ def _wait_for(sweep: Sweep, jobs: list[Any], todo: list[Point], cluster: str) ->
         _cancel(jobs, cluster)  # no job should keep writing a point that a later --resume reruns
         raise
     return outcomes
+
+
+LOST_JOB_GRACE_S = 120.0  # out of the queue this long without a result file: the job is gone
+
+
+def _as_finished(jobs: list[Any], poll: float, grace: float,
+                 queued: Callable[[], set[str] | None]) -> Iterator[tuple[Any, str | None]]:
+    """Each submitit job as it finishes, as (job, None); or as (job, why) when it left SLURM's queue
+    without writing a result and submitit cannot tell, because its state stays UNKNOWN (no `sacct`,
+    or accounting off) or PREEMPTED (a cluster that cancels preempted jobs instead of requeueing
+    them). Such a job (killed out of memory, say) would otherwise keep the sweep waiting for ever.
+    It counts as gone after `grace` seconds outside `queued()`'s job ids (the result file of a job
+    that just ended may take a while to show on a shared file system); `queued()` is None when the
+    queue cannot be read, and then only submitit decides."""
+    pending = list(jobs)
+    missing_since: dict[int, float] = {}
+    while pending:
+        waiting = []
+        for job in pending:
+            if job.done():
+                yield job, None
+            else:
+                waiting.append(job)
+        undecided = [job for job in waiting if str(job.state).upper() in ("UNKNOWN", "PREEMPTED")]
+        in_queue = queued() if undecided else None
+        now = time.monotonic()
+        for job in waiting:
+            if in_queue is None or job not in undecided or str(job.job_id) in in_queue:
+                missing_since.pop(id(job), None)
+            else:
+                missing_since.setdefault(id(job), now)
+        pending = []
+        for job in waiting:
+            if id(job) in missing_since and now - missing_since[id(job)] >= grace and not job.done(force_check=True):
+                yield job, (f"job {job.job_id} left the SLURM queue without a result (state {job.state}: killed, out "
+                            f"of memory, or preempted and not requeued); its log: {job.paths.stderr}")
+            else:
+                pending.append(job)
+        if pending:
+            time.sleep(poll)
+
+
+def _queued_job_ids() -> set[str] | None:
+    """The ids of this user's jobs in SLURM's queue, one per array task (ARRAY_TASK, as submitit
+    names them), or None when `squeue` cannot be read."""
+    import getpass
+    import subprocess
+
+    try:
+        done = subprocess.run(["squeue", "-h", "-r", "-o", "%i", "-u", getpass.getuser()], capture_output=True,
+                              text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError, KeyError):  # KeyError: getuser without a passwd entry
+        return None
+    if done.returncode != 0:
+        return None
+    return {line.strip() for line in done.stdout.splitlines() if line.strip()}
 
 
 def max_array_size() -> int:

@@ -651,3 +651,88 @@ def test_a_timed_out_job_is_requeued_and_resumes_its_point(tmp_path: Path) -> No
     rows = [{r["metric"]: r["measured"] for r in json.loads((tmp_path / d / "results.json").read_text())["rows"]}
             for d in ("p0", "p1")]
     assert rows[0] == rows[1]
+
+
+# --- SLURM jobs that vanish without a result -----------------------------------------------------
+
+
+class _FakeJob:
+    """A submitit job as `_as_finished` sees it: done after `polls` checks, in SLURM state `state`."""
+
+    def __init__(self, job_id: str, state: str, polls: int) -> None:
+        from types import SimpleNamespace
+
+        self.job_id, self.state, self.polls = job_id, state, polls
+        self.paths = SimpleNamespace(stderr=f"/sweep/slurm/{job_id}_0_log.err")
+
+    def done(self, force_check: bool = False) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def result(self) -> dict:
+        return {"id": self.job_id, "status": "complete"}
+
+
+def test_a_job_that_left_the_queue_without_a_result_fails_its_point(monkeypatch) -> None:
+    """Without `sacct` (state UNKNOWN) or after a preemption that cancels (PREEMPTED), submitit would
+    wait for ever on a job killed before it wrote its result: once it has been out of `squeue` for
+    the grace period it fails its point, naming its log. A job still queued, one whose state sacct
+    knows, and every job when squeue cannot be read are left to submitit."""
+    monkeypatch.setattr(sweeps.time, "sleep", lambda s: None)
+    jobs = {"finishes": _FakeJob("7_0", "UNKNOWN", polls=0), "killed": _FakeJob("7_1", "UNKNOWN", polls=99),
+            "preempted": _FakeJob("7_2", "PREEMPTED", polls=99), "queued": _FakeJob("7_3", "UNKNOWN", polls=3),
+            "running": _FakeJob("7_4", "RUNNING", polls=4)}
+    order = [(job.job_id, why) for job, why in sweeps._as_finished(list(jobs.values()), poll=0, grace=0,
+                                                                    queued=lambda: {"7_3"})]
+    assert [i for i, _ in order] == ["7_0", "7_1", "7_2", "7_3", "7_4"]
+    assert [why is None for _, why in order] == [True, False, False, True, True]
+    assert "left the SLURM queue without a result (state UNKNOWN" in order[1][1]
+    assert order[1][1].endswith("its log: /sweep/slurm/7_1_0_log.err")
+    assert "(state PREEMPTED" in order[2][1]
+
+    unreadable = [_FakeJob("8_0", "UNKNOWN", polls=5)]
+    assert [why for _, why in sweeps._as_finished(unreadable, poll=0, grace=0, queued=lambda: None)] == [None]
+
+    clock = iter(range(0, 1000, 10))  # 10 s a poll: gone only after 120 s out of the queue
+    monkeypatch.setattr(sweeps.time, "monotonic", lambda: next(clock))
+    late = _FakeJob("9_0", "UNKNOWN", polls=10**6)
+    checks = []
+    out = sweeps._as_finished([late], poll=10, grace=120, queued=lambda: checks.append(1) or set())
+    assert next(out)[1] is not None and len(checks) == 13
+
+
+def test_a_sweep_records_the_lost_job_as_a_failed_point(tmp_path: Path, monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(sweeps.time, "sleep", lambda s: None)
+    monkeypatch.setattr(sweeps, "LOST_JOB_GRACE_S", 0)
+    monkeypatch.setattr(sweeps, "_queued_job_ids", lambda: set())
+    todo = [SimpleNamespace(id="a"), SimpleNamespace(id="b")]
+    jobs = [_FakeJob("5_0", "COMPLETED", polls=0), _FakeJob("5_1", "UNKNOWN", polls=99)]
+    outcomes = sweeps._wait_for(SimpleNamespace(recipe="three-moons"), jobs, todo, "slurm")
+    assert outcomes[0] == {"id": "5_0", "status": "complete"}
+    assert outcomes[1]["id"] == "b" and outcomes[1]["status"] == "failed"
+    assert outcomes[1]["error"].startswith("job 5_1 left the SLURM queue without a result")
+
+
+def test_the_queue_is_read_per_array_task_or_not_at_all(monkeypatch) -> None:
+    import subprocess
+    from types import SimpleNamespace
+
+    seen = []
+
+    def squeue(args, **kw):
+        seen.append(args)
+        return SimpleNamespace(returncode=0, stdout="7_3\n7_4\n\n12\n")
+
+    monkeypatch.setattr(subprocess, "run", squeue)
+    assert sweeps._queued_job_ids() == {"7_3", "7_4", "12"}
+    assert seen[0][:5] == ["squeue", "-h", "-r", "-o", "%i"]  # -r: one line per array task, not 7_[3-4]
+    monkeypatch.setattr(subprocess, "run", lambda args, **kw: SimpleNamespace(returncode=1, stdout=""))
+    assert sweeps._queued_job_ids() is None
+
+    def missing(args, **kw):
+        raise FileNotFoundError("squeue")
+
+    monkeypatch.setattr(subprocess, "run", missing)
+    assert sweeps._queued_job_ids() is None
