@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from owai.checkpoint import latest_checkpoint, load_checkpoint
+from owai.errors import OwaiError
 from owai.experiment import execute
 from owai.methods.bonsai import (BonsaiConfig, agreement_mask, average_heads, balanced_indices,
                                  build_representation, init_from, round_groups)
@@ -299,9 +300,9 @@ def test_validation_stopping_changes_the_cache_key_and_validates_settings(tmp_pa
 
     fixed, val = BonsaiConfig(), BonsaiConfig(stopping="validation")
     assert representation_key("coloredmnist", fixed, seed=0) != representation_key("coloredmnist", val, seed=0)
-    with pytest.raises(Exception, match="val_fraction"):
+    with pytest.raises(OwaiError, match=r"^params.bonsai.val_fraction must be in \[0, 1\], got 1.5$"):
         execute(RECIPE, "tiny", TINY + ["bonsai.stopping=validation", "bonsai.val_fraction=1.5"], out=tmp_path / "runs")
-    with pytest.raises(Exception, match="bonsai.l2"):
+    with pytest.raises(OwaiError, match=r"^params.bonsai.l2 must be >= 0, got -1.0$"):
         execute(RECIPE, "tiny", TINY + ["bonsai.l2=-1"], out=tmp_path / "runs")
     assert not (tmp_path / "runs").exists()
 

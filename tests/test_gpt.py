@@ -238,9 +238,9 @@ def test_decay_param_groups_memory_mosaics():
     assert all(p.dim() < 2 for p in no_decay["params"]) and no_decay["params"]
 
 
-def test_adamw_takes_the_decay_groups_and_fuses_only_on_cuda():
+def test_adamw_takes_the_decay_groups_and_is_not_fused_off_cuda():
     """`adamw` is the trainer's optimizer: decay_param_groups' groups with the given hyper-parameters,
-    torch's default implementation off CUDA (CPU runs keep their numbers), the fused kernel on CUDA."""
+    torch's default implementation off CUDA (CPU runs keep their numbers; on CUDA: the gpu test below)."""
     model = build_lm("gpt", n_layer=2, n_embd=32, n_head=4, vocab_size=V, block_size=16, bias=True)
     optimizer = adamw(model, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     want = decay_param_groups(model, 0.1)
@@ -249,6 +249,16 @@ def test_adamw_takes_the_decay_groups_and_fuses_only_on_cuda():
     assert optimizer.defaults["lr"] == 3e-4 and optimizer.defaults["betas"] == (0.9, 0.95)
     assert not optimizer.defaults["fused"]
     assert len(adamw(model, lr=1e-3, weight_decay=0.1, scope="all").param_groups) == 1
+
+
+@pytest.mark.gpu
+def test_adamw_is_fused_on_cuda():
+    """On CUDA `adamw` takes torch's fused kernel (one launch over every parameter)."""
+    model = build_lm("gpt", n_layer=2, n_embd=32, n_head=4, vocab_size=V, block_size=16, bias=True).cuda()
+    optimizer = adamw(model, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    assert optimizer.defaults["fused"] is True
+    model(torch.randint(0, V, (2, 16), device="cuda")).logits.float().sum().backward()
+    optimizer.step()  # the fused kernel takes every group's parameters
 
 
 def test_build_lm_errors():

@@ -67,12 +67,19 @@ def test_loglikelihood_tokens_is_the_direct_sum_and_greedy_iff_every_token_is_th
 def test_generation_stops_at_until_and_rolling_loglikelihood_covers_every_token(owai_lm) -> None:
     from lm_eval.api.instance import Instance
 
-    free = owai_lm.greedy("Question: what?\nAnswer:", 12, [])
-    assert len(owai_lm.tok_encode(free)) <= 12
-    if free:
-        stop = free[len(free) // 2]
-        cut = owai_lm.greedy("Question: what?\nAnswer:", 12, [stop])
-        assert stop not in cut and free.startswith(cut)
+    forwards = []
+    hook = owai_lm.lm.model.register_forward_hook(lambda module, args, out: forwards.append(1))
+    try:
+        free = owai_lm.greedy("Question: what?\nAnswer:", 12, [])
+        assert len(owai_lm.tok_encode(free)) == len(forwards) == 12
+        stop = free[1:3]
+        forwards.clear()
+        cut = owai_lm.greedy("Question: what?\nAnswer:", 12, ["never", stop])
+        assert cut == free[: free.index(stop)]
+        assert len(forwards) == free.index(stop) + len(owai_lm.tok_encode(stop))  # stopped once the string appeared
+    finally:
+        hook.remove()
+    assert owai_lm.lm.continuation_text(owai_lm.tok_encode("ab:c\nd"), ("\n", ":")) == "ab"  # the earliest stop
     text = "abc " * 150  # 600 bytes: three windows of 256
     rolled = owai_lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])[0]
     tokens = owai_lm.tok_encode(text)
@@ -318,7 +325,7 @@ def test_suite_generation_encodes_and_decodes_as_the_official_code(llama_dir) ->
         assert lm.generate(prompt, max_new_tokens=12) == theirs.decode(out[0, ids.input_ids.shape[1]:], skip_special_tokens=True)
     special = [ord("a") - 29, 1, ord("b") - 29, 0]  # a <s> b <unk>
     skipped = theirs.decode(special, skip_special_tokens=True)
-    assert lm._finish(special, ()) == skipped == harness.OwaiLM(lm).tok_decode(special) and "<" not in skipped
+    assert lm.continuation_text(special, ()) == skipped == harness.OwaiLM(lm).tok_decode(special) and "<" not in skipped
     assert lm.tokenizer.decode(special) == theirs.decode(special)  # plain decode keeps them, as before
 
 

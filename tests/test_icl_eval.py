@@ -69,9 +69,15 @@ def test_generation_is_greedy_and_cut_at_stop_strings(tiny_lm) -> None:
     full = lm.generate("comment: so good\nemotion category:", max_new_tokens=12)
     assert full == lm.generate("comment: so good\nemotion category:", max_new_tokens=12)  # greedy: no sampling
     assert len(lm.tokenizer.encode(full)) <= 12
-    if len(full) > 2:
-        stop = full[1:3]
-        assert lm.generate("comment: so good\nemotion category:", max_new_tokens=12, stop=(stop,)) == full[: full.index(stop)]
+    assert len(full) > 2
+    stop = full[1:3]
+    assert lm.generate("comment: so good\nemotion category:", max_new_tokens=12, stop=(stop,)) == full[: full.index(stop)]
+    # the cut itself, on known tokens (the random model's own text repeats one character)
+    encode, eot = lm.tokenizer.encode, lm.tokenizer.eot_id
+    assert lm.continuation_text(encode("abc\nde|f"), ("|", "\n")) == "abc"  # the earliest, in whatever order listed
+    assert lm.continuation_text(encode("abc\nde|f"), ("|",)) == "abc\nde"
+    assert lm.continuation_text(encode("abc"), ("|", "")) == "abc"  # absent and empty stop strings cut nothing
+    assert lm.continuation_text(encode("ab") + [eot] + encode("c|d"), ("|",)) == "ab"  # end-of-text ends it first
 
 
 def test_ablating_long_term_memory_needs_a_model_that_has_one(tiny_lm) -> None:

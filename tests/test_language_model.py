@@ -196,9 +196,9 @@ def test_every_lm_recipe_runs_its_cpu_preset_shrunk(recipe: str, tmp_path: Path)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     run = Path(result["run_dir"])
-    for row in result["rows"]:
-        if row["metric"].endswith("val_loss"):
-            assert row["measured"] is not None and row["measured"] > 0
+    losses = [row for row in result["rows"] if row["metric"].endswith("val_loss")]
+    assert losses, [row["metric"] for row in result["rows"]]
+    assert all(row["measured"] is not None and row["measured"] > 0 for row in losses), losses
     if recipe == "figB.5-attention":
         figures = {p.name for p in (run / "figures").iterdir()}
         assert {"attention_gpt-rope_96.png", "attention_gpt-alibi_96.png", "attention_mm_96.png"} <= figures

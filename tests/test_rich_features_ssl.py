@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import as_sets, cli_in_process
+from owai.errors import OwaiError
 
 RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "tableA.4-simsiam.yaml")
 # SimSiam on the packaged MNIST file's digits 0-4 (8 images per class), ResNet-18 at 16 px, a few updates
@@ -82,7 +83,7 @@ def test_simsiam_normalises_each_view_alone() -> None:
     torch.testing.assert_close(z[:4], z_other[:4])
     torch.testing.assert_close(p[:4], p_other[:4])
     assert not torch.allclose(z[4:], z_other[4:])
-    with pytest.raises(Exception, match="two stacked views"):
+    with pytest.raises(OwaiError, match=r"^SimSiam takes two stacked views \(2B, \.\.\.\), got a batch of 3$"):
         net(torch.randn(3, 3, 32, 32))
 
 

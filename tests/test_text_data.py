@@ -272,13 +272,16 @@ def test_local_tokenizer_directory_and_json(tmp_path: Path) -> None:
         assert tok.decode(tok.encode(SAMPLE)) == SAMPLE
 
 
-def test_gpt2_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
-    from huggingface_hub import try_to_load_from_cache
+def test_gpt2_tokenizer_from_its_bpe_files(shared_data: Path) -> None:
+    """The real GPT-2 tokenizer (encoder.json + vocab.bpe under the data root, `tokenizers/gpt2`):
+    50,257 tokens, <|endoftext|> = 50256, and the hub's ids for a known sentence."""
+    tok = load_tokenizer("tokenizers/gpt2")
+    assert (tok.vocab_size, tok.eot_id) == (50257, 50256)
+    assert tok.encode("Hello world") == [15496, 995]  # GPT-2's ids (tiktoken's gpt2, the hub's tokenizer)
+    assert tok.decode(tok.encode(SAMPLE)) == SAMPLE and 50256 not in tok.encode(SAMPLE)
 
-    if isinstance(try_to_load_from_cache("gpt2", "tokenizer.json"), str):  # a local copy: the real thing
-        tok = load_tokenizer("gpt2")
-        assert (tok.vocab_size, tok.eot_id) == (50257, 50256)
-        assert tok.decode(tok.encode(SAMPLE)) == SAMPLE and 50256 not in tok.encode(SAMPLE)
+
+def test_gpt2_hub_tokenizer_offline_fails_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     import transformers
 
     def offline(*args: object, **kwargs: object) -> None:

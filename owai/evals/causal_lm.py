@@ -82,7 +82,7 @@ class CausalLM:
         eot = getattr(self.tokenizer, "eot_id", None)
         out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
                                   do_sample=False, eos_token_id=eot, pad_token_id=eot if eot is not None else 0)
-        return self._finish([int(t) for t in out[0, x.shape[1]:].tolist()], stop)
+        return self.continuation_text([int(t) for t in out[0, x.shape[1]:].tolist()], stop)
 
     @torch.no_grad()
     def generate_many(self, prompts: list[str], max_new_tokens: int = 32, stop: tuple[str, ...] = ()) -> list[str]:
@@ -102,11 +102,12 @@ class CausalLM:
             mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=self.device)
             y = self.model.generate(input_ids=x, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                                     eos_token_id=eot, pad_token_id=pad)
-            out += [self._finish([int(t) for t in row[width:].tolist()], stop) for row in y]
+            out += [self.continuation_text([int(t) for t in row[width:].tolist()], stop) for row in y]
         return out
 
-    def _finish(self, new: list[int], stop: tuple[str, ...]) -> str:
-        """New tokens -> text, cut at the end-of-text token and before the first stop string."""
+    def continuation_text(self, new: list[int], stop: tuple[str, ...]) -> str:
+        """Generated tokens -> text, cut at the end-of-text token and before the earliest stop string
+        (every suite's generation, and the harness's `generate_until`, read their answers this way)."""
         eot = getattr(self.tokenizer, "eot_id", None)
         if eot is not None and eot in new:
             new = new[: new.index(eot)]

@@ -258,12 +258,7 @@ class OwaiLM(TemplateLM):
             y = self.lm.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
                                        do_sample=False, eos_token_id=self.eot_token_id, pad_token_id=self.eot_token_id,
                                        stopping_criteria=StoppingCriteriaList([_Until()]) if stops else None)
-        new = [int(t) for t in y[0, x.shape[1]:].tolist()]
-        if self.eot_token_id in new:
-            new = new[: new.index(self.eot_token_id)]
-        text = self.tok_decode(new)
-        cuts = [text.index(s) for s in stops if s in text]
-        return text[: min(cuts)] if cuts else text
+        return self.lm.continuation_text([int(t) for t in y[0, x.shape[1]:].tolist()], tuple(stops))
 
 
 class OracleLM(LM):
