@@ -113,7 +113,13 @@ def test_malformed_invocation_fails_cleanly(case: str, argv: list[str], fragment
 def test_unknown_tokenizer_fails_fast_when_the_hub_is_unreachable(tmp_path: Path, capsys, monkeypatch) -> None:
     """No offline flag, and the hub endpoint refuses connections: one line within seconds, not a
     minute of retries."""
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    from owai import hub
+
+    for name in (*hub.OFFLINE_VARIABLES, "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    # an earlier test of this worker may have imported huggingface_hub under HF_HUB_OFFLINE=1, which
+    # it reads once at import (the cause of this test's failures in some test distributions)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
     start = time.monotonic()
     code, _, stderr = cli_in_process(["mosaic-train", "--tokenizer", "nobody-owai/no-such-tokenizer",
