@@ -141,6 +141,29 @@ def test_study_commands_check_their_recipe_and_resume_alone(tmp_path, capsys):
     assert no_runs(tmp_path / "runs") and not any((moons / "points").iterdir())
 
 
+def test_run_commands_refuse_another_methods_recipe_and_a_missing_data_root(tmp_path, capsys):
+    """mosaic-train and the ruler / harness / icl evaluations started a run of any recipe given with
+    -r (a three-moons training under `owai eval ruler -r three-moons`); --data-root naming no folder, or
+    given where no input is looked up under it, was ignored. Each is a one-line error now."""
+    models = tmp_path / "no-models"
+    models.mkdir()
+    cases = [
+        (["mosaic-train", "-r", "three-moons"], "recipe 'three-moons' runs method 'three_moons', not lm_pretrain"),
+        (["eval", "ruler", "-r", "three-moons", "-m", "reference:oracle"], "runs method 'three_moons', not ruler"),
+        (["eval", "harness", "-r", "three-moons"], "runs method 'three_moons', not harness"),
+        (["eval", "icl", "-r", "three-moons"], "runs method 'three_moons', not icl"),
+        (["mosaic-train", "--data-root", str(tmp_path / "absent")], f"--data-root {tmp_path / 'absent'}: no such directory"),
+        (["mosaic-train", "--data-root", str(tmp_path)],
+         "data.root is unused here: no input of this run is looked up under a data root (--data-root): corpus owai-stories, "
+         "tokenizer bpe-2048"),
+        (["mosaic-eval", str(models), "--data-root", str(tmp_path)], "data.root is unused here"),
+    ]
+    for args, message in cases:
+        code, _, err = cli_in_process([*args, "--out", str(tmp_path / "runs")], capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, (args, err)
+    assert no_runs(tmp_path / "runs")
+
+
 def test_a_finished_command_ignores_ctrl_c_during_shutdown(monkeypatch, capsys):
     """A Ctrl-C in the moment after a command finished printed a traceback from torch's atexit
     handlers (or killed the process by the signal): the console entry point ignores it then."""

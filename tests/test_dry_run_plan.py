@@ -10,6 +10,7 @@ preset's State of the Union corpus and its cached bpe-4096 tokenizer).
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -209,3 +210,18 @@ def test_a_dry_run_plans_the_global_batch_for_its_ranks(capsys) -> None:
     code, out, err = cli_in_process(["mosaic-train", "--size", "large", "--dry-run"], capsys)
     assert code == 0, err
     assert "238,419 updates of 1024 sequences (256 micro-batches of 4 per rank)" in out  # 1T tokens / 4M per update
+
+
+def test_a_dry_run_prints_json_with_json_and_nothing_with_quiet(capsys) -> None:
+    """--json: the plan as one JSON object on stdout (each model's numbers and the printed lines);
+    --quiet: nothing on stdout."""
+    code, out, err = cli_in_process(["mosaic-train", "--size", "tiny", "--dry-run", "--json"], capsys)
+    assert code == 0, err
+    plan = json.loads(out)
+    (model,) = plan["models"]
+    assert plan["recipe"] == "table4.2-pretrain" and plan["preset"] == "cpu" and plan["missing"] is None
+    assert model["parameters"] == _plans("\n".join(plan["lines"]))[model["arch"]]["parameters"]
+    assert model["bytes_per_rank"]["total"] == pytest.approx(sum(v for k, v in model["bytes_per_rank"].items() if k != "total"))
+    assert model["sequences_per_update"] == model["micro_batches_per_rank"] * model["micro_batch"] * model["world_size"]
+    code, out, err = cli_in_process(["mosaic-train", "--size", "tiny", "--dry-run", "--quiet"], capsys)
+    assert code == 0 and out == "", err

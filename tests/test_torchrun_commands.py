@@ -102,7 +102,7 @@ def test_a_resumed_run_of_a_one_process_method_is_refused(tmp_path: Path, capsys
 def test_the_dry_run_plan_is_printed_by_rank_0_alone(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
     import owai.methods.language_model as lm
 
-    monkeypatch.setattr(lm, "dry_run_plan", lambda cfg: ["the plan"])
+    monkeypatch.setattr(lm, "dry_run_plan", lambda cfg: {"models": [], "missing": None, "lines": ["the plan"]})
     monkeypatch.setenv("WORLD_SIZE", "2")
     printed = {}
     for rank in ("0", "1"):

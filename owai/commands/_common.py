@@ -81,6 +81,8 @@ def data_root_sets(data_root: Path | None, recipe: str | None = None) -> list[st
 
     if data_root is None:
         return []
+    if not Path(data_root).expanduser().is_dir():
+        raise OwaiError(f"--data-root {data_root}: no such directory")
     if recipe is not None:
         from owai.config import to_dict
         from owai.recipes import load
@@ -229,14 +231,16 @@ def run_recipe(
     recipe: str | None, preset: str | None, sets: list[str] | None, out: Path, resume: Path | None, quiet: bool, as_json: bool,
     methods: tuple[str, ...] | None = None,
 ) -> None:
-    """Execute a recipe (or resume a run) and print its measured-vs-thesis table. A resumed run
-    must be of one of `methods` (the command's), or of `recipe`'s method when that is given."""
+    """Execute a recipe (or resume a run) and print its measured-vs-thesis table. The recipe, or the
+    resumed run's, must be of one of `methods` (the command's) when they are given."""
     from owai.experiment import execute
     from owai.report import table
 
     console.configure(quiet, as_json)
     if resume is not None:
         resumable_dir(resume, "run")
+    elif recipe is not None and methods is not None:
+        study_recipe(recipe, methods)  # a command runs its own method's recipes only
     refuse_one_process_method(recipe, resume)
     run, results = execute(recipe, preset, sets or [], out, resume, methods=methods)
     if not run.writes:  # a non-zero torchrun rank: rank 0 reports

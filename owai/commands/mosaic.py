@@ -76,27 +76,33 @@ def mosaic_train(
     if dry_run:
         if resume is not None:
             raise OwaiError("--dry-run plans a new run; drop --resume")
-        print_plan(recipe, preset, overrides)
+        print_plan(recipe, preset, overrides, opts.quiet, opts.as_json)
         return
     opts.run(None if resume is not None else recipe, overrides or None, methods=("lm_pretrain",), preset=preset)
 
 
-def print_plan(recipe_name: str, preset: str | None, overrides: list[str]) -> None:
+def print_plan(recipe_name: str, preset: str | None, overrides: list[str], quiet: bool = False, as_json: bool = False) -> None:
     """--dry-run: the config resolved and checked as a run's is (one-line refusal where the run would
     refuse, the memory fit aside), then each chapter-4 model's plan as the run would build it:
-    parameters, vocabulary, strategy, precision, per-rank memory, FLOPs (`language_model.dry_run_plan`)."""
+    parameters, vocabulary, strategy, precision, per-rank memory, FLOPs (`language_model.dry_run_plan`);
+    as JSON with --json, nothing with --quiet."""
     from owai import console, distributed
     from owai.experiment import resolve
     from owai.methods.language_model import dry_run_plan
     from owai.recipes import load
 
+    console.configure(quiet, as_json)
     recipe = load(recipe_name)
     if recipe.method != "lm_pretrain":
         raise OwaiError(f"--dry-run plans a mosaic-train recipe; {recipe.id} is a {recipe.method} recipe")
     cfg, _ = resolve(recipe, preset, overrides, validate=False, refuse_unread=True)  # dry_run_plan runs the run's own validation
-    lines = dry_run_plan(cfg)
-    if distributed.launch_rank() == 0:  # under torchrun every rank plans (and refuses) alike; rank 0 prints
-        for line in lines:
+    plan = dry_run_plan(cfg)
+    if distributed.launch_rank() != 0:  # under torchrun every rank plans (and refuses) alike; rank 0 prints
+        return
+    if as_json:
+        console.emit_json({"recipe": recipe.id, "preset": preset or recipe.default_preset, **plan})
+    elif not quiet:
+        for line in plan["lines"]:
             console.stdout.print(line, markup=False, soft_wrap=True)
 
 

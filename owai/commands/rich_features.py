@@ -35,7 +35,7 @@ import typer
 from owai import console
 from owai.config import MAX_NETWORKS
 from owai.commands._common import (DataRoot, Json, Launch, Out, Preset, Quiet, Sets, csv_values, data_root_sets, open_study,
-                                  options, quoted_list, run_recipe, run_sweep, set_str, study_recipe)
+                                  options, quoted_list, resumable_dir, run_recipe, run_sweep, set_str, study_recipe)
 
 RECIPE = "table2.2-cat-probe"
 METHOD = "rich_features"
@@ -67,7 +67,7 @@ def rich_features(
     if stage is None and resume is not None:
         from owai.runs import is_sweep_dir
 
-        stage = "pretrain" if is_sweep_dir(resume) else "probe"  # --resume reads the rest from the directory
+        stage = "pretrain" if is_sweep_dir(resume) else _recorded_stage(resume)  # the rest is read from the directory
     if stage is None or dry_run:
         _chain(recipe, stage, preset, _eval_sets(sets, data_root, networks, n, None), seeds, out, launch, dry_run, quiet, as_json)
         return
@@ -156,13 +156,20 @@ def _chain(recipe: str, stage: str | None, preset: str | None, extra: list[str],
         sweeps.raise_on_failures(sweeps.write_summary(plan, sweeps.run(plan, *runs_on)), rerun)
 
 
+def _recorded_stage(resume: Path) -> str:
+    """The --stage of the evaluation run RUN_DIR (its config.yaml's)."""
+    from owai.runs import Run
+
+    resumable_dir(resume, "run")
+    return str(Run.open(resume).read_config().get("params", {}).get("stage", ""))
+
+
 def _check_resumed_stage(resume: Path, stage: str) -> None:
     """--stage must name the stages of the run being resumed (its config.yaml's): a resume never
     changes what a run computes, and a --stage that would be ignored is refused."""
     from owai.methods.rich_features import stages_of
-    from owai.runs import Run
 
-    recorded = str(Run.open(resume).read_config().get("params", {}).get("stage", ""))
+    recorded = _recorded_stage(resume)
     if stages_of(stage) != stages_of(recorded):
         raise _error(f"--stage {stage}: {resume} is a run of --stage {recorded}; resume it with --stage {recorded} "
                      "(or start a new run for the other stages)")

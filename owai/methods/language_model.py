@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -184,6 +185,23 @@ class Config(BaseConfig):
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
+def data_root_unused(data: DataConfig, evaluation: EvalConfig, tokenizer: str | None) -> dict[str, str]:
+    """{"data.root": why} when no input of the run is looked up under the data root: the corpora are
+    the embedded owai-stories, `hf:` ids or absolute paths, and the tokenizer (None: the models' own)
+    is bytes, bpe-N or an absolute path (a catalogue name or a relative path would be looked up)."""
+    def looked_up(spec: str) -> bool:
+        return bool(spec) and not (spec.startswith(("hf:", "owai-stories", "~")) or Path(spec).is_absolute())
+
+    inputs = [data.source, evaluation.source]
+    if any(looked_up(spec) for spec in inputs):
+        return {}
+    if tokenizer is not None and tokenizer != "bytes" and not re.fullmatch(r"bpe-\d+", tokenizer) and looked_up(tokenizer):
+        return {}
+    named = [f"corpus {data.source}"] + ([f"evaluation corpus {evaluation.source}"] if evaluation.source else [])
+    named += [f"tokenizer {tokenizer}"] if tokenizer is not None else []
+    return {"data.root": f"no input of this run is looked up under a data root (--data-root): {', '.join(named)}"}
+
+
 class LanguageModelPretraining(Method):
     Config = Config
     cli = "owai mosaic-train"
@@ -204,7 +222,7 @@ class LanguageModelPretraining(Method):
                   for key, readers in MODEL_FIELD_READERS.items() if not families & set(readers)}
         if "gpt" in families and not any(parse_arch(a) == ("gpt", {}) for a in cfg.archs):
             unused["model.position"] = f"the position encoding of a plain gpt; archs {', '.join(cfg.archs)} name their own"
-        return unused
+        return unused | data_root_unused(cfg.data, cfg.eval, cfg.data.tokenizer)
 
     def run(self, cfg: Config, run: Run) -> Outcome:
         check_memory(cfg)  # on the ranks the run actually has
@@ -433,11 +451,14 @@ def run_tokenizer(data: DataConfig) -> Any:
     return load_tokenizer(data.tokenizer, source=data.source, text_field=data.text_field, data_root=data.root or None)
 
 
-def dry_run_plan(cfg: Config) -> list[str]:
+def dry_run_plan(cfg: Config) -> dict[str, Any]:
     """`owai mosaic-train --dry-run`: the run's own checks (`validate_run`, the memory fit excepted:
     the plan reports it), then each chapter-4 model's plan, sized as the run will build it (the
     tokenizer's vocabulary, loaded as the run loads it, where the size takes it). An input missing
-    on this machine refuses the plan when the models' vocabulary depends on it, else is noted."""
+    on this machine refuses the plan when the models' vocabulary depends on it, else is noted.
+
+    Returns {"models": [one record per model], "missing": why a run here would stop or None,
+    "lines": the plan as printed}; `--dry-run --json` prints it whole."""
     from owai.plan import GIB, ModelShape, forward_flops_per_token, readable, ranks_needed
 
     if not any(parse_arch(a)[0] in SIZED for a in cfg.archs):
@@ -455,27 +476,39 @@ def dry_run_plan(cfg: Config) -> list[str]:
     tokenizer_vocab = run_tokenizer(cfg.data).vocab_size if vocab_from_tokenizer(cfg) else None
     device = _run_device(cfg)
     precision = precision_for(cfg.train.precision, device)
-    lines = []
+    lines: list[str] = []
+    models: list[dict[str, Any]] = []
     for plan in training_plans(cfg, tokenizer_vocab=tokenizer_vocab):
         rows = plan.model.get_input_embeddings().weight.shape[0]
         source = f"tokenizer {cfg.data.tokenizer}" if vocab_from_tokenizer(cfg) else (
             "model.vocab_size" if cfg.model.vocab_size else f"size {cfg.model.size}'s")
-        lines += plan.lines()
         shape = ModelShape.of(plan.model.config)
-        lines.append(f"  model: {shape.n_layer} layers, d {shape.d}, {shape.n_head} heads, FFN {shape.ffn}, vocabulary {rows:,} ({source}); "
-                     f"{total_steps(cfg, plan.world_size):,} updates of {sequences_per_update(cfg.train, plan.world_size)} sequences "
-                     f"({accumulation(cfg.train, plan.world_size)} micro-batches of {cfg.train.batch_size} per rank), "
-                     f"precision {precision} on {device.type}")
-        flops = ", ".join(f"{readable(forward_flops_per_token(plan.model, ctx))} at context {ctx}"
-                          for ctx in sorted({256, cfg.data.block_size}))
-        lines.append(f"  forward FLOPs per token: {flops} (training: 3x)")
+        updates, sequences = total_steps(cfg, plan.world_size), sequences_per_update(cfg.train, plan.world_size)
+        micro_batches = accumulation(cfg.train, plan.world_size)
+        flops = {ctx: forward_flops_per_token(plan.model, ctx) for ctx in sorted({256, cfg.data.block_size})}
         gpus = ranks_needed(plan, 80 * GIB)
+        lines += plan.lines()
+        lines.append(f"  model: {shape.n_layer} layers, d {shape.d}, {shape.n_head} heads, FFN {shape.ffn}, vocabulary {rows:,} ({source}); "
+                     f"{updates:,} updates of {sequences} sequences ({micro_batches} micro-batches of {cfg.train.batch_size} "
+                     f"per rank), precision {precision} on {device.type}")
+        lines.append(f"  forward FLOPs per token: {', '.join(f'{readable(f)} at context {ctx}' for ctx, f in flops.items())} "
+                     "(training: 3x)")
         lines.append(f"  fits a rank here: {'yes' if plan.fits else 'no'}; with train.parallel=fsdp, ranks of 80 GiB that hold it: "
                      f"{gpus if gpus else 'none (activations alone exceed one)'}")
+        models.append({
+            "arch": plan.arch, "parameters": plan.parameters, "strategy": plan.strategy, "world_size": plan.world_size,
+            "micro_batch": plan.micro_batch, "seq_len": plan.seq_len, "activation_checkpointing": plan.activation_checkpointing,
+            "bytes_per_rank": {"parameters": plan.params_bytes, "gradients": plan.grads_bytes, "optimizer": plan.optimizer_bytes,
+                               "activations": plan.activation_bytes, "total": plan.total_bytes},
+            "capacity_bytes": plan.capacity_bytes, "capacity": plan.capacity_name, "fits": plan.fits,
+            "layers": shape.n_layer, "d": shape.d, "heads": shape.n_head, "ffn": shape.ffn, "vocabulary": rows,
+            "vocabulary_from": source, "updates": updates, "sequences_per_update": sequences,
+            "micro_batches_per_rank": micro_batches, "precision": str(precision), "device": device.type,
+            "forward_flops_per_token": {str(ctx): f for ctx, f in flops.items()}, "fsdp_ranks_of_80gib": gpus or None,
+        })
     if missing:
         lines.append(f"not on this machine (a run here would stop before starting): {missing}")
-    return lines
-
+    return {"models": models, "missing": missing, "lines": lines}
 
 # -- data ---------------------------------------------------------------------------------------
 
@@ -1076,6 +1109,10 @@ class LanguageModelEvaluation(Method):
     Config = EvalOnlyConfig
     cli = "owai mosaic-eval"
     data_parallel = True
+
+    @staticmethod
+    def unused_settings(cfg: EvalOnlyConfig) -> dict[str, str]:
+        return data_root_unused(cfg.data, cfg.eval, None)  # the tokenizer is each model's own
 
     @staticmethod
     def validate(cfg: EvalOnlyConfig) -> None:
