@@ -20,7 +20,7 @@ from owai.checkpoint import NonFiniteError, latest_checkpoint, load_checkpoint, 
 from owai.config import apply_overrides, build, parse_override, to_dict
 from owai.errors import CannotRunHere, OwaiError
 from owai.recipes import Recipe, load, recorded_name, thesis_for
-from owai.runs import Run, config_hash, ensure_writable, environment, is_sweep_dir
+from owai.runs import OUT, Run, config_hash, ensure_writable, environment, is_sweep_dir
 
 
 def resolve(recipe: Recipe, preset: str | None, overrides: list[str],
@@ -213,7 +213,7 @@ def execute(
     recipe_name: str | None = None,
     preset: str | None = None,
     overrides: list[str] | None = None,
-    out: Path = Path("runs"),
+    out: Path | None = None,
     resume: Path | None = None,
     run_dir: Path | None = None,
     methods: tuple[str, ...] | None = None,
@@ -224,7 +224,7 @@ def execute(
     out/<recipe>/<time>-<hash>/ (sweep points use it). With `resume`, `overrides` may change only
     the method's `resume_overrides`, and the run must be of one of `methods` (the invoking
     command's) or, if `recipe_name` is given, of that recipe's method."""
-    overrides = list(overrides or [])
+    overrides, out = list(overrides or []), Path(out) if out is not None else OUT
     if distributed.launched_by_torchrun():
         run = _agree_on_run(recipe_name, preset, overrides, out, resume, run_dir, methods)
     else:

@@ -38,6 +38,7 @@ METRICS = "metrics.jsonl"
 RESULTS = "results.json"
 HISTORY = "config_history.jsonl"
 ANSWERS = "answers.jsonl"  # an evaluation's answers so far (owai.evals.answers): what its resume does not ask again
+OUT = Path("runs")  # the results root when --out is not given: OUT/<recipe>/...
 SWEEP = "sweep.json"  # a sweep directory's plan (owai.sweep); a run directory has none
 # What a run directory holds (see above): a resume writes them again, so one that is there as
 # something else (a folder where a file belongs, a broken symlink) is refused before it writes.

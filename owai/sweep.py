@@ -44,7 +44,7 @@ from owai.config import build, coerce, load_yaml, parse_override
 from owai.errors import CannotRunHere, OwaiError, one_line
 from owai.io import atomic_write_json, build_lock, is_write_temporary, remove_write_temporaries
 from owai.recipes import Grid, Recipe, Selection, check_path, load, recipe_claims, recorded_name, sub_grids
-from owai.runs import CONFIG, RESULTS, SWEEP, Run, config_hash, ensure_writable, is_sweep_dir, new_unique_dir, timestamp
+from owai.runs import CONFIG, OUT, RESULTS, SWEEP, Run, config_hash, ensure_writable, is_sweep_dir, new_unique_dir, timestamp
 from owai.values import fmt, numeric
 
 SUMMARY = "summary.json"
@@ -287,7 +287,7 @@ def plan(
 def create(
     recipe_name: str, preset: str | None = None, sets: list[str] | None = None,
     grid_overrides: list[str] | dict[str, list[Any]] | None = None, seeds: list[int] | None = None,
-    out: Path = Path("runs"), grid: Grid | None = None, select: Selection | dict[str, Any] | None = None,
+    out: Path | None = None, grid: Grid | None = None, select: Selection | dict[str, Any] | None = None,
     executor: str = "local",
 ) -> Sweep:
     """Plan a sweep, then make its directory and write sweep.json (nothing is created on error).
@@ -301,8 +301,9 @@ def create(
 
         for device in sorted(d.devices):
             select_device(device)
+    out = Path(out) if out is not None else OUT
     ensure_writable(out)
-    parent = Path(out) / recipe.id
+    parent = out / recipe.id
     spec = {"recipe": recipe.id, "preset": d.preset, "sets": sets, "grid": d.grid, "seeds": d.seeds}
     if d.select is not None:  # sweeps without a selection keep the hash they always had
         spec["select"] = dataclasses.asdict(d.select)

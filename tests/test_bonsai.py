@@ -335,8 +335,9 @@ def test_study_points_run_through_submitit(tmp_path, capsys):
     assert [(r["method"], r["init"], r["n"]) for r in json.loads(out)["rows"]] == [("irm", "rand", 1)]
     assert (study / "bonsai.md").is_file()
     (point,) = list((study / "points").iterdir())
-    code, _, err = cli_in_process(["bonsai", "--resume", str(point), "--executor", "submitit-debug"], capsys)
-    assert code == 2 and "a run directory resumes in this process" in err
+    for option in (["--executor", "submitit-debug"], ["--study"]):  # --study was ignored here
+        code, _, err = cli_in_process(["bonsai", "--resume", str(point), *option], capsys)
+        assert code == 2 and "a run directory resumes as the one run it is" in err, err
 
 
 def test_fig_2_8_study_rows_record_the_drift_from_the_perfect_initialisation(tmp_path, capsys):

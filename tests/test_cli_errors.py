@@ -143,8 +143,8 @@ def test_study_commands_check_their_recipe_and_resume_alone(tmp_path, capsys):
 
 def test_run_commands_refuse_another_methods_recipe_and_a_missing_data_root(tmp_path, capsys):
     """mosaic-train and the ruler / harness / icl evaluations started a run of any recipe given with
-    -r (a three-moons training under `owai eval ruler -r three-moons`); --data-root naming no folder, or
-    given where no input is looked up under it, was ignored. Each is a one-line error now."""
+    -r (a three-moons training under `owai eval ruler -r three-moons`); --data-root, given where no input
+    is looked up under it (even naming no folder), was ignored. Each is a one-line error now."""
     models = tmp_path / "no-models"
     models.mkdir()
     cases = [
@@ -152,7 +152,7 @@ def test_run_commands_refuse_another_methods_recipe_and_a_missing_data_root(tmp_
         (["eval", "ruler", "-r", "three-moons", "-m", "reference:oracle"], "runs method 'three_moons', not ruler"),
         (["eval", "harness", "-r", "three-moons"], "runs method 'three_moons', not harness"),
         (["eval", "icl", "-r", "three-moons"], "runs method 'three_moons', not icl"),
-        (["mosaic-train", "--data-root", str(tmp_path / "absent")], f"--data-root {tmp_path / 'absent'}: no such directory"),
+        (["mosaic-train", "--data-root", str(tmp_path / "absent")], "data.root is unused here"),
         (["mosaic-train", "--data-root", str(tmp_path)],
          "data.root is unused here: no input of this run is looked up under a data root (--data-root): corpus owai-stories, "
          "tokenizer bpe-2048"),
@@ -162,6 +162,33 @@ def test_run_commands_refuse_another_methods_recipe_and_a_missing_data_root(tmp_
         code, _, err = cli_in_process([*args, "--out", str(tmp_path / "runs")], capsys)
         assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, (args, err)
     assert no_runs(tmp_path / "runs")
+
+
+def test_options_a_command_would_ignore_are_refused(tmp_path, capsys):
+    """Each of these was accepted and had no effect (or, for the empty names, read the current
+    directory): now one line, exit 2, nothing written."""
+    out = ["--out", str(tmp_path / "runs")]
+    run = str(tmp_path / "some-run")
+    cases = [
+        (["moons", "--resume", run, *out], "--out does not apply with --resume"),
+        (["mosaic-train", "--resume", run, *out], "--out does not apply with --resume"),
+        (["eval", "ruler", "--resume", run, *out], "--out does not apply with --resume"),
+        (["sweep", "--resume", run, *out], "--out does not apply with --resume"),
+        (["bonsai", "--resume", run, *out], "--out does not apply with --resume"),
+        (["mosaic-train", "--resume", run, "-r", "fig3.9-posloss"], "drop --recipe/--size"),
+        (["mosaic-train", "--resume", run, "--size", "tiny"], "drop --recipe/--size"),
+        (["mosaic-train", "--dataset", "", *out], "data.source is empty"),
+        (["mosaic-train", "--tokenizer", "", *out], "data.tokenizer is empty"),
+        (["eval", "ruler", "-m", "reference:oracle", "--ctx", "32k,32K", *out], "give each context length once"),
+        (["eval", "ruler", "-m", "reference:oracle", "--ctx", "4k,4096", *out], "give each context length once"),
+        (["eval", "icl", "--labels", "both,semantic", *out], "both means semantic and anonymous; give it alone"),
+        (["bonsai", "-r", "figA.2-twobits", "--method", "irm", *out], "--method does not apply to recipe 'figA.2-twobits'"),
+        (["rich-features", "--dry-run", "--partition", "gpu"], "SLURM options (--partition, --gpus-per-node, ...) need --executor slurm"),
+    ]
+    for args, message in cases:
+        code, stdout, err = cli_in_process(args, capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and message in err and not stdout, (args, err)
+    assert not (tmp_path / "runs").exists() and not any(tmp_path.iterdir())
 
 
 def test_a_finished_command_ignores_ctrl_c_during_shutdown(monkeypatch, capsys):

@@ -189,6 +189,30 @@ def test_multi_run_results_name_their_device_and_another_device_computes_them_ag
         path.write_text(json.dumps(cache))
 
 
+def test_the_multi_run_step_runs_on_the_cpu_when_the_points_were_told_to(study: dict, monkeypatch) -> None:
+    """`--set runtime.device=cpu` reaches the study's last step (it ran on CUDA wherever the
+    submitting machine had it); 'auto' (the study's points here) takes CUDA where there is one."""
+    import torch
+    import yaml
+
+    from owai.methods.dropout_ft import study_device
+    from owai.sweep import open_sweep, summarise
+
+    summary = summarise(open_sweep(study["sweep"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert study_device(summary) == torch.device("cuda")
+    first = next(p for p in summary["points"] if p["status"] == "complete")
+    config = Path(first["run_dir"]) / "config.yaml"
+    original = config.read_text()
+    told = yaml.safe_load(original)
+    told["params"]["runtime"]["device"] = "cpu"
+    try:
+        config.write_text(yaml.safe_dump(told))
+        assert study_device(summary) == torch.device("cpu")
+    finally:
+        config.write_text(original)
+
+
 def test_fig_2_10_boxes_hold_every_choice_of_cell_per_test_domain() -> None:
     """One value per choice of (lr, wd) cell for each test domain, averaged over the test domains
     (the verylarge_dropout README's 6^4 = 1296 per method), per track."""

@@ -26,8 +26,8 @@ from owai.config import MAX_CONTEXT, MAX_WORKERS
 Preset = Annotated[Optional[str], typer.Option("--preset", "-p", help="Scale preset of the recipe: cpu (the default), paper (the thesis's settings), and where a recipe has them tiny (a run scale: the data that ships with owai only; not mosaic-train's --size tiny, a model size) and paper variants (paper-cosine, paper-imagenet, ...: `owai recipes show RECIPE` lists them).")]
 Sets = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a parameter: --set KEY.PATH=VALUE, e.g. --set seed=1 (repeatable; `owai recipes show RECIPE` lists the keys).")]
 EvalSets = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override an evaluation setting: --set runtime.device=cpu (repeatable; `owai recipes show RECIPE` lists them).")]
-Out = Annotated[Path, typer.Option("--out", "-o", help="Root for results: OUT/<recipe>/<time>-<hash>/ for a run, OUT/<recipe>/sweep-<time>-<hash>/ for a sweep or study.")]
-Resume = Annotated[Optional[Path], typer.Option("--resume", help="Continue a killed or failed run from its last checkpoint; --set may then change only the method's optimisation settings (learning rates, weight decay, clipping: `owai report RUN_DIR` names the one to lower).")]
+Out = Annotated[Optional[Path], typer.Option("--out", "-o", help="Root for results (default: runs): OUT/<recipe>/<time>-<hash>/ for a run, OUT/<recipe>/sweep-<time>-<hash>/ for a sweep or study.", show_default=False)]
+Resume = Annotated[Optional[Path], typer.Option("--resume", help="Continue a killed or failed run from its last checkpoint; --set may then change only the optimisation settings the method lets a resume change (learning rates, weight decay, clipping where it has them: `owai report RUN_DIR` names the one to lower; none for the runs without training).")]
 EvalResume = Annotated[Optional[Path], typer.Option("--resume", help="Finish a killed or failed evaluation RUN_DIR with its recorded settings (ruler, icl and harness ask the model only for what it had not answered, posloss and mosaic-eval compute only the batches not yet logged: the results of an uninterrupted run; a complete run is reported as it is). Takes no other settings.", show_default=False)]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or info; errors still print.")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (nothing else).")]
@@ -81,8 +81,6 @@ def data_root_sets(data_root: Path | None, recipe: str | None = None) -> list[st
 
     if data_root is None:
         return []
-    if not Path(data_root).expanduser().is_dir():
-        raise OwaiError(f"--data-root {data_root}: no such directory")
     if recipe is not None:
         from owai.config import to_dict
         from owai.recipes import load
@@ -185,6 +183,14 @@ class Launch(OptionGroup):
         return self.executor.value, self.workers, slurm
 
 
+def refuse_out_with_resume(out: Path | None) -> None:
+    """--out with --resume: the run or sweep continues in its own directory, not under OUT."""
+    from owai.errors import OwaiError
+
+    if out is not None:
+        raise OwaiError("--out does not apply with --resume: the run continues in the directory given to --resume")
+
+
 def resumable_dir(path: Path, kind: str) -> None:
     """--resume PATH naming a file: said as such (the run or sweep loader would call it missing)."""
     from owai.errors import OwaiError
@@ -228,7 +234,7 @@ def refuse_one_process_method(recipe: str | None, resume: Path | None) -> None:
 
 
 def run_recipe(
-    recipe: str | None, preset: str | None, sets: list[str] | None, out: Path, resume: Path | None, quiet: bool, as_json: bool,
+    recipe: str | None, preset: str | None, sets: list[str] | None, out: Path | None, resume: Path | None, quiet: bool, as_json: bool,
     methods: tuple[str, ...] | None = None,
 ) -> None:
     """Execute a recipe (or resume a run) and print its measured-vs-thesis table. The recipe, or the
@@ -238,6 +244,7 @@ def run_recipe(
 
     console.configure(quiet, as_json)
     if resume is not None:
+        refuse_out_with_resume(out)
         resumable_dir(resume, "run")
     elif recipe is not None and methods is not None:
         study_recipe(recipe, methods)  # a command runs its own method's recipes only
@@ -259,7 +266,7 @@ class RunOptions(OptionGroup):
 
     preset: Preset = None
     sets: Sets = None
-    out: Out = Path("runs")
+    out: Out = None
     resume: Resume = None
     quiet: Quiet = False
     as_json: Json = False
@@ -319,7 +326,7 @@ def study_recipe(recipe: str, methods: str | tuple[str, ...], source: str | None
     return rec
 
 
-def open_study(resume: Path, method: str, what: str, other_options: bool) -> Any:
+def open_study(resume: Path, method: str, what: str, other_options: bool, out: Path | None = None) -> Any:
     """The sweep directory a study command resumes; it must be a sweep of `method`, and the plan
     comes from it alone (`other_options`: the command was also given options that set one)."""
     from owai import sweep as sweeps
@@ -332,6 +339,7 @@ def open_study(resume: Path, method: str, what: str, other_options: bool) -> Any
     plan = sweeps.open_sweep(resume)
     if load(recorded_name(plan.recipe, plan.recipe_source)).method != method:
         raise OwaiError(f"{resume} is a sweep of {plan.recipe}, not {what}")
+    refuse_out_with_resume(out)
     return plan
 
 
@@ -388,9 +396,11 @@ def run_eval(models: list[Path] | None, dataset: str | None, config_name: str | 
     from owai.errors import OwaiError
 
     if opts.resume is not None:
-        if models or dataset or config_name or context is not None or posloss_only or data_root is not None:
-            raise OwaiError("--resume takes its models and settings from the run directory; drop MODEL_DIR/--dataset/"
-                            "--config-name/--context/--posloss-only")
+        given = [flag for flag, value in (("MODEL_DIR", models), ("--dataset", dataset), ("--config-name", config_name),
+                                          ("--context", context), ("--posloss-only", posloss_only or None),
+                                          ("--data-root", data_root)) if value]
+        if given:
+            raise OwaiError(f"--resume takes its models and settings from the run directory; drop {'/'.join(given)}")
         opts.run(None, opts.sets, methods=("lm_eval",))
         return
     if not models:

@@ -29,7 +29,7 @@ import typer
 
 from owai import console
 from owai.commands._common import (DataRoot, Json, Launch, Out, Preset, Quiet, Sets, csv_values, data_root_sets, options,
-                                  run_recipe, run_study, set_str, study_recipe)
+                                  refuse_out_with_resume, run_recipe, run_study, set_str, study_recipe)
 from owai.errors import OwaiError
 
 METHODS = ("coloredmnist", "camelyon17", "twobits")  # the methods `owai bonsai` runs
@@ -61,7 +61,7 @@ def bonsai(
     preset: Preset = None,
     sets: Sets = None,
     data_root: DataRoot = None,
-    out: Out = Path("runs"),
+    out: Out = None,
     resume: Annotated[Optional[Path], typer.Option("--resume", help="Continue a killed run directory, or a study's sweep directory.")] = None,
     quiet: Quiet = False,
     as_json: Json = False,
@@ -76,13 +76,14 @@ def bonsai(
     if resume is not None:
         if recipe or any(chosen.values()) or grid or seeds is not None or preset or sets or data_root is not None:
             raise OwaiError("--resume takes its config from the run or sweep directory; drop the other options")
+        refuse_out_with_resume(out)
         if sweeps.is_sweep_dir(resume):
             plan = sweeps.open_sweep(resume)
             write, table = _study_functions(study_recipe(plan.recipe, METHODS, plan.recipe_source).method)
             run_study(plan, runs_on, write, table, f"{plan.recipe}.md", f"owai bonsai --resume {plan.path}", quiet, as_json)
         else:
-            if spread:
-                raise OwaiError("--workers/--executor run a study's points; a run directory resumes in this process")
+            if spread or study:
+                raise OwaiError("--study/--workers/--executor are for a study; a run directory resumes as the one run it is")
             run_recipe(None, None, None, out, resume, quiet, as_json, methods=METHODS)
         return
     first_dataset = csv_values(dataset, "--dataset")[0] if dataset else None
@@ -90,11 +91,18 @@ def bonsai(
         if first_dataset is not None and first_dataset not in RECIPE_FOR:
             raise OwaiError(f"--dataset {first_dataset!r}: choose from {', '.join(RECIPE_FOR)}")
         recipe = RECIPE_FOR[first_dataset or "coloredmnist"]
-    rec_method = study_recipe(recipe, METHODS).method
+    rec = study_recipe(recipe, METHODS)
+    rec_method = rec.method
     if rec_method != "coloredmnist" and dataset is not None and rec_method != first_dataset:
         raise OwaiError(f"--dataset {dataset!r} does not apply to recipe {recipe!r} (method {rec_method})")
     if rec_method == "camelyon17":
         chosen["dataset"] = None  # the recipe names its dataset
+    from owai.config import to_dict
+
+    fields = to_dict(rec.method_class().Config())
+    for key, value in chosen.items():
+        if value is not None and key not in fields:
+            raise OwaiError(f"--{key} does not apply to recipe {recipe!r} (method {rec_method})")
     sets = [*data_root_sets(data_root, recipe), *(sets or [])]
     if not study:
         if grid or seeds is not None or spread:

@@ -42,21 +42,20 @@ def dropout_ft(
     grid: Annotated[Optional[list[str]], typer.Option("--grid", "-g", help="Replace a grid key's values: --grid train.lr=1e-3,5e-4 (repeatable).")] = None,
     seeds: Annotated[Optional[str], typer.Option("--seeds", help="Comma-separated seeds (default: the recipe's).")] = None,
     launch: Launch = Launch(),
-    out: Out = Path("runs"),
+    out: Out = None,
     resume: Annotated[Optional[Path], typer.Option("--resume", help="Continue a dropout-ft sweep directory (skips finished points).")] = None,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
     """Very-large dropout fine-tuning (Tables 2.8-2.12, Fig 2.10/2.11): DomainBed grid, IID selection, ensembles and weight averages."""
     from owai import sweep as sweeps
-    from owai.methods.dropout_ft import study_table, write_study
-    from owai.runtime import select_device
+    from owai.methods.dropout_ft import study_device, study_table, write_study
 
     console.configure(quiet, as_json)
     runs_on = launch.runs_on()
     if resume is not None:
         given = any(v is not None for v in (dataset, data_root, test_domain, dropout, backbone, weights, preset, sets, grid, seeds))
-        plan = open_study(resume, "dropout_ft", "a dropout-ft study", given or recipe != RECIPE)
+        plan = open_study(resume, "dropout_ft", "a dropout-ft study", given or recipe != RECIPE, out)
     else:
         rec = study_recipe(recipe, "dropout_ft")
         extra_sets = [*(sets or [])]
@@ -78,8 +77,7 @@ def dropout_ft(
         if no_pretrain:  # said once the study is valid: bad input stays one line on stderr
             console.info("pretrain stage off: a real dataset or --weights replaces the preset's offline pre-training "
                          f"(the backbone starts from model.weights={weights if weights is not None else ''!r})")
-    device = select_device("auto")
-    run_study(plan, runs_on, lambda sweep, summary: write_study(sweep, summary, device), study_table, "dropout_ft.md",
+    run_study(plan, runs_on, lambda sweep, summary: write_study(sweep, summary, study_device(summary)), study_table, "dropout_ft.md",
               f"owai dropout-ft --resume {plan.path}", quiet, as_json)
 
 

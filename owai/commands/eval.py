@@ -103,7 +103,7 @@ def regbench(
         "--grid", "-g", help="Replace a searched parameter's values: --grid train.weight_decay=0.01,0.1 (repeatable).")] = None,
     seeds: Annotated[Optional[str], typer.Option("--seeds", help="Comma-separated training seeds (default: the recipe's).")] = None,
     launch: Launch = Launch(),
-    out: Out = Path("runs"),
+    out: Out = None,
     resume: Annotated[Optional[Path], typer.Option("--resume", help="Continue a RegBench sweep directory (skips finished points).")] = None,
     quiet: Quiet = False,
     as_json: Json = False,
@@ -117,7 +117,7 @@ def regbench(
     runs_on = launch.runs_on()
     if resume is not None:
         given = any(v is not None for v in (model, train_size, positions, preset, sets, grid, seeds))
-        plan = open_study(resume, "regbench", "a RegBench study", given or recipe != REGBENCH_RECIPE)
+        plan = open_study(resume, "regbench", "a RegBench study", given or recipe != REGBENCH_RECIPE, out)
     else:
         rec = study_recipe(recipe, "regbench")
         if positions is not None and positions not in POSITIONS:
@@ -242,6 +242,8 @@ def icl(
     """In-context classification (Figs 4.6-4.9, Table 4.6): LongICLBench's banking77 / goemotion / tacred, semantic and anonymous labels, four prompt strategies."""
     # numbers (a non-number stays a string, which the method's check names)
     shot_list = [int(s) if s.lstrip("-").isdigit() else s for s in csv_values(shots, "--shots")] if shots is not None else None
+    if labels is not None and labels != "both" and "both" in csv_values(labels, "--labels"):
+        raise OwaiError(f"--labels {labels!r}: both means semantic and anonymous; give it alone")
     extra = option_sets(opts.sets, {"model": model, "task": task, "shots": shot_list, "n_queries": n, "data": data,
                                     "tokenizer": tokenizer, "allow_overflow": True if allow_overflow else None},
                         {"labels": ("semantic,anonymous" if labels == "both" else labels, "--labels")})

@@ -52,7 +52,7 @@ def rich_features(
     preset: Preset = None,
     sets: Sets = None,
     launch: Launch = Launch(),
-    out: Out = Path("runs"),
+    out: Out = None,
     resume: Annotated[Optional[Path], typer.Option("--resume", help="pretrain: a sweep directory (skips finished networks); evaluation stages: a run directory (without --stage: either).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate every step (the recipe's chain, or --stage) and print them as --stage commands; run nothing.")] = False,
     quiet: Quiet = False,
@@ -109,7 +109,7 @@ def _eval_sets(sets: list[str] | None, data_root: Path | None, networks: str | N
     return extra
 
 
-def _chain(recipe: str, stage: str | None, preset: str | None, extra: list[str], seeds: str | None, out: Path,
+def _chain(recipe: str, stage: str | None, preset: str | None, extra: list[str], seeds: str | None, out: Path | None,
            launch: Launch, dry_run: bool, quiet: bool, as_json: bool) -> None:
     """The recipe's chain (or the one --stage, with --dry-run): every step validated first, then the
     pretrain sweeps whose networks are not all cached, then the evaluation runs, the last one printed."""
@@ -125,6 +125,9 @@ def _chain(recipe: str, stage: str | None, preset: str | None, extra: list[str],
     preset_name = preset or rec.default_preset
     if all(s.stage == "pretrain" for s in steps) and any(x.startswith(("probe.networks=", "probe.n=")) for x in extra):
         raise _error("--networks and --n are options of the evaluation stages (probe, distill, ...)")
+    if launch.spreads and not any(s.stage == "pretrain" for s in steps):
+        raise _error("--executor and --workers apply to pretrain sweeps; this chain has none")
+    runs_on = launch.runs_on()  # also for a dry run: it refuses what the run would
     if dry_run:
         rows = [{"stage": s.stage, "what": s.what, "cached": s.cached, "command": s.command(rec.id, preset_name)}
                 for s in steps]
@@ -135,9 +138,6 @@ def _chain(recipe: str, stage: str | None, preset: str | None, extra: list[str],
                 note = " (in the cache: skipped)" if row["cached"] else ""
                 console.stdout.print(f"{i}. {row['what']}{note}: {row['command']}", markup=False, soft_wrap=True)
         return
-    if launch.spreads and not any(s.stage == "pretrain" for s in steps):
-        raise _error("--executor and --workers apply to pretrain sweeps; this chain has none")
-    runs_on = launch.runs_on()
     for i, step in enumerate(steps):
         last = i == len(steps) - 1
         if step.stage != "pretrain":
@@ -182,13 +182,13 @@ def _error(message: str) -> Exception:
 
 
 def _pretrain(recipe: str, preset: str | None, sets: list[str] | None, data_root: Path | None, seeds: str | None,
-              out: Path, resume: Path | None, quiet: bool, as_json: bool, runs_on: tuple) -> None:
+              out: Path | None, resume: Path | None, quiet: bool, as_json: bool, runs_on: tuple) -> None:
     """The recipe's seeds as one sweep of pretrain runs (or the rest of a killed one), then its summary."""
     from owai import sweep as sweeps
 
     if resume is not None:
         given = any(v is not None for v in (preset, sets, data_root, seeds)) or recipe != RECIPE
-        plan = open_study(resume, METHOD, "a rich-features pretrain sweep", given)
+        plan = open_study(resume, METHOD, "a rich-features pretrain sweep", given, out)
     else:
         study_recipe(recipe, METHOD)
         extra = [*(sets or []), "stage=pretrain", *data_root_sets(data_root)]

@@ -14,7 +14,8 @@ from typing import Annotated, Optional
 import typer
 
 from owai import console
-from owai.commands._common import Json, Launch, Preset, Quiet, RecipeOption, Sets, one_recipe, options, resumable_dir, run_sweep
+from owai.commands._common import (Json, Launch, Preset, Quiet, RecipeOption, Sets, one_recipe, options, refuse_out_with_resume,
+                                  resumable_dir, run_sweep)
 from owai.errors import OwaiError
 
 
@@ -29,7 +30,7 @@ def sweep(
         "sub-grid of the recipe's grid that has it, else adds the key to every sub-grid).")] = None,
     seeds: Annotated[Optional[str], typer.Option("--seeds", help="Comma-separated seeds, e.g. 0,1,2 (default: the preset's, else the recipe's sweep seeds).")] = None,
     launch: Launch = Launch(),
-    out: Annotated[Path, typer.Option("--out", "-o", help="Root for sweep directories: OUT/<recipe>/sweep-<time>-<hash>/.")] = Path("runs"),
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Root for sweep directories (default: runs): OUT/<recipe>/sweep-<time>-<hash>/.", show_default=False)] = None,
     resume: Annotated[Optional[Path], typer.Option("--resume", help="Continue a sweep directory: run only its unfinished points.")] = None,
     quiet: Quiet = False,
     as_json: Json = False,
@@ -44,6 +45,7 @@ def sweep(
     if resume is not None:
         if recipe or preset or sets or grid or seeds is not None:
             raise OwaiError("--resume takes its plan from SWEEP_DIR/sweep.json; drop RECIPE/--preset/--set/--grid/--seeds")
+        refuse_out_with_resume(out)
         resumable_dir(resume, "sweep")
         plan = sweeps.open_sweep(resume)
     else:

@@ -916,6 +916,19 @@ def _rate(variant: str) -> float | None:
     return None
 
 
+def study_device(summary: dict[str, Any]) -> torch.device:
+    """Where the study's last step (Ens-multi, WA-multi) runs, in the study command's process: on the
+    CPU when the points were asked to run there (runtime.device=cpu), else CUDA where this machine
+    has it ('auto'; a SLURM sweep's points may have run on GPUs its submitting machine lacks)."""
+    from owai.runtime import select_device
+
+    for p in summary["points"]:
+        if p["status"] == "complete":
+            name = str(Run.open(Path(p["run_dir"])).read_config()["params"].get("runtime", {}).get("device", "auto"))
+            return select_device("auto" if name in ("auto", "cuda") else name)
+    return select_device("auto")
+
+
 def write_study(sweep: Any, summary: dict[str, Any], device: torch.device) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """dropout_ft.json, dropout_ft.md and figures/dropout_ft.png in the sweep directory (atomically)."""
     from owai.sweep import write_study_files

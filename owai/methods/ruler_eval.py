@@ -98,8 +98,9 @@ class Ruler(Method):
             raise OwaiError(f"tasks {cfg.tasks}: give distinct tasks from {', '.join(known)}")
         if not cfg.ctx:
             raise OwaiError("ctx: give at least one context length (4k, 8k, ... or a number of tokens)")
-        for length in cfg.ctx:
-            ruler.parse_context_length(length)
+        budgets = [ruler.parse_context_length(length) for length in cfg.ctx]
+        if len(set(budgets)) != len(budgets):
+            raise OwaiError(f"ctx {cfg.ctx}: give each context length once (32k and 32K, or 4k and 4096, are one length)")
         check_count("n", cfg.n, 1, MAX_SAMPLES)
         check_count("max_tokens", cfg.max_tokens, 0, MAX_CONTEXT)
         if cfg.rule not in ruler.RULES:
@@ -260,7 +261,7 @@ def haystack_folder(text: str) -> Path:
     folder = find_relative(text) or Path(text).expanduser()
     if not folder.is_dir():
         raise DataMissing(missing_relative(text) or f"essay haystack {text!r} not found (a folder of .txt essays; "
-                          "relative paths are looked up under $OWAI_DATA): pass --set haystack_dir=DIR")
+                          "relative paths are looked up under $OWAI_DATA): pass --haystack-dir DIR")
     return folder
 
 
