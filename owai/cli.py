@@ -138,7 +138,8 @@ def recipes_list(
 
 @recipes_app.command("show")
 def recipes_show(
-    recipe: Annotated[str, typer.Argument(help="Recipe id or path to a recipe YAML file.")],
+    recipe: Annotated[Optional[str], typer.Argument(help="Recipe id or path to a recipe YAML file.", show_default=False)] = None,
+    recipe_option: RecipeOption = None,
     preset: Preset = None,
     sets: Sets = None,
     quiet: Quiet = False,
@@ -146,6 +147,9 @@ def recipes_show(
 ) -> None:
     """Show a recipe (its claims included) and its resolved parameters: at the default preset, or at
     --preset with --set applied."""
+    recipe = one_recipe(recipe, recipe_option)
+    if recipe is None:
+        raise OwaiError("name a RECIPE to show (`owai recipes list` lists them)")
     import yaml
 
     from owai import recipes

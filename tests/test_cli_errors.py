@@ -141,6 +141,11 @@ def test_study_commands_check_their_recipe_and_resume_alone(tmp_path, capsys):
     assert no_runs(tmp_path / "runs") and not any((moons / "points").iterdir())
 
 
+def test_recipes_show_takes_the_recipe_as_every_command_does(capsys):
+    code, out, err = cli_in_process(["recipes", "show", "--recipe", "three-moons", "-q", "--json"], capsys)
+    assert code == 0 and '"id": "three-moons"' in out, err
+
+
 def test_run_commands_refuse_another_methods_recipe_and_a_missing_data_root(tmp_path, capsys):
     """mosaic-train and the ruler / harness / icl evaluations started a run of any recipe given with
     -r (a three-moons training under `owai eval ruler -r three-moons`); --data-root, given where no input
@@ -184,6 +189,9 @@ def test_options_a_command_would_ignore_are_refused(tmp_path, capsys):
         (["eval", "icl", "--labels", "both,semantic", *out], "both means semantic and anonymous; give it alone"),
         (["bonsai", "-r", "figA.2-twobits", "--method", "irm", *out], "--method does not apply to recipe 'figA.2-twobits'"),
         (["rich-features", "--dry-run", "--partition", "gpu"], "SLURM options (--partition, --gpus-per-node, ...) need --executor slurm"),
+        (["rich-features", "--stage", "probe", "--networks", str(tmp_path / "absent"), *out],
+         f"probe.networks: {tmp_path / 'absent'} is not a directory"),
+        (["recipes", "show"], "name a RECIPE to show"),
     ]
     for args, message in cases:
         code, stdout, err = cli_in_process(args, capsys)

@@ -619,7 +619,7 @@ def test_most_commands_are_taken_through() -> None:
     ("owai mosaic-train --no-such-option", "NoSuchOption: No such option: --no-such-option"),
     ("owai no-such-command --json", "No such command 'no-such-command'"),
     ("owai mosaic-train --depth deep", "'--depth'"),
-    ("owai recipes show --preset cpu", "Missing"),
+    ("owai data verify --data-root DIR", "Missing argument 'name'"),
     ("owai report", "Missing argument 'run_dir'"),  # a command line, not a span that names the command
     ("owai report --markdown", "Missing"),
     ("owai report RUN_DIR extra words", "unexpected extra argument"),
@@ -737,7 +737,7 @@ def test_nothing_runs_past_the_stops(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("text", ["owai report", "owai recipes list / show / run", "owai sweep --resume", "owai data fetch"])
+@pytest.mark.parametrize("text", ["owai report", "owai data list / fetch / verify", "owai sweep --resume", "owai data fetch"])
 def test_a_span_may_name_a_command_or_an_option(text: str) -> None:
     assert check(text, whole=False) == [] and check(text) != []
 

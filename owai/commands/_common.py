@@ -35,7 +35,8 @@ TrackerOption = Annotated[Optional[str], typer.Option(
     "--tracker", help="Mirror the run's metrics to tensorboard or wandb (pip install 'owai\\[tensorboard]' / 'owai\\[wandb]'); "
                       "the same as --set runtime.tracker=NAME.", show_default=False)]
 DATA_ROOT_HELP = ("Data root: DIR/<dataset> (mnist/, camelyon17/, domainbed/PACS/, text/babistories/...) or the dataset's own "
-                  "folder. Default: $OWAI_DATA/<dataset>, then the cache (`owai data list` shows what is found).")
+                  "folder. Default: $OWAI_MNIST_DIR / $OWAI_BABISTORIES for those datasets, then $OWAI_DATA/<dataset>, then "
+                  "the cache (`owai data list` shows what is found).")
 DataRoot = Annotated[Optional[Path], typer.Option("--data-root", help=DATA_ROOT_HELP, show_default=False)]
 
 

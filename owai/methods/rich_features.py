@@ -1048,6 +1048,8 @@ def _pretrain_runs(path: Path) -> list[Path]:
     """A pretrain run directory, or every point of a pretrain sweep directory (in seed order)."""
     from owai.sweep import is_sweep_dir, open_sweep, point_status
 
+    if not path.is_dir():
+        raise DataMissing(f"probe.networks: {path} is not a directory (a pretrain run or sweep directory)")
     if not is_sweep_dir(path):
         return [path]
     sweep = open_sweep(path)
