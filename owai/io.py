@@ -26,52 +26,53 @@ def umask() -> int:
     return mask
 
 
+@contextmanager
+def replacing(path: Path) -> Iterator[Any]:
+    """A binary file that becomes `path` when the block ends without an error: written to a temporary
+    file beside it (named so that `remove_dead_builds` knows it), fsynced, then renamed over `path`
+    (mode as open() gives); on any error, or an interrupt, the temporary file is removed and `path`
+    is as it was. OSErrors are raised as they come (callers word them)."""
+    fd, tmp = tempfile.mkstemp(prefix=f"{_build_prefix(path, 'write')}{os.getpid()}-", suffix=".tmp", dir=Path(path).parent)
+    try:
+        os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600 files; results are meant to be shared
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary file beside `path`, fsync, then rename over it (mode as open() gives).
-    A write that fails (no such folder, no room, a folder where the file goes) leaves `path` as it was
-    and is one OwaiError naming it: every owai writer goes through here."""
+    """Write `data` to `path` through `replacing`. A write that fails (no such folder, no room, a
+    folder where the file goes) leaves `path` as it was and is one OwaiError naming it: every owai
+    writer goes through here."""
     from owai.errors import OwaiError
 
     path = Path(path)
     remove_dead_builds(path, "write")  # what writes of `path` killed on this host left (a shared cache has no resume)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f"{_build_prefix(path, 'write')}{os.getpid()}-", suffix=".tmp", dir=path.parent)
+        with replacing(path) as f:
+            f.write(data)
     except OSError as e:
         raise OwaiError(f"cannot write {path}: {e.strerror or type(e).__name__}") from None
-    try:
-        os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600 files; results are meant to be shared
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise OwaiError(f"cannot write {path}: {e.strerror or type(e).__name__}") from None
-        raise
 
 
-DOWNLOAD_TIMEOUT = 60.0  # seconds without data before a download is abandoned
+DOWNLOAD_TIMEOUT = 60.0  # seconds without data before a download is given up
 
 
 def download(url: str, dest: Path, timeout: float = DOWNLOAD_TIMEOUT) -> None:
-    """Stream `url` into `dest` through a temporary file beside it, renamed into place when complete
-    (a cut download never looks like the file); `timeout`: seconds without data. Raises what urllib
-    and the file system raise (URLError, OSError, ValueError): callers word the one-line error."""
+    """Stream `url` into `dest` through `replacing` (a cut download never looks like the file);
+    `timeout`: seconds without data. Raises what urllib and the file system raise (URLError, OSError,
+    ValueError): callers word the one-line error."""
     import urllib.request
 
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f"{_build_prefix(dest, 'write')}{os.getpid()}-", suffix=".tmp", dir=dest.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~umask())
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - callers' URLs
-            shutil.copyfileobj(response, out, 1 << 20)
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with replacing(dest) as out, urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - callers' URLs
+        shutil.copyfileobj(response, out, 1 << 20)
 
 
 def file_digest(path: Path, algorithm: str) -> str:
