@@ -63,8 +63,9 @@ def test_group_loader_composition_and_determinism():
         assert pos.numel() == 32 and g[:16].unique().numel() == 1 and g[16:].unique().numel() == 1
         assert g[0] != g[16]
         seen.add(tuple(sorted((int(g[0]), int(g[16])))))
-        if int(g[0]) == 4:  # a group larger than the half-batch: no repeats inside the batch
-            assert pos[:16].unique().numel() == 16
+        for half in (slice(0, 16), slice(16, 32)):  # hospital 4 is larger than a half-batch: no repeats in its half
+            if int(g[half][0]) == 4:
+                assert pos[half].unique().numel() == 16
         assert torch.equal(pos, GroupSampler(hospitals, 32, 2, seed=5, stage="downstream").positions(step))
     assert seen == {(0, 3), (0, 4), (3, 4)}  # uniform over hospital pairs
     assert not torch.equal(sampler.positions(0), GroupSampler(hospitals, 32, 2, seed=6, stage="downstream").positions(0))
