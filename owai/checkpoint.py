@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import save_file
 
 from owai.errors import OwaiError
-from owai.io import file_digest, read_safetensors, umask
+from owai.io import cannot_write, file_digest, is_write_failure, read_safetensors, umask
 
 FORMAT = "owai-checkpoint-v1"
 SHARDED_FORMAT = "owai-checkpoint-v2"  # v1 + the model and optimizer state as DCP shards under dcp/
@@ -137,13 +137,18 @@ def save_checkpoint(
     if bad:
         raise NonFiniteError(f"refusing to write checkpoint {final}: {bad[0]} holds non-finite values",
                              directory.name, step)
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TEMPORARY_PREFIX}{step:06d}-", dir=directory))
-    os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700 directories
     try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{TEMPORARY_PREFIX}{step:06d}-", dir=directory))
+    except OSError as e:
+        raise cannot_write(f"checkpoint {final}", e) from None
+    try:
+        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700 directories
         _commit(tmp, final, tensors, {"format": FORMAT, "step": step}, skeleton, identity)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_write_failure(e):  # no room, a read-only folder, a name too long: one line naming the checkpoint
+            raise cannot_write(f"checkpoint {final}", e) from None
         raise
     _prune(directory, keep)
     return final

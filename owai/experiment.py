@@ -9,6 +9,7 @@ config_history.jsonl. Non-finite training state or metrics end the run as `faile
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime as dt
 import math
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from owai import console, distributed, trackers
-from owai.checkpoint import NonFiniteError, latest_checkpoint, load_checkpoint, recorded_identity
+from owai.checkpoint import NonFiniteError, latest_checkpoint, list_checkpoints, load_checkpoint, recorded_identity
 from owai.config import apply_overrides, build, parse_override, to_dict
 from owai.errors import CannotRunHere, OwaiError
 from owai.recipes import Recipe, load, recorded_name, thesis_for
@@ -125,8 +126,14 @@ def verify_checkpoints(run: Run, identity: dict[str, Any]) -> dict[str, int]:
     for stage_dir in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
         last = latest_checkpoint(stage_dir)
         if last is not None:
-            recorded = recorded_identity(last)  # train_loop refuses a stage checkpoint without one
-            load_checkpoint(last, expect=None if recorded is None else {**identity, "stage": stage_dir.name})
+            try:
+                recorded = recorded_identity(last)  # train_loop refuses a stage checkpoint without one
+                load_checkpoint(last, expect=None if recorded is None else {**identity, "stage": stage_dir.name})
+            except OwaiError as e:
+                earlier = list_checkpoints(stage_dir)[:-1]
+                if " is corrupt: " in str(e) and earlier:  # e.g. a power cut before its tensors reached the disk
+                    raise OwaiError(f"{e}; remove {last} to resume from the checkpoint before it, {earlier[-1].name}") from None
+                raise
             found[stage_dir.name] = int(last.name[5:])
     return found
 
@@ -350,7 +357,8 @@ def _run_method(recipe: Recipe, cfg: Any, resolved: dict[str, Any], run: Run) ->
                        nonfinite={"stage": e.stage, "step": e.step, "checkpoint": e.checkpoint})
         raise NonFiniteError(f"{e}; {resume_hint(run)}", e.stage, e.step, e.checkpoint) from None
     except BaseException as e:
-        run.set_status("failed", error=f"{type(e).__name__}: {e}")
+        with contextlib.suppress(OwaiError):  # status.json unwritable too (a full disk): the first error is the one to say
+            run.set_status("failed", error=f"{type(e).__name__}: {e}")
         raise
     finally:
         if run.tracker is not None:

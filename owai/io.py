@@ -45,19 +45,40 @@ def replacing(path: Path) -> Iterator[Any]:
         raise
 
 
+def write_problem(error: BaseException) -> str:
+    """What went wrong in a failed write, in a few words: the OS's reason (No space left on device,
+    Read-only file system, ...) or a library's message with its own prefix removed."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    text = " ".join(str(error).split()) or type(error).__name__
+    for prefix in ("Error while serializing: ", "I/O error: "):  # safetensors' SafetensorError
+        text = text.removeprefix(prefix)
+    return text
+
+
+def cannot_write(what: str | Path, error: BaseException) -> Exception:
+    """The one-line OwaiError of a write that failed: "cannot write WHAT: REASON"."""
+    from owai.errors import OwaiError
+
+    return OwaiError(f"cannot write {what}: {write_problem(error)}")
+
+
+def is_write_failure(error: BaseException) -> bool:
+    """An OSError, or safetensors' SafetensorError (its I/O errors are not OSErrors)."""
+    return isinstance(error, OSError) or type(error).__name__ == "SafetensorError"
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write `data` to `path` through `replacing`. A write that fails (no such folder, no room, a
     folder where the file goes) leaves `path` as it was and is one OwaiError naming it: every owai
     writer goes through here."""
-    from owai.errors import OwaiError
-
     path = Path(path)
     remove_dead_builds(path, "write")  # what writes of `path` killed on this host left (a shared cache has no resume)
     try:
         with replacing(path) as f:
             f.write(data)
     except OSError as e:
-        raise OwaiError(f"cannot write {path}: {e.strerror or type(e).__name__}") from None
+        raise cannot_write(path, e) from None
 
 
 DOWNLOAD_TIMEOUT = 60.0  # seconds without data before a download is given up
@@ -92,10 +113,13 @@ def folder_to_build(final: Path, kind: str = "tmp") -> Path:
     (0777 less the umask). The folders of this KIND that processes of this host were killed in while
     building `final` are removed first (`remove_dead_builds`)."""
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    remove_dead_builds(final, kind)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{_build_prefix(final, kind)}{os.getpid()}-", dir=final.parent))
-    os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700 folders: renamed into a shared cache, only their owner could read them
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        remove_dead_builds(final, kind)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{_build_prefix(final, kind)}{os.getpid()}-", dir=final.parent))
+        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700 folders: renamed into a shared cache, only their owner could read them
+    except OSError as e:  # a read-only or full folder, a file where the folder goes
+        raise cannot_write(final, e) from None
     return tmp
 
 
@@ -343,6 +367,10 @@ def check_folder(folder: Path, what: str, remedy: str = "", writable: bool = Tru
         return OwaiError(f"{what} {problem}" + (f": {remedy}" if remedy else ""))
 
     nearest = folder
+    try:
+        folder.exists()
+    except OSError as e:  # a name longer than the file system takes (ENAMETOOLONG)
+        raise refuse(f"cannot be made: {e.strerror or e}") from None
     while not nearest.exists():
         if nearest.is_symlink():  # dangling (or a loop): mkdir would stop at it with "File exists"
             raise refuse(f"cannot be made: {nearest} is a broken symlink")
@@ -408,7 +436,10 @@ def write_cache_entry(path: str | Path, tensors: dict[str, Any], metadata: dict[
     from safetensors.torch import save
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only or full cache, a file where the folder goes
+        raise cannot_write(f"cache entry {path}", e) from None
     flat = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     atomic_write_bytes(path, save(flat, metadata=metadata))
 

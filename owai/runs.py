@@ -29,7 +29,8 @@ from typing import Any
 from owai import __version__
 from owai.errors import DataMissing, OwaiError
 from owai.trackers import Tracker
-from owai.io import atomic_write_bytes, atomic_write_figure, atomic_write_json, atomic_write_yaml, check_folder, remove_write_temporaries
+from owai.io import (atomic_write_bytes, atomic_write_figure, atomic_write_json, atomic_write_yaml, cannot_write, check_folder,
+                     remove_write_temporaries)
 
 CONFIG = "config.yaml"
 ENV = "env.json"
@@ -362,8 +363,11 @@ class Run:
         if not self.writes:
             return
         line = json.dumps({"stage": stage, "step": step, **values}, default=float)
-        with open(self.path / METRICS, "a") as f:
-            f.write(line + "\n")
+        try:
+            with open(self.path / METRICS, "a") as f:
+                f.write(line + "\n")
+        except OSError as e:  # a resume trims a partial line: the run can continue from its last checkpoint
+            raise cannot_write(self.path / METRICS, e) from None
         if self.tracker is not None:
             self.tracker.log(stage, step, values)
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from owai.errors import DataMissing, OwaiError, one_line
-from owai.io import cache_root, download, file_digest, folder_to_build, remove_dead_builds
+from owai.io import cache_root, cannot_write, download, file_digest, folder_to_build, remove_dead_builds
 
 DATA_ENV = "OWAI_DATA"
 MNIST_MIRROR_ENV = "OWAI_MNIST_MIRROR"  # comma-separated base URLs replacing MNIST_MIRRORS
@@ -420,7 +420,10 @@ def _fetch_checked(ds: Dataset, tmp: Path, urls: tuple[str, ...], info: Callable
 
 def _publish(final: Path, fill: Callable[[Path], None], info: Callable[[str], None]) -> Path:
     """Fill a temporary directory beside `final`, then rename it into place (nothing left on failure)."""
-    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only or full data root, a file where a folder goes
+        raise cannot_write(final.parent, e) from None
     if final.exists() and not final.is_dir():
         raise OwaiError(f"{final} exists and is not a directory")
     tmp = folder_to_build(final, "fetch")

@@ -60,7 +60,8 @@ from typing import Any, TextIO
 from owai.data import registry, stories
 from owai.errors import DataMissing, OwaiError, one_line
 from owai.hub import hub_unreachable
-from owai.io import atomic_write_json, atomic_write_text, build_lock, cache_root, folder_to_build, remove_dead_builds  # cache_root: tokens.py uses it from here
+from owai.io import (atomic_write_json, atomic_write_text, build_lock, cache_root, cannot_write, folder_to_build,  # cache_root: tokens.py
+                     remove_dead_builds)  # uses it from here
 
 SPLITS = ("train", "val")
 SPLIT_ALIASES = {"train": "train", "val": "val", "valid": "val", "validation": "val"}
@@ -1084,8 +1085,6 @@ def _from_transformers(name: str, path: Path) -> HFTokenizer:
 
 def _bpe(vocab: int, root: Path, texts: Iterable[str] | None, fingerprint: str | None) -> HFTokenizer:
     """Load the cached bpe-N for this corpus, or train and cache it (tokenizer.json, atomic)."""
-    from tokenizers import Tokenizer as Backend
-
     if not BPE_MIN_VOCAB <= vocab <= BPE_MAX_VOCAB:
         raise OwaiError(f"bpe-{vocab}: vocabulary size must be between {BPE_MIN_VOCAB} and {BPE_MAX_VOCAB}")
     capped = None
@@ -1095,17 +1094,36 @@ def _bpe(vocab: int, root: Path, texts: Iterable[str] | None, fingerprint: str |
         capped = _cap_chars(texts, BPE_TRAIN_MAX_CHARS)
         fingerprint = digest(capped)
     path = root / "tokenizers" / f"bpe-{vocab}-{digest(fingerprint, vocab, BPE_TRAIN_MAX_CHARS)}" / "tokenizer.json"
-    if not path.is_file():
+    backend = _cached_bpe(path)
+    if backend is None:
         if capped is None and texts is None:
             raise OwaiError(f"tokenizer bpe-{vocab} for this corpus is not cached yet: pass training texts")
-        with build_lock(path.parent):  # one process trains it; the others wait and read it
-            if not path.is_file():
-                backend = train_bpe(capped if capped is not None else _cap_chars(texts, BPE_TRAIN_MAX_CHARS), vocab)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write_text(path, backend.to_str())
-                return HFTokenizer(f"bpe-{vocab}", backend, backend.token_to_id(EOT_TEXT))
-    backend = Backend.from_file(str(path))
+        try:
+            with build_lock(path.parent):  # one process trains it; the others wait and read it
+                backend = _cached_bpe(path)
+                if backend is None:
+                    backend = train_bpe(capped if capped is not None else _cap_chars(texts, BPE_TRAIN_MAX_CHARS), vocab)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    atomic_write_text(path, backend.to_str())
+        except OSError as e:  # a read-only or full cache, a file where its folder goes
+            raise cannot_write(f"tokenizer cache {path.parent}", e) from None
     return HFTokenizer(f"bpe-{vocab}", backend, backend.token_to_id(EOT_TEXT))
+
+
+def _cached_bpe(path: Path) -> Any:
+    """The trained tokenizer cached at `path`, or None: not there, or damaged (a cut write, a full
+    disk), which is said and then trained again, as every cache entry is rebuilt rather than trusted."""
+    from tokenizers import Tokenizer as Backend
+
+    if not path.is_file():
+        return None
+    try:
+        return Backend.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises its own Exception
+        from owai import console
+
+        console.info(f"{path}: damaged tokenizer cache entry ({one_line(exc, 80)}); training it again")
+        return None
 
 
 def _cap_chars(texts: Iterable[str], max_chars: int) -> list[str]:

@@ -48,7 +48,7 @@ from owai.data.text import (
     slug,
 )
 from owai.errors import OwaiError
-from owai.io import atomic_write_json, build_lock, folder_to_build, remove_dead_builds
+from owai.io import atomic_write_json, build_lock, cannot_write, folder_to_build, remove_dead_builds
 
 FORMAT_VERSION = 1
 DOCS_PER_BATCH = 512  # documents per encode_batch call / worker task
@@ -208,15 +208,18 @@ def _write_split(src: TextSource, split: str, tok: Tokenizer, path: Path, dtype:
     """Stream `split` through the tokenizer into `path`; returns (n_tokens, n_documents)."""
     console.info(f"tokenizing {src.name} ({split}) with {tok.name}")
     n_tokens = n_docs = 0
-    with open(path, "wb") as f:
-        for ids, docs in _encoded_batches(src.texts(split), tok, workers):
-            if ids.size and int(ids.max()) >= tok.vocab_size:
-                raise OwaiError(f"tokenizer {tok.name} produced id {int(ids.max())} >= vocab_size {tok.vocab_size}")
-            f.write(ids.astype(dtype, copy=False).tobytes())
-            n_tokens += int(ids.size)
-            n_docs += docs
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            for ids, docs in _encoded_batches(src.texts(split), tok, workers):
+                if ids.size and int(ids.max()) >= tok.vocab_size:
+                    raise OwaiError(f"tokenizer {tok.name} produced id {int(ids.max())} >= vocab_size {tok.vocab_size}")
+                f.write(ids.astype(dtype, copy=False).tobytes())
+                n_tokens += int(ids.size)
+                n_docs += docs
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:  # a full or read-only cache (the folder being built is removed by the caller)
+        raise cannot_write(f"token cache {path}", e) from None
     if n_tokens == 0:
         raise OwaiError(f"source {src.name} has no {split} documents ({src.val_rule}); "
                         "add documents or a validation file")

@@ -858,7 +858,7 @@ def save_model(run: Run, arch: str, parallel: Any, data: LMData, max_shard_size:
     written through a meta-device twin of the model (its class and config, no weights)."""
     from owai.data.text import save_tokenizer
     from owai.distributed import full_state_on_rank0
-    from owai.io import share_files
+    from owai.io import cannot_write, is_write_failure, share_files
 
     target = run.path / "models" / arch
     sharded = parallel.sharded and parallel.strategy == "fsdp"
@@ -869,19 +869,24 @@ def save_model(run: Run, arch: str, parallel: Any, data: LMData, max_shard_size:
 
         hf_logging.disable_progress_bar()
         tmp = target.with_name(f".{arch}.tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        if sharded:
-            with torch.device("meta"):
-                twin = AutoModelForCausalLM.from_config(parallel.module.config)
-            twin.save_pretrained(tmp, state_dict=state, safe_serialization=True, max_shard_size=max_shard_size)
-        else:
-            parallel.module.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
-        save_tokenizer(data.tokenizer, tmp)
-        share_files(tmp)  # save_pretrained writes model.safetensors 0600; every file of a run is 0644
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            if sharded:
+                with torch.device("meta"):
+                    twin = AutoModelForCausalLM.from_config(parallel.module.config)
+                twin.save_pretrained(tmp, state_dict=state, safe_serialization=True, max_shard_size=max_shard_size)
+            else:
+                parallel.module.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
+            save_tokenizer(data.tokenizer, tmp)
+            share_files(tmp)  # save_pretrained writes model.safetensors 0600; every file of a run is 0644
+            if target.exists():
+                shutil.rmtree(target)
+            tmp.rename(target)
+        except Exception as e:
+            if is_write_failure(e):  # no room, a read-only folder: --resume saves it again from the last checkpoint
+                raise cannot_write(f"model {target}", e) from None
+            raise
     distributed.barrier()
     return target
 
