@@ -144,12 +144,15 @@ class Camelyon17:
         self.image_size, self.cache_images = image_size, cache_images
         self._cache: dict[int, np.ndarray] = {}
         path = self.dir / "metadata.csv"
-        with open(path, newline="") as f:
-            reader = csv.DictReader(f)
-            missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
-            if missing:
-                raise OwaiError(f"{path} lacks column(s) {', '.join(missing)} (has {', '.join(reader.fieldnames or [])})")
-            rows = list(reader)
+        try:
+            with open(path, newline="", encoding="utf-8") as f:
+                reader = csv.DictReader(f)
+                missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+                if missing:
+                    raise OwaiError(f"{path} lacks column(s) {', '.join(missing)} (has {', '.join(reader.fieldnames or [])})")
+                rows = list(reader)
+        except UnicodeDecodeError as e:
+            raise OwaiError(f"{path}: not UTF-8 text (byte {e.start})") from None
         files, ints = [], {c: [] for c in ("tumor", "slide", "center", "split")}
         for line, row in enumerate(rows, start=2):
             patient, node = row["patient"].strip(), _int(row["node"], line, "node", path)
@@ -165,6 +168,10 @@ class Camelyon17:
         raw_split = torch.tensor(ints["split"], dtype=torch.int64)
         if self.labels.numel() and not bool(((self.labels == 0) | (self.labels == 1)).all()):
             raise OwaiError(f"{path}: column 'tumor' must be 0 or 1")
+        if self.centers.numel() and not bool(((self.centers >= 0) & (self.centers <= 4)).all()):
+            raise OwaiError(f"{path}: column 'center' must be a hospital 0-4")  # the five hospitals of WILDS
+        if raw_split.numel() and not bool(((raw_split == 0) | (raw_split == 1)).all()):
+            raise OwaiError(f"{path}: column 'split' must be 0 (train) or 1 (in-distribution validation)")
         self._splits: dict[str, torch.Tensor] = {}
         in_train_centers = (self.centers != VAL_CENTER) & (self.centers != TEST_CENTER)
         masks = {"train": in_train_centers & (raw_split == 0), "id_val": in_train_centers & (raw_split == 1),

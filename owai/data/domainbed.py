@@ -335,6 +335,9 @@ def split_domain(n: int, holdout_fraction: float, trial_seed: int, domain: int) 
     np.random.RandomState(domainbed_seed(int(trial_seed), int(domain))).shuffle(keys)
     perm = torch.from_numpy(keys)
     k = int(n * holdout_fraction)
+    if holdout_fraction > 0 and (k == 0 or k == n):  # an empty part: nothing to train on, or to select with
+        raise OwaiError(f"domain {domain} has {n} examples: too few to hold out {holdout_fraction:g} of them "
+                        "(data.holdout_fraction) and train on the rest")
     return perm[k:].clone(), perm[:k].clone()
 
 

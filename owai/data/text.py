@@ -53,6 +53,7 @@ import json
 import os
 import re
 import shutil
+import tarfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -534,7 +535,7 @@ def _guard(path: Path, read: Callable[[], Iterator[str]]) -> Iterator[str]:
         raise
     except UnicodeDecodeError:
         raise not_utf8(path) from None
-    except (OSError, EOFError, ValueError) as exc:
+    except (OSError, EOFError, ValueError, tarfile.TarError) as exc:  # TarError: an archive cut inside a member
         raise OwaiError(f"{path}: cannot read ({one_line(exc)})") from None
 
 
@@ -642,8 +643,6 @@ def _read_tar(path: Path, text_field: str) -> Iterator[str]:
     """A tar archive (.tar, .tar.gz, .tgz) of documents, members in name order: a `.txt` member is ONE
     document (whole file: archives such as the State of the Union addresses hold one text per
     file), `.jsonl` / `.json` members are read as JSON lines; other members are skipped."""
-    import tarfile
-
     def read() -> Iterator[str]:
         try:
             archive = tarfile.open(path, "r:*")

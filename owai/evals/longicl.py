@@ -81,10 +81,22 @@ class ICLData:
     query_quota: int | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
+    def check_pools(self) -> ICLData:
+        """Itself, when both pools hold examples; an empty or header-only split is one error (an
+        evaluation of 0 queries would report nothing without a word)."""
+        for pool, examples in (("demonstration", self.train), ("query", self.test)):
+            if not examples:
+                raise OwaiError(f"longicl: {self.name}'s {pool} pool is empty ({self.info.get('source', 'no source')})")
+        return self
+
     @property
     def task(self) -> str:
         """The prompt template's name."""
         return self.template or self.name
+
+
+def _not_utf8(path: Path, error: UnicodeDecodeError) -> OwaiError:
+    return OwaiError(f"longicl: {path}: not UTF-8 text (byte {error.start}: {error.reason})")
 
 
 def _need_file(path: Path) -> Path:
@@ -132,18 +144,21 @@ def load_banking77(root: Path) -> ICLData:
     def read(split: str) -> list[Example]:
         path = _need_file(root / f"{split}.csv")
         rows: list[Example] = []
-        with path.open(newline="", encoding="utf-8") as f:
-            reader = csv.reader(f)
-            header = next(reader, None)
-            if header != ["text", "category"]:
-                raise OwaiError(f"longicl: {path}: header must be 'text,category', got {header!r}")
-            for row in reader:
-                if len(row) != 2:
-                    raise OwaiError(f"longicl: {path} line {reader.line_num}: expected 2 fields, got {len(row)}")
-                text, cat = row
-                if cat not in known:
-                    raise OwaiError(f"longicl: {path} line {reader.line_num}: unknown category {cat!r}")
-                rows.append(Example(text, cat))
+        try:
+            with path.open(newline="", encoding="utf-8") as f:
+                reader = csv.reader(f)
+                header = next(reader, None)
+                if header != ["text", "category"]:
+                    raise OwaiError(f"longicl: {path}: header must be 'text,category', got {header!r}")
+                for row in reader:
+                    if len(row) != 2:
+                        raise OwaiError(f"longicl: {path} line {reader.line_num}: expected 2 fields, got {len(row)}")
+                    text, cat = row
+                    if cat not in known:
+                        raise OwaiError(f"longicl: {path} line {reader.line_num}: unknown category {cat!r}")
+                    rows.append(Example(text, cat))
+        except UnicodeDecodeError as e:
+            raise _not_utf8(path, e) from None
         return rows
 
     train, test = read("train"), read("test")
@@ -167,23 +182,30 @@ def load_goemotions(root: Path, eval_split: str = "test") -> ICLData:
     if eval_split not in ("test", "dev"):
         raise OwaiError(f"longicl: goemotion eval_split must be 'test' or 'dev', got {eval_split!r}")
     label_file = _need_file(root / "labels.txt")
-    names = _check_labels([s.strip() for s in label_file.read_text(encoding="utf-8").splitlines() if s.strip()], label_file)
+    try:
+        lines = label_file.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise _not_utf8(label_file, e) from None
+    names = _check_labels([s.strip() for s in lines if s.strip()], label_file)
 
     def read(split: str) -> list[tuple[str, list[int], str]]:
         path = _need_file(root / f"{split}.tsv")
         rows = []
-        with path.open(newline="", encoding="utf-8") as f:
-            reader = csv.reader(f, delimiter="\t")  # quoted fields unescaped, as the hub's go_emotions reader does
-            for row in reader:
-                if len(row) != 3:
-                    raise OwaiError(f"longicl: {path} line {reader.line_num}: expected 3 tab-separated fields, got {len(row)}")
-                try:
-                    ids = [int(s) for s in row[1].split(",")]
-                except ValueError:
-                    raise OwaiError(f"longicl: {path} line {reader.line_num}: label ids {row[1]!r} are not integers") from None
-                if not all(0 <= i < len(names) for i in ids):
-                    raise OwaiError(f"longicl: {path} line {reader.line_num}: label id out of range 0..{len(names) - 1} in {row[1]!r}")
-                rows.append((row[0], ids, row[2]))
+        try:
+            with path.open(newline="", encoding="utf-8") as f:
+                reader = csv.reader(f, delimiter="\t")  # quoted fields unescaped, as the hub's go_emotions reader does
+                for row in reader:
+                    if len(row) != 3:
+                        raise OwaiError(f"longicl: {path} line {reader.line_num}: expected 3 tab-separated fields, got {len(row)}")
+                    try:
+                        ids = [int(s) for s in row[1].split(",")]
+                    except ValueError:
+                        raise OwaiError(f"longicl: {path} line {reader.line_num}: label ids {row[1]!r} are not integers") from None
+                    if not all(0 <= i < len(names) for i in ids):
+                        raise OwaiError(f"longicl: {path} line {reader.line_num}: label id out of range 0..{len(names) - 1} in {row[1]!r}")
+                    rows.append((row[0], ids, row[2]))
+        except UnicodeDecodeError as e:
+            raise _not_utf8(path, e) from None
         return rows
 
     train, n_train = _goemotion_rows(read("train"), names)

@@ -250,6 +250,8 @@ def _hotpot_pool(rows: Any, source: str) -> QAData:
             raise TypeError("a context entry is not [title, [sentences]]")
         return f"{title}\n{''.join(sentences)}"
 
+    if any(not isinstance(row["answer"], str) for row in rows):  # one gold string per question, as RULER reads it
+        raise TypeError("an answer is not a string")
     per_row = [[doc(pair) for pair in row["context"]] for row in rows]
     docs = sorted({d for row_docs in per_row for d in row_docs})
     index = {text: i for i, text in enumerate(docs)}
@@ -265,7 +267,7 @@ def read_squad(path: str | Path) -> QAData:
     raw = _read_json(path, "SQuAD")
     try:
         return _squad_pool(raw["data"], str(path))
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # AttributeError: a question that is not a mapping
         raise OwaiError(f"{path} is not a SQuAD v2.0 file ({one_line(exc, 120)})") from None
 
 

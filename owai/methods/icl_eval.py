@@ -201,11 +201,11 @@ def load_task(cfg: Config) -> Any:
     if cfg.data == "hf":
         if cfg.task == "tacred":
             raise OwaiError("tacred is licence-gated (LDC2018T24): give the folder of LongICLBench's processed JSON")
-        return longicl.load_hf(cfg.task)
+        return longicl.load_hf(cfg.task).check_pools()
     folder = task_folder(cfg.task, cfg.data)
     loader = {"banking77": longicl.load_banking77, "goemotion": longicl.load_goemotions,
               "tacred": longicl.load_tacred}[cfg.task]
-    return loader(folder)
+    return loader(folder).check_pools()
 
 
 def task_folder(task: str, data: str) -> Path:

@@ -176,7 +176,7 @@ def load_pretrained(path) -> PreTrainedModel:
     check_saved_weights(path)
     try:
         return AutoModelForCausalLM.from_pretrained(str(path))
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, RuntimeError) as err:  # RuntimeError: weights that do not fit config.json
         raise OwaiError(f"cannot load the model in {path}: {one_line(err)}") from None
 
 

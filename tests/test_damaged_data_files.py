@@ -1,0 +1,111 @@
+"""Damaged or malformed data files are one OwaiError naming the file, never an internal error or a
+silently smaller dataset (cases an audit of damaged copies found)."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from owai.errors import OwaiError
+
+
+def test_icl_files_that_are_not_utf8_or_have_no_queries(shared_data: Path, tmp_path: Path) -> None:
+    from owai.evals import longicl
+    from owai.methods.icl_eval import Config, load_task
+
+    banking = tmp_path / "banking77"
+    shutil.copytree(shared_data / "icl" / "banking77", banking)
+    lines = (banking / "test.csv").read_bytes().splitlines(keepends=True)
+    (banking / "test.csv").write_bytes(b"".join(lines[:5]) + b"\xff\xfe" + b"".join(lines[5:20]))
+    with pytest.raises(OwaiError, match=r"^longicl: .*banking77/test\.csv: not UTF-8 text \(byte \d+"):
+        longicl.load_banking77(banking)
+    (banking / "test.csv").write_bytes(lines[0])  # the header alone
+    with pytest.raises(OwaiError, match=r"^longicl: banking77's query pool is empty"):
+        load_task(Config(task="banking77", data=str(banking)))
+
+    goemotions = tmp_path / "goemotions"
+    shutil.copytree(shared_data / "icl" / "goemotions", goemotions)
+    (goemotions / "labels.txt").write_bytes(b"\xffadmiration\n" + (goemotions / "labels.txt").read_bytes())
+    with pytest.raises(OwaiError, match=r"^longicl: .*labels\.txt: not UTF-8 text"):
+        longicl.load_goemotions(goemotions)
+
+
+def test_a_tar_cut_inside_a_member_is_one_line(tmp_path: Path) -> None:
+    from owai.data.text import open_source
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        for i in range(4):
+            data = (f"document {i} " * 400).encode()
+            member = tarfile.TarInfo(f"doc{i}.txt")
+            member.size = len(data)
+            archive.addfile(member, io.BytesIO(data))
+    whole = buffer.getvalue()
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(whole[: 2 * 5120 + 512 + 1000])  # inside the third member's text (512-byte header + 4,608 of data each)
+    with pytest.raises(OwaiError, match=r"cut\.tar: cannot read"):
+        list(open_source(str(cut)).texts("train"))
+
+
+def test_camelyon17_metadata_out_of_range_or_not_utf8(tmp_path: Path) -> None:
+    from camelyon_tree import make_camelyon
+    from owai.data.camelyon17 import Camelyon17
+
+    root = make_camelyon(tmp_path / "c", train_per_center=2, id_val_per_center=1, eval_per_center=2, size=8)
+    metadata = root / "camelyon17_v1.0" / "metadata.csv"
+    good = metadata.read_text()
+    header, first, *rest = good.splitlines()
+    columns = header.split(",")
+
+    def with_value(column: str, value: str) -> str:
+        cells = first.split(",")
+        cells[columns.index(column)] = value
+        return "\n".join([header, ",".join(cells), *rest]) + "\n"
+
+    for column, value, message in (("center", "9", "column 'center' must be a hospital 0-4"),
+                                   ("split", "7", r"column 'split' must be 0 \(train\) or 1")):
+        metadata.write_text(with_value(column, value))
+        with pytest.raises(OwaiError, match=message):
+            Camelyon17(root)
+    metadata.write_bytes(b"\xff" + good.encode())
+    with pytest.raises(OwaiError, match=r"metadata\.csv: not UTF-8 text"):
+        Camelyon17(root)
+
+
+def test_qa_files_with_wrongly_typed_entries(tmp_path: Path) -> None:
+    from owai.evals import ruler
+
+    squad = tmp_path / "squad.json"
+    squad.write_text(json.dumps({"data": [{"paragraphs": [{"context": "c", "qas": ["oops"]}]}]}))
+    with pytest.raises(OwaiError, match="is not a SQuAD v2.0 file"):
+        ruler.read_squad(squad)
+    hotpot = tmp_path / "hotpot.json"
+    hotpot.write_text(json.dumps([{"question": "q", "answer": ["a", "b"], "context": [["t", ["s."]]]}]))
+    with pytest.raises(OwaiError, match=r"is not a HotpotQA file \(TypeError: an answer is not a string\)"):
+        ruler.read_hotpotqa(hotpot)
+
+
+def test_a_domain_too_small_to_hold_out_from(tmp_path: Path) -> None:
+    from owai.data.domainbed import split_domain
+
+    inside, held_out = split_domain(10, 0.2, 0, 1)
+    assert len(inside) == 8 and len(held_out) == 2
+    with pytest.raises(OwaiError, match=r"^domain 3 has 4 examples: too few to hold out 0\.2 of them"):
+        split_domain(4, 0.2, 0, 3)
+
+
+def test_a_saved_model_whose_weights_do_not_fit_its_config(tmp_path: Path) -> None:
+    from conftest import save_tiny_gpt2
+    from owai.models.lm import load_pretrained
+
+    model = save_tiny_gpt2(tmp_path / "m")
+    config = json.loads((model / "config.json").read_text())
+    config["n_embd"] *= 2
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(OwaiError, match=r"^cannot load the model in .*/m: "):
+        load_pretrained(model)
