@@ -109,3 +109,17 @@ def test_a_saved_model_whose_weights_do_not_fit_its_config(tmp_path: Path) -> No
     (model / "config.json").write_text(json.dumps(config))
     with pytest.raises(OwaiError, match=r"^cannot load the model in .*/m: "):
         load_pretrained(model)
+
+
+def test_a_damaged_local_tokenizer_is_refused_before_the_run_exists(shared_data: Path, tmp_path: Path, capsys) -> None:
+    """`data stats -t DIR` with an encoder.json that is not JSON: one line before any run directory
+    (it used to fail inside the run, whose directory stayed)."""
+    from conftest import cli_in_process
+
+    tokenizer = tmp_path / "tok"
+    shutil.copytree(shared_data / "tokenizers" / "gpt2", tokenizer)
+    (tokenizer / "encoder.json").write_text("{bad")
+    code, _, err = cli_in_process(["data", "stats", str(shared_data / "text" / "sotu.tar.gz"), "-t", str(tokenizer),
+                                   "-o", str(tmp_path / "runs"), "-q"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and f"cannot read the BPE tokenizer in {tokenizer}" in err, err
+    assert not (tmp_path / "runs").exists()

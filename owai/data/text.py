@@ -994,7 +994,8 @@ def resolve_tokenizer(name: str, data_root: str | Path | None = None) -> str:
 def check_tokenizer(name: str, data_root: str | Path | None = None) -> None:
     """Fail fast (one line, no network wait) on a tokenizer name that cannot load: a bpe-N outside
     its range, or a hub id that is neither in the local Hugging Face cache nor reachable (offline
-    mode, or no connection to the hub within HUB_PROBE_TIMEOUT seconds). Called before a run exists."""
+    mode, or no connection to the hub within HUB_PROBE_TIMEOUT seconds), or local tokenizer files
+    that do not read. Called before a run exists."""
     name = resolve_tokenizer(name, data_root)
     if name == "bytes":
         return
@@ -1005,6 +1006,9 @@ def check_tokenizer(name: str, data_root: str | Path | None = None) -> None:
             raise OwaiError(f"tokenizer bpe-{vocab}: vocabulary size must be between {BPE_MIN_VOCAB} and {BPE_MAX_VOCAB}")
         return
     path = Path(name).expanduser()
+    if path.is_file() or (path.is_dir() and _bpe_files(path) is not None):
+        load_tokenizer(name)  # local files: read them now (a cut vocab.bpe, an encoder.json that is not JSON)
+        return
     if path.exists():
         return
     missing = registry.missing_relative(name, data_root)  # a data-root folder (tokenizers/gpt2), not a hub id
