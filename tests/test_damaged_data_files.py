@@ -123,3 +123,34 @@ def test_a_damaged_local_tokenizer_is_refused_before_the_run_exists(shared_data:
                                    "-o", str(tmp_path / "runs"), "-q"], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and f"cannot read the BPE tokenizer in {tokenizer}" in err, err
     assert not (tmp_path / "runs").exists()
+
+
+def test_messages_name_the_member_the_row_and_the_empty_essays(tmp_path: Path) -> None:
+    from camelyon_tree import make_camelyon
+    from owai.data.camelyon17 import Camelyon17
+    from owai.data.text import open_source
+    from owai.errors import DataMissing
+    from owai.evals.ruler import read_essays
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        for name, data in (("a.txt", b"fine text"), ("b.txt", b"\xff\xfe latin")):
+            member = tarfile.TarInfo(name)
+            member.size = len(data)
+            archive.addfile(member, io.BytesIO(data))
+    (tmp_path / "two.tar.gz").write_bytes(buffer.getvalue())
+    with pytest.raises(OwaiError, match=r"two\.tar\.gz:b\.txt: not UTF-8 text"):
+        list(open_source(str(tmp_path / "two.tar.gz")).texts("train"))
+
+    root = make_camelyon(tmp_path / "c", train_per_center=2, id_val_per_center=1, eval_per_center=2, size=8)
+    metadata = root / "camelyon17_v1.0" / "metadata.csv"
+    header, first, *rest = metadata.read_text().splitlines()
+    metadata.write_text("\n".join([header, ",".join(first.split(",")[:3]), *rest]) + "\n")
+    with pytest.raises(OwaiError, match=r"metadata\.csv line 2: 3 fields, the header has \d+"):
+        Camelyon17(root)
+
+    essays = tmp_path / "essays"
+    essays.mkdir()
+    (essays / "one.txt").write_text("  \n")
+    with pytest.raises(DataMissing, match=r"its 1 \.txt file\(s\) hold no text"):
+        read_essays(essays)

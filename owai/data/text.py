@@ -655,7 +655,10 @@ def _read_tar(path: Path, text_field: str) -> Iterator[str]:
                 if kind not in (".txt", ".jsonl", ".json") or Path(member.name).name.startswith("."):
                     continue
                 raw = archive.extractfile(member)
-                text = raw.read().decode("utf-8") if raw is not None else ""
+                try:
+                    text = raw.read().decode("utf-8") if raw is not None else ""
+                except UnicodeDecodeError:
+                    raise not_utf8(Path(f"{path}:{member.name}")) from None  # the archive and its member
                 if kind == ".txt":
                     if text.strip():
                         yield text.strip("\n")

@@ -669,7 +669,10 @@ def read_essays(directory: str | Path) -> str:
         raise DataMissing(f"essay haystack folder {folder} holds no .txt file")
     from owai.data.text import read_utf8
 
-    return "".join(read_utf8(p) for p in files)  # text in another encoding is refused, as mosaic-train's corpora
+    text = "".join(read_utf8(p) for p in files)  # text in another encoding is refused, as mosaic-train's corpora
+    if not text.strip():
+        raise DataMissing(f"essay haystack folder {folder}: its {len(files)} .txt file(s) hold no text")
+    return text
 
 
 def split_sentences(text: str) -> list[str]:
