@@ -343,10 +343,15 @@ def open_sweep(path: Path) -> Sweep:
 
 def point_status(sweep: Sweep, point: Point) -> str:
     """complete (results.json exists) | pending (no run yet) | the run's own status (running,
-    failed, interrupted, ...; `incomplete` if it says complete but its results.json is gone)."""
+    failed, interrupted, ...; `incomplete` if it says complete but its results.json is gone or
+    damaged: `run_point` then moves the damaged file aside and resumes the point)."""
     path = sweep.point_dir(point)
     if (path / RESULTS).is_file():
-        return "complete"
+        try:
+            Run(path).results()
+            return "complete"
+        except OwaiError:
+            return "incomplete"
     if not (path / CONFIG).is_file():
         return "pending"
     status = Run(path).status()
@@ -392,7 +397,7 @@ def run_point(task: dict[str, Any]) -> dict[str, Any]:
                 torch.set_num_threads(task["threads"])  # runtime.threads, when set, still wins
             if path.exists() and not path.is_dir():
                 raise OwaiError(f"{path} is a file where this point's run directory belongs; remove it to rerun this point")
-            if (path / RESULTS).is_file():
+            if (path / RESULTS).is_file() and not _damaged_results(path):
                 pass
             elif (path / CONFIG).is_file():
                 execute(resume=path)
@@ -410,6 +415,18 @@ def run_point(task: dict[str, Any]) -> dict[str, Any]:
             console.configure(*saved)
     outcome["seconds"] = round(time.time() - started, 2)
     return outcome
+
+
+def _damaged_results(path: Path) -> bool:
+    """Whether the point's results.json does not read as an owai results file (a damaged disk: owai
+    writes it atomically). It is then moved aside to results.json.damaged, so that the point resumes
+    and writes it again, where a sweep's --resume would otherwise find the same file every time."""
+    try:
+        Run(path).results()
+        return False
+    except OwaiError:
+        os.replace(path / RESULTS, path / f"{RESULTS}.damaged")
+        return True
 
 
 class PointJob:

@@ -736,3 +736,18 @@ def test_the_queue_is_read_per_array_task_or_not_at_all(monkeypatch) -> None:
 
     monkeypatch.setattr(subprocess, "run", missing)
     assert sweeps._queued_job_ids() is None
+
+
+def test_a_point_whose_results_file_is_damaged_is_resumed_and_writes_it_again(tmp_path: Path, capsys) -> None:
+    """A damaged results.json (owai writes it atomically: a damaged disk) is moved aside to
+    results.json.damaged and the point resumes; a sweep's --resume failed on the same file each time."""
+    plan = sweeps.create("three-moons", "cpu", TINY, [], [0], tmp_path)
+    code, _, err = cli(["sweep", "--resume", str(plan.path), "-q"], capsys)
+    assert code == 0, err
+    (point,) = (plan.path / "points").iterdir()
+    good = json.loads((point / "results.json").read_text())
+    (point / "results.json").write_text('{"rows": [')
+    code, _, err = cli(["sweep", "--resume", str(plan.path), "-q"], capsys)
+    assert code == 0, err
+    assert json.loads((point / "results.json").read_text())["rows"] == good["rows"]
+    assert (point / "results.json.damaged").read_text() == '{"rows": ['
