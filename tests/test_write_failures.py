@@ -106,3 +106,21 @@ def test_a_corrupt_newest_checkpoint_says_how_to_resume_from_the_one_before(tmp_
     code, _, err = cli_in_process(["moons", "--resume", str(run_dir), "-q"], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "is corrupt" in err and f"remove {steps[-1]} to resume from the checkpoint before it, {steps[-2].name}" in err
+
+
+def test_a_fetch_that_cannot_write_here_names_the_file_not_the_mirror(shared_data, tmp_path, monkeypatch) -> None:
+    """Disk full while downloading: the local file is named (the error used to blame the mirror's URL,
+    and the next mirror was tried for nothing)."""
+    from owai.data import registry
+
+    tried = []
+
+    def full_disk(url, dest, *args, **kwargs):
+        tried.append(url)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(registry, "download", full_disk)
+    mirror = (shared_data / "tokenizers" / "gpt2").as_uri() + "/"
+    with pytest.raises(OwaiError, match=r"^cannot write .*encoder\.json: No space left on device$"):
+        registry.fetch("gpt2", root=tmp_path / "data", base_url=mirror)
+    assert len(tried) == 1 and not list((tmp_path / "data").rglob("*.json"))

@@ -394,6 +394,14 @@ def _fetch_sha256(ds: Dataset, tmp: Path, urls: tuple[str, ...], info: Callable[
     _fetch_checked(ds, tmp, urls, info, tuple(ds.sha256), refused)
 
 
+def _local_write_failure(exc: BaseException) -> bool:
+    """A download that failed writing here (disk full, read-only, no permission), not at the mirror."""
+    import errno
+
+    return (isinstance(exc, OSError) and not isinstance(exc, urllib.error.URLError)
+            and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM))
+
+
 def _fetch_checked(ds: Dataset, tmp: Path, urls: tuple[str, ...], info: Callable[[str], None], files: tuple[str, ...],
                    refused: Callable[[Path, str], str | None]) -> None:
     """Each of `files` from the first URL that serves it and passes its check (`refused`: None, or why
@@ -407,6 +415,8 @@ def _fetch_checked(ds: Dataset, tmp: Path, urls: tuple[str, ...], info: Callable
                 download(url + file, dest)
             except (urllib.error.URLError, OSError, ValueError) as exc:
                 dest.unlink(missing_ok=True)
+                if _local_write_failure(exc):  # no room or no right to write here: another mirror cannot help
+                    raise cannot_write(dest, exc) from None
                 problems.append(f"{url}{file}: {getattr(exc, 'reason', None) or exc}")
                 continue
             why = refused(dest, file)
