@@ -154,3 +154,13 @@ def test_messages_name_the_member_the_row_and_the_empty_essays(tmp_path: Path) -
     (essays / "one.txt").write_text("  \n")
     with pytest.raises(DataMissing, match=r"its 1 \.txt file\(s\) hold no text"):
         read_essays(essays)
+
+
+def test_a_bpe_folder_missing_one_of_its_two_files_says_which(shared_data: Path, tmp_path: Path) -> None:
+    from owai.data.text import load_tokenizer
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    shutil.copy(shared_data / "tokenizers" / "gpt2" / "encoder.json", folder)
+    with pytest.raises(OwaiError, match=r"^tokenizer folder .*/tok: vocab\.bpe is missing"):
+        load_tokenizer(str(folder))

@@ -961,6 +961,9 @@ def _bpe_files(folder: Path) -> tuple[Path, Path] | None:
     for vocab, merges in (("encoder.json", "vocab.bpe"), ("vocab.json", "merges.txt")):
         if (folder / vocab).is_file() and (folder / merges).is_file():
             return folder / vocab, folder / merges
+        if (folder / vocab).is_file() != (folder / merges).is_file():  # one of the pair: say which is missing
+            missing = merges if (folder / vocab).is_file() else vocab
+            raise OwaiError(f"tokenizer folder {folder}: {missing} is missing (GPT-2's BPE needs {vocab} and {merges})")
     return None
 
 
