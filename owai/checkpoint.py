@@ -160,6 +160,7 @@ def _commit(tmp: Path, final: Path, tensors: dict[str, torch.Tensor], meta: dict
     then rename it to `final` (replacing a checkpoint of the same step): both formats commit so."""
     save_file(tensors, str(tmp / TENSORS))
     os.chmod(tmp / TENSORS, 0o666 & ~umask())
+    _fsync(tmp / TENSORS)  # on the disk before state.json names its sha256 (a power cut cannot leave it half)
     meta = {**meta, "sha256": file_digest(tmp / TENSORS, "sha256"), "state": skeleton}
     if identity is not None:
         meta["identity"] = identity
@@ -170,6 +171,16 @@ def _commit(tmp: Path, final: Path, tensors: dict[str, torch.Tensor], meta: dict
     if final.exists():  # re-saving the same step (e.g. the final one after a resume)
         shutil.rmtree(final)
     os.rename(tmp, final)
+    _fsync(final.parent)  # the rename itself
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's (or a folder's entries') writes to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
