@@ -435,6 +435,8 @@ def save_sharded_checkpoint(
     _raise_first(distributed.gather_objects(error))
     names = distributed.broadcast_object(_files_under(tmp / SHARDS) if w.is_main else None)
     mine = {name: file_digest(tmp / SHARDS / name, "sha256") for name in names[w.rank :: w.world_size]}
+    for name in mine:  # on the disk before state.json names their sha256
+        _fsync(tmp / SHARDS / name)
     files = {k: v for part in distributed.gather_objects(mine) for k, v in part.items()}
     error = None
     if w.is_main:
@@ -443,9 +445,11 @@ def save_sharded_checkpoint(
                 os.chmod(tmp / SHARDS / name, 0o666 & ~umask())
             _commit(tmp, final, tensors, {"format": SHARDED_FORMAT, "step": step,
                                           "shards": {"dir": SHARDS, "files": dict(sorted(files.items()))}}, skeleton, identity)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it (they wait for the broadcast below)
+            if not is_write_failure(e):
+                raise
             shutil.rmtree(tmp, ignore_errors=True)
-            error = f"cannot write checkpoint {final}: {e.strerror or e}"
+            error = str(cannot_write(f"checkpoint {final}", e))
         if error is None:
             _prune(directory, keep)
     _raise_first([distributed.broadcast_object(error)])

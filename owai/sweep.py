@@ -791,11 +791,11 @@ def summarise(sweep: Sweep, outcomes: list[dict[str, Any]] | None = None) -> dic
     for p in sweep.points:
         path = sweep.point_dir(p)
         status, error, results = point_status(sweep, p), None, None
-        if status == "complete":
+        if status == "complete" or (status == "incomplete" and (path / RESULTS).is_file()):
             try:
                 results = Run(path).results()
-            except OwaiError as e:
-                status, error = "corrupt", str(e)
+            except OwaiError as e:  # `owai sweep --resume` moves it aside and reruns the point
+                status, error, results = "corrupt", f"{e} (or resume the sweep: the point is run again)", None
         elif status != "pending":
             try:
                 error = json.loads((path / "status.json").read_text()).get("error")

@@ -148,6 +148,10 @@ def test_messages_name_the_member_the_row_and_the_empty_essays(tmp_path: Path) -
     metadata.write_text("\n".join([header, ",".join(first.split(",")[:3]), *rest]) + "\n")
     with pytest.raises(OwaiError, match=r"metadata\.csv line 2: 3 fields, the header has \d+"):
         Camelyon17(root)
+    width = len(header.split(","))
+    metadata.write_text("\n".join([header, first + ",1,2,3", *rest]) + "\n")
+    with pytest.raises(OwaiError, match=rf"metadata\.csv line 2: {width + 3} fields, the header has {width}$"):
+        Camelyon17(root)
 
     essays = tmp_path / "essays"
     essays.mkdir()
@@ -164,3 +168,19 @@ def test_a_bpe_folder_missing_one_of_its_two_files_says_which(shared_data: Path,
     shutil.copy(shared_data / "tokenizers" / "gpt2" / "encoder.json", folder)
     with pytest.raises(OwaiError, match=r"^tokenizer folder .*/tok: vocab\.bpe is missing"):
         load_tokenizer(str(folder))
+    (folder / "encoder.json").rename(folder / "vocab.json")  # the other naming, whole, beside a stray half
+    shutil.copy(shared_data / "tokenizers" / "gpt2" / "vocab.bpe", folder / "merges.txt")
+    shutil.copy(shared_data / "tokenizers" / "gpt2" / "encoder.json", folder)
+    assert load_tokenizer(str(folder)).vocab_size == 50257
+
+
+def test_the_data_root_is_unused_only_where_nothing_is_looked_up_under_it() -> None:
+    from owai.methods.language_model import DataConfig, EvalConfig, data_root_unused
+
+    embedded, no_eval = DataConfig(source="owai-stories"), EvalConfig()
+    assert set(data_root_unused(embedded, no_eval, "bpe-512")) == {"data.root"}
+    assert set(data_root_unused(embedded, no_eval, "/abs/tokenizer")) == {"data.root"}
+    assert data_root_unused(embedded, no_eval, "tokenizers/gpt2") == {}  # a relative tokenizer is looked up
+    assert data_root_unused(embedded, no_eval, "gpt2") == {}  # a catalogue name or hub id: looked up first
+    assert data_root_unused(DataConfig(source="babistories"), no_eval, "bytes") == {}
+    assert data_root_unused(embedded, EvalConfig(source="text/sotu.tar.gz"), "bytes") == {}

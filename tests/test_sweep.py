@@ -747,6 +747,8 @@ def test_a_point_whose_results_file_is_damaged_is_resumed_and_writes_it_again(tm
     (point,) = (plan.path / "points").iterdir()
     good = json.loads((point / "results.json").read_text())
     (point / "results.json").write_text('{"rows": [')
+    (row,) = sweeps.summarise(sweeps.open_sweep(plan.path))["points"]  # what `owai report SWEEP` shows meanwhile
+    assert row["status"] == "corrupt" and "results.json is corrupt: not JSON" in row["error"]
     code, _, err = cli(["sweep", "--resume", str(plan.path), "-q"], capsys)
     assert code == 0, err
     assert json.loads((point / "results.json").read_text())["rows"] == good["rows"]

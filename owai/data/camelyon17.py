@@ -156,8 +156,8 @@ class Camelyon17:
         files, ints = [], {c: [] for c in ("tumor", "slide", "center", "split")}
         for line, row in enumerate(rows, start=2):
             if None in row.values() or None in row:  # csv.DictReader fills a short row with None, keys a long one's rest None
-                raise OwaiError(f"{path} line {line}: {len([v for v in row.values() if v is not None])} fields, "
-                                f"the header has {len(reader.fieldnames or [])}")
+                fields = sum(v is not None for k, v in row.items() if k is not None) + len(row.get(None) or [])
+                raise OwaiError(f"{path} line {line}: {fields} fields, the header has {len(reader.fieldnames or [])}")
             patient, node = row["patient"].strip(), _int(row["node"], line, "node", path)
             x, y = _int(row["x_coord"], line, "x_coord", path), _int(row["y_coord"], line, "y_coord", path)
             folder = f"patient_{patient}_node_{node}"

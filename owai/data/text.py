@@ -958,10 +958,12 @@ def _bpe_files(folder: Path) -> tuple[Path, Path] | None:
     in a folder that holds no transformers tokenizer (no tokenizer.json / tokenizer_config.json)."""
     if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
         return None
-    for vocab, merges in (("encoder.json", "vocab.bpe"), ("vocab.json", "merges.txt")):
+    pairs = (("encoder.json", "vocab.bpe"), ("vocab.json", "merges.txt"))
+    for vocab, merges in pairs:
         if (folder / vocab).is_file() and (folder / merges).is_file():
             return folder / vocab, folder / merges
-        if (folder / vocab).is_file() != (folder / merges).is_file():  # one of the pair: say which is missing
+    for vocab, merges in pairs:  # no whole pair: one half of one says which file is missing
+        if (folder / vocab).is_file() != (folder / merges).is_file():
             missing = merges if (folder / vocab).is_file() else vocab
             raise OwaiError(f"tokenizer folder {folder}: {missing} is missing (GPT-2's BPE needs {vocab} and {merges})")
     return None
@@ -1109,7 +1111,7 @@ def _bpe(vocab: int, root: Path, texts: Iterable[str] | None, fingerprint: str |
             raise OwaiError(f"tokenizer bpe-{vocab} for this corpus is not cached yet: pass training texts")
         try:
             with build_lock(path.parent):  # one process trains it; the others wait and read it
-                backend = _cached_bpe(path)
+                backend = _cached_bpe(path, say=False)  # said above, if damaged
                 if backend is None:
                     backend = train_bpe(capped if capped is not None else _cap_chars(texts, BPE_TRAIN_MAX_CHARS), vocab)
                     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1119,9 +1121,9 @@ def _bpe(vocab: int, root: Path, texts: Iterable[str] | None, fingerprint: str |
     return HFTokenizer(f"bpe-{vocab}", backend, backend.token_to_id(EOT_TEXT))
 
 
-def _cached_bpe(path: Path) -> Any:
+def _cached_bpe(path: Path, say: bool = True) -> Any:
     """The trained tokenizer cached at `path`, or None: not there, or damaged (a cut write, a full
-    disk), which is said and then trained again, as every cache entry is rebuilt rather than trusted."""
+    disk; said when `say`), then trained again, as every cache entry is rebuilt rather than trusted."""
     from tokenizers import Tokenizer as Backend
 
     if not path.is_file():
@@ -1129,9 +1131,10 @@ def _cached_bpe(path: Path) -> Any:
     try:
         return Backend.from_file(str(path))
     except Exception as exc:  # noqa: BLE001 - the tokenizers library raises its own Exception
-        from owai import console
+        if say:
+            from owai import console
 
-        console.info(f"{path}: damaged tokenizer cache entry ({one_line(exc, 80)}); training it again")
+            console.info(f"{path}: damaged tokenizer cache entry ({one_line(exc, 80)}), not used")
         return None
 
 

@@ -1117,7 +1117,8 @@ class LanguageModelEvaluation(Method):
 
     @staticmethod
     def unused_settings(cfg: EvalOnlyConfig) -> dict[str, str]:
-        return data_root_unused(cfg.data, cfg.eval, None)  # the tokenizer is each model's own
+        # data.tokenizer is read for a model folder that records no tokenizer of its own (`tokenizer_for`)
+        return data_root_unused(cfg.data, cfg.eval, cfg.data.tokenizer)
 
     @staticmethod
     def validate(cfg: EvalOnlyConfig) -> None:
