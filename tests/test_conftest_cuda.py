@@ -73,6 +73,7 @@ def _run(folder: Path, *args: str) -> dict[str, dict[str, str]]:
     return saw
 
 
+@pytest.mark.slow  # five pytest runs in subprocesses (about 22 s): a guard of conftest.py, in `-m slow`
 def test_the_default_run_hides_cuda_and_a_gpu_run_does_not(tmp_path):
     shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
     (tmp_path / "test_probes.py").write_text(PROBES)

@@ -285,7 +285,9 @@ def test_static_decoding_with_the_short_term_memory_only(built_with_long):
     assert torch.allclose(on, off, atol=1e-12)
 
 
-@pytest.mark.parametrize("scan_impl", ["chunked", "compiled"])
+# compiled: 40 s of TorchInductor on a cold cache, in `-m slow` (the default run's 10 minutes); the
+# compiled static step itself stays in the default run (test_a_compiled_static_step_equals_...)
+@pytest.mark.parametrize("scan_impl", ["chunked", pytest.param("compiled", marks=pytest.mark.slow)])
 def test_static_decoding_with_bf16_weights_and_reads_as_on_a_gpu(monkeypatch, scan_impl):
     """CUDA's generation dtypes forced on the CPU: bf16 weights and bf16 reads (`read_dtype`), the
     stacked matmuls in bf16, eager and compiled (what the CUDA graph captures). The static steps stay
