@@ -51,6 +51,11 @@ SHARDS = "dcp"
 TEMPORARY_PREFIX = ".tmp-step-"  # a checkpoint being written (both formats), before its rename
 
 
+class CorruptCheckpoint(OwaiError):
+    """A checkpoint whose files do not read back as written (a cut file, a checksum mismatch, a bad
+    state.json): `verify_checkpoints` then names the checkpoint before it."""
+
+
 class NonFiniteError(OwaiError):
     """Training state (loss, parameters, a checkpoint's tensors) holds NaN or inf.
 
@@ -90,7 +95,7 @@ def _file_sha256(path: Path, name: str) -> str:
     try:
         return file_digest(path / name, "sha256")
     except OSError as e:
-        raise OwaiError(f"checkpoint {path} is corrupt: {name} cannot be read ({e.strerror or type(e).__name__})") from None
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt: {name} cannot be read ({e.strerror or type(e).__name__})") from None
 
 
 def _split(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
@@ -227,16 +232,16 @@ def _read_meta(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise OwaiError(f"checkpoint {path} is incomplete: {STATE} is missing") from None
     except OSError as e:  # a folder, or a symlink loop, where state.json belongs; unreadable
-        raise OwaiError(f"checkpoint {path} is corrupt: {STATE} cannot be read ({e.strerror or type(e).__name__})") from None
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt: {STATE} cannot be read ({e.strerror or type(e).__name__})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OwaiError(f"checkpoint {path} is corrupt: {STATE} is not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt: {STATE} is not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
     if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, SHARDED_FORMAT):
         raise OwaiError(f"checkpoint {path} is not an {FORMAT} (or sharded {SHARDED_FORMAT}) checkpoint")
     if meta["format"] == SHARDED_FORMAT and not (isinstance(meta.get("shards"), dict) and isinstance(meta["shards"].get("files"), dict)):
-        raise OwaiError(f"checkpoint {path} is corrupt: its {STATE} lists no shard files")
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt: its {STATE} lists no shard files")
     named = path.name[5:] if path.name.startswith("step-") else ""
     if named.isdigit() and meta.get("step") != int(named):
-        raise OwaiError(f"checkpoint {path} is corrupt: its {STATE} says step {meta.get('step')!r}")
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt: its {STATE} says step {meta.get('step')!r}")
     return meta
 
 
@@ -285,7 +290,7 @@ def load_checkpoint(path: Path, expect: dict[str, Any] | None = None, verify_sha
     if not tensor_file.is_file():
         raise OwaiError(f"checkpoint {path} is incomplete: {TENSORS} is missing")
     if _file_sha256(path, TENSORS) != meta.get("sha256"):
-        raise OwaiError(f"checkpoint {path} is corrupt: {TENSORS} does not match its sha256")
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt: {TENSORS} does not match its sha256")
     if meta["format"] == SHARDED_FORMAT and verify_shards:
         _check_shard_files(path, meta, sorted(meta["shards"]["files"]))
     tensors = read_safetensors(tensor_file)  # unreadable despite its checksum: one line naming the file
@@ -296,7 +301,7 @@ def load_checkpoint(path: Path, expect: dict[str, Any] | None = None, verify_sha
     try:
         return int(meta["step"]), _join(meta["state"], tensors)
     except (KeyError, TypeError, ValueError) as e:
-        raise OwaiError(f"checkpoint {path} is corrupt: bad structure ({e})") from None
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt: bad structure ({e})") from None
 
 
 # -- the sharded variant ------------------------------------------------------------------------
@@ -314,10 +319,10 @@ def _check_shard_files(path: Path, meta: dict[str, Any], names: list[str]) -> No
         if not file.is_file():
             raise OwaiError(f"checkpoint {path} is incomplete: {SHARDS}/{name} is missing")
         if _file_sha256(path, f"{SHARDS}/{name}") != files[name]:
-            raise OwaiError(f"checkpoint {path} is corrupt: {SHARDS}/{name} does not match its sha256")
+            raise CorruptCheckpoint(f"checkpoint {path} is corrupt: {SHARDS}/{name} does not match its sha256")
     extra = sorted(set(_files_under(root)) - set(files))
     if extra:
-        raise OwaiError(f"checkpoint {path} is corrupt: {SHARDS}/{extra[0]} is not one of its files")
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt: {SHARDS}/{extra[0]} is not one of its files")
 
 
 def _files_under(root: Path) -> list[str]:

@@ -33,6 +33,12 @@ class DataMissing(CannotRunHere):
     the user gives at run time is not given yet (the model to evaluate)."""
 
 
+def not_utf8(path: object, error: UnicodeDecodeError | None = None) -> OwaiError:
+    """The one refusal of a text file that is not UTF-8 (corpora, essays, CSV and TSV files): owai reads
+    text exactly. With the decoding `error`, the byte where it stopped."""
+    return OwaiError(f"{path}: not UTF-8 text ({f'byte {error.start}' if error is not None else 'wrong file format?'})")
+
+
 def one_line(exc: BaseException, limit: int | None = 240) -> str:
     """An exception as one short line for an error message: an OwaiError's own first line (it is
     already written for the user), any other as `Type: first non-empty line`; cut at `limit` (None:

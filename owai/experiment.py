@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from owai import console, distributed, trackers
-from owai.checkpoint import NonFiniteError, latest_checkpoint, list_checkpoints, load_checkpoint, recorded_identity
+from owai.checkpoint import CorruptCheckpoint, NonFiniteError, latest_checkpoint, list_checkpoints, load_checkpoint, recorded_identity
 from owai.config import apply_overrides, build, parse_override, to_dict
 from owai.errors import CannotRunHere, OwaiError
 from owai.recipes import Recipe, load, recorded_name, thesis_for
@@ -129,9 +129,9 @@ def verify_checkpoints(run: Run, identity: dict[str, Any]) -> dict[str, int]:
             try:
                 recorded = recorded_identity(last)  # train_loop refuses a stage checkpoint without one
                 load_checkpoint(last, expect=None if recorded is None else {**identity, "stage": stage_dir.name})
-            except OwaiError as e:
+            except CorruptCheckpoint as e:  # e.g. a power cut before its tensors reached the disk
                 earlier = list_checkpoints(stage_dir)[:-1]
-                if " is corrupt: " in str(e) and earlier:  # e.g. a power cut before its tensors reached the disk
+                if earlier:
                     raise OwaiError(f"{e}; remove {last} to resume from the checkpoint before it, {earlier[-1].name}") from None
                 raise
             found[stage_dir.name] = int(last.name[5:])

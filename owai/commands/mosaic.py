@@ -53,10 +53,11 @@ def mosaic_train(
     """Pre-train Memory Mosaics and GPT2 (sec 3.5, App. B), or with --size Memory Mosaics v2 and the Llama
     transformer (ch. 4), on the same batches, then evaluate them."""
     preset, resume = opts.preset, opts.resume
-    if resume is not None and (recipe is not None or size is not None or dataset is not None or data_root is not None):
+    given = (recipe, size, depth, dataset, tokenizer, context, data_root)
+    if resume is not None and (arch or any(v is not None for v in given)):
         raise OwaiError("--resume takes its config from the run directory; drop --recipe/--size/--arch/--depth/--dataset/"
                         "--tokenizer/--context/--data-root")
-    if size is not None and resume is None:
+    if size is not None:
         from owai.models.sizes import SIZES
 
         if size not in SIZES:
@@ -73,9 +74,6 @@ def mosaic_train(
         set_str("data.tokenizer", tokenizer) if tokenizer is not None else None,
         f"data.block_size={context}" if context is not None else None,
     ]
-    if resume is not None and any(c for c in chosen):
-        raise OwaiError("--resume takes its config from the run directory; drop --recipe/--size/--arch/--depth/--dataset/"
-                        "--tokenizer/--context/--data-root")
     overrides = [c for c in chosen if c] + data_root_sets(data_root) + list(opts.sets or [])
     if dry_run:
         if resume is not None:

@@ -45,7 +45,7 @@ from torch.utils.data import Dataset
 from owai.data.images import eval_transform, loader, stack, step_loader
 from owai.data.registry import Dataset as CatalogueEntry
 from owai.data.registry import register, require
-from owai.errors import OwaiError, one_line
+from owai.errors import OwaiError, not_utf8, one_line
 from owai.runtime import generator
 
 VERSION_DIR = "camelyon17_v1.0"
@@ -152,7 +152,7 @@ class Camelyon17:
                     raise OwaiError(f"{path} lacks column(s) {', '.join(missing)} (has {', '.join(reader.fieldnames or [])})")
                 rows = list(reader)
         except UnicodeDecodeError as e:
-            raise OwaiError(f"{path}: not UTF-8 text (byte {e.start})") from None
+            raise not_utf8(path, e) from None
         files, ints = [], {c: [] for c in ("tumor", "slide", "center", "split")}
         for line, row in enumerate(rows, start=2):
             if None in row.values() or None in row:  # csv.DictReader fills a short row with None, keys a long one's rest None

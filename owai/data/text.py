@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from owai.data import registry, stories
-from owai.errors import DataMissing, OwaiError, one_line
+from owai.errors import DataMissing, OwaiError, not_utf8, one_line
 from owai.hub import hub_unreachable
 from owai.io import (atomic_write_json, atomic_write_text, build_lock, cache_root, cannot_write, folder_to_build,  # cache_root: tokens.py
                      remove_dead_builds)  # uses it from here
@@ -510,11 +510,6 @@ def read_file(path: Path, text_field: str = "text", cache_dir: str | Path | None
 def _open_text(path: Path) -> TextIO:
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     return opener(path, "rt", encoding="utf-8")  # type: ignore[operator]
-
-
-def not_utf8(path: Path) -> OwaiError:
-    """The one refusal of a text file that is not UTF-8 (corpora, essays): owai reads text exactly."""
-    return OwaiError(f"{path}: not UTF-8 text (wrong file format?)")
 
 
 def read_utf8(path: Path) -> str:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from owai import console
-from owai.errors import DataMissing, OwaiError, one_line
+from owai.errors import DataMissing, OwaiError, not_utf8, one_line
 from owai.evals.answers import AnswerLog
 
 SUITE = "longicl"
@@ -93,10 +93,6 @@ class ICLData:
     def task(self) -> str:
         """The prompt template's name."""
         return self.template or self.name
-
-
-def _not_utf8(path: Path, error: UnicodeDecodeError) -> OwaiError:
-    return OwaiError(f"longicl: {path}: not UTF-8 text (byte {error.start}: {error.reason})")
 
 
 def _need_file(path: Path) -> Path:
@@ -158,7 +154,7 @@ def load_banking77(root: Path) -> ICLData:
                         raise OwaiError(f"longicl: {path} line {reader.line_num}: unknown category {cat!r}")
                     rows.append(Example(text, cat))
         except UnicodeDecodeError as e:
-            raise _not_utf8(path, e) from None
+            raise OwaiError(f"longicl: {not_utf8(path, e)}") from None
         return rows
 
     train, test = read("train"), read("test")
@@ -185,7 +181,7 @@ def load_goemotions(root: Path, eval_split: str = "test") -> ICLData:
     try:
         lines = label_file.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:
-        raise _not_utf8(label_file, e) from None
+        raise OwaiError(f"longicl: {not_utf8(label_file, e)}") from None
     names = _check_labels([s.strip() for s in lines if s.strip()], label_file)
 
     def read(split: str) -> list[tuple[str, list[int], str]]:
@@ -205,7 +201,7 @@ def load_goemotions(root: Path, eval_split: str = "test") -> ICLData:
                         raise OwaiError(f"longicl: {path} line {reader.line_num}: label id out of range 0..{len(names) - 1} in {row[1]!r}")
                     rows.append((row[0], ids, row[2]))
         except UnicodeDecodeError as e:
-            raise _not_utf8(path, e) from None
+            raise OwaiError(f"longicl: {not_utf8(path, e)}") from None
         return rows
 
     train, n_train = _goemotion_rows(read("train"), names)

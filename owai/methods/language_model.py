@@ -1189,10 +1189,10 @@ def _validate_common(cfg: Any) -> None:
 
 def _check_common_settings(cfg: Any) -> None:
     check_count("data.block_size", cfg.data.block_size, 2, MAX_CONTEXT)
-    for name in ("source", "tokenizer"):  # "" would be read as the current directory
-        if not str(getattr(cfg.data, name)).strip():
-            raise OwaiError(f"data.{name} is empty: give a corpus (owai-stories, a hub id or a path)" if name == "source"
-                            else "data.tokenizer is empty: give bytes, bpe-N, gpt2 or a tokenizer directory")
+    if not str(cfg.data.source).strip():  # "" would be read as the current directory
+        raise OwaiError("data.source is empty: give a corpus (owai-stories, a hub id or a path)")
+    if not str(cfg.data.tokenizer).strip():
+        raise OwaiError("data.tokenizer is empty: give bytes, bpe-N, gpt2 or a tokenizer directory")
     ev = cfg.eval
     for name in ("posloss_windows", "val_batches", "attention_sequences", "batch_size", "max_new_tokens"):
         if getattr(ev, name) < 1:
