@@ -345,17 +345,22 @@ def point_status(sweep: Sweep, point: Point) -> str:
     """complete (results.json exists) | pending (no run yet) | the run's own status (running,
     failed, interrupted, ...; `incomplete` if it says complete but its results.json is gone or
     damaged: `run_point` then moves the damaged file aside and resumes the point)."""
+    return read_point(sweep, point)[0]
+
+
+def read_point(sweep: Sweep, point: Point) -> tuple[str, dict[str, Any] | None, str | None]:
+    """The point's status (`point_status`), with its results when complete, or why its results.json
+    did not read: one parse of the file for both."""
     path = sweep.point_dir(point)
     if (path / RESULTS).is_file():
         try:
-            Run(path).results()
-            return "complete"
-        except OwaiError:
-            return "incomplete"
+            return "complete", Run(path).results(), None
+        except OwaiError as e:
+            return "incomplete", None, str(e)
     if not (path / CONFIG).is_file():
-        return "pending"
+        return "pending", None, None
     status = Run(path).status()
-    return "incomplete" if status == "complete" else status
+    return ("incomplete" if status == "complete" else status), None, None
 
 
 def _cpus() -> int:
@@ -790,13 +795,11 @@ def summarise(sweep: Sweep, outcomes: list[dict[str, Any]] | None = None) -> dic
     points, cells = [], {}
     for p in sweep.points:
         path = sweep.point_dir(p)
-        status, error, results = point_status(sweep, p), None, None
-        if status == "complete" or (status == "incomplete" and (path / RESULTS).is_file()):
-            try:
-                results = Run(path).results()
-            except OwaiError as e:  # `owai sweep --resume` moves it aside and reruns the point
-                status, error, results = "corrupt", f"{e} (or resume the sweep: the point is run again)", None
-        elif status != "pending":
+        status, results, damage = read_point(sweep, p)
+        error = None
+        if damage is not None:  # `owai sweep --resume` moves it aside and reruns the point
+            status, error = "corrupt", f"{damage} (or resume the sweep: the point is run again)"
+        elif status not in ("complete", "pending"):
             try:
                 error = json.loads((path / "status.json").read_text()).get("error")
             except (OSError, ValueError, AttributeError):

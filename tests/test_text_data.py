@@ -528,3 +528,15 @@ def test_a_local_copy_of_another_dump_is_not_read_for_the_named_config(tmp_path:
     held = open_source("wikipedia", config_name="20231101.simple", data_root=tmp_path)
     assert isinstance(held, text.LocalSource) and list(held.texts("train"))[:2] == DOCS[:2]
     assert isinstance(open_source("wikipedia", data_root=tmp_path), text.LocalSource)  # no config: the copy
+
+
+@pytest.mark.parametrize("spec, looked_up", [
+    ("babistories", True), ("text/sotu.tar.gz", True), ("gpt2", True), ("tokenizers/gpt2", True),
+    ("bytes", False), ("bpe-2048", False), ("owai-stories", False), ("owai-stories:200", False),
+    ("hf:roneneldan/TinyStories", False), ("/abs/corpus", False), ("~/corpus", False), ("", False),
+])
+def test_which_specs_the_data_root_rule_can_reach(spec: str, looked_up: bool) -> None:
+    """The one rule behind mosaic-train's refusal of an unused --data-root (`data_root_unused`)."""
+    from owai.data.text import looks_under_data_root
+
+    assert looks_under_data_root(spec) is looked_up

@@ -985,6 +985,14 @@ def _from_bpe_files(name: str, folder: Path) -> HFTokenizer:
 BPE_MIN_VOCAB, BPE_MAX_VOCAB = 258, 1 << 20
 
 
+def looks_under_data_root(spec: str) -> bool:
+    """Whether `resolve_source` / `resolve_tokenizer` may look a corpus or tokenizer spec up under a
+    data root: a catalogue name, a hub id or a relative path; not bytes, bpe-N, owai-stories, an `hf:`
+    id, nor an absolute or `~` path (`--data-root` is refused where no input of a run is looked up)."""
+    return bool(spec) and not (spec == "bytes" or re.fullmatch(r"bpe-\d+", spec)
+                               or spec.startswith(("hf:", "owai-stories", "~")) or Path(spec).is_absolute())
+
+
 def resolve_tokenizer(name: str, data_root: str | Path | None = None) -> str:
     """A tokenizer name after the data-root rule: a relative path that does not exist here but does
     under the data root (`data_root`, $OWAI_DATA, the cache), e.g. `tokenizers/gpt2`, becomes that path."""

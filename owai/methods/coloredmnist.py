@@ -512,15 +512,14 @@ GROUP_KEYS = ("dataset", "method", "init")  # a table cell; every other grid key
 
 def _point_records(sweep: Any) -> list[dict[str, Any]]:
     """Every finished point: its (dataset, method, init), searched settings, seed and curve."""
-    from owai.sweep import point_status
+    from owai.sweep import read_point
 
     records = []
     for p in sweep.points:
-        if point_status(sweep, p) != "complete":
+        status, results, _ = read_point(sweep, p)
+        if status != "complete" or results is None:
             continue
-        run = Run(sweep.point_dir(p))
-        params = run.read_config()["params"]
-        results = run.results() or {}
+        params = Run(sweep.point_dir(p)).read_config()["params"]
         curve = results.get("details", {}).get("curve") or []
         searched = {k: v for k, v in sorted(p.grid.items()) if k not in GROUP_KEYS and k != "seed"}
         steps = {c["step"]: c["worst_test_acc"] for c in curve}

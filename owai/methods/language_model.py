@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -189,13 +188,9 @@ def data_root_unused(data: DataConfig, evaluation: EvalConfig, tokenizer: str | 
     """{"data.root": why} when no input of the run is looked up under the data root: the corpora are
     the embedded owai-stories, `hf:` ids or absolute paths, and the tokenizer (None: the models' own)
     is bytes, bpe-N or an absolute path (a catalogue name or a relative path would be looked up)."""
-    def looked_up(spec: str) -> bool:
-        return bool(spec) and not (spec.startswith(("hf:", "owai-stories", "~")) or Path(spec).is_absolute())
+    from owai.data.text import looks_under_data_root
 
-    inputs = [data.source, evaluation.source]
-    if any(looked_up(spec) for spec in inputs):
-        return {}
-    if tokenizer is not None and tokenizer != "bytes" and not re.fullmatch(r"bpe-\d+", tokenizer) and looked_up(tokenizer):
+    if any(looks_under_data_root(spec) for spec in (data.source, evaluation.source, tokenizer or "")):
         return {}
     named = [f"corpus {data.source}"] + ([f"evaluation corpus {evaluation.source}"] if evaluation.source else [])
     named += [f"tokenizer {tokenizer}"] if tokenizer is not None else []
