@@ -405,6 +405,7 @@ def assemble(
         "reproduces": recipe.references,
         "preset": resolved["preset"],
         "command": command_line(recipe, resolved["preset"], resolved["overrides"]),
+        "seed": resolved["params"].get("seed"),  # the run's own (a copied results.json names it)
         "run_dir": str(run.path),
         "finished": dt.datetime.now().isoformat(timespec="seconds"),
         "rows": rows,

@@ -162,6 +162,8 @@ def test_run_commands_refuse_another_methods_recipe_and_a_missing_data_root(tmp_
          "data.root is unused here: no input of this run is looked up under a data root (--data-root): corpus owai-stories, "
          "tokenizer bpe-2048"),
         (["mosaic-eval", str(models), "--data-root", str(tmp_path)], "data.root is unused here"),
+        (["mosaic-eval", str(models), "--set", "seed=3"], "seed is unused here: an evaluation draws nothing"),
+        (["eval", "posloss", str(models), "--set", "seed=3"], "seed is unused here: an evaluation draws nothing"),
     ]
     for args, message in cases:
         code, _, err = cli_in_process([*args, "--out", str(tmp_path / "runs")], capsys)

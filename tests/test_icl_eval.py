@@ -169,3 +169,17 @@ def test_a_model_with_no_room_beyond_the_generation_is_refused_before_the_run(ti
                        "--set", "max_tokens=16", "--set", "max_new_tokens=16", "-o", str(tmp_path / "runs")], capsys)
     assert rc == 2 and "takes 16 tokens, no more than the max_new_tokens=16" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_shuffled_prompts_and_the_synthetic_task_follow_the_runs_seed() -> None:
+    """shuffle_seed was 0 whatever the run's seed: the points of a study over seeds were one run."""
+    from owai.methods.icl_eval import Config, load_task, shuffle_seed
+
+    assert (shuffle_seed(Config()), shuffle_seed(Config(seed=7)), shuffle_seed(Config(seed=7, shuffle_seed=3))) == (0, 7, 3)
+
+    def pools(cfg: Config) -> list:
+        data = load_task(cfg)
+        return [data.train, data.test]
+
+    assert pools(Config(task="synthetic", seed=1)) == pools(Config(task="synthetic", shuffle_seed=1))
+    assert pools(Config(task="synthetic", seed=1)) != pools(Config(task="synthetic"))

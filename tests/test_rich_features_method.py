@@ -375,3 +375,15 @@ def test_a_full_disk_is_one_line_before_features_are_written(tmp_path, monkeypat
     monkeypatch.setattr(os, "posix_fallocate", unsupported)
     array = rf._feature_file(path, 1000, 2048)
     assert array.shape == (1000, 2048) and path.exists()
+
+
+def test_the_few_shot_episodes_follow_the_runs_seed_unless_fewshot_seed_is_set() -> None:
+    """fewshot.seed was 0 whatever the run's seed: a study over seeds measured the same episodes."""
+    from owai.experiment import resolve
+    from owai.methods.rich_features import episode_seed
+    from owai.recipes import load
+
+    recipe = load("tableA.8-fewshot")
+    assert episode_seed(resolve(recipe, "cpu", ["stage=fewshot"], validate=False)[0]) == 0
+    assert episode_seed(resolve(recipe, "cpu", ["stage=fewshot", "seed=5"], validate=False)[0]) == 5
+    assert episode_seed(resolve(recipe, "cpu", ["stage=fewshot", "seed=5", "fewshot.seed=2"], validate=False)[0]) == 2

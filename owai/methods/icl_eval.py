@@ -49,7 +49,7 @@ class Config(BaseConfig):
     # a prompt longer than the model takes is an error before the run unless this is set; then such
     # prompts are counted as overflows, never truncated
     allow_overflow: bool = False
-    shuffle_seed: int = 0
+    shuffle_seed: int | None = None  # of the shuffled strategies and the synthetic task; None = the run's seed
     trailing_space: bool = True  # LongICLBench's spaces after the header's and the label's colon
     parse: str = "local"  # LongICLBench's answer parsing: local (prompt + continuation) or api (continuation)
     tacred_format: str = "thesis"  # thesis (App. C.2.3) or longiclbench
@@ -129,7 +129,7 @@ class InContextClassification(Method):
         details: dict[str, Any] = {"task": data.name, "model": cfg.model, "max_tokens": max_tokens}
         curves: dict[str, list[float | None]] = {}
         for mode in cfg.labels:
-            options = longicl.PromptOptions(labels=mode, shuffle_seed=cfg.shuffle_seed,
+            options = longicl.PromptOptions(labels=mode, shuffle_seed=shuffle_seed(cfg),
                                             trailing_space=cfg.trailing_space, tacred_format=cfg.tacred_format,
                                             parse=cfg.parse)
             result = longicl.evaluate(generator, data, cfg.shots, options, cfg.n_queries, strategies=strategies,
@@ -192,12 +192,18 @@ def _reference(name: str) -> Any:
     return {"knn": longicl.InContextKNN, "last": longicl.MajorityLast}[name]()
 
 
+def shuffle_seed(cfg: Config) -> int:
+    """The seed of the shuffled prompts and of the synthetic task: `shuffle_seed`, else the run's
+    `seed` (so a study's seeds shuffle differently; both default to 0)."""
+    return cfg.seed if cfg.shuffle_seed is None else cfg.shuffle_seed
+
+
 def load_task(cfg: Config) -> Any:
     """The task's ICLData from the configured data (module docstring)."""
     from owai.evals import longicl
 
     if cfg.task == "synthetic":
-        return longicl.synthetic_task(cfg.synthetic_classes, cfg.shuffle_seed)
+        return longicl.synthetic_task(cfg.synthetic_classes, shuffle_seed(cfg))
     if cfg.data == "hf":
         if cfg.task == "tacred":
             raise OwaiError("tacred is licence-gated (LDC2018T24): give the folder of LongICLBench's processed JSON")

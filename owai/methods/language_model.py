@@ -1112,8 +1112,10 @@ class LanguageModelEvaluation(Method):
 
     @staticmethod
     def unused_settings(cfg: EvalOnlyConfig) -> dict[str, str]:
-        # data.tokenizer is read for a model folder that records no tokenizer of its own (`tokenizer_for`)
-        return data_root_unused(cfg.data, cfg.eval, cfg.data.tokenizer)
+        # data.tokenizer is read for a model folder that records no tokenizer of its own (`tokenizer_for`);
+        # nothing is drawn: the evaluation windows are those of mosaic-train's final evaluation (key 0)
+        return {"seed": "an evaluation draws nothing: its windows are the same for every model and seed, "
+                        "as in mosaic-train's final evaluation"} | data_root_unused(cfg.data, cfg.eval, cfg.data.tokenizer)
 
     @staticmethod
     def validate(cfg: EvalOnlyConfig) -> None:

@@ -280,7 +280,7 @@ class FewshotConfig:
     epochs: int = 100
     batch_size: int = 4
     weight_decay: float = 1e-3
-    seed: int = 0  # of the episodes (the same episodes for every representation)
+    seed: int | None = None  # of the episodes (the same for every representation of a run); None = the run's seed
 
 
 @dataclass
@@ -437,7 +437,7 @@ def check_settings(cfg: Config) -> None:
     if not k.shots or any(isinstance(x, bool) or x < 1 for x in k.shots) or len(set(k.shots)) != len(k.shots):
         raise OwaiError(f"fewshot.shots {k.shots}: give distinct shot counts >= 1")
     if not (k.ways >= 2 and k.queries >= 1 and k.episodes >= 1 and k.lr > 0 and k.epochs >= 1
-            and k.batch_size >= 1 and k.weight_decay >= 0 and k.seed >= 0):
+            and k.batch_size >= 1 and k.weight_decay >= 0 and (k.seed is None or k.seed >= 0)):
         raise OwaiError("fewshot: need ways >= 2, queries >= 1, episodes >= 1, lr > 0, epochs >= 1, batch_size >= 1, "
                         "weight_decay >= 0, seed >= 0")
     for step in cfg.chain:
@@ -1974,6 +1974,12 @@ class _Averaged(torch.nn.Module):
 # -- few-shot ------------------------------------------------------------------------------------
 
 
+def episode_seed(cfg: Config) -> int:
+    """The seed of the few-shot episodes and their heads' SGD: `fewshot.seed`, else the run's `seed`
+    (a study over seeds draws other episodes; within a run every representation meets the same)."""
+    return cfg.seed if cfg.fewshot.seed is None else cfg.fewshot.seed
+
+
 def run_fewshot(cfg: Config, z_test: list[torch.Tensor], y_test: torch.Tensor, n: int, with_student: bool,
                 measured: dict[str, Any], details: dict[str, Any]) -> None:
     """Stage fewshot (§6.6): the same episodes (keyed by fewshot.seed) for every representation: each
@@ -1990,13 +1996,15 @@ def run_fewshot(cfg: Config, z_test: list[torch.Tensor], y_test: torch.Tensor, n
     if with_student:
         reps[f"distill{n}"] = [z_test[n]]
     table: dict[str, Any] = {}
+    seed = episode_seed(cfg)
+    details["fewshot_seed"] = seed
     for shot in k.shots:
-        episodes = sample_episodes(y_test, k.ways, shot, k.queries, k.episodes, k.seed)
+        episodes = sample_episodes(y_test, k.ways, shot, k.queries, k.episodes, seed)
         for head in k.heads:
             singles = []
             for name, blocks in reps.items():
                 accs = episode_accuracies(torch.cat(blocks, 1), episodes, head=head, lr=k.lr, epochs=k.epochs,
-                                          batch_size=k.batch_size, weight_decay=k.weight_decay, seed=k.seed)
+                                          batch_size=k.batch_size, weight_decay=k.weight_decay, seed=seed)
                 mean, ci = mean_ci95(accs)
                 table[f"{name}.{head}.{shot}shot"] = {"mean": mean, "ci95": ci}
                 if name.startswith("net"):
