@@ -31,6 +31,8 @@ import subprocess
 import sys
 import time
 
+from _args import ArgumentParser, at_least, check_device, positive  # benchmarks/, beside this script
+
 VARIANTS = ("custom", "autograd", "onehot")
 
 
@@ -134,16 +136,17 @@ def run_one(args: argparse.Namespace, variant: str) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--positions", type=int, default=4096, help="rows N = batch x T (all valid)")
-    parser.add_argument("--vocab", type=int, default=50304)
-    parser.add_argument("--k", type=int, default=64)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--positions", type=positive, default=4096, help="rows N = batch x T (all valid)")
+    parser.add_argument("--vocab", type=positive, default=50304)
+    parser.add_argument("--k", type=positive, default=64)
     parser.add_argument("--eta", type=float, default=64000.0)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float64"))
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=2, help="timed passes after the measured one")
+    parser.add_argument("--repeats", type=at_least(0), default=2, help="timed passes after the measured one")
     parser.add_argument("--variant", choices=VARIANTS, help="run one variant in this process and print JSON")
     args = parser.parse_args()
+    check_device(args.device)
     if args.variant:
         r = measure(args.variant, args.positions, args.vocab, args.k, args.eta, args.dtype, args.device, args.repeats)
         print(json.dumps(r))

@@ -52,8 +52,6 @@ PATTERNS = {"table2.4-coloredmnist": pattern, "table2.5-pi": pattern_pi}
 
 def main() -> int:
     done = timed_study(__doc__.splitlines()[0], ["bonsai", "--study"], "table2.4-coloredmnist", TARGET_S, empty_cache=True)
-    if done is None:
-        return 1
     args, seconds, report = done
     print(f"{'dataset':22s} {'method':9s} {'init':10s} {'measured %':>11s} {'thesis %':>9s}  chosen")
     for r in report["rows"]:

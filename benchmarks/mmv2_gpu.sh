@@ -20,7 +20,7 @@
 # test_key_scan_triton.py, ahead of time with triton's ptxas): a kernel that does not build fails
 # there, before any GPU time is spent.
 #
-# Steps, in order of what they decide (limits sum to 1,030 s, more than the 10-minute device call:
+# Steps, in order of what they decide (limits sum to 1,000 s, more than the 10-minute device call:
 # in the sixteenth session's call the first four took 273 s and the `gpu` tests more than 150 s with a
 # cold cache; should the steps run long, the call's own limit cuts the last ones, and what they
 # printed still comes back). The compiled step has 150 s: it took 64 s there with one delay, and its
@@ -39,22 +39,24 @@
 #   profile-compiled   one compiled training step of each model by kernel family: what is left of the
 #                      gap to 0.9x (the eager step's profile is in docs/results.md)
 #   bytes              the bytes Triton's kernels move for one memory's compiled work, forward and
-#                      backward; then the same graphs lowered for an H200 on the CPU (--device triton,
-#                      benchmarks/triton_lowering.py), which must give the same figures; then the CPU
-#                      backend's count: which of the two counts CPU-only sessions compare revisions by
-#   pytest             the `gpu` tests of v2 and Llama: flex vs SDPA and the bf16 training step (each
-#                      kernel path against float32), the compiled and Triton key scans at training
-#                      length, bf16 prefill + decoding, the compiled StaticDecoder's CUDA graph against the
-#                      dynamic cache; and the trainer's finiteness check on CUDA (tests/test_nonfinite.py).
-#                      With a cold inductor cache they outran the 150 s the sixteenth session gave
-#                      them; last, since the steps before it usually end well inside their limits
-#                      (64, 57, 111 and 41 s in that session)
+#                      backward. The same graphs lowered for an H200 on the CPU (`python
+#                      benchmarks/mmv2_bytes.py kernels --device triton`), which must give the same
+#                      figures, and the CPU backend's count (`kernels`) need no GPU: run them beside the
+#                      call's output on any machine, not in device time
+#   pytest             the `gpu` tests of v2, Llama and the trainer: flex vs SDPA and the bf16 training
+#                      step (each kernel path against float32), the compiled and Triton key scans at
+#                      training length, bf16 prefill + decoding, the compiled StaticDecoder's CUDA graph
+#                      against the dynamic cache; the trainer's finiteness check on CUDA
+#                      (tests/test_nonfinite.py) and its fused AdamW (tests/test_gpt.py). With a cold
+#                      inductor cache they outran the 150 s the sixteenth session gave them; after the
+#                      figures, since the steps before it usually end well inside their limits (64,
+#                      57, 111 and 41 s in that session)
 #   launches           the kernels each model's compiled decoding step launches per block, from the
 #                      Triton code inductor generates: does v2's block, its matmuls stacked, launch
 #                      what the transformer's does, as on the CPU? Then the bytes each step moves at 4k
-#                      and 32k context, beside the CPU's lowering for an H200 (a floor for the
-#                      generation step; last: the first step cut should the call run long; rerun it
-#                      while the machine is warm)
+#                      and 32k context (a floor for the generation step; `launches --device triton`
+#                      gives the CPU's lowering for an H200 to set beside it, on any machine). Last: the
+#                      first step cut should the call run long; rerun it while the machine is warm
 # The sixteenth session's H200 call (docs/results.md) chose the scan: the compiled chunked scan
 # (scan auto) beat owai's Triton kernel, compiled and eager, so the steps no longer measure the kernel.
 set -u
@@ -80,6 +82,6 @@ step compiled 150 $bench throughput $small --documents --rounds 3 --compile
 step eager 80 $bench throughput $small --documents --rounds 3
 step generation-graphs 260 $bench generation --graphs --device cuda --size small --contexts 4096 32768 --new 32
 step profile-compiled 60 $bench profile --train --compile $small --documents
-step bytes 90 bash -c "$py benchmarks/mmv2_bytes.py kernels --device cuda; $py benchmarks/mmv2_bytes.py kernels --device triton; $py benchmarks/mmv2_bytes.py kernels"
-step pytest 240 "$py" -m pytest -v --tb=short -o addopts= -m gpu tests/test_memory_mosaics_v2.py tests/test_llama.py tests/test_nonfinite.py
+step bytes 60 "$py" benchmarks/mmv2_bytes.py kernels --device cuda
+step pytest 240 "$py" -m pytest -v --tb=short -o addopts= -m gpu tests/test_memory_mosaics_v2.py tests/test_llama.py tests/test_nonfinite.py tests/test_gpt.py
 step launches 150 "$py" benchmarks/mmv2_bytes.py launches --device cuda

@@ -40,13 +40,17 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's owai, before any installed copy
 
+from _args import ArgumentParser, fail, positive  # noqa: E402  (benchmarks/, beside this script)
+
+DECODE_STEPS = 10  # --numerics: the decoding steps after the prefill and the continuation
+NUMERICS_MIN_CONTEXT = 4 * DECODE_STEPS  # the steps fit after T/2 + T/4 tokens
+
 
 def extract_revision(ref: str, into: Path) -> None:
     """`owai/` of git revision `ref` as the package `owai_before` under `into`."""
     done = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "owai"], capture_output=True)
     if done.returncode != 0:
-        print(f"error: git archive of {ref!r} failed: {done.stderr.decode().strip()}", file=sys.stderr)
-        raise SystemExit(2)
+        fail(f"git archive of {ref!r} failed: {done.stderr.decode().strip()}")
     archive = done.stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     (into / "owai").rename(into / "owai_before")
@@ -57,18 +61,20 @@ def extract_revision(ref: str, into: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", required=True, help="the earlier git revision (commit, tag, branch)")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--batch", type=positive, default=8)
+    parser.add_argument("--context", type=positive, default=512)
+    parser.add_argument("--rounds", type=positive, default=40)
     parser.add_argument("--documents", action="store_true", help="packed documents (as benchmarks/mmv2.py throughput)")
-    parser.add_argument("--doc-mean", type=int, default=256, help="mean document length with --documents")
+    parser.add_argument("--doc-mean", type=positive, default=256, help="mean document length with --documents")
     parser.add_argument("--control", action="store_true", help="A/A: both models from --before")
     parser.add_argument("--scan", default="auto", choices=["auto", "chunked", "compiled"],
                         help="both models' scan_impl (auto: the CPU default, eager)")
     parser.add_argument("--numerics", action="store_true", help="compare the two revisions' tensors instead of timing")
     args = parser.parse_args()
+    if args.numerics and args.context < NUMERICS_MIN_CONTEXT:
+        fail(f"--numerics compares a prefill, a continuation and {DECODE_STEPS} decoding steps inside one window: --context must be at least {NUMERICS_MIN_CONTEXT}, got {args.context}")
 
     import torch
 
@@ -120,7 +126,7 @@ def main() -> None:
           f"(rounds: {' '.join(f'{r:.2f}' for r in ratios)})")
 
 
-def tensors_of(model, x, pos, delay: int = 64, steps: int = 10) -> dict[str, "torch.Tensor"]:
+def tensors_of(model, x, pos, delay: int = 64, steps: int = DECODE_STEPS) -> dict[str, "torch.Tensor"]:
     """A model's float32 tensors on x (B, T): training loss, logits and gradients; then the logits
     of a prefill (T/2), a continuation (T/4) and `steps` decoding steps, on its own cache."""
     import torch

@@ -12,7 +12,6 @@ directory is kept under --out (default: a temporary directory); a killed run fin
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -20,12 +19,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from _args import ArgumentParser
+
 TARGET_S = 30 * 60
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "table4.4-recall.yaml"
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="where the run directory goes (default: a temporary one)")
     parser.add_argument("--recipe", default=str(RECIPE) if RECIPE.is_file() else "table4.4-recall")
     parser.add_argument("--preset", default="cpu", help="cpu (the 30-minute target), or cpu-small")
@@ -36,10 +37,14 @@ def main() -> int:
     proc = subprocess.run(argv, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
-        print(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}")
-        return 1
+        print(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}", file=sys.stderr)
+        return proc.returncode  # owai's own: 2 for bad input
     results = json.loads(proc.stdout)
-    print(f"table4.4-recall {args.preset} preset: {seconds:7.1f} s   target <= {TARGET_S} s   {'ok' if seconds <= TARGET_S else 'MISSED'}")
+    if args.preset != "cpu":  # the target is the cpu preset's
+        print(f"table4.4-recall {args.preset} preset: {seconds:7.1f} s (the {TARGET_S} s target is the cpu preset's)")
+        print_results(results)
+        return 0
+    print(f"table4.4-recall cpu preset: {seconds:7.1f} s   target <= {TARGET_S} s   {'ok' if seconds <= TARGET_S else 'MISSED'}")
     print_results(results)
     return 0 if seconds <= TARGET_S else 1
 

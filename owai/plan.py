@@ -82,13 +82,19 @@ def readable_pairs(config, context: int) -> float:
     return float((t + 1).mean())  # causal attention: keys j <= t
 
 
+def multiplying_parameters(model: torch.nn.Module) -> int:
+    """The parameters that multiply a token's activations: all but the input embedding's lookup (the
+    embedding does multiply where the head is tied to it)."""
+    multiplying = count_parameters(model)
+    if not getattr(model.config, "tie_word_embeddings", False):
+        multiplying -= model.get_input_embeddings().weight.numel()
+    return multiplying
+
+
 def forward_flops_per_token(model: torch.nn.Module, context: int) -> float:
     """Forward FLOPs per token at `context` (module docstring)."""
     shape = ModelShape.of(model.config)
-    multiplying = count_parameters(model)
-    if not shape.tied:
-        multiplying -= model.get_input_embeddings().weight.numel()
-    return 2.0 * multiplying + 4.0 * shape.n_layer * shape.d * readable_pairs(model.config, context)
+    return 2.0 * multiplying_parameters(model) + 4.0 * shape.n_layer * shape.d * readable_pairs(model.config, context)
 
 
 @dataclass

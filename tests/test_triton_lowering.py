@@ -189,3 +189,15 @@ def test_a_compiled_blocks_reads_reach_o_proj_without_a_copy(monkeypatch):
     copies = [k for lowered in forward for k in lowered.buffers if k == ([read], [rows])]
     row_writers = [k for lowered in forward for k in lowered.buffers if read in k[1]]  # the shapes are the model's
     assert len(row_writers) >= 2 and copies == [], (len(row_writers), len(copies))
+
+
+@pytest.mark.slow
+def test_launches_compiles_v2s_decoding_graphs_again_at_each_context():
+    """`mmv2_bytes.py launches` counts v2's three decoding graphs at each context in one process; at the
+    second, dynamo answered one of them from its cache and the step stopped with "expected three
+    compiled graphs" (mmv2_gpu.sh's 32k row on the GPU). Two capacities, on the CPU backend."""
+    import mmv2_bytes
+
+    for capacity in (mmv2_bytes.PREFILL + 34, mmv2_bytes.PREFILL + 66):
+        graphs = mmv2_bytes._decode_graphs("mmv2", 1, "cpu", capacity)
+        assert len(graphs) == 3, (capacity, len(graphs))
