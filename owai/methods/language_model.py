@@ -34,7 +34,7 @@ from owai import console, distributed
 from owai.config import MAX_CONTEXT, MAX_LAYERS, BaseConfig, check_count
 from owai.errors import CannotRunHere, DataMissing, OwaiError, one_line
 from owai.methods import Method, Outcome
-from owai.models.zoo import SIZED
+from owai.models.zoo import DOCUMENT_MASKED, SIZED
 from owai.runs import Run, model_dirs
 from owai.runtime import generator
 
@@ -286,6 +286,11 @@ def check_settings(cfg: Config) -> None:
     sized = [a for a in cfg.archs if parse_arch(a)[0] in SIZED]
     if m.size and len(sized) != len(cfg.archs):
         raise OwaiError(f"model.size applies to {', '.join(SIZED)}; archs has {', '.join(a for a in cfg.archs if a not in sized)}")
+    crossing = [a for a in cfg.archs if parse_arch(a)[0] not in DOCUMENT_MASKED]
+    if cfg.data.documents and crossing:
+        raise OwaiError(f"data.documents (document-wise masks) is implemented by {' and '.join(DOCUMENT_MASKED)}; "
+                        f"{', '.join(crossing)} would read across documents: train {'it' if len(crossing) == 1 else 'them'} "
+                        "with data.documents=false")
     for length in cfg.eval.lengths:
         check_count("eval.lengths", length, 2, MAX_CONTEXT)
     _check_common_settings(cfg)

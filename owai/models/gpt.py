@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - older transformers
     from torch.nn import init
 
 from owai.errors import OwaiError
-from owai.models.hf_cache import given_cache, with_cache
+from owai.models.hf_cache import given_cache, refuse_unread_inputs, with_cache
 
 POSITIONS = ("learned", "rope", "alibi", "none")
 ACTIVATIONS = {"gelu_tanh": "tanh", "gelu": "none"}  # name -> nn.GELU(approximate=...)
@@ -353,7 +353,7 @@ class GPTForCausalLM(PreTrainedModel, GenerationMixin):
 
     def forward(
         self,
-        input_ids: torch.LongTensor,
+        input_ids: torch.LongTensor | None = None,
         labels: torch.LongTensor | None = None,
         cache: Cache | None = None,
         use_cache: bool | None = None,
@@ -374,6 +374,7 @@ class GPTForCausalLM(PreTrainedModel, GenerationMixin):
         input_ids are only the new tokens; the cache holds the rest and is updated in place
         (`Cache.update(k, v, layer_idx)`) and returned.
         """
+        refuse_unread_inputs("gpt", input_ids, kwargs)
         B, T = input_ids.shape
         cache = given_cache(cache, past_key_values)
         if use_cache is None:
@@ -398,7 +399,7 @@ class GPTForCausalLM(PreTrainedModel, GenerationMixin):
         if labels is not None:
             # position t predicts labels[t+1]; the last position has no target (-100)
             targets = F.pad(labels, (0, 1), value=-100)[:, 1:].to(logits.device)
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
 
         out = with_cache(CausalLMOutputWithPast, cache, loss=loss, logits=logits)
         return out if return_dict else out.to_tuple()

@@ -12,6 +12,10 @@ name but log "`past_key_values`/`cache_params` are deprecated" on each use. So o
 
 Code that reads a cache from an output uses `output_cache(out)`, and code that passes one to a model
 it did not write (transformers' Llama) passes `**cache_kwargs(cache)`.
+
+What else transformers' callers pass to a `forward` and owai's own models do not compute (input
+embeddings, hidden states, attention maps) is refused in one place, `refuse_unread_inputs`: a
+`**kwargs` would otherwise swallow it and answer with None or with the ids' logits.
 """
 
 from __future__ import annotations
@@ -29,6 +33,20 @@ from owai.errors import OwaiError
 CACHE_FIELD: str = (
     "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
 )
+
+
+UNREAD_OUTPUTS = ("output_hidden_states", "output_attentions")  # asked of an HF model, not returned by owai's
+
+
+def refuse_unread_inputs(model: str, input_ids: Any, kwargs: dict[str, Any], unread: tuple[str, ...] = UNREAD_OUTPUTS) -> None:
+    """One line for an input an owai model's `forward` would otherwise swallow in its `**kwargs`:
+    `inputs_embeds` (the models read token ids), and `unread` asked for (hidden states and attention
+    maps, which they do not return; `logits_to_keep` where they compute every position's logits)."""
+    if input_ids is None or kwargs.get("inputs_embeds") is not None:
+        raise OwaiError(f"{model}: forward needs input_ids (inputs_embeds is not supported)")
+    asked = [name for name in unread if kwargs.get(name)]
+    if asked:
+        raise OwaiError(f"{model}: {' and '.join(asked)} not supported (the forward returns logits, loss and cache)")
 
 
 def given_cache(cache: Any, past_key_values: Any) -> Any:

@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, Pret
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from owai.errors import OwaiError
-from owai.models.hf_cache import StateCache, forward_cache, own_generation_cache, with_cache
+from owai.models.hf_cache import UNREAD_OUTPUTS, StateCache, forward_cache, own_generation_cache, refuse_unread_inputs, with_cache
 
 
 class LSTMConfig(PretrainedConfig):
@@ -122,10 +122,16 @@ class LSTMForCausalLM(PreTrainedModel, GenerationMixin):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.wte
 
+    def set_input_embeddings(self, embeddings: nn.Embedding) -> None:
+        self.wte = embeddings
+
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
-    def forward(self, input_ids: torch.LongTensor, labels: torch.LongTensor | None = None,
+    def set_output_embeddings(self, head: nn.Linear) -> None:
+        self.lm_head = head
+
+    def forward(self, input_ids: torch.LongTensor | None = None, labels: torch.LongTensor | None = None,
                 attention_mask: torch.Tensor | None = None, cache: LSTMCache | None = None,
                 use_cache: bool | None = None, return_dict: bool = True,
                 past_key_values: LSTMCache | None = None, **kwargs) -> CausalLMOutputWithPast | tuple:
@@ -136,6 +142,7 @@ class LSTMForCausalLM(PreTrainedModel, GenerationMixin):
         with a cache the new T columns must be ones. cache (or `past_key_values`):
         the state to continue from, updated in place and returned; use_cache=True alone starts one.
         """
+        refuse_unread_inputs("lstm", input_ids, kwargs, UNREAD_OUTPUTS + ("logits_to_keep",))
         B, T = input_ids.shape
         cache = forward_cache(cache, past_key_values, use_cache, LSTMCache, LSTMCache, "lstm")
         past = cache.get_seq_length() if cache is not None else 0

@@ -48,7 +48,8 @@ from transformers import initialization as hf_init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from owai.errors import OwaiError
-from owai.models.hf_cache import CACHE_FIELD, StateCache, forward_cache, own_generation_cache, with_cache
+from owai.models.hf_cache import (CACHE_FIELD, UNREAD_OUTPUTS, StateCache, forward_cache, own_generation_cache,
+                                   refuse_unread_inputs, with_cache)
 
 # ---------------------------------------------------------------------------------------------
 # config
@@ -620,10 +621,7 @@ class MemoryMosaicsForCausalLM(PreTrainedModel, GenerationMixin):
         ignore_index -100). With a cache (`cache`, or its older name `past_key_values`), or
         use_cache=True, the input continues the cached sequence and the cache is updated in place
         and returned."""
-        if input_ids is None:
-            raise OwaiError("memory mosaics: forward needs input_ids (inputs_embeds is not supported)")
-        if kwargs.get("inputs_embeds") is not None:
-            raise OwaiError("memory mosaics: inputs_embeds is not supported, pass input_ids")
+        refuse_unread_inputs("memory mosaics", input_ids, kwargs, UNREAD_OUTPUTS + ("logits_to_keep",))
         if attention_mask is not None and not torch.compiler.is_compiling() and not bool(attention_mask.all()):
             raise OwaiError("memory mosaics: padded attention_mask is not supported, use batches of equal length")
         cache = forward_cache(cache, past_key_values, use_cache, MemoryMosaicsCache, MemoryMosaicsCache, "memory mosaics")

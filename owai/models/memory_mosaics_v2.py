@@ -65,7 +65,7 @@ from transformers import initialization as hf_init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from owai.errors import OwaiError, one_line
-from owai.models.hf_cache import CACHE_FIELD, forward_cache, with_cache
+from owai.models.hf_cache import CACHE_FIELD, forward_cache, refuse_unread_inputs, with_cache
 from owai.models.memory_mosaics import MemoryMosaicsCache, _as, _unit, _unit_adjoint, _wide, own_generation_cache
 
 SHORT_EDGES = ("open", "closed")  # open: j >= t-h+1 (thesis main text); closed: j >= t-h (paper appendix)
@@ -1052,6 +1052,19 @@ class MemoryMosaicsV2Cache(MemoryMosaicsCache):
         self.capacity: int | None = None  # positions a StaticDecoder may hold (generate's max_length)
         self.decoder: StaticDecoder | None = None  # once decoding steps run on it, it holds the state
 
+    def batch_size(self) -> int | None:
+        """The rows the cache holds (None while it holds none)."""
+        if self.doc_start is not None:
+            return self.doc_start.shape[0]
+
+        def rows(obj: Any) -> int | None:
+            if isinstance(obj, torch.Tensor):
+                return obj.shape[0] if obj.dim() else None
+            values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+            return next((n for n in map(rows, values) if n is not None), None)
+
+        return rows(self.layers)
+
     def _apply(self, fn) -> None:
         if self.decoder is not None:
             raise OwaiError("memory mosaics v2: a cache whose steps run on a StaticDecoder cannot be reordered or "
@@ -1062,8 +1075,8 @@ class MemoryMosaicsV2Cache(MemoryMosaicsCache):
                 return fn(obj) if obj.dim() else obj
             if isinstance(obj, dict):
                 return {k: walk(v) for k, v in obj.items()}
-            if isinstance(obj, tuple):
-                return tuple(walk(v) for v in obj)
+            if isinstance(obj, (list, tuple)):  # the cache's layers are a list (of dicts)
+                return type(obj)(walk(v) for v in obj)
             return obj
 
         self.layers = walk(self.layers)
@@ -1240,6 +1253,14 @@ class MemoryMosaicsV2ForCausalLM(PreTrainedModel, GenerationMixin):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
+    def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> nn.Embedding:
+        """transformers' resize, refused with a bag-of-k head: that head is sized by the vocabulary too,
+        and a resize that left it would train on, or fail to reload, tokens that no longer exist."""
+        if self.bag_head is not None:
+            raise OwaiError("memory mosaics v2: resize_token_embeddings is not supported with a bag-of-k head "
+                            "(bag_of_k > 0): its head has one row per token too")
+        return super().resize_token_embeddings(*args, **kwargs)
+
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
@@ -1285,8 +1306,7 @@ class MemoryMosaicsV2ForCausalLM(PreTrainedModel, GenerationMixin):
         cache: as v1's (`past_key_values` is its older name; owai.models.hf_cache).
         """
         cfg = self.config
-        if input_ids is None or kwargs.get("inputs_embeds") is not None:
-            raise OwaiError("memory mosaics v2: forward needs input_ids (inputs_embeds is not supported)")
+        refuse_unread_inputs("memory mosaics v2", input_ids, kwargs)
         cache = forward_cache(cache, past_key_values, use_cache, MemoryMosaicsV2Cache, MemoryMosaicsV2Cache,
                               "memory mosaics v2")
         B, T = input_ids.shape
@@ -1294,8 +1314,8 @@ class MemoryMosaicsV2ForCausalLM(PreTrainedModel, GenerationMixin):
         if cache is not None:
             if not cache.layers:
                 cache.layers = [{} for _ in self.layers]
-            elif cache.doc_start is not None and cache.doc_start.shape[0] != B:
-                raise OwaiError("memory mosaics v2: batch size differs from the cache's")
+            elif cache.batch_size() not in (None, B):
+                raise OwaiError(f"memory mosaics v2: batch size {B} differs from the cache's ({cache.batch_size()})")
         doc_start = self._doc_starts(B, T, past, position_ids, attention_mask, cache, input_ids.device)
         if long_delay is None:
             if self.training:
@@ -1385,10 +1405,13 @@ class MemoryMosaicsV2ForCausalLM(PreTrainedModel, GenerationMixin):
     def _doc_starts(B: int, T: int, past: int, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
                     cache: MemoryMosaicsV2Cache | None, device: torch.device) -> torch.Tensor | None:
         """(B, T) absolute document start of each new position, or None (every row one document from 0)."""
-        if position_ids is None and attention_mask is not None and not bool(attention_mask.all()):
+        from_mask = None  # positions counted from each row's first unmasked token (left padding)
+        if attention_mask is not None and not bool(attention_mask.all()):
             if attention_mask.dim() != 2 or attention_mask.shape[1] != past + T:
                 raise OwaiError(f"memory mosaics v2: attention_mask must be (batch, {past + T}), got {tuple(attention_mask.shape)}")
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+            from_mask = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:].to(device)
+        if position_ids is None:
+            position_ids = from_mask
         if position_ids is not None:
             if position_ids.shape[-1] != T:
                 raise OwaiError(f"memory mosaics v2: position_ids must have {T} columns, got {tuple(position_ids.shape)}")
@@ -1397,6 +1420,8 @@ class MemoryMosaicsV2ForCausalLM(PreTrainedModel, GenerationMixin):
                 raise OwaiError("memory mosaics v2: position_ids must count positions within documents (>= 0)")
             # a position larger than t (HF fills left padding with 1) starts at 0: padding reads padding only
             ds = (t - position_ids.to(device)).clamp(min=0).expand(B, T)
+            if from_mask is not None and position_ids is not from_mask:  # the mask decides what is read, as in
+                ds = torch.maximum(ds, (t - from_mask).clamp(min=0))  # HF's models: no position reads padding
             if not bool(ds.any()):  # one document per row from position 0: the fast paths apply
                 return None
             return ds.contiguous()

@@ -16,3 +16,7 @@ ARCHITECTURES: dict[str, tuple[str, str, str]] = {
 
 # the architectures of thesis chapter 4, built at a size of owai.models.sizes.SIZES
 SIZED = ("mmv2", "transformer")
+
+# the architectures whose forward reads restarting position_ids as document boundaries (packed
+# documents, `data.documents`): the others would attend, or carry their state, across documents
+DOCUMENT_MASKED = ("mmv2", "transformer")
