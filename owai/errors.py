@@ -44,6 +44,11 @@ def one_line(exc: BaseException, limit: int | None = 240) -> str:
     already written for the user), any other as `Type: first non-empty line`; cut at `limit` (None:
     not cut)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if len(lines) > 2 and lines[0].startswith("Caught ") and lines[1].startswith("Original Traceback"):
+        # raised in a DataLoader worker and re-raised by torch: the worker's message is the traceback's
+        # last line, `module.Type: message`
+        head, sep, message = lines[-1].partition(": ")
+        lines = [message if sep and " " not in head else lines[-1]]
     if isinstance(exc, OwaiError):
         text = lines[0] if lines else type(exc).__name__
     else:

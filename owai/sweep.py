@@ -171,6 +171,28 @@ def _apply_grid_overrides(subs: list[dict[str, list[Any]]], overrides: dict[str,
             sub[key] = list(values)
 
 
+def _refuse_sets_the_grid_overrules(sets: list[str], subs: list[dict[str, list[Any]]], restated: set[str]) -> None:
+    """A base `--set` of a key that every sub-grid of the recipe's grid sweeps, to values other than
+    the one set: each point's grid value wins over it, so the value asked for would never run (in a
+    union grid, the sub-grids without the key take the `--set`, and a group's fixed value is the
+    recipe's: docs/decisions.md). One line that says so, and how to change the grid's values instead
+    (`--grid`, given beside a `--set` of the same key, states the values itself)."""
+    from owai.experiment import _leaf_keys
+
+    for text in sets:
+        parts, value = parse_override(text)
+        for key in _leaf_keys(".".join(parts), value):
+            if key in restated:  # --grid gives its values beside the --set
+                continue
+            leaf = value
+            for part in key.split(".")[len(parts):]:  # a mapping's value under this key
+                leaf = leaf[part]
+            if subs and all(key in sub for sub in subs) and any(v != leaf for sub in subs for v in sub[key]):
+                shown = ", ".join(dict.fromkeys(value_text(v) for sub in subs for v in sub[key]))
+                raise OwaiError(f"--set {key}: the sweep grid sets {key} in every point ({shown}), which wins over "
+                                f"--set; change the grid's values with --grid {key}=... (`owai sweep RECIPE --grid`)")
+
+
 def _check_grid_key(schema: type, key: str, values: list[Any]) -> None:
     """A grid key is a schema path (not the seed) with distinct values that survive `--set` text."""
     if key == "seed":
@@ -218,14 +240,18 @@ def _design(
     if any(_is_seed(s) for s in sets):
         raise OwaiError("a sweep sets the seed itself: choose seeds with --seeds, not --set seed=...")
     cfg, resolved = resolve(recipe, preset, sets, missing_ok=True)  # the base --sets, checked once
-    missing = resolved.get("missing")  # raised once every setting has been checked
+    # what this machine lacks, raised once every setting has been checked: the points' own (a sweep
+    # never runs its base config, whose dataset the grid may replace in every point)
+    missing: str | None = None
     preset_name = resolved["preset"]
     spec = recipe.sweep
     written = coerce(Grid, grid, "grid") if grid is not None else (spec.grid_for(preset_name) if spec else {})
     if written == []:
         raise OwaiError("the sweep grid is an empty list: it has no points")
     subs = sub_grids(written)
-    _apply_grid_overrides(subs, grid_overrides if isinstance(grid_overrides, dict) else parse_grid(grid_overrides))
+    overrides = grid_overrides if isinstance(grid_overrides, dict) else parse_grid(grid_overrides)
+    _refuse_sets_the_grid_overrules(sets, subs, set(overrides))
+    _apply_grid_overrides(subs, overrides)
     schema = recipe.method_class().Config
     for sub in subs:
         for key, values in sub.items():

@@ -6,10 +6,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from conftest import TINY_MOONS, cli_in_process, run_owai
 from owai import recipes
+from owai.errors import OwaiError
 
 
 def assert_one_line_error(proc, *fragments: str) -> None:
@@ -279,3 +281,29 @@ def test_study_tables_print_their_preset_in_brackets(capsys):
     table = regbench.study_table([], "Fig 3.10 [paper]")
     console.stdout.print(table)
     assert "[paper]" in capsys.readouterr().out
+
+
+class _Undecodable(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int):
+        if i == 1:
+            raise OwaiError("cannot decode image sketch/dog/dog_0.png: broken data stream")
+        raise ValueError("bad value")
+
+
+@pytest.mark.parametrize("index, expected", [
+    (1, "cannot decode image sketch/dog/dog_0.png: broken data stream"),
+    (0, "ValueError: bad value"),
+])
+def test_an_error_in_a_data_loader_worker_keeps_its_own_message(index, expected):
+    """torch re-raises a worker's exception as "Caught OwaiError in DataLoader worker process 0." with
+    the traceback below; the one-line error kept that first line and lost the file's name."""
+    from owai.errors import one_line
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(_Undecodable(), [index]), num_workers=1,
+                                         collate_fn=lambda batch: batch)
+    with pytest.raises(Exception) as caught:
+        next(iter(loader))
+    assert one_line(caught.value) == expected

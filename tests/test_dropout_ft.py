@@ -295,6 +295,8 @@ def test_resumed_run_equals_uninterrupted(tmp_path: Path, monkeypatch: pytest.Mo
     (lambda t: make_tree(t / "tree"), ["model.backbone=resnet7"], "unknown backbone"),
     (lambda t: make_tree(t / "tree"), ["data.test_domain=5"], "test_domain"),
     (lambda t: make_tree(t / "tree"), ["data.dataset=officehome"], "data.dataset"),
+    # a ViT takes one size: refused before the study, where each point failed after the sweep existed
+    (lambda t: make_tree(t / "tree"), ["model.backbone=vit_mini_4", "data.image_size=16"], "vit_mini_4 is built for 32 px"),
 ])
 def test_bad_input_is_one_line(tmp_path: Path, capsys, make, sets, message) -> None:
     root = make(tmp_path)

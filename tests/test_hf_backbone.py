@@ -297,6 +297,26 @@ def test_swav_style_checkpoint_keeps_exactly_the_backbone(tmp_path):
         assert torch.equal(got[k], v), k
 
 
+
+def test_a_densenet_checkpoint_in_the_older_key_spelling_gives_its_features(tmp_path):
+    """densenet121-a639ec97.pth spells `norm.1.weight`: load_torchvision_weights renamed it, the
+    features of a checkpoint file (`probe.networks`) refused it as "missing 580 feature keys"."""
+    import re
+
+    from owai.methods.rich_features import external_features
+    from owai.models.rich import strip_head
+    from owai.models.vision import build_backbone
+
+    torch.manual_seed(0)
+    own = strip_head(build_backbone("densenet121", num_classes=1)).state_dict()
+    # norm1 -> norm.1 (and conv, relu), inside a DataParallel `module.` prefix
+    legacy = {re.sub(r"(denselayer\d+\.(?:norm|relu|conv))([12])\.", r"\1.\2.", f"module.{k}"): v for k, v in own.items()}
+    assert any(".norm.1.weight" in k for k in legacy)
+    path = tmp_path / "densenet121-old.pth"
+    torch.save(legacy, path)
+    got = external_features("densenet121", path)
+    assert list(got) == list(own) and all(torch.equal(got[k], own[k]) for k in own)
+
 # -- through `owai rich-features`: checkpoints from elsewhere as the n networks ------------------
 
 RICH = [

@@ -753,3 +753,34 @@ def test_a_point_whose_results_file_is_damaged_is_resumed_and_writes_it_again(tm
     assert code == 0, err
     assert json.loads((point / "results.json").read_text())["rows"] == good["rows"]
     assert (point / "results.json.damaged").read_text() == '{"rows": ['
+
+
+def test_a_set_that_every_point_of_the_grid_overrules_is_refused(tmp_path: Path) -> None:
+    """Each point's grid value won over a base --set of the same key, silently: `owai dropout-ft --set
+    model.dropout=0.5` ran 0.0 and 0.9. Refused now, unless --grid restates the key's values, the grid
+    holds only the value set, or a sub-grid without the key takes the --set (a union grid)."""
+    def recipe_with(name: str, grid) -> str:  # each its own file (moons_recipe writes three-moons.yaml)
+        (tmp_path / name).mkdir()
+        return moons_recipe(tmp_path / name, {"grid": grid, "seeds": [1]})
+
+    recipe = recipe_with("lr", {"train.lr": [0.01, 0.02]})
+    with pytest.raises(OwaiError, match=r"--set train.lr: the sweep grid sets train.lr in every point \(0.01, 0.02\)"):
+        sweeps.plan(recipe, None, [*TINY, "train.lr=0.5"])
+    with pytest.raises(OwaiError, match="--set model.beta: the sweep grid sets"):  # a mapping's key too
+        sweeps.plan(recipe_with("beta", {"model.beta": [4.0, 8.0]}), None,
+                    [*TINY, "model={beta: 2.0}"])
+    assert [p.grid for p in sweeps.plan(recipe, None, [*TINY, "train.lr=0.5"], ["train.lr=0.5,0.6"])] == [
+        {"train.lr": 0.5}, {"train.lr": 0.6}]
+    assert len(sweeps.plan(recipe_with("one", {"train.lr": [0.01]}), None, [*TINY, "train.lr=0.01"])) == 1
+    union = recipe_with("union", [{"train.lr": [0.01]}, {"model.beta": [40.0]}])
+    assert len(sweeps.plan(union, None, [*TINY, "train.lr=0.5"])) == 2
+
+
+def test_a_study_names_the_data_its_points_read_not_the_base_configs(tmp_path: Path, capsys) -> None:
+    """`owai dropout-ft -p paper --dataset pacs --data-root DIR` (README) said VLCS was missing: the
+    base config's dataset, which no point reads."""
+    (tmp_path / "data").mkdir()
+    code, _, err = cli(["dropout-ft", "-p", "paper", "--dataset", "pacs", "--data-root", str(tmp_path / "data"),
+                        "--out", str(tmp_path / "runs"), "-q"], capsys)
+    assert code == 2 and "DomainBed PACS not found" in err and "VLCS" not in err, err
+    assert not (tmp_path / "runs").exists()

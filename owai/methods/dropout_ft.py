@@ -152,7 +152,7 @@ class DropoutFineTuning(Method):
 
     @staticmethod
     def validate(cfg: Config) -> None:
-        from owai.models.vision import BACKBONES
+        from owai.models.vision import BACKBONES, native_image_size
 
         d, m, p, t = cfg.data, cfg.model, cfg.pretrain, cfg.train
         if d.dataset not in DATASETS:
@@ -172,6 +172,9 @@ class DropoutFineTuning(Method):
             _check_test_domain(d.test_domain, d.dataset, [f"rot{a:g}" for a in d.angles])
         if m.backbone not in BACKBONES:
             raise OwaiError(f"unknown backbone {m.backbone!r}; known: {', '.join(sorted(BACKBONES))}")
+        native = native_image_size(m.backbone)  # a ViT's position embeddings: one size (as rich-features checks)
+        if native and native != d.image_size:
+            raise OwaiError(f"{m.backbone} is built for {native} px images: set data.image_size={native}")
         if p.steps < 0:
             raise OwaiError(f"pretrain.steps must be >= 0, got {p.steps}")
         if p.steps and d.dataset != "rotated-mnist":

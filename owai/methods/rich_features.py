@@ -346,7 +346,7 @@ def check_settings(cfg: Config) -> None:
     """Every check of `validate` but the pretrained networks' presence: settings, data and few-shot
     episodes (a chain validates its evaluation steps with this before their networks exist)."""
     from owai.models.rich import HEAD_KINDS
-    from owai.models.vision import BACKBONES
+    from owai.models.vision import BACKBONES, native_image_size
 
     d, m, p, q = cfg.data, cfg.model, cfg.pretrain, cfg.probe
     for name in (d.base, d.target):
@@ -354,7 +354,7 @@ def check_settings(cfg: Config) -> None:
             raise OwaiError(f"data.base / data.target {name!r}: choose one of {', '.join(DATASETS)}")
     if m.backbone not in BACKBONES:
         raise OwaiError(f"unknown backbone {m.backbone!r}; known: {', '.join(sorted(BACKBONES))}")
-    native = _native_size(m.backbone)  # (probe.weights name their own models)
+    native = native_image_size(m.backbone)  # (probe.weights name their own models)
     if native and native != d.image_size and not (q.weights and cfg.stage != "pretrain"):
         raise OwaiError(f"{m.backbone} is built for {native} px images: set data.image_size={native}")
     if isinstance(m.joint, bool) or m.joint < 1:
@@ -1025,15 +1025,16 @@ class Network:
 
 def external_features(backbone: str, path: Path) -> dict[str, torch.Tensor]:
     """The feature weights of `backbone` in checkpoint file `path` (.pth read with weights_only, or
-    .safetensors): a `module.` prefix (DataParallel) is removed and keys outside the backbone's features
+    .safetensors): a `module.` prefix (DataParallel) is removed, older key spellings renamed, and keys outside the backbone's features
     (its own head, SSL projection heads, prototypes) are dropped; every feature key must be there with
     its shape. One-line OwaiError otherwise."""
     from owai.models.rich import strip_head
-    from owai.models.vision import _read_state_dict, build_backbone
+    from owai.models.vision import _read_state_dict, _rename_legacy, build_backbone
 
     own = strip_head(build_backbone(backbone, num_classes=1)).state_dict()
     raw = _read_state_dict(path)
-    state = {k.removeprefix("module."): v for k, v in raw.items()}
+    # older official files' spellings too (DenseNet's norm.1, ViT's mlp.linear_1), as the named weights
+    state = {_rename_legacy(k.removeprefix("module.")): v for k, v in raw.items()}
     missing = [k for k in own if k not in state and not k.endswith("num_batches_tracked")]
     if missing:
         raise OwaiError(f"{path} is not a {backbone}: missing {len(missing)} feature keys ({', '.join(missing[:3])} ...)")
@@ -1191,21 +1192,9 @@ def _feature_dim(backbone: str) -> int:
         from owai.models.hf_vision import hf_feature_dim
 
         return hf_feature_dim(backbone[3:])
-    return int(_meta_backbone(backbone).feature_dim)
+    from owai.models.vision import meta_backbone
 
-
-def _native_size(backbone: str) -> int:
-    """The one image size a backbone takes (a ViT's position embeddings), 0 when any size goes."""
-    return int(getattr(_meta_backbone(backbone), "image_size", 0) or 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _meta_backbone(backbone: str) -> torch.nn.Module:
-    """Backbone `backbone` built once per name on the meta device (shapes and attributes, no memory)."""
-    from owai.models.vision import build_backbone
-
-    with torch.device("meta"):
-        return build_backbone(backbone, num_classes=1)
+    return int(meta_backbone(backbone).feature_dim)
 
 
 def load_network(net: Network, style: str = "domainbed", image_size: int | None = None) -> torch.nn.Module:
@@ -1731,7 +1720,7 @@ def run_probes(cfg: Config, heads: dict[str, torch.nn.Module], z_test: list[torc
 def feature_params(backbone: str) -> int:
     """Parameters of `backbone` without its classification head: the inference architecture under a
     probe, as Table 2.2 counts it (resnet50: 23.5M). Counted on a meta-device copy of its own, so the
-    shared `_meta_backbone` keeps its head."""
+    shared `vision.meta_backbone` keeps its head."""
     from owai.models.rich import strip_head
     from owai.models.vision import build_backbone
 

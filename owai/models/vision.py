@@ -457,6 +457,19 @@ def build_backbone(name: str, num_classes: int = 1000, **kwargs: object) -> nn.M
     return BACKBONES[name](num_classes=num_classes, **kwargs)
 
 
+@functools.lru_cache(maxsize=None)
+def meta_backbone(name: str) -> nn.Module:
+    """Backbone `name` built once per name on the meta device (shapes and attributes, no memory); shared
+    between its callers, so never modified."""
+    with torch.device("meta"):
+        return build_backbone(name, num_classes=1)
+
+
+def native_image_size(name: str) -> int:
+    """The one image size a backbone takes (a ViT's position embeddings), 0 when any size goes."""
+    return int(getattr(meta_backbone(name), "image_size", 0) or 0)
+
+
 def _check(model: nn.Module) -> ResNet | DenseNet | VisionTransformer:
     if not isinstance(model, (ResNet, DenseNet, VisionTransformer)):
         raise OwaiError(f"not an owai vision backbone: {type(model).__name__}")
