@@ -10,9 +10,14 @@ from collections.abc import Callable
 from typing import NoReturn
 
 
-def fail(message: str) -> NoReturn:
+def say_error(message: str) -> int:
+    """Print the one `error:` line; the exit code to return (for a `main` that returns its code)."""
     print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    return 2
+
+
+def fail(message: str) -> NoReturn:
+    raise SystemExit(say_error(message))
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from _args import say_error  # benchmarks/, beside this script
 from bonsai_cpu import pattern, pattern_pi
 
 
@@ -58,20 +59,20 @@ def pooled_rows(paths: list[Path], window: str | None = None) -> list[dict[str, 
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
+        return say_error("give one or more study reports (bonsai.json), or --help")
+    if argv[0] in ("-h", "--help"):
         print(__doc__)
-        return 0 if argv else 2
+        return 0
     window = None
     if argv[0] == "--window":
         if len(argv) < 3 or argv[1] not in ("all", "a12"):
-            print("error: --window takes all or a12, then the reports", file=sys.stderr)
-            return 2
+            return say_error("--window takes all or a12, then the reports")
         window, argv = argv[1], argv[2:]
     try:
         rows = pooled_rows([Path(a) for a in argv], window)
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return say_error(str(err))
     for r in rows:
         thesis = f"{100 * r['thesis']:5.1f}" if r.get("thesis") is not None else "    -"
         init = r["init"] if r.get("anneal") is None else f"{r['init']}/{r['anneal']}"  # Fig 2.7: per pre-training length

@@ -10,13 +10,14 @@ times another checkout in the same environment, for a paired comparison).
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from _args import ArgumentParser, positive  # benchmarks/, beside this script
 
 COMMANDS: list[list[str]] = [
     ["--help"],
@@ -29,11 +30,9 @@ COMMANDS: list[list[str]] = [
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=5, help="runs of each command (default 5)")
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=positive, default=5, help="runs of each command (default 5)")
     args = parser.parse_args()
-    if args.repeat < 1:
-        parser.error("--repeat must be >= 1")
     print(f"cores: {os.cpu_count()}  python {sys.version.split()[0]}  runs per command: {args.repeat}")
     failed = False
     with tempfile.TemporaryDirectory() as scratch:

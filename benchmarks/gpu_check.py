@@ -3,8 +3,9 @@
     python benchmarks/gpu_check.py                       # every check; one verdict line each
     python benchmarks/gpu_check.py --only arch,speed     # a subset: arch, speed, fsdp, e2e, pytest
     python benchmarks/gpu_check.py --json-out gpu.json   # the verdicts and figures as JSON too (after each)
-    python benchmarks/gpu_check.py --budget 540          # inside a 10-minute call: no check starts after
-                                                         # 540 s, and a command's limit is what is left
+    python benchmarks/gpu_check.py --budget 540          # no check starts after 540 s, a command's limit is
+                                                         # cut to what is left (its check then says SKIP);
+                                                         # the in-process checks (arch, speed) are not cut
 
 Each check has its own time limit (all of them together: about 40 minutes, if every command ran to
 its limit; the sixteenth session's H200 calls took about ten minutes for all five kinds, with a cold
@@ -64,10 +65,9 @@ def verdict(status: str, name: str, detail: str, **figures) -> None:
     VERDICTS.append({"status": status, "check": name, "detail": detail, **figures})
     print(f"{status} {name}: {detail}", flush=True)
     if RECORD:  # what a cut call has measured so far still comes back
-        path = RECORD["path"]
-        partial = path.with_name(f".{path.name}.partial")
-        partial.write_text(json.dumps({**RECORD["header"], "verdicts": VERDICTS}, indent=1))
-        os.replace(partial, path)
+        from owai.io import atomic_write_json
+
+        atomic_write_json(RECORD["path"], {**RECORD["header"], "verdicts": VERDICTS})
 
 
 def time_left() -> float:
@@ -364,6 +364,11 @@ def main() -> int:
                 continue
             try:
                 fn(*fn_args)
+            except subprocess.TimeoutExpired as e:
+                if time_left() > 1:  # the command's own limit: it hung
+                    verdict("FAIL", name, f"{' '.join(map(str, e.cmd))[-200:]} ran past its {e.timeout:.0f} s")
+                else:  # cut to what was left of --budget: not measured, not failed
+                    verdict("SKIP", name, f"cut after {e.timeout:.0f} s by --budget {args.budget:g} s")
             except Exception as e:  # one check's failure is its verdict; the others still run
                 verdict("FAIL", name, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
                 traceback.print_exc(limit=4)

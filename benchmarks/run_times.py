@@ -13,12 +13,13 @@ paper presets read the 60k MNIST training file (the data-root rule: `$OWAI_DATA`
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
 import tempfile
 import time
+
+from _args import ArgumentParser  # benchmarks/, beside this script
 
 # name: (owai arguments, target seconds or None)
 COMMANDS: dict[str, tuple[list[str], float | None]] = {
@@ -31,7 +32,7 @@ COMMANDS: dict[str, tuple[list[str], float | None]] = {
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(COMMANDS), action="append", help="run only these (repeatable)")
     parser.add_argument("--out", help="keep the run directories here (for `owai report`); default: a temporary directory")
     args = parser.parse_args()

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from owai import __version__, console
 from owai.commands._common import Json, Preset, Quiet, RecipeOption, RunOptions, Sets, one_recipe, options
-from owai.errors import OwaiError
+from owai.errors import OwaiError, user_message
 
 try:  # Typer >= 0.22 parses with its own copy of Click
     from typer._click import exceptions as click
@@ -276,7 +276,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     except click.ClickException as e:  # usage errors (UsageError, BadParameter, NoSuchOption, ...) included
         _fail(usage_message(e), 2)
     except OwaiError as e:
-        _fail(str(e), e.exit_code)
+        _fail(user_message(e), e.exit_code)
     except (typer.Abort, KeyboardInterrupt):  # typer.Abort: Click's Abort under every Typer (its own copy has none)
         _fail("interrupted", 130)
     except Exception as e:  # noqa: BLE001 - the last line of defence against tracebacks

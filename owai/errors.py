@@ -7,6 +7,7 @@ checkpoint) raises `OwaiError` with a single-line message; the CLI prints it and
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable
 
 
@@ -39,16 +40,35 @@ def not_utf8(path: object, error: UnicodeDecodeError | None = None) -> OwaiError
     return OwaiError(f"{path}: not UTF-8 text ({f'byte {error.start}' if error is not None else 'wrong file format?'})")
 
 
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:: (.*))?$")  # `module.Type: message` (or `Type`)
+
+
+def worker_message(text: str) -> str | None:
+    """The message of an exception raised in a DataLoader worker, from the text torch re-raises it
+    with ("Caught OwaiError in DataLoader worker process 0.", "Original Traceback ...", the frames,
+    then `module.Type: message`); None for any other text."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) < 3 or not lines[0].startswith("Caught ") or not lines[1].startswith("Original Traceback"):
+        return None
+    frames = [i for i, line in enumerate(lines) if line.startswith('File "')]
+    for line in lines[frames[-1] + 1 if frames else 2:]:  # the first line after the last frame that names a type
+        match = _EXCEPTION_LINE.match(line)
+        if match:
+            return match.group(1) or line
+    return lines[-1]
+
+
+def user_message(exc: BaseException) -> str:
+    """What an error says to the user: its text, or for one re-raised from a DataLoader worker, the
+    worker's own message (the file it could not read), not torch's wrapper."""
+    return worker_message(str(exc)) or str(exc)
+
+
 def one_line(exc: BaseException, limit: int | None = 240) -> str:
     """An exception as one short line for an error message: an OwaiError's own first line (it is
     already written for the user), any other as `Type: first non-empty line`; cut at `limit` (None:
-    not cut)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    if len(lines) > 2 and lines[0].startswith("Caught ") and lines[1].startswith("Original Traceback"):
-        # raised in a DataLoader worker and re-raised by torch: the worker's message is the traceback's
-        # last line, `module.Type: message`
-        head, sep, message = lines[-1].partition(": ")
-        lines = [message if sep and " " not in head else lines[-1]]
+    not cut). A DataLoader worker's exception by its own message (`worker_message`)."""
+    lines = [line.strip() for line in user_message(exc).splitlines() if line.strip()]
     if isinstance(exc, OwaiError):
         text = lines[0] if lines else type(exc).__name__
     else:

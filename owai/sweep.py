@@ -171,26 +171,31 @@ def _apply_grid_overrides(subs: list[dict[str, list[Any]]], overrides: dict[str,
             sub[key] = list(values)
 
 
-def _refuse_sets_the_grid_overrules(sets: list[str], subs: list[dict[str, list[Any]]], restated: set[str]) -> None:
+def _refuse_sets_the_grid_overrules(sets: list[str], subs: list[dict[str, list[Any]]],
+                                    restated: dict[str, list[Any]]) -> None:
     """A base `--set` of a key that every sub-grid of the recipe's grid sweeps, to values other than
     the one set: each point's grid value wins over it, so the value asked for would never run (in a
     union grid, the sub-grids without the key take the `--set`, and a group's fixed value is the
-    recipe's: docs/decisions.md). One line that says so, and how to change the grid's values instead
-    (`--grid`, given beside a `--set` of the same key, states the values itself)."""
+    recipe's: docs/decisions.md). One line that says so, and how to change the grid's values instead.
+    A key that `--grid` restates is checked against those values instead."""
     from owai.experiment import _leaf_keys
 
     for text in sets:
         parts, value = parse_override(text)
         for key in _leaf_keys(".".join(parts), value):
-            if key in restated:  # --grid gives its values beside the --set
-                continue
             leaf = value
             for part in key.split(".")[len(parts):]:  # a mapping's value under this key
                 leaf = leaf[part]
+            if key in restated:
+                if leaf not in restated[key]:
+                    raise OwaiError(f"--set {key}={value_text(leaf)} and --grid {key}="
+                                    f"{','.join(value_text(v) for v in restated[key])}: the grid's values win; give one")
+                continue
             if subs and all(key in sub for sub in subs) and any(v != leaf for sub in subs for v in sub[key]):
                 shown = ", ".join(dict.fromkeys(value_text(v) for sub in subs for v in sub[key]))
-                raise OwaiError(f"--set {key}: the sweep grid sets {key} in every point ({shown}), which wins over "
-                                f"--set; change the grid's values with --grid {key}=... (`owai sweep RECIPE --grid`)")
+                raise OwaiError(f"--set {key}: the recipe's sweep grid sets {key} in every point ({shown}), which wins "
+                                f"over --set; give the values as a grid instead: --grid {key}=... (owai sweep, "
+                                "bonsai --study, dropout-ft)")
 
 
 def _check_grid_key(schema: type, key: str, values: list[Any]) -> None:
@@ -229,10 +234,12 @@ class _Design:
 def _design(
     recipe: Recipe, preset: str | None, sets: list[str], grid_overrides: list[str] | dict[str, list[Any]],
     seeds: list[int] | None, grid: Grid | None = None, select: Selection | dict[str, Any] | None = None,
+    user_sets: list[str] | None = None,
 ) -> _Design:
     """The sweep's preset, grid, seeds, points and selection, every point validated against the
-    method schema. Settings first, what this machine lacks last (CannotRunHere: an input that the base
-    config or a point reads, or the memory a model needs), so a typo is not hidden behind a download."""
+    method schema. Settings first, what this machine lacks last (CannotRunHere: an input that a point
+    reads, or the memory a model needs), so a typo is not hidden behind a download. `user_sets`: the
+    `--set`s the user gave (default: all of `sets`), which the recipe's grid must not overrule."""
     from owai.experiment import refuse_unused, resolve
 
     if not recipe.implemented:
@@ -250,7 +257,8 @@ def _design(
         raise OwaiError("the sweep grid is an empty list: it has no points")
     subs = sub_grids(written)
     overrides = grid_overrides if isinstance(grid_overrides, dict) else parse_grid(grid_overrides)
-    _refuse_sets_the_grid_overrules(sets, subs, set(overrides))
+    if grid is None:  # a grid a command builds itself (rich-features' baselines) wins over the base, as meant
+        _refuse_sets_the_grid_overrules(sets if user_sets is None else user_sets, subs, overrides)
     _apply_grid_overrides(subs, overrides)
     schema = recipe.method_class().Config
     for sub in subs:
@@ -300,28 +308,28 @@ def _design(
 def plan(
     recipe: Recipe | str, preset: str | None = None, sets: list[str] | None = None,
     grid_overrides: list[str] | dict[str, list[Any]] | None = None, seeds: list[int] | None = None,
-    grid: Grid | None = None, select: Selection | dict[str, Any] | None = None,
+    grid: Grid | None = None, select: Selection | dict[str, Any] | None = None, user_sets: list[str] | None = None,
 ) -> list[Point]:
     """The sweep's points: the grid (`grid`, else the preset's sweep grid, else the recipe's)
     updated by `--grid`, crossed with the seeds (`--seeds`, else the preset's or recipe's sweep
     seeds, else its configured seed). Raises OwaiError, before anything runs, if any point's
     overrides do not fit the method's schema (or `select`'s group keys are not grid keys)."""
     recipe = load(recipe) if isinstance(recipe, str) else recipe
-    return _design(recipe, preset, list(sets or []), grid_overrides or [], seeds, grid, select).points
+    return _design(recipe, preset, list(sets or []), grid_overrides or [], seeds, grid, select, user_sets).points
 
 
 def create(
     recipe_name: str, preset: str | None = None, sets: list[str] | None = None,
     grid_overrides: list[str] | dict[str, list[Any]] | None = None, seeds: list[int] | None = None,
     out: Path | None = None, grid: Grid | None = None, select: Selection | dict[str, Any] | None = None,
-    executor: str = "local",
+    executor: str = "local", user_sets: list[str] | None = None,
 ) -> Sweep:
     """Plan a sweep, then make its directory and write sweep.json (nothing is created on error).
     `grid` and `select` replace the recipe's (preset's) sweep grid and selection. With the local
     executor the points run on this machine, so a runtime.device it lacks is refused here."""
     recipe = load(recipe_name)
     sets = list(sets or [])
-    d = _design(recipe, preset, sets, grid_overrides or [], seeds, grid, select)
+    d = _design(recipe, preset, sets, grid_overrides or [], seeds, grid, select, user_sets)
     if executor == "local":
         from owai.runtime import select_device
 

@@ -289,7 +289,7 @@ class _Undecodable(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int):
         if i == 1:
-            raise OwaiError("cannot decode image sketch/dog/dog_0.png: broken data stream")
+            raise OwaiError("cannot decode image sketch/dog/dog_0.png: broken data stream\n  see docs: here")
         raise ValueError("bad value")
 
 
@@ -307,3 +307,15 @@ def test_an_error_in_a_data_loader_worker_keeps_its_own_message(index, expected)
     with pytest.raises(Exception) as caught:
         next(iter(loader))
     assert one_line(caught.value) == expected
+
+
+def test_a_command_whose_data_loader_worker_fails_says_the_workers_message(monkeypatch, capsys):
+    """The command line printed torch's wrapper ("Caught OwaiError in DataLoader worker process 0.")
+    and the worker's whole traceback, where the file it could not read is the message."""
+    def status(*_args, **_kwargs):  # `owai data list` reading its data through a worker that fails
+        return next(iter(torch.utils.data.DataLoader(torch.utils.data.Subset(_Undecodable(), [1]), num_workers=1,
+                                                     collate_fn=lambda batch: batch)))
+
+    monkeypatch.setattr("owai.data.registry.status", status)
+    code, _, err = cli_in_process(["data", "list"], capsys)
+    assert code == 2 and err.strip().splitlines() == ["error: cannot decode image sketch/dog/dog_0.png: broken data stream"], err

@@ -105,8 +105,14 @@ def test_logits_to_keep_where_every_position_is_computed_is_refused(arch):
 def test_v2_with_a_bag_of_k_head_refuses_a_resized_vocabulary():
     """The bag head kept the old vocabulary: a larger one failed in the loss and on reload, a smaller
     one trained on tokens that no longer exist."""
+    bagged = tiny("mmv2", bag_of_k=4)
     with pytest.raises(OwaiError, match="bag-of-k head"):
-        tiny("mmv2", bag_of_k=4).resize_token_embeddings(120)
+        bagged.resize_token_embeddings(120)
+    with pytest.raises(OwaiError, match="bag-of-k head"):
+        bagged.resize_token_embeddings(pad_to_multiple_of=64)  # 97 -> 128
+    # a call that keeps the size hands the embeddings back, as HF callers use it
+    assert bagged.resize_token_embeddings() is bagged.get_input_embeddings()
+    assert bagged.resize_token_embeddings(97).weight.shape[0] == 97
     assert tiny("mmv2").resize_token_embeddings(120).weight.shape[0] == 120
 
 

@@ -764,13 +764,18 @@ def test_a_set_that_every_point_of_the_grid_overrules_is_refused(tmp_path: Path)
         return moons_recipe(tmp_path / name, {"grid": grid, "seeds": [1]})
 
     recipe = recipe_with("lr", {"train.lr": [0.01, 0.02]})
-    with pytest.raises(OwaiError, match=r"--set train.lr: the sweep grid sets train.lr in every point \(0.01, 0.02\)"):
+    with pytest.raises(OwaiError, match=r"--set train.lr: the recipe's sweep grid sets train.lr in every point \(0.01, 0.02\)"):
         sweeps.plan(recipe, None, [*TINY, "train.lr=0.5"])
-    with pytest.raises(OwaiError, match="--set model.beta: the sweep grid sets"):  # a mapping's key too
+    with pytest.raises(OwaiError, match="--set model.beta: the recipe's sweep grid sets"):  # a mapping's key too
         sweeps.plan(recipe_with("beta", {"model.beta": [4.0, 8.0]}), None,
                     [*TINY, "model={beta: 2.0}"])
     assert [p.grid for p in sweeps.plan(recipe, None, [*TINY, "train.lr=0.5"], ["train.lr=0.5,0.6"])] == [
         {"train.lr": 0.5}, {"train.lr": 0.6}]
+    with pytest.raises(OwaiError, match=r"--set train.lr=0.5 and --grid train.lr=0.1,0.2: the grid's values win"):
+        sweeps.plan(recipe, None, [*TINY, "train.lr=0.5"], ["train.lr=0.1,0.2"])
+    # a --set a command adds itself (user_sets: what the user typed), and a grid a command builds, are not the user's
+    assert len(sweeps.plan(recipe, None, [*TINY, "train.lr=0.5"], user_sets=[])) == 2
+    assert len(sweeps.plan(recipe, None, [*TINY, "train.lr=0.5"], grid={"train.lr": [0.1, 0.2]})) == 2
     assert len(sweeps.plan(recipe_with("one", {"train.lr": [0.01]}), None, [*TINY, "train.lr=0.01"])) == 1
     union = recipe_with("union", [{"train.lr": [0.01]}, {"model.beta": [40.0]}])
     assert len(sweeps.plan(union, None, [*TINY, "train.lr=0.5"])) == 2

@@ -73,7 +73,7 @@ def dropout_ft(
             if text is not None:
                 extra_grid.append(f"{key}={','.join(csv_values(text, option))}")
         plan = sweeps.create(recipe, preset, extra_sets, extra_grid, sweeps.parse_seeds(seeds) if seeds is not None else None, out,
-                             executor=runs_on[0])
+                             executor=runs_on[0], user_sets=list(sets or []))
         if no_pretrain:  # said once the study is valid: bad input stays one line on stderr
             console.info("pretrain stage off: a real dataset or --weights replaces the preset's offline pre-training "
                          f"(the backbone starts from model.weights={weights if weights is not None else ''!r})")
@@ -86,11 +86,14 @@ def pretrain_off(rec: Any, preset: str | None, dataset: str | None, weights: str
     pre-training on rotated-mnist): when --dataset names only other datasets, or --weights is given,
     and no --set chooses pretrain.steps itself."""
     from owai.config import parse_override
+    from owai.sweep import sub_grids
 
     if any(parse_override(text)[0] == ["pretrain", "steps"] for text in sets):
         return False
     if not rec.params_for(preset or rec.default_preset).get("pretrain", {}).get("steps", 0):
         return False
+    if rec.sweep and any("pretrain.steps" in sub for sub in sub_grids(rec.sweep.grid_for(preset or rec.default_preset))):
+        return False  # the study sweeps the stage's length itself (table2.12): its points say what they need
     other_data = dataset is not None and "rotated-mnist" not in csv_values(dataset, "--dataset")
     return other_data or weights is not None
 

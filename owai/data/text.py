@@ -989,8 +989,7 @@ def looks_under_data_root(spec: str) -> bool:
     """Whether `resolve_source` / `resolve_tokenizer` may look a corpus or tokenizer spec up under a
     data root: a catalogue name, a hub id or a relative path; not bytes, bpe-N, owai-stories, an `hf:`
     id, nor an absolute or `~` path (`--data-root` is refused where no input of a run is looked up)."""
-    return bool(spec) and not (spec == "bytes" or re.fullmatch(r"bpe-\d+", spec)
-                               or spec.startswith(("hf:", "owai-stories", "~")) or Path(spec).is_absolute())
+    return not registry.generated(spec) and not (spec.startswith(("hf:", "owai-stories", "~")) or Path(spec).is_absolute())
 
 
 def resolve_tokenizer(name: str, data_root: str | Path | None = None) -> str:

@@ -1971,7 +1971,7 @@ def episode_seed(cfg: Config) -> int:
 
 def run_fewshot(cfg: Config, z_test: list[torch.Tensor], y_test: torch.Tensor, n: int, with_student: bool,
                 measured: dict[str, Any], details: dict[str, Any]) -> None:
-    """Stage fewshot (§6.6): the same episodes (keyed by fewshot.seed) for every representation: each
+    """Stage fewshot (§6.6): the same episodes (keyed by `episode_seed`) for every representation: each
     network alone (`fewshot.single.*` = their mean, the supervised baseline), Cat_k for k in probe.sizes
     (k > 1) and the Distill_n student. Metrics fewshot.{rep}.{head}.{k}shot (mean query accuracy);
     details hold the 95 % intervals."""

@@ -1253,13 +1253,18 @@ class MemoryMosaicsV2ForCausalLM(PreTrainedModel, GenerationMixin):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
-    def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> nn.Embedding:
-        """transformers' resize, refused with a bag-of-k head: that head is sized by the vocabulary too,
-        and a resize that left it would train on, or fail to reload, tokens that no longer exist."""
-        if self.bag_head is not None:
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                *args: Any, **kwargs: Any) -> nn.Embedding:
+        """transformers' resize, refused with a bag-of-k head when the size changes: that head is sized
+        by the vocabulary too, and a resize that left it would train on, or fail to reload, tokens that
+        no longer exist. (A call that keeps the size returns the embeddings, as HF callers expect.)"""
+        size = self.config.vocab_size if new_num_tokens is None else new_num_tokens
+        if pad_to_multiple_of:
+            size = -(-size // pad_to_multiple_of) * pad_to_multiple_of
+        if self.bag_head is not None and size != self.config.vocab_size:
             raise OwaiError("memory mosaics v2: resize_token_embeddings is not supported with a bag-of-k head "
                             "(bag_of_k > 0): its head has one row per token too")
-        return super().resize_token_embeddings(*args, **kwargs)
+        return super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, *args, **kwargs)
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
