@@ -46,7 +46,6 @@ class ModelShape:
     n_head: int
     ffn: int
     vocab: int
-    tied: bool
 
     @classmethod
     def of(cls, config) -> "ModelShape":
@@ -54,7 +53,7 @@ class ModelShape:
         kind = getattr(config, "model_type", "")
         ffn = getattr(config, "ffn_hidden", None) or getattr(config, "intermediate_size", None) or 4 * get("n_embd", "hidden_size")
         return cls(kind, get("n_layer", "num_hidden_layers"), get("n_embd", "hidden_size"), get("n_head", "num_attention_heads"),
-                   ffn, get("vocab_size"), bool(getattr(config, "tie_word_embeddings", False)))
+                   ffn, get("vocab_size"))
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -387,10 +387,8 @@ def read_point(sweep: Sweep, point: Point) -> tuple[str, dict[str, Any] | None, 
     did not read: one parse of the file for both."""
     path = sweep.point_dir(point)
     if (path / RESULTS).is_file():
-        try:
-            return "complete", Run(path).results(), None
-        except OwaiError as e:
-            return "incomplete", None, str(e)
+        results, problem = _read_results(path)
+        return ("complete" if problem is None else "incomplete"), results, problem
     if not (path / CONFIG).is_file():
         return "pending", None, None
     status = Run(path).status()
@@ -460,12 +458,18 @@ def _damaged_results(path: Path) -> bool:
     """Whether the point's results.json does not read as an owai results file (a damaged disk: owai
     writes it atomically). It is then moved aside to results.json.damaged, so that the point resumes
     and writes it again, where a sweep's --resume would otherwise find the same file every time."""
-    try:
-        Run(path).results()
+    if _read_results(path)[1] is None:
         return False
-    except OwaiError:
-        os.replace(path / RESULTS, path / f"{RESULTS}.damaged")
-        return True
+    os.replace(path / RESULTS, path / f"{RESULTS}.damaged")
+    return True
+
+
+def _read_results(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """A point's results.json read as an owai results file: (results, None), or (None, why not)."""
+    try:
+        return Run(path).results(), None
+    except OwaiError as e:
+        return None, str(e)
 
 
 class PointJob:
