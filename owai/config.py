@@ -330,6 +330,19 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return parts, value
 
 
+def override_leaves(text: str) -> list[tuple[str, Any]]:
+    """The dotted keys a `--set KEY=VALUE` writes, each with its value: KEY, or for a mapping
+    (`--set 'penalty={weight: 3}'`) each key under it."""
+    parts, value = parse_override(text)
+
+    def walk(key: str, value: Any) -> list[tuple[str, Any]]:
+        if isinstance(value, dict) and value:
+            return [leaf for k, v in value.items() for leaf in walk(f"{key}.{k}", v)]
+        return [(key, value)]
+
+    return walk(".".join(parts), value)
+
+
 def apply_overrides(cls: type, data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `--set` overrides to a params dict, checking each path exists in schema `cls`."""
     out = dict(data)

@@ -18,7 +18,7 @@ from typing import Any
 
 from owai import console, distributed, trackers
 from owai.checkpoint import CorruptCheckpoint, NonFiniteError, latest_checkpoint, list_checkpoints, load_checkpoint, recorded_identity
-from owai.config import apply_overrides, build, parse_override, to_dict
+from owai.config import apply_overrides, build, override_leaves, parse_override, to_dict
 from owai.errors import CannotRunHere, OwaiError
 from owai.recipes import Recipe, load, recorded_name, thesis_for
 from owai.runs import OUT, Run, config_hash, ensure_writable, environment, is_sweep_dir
@@ -79,8 +79,7 @@ def refuse_unused(recipe: Recipe, cfgs: list[Any], overrides: list[str], sweep: 
         return None
 
     for text in overrides:
-        parts, value = parse_override(text)
-        for key in _leaf_keys(".".join(parts), value):
+        for key, _ in override_leaves(text):
             reasons = [why_unread(key, unused) for unused in found]
             if all(reasons):
                 if not sweep:
@@ -88,13 +87,6 @@ def refuse_unused(recipe: Recipe, cfgs: list[Any], overrides: list[str], sweep: 
                 distinct = list(dict.fromkeys(reasons))
                 raise OwaiError(f"{key} is unused in every point of the sweep: {distinct[0]}"
                                 + (f" (and {len(distinct) - 1} more reasons)" if len(distinct) > 1 else ""))
-
-
-def _leaf_keys(key: str, value: Any) -> list[str]:
-    """The dotted keys a `--set KEY=VALUE` writes: KEY, or for a mapping each key under it."""
-    if isinstance(value, dict) and value:
-        return [leaf for k, v in value.items() for leaf in _leaf_keys(f"{key}.{k}", v)]
-    return [key]
 
 
 def command_line(recipe: Recipe, preset: str, overrides: list[str]) -> str:

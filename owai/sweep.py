@@ -40,7 +40,7 @@ from typing import Any
 import yaml
 
 from owai import console
-from owai.config import build, coerce, load_yaml, parse_override
+from owai.config import build, coerce, load_yaml, override_leaves, parse_override
 from owai.errors import CannotRunHere, OwaiError, one_line
 from owai.io import atomic_write_json, build_lock, is_write_temporary, remove_write_temporaries
 from owai.recipes import Grid, Recipe, Selection, check_path, load, recipe_claims, recorded_name, sub_grids
@@ -178,14 +178,8 @@ def _refuse_sets_the_grid_overrules(sets: list[str], subs: list[dict[str, list[A
     union grid, the sub-grids without the key take the `--set`, and a group's fixed value is the
     recipe's: docs/decisions.md). One line that says so, and how to change the grid's values instead.
     A key that `--grid` restates is checked against those values instead."""
-    from owai.experiment import _leaf_keys
-
     for text in sets:
-        parts, value = parse_override(text)
-        for key in _leaf_keys(".".join(parts), value):
-            leaf = value
-            for part in key.split(".")[len(parts):]:  # a mapping's value under this key
-                leaf = leaf[part]
+        for key, leaf in override_leaves(text):
             if key in restated:
                 if leaf not in restated[key]:
                     raise OwaiError(f"--set {key}={value_text(leaf)} and --grid {key}="

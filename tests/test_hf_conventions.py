@@ -124,11 +124,16 @@ def test_the_lstm_resizes_its_vocabulary():
     assert model(input_ids=torch.tensor([[119, 3]])).logits.shape == (1, 2, 120)
 
 
-def test_gpt_computes_its_loss_in_float32_from_bf16_logits():
-    model = tiny("gpt").to(torch.bfloat16)
-    ids = torch.randint(1, 97, (2, 12))
-    out = model(input_ids=ids, labels=ids)
-    expected = torch.nn.functional.cross_entropy(out.logits.float()[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+@pytest.mark.parametrize("arch", ["gpt", "mm", "mmv2", "lstm"])
+def test_every_model_computes_its_loss_in_float32_from_bf16_logits(arch):
+    """transformers' causal-LM loss, one implementation (hf_cache.causal_lm_loss): labels shifted,
+    -100 ignored, in float32 (v1's was taken in bf16 from bf16 weights)."""
+    model = tiny(arch).to(torch.bfloat16)
+    ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, 5] = -100
+    out = model(input_ids=ids, labels=labels)
+    expected = torch.nn.functional.cross_entropy(out.logits.float()[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
     assert out.loss.dtype == torch.float32 and torch.allclose(out.loss, expected)
 
 

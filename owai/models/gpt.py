@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - older transformers
     from torch.nn import init
 
 from owai.errors import OwaiError
-from owai.models.hf_cache import given_cache, refuse_unread_inputs, with_cache
+from owai.models.hf_cache import causal_lm_loss, given_cache, refuse_unread_inputs, with_cache
 
 POSITIONS = ("learned", "rope", "alibi", "none")
 ACTIVATIONS = {"gelu_tanh": "tanh", "gelu": "none"}  # name -> nn.GELU(approximate=...)
@@ -397,9 +397,7 @@ class GPTForCausalLM(PreTrainedModel, GenerationMixin):
 
         loss = None
         if labels is not None:
-            # position t predicts labels[t+1]; the last position has no target (-100)
-            targets = F.pad(labels, (0, 1), value=-100)[:, 1:].to(logits.device)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+            loss = causal_lm_loss(logits, labels)
 
         out = with_cache(CausalLMOutputWithPast, cache, loss=loss, logits=logits)
         return out if return_dict else out.to_tuple()

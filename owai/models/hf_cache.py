@@ -16,6 +16,9 @@ it did not write (transformers' Llama) passes `**cache_kwargs(cache)`.
 What else transformers' callers pass to a `forward` and owai's own models do not compute (input
 embeddings, hidden states, attention maps) is refused in one place, `refuse_unread_inputs`: a
 `**kwargs` would otherwise swallow it and answer with None or with the ids' logits.
+
+The loss of `forward(labels=...)` is transformers' causal-LM loss for every owai model, in one
+place (`causal_lm_loss`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from owai.errors import OwaiError
@@ -47,6 +51,15 @@ def refuse_unread_inputs(model: str, input_ids: Any, kwargs: dict[str, Any], unr
     asked = [name for name in unread if kwargs.get(name)]
     if asked:
         raise OwaiError(f"{model}: {' and '.join(asked)} not supported (the forward returns logits, loss and cache)")
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy as transformers computes it for `labels`: position t predicts
+    labels[t+1], -100 is ignored, and the loss is taken in float32 (bf16 logits under autocast or
+    bf16 weights would round it to 3 significant digits). The labels are shifted, not the logits, so
+    the (B, T, V) logits are not copied."""
+    targets = F.pad(labels, (0, 1), value=-100)[:, 1:].to(logits.device)  # (B, T)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
 
 
 def given_cache(cache: Any, past_key_values: Any) -> Any:

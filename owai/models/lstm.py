@@ -20,14 +20,14 @@ generates what it generates alone. Importing this module registers `owai_lstm` w
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from owai.errors import OwaiError
-from owai.models.hf_cache import UNREAD_OUTPUTS, StateCache, forward_cache, own_generation_cache, refuse_unread_inputs, with_cache
+from owai.models.hf_cache import (UNREAD_OUTPUTS, StateCache, causal_lm_loss, forward_cache, own_generation_cache,
+                                   refuse_unread_inputs, with_cache)
 
 
 class LSTMConfig(PretrainedConfig):
@@ -169,7 +169,7 @@ class LSTMForCausalLM(PreTrainedModel, GenerationMixin):
             cache.seen_tokens = past + T
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+            loss = causal_lm_loss(logits, labels)
         out_cache = cache if use_cache else None
         if not return_dict:
             return tuple(v for v in (loss, logits, out_cache) if v is not None)

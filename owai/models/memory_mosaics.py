@@ -48,7 +48,7 @@ from transformers import initialization as hf_init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from owai.errors import OwaiError
-from owai.models.hf_cache import (CACHE_FIELD, UNREAD_OUTPUTS, StateCache, forward_cache, own_generation_cache,
+from owai.models.hf_cache import (CACHE_FIELD, UNREAD_OUTPUTS, StateCache, causal_lm_loss, forward_cache, own_generation_cache,
                                    refuse_unread_inputs, with_cache)
 
 # ---------------------------------------------------------------------------------------------
@@ -642,9 +642,7 @@ class MemoryMosaicsForCausalLM(PreTrainedModel, GenerationMixin):
 
         loss = None
         if labels is not None:
-            V = logits.shape[-1]
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1).to(logits.device),
-                                   ignore_index=-100)
+            loss = causal_lm_loss(logits, labels)
         out_cache = cache if use_cache else None
         if return_dict is False:
             return tuple(v for v in (loss, logits, out_cache) if v is not None)

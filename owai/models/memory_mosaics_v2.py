@@ -65,7 +65,7 @@ from transformers import initialization as hf_init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from owai.errors import OwaiError, one_line
-from owai.models.hf_cache import CACHE_FIELD, forward_cache, refuse_unread_inputs, with_cache
+from owai.models.hf_cache import CACHE_FIELD, causal_lm_loss, forward_cache, refuse_unread_inputs, with_cache
 from owai.models.memory_mosaics import MemoryMosaicsCache, _as, _unit, _unit_adjoint, _wide, own_generation_cache
 
 SHORT_EDGES = ("open", "closed")  # open: j >= t-h+1 (thesis main text); closed: j >= t-h (paper appendix)
@@ -1350,8 +1350,7 @@ class MemoryMosaicsV2ForCausalLM(PreTrainedModel, GenerationMixin):
 
         loss = None
         if labels is not None:
-            targets = F.pad(labels, (0, 1), value=-100)[:, 1:].to(logits.device)  # position t predicts labels[t+1]
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+            loss = causal_lm_loss(logits, labels)
             if bag_logits is not None and not logits_to_keep:
                 from owai.models.bag_of_k import bag_of_k_loss, bag_targets
 
