@@ -305,6 +305,73 @@ def test_owai_adapter_scores_a_llama_as_the_harnesss_hflm_does(llama_dir) -> Non
     assert ours.loglikelihood_rolling(rolling)[0] == pytest.approx(theirs.loglikelihood_rolling(rolling)[0], abs=1e-3)
 
 
+@pytest.fixture(scope="module")
+def bigram_dir(tmp_path_factory) -> Path:
+    """A GPT-2 (32 positions) that continues each character the same way whatever came before:
+    a -> b -> <|im_end|> -> c -> d -> ... -> z -> space -> a (one-hot embeddings, blocks that add
+    nothing, one output row per successor). `<|im_end|>` is a special token that is not end-of-text
+    (as in Qwen's tokenizers); `<|endoftext|>` ends text. Its greedy text is known in advance."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("bigram")
+    chars = [chr(i) for i in range(32, 127)]
+    vocab = {c: i for i, c in enumerate(chars)} | {"<|endoftext|>": len(chars), "<|im_end|>": len(chars) + 1}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                            unk_token="<|endoftext|>", additional_special_tokens=["<|im_end|>"]).save_pretrained(path)
+    order = ["a", "b", "<|im_end|>", *(chr(c) for c in range(ord("c"), ord("z") + 1)), " "]
+    size = len(vocab)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=size, n_positions=32, n_embd=size, n_layer=1, n_head=1,
+                                       tie_word_embeddings=False, bos_token_id=vocab["<|endoftext|>"],
+                                       eos_token_id=vocab["<|endoftext|>"]))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+        model.transformer.wte.weight.copy_(torch.eye(size))
+        for norm in (model.transformer.ln_f, model.transformer.h[0].ln_1, model.transformer.h[0].ln_2):
+            norm.weight.fill_(1.0)
+        for i, token in enumerate(order):
+            model.lm_head.weight[vocab[order[(i + 1) % len(order)]], vocab[token]] = 10.0
+    model.save_pretrained(path)
+    return path
+
+
+def test_owai_generation_reads_the_task_settings_and_stops_as_the_harnesss_hflm_does(bigram_dir) -> None:
+    """generate_until on a model whose greedy text is known: the budget under any of HFLM's names
+    (max_new_tokens too), a stop string that is a special token's text, and a budget the model's length
+    cannot hold (HFLM refuses it; owai in one line); log-likelihoods and greedy flags as HFLM's at batch 1 and 4."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from owai.errors import OwaiError
+    from owai.evals import harness
+    from owai.evals.causal_lm import open_model
+
+    ours = harness.OwaiLM(open_model(str(bigram_dir), str(bigram_dir), torch.device("cpu"), "float32"))
+    theirs = HFLM(pretrained=str(bigram_dir), device="cpu", batch_size=1, dtype="float32")
+    gens = [("a", {"until": ["<|im_end|>"], "max_gen_toks": 10}),  # stops at the special token, which is not shown
+            ("c", {"until": [], "max_new_tokens": 5}),  # HFLM's alias of max_gen_toks
+            ("c", {"until": "f", "max_gen_toks": 10}),  # a single stop string
+            ("x", {"until": ["zz"], "max_tokens": 6})]
+    requests = [Instance("generate_until", {}, g, i) for i, g in enumerate(gens)]
+    assert ours.generate_until(requests) == theirs.generate_until(requests) == ["b", "defgh", "de", "yz ab"]
+    too_long = [Instance("generate_until", {}, ("a", {"until": [], "max_gen_toks": 32}), 0)]
+    with pytest.raises(AssertionError):
+        theirs.generate_until(too_long)
+    with pytest.raises(OwaiError, match="32 generated tokens but the model takes 32 tokens"):
+        ours.generate_until(too_long)
+    pairs = [("a", "b<|im_end|>c"), ("a", "bc"), ("", "a"), ("x", "yz ab"), ("q" * 40, " ab")]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    batched = HFLM(pretrained=str(bigram_dir), device="cpu", batch_size=4, dtype="float32")
+    ours_ll, theirs_ll, batched_ll = (lm.loglikelihood(requests) for lm in (ours, theirs, batched))
+    assert [greedy for _, greedy in ours_ll] == [True, False, False, True, False]
+    for (a, greedy_a), (b, greedy_b), (c, greedy_c) in zip(ours_ll, theirs_ll, batched_ll):
+        assert a == pytest.approx(b, abs=1e-4) and c == pytest.approx(b, abs=1e-4) and greedy_a == greedy_b == greedy_c
+
+
 def test_suite_generation_encodes_and_decodes_as_the_official_code(llama_dir) -> None:
     """RULER and LongICLBench generate from `tokenizer(prompt)` (a Llama tokenizer's BOS first) and read
     the answer with `decode(..., skip_special_tokens=True)`; the harness's HFLM decodes the same way."""

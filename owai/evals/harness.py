@@ -18,8 +18,11 @@ without a position table have no limit).
     loglikelihood        context + continuation in one forward; the continuation's positions scored;
                          the sequence left-truncated to the model's length when it has one
     loglikelihood_rolling  disjoint windows of the model's length (or ROLLING_WINDOW), EOT prefix
-    generate_until       greedy (do_sample / temperature are ignored), cut at `until`, at most
-                         `max_gen_toks` new tokens; the prompt left-truncated to leave room for them
+    generate_until       greedy (do_sample / temperature are ignored), cut at `until` (stopping as
+                         HFLM's criterion does, on the text with special tokens), at most `max_gen_toks`
+                         new tokens (or an alias, read by the harness's `normalize_gen_kwargs`); the
+                         prompt left-truncated to leave room for them, a budget over the model's
+                         length refused
 
 Requests run one at a time (batch size 1): owai's models need no padding mask, and the thesis's
 models are scored once, not tuned. `OracleLM` (`reference:oracle`) reads the gold answer of each
@@ -225,33 +228,44 @@ class OwaiLM(TemplateLM):
         return out
 
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+        from lm_eval.models.utils import normalize_gen_kwargs
+
         out = []
         for request in _track(requests, "harness generate_until", disable_tqdm):
-            context, kwargs = request.args
-            kwargs = dict(kwargs or {})
-            until = kwargs.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
-            text = self.greedy(context, int(kwargs.get("max_gen_toks", self.max_gen_toks)), until)
-            self.cache_hook.add_partial("generate_until", (context, request.args[1]), text)
+            context, gen_kwargs = request.args
+            # read as HFLM reads them: max_gen_toks or its aliases (max_new_tokens, max_tokens,
+            # max_completion_tokens), else the adapter's budget; `until` a string or a list
+            kwargs = normalize_gen_kwargs(dict(gen_kwargs or {}), self.max_gen_toks)
+            until = [s for s in kwargs["until"] if isinstance(s, str)]
+            text = self.greedy(context, int(kwargs["max_gen_toks"]), until)
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             out.append(text)
         return out
 
     def greedy(self, context: str, max_new_tokens: int, until: list[str]) -> str:
-        """The greedy continuation of `context`, cut before the first `until` string (generation stops
-        as soon as one appears) or the end-of-text token."""
+        """The greedy continuation of `context`, cut before the first `until` string or the end-of-text
+        token. Generation stops as soon as a stop string appears in the generated tokens decoded with
+        their special tokens (HFLM's stopping criterion: a special token's text, `<|im_end|>`, stops
+        it), and the answer is decoded without them. With a length limit the prompt keeps its last
+        `max_length - max_new_tokens` tokens; a budget that leaves no room is refused, as HFLM refuses it."""
         import torch
         from transformers import StoppingCriteria, StoppingCriteriaList
 
         ids = self.tok_encode(context) or [self.prefix_token_id]
         if self._max_length:
-            ids = ids[-max(1, self._max_length - max_new_tokens):]
+            if max_new_tokens >= self._max_length:
+                raise OwaiError(f"{self.lm.label}: a task asks for {max_new_tokens} generated tokens but the model "
+                                f"takes {self._max_length} tokens in all (prompt included); lm-evaluation-harness "
+                                "refuses this too: leave that task out or use a model with a longer context")
+            ids = ids[-(self._max_length - max_new_tokens):]
         x = torch.tensor([ids], device=self.lm.device)
         stops = [s for s in until if s]
-        decode = self.tok_decode
+        decode = self.lm.tokenizer.decode  # special tokens kept, as HFLM's stop check decodes
 
         class _Until(StoppingCriteria):
             def __call__(self, input_ids: Any, scores: Any, **kw: Any) -> Any:
-                done = any(s in decode(input_ids[0, x.shape[1]:].tolist()) for s in stops)
+                text = decode([int(t) for t in input_ids[0, x.shape[1]:].tolist()])
+                done = any(s in text for s in stops)
                 return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
         with torch.no_grad():
