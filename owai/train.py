@@ -165,7 +165,7 @@ def train_loop(
                 companion.load_state_dict(state.get("companion", {}))
         except (KeyError, RuntimeError, ValueError) as e:
             raise OwaiError(f"checkpoint {last} does not fit this model: {one_line(e)}") from None
-        torch.set_rng_state(state["torch_rng"])
+        _restore_rng(state, device)
         recent = list(state["recent_losses"])
         if main:
             run.trim_metrics(stage, start)
@@ -215,8 +215,9 @@ def train_loop(
                 after_step(done)
                 model.train()
             if done % loop.checkpoint_every == 0 or done == loop.steps:
+                rngs = _rng_states(device)  # a collective: every rank's generators, in rank order
                 if sharded:
-                    _save_sharded(ckpt_dir, done, module, optimizer, recent, scaler, companion, loop, identity, main)
+                    _save_sharded(ckpt_dir, done, module, optimizer, recent, rngs, scaler, companion, loop, identity, main)
                 else:
                     model_state, optim_state = get_state()
                     if main:
@@ -224,6 +225,7 @@ def train_loop(
                             "model": model_state,
                             "optimizer": optim_state,
                             "torch_rng": torch.get_rng_state(),
+                            "rng_ranks": rngs,
                             "recent_losses": recent,
                         }
                         if scaler.is_enabled():
@@ -240,12 +242,13 @@ def train_loop(
 
 
 def _save_sharded(ckpt_dir: Any, done: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer, recent: list[float],
-                  scaler: Any, companion: Any, loop: LoopConfig, identity: dict[str, Any], main: bool) -> None:
+                  rngs: list[dict[str, torch.Tensor]], scaler: Any, companion: Any, loop: LoopConfig,
+                  identity: dict[str, Any], main: bool) -> None:
     """Checkpoint `done` of the sharded variant: every rank its shards, rank 0 the rest (a collective)."""
     model_shards, optim_shards = distributed.sharded_state(module, optimizer)
     rest: dict[str, Any] = {}
     if main:
-        rest = {"torch_rng": torch.get_rng_state(), "recent_losses": recent}
+        rest = {"torch_rng": torch.get_rng_state(), "rng_ranks": rngs, "recent_losses": recent}
         if scaler.is_enabled():
             rest["scaler"] = scaler.state_dict()
         if companion is not None:
@@ -275,6 +278,36 @@ class BestWeights:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.value, self.step, self.state = state["value"], int(state["step"]), dict(state["state"])
+
+
+def _rng_states(device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """Every rank's random-number generators (the CPU's, and the CUDA device's, which draws dropout
+    on a GPU), in rank order: a collective. Ranks draw different dropout masks (seeded seed + rank,
+    `owai.runtime`), so a checkpoint keeps each rank's state, not rank 0's alone."""
+    own = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        own["cuda"] = torch.cuda.get_rng_state(device)
+    return distributed.gather_objects(own)
+
+
+def _restore_rng(state: dict[str, Any], device: torch.device) -> None:
+    """Each rank's generators as the checkpoint left them, so a resume on as many ranks draws the
+    dropout masks an uninterrupted run would. A rank the checkpoint did not have (a resume on more
+    ranks) seeds its own stream from the saved states and its rank, distinct from every other
+    rank's. A checkpoint written before per-rank states holds rank 0's CPU state alone."""
+    from owai.runtime import derive_seed
+
+    saved = state.get("rng_ranks")
+    if not saved:
+        torch.set_rng_state(state["torch_rng"])
+        return
+    rank = distributed.world().rank
+    if rank >= len(saved):
+        torch.manual_seed(derive_seed("resume", len(saved), rank, saved[0]["cpu"].numpy().tobytes().hex()))
+        return
+    torch.set_rng_state(saved[rank]["cpu"])
+    if device.type == "cuda" and "cuda" in saved[rank]:
+        torch.cuda.set_rng_state(saved[rank]["cuda"], device)
 
 
 def _shapes(state: dict[str, Any]) -> dict[str, list[int]]:

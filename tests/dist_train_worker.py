@@ -10,6 +10,8 @@ gloo process group and rank 0 writes {job name: result} to `out`. Kinds:
     train   `train(**args)`: the per-step losses of a run (FSDP2 via Parallel.from_meta)
     meta    `meta_matches_plain(**args)`: whether the materialised sharded model's full state dict
             equals a normally built model's
+    grads   `sharded_grads_after_first_micro_batch()`: whether FSDP holds every gradient sharded
+            after the first micro-batch of an accumulation
 
 Batches are a function of the step: the global batch of GLOBAL_BATCH sequences is drawn from a
 generator seeded by the step, and each rank keeps its own rows (as owai.methods.language_model's
@@ -68,11 +70,14 @@ def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
 def train(
     run_dir: str, steps: int = 8, checkpoint_every: int = 4, strategy: str = "fsdp", sharded: bool | None = None,
     activation_checkpointing: bool = False, stop_after: int = 0, model: dict[str, Any] | None = None,
-    accumulate: int = 1, mixed_precision: str | None = None, lr: float = 1e-2,
+    accumulate: int = 1, mixed_precision: str | None = None, lr: float = 1e-2, seed_per_rank: bool = False,
 ) -> dict[int, float]:
     """Train (or resume) the stage "gpt" of the run at `run_dir`; returns {step: loss} as logged
-    (the mean over ranks). `stop_after` > 0 stops after that update, before its checkpoint."""
+    (the mean over ranks). `stop_after` > 0 stops after that update, before its checkpoint.
+    `seed_per_rank`: the random stream (dropout's) seeded SEED + rank, as owai.runtime seeds a run."""
     distributed.init()
+    if seed_per_rank:
+        torch.manual_seed(SEED + distributed.world().rank)
     device = torch.device("cpu")
     parallel = Parallel.from_meta(lambda: build(**(model or {})), strategy, device=device, blocks_of=blocks, seed=SEED,
                                   activation_checkpointing=activation_checkpointing, mixed_precision=mixed_precision)
@@ -123,6 +128,19 @@ def meta_matches_plain(activation_checkpointing: bool = False) -> bool:
     return bool(untouched and same and sharded)
 
 
+def sharded_grads_after_first_micro_batch() -> bool:
+    """Whether, after the backward pass of the first of two micro-batches (inside the loop's
+    `no_sync`), every parameter of the FSDP model holds its gradient as a shard (a DTensor), i.e.
+    the micro-batch was reduce-scattered and no rank keeps the whole model's gradient."""
+    distributed.init()
+    parallel = Parallel.from_meta(build, "fsdp", device=torch.device("cpu"), blocks_of=blocks, seed=SEED)
+    x, y = batch(0, 0)
+    with parallel.no_sync(True):
+        logits = parallel.forward_module(input_ids=x).logits
+        F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
+    return all(p.grad is not None and hasattr(p.grad, "to_local") for p in parallel.module.parameters())
+
+
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     distributed.init()
@@ -134,6 +152,8 @@ def main(spec_path: str) -> None:
                 results[name] = {str(k): v for k, v in train(**args).items()}
             elif kind == "meta":
                 results[name] = meta_matches_plain(**args)
+            elif kind == "grads":
+                results[name] = sharded_grads_after_first_micro_batch()
             else:
                 raise ValueError(f"unknown job kind {kind!r}")
         except Exception as e:  # noqa: BLE001 - reported to the test, which shows the message

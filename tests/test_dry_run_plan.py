@@ -205,6 +205,29 @@ def test_a_global_batch_is_the_same_on_any_number_of_ranks(monkeypatch) -> None:
         accumulation(chapter3, 3)
 
 
+def test_every_preset_counted_in_tokens_trains_the_same_updates_on_any_number_of_gpus() -> None:
+    """A language-model preset that counts its training in tokens (chapter 4's 1T and 200B) trains as
+    many updates of as many sequences on 8 GPUs as on 256: its train.global_batch fixes the batch.
+    Without it, the bag-of-k preset (Table 4.8, "the pretraining setups of sec 4.2.2") trained
+    7,629,395 updates of 32 sequences on eight GPUs, where the thesis trains 238,419 of 1024."""
+    from owai import recipes
+    from owai.experiment import resolve
+    from owai.methods.language_model import sequences_per_update, total_steps
+
+    counted = []
+    for name in recipes.available():
+        recipe = recipes.load(name)
+        if recipe.method not in ("lm_pretrain", "lm_recall"):
+            continue
+        for preset in recipe.presets:
+            cfg, _ = resolve(recipe, preset, [], validate=False)
+            if cfg.train.tokens > 0:
+                counted.append(f"{name}:{preset}")
+                plans = {(total_steps(cfg, ranks), sequences_per_update(cfg.train, ranks)) for ranks in (8, 64, 256)}
+                assert len(plans) == 1, (name, preset, plans)
+    assert {"table4.2-pretrain:paper", "table4.2-pretrain:paper-small", "table4.2-pretrain:bag-of-k"} <= set(counted)
+
+
 @needs_sotu
 def test_a_dry_run_plans_the_global_batch_for_its_ranks(capsys) -> None:
     code, out, err = cli_in_process(["mosaic-train", "--size", "large", "--dry-run"], capsys)

@@ -65,11 +65,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     the resume of the one-process run, and the meta-init checks."""
     tmp = tmp_path_factory.mktemp("sharded")
     reference = worker.train(str(tmp / "reference"), steps=STEPS, sharded=False)
+    accumulated = worker.train(str(tmp / "reference-accumulated"), steps=STEPS, sharded=False, accumulate=2)
     worker.train(str(tmp / "killed"), steps=STEPS, sharded=True, stop_after=5)
     assert [p.name for p in list_checkpoints(tmp / "killed" / "checkpoints" / "gpt")] == ["step-000004"]
 
     def fresh_inputs() -> None:
-        for name in ("two", "ac", "from-one", "corrupt"):
+        for name in ("two", "ac", "from-one", "corrupt", "two-accumulated", "dropout", "dropout-killed"):
             shutil.rmtree(tmp / name, ignore_errors=True)
         (tmp / "out.json").unlink(missing_ok=True)
         shutil.copytree(tmp / "killed", tmp / "from-one")
@@ -81,10 +82,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         {"name": "meta_ac", "kind": "meta", "args": {"activation_checkpointing": True}},
         {"name": "two", "kind": "train", "args": {"run_dir": str(tmp / "two"), "steps": STEPS}},
         {"name": "ac", "kind": "train", "args": {"run_dir": str(tmp / "ac"), "steps": STEPS, "activation_checkpointing": True}},
+        {"name": "two-accumulated", "kind": "train", "args": {"run_dir": str(tmp / "two-accumulated"), "steps": STEPS, "accumulate": 2}},
+        {"name": "grads", "kind": "grads"},
+        *({"name": name, "kind": "train", "args": {"run_dir": str(tmp / run), "steps": STEPS, "model": {"dropout": 0.2},
+                                                   "seed_per_rank": True, **extra}}
+          for name, run, extra in [("dropout", "dropout", {}), ("dropout-killed", "dropout-killed", {"stop_after": 5}),
+                                   ("dropout-resumed", "dropout-killed", {})]),
         {"name": "resumed", "kind": "train", "args": {"run_dir": str(tmp / "from-one"), "steps": STEPS}},
         {"name": "corrupt", "kind": "train", "args": {"run_dir": str(tmp / "corrupt"), "steps": STEPS}, "fails": True},
     ]
-    return {"tmp": tmp, "reference": reference, **worker_jobs(2, {"jobs": jobs}, tmp, fresh_inputs)}
+    return {"tmp": tmp, "reference": reference, "reference-accumulated": accumulated,
+            **worker_jobs(2, {"jobs": jobs}, tmp, fresh_inputs)}
 
 
 def assert_losses_equal(got: dict[int, float], want: dict[int, float], steps: range) -> None:
@@ -109,6 +117,25 @@ def test_two_fsdp_ranks_match_one_process(runs: dict[str, Any]):
     assert step == STEPS and "model" not in state and len(state["recent_losses"]) == 1
     # the full variant is unchanged for one-process runs
     assert not is_sharded(latest_checkpoint(runs["tmp"] / "reference" / "checkpoints" / "gpt"))
+
+
+def test_two_fsdp_ranks_accumulate_like_one_process_and_keep_gradients_sharded(runs: dict[str, Any]):
+    """Gradient accumulation under FSDP (chapter 4's paper presets: 32 micro-batches per update on
+    8 GPUs) trains as one process does, and reduce-scatters every micro-batch: FSDP2 without
+    gradient sync kept the whole model's unsharded gradient on every rank between micro-batches
+    (40 GB for v2 large), which the memory plan does not hold."""
+    assert_losses_equal(runs["two-accumulated"], runs["reference-accumulated"], range(1, STEPS + 1))
+    assert runs["reference-accumulated"][STEPS] != pytest.approx(runs["reference"][STEPS], abs=1e-3)  # other batches
+    assert runs["grads"] is True
+
+
+def test_a_resume_on_as_many_ranks_draws_each_rank_s_own_dropout(runs: dict[str, Any]):
+    """Each rank draws its own dropout masks (seed + rank); a checkpoint keeps every rank's random
+    state, so a 2-rank run resumed on 2 ranks replays the uninterrupted run. Only rank 0's state was
+    kept, and every rank took it on resume: rank 1 then drew rank 0's masks."""
+    assert runs["dropout"][STEPS] != pytest.approx(runs["two"][STEPS], abs=1e-3)  # dropout is on
+    assert_losses_equal(runs["dropout-killed"], runs["dropout"], range(1, 6))
+    assert_losses_equal(runs["dropout-resumed"], runs["dropout"], range(1, STEPS + 1))
 
 
 def test_checkpoint_of_two_ranks_resumes_on_one_process(runs: dict[str, Any], tmp_path: Path):
