@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from owai.errors import OwaiError, one_line
+from owai.runtime import AUTOCAST_DTYPES
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -149,7 +150,7 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-MIXED_PRECISIONS = ("bfloat16", "float16")
+MIXED_PRECISIONS = tuple(AUTOCAST_DTYPES)  # bfloat16, float16
 
 
 class Parallel:
@@ -213,7 +214,7 @@ class Parallel:
                 mesh = init_device_mesh(mesh_type, (self.world.world_size,))
                 kwargs: dict[str, Any] = {"mesh": mesh}
                 if mixed_precision in MIXED_PRECISIONS:
-                    kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, mixed_precision), reduce_dtype=torch.float32)
+                    kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=AUTOCAST_DTYPES[mixed_precision], reduce_dtype=torch.float32)
                 for block in blocks or []:
                     fully_shard(block, **kwargs)
                 fully_shard(module, **kwargs)

@@ -13,6 +13,8 @@ from owai.config import Runtime
 from owai.errors import OwaiError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# a training or evaluation precision's autocast dtype (float32: no autocast)
+AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def seed_everything(seed: int) -> None:

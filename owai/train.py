@@ -46,6 +46,7 @@ from owai.checkpoint import (
 from owai.console import Bar
 from owai.errors import OwaiError, one_line
 from owai.runs import Run
+from owai.runtime import AUTOCAST_DTYPES
 
 if TYPE_CHECKING:
     from owai.distributed import Parallel
@@ -116,7 +117,7 @@ def train_loop(
     device = next(model.parameters()).device
     main = distributed.is_main()
     scaler = torch.amp.GradScaler(device.type, enabled=loop.precision == "float16")
-    amp_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(loop.precision)
+    amp_dtype = AUTOCAST_DTYPES.get(loop.precision)
 
     module = parallel.module if parallel is not None else model
     sharded = loop.sharded_checkpoints if loop.sharded_checkpoints is not None else (

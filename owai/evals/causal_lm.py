@@ -51,10 +51,10 @@ class CausalLM:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, label: str, device: torch.device | None = None,
                  precision: str = "auto") -> None:
-        from owai.runtime import auto_precision
+        from owai.runtime import DTYPES, auto_precision
 
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[auto_precision(precision, self.device)]
+        dtype = DTYPES[auto_precision(precision, self.device)]
         self.model = model.to(self.device, dtype=dtype).eval()
         self.tokenizer, self.label = tokenizer, label
         self.max_tokens = config_max_length(self.model.config.to_dict())

@@ -48,6 +48,7 @@ from owai.config import BaseConfig
 from owai.errors import DataMissing, OwaiError
 from owai.methods import Method, Outcome
 from owai.runs import Run
+from owai.runtime import AUTOCAST_DTYPES
 
 TRACKS = ("model", "swa", "ens")
 MULTI = ("wa_multi", "ens_multi")
@@ -431,7 +432,7 @@ def predict(model: torch.nn.Module, sets: list[EvalSet], device: torch.device, p
     """Logits (float32, CPU) of `model` in eval mode on every set."""
     was_training = model.training
     model.eval()
-    amp = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(precision)
+    amp = AUTOCAST_DTYPES.get(precision)
     out = {}
     for s in sets:
         chunks = []
