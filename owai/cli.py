@@ -22,7 +22,7 @@ from rich.table import Table
 
 from owai import __version__, console
 from owai.commands._common import Json, Preset, Quiet, RecipeOption, RunOptions, Sets, one_recipe, options
-from owai.errors import OwaiError, user_message
+from owai.errors import OwaiError, Termination, stop_on_termination, user_message
 
 try:  # Typer >= 0.22 parses with its own copy of Click
     from typer._click import exceptions as click
@@ -194,7 +194,7 @@ def report(
     the recipe's claims judged on them: holds, misses or n/a (not measured), with the numbers."""
     from owai import sweep
     from owai.claims import summary_counts
-    from owai.report import claims_markdown, claims_table, run_claims, sweep_claims
+    from owai.report import claims_markdown, claims_table, run_claims, study_table_file, sweep_document
     from owai.report import markdown as to_markdown
     from owai.report import table
     from owai.runs import Run
@@ -203,14 +203,17 @@ def report(
         raise OwaiError("--markdown and --json are two output formats: give one of them")
     console.configure(quiet, as_json)
     if sweep.is_sweep_dir(run_dir):
-        summary = sweep.summarise(sweep.open_sweep(run_dir))
-        verdicts, source = sweep_claims(run_dir, summary)
+        document = sweep_document(run_dir, sweep.summarise(sweep.open_sweep(run_dir)))
+        verdicts, source, study = document["claims"], document["claims_source"], study_table_file(run_dir)
         if as_json:
-            console.emit_json({**summary, "claims": verdicts, "claims_source": source})
-        elif markdown:
-            sys.stdout.write(sweep.markdown(summary) + (claims_markdown(verdicts) if verdicts else ""))
+            console.emit_json(document)
+        elif markdown:  # a study's own table (its selection, the thesis beside it) after the points' summary
+            sys.stdout.write(sweep.markdown(document) + ("\n" + study.read_text() if study is not None else "")
+                             + (claims_markdown(verdicts) if verdicts else ""))
         else:
-            console.stdout.print(sweep.table(summary))
+            console.stdout.print(sweep.table(document))
+            if study is not None:
+                console.stdout.print(f"study table: {study}", markup=False)
             if verdicts:
                 console.stdout.print(claims_table(verdicts, f"thesis claims on {source}: {summary_counts(verdicts)}"))
         return
@@ -263,10 +266,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     """Console entry point (`owai` and `python -m owai`): the one error path. A user error (an
     OwaiError, or a usage error of the command line: a missing or unknown option, a bad value) is one
     `error:` line on stderr and exit code 2, never a traceback or the CLI library's usage box; --help,
-    --version and a bare command group print help (exit 0); Ctrl-C exits 130. A torchrun job's
+    --version and a bare command group print help (exit 0); Ctrl-C exits 130, SIGTERM 143 and SIGHUP
+    129 (a run stops as on Ctrl-C: status.json `interrupted`, resumable). A torchrun job's
     ranks leave their process group after a successful command (`owai.distributed.shutdown`)."""
+    termination = Termination()
     try:
-        code = app(args=sys.argv[1:] if argv is None else list(argv), prog_name="owai", standalone_mode=False)
+        with stop_on_termination() as termination:  # SIGTERM / SIGHUP: a run stops as on Ctrl-C, marked interrupted
+            code = app(args=sys.argv[1:] if argv is None else list(argv), prog_name="owai", standalone_mode=False)
         if not code and "torch.distributed" in sys.modules:  # a torchrun job's ranks leave their process group together
             from owai import distributed
 
@@ -278,15 +284,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     except OwaiError as e:
         _fail(user_message(e), e.exit_code)
     except (typer.Abort, KeyboardInterrupt):  # typer.Abort: Click's Abort under every Typer (its own copy has none)
-        _fail("interrupted", 130)
+        _interrupted(termination)
     except Exception as e:  # noqa: BLE001 - the last line of defence against tracebacks
         if os.environ.get("OWAI_DEBUG"):
             raise
         _wait_for_rank0()
         console.stderr.print(f"internal error: {type(e).__name__}: {e} (set OWAI_DEBUG=1 for the traceback)", markup=False, soft_wrap=True)
         _exit(1)
-    if code == 130:  # Typer turns Ctrl-C into Exit(130)
-        _fail("interrupted", 130)
+    if code == 130:  # Typer turns Ctrl-C (and so a Terminated) into Exit(130)
+        _interrupted(termination)
     if isinstance(code, int) and not isinstance(code, bool) and code:  # typer.Exit(code) / ctx.exit(code)
         sys.exit(code)
     if argv is None:  # the process's command is done: a Ctrl-C during the interpreter's shutdown would
@@ -323,6 +329,14 @@ def _wait_for_rank0() -> None:
             time.sleep(OTHER_RANK_ERROR_DELAY_S)
         except KeyboardInterrupt:  # a second Ctrl-C: print now
             pass
+
+
+def _interrupted(termination: Termination) -> None:
+    """Ctrl-C: "interrupted", exit 130; SIGTERM / SIGHUP: which signal stopped the command, exit
+    128 + its number, as a shell reports a process that signal ended."""
+    if termination.signum is None:
+        _fail("interrupted", 130)
+    _fail(f"stopped by {signal.Signals(termination.signum).name}", 128 + termination.signum)
 
 
 def _fail(message: str, code: int) -> None:

@@ -208,8 +208,11 @@ def info(message: str) -> None:
 
 
 def emit_json(obj: Any) -> None:
-    """Write the command's single JSON result to stdout."""
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    """Write the command's single JSON result to stdout, as owai writes its JSON files (a NaN or
+    infinite number as null: `values.finite_json`)."""
+    from owai.values import finite_json
+
+    sys.stdout.write(json.dumps(finite_json(obj), indent=2, default=str) + "\n")
     sys.stdout.flush()
 
 

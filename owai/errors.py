@@ -6,9 +6,12 @@ checkpoint) raises `OwaiError` with a single-line message; the CLI prints it and
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import re
-from collections.abc import Iterable
+import signal
+import threading
+from collections.abc import Iterable, Iterator
 
 
 def did_you_mean(word: str, known: Iterable[str]) -> str:
@@ -32,6 +35,46 @@ class CannotRunHere(OwaiError):
 class DataMissing(CannotRunHere):
     """An input the config names is not on this machine (a dataset, a tokenizer from the hub), or one
     the user gives at run time is not given yet (the model to evaluate)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (torchrun stopping its ranks, SLURM's cancel or time limit, `kill`, a closed
+    terminal), raised where the signal arrives: a run stops as on Ctrl-C (status.json `interrupted`,
+    its checkpoints kept for --resume) instead of dying with status.json `running`."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Termination:
+    """What `stop_on_termination` saw: the signal that stopped the block, if one did (`signum`),
+    which survives the CLI library's turning a KeyboardInterrupt into its own Abort / exit 130."""
+
+    signum: int | None = None
+
+
+@contextlib.contextmanager
+def stop_on_termination() -> Iterator[Termination]:
+    """SIGTERM and SIGHUP raise `Terminated` inside the block, the handlers before it restored after.
+    Not over an ignored signal (a job started under nohup keeps running when its terminal closes), and
+    only in the main thread, where Python runs signal handlers."""
+    seen = Termination()
+    if threading.current_thread() is not threading.main_thread():
+        yield seen
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        seen.signum = signum
+        raise Terminated(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(sig) is not signal.SIG_IGN}
+    try:
+        yield seen
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def not_utf8(path: object, error: UnicodeDecodeError | None = None) -> OwaiError:

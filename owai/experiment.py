@@ -341,6 +341,9 @@ def _run_method(recipe: Recipe, cfg: Any, resolved: dict[str, Any], run: Run) ->
         if run.writes:
             run.tracker = trackers.open_tracker(cfg.runtime.tracker, run.path, resolved)
         outcome = method.run(cfg, run)
+        bad = nonfinite_metrics(outcome.measured)
+        if run.tracker is not None and not bad:  # the numbers results.json gets, beside the metrics lines the run
+            run.tracker.log(trackers.RESULTS_STAGE, 0, outcome.measured)  # logged (an evaluation logs none)
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C; a SLURM job's timeout (submitit exits it to requeue it)
         run.set_status("interrupted")
         raise
@@ -356,7 +359,6 @@ def _run_method(recipe: Recipe, cfg: Any, resolved: dict[str, Any], run: Run) ->
         if run.tracker is not None:
             run.tracker.close()
             run.tracker = None
-    bad = nonfinite_metrics(outcome.measured)
     if bad:
         error = f"non-finite metrics ({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''}); {run.path} is failed and has no results.json"
         run.set_status("failed", error=error, nonfinite={"metrics": bad})

@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from owai.values import finite_json
+
 T = TypeVar("T")
 
 
@@ -302,7 +304,8 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, default=_jsonable) + "\n")
+    """`obj` as strict JSON at `path` (a NaN or infinite number as null: `values.finite_json`)."""
+    atomic_write_text(path, json.dumps(finite_json(obj), indent=2, default=_jsonable) + "\n")
 
 
 def atomic_write_yaml(path: Path, obj: Any) -> None:

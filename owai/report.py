@@ -10,14 +10,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from owai import console
-from owai.values import fmt
+from owai.values import fmt, md_row, thesis_text
 
 
 def _thesis(row: dict[str, Any]) -> str:
-    value, claim = row.get("thesis"), row.get("thesis_claim") or ""
-    if value is None:
-        return claim or "-"
-    return f"{fmt(value)} ({claim})" if claim else fmt(value)
+    return thesis_text(row.get("thesis"), row.get("thesis_claim"))
 
 
 def table(results: dict[str, Any]) -> Table:
@@ -43,7 +40,7 @@ def markdown(results: dict[str, Any]) -> str:
         "|---|---|---|---|",
     ]
     for row in results["rows"]:
-        lines.append(f"| {row['metric']} | {fmt(row['measured'])} | {_thesis(row)} | {row.get('ref') or ''} |")
+        lines.append(md_row([row["metric"], fmt(row["measured"]), _thesis(row), row.get("ref") or ""]))
     return "\n".join(lines) + "\n"
 
 
@@ -79,6 +76,28 @@ def sweep_claims(sweep_dir: Path, summary: dict[str, Any]) -> tuple[list[dict[st
     return judge_all(recipe_claims(plan.recipe, plan.recipe_source), records, plan.preset), source
 
 
+def sweep_document(sweep_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """A sweep directory as JSON, the one shape `owai report SWEEP_DIR --json` and `owai sweep --json`
+    print: its summary, the recipe's claims judged on it (`sweep_claims`), where their numbers come
+    from, and its study's file (<stem>.json: the study's rows and title) or None for a plain sweep."""
+    from owai.claims import study_file
+    from owai.runs import read_json_object
+
+    verdicts, source = sweep_claims(sweep_dir, summary)
+    path = study_file(Path(sweep_dir))
+    return {**summary, "claims": verdicts, "claims_source": source,
+            "study": read_json_object(path) if path is not None else None}
+
+
+def study_table_file(sweep_dir: Path) -> Path | None:
+    """The study's Markdown table (<stem>.md beside its <stem>.json), if the sweep directory has one."""
+    from owai.claims import study_file
+
+    path = study_file(Path(sweep_dir))
+    table = path.with_suffix(".md") if path is not None else None
+    return table if table is not None and table.is_file() else None
+
+
 def _numbers(verdict: dict[str, Any]) -> str:
     return ", ".join(f"{k} = {fmt(v)}" for k, v in verdict["numbers"].items())
 
@@ -103,7 +122,7 @@ def claims_table(verdicts: list[dict[str, Any]], title: str = "thesis claims") -
 def claims_markdown(verdicts: list[dict[str, Any]]) -> str:
     lines = ["", "| verdict | claim | check | numbers |", "|---|---|---|---|"]
     for v in verdicts:
-        lines.append(f"| {v['verdict']} | {v['text']} ({v['id']}) | {v['detail']} | {_numbers(v)} |")
+        lines.append(md_row([v["verdict"], f"{v['text']} ({v['id']})", v["detail"], _numbers(v)]))
     return "\n".join(lines) + "\n"
 
 

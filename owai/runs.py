@@ -3,7 +3,7 @@
     runs/<recipe>/<YYYYmmdd-HHMMSS>-<confighash>/
         config.yaml       resolved config (recipe, preset, overrides, params), never rewritten
         config_history.jsonl  one line per resume that changed settings (--set): time, overrides
-        env.json          owai version/commit, torch, device, seed, host, start time, resumes
+        env.json          owai version/commit, torch, device, seed, ranks, host, start time, resumes
         status.json       running | complete | failed (+ error; `nonfinite` when NaN/inf stopped it)
         metrics.jsonl     one JSON object per logged step: {"stage", "step", ...}
         results.json      measured numbers beside the thesis's (the one results writer)
@@ -29,6 +29,7 @@ from typing import Any
 from owai import __version__
 from owai.errors import DataMissing, OwaiError
 from owai.trackers import Tracker
+from owai.values import finite_json
 from owai.io import (atomic_write_bytes, atomic_write_figure, atomic_write_json, atomic_write_yaml, cannot_write, check_folder,
                      remove_write_temporaries)
 
@@ -151,6 +152,8 @@ def environment(device: str, dtype: str, seed: int) -> dict[str, Any]:
     import numpy
     import torch
 
+    from owai import distributed
+
     facts: dict[str, Any] = {
         "owai_version": __version__,
         "owai_commit": git_commit(),
@@ -160,6 +163,9 @@ def environment(device: str, dtype: str, seed: int) -> dict[str, Any]:
         "device": device,
         "dtype": dtype,
         "seed": seed,
+        # the job's processes (torchrun's ranks): a batch of train.batch_size x train.accumulate
+        # sequences per rank is this many times larger per update (train.global_batch aside)
+        "world_size": distributed.world().world_size,
         "torch_threads": torch.get_num_threads(),
         "host": socket.gethostname(),
         "platform": platform.platform(),
@@ -343,7 +349,7 @@ class Run:
             return
         old = self.env()
         if old:  # a resume: keep the original facts, record this start
-            old.setdefault("resumed", []).append({k: facts[k] for k in ("started", "host", "device", "argv")})
+            old.setdefault("resumed", []).append({k: facts[k] for k in ("started", "host", "device", "world_size", "argv")})
             facts = old
         atomic_write_json(self.path / ENV, facts)
 
@@ -362,7 +368,7 @@ class Run:
         """Append one metrics line (flushed; a resume trims lines past the checkpoint)."""
         if not self.writes:
             return
-        line = json.dumps({"stage": stage, "step": step, **values}, default=float)
+        line = json.dumps(finite_json({"stage": stage, "step": step, **values}), default=float)  # NaN, inf: null
         try:
             with open(self.path / METRICS, "a") as f:
                 f.write(line + "\n")

@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,11 +42,11 @@ import yaml
 
 from owai import console
 from owai.config import build, coerce, load_yaml, override_leaves, parse_override
-from owai.errors import CannotRunHere, OwaiError, one_line
+from owai.errors import CannotRunHere, OwaiError, Terminated, one_line, stop_on_termination
 from owai.io import atomic_write_json, build_lock, is_write_temporary, remove_write_temporaries
 from owai.recipes import Grid, Recipe, Selection, check_path, load, recipe_claims, recorded_name, sub_grids
 from owai.runs import CONFIG, OUT, RESULTS, SWEEP, Run, config_hash, ensure_writable, is_sweep_dir, new_unique_dir, timestamp
-from owai.values import fmt, numeric
+from owai.values import fmt, md_row, numeric, thesis_text
 
 SUMMARY = "summary.json"
 POINTS = "points"
@@ -598,7 +599,12 @@ def _point_process(run: Callable[..., dict[str, Any]], task: dict[str, Any], dev
         pass
     if os.getppid() != parent:  # the parent died before the line above
         os._exit(1)
-    send.send(run(task))
+    try:
+        with stop_on_termination():  # `_stop`'s SIGTERM: the point's run stops as interrupted
+            outcome = run(task)
+    except Terminated as e:
+        sys.exit(128 + e.signum)  # the parent, which sent it, says why
+    send.send(outcome)
     send.close()
 
 
@@ -635,8 +641,6 @@ def _worker_devices(workers: int) -> list[str | None]:
 
 
 def _run_submitit(sweep: Sweep, todo: list[Point], executor: str, opts: SlurmOptions) -> list[dict[str, Any]]:
-    import signal
-
     import submitit
 
     cluster = "slurm" if executor == "slurm" else "debug"
@@ -659,13 +663,7 @@ def _run_submitit(sweep: Sweep, todo: list[Point], executor: str, opts: SlurmOpt
     tasks = [_task(sweep, p, threads) for p in todo]
     jobs: list[Any] = []
 
-    def stop(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt  # SIGTERM / SIGHUP (a closed terminal, a killed login job): as Ctrl-C
-
-    # not over an ignored signal: a sweep started under nohup keeps its jobs when the terminal closes
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)
-                if signal.getsignal(sig) is not signal.SIG_IGN}
-    try:
+    with stop_on_termination():  # SIGTERM / SIGHUP (a closed terminal, a killed login job): as Ctrl-C
         try:
             for start in range(0, len(tasks), chunk):  # SLURM refuses an array larger than its MaxArraySize
                 jobs += ex.map_array(PointJob(), tasks[start:start + chunk])
@@ -676,9 +674,6 @@ def _run_submitit(sweep: Sweep, todo: list[Point], executor: str, opts: SlurmOpt
             _cancel(jobs, cluster)
             raise
         return _wait_for(sweep, jobs, todo, cluster)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _wait_for(sweep: Sweep, jobs: list[Any], todo: list[Point], cluster: str) -> list[dict[str, Any]]:
@@ -960,6 +955,11 @@ def _mean_std(m: dict[str, Any]) -> str:
     return fmt(m["mean"]) if m["std"] is None else f"{fmt(m['mean'])} ± {fmt(m['std'])}"
 
 
+def _thesis(m: dict[str, Any]) -> str:
+    """A metric's thesis cell, as a run's table shows it: the number and its claim."""
+    return thesis_text(m.get("thesis"), m.get("thesis_claim"))
+
+
 def _title(summary: dict[str, Any]) -> str:
     c = summary["counts"]
     return (f"{summary['recipe']} sweep [{summary['preset']}]: {c.get('complete', 0)}/{c['points']} points complete, "
@@ -992,7 +992,7 @@ def table(summary: dict[str, Any]) -> Any:
     t.add_column("grid cell / metric" if has_grid else "metric", no_wrap=True)
     t.add_column("mean ± std", justify="right", no_wrap=True)
     t.add_column("n", justify="right")
-    t.add_column("thesis", justify="right", no_wrap=True)
+    t.add_column("thesis")
     t.add_column("ref")
     for i, group in enumerate(summary["groups"]):
         if i:
@@ -1003,7 +1003,7 @@ def table(summary: dict[str, Any]) -> Any:
             t.add_row("  (no complete points)", "-", "0", "-", "")
         for m in group["metrics"]:
             name = f"  {m['metric']}" if has_grid else f"[bold]{escape(m['metric'])}[/bold]"
-            t.add_row(name if not has_grid else escape(name), escape(_mean_std(m)), str(m["n"]), fmt(m["thesis"]),
+            t.add_row(name if not has_grid else escape(name), escape(_mean_std(m)), str(m["n"]), escape(_thesis(m)),
                       escape(m["ref"]))
     failed = failures(summary)
     if failed:
@@ -1016,7 +1016,7 @@ def table(summary: dict[str, Any]) -> Any:
     s.add_column("group / chosen cell / metric", no_wrap=True)
     s.add_column("mean ± std", justify="right", no_wrap=True)
     s.add_column("n", justify="right")
-    s.add_column("thesis", justify="right", no_wrap=True)
+    s.add_column("thesis")
     for i, group in enumerate(selection["groups"]):
         if i:
             s.add_section()
@@ -1024,7 +1024,7 @@ def table(summary: dict[str, Any]) -> Any:
         score = f", {selection['metric']} {fmt(group['score'])} (best of {group['candidates']})" if group["grid"] else ""
         s.add_row(escape(f"  → {_searched(selection, group)}{score}"), "", "", "")
         for m in group["metrics"]:
-            s.add_row(escape(f"    {m['metric']}"), escape(_mean_std(m)), str(m["n"]), fmt(m["thesis"]))
+            s.add_row(escape(f"    {m['metric']}"), escape(_mean_std(m)), str(m["n"]), escape(_thesis(m)))
     return Group(t, console.fit_table(s, whole=(0,)))
 
 
@@ -1034,18 +1034,18 @@ def markdown(summary: dict[str, Any]) -> str:
              f"Std: {summary['std']}", "", "| grid | metric | mean ± std | n | thesis | ref |", "|---|---|---|---|---|---|"]
     for group in summary["groups"]:
         for m in group["metrics"]:
-            lines.append(f"| {group['label']} | {m['metric']} | {_mean_std(m)} | {m['n']} | {fmt(m['thesis'])} | {m['ref']} |")
+            lines.append(md_row([group["label"], m["metric"], _mean_std(m), m["n"], _thesis(m), m["ref"]]))
     selection = summary.get("selection")
     if selection:
         lines += ["", f"#### {_selection_title(selection)}", "",
                   "| group | chosen cell | score | candidates | metric | mean ± std | n | thesis |",
                   "|---|---|---|---|---|---|---|---|"]
         for group in selection["groups"]:
-            head = f"| {group['label']} | {_searched(selection, group)} | {fmt(group['score'])} | {group['candidates']}"
+            head = [group["label"], _searched(selection, group), fmt(group["score"]), group["candidates"]]
             for i, m in enumerate(group["metrics"] or [None]):
-                head = head if i == 0 else "| | | |"  # the group's values once, on its first row
-                lines.append(f"{head} | - | - | 0 | - |" if m is None else
-                             f"{head} | {m['metric']} | {_mean_std(m)} | {m['n']} | {fmt(m['thesis'])} |")
+                head = head if i == 0 else ["", "", "", ""]  # the group's values once, on its first row
+                lines.append(md_row(head + (["-", "-", 0, "-"] if m is None else
+                                            [m["metric"], _mean_std(m), m["n"], _thesis(m)])))
     failed = failures(summary)
     if failed:
         lines += ["", "Failed points:", ""] + [f"- `{p['label']}`: {p['error'] or p['status']}" for p in failed]

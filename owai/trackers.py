@@ -6,6 +6,10 @@ under torchrun) opens one. Choose it with `--tracker NAME` or the config key `ru
 needs its optional extra (`pip install 'owai[tensorboard]'` / `'owai[wandb]'`), checked before the
 run directory exists.
 
+A run that completes also mirrors its measured numbers (results.json's, the finite real ones) as the
+stage "results" at step 0, "results/<metric>": an evaluation, which logs no metrics lines, has
+those alone.
+
     tensorboard   event files under <run>/tensorboard/, one scalar tag "<stage>/<metric>" per number
     wandb         a W&B run named after the run directory, its config the resolved params; mode and
                   project from the usual WANDB_* variables (WANDB_MODE=offline works without network)
@@ -22,6 +26,7 @@ from typing import Any, Protocol
 from owai.errors import OwaiError
 
 TRACKERS = ("none", "tensorboard", "wandb")
+RESULTS_STAGE = "results"  # the stage under which a tracker mirrors a run's measured numbers (results.json)
 # tracker -> (module that must import, the extra that installs it)
 _NEEDS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
 

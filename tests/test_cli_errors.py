@@ -319,3 +319,28 @@ def test_a_command_whose_data_loader_worker_fails_says_the_workers_message(monke
     monkeypatch.setattr("owai.data.registry.status", status)
     code, _, err = cli_in_process(["data", "list"], capsys)
     assert code == 2 and err.strip().splitlines() == ["error: cannot decode image sketch/dog/dog_0.png: broken data stream"], err
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGHUP"])
+def test_a_run_stopped_by_sigterm_is_marked_interrupted(signum, tmp_path, monkeypatch, capsys):
+    """SIGTERM (torchrun stopping its ranks, SLURM's cancel or time limit, `kill`) and SIGHUP (a closed
+    terminal) ended a run at once, its status.json left `running`: they stop it as Ctrl-C does, marked
+    interrupted, one line naming the signal, exit 128 + its number, the handlers restored after."""
+    import json
+    import os
+    import signal
+
+    sig = signal.Signals[signum]
+    before = signal.getsignal(sig)
+
+    def stopped(self, cfg, run):
+        os.kill(os.getpid(), sig)
+        raise AssertionError("the signal did not stop the run")
+
+    monkeypatch.setattr("owai.methods.three_moons.ThreeMoons.run", stopped)
+    code, stdout, err = cli_in_process(["moons", "--out", str(tmp_path), *[a for s in TINY_MOONS for a in ("--set", s)]],
+                                       capsys)
+    assert code == 128 + sig and err.strip().splitlines()[-1] == f"error: stopped by {signum}" and not stdout, err
+    (status,) = tmp_path.glob("*/*/status.json")
+    assert json.loads(status.read_text())["status"] == "interrupted"
+    assert signal.getsignal(sig) is before

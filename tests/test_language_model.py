@@ -145,6 +145,8 @@ def test_torchrun_two_gloo_processes_match_one(strategy: str, tmp_path: Path):
     rows = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
     assert len([r for r in rows if "loss" in r]) == 6
     assert json.loads((two / "status.json").read_text())["status"] == "complete"
+    # env.json names the ranks, without which a batch per rank does not say the update's size
+    assert [json.loads((run / "env.json").read_text())["world_size"] for run in (one, two)] == [1, 2]
     assert sorted(p.name for p in (two / "checkpoints" / "gpt").iterdir()) == ["step-000006", "step-000012"]
 
 

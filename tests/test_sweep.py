@@ -6,6 +6,7 @@ import json
 import math
 import shutil
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -531,6 +532,41 @@ def test_a_worker_that_dies_fails_only_its_own_point() -> None:
     assert status == {t["id"]: "failed" if t["id"].endswith("seed=2") else "complete" for t in tasks}
     assert len(outcomes) == len(tasks) == len(done)
     assert all("process died" in o["error"] for o in outcomes if o["status"] == "failed")
+
+
+def _waits_for_sigterm(task: dict) -> dict:
+    """A point function for `pooled`: says its pid, then runs until a signal stops it, and notes
+    whether it stopped as an interrupted run does (the `except KeyboardInterrupt` of experiment.py)."""
+    import os
+    import time
+
+    folder = Path(task["dir"])
+    (folder / "pid").write_text(str(os.getpid()))
+    try:
+        time.sleep(60)
+    except KeyboardInterrupt as e:
+        (folder / "interrupted").write_text(type(e).__name__)
+        raise
+    return {"id": task["id"], "status": "complete", "error": None}
+
+
+def test_a_point_stopped_by_sigterm_ends_as_an_interrupted_run(tmp_path: Path) -> None:
+    """`_stop` (a sweep's Ctrl-C or SIGTERM) sends each point process SIGTERM: it killed the point at
+    once, its status.json left `running`; the point's run now stops as interrupted, exit 143."""
+    import os
+    import signal
+    import threading
+
+    def terminate_when_started() -> None:
+        deadline = time.time() + 60
+        while not (tmp_path / "pid").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(int((tmp_path / "pid").read_text()), signal.SIGTERM)
+
+    threading.Thread(target=terminate_when_started, daemon=True).start()
+    (outcome,) = sweeps.pooled([{"id": "p", "dir": str(tmp_path)}], 1, lambda: None, run=_waits_for_sigterm)
+    assert outcome["status"] == "failed" and "exit code 143" in outcome["error"], outcome
+    assert (tmp_path / "interrupted").read_text() == "Terminated"
 
 
 def test_local_workers_are_dealt_the_visible_gpus(monkeypatch) -> None:

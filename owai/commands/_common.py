@@ -349,11 +349,12 @@ def run_sweep(plan: Any, runs_on: tuple[str, int, Any], rerun: str, quiet: bool,
     """Run a sweep's unfinished points (`runs_on` from `Launch.runs_on`), write and print its summary
     (or JSON) and `next_step`, then report failed points with how to rerun them (`rerun`)."""
     from owai import sweep as sweeps
+    from owai.report import sweep_document
 
     console.info(f"sweep directory: {plan.path} ({len(plan.points)} {points})")
     summary = sweeps.write_summary(plan, sweeps.run(plan, *runs_on))
-    if as_json:
-        console.emit_json(summary)
+    if as_json:  # what `owai report SWEEP_DIR --json` prints: the summary and the claims judged on it
+        console.emit_json(sweep_document(plan.path, summary))
     elif not quiet:
         console.stdout.print(sweeps.table(summary))
         console.stdout.print(f"summary: {plan.path / sweeps.SUMMARY}" + (f"\n{next_step}" if next_step else ""), markup=False)
@@ -367,14 +368,17 @@ def run_study(plan: Any, runs_on: tuple[str, int, Any], write_study: Callable[[A
     write the study's files, print its table (or JSON), then report failed points with how to
     rerun them."""
     from owai import sweep as sweeps
+    from owai.report import sweep_claims
 
     console.info(f"sweep directory: {plan.path} ({len(plan.points)} points)")
     outcomes = sweeps.run(plan, *runs_on)
     summary = sweeps.write_summary(plan, outcomes)
     failed = sweeps.failures(summary)
     rows, info = write_study(plan, summary)
-    if as_json:
-        console.emit_json({"rows": rows, **info, "sweep_dir": str(plan.path), "failed": [p["label"] for p in failed]})
+    if as_json:  # the study's table and the recipe's claims judged on it, as its <stem>.json records them
+        claims, source = sweep_claims(plan.path, summary)
+        console.emit_json({"recipe": plan.recipe, "preset": plan.preset, "rows": rows, **info, "claims": claims,
+                           "claims_source": source, "sweep_dir": str(plan.path), "failed": [p["label"] for p in failed]})
     elif not quiet:
         console.stdout.print(console.fit_table(study_table(rows, info["title"]), whole=(0,)))  # row labels whole
         console.stdout.print(f"table: {info.get('table') or plan.path / table_name}\nfigure: {info['figure']}", markup=False)

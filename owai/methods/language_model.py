@@ -1092,11 +1092,11 @@ def plot_attention(run: Run, label: str, profiles: dict[int, torch.Tensor], bloc
 def write_continuations(run: Run, label: str, rows: list[dict[str, str]]) -> None:
     """Tables B.4/B.5: a Markdown table of the prompts and the model's continuations."""
     from owai.io import atomic_write_bytes
+    from owai.values import md_row
 
     lines = [f"# Continuations, {ARCH_LABELS.get(label, label)}", "", "| prompt | greedy | beam 2 |", "|---|---|---|"]
     for r in rows:
-        cells = [r["prompt"], r.get("greedy", ""), r.get("beam2", "")]
-        lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+        lines.append(md_row([r["prompt"], r.get("greedy", ""), r.get("beam2", "")]))
     atomic_write_bytes(run.path / f"continuations_{label}.md", ("\n".join(lines) + "\n").encode())
 
 
