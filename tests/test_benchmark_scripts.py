@@ -30,6 +30,7 @@ def _run(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     ("gpu_check.py", ["--device", "cpu", "--archs", "lstm,bogus"], "--archs bogus: choose from"),
     ("gpu_check.py", ["--device", "cuda"], "--device cuda: torch"),
     ("bonsai_cpu.py", ["--workers", "0"], "argument --workers: expected an integer >= 1, got 0"),
+    ("data_scale.py", ["--only", "tar,bogus"], "--only bogus: choose from tar, windows, paths, samplers, camelyon"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(script: str, args: list[str], message: str, tmp_path: Path) -> None:
     done = _run(script, *args, cwd=tmp_path)

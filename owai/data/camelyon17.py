@@ -42,7 +42,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from owai.data.images import eval_transform, loader, stack, step_loader
+from owai.data.images import Strings, eval_transform, loader, stack, step_loader
 from owai.data.registry import Dataset as CatalogueEntry
 from owai.data.registry import register, require
 from owai.errors import OwaiError, not_utf8, one_line
@@ -150,21 +150,10 @@ class Camelyon17:
                 missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
                 if missing:
                     raise OwaiError(f"{path} lacks column(s) {', '.join(missing)} (has {', '.join(reader.fieldnames or [])})")
-                rows = list(reader)
+                files, ints = self._read_rows(reader, path)
         except UnicodeDecodeError as e:
             raise not_utf8(path, e) from None
-        files, ints = [], {c: [] for c in ("tumor", "slide", "center", "split")}
-        for line, row in enumerate(rows, start=2):
-            if None in row.values() or None in row:  # csv.DictReader fills a short row with None, keys a long one's rest None
-                fields = sum(v is not None for k, v in row.items() if k is not None) + len(row.get(None) or [])
-                raise OwaiError(f"{path} line {line}: {fields} fields, the header has {len(reader.fieldnames or [])}")
-            patient, node = row["patient"].strip(), _int(row["node"], line, "node", path)
-            x, y = _int(row["x_coord"], line, "x_coord", path), _int(row["y_coord"], line, "y_coord", path)
-            folder = f"patient_{patient}_node_{node}"
-            files.append(f"{folder}/patch_{folder}_x_{x}_y_{y}.png")
-            for c in ints:
-                ints[c].append(_int(row[c], line, c, path))
-        self.files = files
+        self.files = Strings(files)  # 455k paths: no Python object each (DataLoader workers would copy them)
         self.labels = torch.tensor(ints["tumor"], dtype=torch.int64)  # (n,)
         self.slides = torch.tensor(ints["slide"], dtype=torch.int64)
         self.centers = torch.tensor(ints["center"], dtype=torch.int64)
@@ -189,21 +178,40 @@ class Camelyon17:
                 raise OwaiError(f"Camelyon17 split {name!r} is empty in {path} "
                                 f"({'centre ' + str(VAL_CENTER if name == 'val' else TEST_CENTER) if name in ('val', 'test') else 'centres 0, 3, 4 with split ' + ('0' if name == 'train' else '1')})")
             self._splits[name] = idx
-        self._check_files()
+        self._check_files(files)
 
-    def _check_files(self) -> None:
-        """Every patch of the kept splits exists (one directory listing per patient/node folder)."""
+    @staticmethod
+    def _read_rows(reader: csv.DictReader, path: Path) -> tuple[list[str], dict[str, list[int]]]:
+        """(patch paths, the integer columns) of metadata.csv's rows, read one row at a time (a list of
+        every row's dict first held 420 MB at once for the 455k patches)."""
+        files: list[str] = []
+        ints: dict[str, list[int]] = {c: [] for c in ("tumor", "slide", "center", "split")}
+        for line, row in enumerate(reader, start=2):
+            if None in row.values() or None in row:  # csv.DictReader fills a short row with None, keys a long one's rest None
+                fields = sum(v is not None for k, v in row.items() if k is not None) + len(row.get(None) or [])
+                raise OwaiError(f"{path} line {line}: {fields} fields, the header has {len(reader.fieldnames or [])}")
+            patient, node = row["patient"].strip(), _int(row["node"], line, "node", path)
+            x, y = _int(row["x_coord"], line, "x_coord", path), _int(row["y_coord"], line, "y_coord", path)
+            folder = f"patient_{patient}_node_{node}"
+            files.append(f"{folder}/patch_{folder}_x_{x}_y_{y}.png")
+            for c in ints:
+                ints[c].append(_int(row[c], line, c, path))
+        return files, ints
+
+    def _check_files(self, files: list[str]) -> None:
+        """Every patch (`files`: self.files as a list) of the kept splits exists (one directory listing
+        per patient/node folder)."""
         listing: dict[str, set[str]] = {}
         for name in SPLITS:
             for i in self._splits[name].tolist():
-                folder, file = self.files[i].split("/")
+                folder, file = files[i].split("/")
                 if folder not in listing:
                     try:
                         listing[folder] = set(os.listdir(self.dir / "patches" / folder))
                     except OSError:
                         listing[folder] = set()
                 if file not in listing[folder]:
-                    raise OwaiError(f"Camelyon17 patch {self.dir / 'patches' / self.files[i]} is missing "
+                    raise OwaiError(f"Camelyon17 patch {self.dir / 'patches' / files[i]} is missing "
                                     f"(metadata.csv row {i}, split {name})")
 
     def __len__(self) -> int:
@@ -253,13 +261,16 @@ class StandardSampler:
             raise OwaiError(f"StandardSampler needs n >= 1 and batch_size >= 1 (got {n}, {batch_size})")
         self.n, self.batch_size, self.seed, self.stage = n, batch_size, seed, stage
         self.steps_per_epoch = max(1, n // batch_size)
+        self._epoch, self._perm = -1, torch.zeros(0, dtype=torch.int64)  # the last epoch's permutation
 
     def positions(self, step: int) -> torch.Tensor:
         epoch, b = divmod(int(step), self.steps_per_epoch)
-        perm = torch.randperm(self.n, generator=generator(self.seed, self.stage, "epoch", epoch))
+        if epoch != self._epoch:  # drawn once per epoch, not per step (302k patches: 6 ms a step)
+            self._epoch, self._perm = epoch, torch.randperm(self.n, generator=generator(self.seed, self.stage, "epoch", epoch))
+        perm = self._perm
         if self.n < self.batch_size:  # fewer examples than a batch: the whole permutation
-            return perm
-        return perm[b * self.batch_size : (b + 1) * self.batch_size]
+            return perm.clone()
+        return perm[b * self.batch_size : (b + 1) * self.batch_size].clone()  # not a view of the kept permutation
 
 
 class GroupSampler:

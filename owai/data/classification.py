@@ -45,7 +45,7 @@ import torch
 from PIL import Image
 
 from owai.data import registry
-from owai.data.images import check_style, image_files, visible_dirs
+from owai.data.images import Paths, check_style, image_files, visible_dirs
 from owai.errors import OwaiError, one_line
 
 # -------------------------------------------------------------------------------------------- the type
@@ -57,7 +57,7 @@ class ClassificationData:
     `classes`; `source`: where it was read from (for messages); `style`: how its images become
     tensors (`owai.data.images.STYLES`; subsets keep it)."""
 
-    images: torch.Tensor | list[Path]
+    images: torch.Tensor | Sequence[Path]  # a list of paths is kept as `Paths` (one array, no object per path)
     labels: torch.Tensor
     classes: list[str]
     source: str = ""
@@ -65,6 +65,8 @@ class ClassificationData:
 
     def __post_init__(self) -> None:
         where = self.source or "classification data"
+        if not isinstance(self.images, (torch.Tensor, Paths)):  # DataLoader workers would each copy a list
+            object.__setattr__(self, "images", Paths(self.images))
         if isinstance(self.images, torch.Tensor):
             if self.images.dtype != torch.uint8 or self.images.dim() not in (3, 4) or (
                     self.images.dim() == 4 and self.images.shape[-1] != 3):
@@ -99,7 +101,7 @@ def _subset(data: ClassificationData, keep: torch.Tensor, labels: torch.Tensor |
             classes: list[str] | None = None) -> ClassificationData:
     """The examples at indices `keep` (optionally relabelled over new `classes`)."""
     idx = keep.tolist()
-    images = data.images[keep] if isinstance(data.images, torch.Tensor) else [data.images[i] for i in idx]
+    images = data.images[keep] if isinstance(data.images, torch.Tensor) else data.images.take(idx)
     return ClassificationData(images, data.labels[keep] if labels is None else labels,
                               data.classes if classes is None else classes, data.source, data.style)
 

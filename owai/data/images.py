@@ -8,7 +8,7 @@ DataLoaders that leave torch's global random stream alone.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,61 @@ BICUBIC = Image.Resampling.BICUBIC
 # miniImageNet) and "vit" (RRL's fine-tuning of the 384-px ViTs of Figure 2.4, VISSL's tricks_384).
 # The training side is `owai.data.domainbed.train_transform`.
 STYLES = ("domainbed", "cifar", "imagenet", "fewshot", "vit")
+
+
+class Strings(Sequence[str]):
+    """N strings (an image dataset's file paths) in one NumPy byte array plus offsets, read back one at a
+    time: no Python object per string. A DataLoader worker forked from the training process that
+    reads a list of str or Path objects writes each object's reference count, which copies its memory
+    page into the worker (copy-on-write); over an epoch every worker ends up with its own copy of the
+    whole list (ImageNet's 1.28M Path objects: 440 MB per worker, 129 MB as str; 11 MB here:
+    benchmarks/data_scale.py). Names that are not UTF-8 round-trip (os.fsencode / os.fsdecode)."""
+
+    def __init__(self, items: Iterable[str | os.PathLike[str]] = ()) -> None:
+        encoded = [os.fsencode(item) for item in items]
+        self._offsets = np.zeros(len(encoded) + 1, dtype=np.int64)  # (N+1,): item i is blob[o[i]:o[i+1]]
+        np.cumsum([len(e) for e in encoded], out=self._offsets[1:])
+        self._blob = np.frombuffer(b"".join(encoded), dtype=np.uint8)  # (total bytes,)
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def _item(self, i: int) -> str:
+        return os.fsdecode(self._blob[self._offsets[i]:self._offsets[i + 1]].tobytes())
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return self.take(range(len(self))[index])
+        i = int(index)
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"index {i} outside 0..{len(self) - 1}")
+        return self._item(i % len(self))
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self[i] for i in range(len(self)))
+
+    def take(self, indices: Iterable[int]) -> Strings:
+        """The items at `indices`, in that order, as a table of the same kind."""
+        out = type(self).__new__(type(self))
+        out.__dict__.update(self.__dict__)  # a subclass's own fields
+        Strings.__init__(out, (self._item(int(i) % len(self)) for i in indices))
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and len(other) == len(self) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} items)"
+
+
+class Paths(Strings):
+    """`Strings` whose items are `Path`s (an image list of `owai.data.classification`)."""
+
+    def __getitem__(self, index: Any) -> Any:
+        item = super().__getitem__(index)
+        return item if isinstance(item, Strings) else Path(item)
 
 
 def visible_dirs(path: Path) -> list[str]:

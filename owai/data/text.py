@@ -54,6 +54,7 @@ import os
 import re
 import shutil
 import tarfile
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -643,23 +644,47 @@ def _read_tar(path: Path, text_field: str) -> Iterator[str]:
             archive = tarfile.open(path, "r:*")
         except (tarfile.TarError, OSError) as exc:
             raise OwaiError(f"{path} is not a readable tar archive ({one_line(exc)})") from None
-        with archive:
-            members = sorted((m for m in archive.getmembers() if m.isfile()), key=lambda m: m.name)
-            for member in members:
-                kind = _suffix(Path(member.name))
-                if kind not in (".txt", ".jsonl", ".json") or Path(member.name).name.startswith("."):
-                    continue
-                raw = archive.extractfile(member)
-                try:
-                    text = raw.read().decode("utf-8") if raw is not None else ""
-                except UnicodeDecodeError:
-                    raise not_utf8(Path(f"{path}:{member.name}")) from None  # the archive and its member
-                if kind == ".txt":
-                    if text.strip():
-                        yield text.strip("\n")
-                else:
-                    yield from _json_lines(path, io.StringIO(text), text_field)
+        spool = None
+        try:
+            stored = [m for m in archive.getmembers() if m.isfile()]
+            members = sorted(stored, key=lambda m: m.name)
+            if members != stored and not isinstance(archive.fileobj, io.BufferedReader):
+                # A compressed archive seeks backwards by decompressing again from its start, so members
+                # read in name order rather than stored order cost O(N^2) (233 SOTU addresses: 7.6 s; 4,000
+                # documents: 41 s). Decompressed once into an unnamed temporary file (nothing is left
+                # behind by a killed process), the archive is read with real seeks instead.
+                spool = tempfile.TemporaryFile()
+                archive.fileobj.seek(0)
+                shutil.copyfileobj(archive.fileobj, spool, 1 << 20)
+                archive.close()
+                spool.seek(0)
+                archive = tarfile.open(fileobj=spool, mode="r:")
+                members = sorted((m for m in archive.getmembers() if m.isfile()), key=lambda m: m.name)
+            yield from _tar_documents(path, archive, members, text_field)
+        finally:
+            archive.close()
+            if spool is not None:
+                spool.close()
     return _guard(path, read)
+
+
+def _tar_documents(path: Path, archive: tarfile.TarFile, members: list[tarfile.TarInfo],
+                   text_field: str) -> Iterator[str]:
+    """The documents of `members` of an open `archive` (see `_read_tar`), in the given order."""
+    for member in members:
+        kind = _suffix(Path(member.name))
+        if kind not in (".txt", ".jsonl", ".json") or Path(member.name).name.startswith("."):
+            continue
+        raw = archive.extractfile(member)
+        try:
+            text = raw.read().decode("utf-8") if raw is not None else ""
+        except UnicodeDecodeError:
+            raise not_utf8(Path(f"{path}:{member.name}")) from None  # the archive and its member
+        if kind == ".txt":
+            if text.strip():
+                yield text.strip("\n")
+        else:
+            yield from _json_lines(path, io.StringIO(text), text_field)
 
 
 def _read_parquet(path: Path, text_field: str) -> Iterator[str]:

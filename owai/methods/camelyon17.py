@@ -70,6 +70,7 @@ from owai.config import BaseConfig
 from owai.errors import OwaiError
 from owai.methods import Method, Outcome
 from owai.runs import Run
+from owai.values import md_row
 
 INITS = ("none", "rand", "erm", "erm-cf", "cat-cf", "distill-cf", "bonsai", "bonsai-cf")  # the study's row order
 ENSEMBLE_INITS = ("cat-cf", "distill-cf")  # built from `networks` ERM networks (Table 2.3)
@@ -1031,11 +1032,11 @@ def study_markdown(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], tit
         iid, ood = r.get("iid") or {}, r.get("ood") or {}
         chosen = "; ".join(" ".join(f"{k.split('.')[-1]}={v}" for k, v in (e.get("selected") or {}).items()) or "-"
                            for e in (iid, ood))
-        lines.append(f"| {r['label']} | {_pm(iid)} | {_pct(iid.get('thesis'))} | {_pm(ood)} | {_pct(ood.get('thesis'))} "
-                     f"| {iid.get('seeds', ood.get('seeds', 0))} | {chosen} |")
+        lines.append(md_row([r["label"], _pm(iid), _pct(iid.get("thesis")), _pm(ood), _pct(ood.get("thesis")),
+                             iid.get("seeds", ood.get("seeds", 0)), chosen]))
     if rounds:
         lines += ["", "## Each discovery round alone (Table 2.7)", "", "| round | test acc | seeds |", "|---|---|---|"]
-        lines += [f"| {r['label']} | {_pm(r)} | {r['seeds']} |" for r in rounds]
+        lines += [md_row([r["label"], _pm(r), r["seeds"]]) for r in rounds]
     return "\n".join(lines) + "\n"
 
 

@@ -90,6 +90,7 @@ from owai.models.mlp import ColoredMNISTMLP
 from owai.runs import Run
 from owai.runtime import generator
 from owai.train import LoopConfig, train_loop
+from owai.values import md_row
 
 Dataset = Literal["coloredmnist", "coloredmnist-gray", "inverse-coloredmnist", "inverse-coloredmnist-gray"]
 Init = Literal["rand", "erm", "bonsai", "bonsai-cf", "perfect"]
@@ -653,13 +654,13 @@ def study_markdown(rows: list[dict[str, Any]], title: str, command: str) -> str:
         lines += [f"**{dataset}**", "", "| method | " + " | ".join(inits) + " |", "|---" * (len(inits) + 1) + "|"]
         for method in dict.fromkeys(r["method"] for r in table if r["dataset"] == dataset):
             cells = {r["init"]: r for r in table if r["dataset"] == dataset and r["method"] == method}
-            lines.append(f"| {method} | " + " | ".join(_cell(cells.get(i)) for i in inits) + " |")
+            lines.append(md_row([method, *(_cell(cells.get(i)) for i in inits)]))
         lines.append("")
     lines += ["| dataset | method | init | anneal | chosen settings | step | n |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         settings = ", ".join(f"{k}={v}" for k, v in r["searched"].items()) or "-"
-        lines.append(f"| {r['dataset']} | {r['method']} | {r['init']} | {'' if r['anneal'] is None else r['anneal']} | "
-                     f"{settings} | {r['step']} | {r['n']} |")
+        lines.append(md_row([r["dataset"], r["method"], r["init"], "" if r["anneal"] is None else r["anneal"], settings,
+                             r["step"], r["n"]]))
     return "\n".join(lines) + "\n"
 
 

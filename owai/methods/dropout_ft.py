@@ -49,6 +49,7 @@ from owai.errors import DataMissing, OwaiError
 from owai.methods import Method, Outcome
 from owai.runs import Run
 from owai.runtime import AUTOCAST_DTYPES
+from owai.values import md_row
 
 TRACKS = ("model", "swa", "ens")
 MULTI = ("wa_multi", "ens_multi")
@@ -789,8 +790,8 @@ def study_markdown(rows: list[dict[str, Any]], title: str, command: str) -> str:
         for r in subset:
             seeds = ",".join(str(r["seeds"].get(d, 0)) for d in domains)
             chosen = "; ".join(f"{d}: {r['selected'].get(d, '')}" for d in domains)
-            lines.append(f"| {r['label']} | " + " | ".join(_pct(r["ood"].get(d)) for d in domains)
-                         + f" | {_pct(r['avg'])} | {_pct(r['thesis_avg'])} | {seeds} | {chosen} |")
+            lines.append(md_row([r["label"], *(_pct(r["ood"].get(d)) for d in domains), _pct(r["avg"]),
+                                 _pct(r["thesis_avg"]), seeds, chosen]))
         lines.append("")
     return "\n".join(lines)
 

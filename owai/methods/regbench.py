@@ -456,18 +456,17 @@ def _automata(row: dict[str, Any]) -> str:
 
 
 def study_markdown(rows: list[dict[str, Any]], title: str, command: str) -> str:
-    from owai.values import fmt
+    from owai.values import fmt, md_row
 
     lines = [f"### {title}", "", f"Command: `{command}`", "",
              "| model | train automata | accuracy | thesis | \"TVD\" (L1) | thesis | TVD (L1/2) | val loss | epoch | params | selected "
              "| best on test: accuracy / L1 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(
-            f"| {_label(r['arch'])} | {_automata(r)} | {fmt(r['accuracy'])} | {fmt(r['thesis_accuracy'])} | "
-            f"{fmt(r['tvd'])} | {fmt(r['thesis_tvd'])} | {fmt(r['tvd_half'])} | {fmt(r['val_loss'])} | "
-            f"{fmt(r['selected_epoch'])} | {fmt(r['parameters'])} | {r['selected'] or '-'} | "
-            f"{fmt(r.get('accuracy_on_test'))} / {fmt(r.get('tvd_on_test'))} |")
+        lines.append(md_row([
+            _label(r["arch"]), _automata(r), fmt(r["accuracy"]), fmt(r["thesis_accuracy"]), fmt(r["tvd"]),
+            fmt(r["thesis_tvd"]), fmt(r["tvd_half"]), fmt(r["val_loss"]), fmt(r["selected_epoch"]),
+            fmt(r["parameters"]), r["selected"] or "-", f"{fmt(r.get('accuracy_on_test'))} / {fmt(r.get('tvd_on_test'))}"]))
     lines += ["", "Each row's cell is selected by validation loss; \"best on test\" is the best test accuracy and, "
               "separately, the best test L1 over the searched cells, as seq_icl's results notebook reads a sweep "
               "(optimistic: selected on the test set)."]
