@@ -291,6 +291,55 @@ def test_resume_skips_documents_without_tokenizing(tmp_path: Path, gpt2: Tokeniz
     assert len(encoded) <= len(train) - state["docs_read"]
 
 
+@pytest.mark.parametrize("kind", ["local", "datasets"])
+def test_resume_opens_the_source_at_its_saved_position(tmp_path: Path, kind: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resume re-read every document already used (at the thesis's scale terabytes on every rank, a
+    hub stream downloading them again): it now opens the source where the state says reading stood,
+    a local corpus at the saved file (the files before it unread), a `datasets` stream from its own
+    state (here `hf:<dir>`, the streaming json builder over four parts), and gives the uninterrupted
+    batches, also with the held-out rule (no val files) and across the epoch's end."""
+    from owai.data import text
+
+    folder = tmp_path / "corpus"
+    docs = [word_docs(30, seed=20 + i, blank_every=13) for i in range(4)]
+    parts = [write_jsonl(folder / f"part-{i}.jsonl", d) for i, d in enumerate(docs)]
+    records = [d for part in docs for d in part]  # the train split's records, val's every 100th among them
+    source = str(folder) if kind == "local" else f"hf:{folder}"
+    T, B, saved, total = 64, 4, 22, 50
+    full = batches(PackedStream(source, "bytes", T), total, B)
+    first = PackedStream(source, "bytes", T)
+    batches(first, saved, B)
+    state = json_round_trip(first.state_dict())
+    position = state["source_position"]
+    assert position["records"] > 60  # past the first two parts
+    opened: list[str] = []
+    read: list[str] = []
+    if kind == "local":
+        original = text.read_file
+        monkeypatch.setattr(text, "read_file", lambda path, *a, **k: opened.append(Path(path).name) or original(path, *a, **k))
+    original_texts_from = type(first.source).texts_from
+
+    def texts_from(self, split, position=None):
+        for t, after in original_texts_from(self, split, position):
+            read.append(t)
+            yield t, after
+
+    monkeypatch.setattr(type(first.source), "texts_from", texts_from)
+    resumed = PackedStream(source, "bytes", T)
+    resumed.load_state_dict(state)
+    assert_same(batches(resumed, total - saved, B), full[saved:])
+    assert resumed.epoch >= 1  # the comparison ran on into the next epoch
+    assert read[0] == records[position["records"]]  # the first document read is the one after the position
+    if kind == "local":
+        assert opened[0] == parts[position["file"]].name != parts[0].name
+    # a state saved before positions (none in it) still resumes, by skipping the documents read
+    old = {k: v for k, v in state.items() if k != "source_position"}
+    again = PackedStream(source, "bytes", T)
+    again.load_state_dict(old)
+    assert_same(batches(again, 5, B), full[saved:saved + 5])
+
+
 def test_state_of_another_stream_is_refused(tmp_path: Path) -> None:
     source = write_jsonl(tmp_path / "d.jsonl", word_docs(5))
     state = PackedStream(source, "bytes", 8).state_dict()

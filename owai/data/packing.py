@@ -53,9 +53,13 @@ Decisions (and why):
 * Resume: `state_dict()` is plain JSON data (epoch, documents read in this epoch, global rows emitted,
   the carried-over tokens and their document starts, the shuffle pool and RNG) and identical on every
   rank; it does not depend on rank or world size, so a run may resume with another world size (the
-  global row sequence continues). `load_state_dict` re-opens the source and skips the documents already
-  read without tokenizing them (their text is still read: a stream cannot seek), then continues with the
-  carry-over restored from the state, so the next batches equal those of an uninterrupted run. A state
+  global row sequence continues). The state also holds the source's position after the last document
+  read (`TextSource.texts_from`: a hub stream's own state, a local corpus's file and document), and
+  `load_state_dict` re-opens the source there: at the thesis's scale a resume would otherwise read every
+  document already used again, terabytes on every rank, and a hub stream would download them again.
+  A source without positions (the embedded stories), or a state saved without one, is re-opened at its
+  start and the documents already read are skipped without tokenizing them. Then the carry-over is
+  restored from the state, so the next batches equal those of an uninterrupted run. A state
   saved with another seq_len, BOS/EOS, tokenizer, split, text field or shuffle setting is refused (one
   line); a changed source fingerprint (files touched, moved) is reported but accepted.
 """
@@ -204,7 +208,7 @@ class PackedStream:
             "format": STATE_FORMAT, **self._config(), "source": self.source.name,
             "source_fingerprint": self.source.fingerprint,
             "epoch": self._epoch, "docs_read": self._docs_read, "docs_used": self._docs_used,
-            "exhausted": self._exhausted, "rows": self._rows,
+            "exhausted": self._exhausted, "rows": self._rows, "source_position": self._position,
             "carry": self._buf.tolist(), "carry_first_pos": int(self._pos[0]) if len(self._pos) else 0,
             "carry_doc_starts": starts.tolist(),
         }
@@ -231,6 +235,7 @@ class PackedStream:
         self._epoch, self._rows = int(state["epoch"]), int(state["rows"])
         self._docs_read, self._docs_used = int(state["docs_read"]), int(state["docs_used"])
         self._exhausted = bool(state["exhausted"])
+        self._position = state.get("source_position")  # absent in states saved before positions: skip by count
         self._buf = np.asarray(state["carry"], dtype=np.int64)
         self._pos = _positions(len(self._buf), int(state["carry_first_pos"]), state["carry_doc_starts"])
         if self.shuffle_buffer:
@@ -256,7 +261,8 @@ class PackedStream:
     def _reset(self) -> None:
         self._epoch = self._rows = self._docs_read = self._docs_used = 0
         self._exhausted = False
-        self._docs: Iterator[np.ndarray | None] | None = None  # this epoch's reader (re-opened on resume)
+        self._docs: Iterator[tuple[np.ndarray | None, Any]] | None = None  # this epoch's reader (re-opened on resume)
+        self._position: Any = None  # the source's position after the last document read (texts_from)
         self._buf = np.zeros(0, dtype=np.int64)  # (n,) carried-over stream tokens
         self._pos = np.zeros(0, dtype=np.int64)  # (n,) their positions within their documents
         self._pool: list[np.ndarray] = []  # shuffle buffer: wrapped documents
@@ -272,28 +278,30 @@ class PackedStream:
         tail = [] if self.eos_id is None else [self.eos_id]
         return np.asarray(head + ids + tail, dtype=np.int64)
 
-    def _documents(self, skip: int) -> Iterator[np.ndarray | None]:
-        """This epoch's source documents after the first `skip` (read, not tokenized): the wrapped ids of
-        each, or None for a blank one; encoded ENCODE_CHUNK at a time."""
-        texts = self.source.texts(self.split)
-        skipped = sum(1 for _ in itertools.islice(texts, skip))
-        if skipped < skip:
-            raise OwaiError(f"source {self.source.name} ({self.split}) has {skipped} documents, fewer than the "
-                            f"{skip} the stream state says were read: the data changed since it was saved")
+    def _documents(self, skip: int, position: Any) -> Iterator[tuple[np.ndarray | None, Any]]:
+        """This epoch's source documents after the first `skip`: from the source's `position` after them
+        when there is one, else read and skipped (not tokenized). Each as (the wrapped ids, or None for
+        a blank document; the source's position after it), encoded ENCODE_CHUNK at a time."""
+        texts = self.source.texts_from(self.split, position)
+        if position is None:
+            skipped = sum(1 for _ in itertools.islice(texts, skip))
+            if skipped < skip:
+                raise OwaiError(f"source {self.source.name} ({self.split}) has {skipped} documents, fewer than the "
+                                f"{skip} the stream state says were read: the data changed since it was saved")
         while chunk := list(itertools.islice(texts, ENCODE_CHUNK)):
-            keep = [t for t in chunk if t.strip()]
+            keep = [t for t, _ in chunk if t.strip()]
             encoded = iter(self.tokenizer.encode_batch(keep) if keep else [])
-            for text in chunk:
+            for text, after in chunk:
                 ids = next(encoded) if text.strip() else []
-                yield self._wrap(ids) if ids else None
+                yield (self._wrap(ids) if ids else None), after
 
     def _pull(self) -> np.ndarray | None:
         """The next non-blank document of this epoch's source, or None once it is exhausted."""
         if self._exhausted:
             return None
         if self._docs is None:
-            self._docs = self._documents(self._docs_read)
-        for doc in self._docs:
+            self._docs = self._documents(self._docs_read, self._position if self._docs_read else None)
+        for doc, self._position in self._docs:
             self._docs_read += 1
             if doc is not None:
                 self._docs_used += 1
@@ -318,7 +326,7 @@ class PackedStream:
                 self._no_text(self._docs_read)
             self._epoch += 1
             self._docs_read = self._docs_used = 0
-            self._exhausted, self._docs = False, None
+            self._exhausted, self._docs, self._position = False, None, None
 
     def _fill(self, need: int) -> None:
         """Append documents to the carry until it holds at least `need` tokens (one concatenation)."""

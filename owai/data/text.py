@@ -49,6 +49,7 @@ import functools
 import gzip
 import hashlib
 import io
+import itertools
 import json
 import os
 import re
@@ -98,10 +99,17 @@ def canonical_split(split: str) -> str:
 
 def held_out(texts: Iterable[str], split: str, every: int = HELD_OUT_EVERY) -> Iterator[str]:
     """The documented held-out rule: every `every`-th document (default HELD_OUT_EVERY) is validation."""
-    want_val = split == "val"
     for i, text in enumerate(texts):
-        if (i % every == every - 1) == want_val:
+        if _kept(i, split, every):
             yield text
+
+
+def _kept(i: int, split: str, every: int) -> bool:
+    """Whether record i (0-based) of a source without a validation split belongs to `split`."""
+    return (i % every == every - 1) == (split == "val")
+
+
+Position = dict[str, Any]  # where a source's reading stands after a document: plain JSON data
 
 
 # --- sources ---------------------------------------------------------------------------------
@@ -117,6 +125,15 @@ class TextSource:
     def texts(self, split: str) -> Iterator[str]:
         """Stream the documents of `split` (train or val), in a fixed order."""
         raise NotImplementedError
+
+    def texts_from(self, split: str, position: Position | None = None) -> Iterator[tuple[str, Position | None]]:
+        """The documents of `split` as `texts` gives them, each with the position after it, from
+        `position` (one this method gave; None: the first document). A resumed stream (owai.data.packing)
+        starts there instead of reading again every document before it. A source that cannot seek
+        gives None positions, and its reader skips documents by count."""
+        if position is not None:
+            raise OwaiError(f"source {self.name} cannot resume from a position")
+        return ((text, None) for text in self.texts(split))
 
 
 class StorySource(TextSource):
@@ -203,6 +220,31 @@ class HubSource(TextSource):
         docs = self._records(data)
         return held_out(docs, split, self.val_every) if hold_out else docs
 
+    def texts_from(self, split: str, position: Position | None = None) -> Iterator[tuple[str, Position | None]]:
+        """As `texts`, each document with the position after it: the records read and the streamed
+        dataset's own state (`datasets.IterableDataset.state_dict`), which a resume loads into a copy of
+        the split, so it reads on from that shard and row instead of from the corpus's first document
+        (at the thesis's scale, terabytes again on every rank). A split read whole (streaming off) has
+        no such state: its positions are None."""
+        split = canonical_split(split)
+        data, hold_out = self._pick(split)
+        records = 0
+        if position is not None:
+            import copy
+
+            data = copy.deepcopy(data)  # the split itself still starts at its first record (the next epoch)
+            try:
+                data.load_state_dict(position["hub"])
+                records = int(position["records"])
+            except Exception as exc:  # noqa: BLE001 - a state of another datasets release or dataset
+                raise OwaiError(f"Hugging Face dataset {self.name!r}: cannot resume its stream from the saved "
+                                f"position ({one_line(exc)})") from None
+        seekable = hasattr(data, "state_dict")
+        for text in self._records(data):
+            records += 1
+            if not hold_out or _kept(records - 1, split, self.val_every):
+                yield text, ({"records": records, "hub": data.state_dict()} if seekable else None)
+
     def _records(self, data: Iterable[dict[str, Any]]) -> Iterator[str]:
         try:
             for record in data:
@@ -240,6 +282,33 @@ class LocalSource(TextSource):
     def _read(self, files: list[Path]) -> Iterator[str]:
         for file in files:
             yield from read_file(file, self.text_field, self.cache_dir)
+
+    def texts_from(self, split: str, position: Position | None = None) -> Iterator[tuple[str, Position | None]]:
+        """As `texts`, each document with the position after it: its file, the documents read in that
+        file, and the records read in all. A resume opens that file and skips only its documents before
+        the position: the files before it are not read again (a corpus of many parquet or jsonl parts)."""
+        split = canonical_split(split)
+        files = self.files[split] if self.files["val"] else self.files["train"]
+        hold_out = not self.files["val"]
+        first, in_file, records = 0, 0, 0
+        if position is not None:
+            first, in_file, records = int(position["file"]), int(position["in_file"]), int(position["records"])
+            if not 0 <= first < len(files):
+                raise OwaiError(f"source {self.name} ({split}) has {len(files)} files, and the stream's saved position "
+                                f"is in file {first + 1}: the data changed since it was saved")
+        for index in range(first, len(files)):
+            docs = read_file(files[index], self.text_field, self.cache_dir)
+            done = 0
+            if index == first and in_file:
+                done = sum(1 for _ in itertools.islice(docs, in_file))
+                if done < in_file:
+                    raise OwaiError(f"{files[index]} has {done} documents, fewer than the {in_file} the stream's "
+                                    "saved position says were read: the data changed since it was saved")
+            for text in docs:
+                done += 1
+                records += 1
+                if not hold_out or _kept(records - 1, split, self.val_every):
+                    yield text, {"file": index, "in_file": done, "records": records}
 
     def check_nonempty(self) -> None:
         """Raise unless the training files hold a non-blank document (read up to the first one;
