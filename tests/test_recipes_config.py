@@ -416,3 +416,22 @@ def test_an_unknown_name_suggests_the_closest_known_one(call, message) -> None:
     with pytest.raises(OwaiError) as error:
         call()
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("recipe_id, ref, section", [
+    ("fig2.7-anneal", "Figure 2.7", "2.3.1"),  # the optimisation-generalisation dilemma, not 2.3.3's experiments
+    ("fig2.8-init", "Figure 2.8", "2.3.1"),
+    ("tableA.1-joint", "Table A.1", "A.2.1"),  # A.1 is Table 2.1's CIFAR setup; Table A.1 sits in A.2.1
+    ("tableA.5-swav", "Table A.5", "A.3.1"),  # SwAV's settings
+    ("tableA.6-seer", "Table A.6", "A.3.2"),  # SEER's settings (A.3.1 is SwAV's)
+])
+def test_chapter_2_items_name_the_thesis_sections_that_hold_them(recipe_id, ref, section) -> None:
+    sections = {item.ref: item.section for item in recipes.load(recipe_id).reproduces}
+    assert sections[ref] == section
+
+
+def test_figure_2_4s_paper_fine_tuning_passes_fit_one_gpu() -> None:
+    """TH A.2.4: fine-tuning batch 512 at 384 px. One pass of 512 ViT-L/16 images keeps some 145 GiB of
+    activations under bf16; the paper preset reads the batch in micro-batches of at most 64."""
+    finetune = resolve(recipes.load("fig2.4-vit"), "paper", [], missing_ok=True)[0].finetune
+    assert finetune.batch_size == 512 and finetune.batch_size // finetune.accumulate <= 64

@@ -218,6 +218,32 @@ def _one_line_error(args: list[str], out: Path, capsys, message: str, recipe: st
     assert not out.exists() or not any(out.rglob("config.yaml"))  # nothing written
 
 
+def test_fine_tuning_accumulates_micro_batches(cache, tmp_path, monkeypatch, capsys) -> None:
+    """finetune.accumulate = k: each fine-tuning update reads finetune.batch_size images in k passes of
+    batch_size / k (Figure 2.4's 512 ViT images at 384 px as 8 x 64); the update count is unchanged."""
+    from owai.models.rich import ConcatFeatures
+
+    original, sizes = ConcatFeatures.forward, []
+
+    def recording(self, x):
+        if self.training:  # fine-tuning passes, not the evaluations
+            sizes.append(x.shape[0])
+        return original(self, x)
+
+    monkeypatch.setattr(ConcatFeatures, "forward", recording)
+    code, _, err = _cli(["--stage", "finetune", "--seeds", "0,1", *as_sets([*TINY, "finetune.accumulate=2"]),
+                         "-o", str(tmp_path)], capsys)
+    assert code == 0, err
+    run_dir = next((tmp_path / "tableA.8-fewshot").iterdir())
+    steps = max(json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                if json.loads(line).get("stage", "").startswith("finetune") and "loss" in json.loads(line))
+    assert sizes and set(sizes) == {8} and len(sizes) == 2 * steps  # batch 16 as 2 x 8, two passes per update
+    code, _, err = _cli(["--stage", "finetune", "--seeds", "0,1", *as_sets([*TINY, "finetune.accumulate=3"]),
+                         "-o", str(tmp_path / "bad")], capsys)
+    assert code == 2 and "finetune.accumulate 3: a divisor of finetune.batch_size 16" in err, err
+    assert not (tmp_path / "bad").exists()
+
+
 def test_fewer_images_in_a_class_than_the_episodes_need(cache, tmp_path, capsys) -> None:
     _one_line_error(["--stage", "fewshot", "--seeds", "0,1", *as_sets([*TINY, "fewshot.queries=15"])],
                     tmp_path / "out", capsys, "5-shot episodes with 15 queries need 20 images per class")

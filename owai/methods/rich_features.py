@@ -229,6 +229,10 @@ class FinetuneConfig:
     head_epochs: float = 1.0  # TH; the script's 2 is a discrepancy (spec §6.4)
     head_lr: float = 1e-3  # CIFAR; iNat18 1e-5
     head_weight_decay: float | None = None  # the two-stage head's (SwAV on ImageNet: 0); None = weight_decay
+    # micro-batches per update of the networks' fine-tuning (batch_size images in `accumulate` passes of
+    # batch_size / accumulate): a memory setting (Figure 2.4's batch of 512 ViT images at 384 px does not
+    # fit one GPU's memory in one pass); each micro-batch is its own BatchNorm batch (ViTs have none)
+    accumulate: int = 1
     checkpoint_every: int = 500
     log_every: int = 50
 
@@ -432,6 +436,8 @@ def check_settings(cfg: Config) -> None:
                         "warmup_lr > 0, gamma > 0, 0 <= momentum < 1, weight_decay >= 0, checkpoint_every >= 1, log_every >= 1")
     if isinstance(s.accumulate, bool) or s.accumulate < 1 or s.batch_size % s.accumulate:
         raise OwaiError(f"distill.accumulate {s.accumulate}: a divisor of distill.batch_size {s.batch_size}, >= 1")
+    if isinstance(f.accumulate, bool) or f.accumulate < 1 or f.batch_size % f.accumulate:
+        raise OwaiError(f"finetune.accumulate {f.accumulate}: a divisor of finetune.batch_size {f.batch_size}, >= 1")
     if not k.heads or any(h not in HEAD_KINDS for h in k.heads):
         raise OwaiError(f"fewshot.heads {k.heads}: choose from {', '.join(HEAD_KINDS)}")
     if not k.shots or any(isinstance(x, bool) or x < 1 for x in k.shots) or len(set(k.shots)) != len(k.shots):
@@ -1817,9 +1823,14 @@ def finetune_model(cfg: Config, run: Run, stage: str, backbones: list[torch.nn.M
                                                         "lr_scale": f.classifier_lr_scale}]
     optimizer = torch.optim.SGD(groups, lr=f.lr, momentum=f.momentum)
 
+    current: dict[str, Any] = {}
+
     def loss_at(step: int, micro: int) -> torch.Tensor:
-        x, y = stream.at(step)
-        return F.cross_entropy(model(x), y)
+        if current.get("step") != step:  # the update's whole batch, read once for its micro-batches
+            current.update(step=step, batch=stream.at(step))
+        x, y = current["batch"]
+        size = x.shape[0] // f.accumulate
+        return F.cross_entropy(model(x[micro * size:(micro + 1) * size]), y[micro * size:(micro + 1) * size])
 
     if f.milestones:  # lr x gamma^(milestones passed), the milestones in epochs
         by_epoch = step_schedule(f.lr, f.gamma, f.milestones)
@@ -1830,7 +1841,7 @@ def finetune_model(cfg: Config, run: Run, stage: str, backbones: list[torch.nn.M
         schedule = warmup_cosine_schedule(f.lr, 0, steps, f.min_lr)
 
     loop = LoopConfig(steps=steps, checkpoint_every=min(f.checkpoint_every, steps), log_every=min(f.log_every, steps),
-                      precision=_precision(cfg, device))
+                      precision=_precision(cfg, device), accumulate=f.accumulate)
     train_loop(run, stage, model, optimizer, loss_at, loop, lr_at=schedule)
     return model.eval()
 
