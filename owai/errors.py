@@ -46,6 +46,9 @@ class Terminated(KeyboardInterrupt):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
+    def __reduce__(self) -> tuple[type, tuple[int]]:  # pickled by its number (args holds the name)
+        return type(self), (self.signum,)
+
 
 class Termination:
     """What `stop_on_termination` saw: the signal that stopped the block, if one did (`signum`),
@@ -54,25 +57,32 @@ class Termination:
     signum: int | None = None
 
 
+_OPEN: list[Termination] = []  # the records of the open `stop_on_termination` blocks, outermost first
+
+
 @contextlib.contextmanager
 def stop_on_termination() -> Iterator[Termination]:
     """SIGTERM and SIGHUP raise `Terminated` inside the block, the handlers before it restored after.
     Not over an ignored signal (a job started under nohup keeps running when its terminal closes), and
-    only in the main thread, where Python runs signal handlers."""
+    only in the main thread, where Python runs signal handlers. Nested blocks (a SLURM sweep's inside
+    the CLI's) each see the signal, so the outer one still says which signal stopped it."""
     seen = Termination()
     if threading.current_thread() is not threading.main_thread():
         yield seen
         return
 
     def stop(signum: int, frame: object) -> None:
-        seen.signum = signum
+        for record in _OPEN:
+            record.signum = signum
         raise Terminated(signum)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)
                 if signal.getsignal(sig) is not signal.SIG_IGN}
+    _OPEN.append(seen)
     try:
         yield seen
     finally:
+        _OPEN.remove(seen)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

@@ -402,7 +402,8 @@ class Run:
         if not self.writes or not os.path.lexists(self.path / METRICS):
             return
         rows = [r for r in self.metrics() if not (r.get("stage") == stage and isinstance(r.get("step"), (int, float)) and r["step"] > step)]
-        atomic_write_bytes(self.path / METRICS, "".join(json.dumps(r) + "\n" for r in rows).encode())
+        # lines of a run written before metrics were strict JSON may hold NaN: rewritten as `log` writes them
+        atomic_write_bytes(self.path / METRICS, "".join(json.dumps(finite_json(r)) + "\n" for r in rows).encode())
 
     # -- figures and results ------------------------------------------------------------------
     def save_figure(self, fig: Any, name: str) -> Path:

@@ -344,3 +344,25 @@ def test_a_run_stopped_by_sigterm_is_marked_interrupted(signum, tmp_path, monkey
     (status,) = tmp_path.glob("*/*/status.json")
     assert json.loads(status.read_text())["status"] == "interrupted"
     assert signal.getsignal(sig) is before
+
+
+def test_a_signal_inside_a_nested_stop_block_still_names_the_signal(tmp_path, monkeypatch, capsys):
+    """A SLURM sweep waits for its jobs inside its own `stop_on_termination` block, within the CLI's:
+    the signal was recorded by the inner block alone, and the CLI said `error: interrupted`, exit 130.
+    Every open block hears of it; and a `Terminated` pickles (a process may send it back)."""
+    import os
+    import pickle
+    import signal
+
+    from owai.errors import Terminated, stop_on_termination
+
+    def stopped(self, cfg, run):
+        with stop_on_termination():
+            os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("the signal did not stop the run")
+
+    monkeypatch.setattr("owai.methods.three_moons.ThreeMoons.run", stopped)
+    code, _, err = cli_in_process(["moons", "--out", str(tmp_path), *[a for s in TINY_MOONS for a in ("--set", s)]], capsys)
+    assert code == 143 and err.strip().splitlines()[-1] == "error: stopped by SIGTERM", err
+    again = pickle.loads(pickle.dumps(Terminated(signal.SIGHUP)))
+    assert isinstance(again, Terminated) and again.signum == signal.SIGHUP

@@ -99,6 +99,9 @@ def test_strings_round_trip_every_name() -> None:
     assert list(table[1:4]) == names[1:4] and list(table.take([4, 0])) == [names[4], names[0]]
     with pytest.raises(IndexError):
         table[5]
+    with pytest.raises(IndexError):  # as a list's items: an index past the end is not wrapped round
+        table.take([0, 5])
+    assert Strings(["a", "b"]) != "ab" and Strings(["a", "b"]) == ("a", "b")  # a list is never equal to a str
     assert list(Strings()) == [] and Paths(["a/b"])[0] == Path("a/b") and Paths(names).take([2])[0] == Path(names[2])
 
 

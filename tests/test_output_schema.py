@@ -193,3 +193,14 @@ def test_an_evaluation_with_a_tracker_mirrors_its_results(tmp_path, capsys):
     (run,) = (out / "table4.4-ruler").iterdir()
     numbers = _measured_numbers(run)
     assert numbers and set(_scalars(run)) == {f"results/{m}" for m in numbers}
+
+
+def test_a_resume_rewrites_older_metrics_lines_as_strict_json(tmp_path):
+    """metrics.jsonl of a run written before NaN became null holds `NaN`; a resume's trim rewrote
+    the lines it keeps as they were read, so the file stayed unreadable to strict readers."""
+    from owai.runs import Run
+
+    (tmp_path / "metrics.jsonl").write_text('{"stage": "eval", "step": 1, "acc": NaN}\n{"stage": "eval", "step": 2, "acc": 0.5}\n')
+    Run(tmp_path).trim_metrics("eval", 1)
+    assert [_strict(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        {"stage": "eval", "step": 1, "acc": None}]

@@ -414,3 +414,20 @@ def test_bad_arguments_are_one_line_errors(tmp_path: Path) -> None:
     with pytest.raises(OwaiError) as excinfo:
         PackedStream(tmp_path / "missing.jsonl", "bytes", 4)
     one_line_error(excinfo)
+
+
+def test_a_changed_source_is_noted_with_where_the_resume_starts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A source changed since its state was saved (files touched) resumes at the saved position, not
+    the document count the note used to name (which only a state without a position uses)."""
+    import os
+
+    path = write_jsonl(tmp_path / "c" / "part-0.jsonl", word_docs(40, seed=3))
+    first = PackedStream(str(path.parent), "bytes", 16)
+    batches(first, 3, 2)
+    state = json_round_trip(first.state_dict())
+    assert state["source_position"] is not None
+    os.utime(path, ns=(1, 1))  # touched: another fingerprint
+    for saved, where in ((state, "resuming at the saved position"),
+                         ({k: v for k, v in state.items() if k != "source_position"}, "resuming at the saved document count")):
+        PackedStream(str(path.parent), "bytes", 16).load_state_dict(saved)
+        assert where in capsys.readouterr().err

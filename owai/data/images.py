@@ -55,13 +55,17 @@ class Strings(Sequence[str]):
     def _item(self, i: int) -> str:
         return os.fsdecode(self._blob[self._offsets[i]:self._offsets[i + 1]].tobytes())
 
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            return self.take(range(len(self))[index])
+    def _index(self, index: Any) -> int:
+        """`index` as a list takes it (negative from the end), or IndexError."""
         i = int(index)
         if not -len(self) <= i < len(self):
             raise IndexError(f"index {i} outside 0..{len(self) - 1}")
-        return self._item(i % len(self))
+        return i % len(self)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return self.take(range(len(self))[index])
+        return self._item(self._index(index))
 
     def __iter__(self) -> Iterator[Any]:
         return (self[i] for i in range(len(self)))
@@ -70,11 +74,12 @@ class Strings(Sequence[str]):
         """The items at `indices`, in that order, as a table of the same kind."""
         out = type(self).__new__(type(self))
         out.__dict__.update(self.__dict__)  # a subclass's own fields
-        Strings.__init__(out, (self._item(int(i) % len(self)) for i in indices))
+        Strings.__init__(out, [self._item(self._index(i)) for i in indices])
         return out
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and len(other) == len(self) and all(a == b for a, b in zip(self, other))
+        return (isinstance(other, Sequence) and not isinstance(other, (str, bytes)) and len(other) == len(self)
+                and all(a == b for a, b in zip(self, other)))  # as a list: never equal to a string
 
     __hash__ = None  # type: ignore[assignment]
 

@@ -229,8 +229,9 @@ class PackedStream:
                 raise OwaiError(f"packed-stream state does not fit this stream: {key} is {state.get(key)!r} "
                                 f"in the state, {mine[key]!r} here")
         if state.get("source_fingerprint") != self.source.fingerprint:
+            at = "position" if state.get("source_position") is not None else "document count"
             console.info(f"note: source {self.source.name} changed since the stream state was saved "
-                         f"(was {state.get('source')}); resuming at the saved document count")
+                         f"(was {state.get('source')}); resuming at the saved {at}")
         self._reset()
         self._epoch, self._rows = int(state["epoch"]), int(state["rows"])
         self._docs_read, self._docs_used = int(state["docs_read"]), int(state["docs_used"])

@@ -1796,6 +1796,22 @@ def network_backbones(nets: list[Network], style: str, image_size: int) -> list[
     return [strip_head(load_network(n, style, image_size)) for n in nets]
 
 
+def micro_batches(stream: Any, accumulate: int) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
+    """(x, y) of micro-batch `micro` of update `step` (train_loop's `loss_at` arguments): the update's
+    batch read from `stream` once and cut into `accumulate` equal parts (distill.accumulate,
+    finetune.accumulate; check_settings makes it divide the batch)."""
+    current: dict[str, Any] = {}
+
+    def at(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if current.get("step") != step:  # the update's whole batch, read once for its micro-batches
+            current.update(step=step, batch=stream.at(step))
+        x, y = current["batch"]
+        size = x.shape[0] // accumulate
+        return x[micro * size:(micro + 1) * size], y[micro * size:(micro + 1) * size]
+
+    return at
+
+
 def finetune_model(cfg: Config, run: Run, stage: str, backbones: list[torch.nn.Module], train_set: Any) -> torch.nn.Module:
     """Normal fine-tuning (§6.3) of the concatenation of `backbones` (one: ordinary fine-tuning) under a
     new Linear head on the target's training images, as train_loop stage `stage`. Returns
@@ -1823,14 +1839,11 @@ def finetune_model(cfg: Config, run: Run, stage: str, backbones: list[torch.nn.M
                                                         "lr_scale": f.classifier_lr_scale}]
     optimizer = torch.optim.SGD(groups, lr=f.lr, momentum=f.momentum)
 
-    current: dict[str, Any] = {}
+    batch_at = micro_batches(stream, f.accumulate)
 
     def loss_at(step: int, micro: int) -> torch.Tensor:
-        if current.get("step") != step:  # the update's whole batch, read once for its micro-batches
-            current.update(step=step, batch=stream.at(step))
-        x, y = current["batch"]
-        size = x.shape[0] // f.accumulate
-        return F.cross_entropy(model(x[micro * size:(micro + 1) * size]), y[micro * size:(micro + 1) * size])
+        x, y = batch_at(step, micro)
+        return F.cross_entropy(model(x), y)
 
     if f.milestones:  # lr x gamma^(milestones passed), the milestones in epochs
         by_epoch = step_schedule(f.lr, f.gamma, f.milestones)
@@ -1928,14 +1941,10 @@ def run_distill(cfg: Config, run: Run, nets: list[Network], measured: dict[str, 
     lr_at = step_schedule(s.lr, s.gamma, [m * per_epoch for m in s.milestones], warmup=s.warmup_epochs * per_epoch,
                           warmup_lr=s.warmup_lr)
 
-    current: dict[str, Any] = {}
+    batch_at = micro_batches(stream, s.accumulate)
 
     def loss_at(step: int, micro: int) -> torch.Tensor:
-        if current.get("step") != step:  # the update's whole batch, read once for its micro-batches
-            current.update(step=step, batch=stream.at(step))
-        x, y = current["batch"]
-        size = x.shape[0] // s.accumulate
-        x, y = x[micro * size:(micro + 1) * size], y[micro * size:(micro + 1) * size]
+        x, y = batch_at(step, micro)
         with torch.no_grad():
             targets = [t(x) for t in teachers]  # n x (B, C) logits, or n x (B, d) features
         if on_features:
