@@ -560,6 +560,9 @@ def test_compiled_scan_equals_chunked_scan(T):
         assert (g - f).norm() <= 1e-4 * g.norm()
 
 
+# slow (35 s on the 2-core machine; the default run passed its ten minutes): `pytest -m slow`, and
+# benchmarks/lent_torch.sh (the lent GPU machines' torch) runs it with the other compiled paths
+@pytest.mark.slow
 def test_compiled_blocks_on_the_flex_path_take_a_new_delay_without_recompiling():
     """Compiled blocks (train.compile) on CUDA's read path (flex; here its compiled CPU forward): the
     trainer draws the long-term delay per step, and after one recompilation (the delay made symbolic)
@@ -580,8 +583,8 @@ def test_compiled_blocks_on_the_flex_path_take_a_new_delay_without_recompiling()
 
 
 # slow, both (70-90 s each, cold, on the 2-core machine: the default run's largest): the CPU's compiled
-# training path, which no GPU run takes (CUDA reads through flex, whose compiled blocks the default run
-# checks at a new delay in test_compiled_blocks_on_the_flex_path_take_a_new_delay_without_recompiling)
+# training path, which no GPU run takes (CUDA reads through flex, whose compiled blocks are checked at a
+# new delay in test_compiled_blocks_on_the_flex_path_take_a_new_delay_without_recompiling, slow too)
 @pytest.mark.slow
 @pytest.mark.parametrize("docs", [None, [[30, 34], [5, 1, 58]]], ids=["one-document", "documents"])
 def test_compiled_blocks_train_at_every_delay_on_the_sdpa_path(docs):
