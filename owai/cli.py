@@ -194,6 +194,7 @@ def report(
     the recipe's claims judged on them: holds, misses or n/a (not measured), with the numbers."""
     from owai import sweep
     from owai.claims import summary_counts
+    from owai.data.text import read_utf8
     from owai.report import claims_markdown, claims_table, run_claims, study_table_file, sweep_document
     from owai.report import markdown as to_markdown
     from owai.report import table
@@ -208,7 +209,7 @@ def report(
         if as_json:
             console.emit_json(document)
         elif markdown:  # a study's own table (its selection, the thesis beside it) after the points' summary
-            sys.stdout.write(sweep.markdown(document) + ("\n" + study.read_text() if study is not None else "")
+            sys.stdout.write(sweep.markdown(document) + ("\n" + read_utf8(study) if study is not None else "")
                              + (claims_markdown(verdicts) if verdicts else ""))
         else:
             console.stdout.print(sweep.table(document))

@@ -568,8 +568,7 @@ def pooled(tasks: list[dict[str, Any]], workers: int, done: Callable[[], Any],
                 process.join()
                 receive.close()
                 if outcome is None:
-                    outcome = {"id": task["id"], "status": "failed",
-                               "error": f"its process died (exit code {process.exitcode}: killed, e.g. out of memory)"}
+                    outcome = {"id": task["id"], "status": "failed", "error": _died(process.exitcode)}
                 outcomes.append(outcome)
                 del running[slot]
                 free.append(slot)
@@ -578,6 +577,17 @@ def pooled(tasks: list[dict[str, Any]], workers: int, done: Callable[[], Any],
         _stop(process for process, _, _ in running.values())
         raise
     return outcomes
+
+
+def _died(exitcode: int | None) -> str:
+    """Why a point's process ended without an outcome: stopped by SIGTERM or SIGHUP (its run marked
+    interrupted: exit 128 + the signal), else killed (-N: signal N; SIGKILL is the out-of-memory killer's)."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if exitcode in (128 + sig, -sig):
+            return f"its process was stopped by {sig.name} (exit code {exitcode}); --resume runs the point again"
+    return f"its process died (exit code {exitcode}: killed, e.g. out of memory)"
 
 
 def _point_process(run: Callable[..., dict[str, Any]], task: dict[str, Any], device: str | None, parent: int,

@@ -136,6 +136,9 @@ def test_report_of_a_study_carries_its_table(tmp_path, capsys):
     assert code == 0 and "| rand | 50.0 (54.0) |" in out, err
     code, out, err = cli_in_process(["report", str(path)], capsys)
     assert code == 0 and f"study table: {path / 'bonsai.md'}" in out, err
+    (path / "bonsai.md").write_bytes(b"| \xff |\n")  # damaged: one error line, not an internal error
+    code, out, err = cli_in_process(["report", str(path), "--markdown"], capsys)
+    assert code == 2 and not out and err.strip().splitlines() == [f"error: {path / 'bonsai.md'}: not UTF-8 text (wrong file format?)"], err
 
 
 def test_json_that_owai_writes_is_strict(tmp_path, capsys):
