@@ -368,7 +368,7 @@ class Run:
         """Append one metrics line (flushed; a resume trims lines past the checkpoint)."""
         if not self.writes:
             return
-        line = json.dumps(finite_json({"stage": stage, "step": step, **values}), default=float)  # NaN, inf: null
+        line = _metrics_line({"stage": stage, "step": step, **values})
         try:
             with open(self.path / METRICS, "a") as f:
                 f.write(line + "\n")
@@ -403,7 +403,7 @@ class Run:
             return
         rows = [r for r in self.metrics() if not (r.get("stage") == stage and isinstance(r.get("step"), (int, float)) and r["step"] > step)]
         # lines of a run written before metrics were strict JSON may hold NaN: rewritten as `log` writes them
-        atomic_write_bytes(self.path / METRICS, "".join(json.dumps(finite_json(r)) + "\n" for r in rows).encode())
+        atomic_write_bytes(self.path / METRICS, "".join(_metrics_line(r) + "\n" for r in rows).encode())
 
     # -- figures and results ------------------------------------------------------------------
     def save_figure(self, fig: Any, name: str) -> Path:
@@ -441,6 +441,12 @@ class Run:
                 and all(isinstance(r, dict) and isinstance(r.get("metric"), str) and "measured" in r for r in rows)):
             raise OwaiError(f"{path} is corrupt: not an owai results file; remove it and resume the run to write it again")
         return results
+
+
+def _metrics_line(row: dict[str, Any]) -> str:
+    """One metrics.jsonl line, strict JSON (NaN and infinities null), as `Run.log` appends it and
+    `Run.trim_metrics` rewrites the kept ones."""
+    return json.dumps(finite_json(row), default=float)
 
 
 def timestamp() -> str:

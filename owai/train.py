@@ -46,7 +46,7 @@ from owai.checkpoint import (
 from owai.console import Bar
 from owai.errors import OwaiError, one_line
 from owai.runs import Run
-from owai.runtime import AUTOCAST_DTYPES
+from owai.runtime import AUTOCAST_DTYPES, derive_seed
 
 if TYPE_CHECKING:
     from owai.distributed import Parallel
@@ -225,7 +225,6 @@ def train_loop(
                         state = {
                             "model": model_state,
                             "optimizer": optim_state,
-                            "torch_rng": torch.get_rng_state(),
                             "rng_ranks": rngs,
                             "recent_losses": recent,
                         }
@@ -249,7 +248,7 @@ def _save_sharded(ckpt_dir: Any, done: int, module: torch.nn.Module, optimizer: 
     model_shards, optim_shards = distributed.sharded_state(module, optimizer)
     rest: dict[str, Any] = {}
     if main:
-        rest = {"torch_rng": torch.get_rng_state(), "rng_ranks": rngs, "recent_losses": recent}
+        rest = {"rng_ranks": rngs, "recent_losses": recent}
         if scaler.is_enabled():
             rest["scaler"] = scaler.state_dict()
         if companion is not None:
@@ -295,9 +294,7 @@ def _restore_rng(state: dict[str, Any], device: torch.device) -> None:
     """Each rank's generators as the checkpoint left them, so a resume on as many ranks draws the
     dropout masks an uninterrupted run would. A rank the checkpoint did not have (a resume on more
     ranks) seeds its own stream from the saved states and its rank, distinct from every other
-    rank's. A checkpoint written before per-rank states holds rank 0's CPU state alone."""
-    from owai.runtime import derive_seed
-
+    rank's. A checkpoint written before per-rank states holds rank 0's CPU state alone (`torch_rng`)."""
     saved = state.get("rng_ranks")
     if not saved:
         torch.set_rng_state(state["torch_rng"])

@@ -97,15 +97,9 @@ def canonical_split(split: str) -> str:
     return SPLIT_ALIASES[split]
 
 
-def held_out(texts: Iterable[str], split: str, every: int = HELD_OUT_EVERY) -> Iterator[str]:
-    """The documented held-out rule: every `every`-th document (default HELD_OUT_EVERY) is validation."""
-    for i, text in enumerate(texts):
-        if _kept(i, split, every):
-            yield text
-
-
 def _kept(i: int, split: str, every: int) -> bool:
-    """Whether record i (0-based) of a source without a validation split belongs to `split`."""
+    """The documented held-out rule of a source without a validation split: record i (0-based) is
+    validation iff every `every`-th (default HELD_OUT_EVERY); whether it belongs to `split`."""
     return (i % every == every - 1) == (split == "val")
 
 
@@ -215,10 +209,7 @@ class HubSource(TextSource):
         return splits["train"], hold_out
 
     def texts(self, split: str) -> Iterator[str]:
-        split = canonical_split(split)
-        data, hold_out = self._pick(split)
-        docs = self._records(data)
-        return held_out(docs, split, self.val_every) if hold_out else docs
+        return (text for text, _ in self.texts_from(split))
 
     def texts_from(self, split: str, position: Position | None = None) -> Iterator[tuple[str, Position | None]]:
         """As `texts`, each document with the position after it: the records read and the streamed
@@ -239,6 +230,11 @@ class HubSource(TextSource):
             except Exception as exc:  # noqa: BLE001 - a state of another datasets release or dataset
                 raise OwaiError(f"Hugging Face dataset {self.name!r}: cannot resume its stream from the saved "
                                 f"position ({one_line(exc)})") from None
+        return self._positioned(data, split, hold_out, records)
+
+    def _positioned(self, data: Any, split: str, hold_out: bool, records: int) -> Iterator[tuple[str, Position | None]]:
+        """`texts_from`'s documents of split `data` (the held-out rule applied when `hold_out`), after
+        `records` records already read."""
         seekable = hasattr(data, "state_dict")
         for text in self._records(data):
             records += 1
@@ -274,14 +270,7 @@ class LocalSource(TextSource):
             self.val_rule = f"held out: every {val_every}th document (index % {val_every} == {val_every - 1})"
 
     def texts(self, split: str) -> Iterator[str]:
-        split = canonical_split(split)
-        if self.files["val"]:
-            return self._read(self.files[split])
-        return held_out(self._read(self.files["train"]), split, self.val_every)
-
-    def _read(self, files: list[Path]) -> Iterator[str]:
-        for file in files:
-            yield from read_file(file, self.text_field, self.cache_dir)
+        return (text for text, _ in self.texts_from(split))
 
     def texts_from(self, split: str, position: Position | None = None) -> Iterator[tuple[str, Position | None]]:
         """As `texts`, each document with the position after it: its file, the documents read in that
@@ -296,6 +285,12 @@ class LocalSource(TextSource):
             if not 0 <= first < len(files):
                 raise OwaiError(f"source {self.name} ({split}) has {len(files)} files, and the stream's saved position "
                                 f"is in file {first + 1}: the data changed since it was saved")
+        return self._positioned(files, split, hold_out, first, in_file, records)
+
+    def _positioned(self, files: list[Path], split: str, hold_out: bool, first: int, in_file: int,
+                    records: int) -> Iterator[tuple[str, Position | None]]:
+        """`texts_from`'s documents of `files` from file `first`, after `in_file` of its documents and
+        `records` in all (the held-out rule applied when `hold_out`)."""
         for index in range(first, len(files)):
             docs = read_file(files[index], self.text_field, self.cache_dir)
             done = 0

@@ -434,10 +434,10 @@ def check_settings(cfg: Config) -> None:
             and s.weight_decay >= 0 and s.checkpoint_every >= 1 and s.log_every >= 1):
         raise OwaiError("distill: need tau > 0, 0 <= alpha <= 1, epochs > 0, batch_size >= 1, lr > 0, warmup_epochs >= 0, "
                         "warmup_lr > 0, gamma > 0, 0 <= momentum < 1, weight_decay >= 0, checkpoint_every >= 1, log_every >= 1")
-    if isinstance(s.accumulate, bool) or s.accumulate < 1 or s.batch_size % s.accumulate:
-        raise OwaiError(f"distill.accumulate {s.accumulate}: a divisor of distill.batch_size {s.batch_size}, >= 1")
-    if isinstance(f.accumulate, bool) or f.accumulate < 1 or f.batch_size % f.accumulate:
-        raise OwaiError(f"finetune.accumulate {f.accumulate}: a divisor of finetune.batch_size {f.batch_size}, >= 1")
+    for name, section in (("distill", s), ("finetune", f)):  # micro_batches cuts the batch in equal parts
+        if isinstance(section.accumulate, bool) or section.accumulate < 1 or section.batch_size % section.accumulate:
+            raise OwaiError(f"{name}.accumulate {section.accumulate}: a divisor of {name}.batch_size "
+                            f"{section.batch_size}, >= 1")
     if not k.heads or any(h not in HEAD_KINDS for h in k.heads):
         raise OwaiError(f"fewshot.heads {k.heads}: choose from {', '.join(HEAD_KINDS)}")
     if not k.shots or any(isinstance(x, bool) or x < 1 for x in k.shots) or len(set(k.shots)) != len(k.shots):
