@@ -4,7 +4,7 @@
 
 Prints, per check, the measured figures and what they mean at the paper's size:
   tar       reading a .tar.gz of documents stored out of name order (sotu.tar.gz is), 1,000 and 4,000
-            members (O(N^2) before the fix: 2.1 s and 41 s; the SOTU file 7.6 s per pass)
+            members (O(N^2) before the fix: 1.7 s and 25 s on the quiet 2-core machine)
   windows   TokenWindows random batches over a 10^9-token uint16 file (2 GB, written once under
             --dir), and offsets past 2^31 on a sparse 2.5 x 10^9-token file
   paths     private memory of forked DataLoader workers reading ImageNet's 1.28M file names as a list

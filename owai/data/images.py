@@ -40,7 +40,7 @@ class Strings(Sequence[str]):
     time: no Python object per string. A DataLoader worker forked from the training process that
     reads a list of str or Path objects writes each object's reference count, which copies its memory
     page into the worker (copy-on-write); over an epoch every worker ends up with its own copy of the
-    whole list (ImageNet's 1.28M Path objects: 440 MB per worker, 129 MB as str; 11 MB here:
+    whole list (ImageNet's 1.28M relative Path objects: 255 MB per worker, 129 MB as str; 18 MB here:
     benchmarks/data_scale.py). Names that are not UTF-8 round-trip (os.fsencode / os.fsdecode)."""
 
     def __init__(self, items: Iterable[str | os.PathLike[str]] = ()) -> None:

@@ -714,8 +714,8 @@ def _read_tar(path: Path, text_field: str) -> Iterator[str]:
             members = sorted(stored, key=lambda m: m.name)
             if members != stored and not isinstance(archive.fileobj, io.BufferedReader):
                 # A compressed archive seeks backwards by decompressing again from its start, so members
-                # read in name order rather than stored order cost O(N^2) (233 SOTU addresses: 7.6 s; 4,000
-                # documents: 41 s). Decompressed once into an unnamed temporary file (nothing is left
+                # read in name order rather than stored order cost O(N^2) (4,000 generated documents:
+                # 25 s, docs/results.md). Decompressed once into an unnamed temporary file (nothing is left
                 # behind by a killed process), the archive is read with real seeks instead.
                 spool = tempfile.TemporaryFile()
                 archive.fileobj.seek(0)
