@@ -6,6 +6,7 @@ implemented ones appear in --help. Every user error is one line on stderr and a 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import os
@@ -22,7 +23,7 @@ from rich.table import Table
 
 from owai import __version__, console
 from owai.commands._common import Json, Preset, Quiet, RecipeOption, RunOptions, Sets, one_recipe, options
-from owai.errors import OwaiError, Termination, stop_on_termination, user_message
+from owai.errors import OwaiError, PeerFailed, Termination, one_line, stop_on_termination, termination_deferred, user_message
 
 try:  # Typer >= 0.22 parses with its own copy of Click
     from typer._click import exceptions as click
@@ -218,11 +219,13 @@ def report(
             if verdicts:
                 console.stdout.print(claims_table(verdicts, f"thesis claims on {source}: {summary_counts(verdicts)}"))
         return
-    results = Run.open(run_dir, check_layout=False).results()  # report reads config.yaml and results.json only
-    if results is None:
+    run = Run.open(run_dir, check_layout=False)  # report reads config.yaml and results.json only
+    results = run.results()
+    if results is None:  # what stopped it, too: under torchrun the rank whose error stopped the job
         from owai.experiment import resume_hint
 
-        raise OwaiError(f"{run_dir} has no results.json yet (status: {Run(run_dir).status()}); {resume_hint(Run(run_dir))}")
+        cause = run.failure()
+        raise OwaiError(f"{run_dir} has no results.json yet (status: {run.status()}{f'; {cause}' if cause else ''}); {resume_hint(run)}")
     if "recipe" not in results:  # the tables and the claims are the recipe's
         raise OwaiError(f"{Path(run_dir) / 'results.json'} is corrupt: it names no recipe; remove it and resume the run to write it again")
     verdicts = run_claims(run_dir, results)
@@ -281,17 +284,22 @@ def main(argv: Optional[list[str]] = None) -> None:
     except click.NoArgsIsHelpError:
         code = 0  # the help is printed already
     except click.ClickException as e:  # usage errors (UsageError, BadParameter, NoSuchOption, ...) included
-        _fail(usage_message(e), 2)
+        _fail(usage_message(e), 2, own=True)
+    except PeerFailed as e:  # another rank's failure, seen from rank 0: that rank gives torchrun its error
+        _fail(user_message(e), e.exit_code, symptom=True)
     except OwaiError as e:
-        _fail(user_message(e), e.exit_code)
+        _fail(user_message(e), e.exit_code, own=True)
     except (typer.Abort, KeyboardInterrupt):  # typer.Abort: Click's Abort under every Typer (its own copy has none)
         _interrupted(termination)
     except Exception as e:  # noqa: BLE001 - the last line of defence against tracebacks
         if os.environ.get("OWAI_DEBUG"):
             raise
-        _wait_for_rank0()
-        console.stderr.print(f"internal error: {type(e).__name__}: {e} (set OWAI_DEBUG=1 for the traceback)", markup=False, soft_wrap=True)
-        _exit(1)
+        rank = _wait_for_rank0()
+        _for_torchrun(one_line(e), e)
+        with termination_deferred():  # see _fail
+            console.stderr.print(f"internal error: {_rank_words(rank)}{type(e).__name__}: {e} (set OWAI_DEBUG=1 for the traceback)",
+                                 markup=False, soft_wrap=True)
+            _exit(1)
     if code == 130:  # Typer turns Ctrl-C (and so a Terminated) into Exit(130)
         _interrupted(termination)
     if isinstance(code, int) and not isinstance(code, bool) and code:  # typer.Exit(code) / ctx.exit(code)
@@ -318,18 +326,39 @@ def usage_message(error: click.ClickException) -> str:
 OTHER_RANK_ERROR_DELAY_S = 5.0
 
 
-def _wait_for_rank0() -> None:
-    """Before a torchrun job's rank other than 0 prints an error (see OTHER_RANK_ERROR_DELAY_S). The
-    rank is torchrun's environment's: the process group may not be joined yet."""
+def _wait_for_rank0() -> int:
+    """Before a torchrun job's rank other than 0 prints an error (see OTHER_RANK_ERROR_DELAY_S).
+    Returns this process's rank, torchrun's environment's (the process group may not be joined yet;
+    0 outside torchrun)."""
     if "WORLD_SIZE" not in os.environ:  # not under torchrun: owai.distributed (and torch) stay unimported
-        return
+        return 0
     from owai.distributed import launch_rank
 
-    if launch_rank() != 0:
+    rank = launch_rank()
+    if rank != 0:
         try:
             time.sleep(OTHER_RANK_ERROR_DELAY_S)
         except KeyboardInterrupt:  # a second Ctrl-C: print now
             pass
+    return rank
+
+
+def _rank_words(rank: int) -> str:
+    """What an error line of a torchrun job's rank other than 0 starts with: which rank says it (the
+    ranks' lines are interleaved in the job's output, and rank 0's is the job's)."""
+    return f"rank {rank}: " if rank else ""
+
+
+def _for_torchrun(message: str, error: BaseException | None = None) -> None:
+    """Give torchrun this rank's error line for its closing report (`distributed.record_for_torchrun`),
+    unless `error` is the rank losing its peers (`distributed.lost_peer`: a symptom of another rank's
+    failure, which torchrun would otherwise take for the root cause). Only under torchrun."""
+    if "TORCHELASTIC_ERROR_FILE" not in os.environ:  # outside torchrun torch stays unimported
+        return
+    from owai import distributed
+
+    if error is None or not distributed.lost_peer(error):
+        distributed.record_for_torchrun(message)
 
 
 def _interrupted(termination: Termination) -> None:
@@ -340,10 +369,28 @@ def _interrupted(termination: Termination) -> None:
     _fail(f"stopped by {signal.Signals(termination.signum).name}", 128 + termination.signum)
 
 
-def _fail(message: str, code: int) -> None:
-    _wait_for_rank0()
-    console.stderr.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
-    _exit(code)
+# torchrun polls its ranks every 0.1 s (--monitor-interval) and takes the earliest failure it sees as
+# the job's root cause (ties: the lowest rank). Rank 0, having lost contact with a rank that failed,
+# ends this much later, so that torchrun sees the failed rank end first (a rank killed by SIGKILL leaves
+# no error file, and its failure and rank 0's would tie in the same poll).
+SYMPTOM_DELAY_S = 1.0
+
+
+def _fail(message: str, code: int, own: bool = False, symptom: bool = False) -> None:
+    """Print `message` as the command's one `error:` line and exit with `code`. `own`: an error of
+    this process's own (not a stop), which a torchrun job's rank also gives torchrun's report.
+    `symptom`: another rank's failure as rank 0 saw it (`PeerFailed`), said after SYMPTOM_DELAY_S."""
+    rank = _wait_for_rank0()
+    if own:  # after the wait: a rank that torchrun stops meanwhile (rank 0 failed too) leaves torchrun no file
+        _for_torchrun(message)
+    # the line is printed whole: torchrun's SIGTERM (sent to rank 0 the moment another rank has ended)
+    # would otherwise kill the rank before it, the command's stop-signal handler being gone by now
+    with termination_deferred():
+        if symptom:
+            with contextlib.suppress(KeyboardInterrupt):  # a Ctrl-C: print now
+                time.sleep(SYMPTOM_DELAY_S)
+        console.stderr.print(f"[red]error:[/red] {escape(_rank_words(rank) + message)}", highlight=False, soft_wrap=True)
+        _exit(code)
 
 
 def _exit(code: int) -> None:

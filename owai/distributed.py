@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -148,6 +150,34 @@ def shutdown() -> None:
     if dist.is_available() and dist.is_initialized():
         barrier()
         dist.destroy_process_group()
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether `error` is this rank losing its peers rather than an error of its own: torch's
+    distributed errors (NCCL's `DistBackendError`, the store's and network's) and gloo's transport
+    errors, plain RuntimeErrors ("[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer ...
+    typically caused by a remote worker crashing", "Connection reset by peer", a receive timed out).
+    Under torchrun that is what every other rank sees when one rank fails: the symptom, not the cause."""
+    if isinstance(error, dist.DistError):
+        return True
+    return isinstance(error, RuntimeError) and "gloo/transport/" in str(error)
+
+
+def record_for_torchrun(message: str) -> None:
+    """Write this rank's error where torchrun looks for it (TORCHELASTIC_ERROR_FILE, which torchrun
+    sets for each rank; nothing outside torchrun), in the format of torch.distributed.elastic's
+    `record` decorator: torchrun's closing "Root Cause (first observed failure)" report then shows
+    `message` instead of "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html".
+    The one line owai prints, no traceback. Only for an error of the rank's own (not `lost_peer`, not
+    a stop): torchrun takes the earliest file as the root cause."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    from owai.io import atomic_write_json
+
+    record = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OwaiError):  # torchrun's report is a courtesy: the rank's own line is printed anyway
+        atomic_write_json(Path(path), record)
 
 
 MIXED_PRECISIONS = tuple(AUTOCAST_DTYPES)  # bfloat16, float16

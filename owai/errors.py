@@ -37,6 +37,15 @@ class DataMissing(CannotRunHere):
     the user gives at run time is not given yet (the model to evaluate)."""
 
 
+class PeerFailed(OwaiError):
+    """This rank of a torchrun job lost contact with another rank (gloo's closed connection, an NCCL
+    error): a symptom, said as its cause, the other rank's error where that rank recorded it
+    (`owai.runs.Run.record_failure`), instead of an internal error naming the transport. Exit code 1:
+    nothing the user gave was wrong."""
+
+    exit_code = 1
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM or SIGHUP (torchrun stopping its ranks, SLURM's cancel or time limit, `kill`, a closed
     terminal), raised where the signal arrives: a run stops as on Ctrl-C (status.json `interrupted`,
@@ -87,6 +96,33 @@ def stop_on_termination() -> Iterator[Termination]:
             signal.signal(sig, handler)
 
 
+@contextlib.contextmanager
+def termination_deferred() -> Iterator[None]:
+    """SIGTERM and SIGHUP held back for the block, then acted on as they would have been (a
+    `Terminated` raised as the block ends, under `stop_on_termination`): for a short write that a stop
+    must not cut half-way, such as the status.json of a torchrun rank that torchrun stops while it
+    records why the run failed. A Python handler stands in for the block (a signal mask would not do:
+    the kernel hands a process's signal to any thread that does not block it, and torch's threads do
+    not). Only in the main thread, and not over an ignored signal."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        held.append(signum)
+
+    previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(sig) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if held:
+            signal.raise_signal(held[0])
+
+
 def not_utf8(path: object, error: UnicodeDecodeError | None = None) -> OwaiError:
     """The one refusal of a text file that is not UTF-8 (corpora, essays, CSV and TSV files): owai reads
     text exactly. With the decoding `error`, the byte where it stopped."""
@@ -117,13 +153,21 @@ def user_message(exc: BaseException) -> str:
     return worker_message(str(exc)) or str(exc)
 
 
-def one_line(exc: BaseException, limit: int | None = 240) -> str:
+def one_line(exc: BaseException, limit: int | None = 240, typed: bool = False) -> str:
     """An exception as one short line for an error message: an OwaiError's own first line (it is
     already written for the user), any other as `Type: first non-empty line`; cut at `limit` (None:
-    not cut). A DataLoader worker's exception by its own message (`worker_message`)."""
-    lines = [line.strip() for line in user_message(exc).splitlines() if line.strip()]
-    if isinstance(exc, OwaiError):
-        text = lines[0] if lines else type(exc).__name__
+    not cut). A DataLoader worker's exception by its own message (`worker_message`). `typed`: an
+    OwaiError's line too after its type's name (a record that names the exception's type)."""
+    line = first_line(user_message(exc), None)
+    if isinstance(exc, OwaiError) and not typed:
+        text = line or type(exc).__name__
     else:
-        text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-    return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
+        text = f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+    return first_line(text, limit)
+
+
+def first_line(text: str, limit: int | None = 240) -> str:
+    """`text`'s first non-empty line, stripped, cut at `limit` characters (None: not cut): what a
+    one-line message keeps of a longer one."""
+    line = next((part.strip() for part in text.splitlines() if part.strip()), "")
+    return line if limit is None or len(line) <= limit else line[: limit - 3] + "..."

@@ -9,7 +9,6 @@ config_history.jsonl. Non-finite training state or metrics end the run as `faile
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import datetime as dt
 import math
@@ -19,7 +18,7 @@ from typing import Any
 from owai import console, distributed, trackers
 from owai.checkpoint import CorruptCheckpoint, NonFiniteError, latest_checkpoint, list_checkpoints, load_checkpoint, recorded_identity
 from owai.config import apply_overrides, build, override_leaves, parse_override, to_dict
-from owai.errors import CannotRunHere, OwaiError
+from owai.errors import CannotRunHere, OwaiError, PeerFailed
 from owai.recipes import Recipe, load, recorded_name, thesis_for
 from owai.runs import OUT, Run, config_hash, ensure_writable, environment, is_sweep_dir
 
@@ -302,6 +301,7 @@ def _prepare_resume(
     recipe.method_class().validate(build(schema, params, path="params" if overrides else f"{run.path}/config.yaml params"))
     checkpoints = verify_checkpoints(run, run_identity(recipe, resolved["params"]))
     run.remove_write_temporaries()
+    run.clear_rank_errors()  # the stopped attempt's: status.json says `running` again too
     if overrides:
         run.record_overrides(overrides, checkpoints)
     return run
@@ -337,6 +337,7 @@ def _run_method(recipe: Recipe, cfg: Any, resolved: dict[str, Any], run: Run) ->
     run.identity = run_identity(recipe, resolved["params"])
     run.write_env(environment(str(run.device), cfg.runtime.dtype, cfg.seed))
     method = recipe.method_class()()
+    world = distributed.world()
     try:
         if run.writes:
             run.tracker = trackers.open_tracker(cfg.runtime.tracker, run.path, resolved)
@@ -344,16 +345,14 @@ def _run_method(recipe: Recipe, cfg: Any, resolved: dict[str, Any], run: Run) ->
         bad = nonfinite_metrics(outcome.measured)
         if run.tracker is not None and not bad:  # the numbers results.json gets, beside the metrics lines the run
             run.tracker.log(trackers.RESULTS_STAGE, 0, outcome.measured)  # logged (an evaluation logs none)
-    except (KeyboardInterrupt, SystemExit):  # Ctrl-C; a SLURM job's timeout (submitit exits it to requeue it)
-        run.set_status("interrupted")
-        raise
     except NonFiniteError as e:
-        run.set_status("failed", error=f"{type(e).__name__}: {e}",
-                       nonfinite={"stage": e.stage, "step": e.step, "checkpoint": e.checkpoint})
+        run.record_failure(e, world.rank, world.world_size,
+                           nonfinite={"stage": e.stage, "step": e.step, "checkpoint": e.checkpoint})
         raise NonFiniteError(f"{e}; {resume_hint(run)}", e.stage, e.step, e.checkpoint) from None
-    except BaseException as e:
-        with contextlib.suppress(OwaiError):  # status.json unwritable too (a full disk): the first error is the one to say
-            run.set_status("failed", error=f"{type(e).__name__}: {e}")
+    except BaseException as e:  # Ctrl-C, a stop signal, a SLURM job's timeout (submitit exits it to requeue it): interrupted
+        cause = run.record_failure(e, world.rank, world.world_size)  # status.json (rank 0) or error.rankR.json (another rank)
+        if cause is not None:  # rank 0 lost its peers: say why (another rank's error), not gloo's closed connection
+            raise PeerFailed(f"{cause}; rank 0 lost contact with it") from None
         raise
     finally:
         if run.tracker is not None:

@@ -4,7 +4,9 @@
         config.yaml       resolved config (recipe, preset, overrides, params), never rewritten
         config_history.jsonl  one line per resume that changed settings (--set): time, overrides
         env.json          owai version/commit, torch, device, seed, ranks, host, start time, resumes
-        status.json       running | complete | failed (+ error; `nonfinite` when NaN/inf stopped it)
+        status.json       running | complete | failed | interrupted (+ error; `nonfinite` when NaN/inf
+                          stopped it; under torchrun the `rank` whose error stopped the job)
+        error.rankR.json  under torchrun, the error that stopped rank R > 0, written by that rank
         metrics.jsonl     one JSON object per logged step: {"stage", "step", ...}
         results.json      measured numbers beside the thesis's (the one results writer)
         figures/*.png
@@ -15,19 +17,22 @@ A run directory is never reused for a different run: creation is exclusive.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import json
+import math
 import os
 import platform
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from owai import __version__
-from owai.errors import DataMissing, OwaiError
+from owai.errors import DataMissing, OwaiError, Terminated, first_line, one_line, termination_deferred
 from owai.trackers import Tracker
 from owai.values import finite_json
 from owai.io import (atomic_write_bytes, atomic_write_figure, atomic_write_json, atomic_write_yaml, cannot_write, check_folder,
@@ -40,12 +45,21 @@ METRICS = "metrics.jsonl"
 RESULTS = "results.json"
 HISTORY = "config_history.jsonl"
 ANSWERS = "answers.jsonl"  # an evaluation's answers so far (owai.evals.answers): what its resume does not ask again
+RANK_ERRORS = "error.rank*.json"  # error.rankR.json: what stopped torchrun's rank R > 0 (Run.record_rank_error)
 OUT = Path("runs")  # the results root when --out is not given: OUT/<recipe>/...
+# status.json's error when rank 0 of a torchrun job lost its peers and no rank recorded an error of its own
+NO_RANK_ERROR = ("another rank stopped without recording an error (a rank killed by a signal, e.g. SIGKILL from "
+                 "the out-of-memory killer, or a native crash, records none: torchrun's report names its rank and signal)")
 SWEEP = "sweep.json"  # a sweep directory's plan (owai.sweep); a run directory has none
 # What a run directory holds (see above): a resume writes them again, so one that is there as
 # something else (a folder where a file belongs, a broken symlink) is refused before it writes.
 RUN_FILES = (CONFIG, ENV, STATUS, METRICS, RESULTS, HISTORY, ANSWERS)
 RUN_FOLDERS = ("figures", "checkpoints", "models")
+
+
+def rank_error_name(rank: int) -> str:
+    """The file in a run directory where torchrun's rank `rank` > 0 records its error (`RANK_ERRORS`)."""
+    return RANK_ERRORS.replace("*", str(rank))
 
 
 def is_sweep_dir(path: Path) -> bool:
@@ -255,6 +269,8 @@ class Run:
         the run is opened, before anything is written."""
         for name in RUN_FILES:
             check_entry(self.path / name, folder=False)
+        for path in sorted(self.path.glob(RANK_ERRORS)):  # removed by the resume
+            check_entry(path, folder=False)
         for name in RUN_FOLDERS:
             check_entry(self.path / name, folder=True)
         root = self.path / "checkpoints"
@@ -362,6 +378,110 @@ class Run:
         """running | complete | failed | interrupted, or "unknown" (status.json missing or unreadable)."""
         status = self.status_info().get("status")
         return status if isinstance(status, str) else "unknown"
+
+    # -- what stopped a run -------------------------------------------------------------------
+    def record_failure(self, error: BaseException, rank: int = 0, world_size: int = 1, **extra: Any) -> str | None:
+        """Record what stopped the method: `error`, raised on `rank` of a job of `world_size` processes.
+
+        Rank 0 (a single process included) writes status.json: `interrupted` after Ctrl-C or a stop
+        signal (`signal` names it), else `failed` with the error (`extra` added). Another rank of a
+        torchrun job writes only an error of its own, to its own error.rankR.json
+        (`record_rank_error`). Under torchrun, what rank 0 sees of another rank's failure is a symptom:
+        a lost peer (gloo's closed connection, an NCCL error: `distributed.lost_peer`) or torchrun's
+        SIGTERM. Rank 0 then records the earliest error another rank wrote (status `failed`, that
+        `rank`, its `error` and `host`, and rank 0's own under `rank0_error`), or, for a lost peer that
+        no rank explained, says so (`NO_RANK_ERROR`), never the symptom as the cause. The write is not
+        cut by a stop signal (`termination_deferred`: torchrun sends SIGTERM while rank 0 is writing);
+        one that fails is left: the first error is the one to say. Returns, for rank 0 of a torchrun
+        job that lost its peers, what it recorded as the cause (for its own error line), else None."""
+        from owai import distributed
+
+        stopped = isinstance(error, (KeyboardInterrupt, SystemExit))
+        peer = not stopped and world_size > 1 and distributed.lost_peer(error)
+        cause = None
+        with termination_deferred(), contextlib.suppress(OwaiError):
+            if not self.writes:
+                if not (stopped or peer):
+                    self.record_rank_error(rank, error)
+                return None
+            by = {"signal": error.args[0]} if isinstance(error, Terminated) else {}
+            own = f"stopped by {by['signal']}" if by else "interrupted" if stopped else f"{type(error).__name__}: {error}"
+            recorded = self.rank_errors(world_size) if world_size > 1 and (stopped or peer) else []
+            if recorded:
+                first = recorded[0]
+                cause = f"rank {first['rank']} failed: {first['error']}"
+                self.set_status("failed", error=first["error"], rank=first["rank"], host=first.get("host"), rank0_error=own)
+            elif stopped:
+                self.set_status("interrupted", **by)
+            elif peer:
+                cause = NO_RANK_ERROR
+                self.set_status("failed", error=NO_RANK_ERROR, rank0_error=own, **extra)
+            else:
+                self.set_status("failed", error=own, **({"rank": 0} if world_size > 1 else {}), **extra)
+        return cause if peer else None
+
+    def record_rank_error(self, rank: int, error: BaseException) -> None:
+        """Rank `rank` > 0 of a torchrun job records the error that stopped it, itself, in its own
+        error.rankR.json (rank, exception type, one-line error, host, time), atomically: only rank 0
+        writes status.json, and at that moment rank 0 may be waiting in a collective for this very
+        rank, being stopped by torchrun, or on another node. One writer per file, so a shared
+        filesystem never holds a mix of two; rank 0 folds the earliest into status.json when it stops
+        (`record_failure`), and `failure` reads them where it could not."""
+        now = time.time()
+        atomic_write_json(self.path / rank_error_name(rank), {
+            "rank": rank, "type": type(error).__name__, "error": one_line(error, typed=True),
+            "host": socket.gethostname(), "pid": os.getpid(),
+            "time": dt.datetime.fromtimestamp(now).isoformat(timespec="milliseconds"), "timestamp": now})
+
+    def rank_errors(self, world_size: int = 0) -> list[dict[str, Any]]:
+        """The errors other ranks recorded (error.rankR.json), earliest first (by their clock, then
+        rank); files that cannot be read are skipped. With `world_size`, each rank's file is also
+        looked up by its name: on a network filesystem a directory listing may lag behind a file
+        another host has just created, a lookup by name does not."""
+        names = {p.name for p in self.path.glob(RANK_ERRORS)}
+        names |= {rank_error_name(r) for r in range(1, world_size)}
+        found = []
+        for name in names:
+            try:
+                record = json.loads((self.path / name).read_bytes())
+            except (OSError, ValueError):
+                continue
+            if isinstance(record, dict) and type(record.get("rank")) is int and isinstance(record.get("error"), str):
+                found.append(record)
+
+        def order(record: dict[str, Any]) -> tuple[float, int]:
+            when = record.get("timestamp")
+            return (when if isinstance(when, (int, float)) else math.inf, record["rank"])
+
+        return sorted(found, key=order)
+
+    def clear_rank_errors(self) -> None:
+        """Remove the error.rankR.json files (a resume, before it writes: they were the stopped attempt's)."""
+        for path in sorted(self.path.glob(RANK_ERRORS)):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise OwaiError(f"cannot remove {path} ({e.strerror or type(e).__name__}); the resumed run would report it") from None
+
+    def failure(self) -> str | None:
+        """What stopped the run, as one line (`owai report` of an unfinished run): status.json's error
+        where rank 0 named the cause (`rank R: ...` under torchrun); else the earliest error a rank
+        recorded in error.rankR.json (rank 0 killed before it could write: status `running`; stopped
+        by torchrun before that file was there: `interrupted`; a lost peer); else status.json's error
+        or the signal that stopped it; None when nothing says."""
+        info = self.status_info()
+        error = info.get("error") if isinstance(info.get("error"), str) else None
+        rank = info.get("rank") if type(info.get("rank")) is int else None
+        if info.get("status") == "failed" and error and (rank is not None or "rank0_error" not in info):
+            return first_line(error if rank is None else f"rank {rank}: {error}")
+        recorded = self.rank_errors()
+        if recorded:
+            return first_line(f"rank {recorded[0]['rank']}: {recorded[0]['error']}")
+        if error:
+            return first_line(error)
+        return f"stopped by {info['signal']}" if isinstance(info.get("signal"), str) else None
 
     # -- metrics ------------------------------------------------------------------------------
     def log(self, stage: str, step: int, **values: Any) -> None:
