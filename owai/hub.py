@@ -1,9 +1,11 @@
-"""The Hugging Face hub: whether it can be reached, and datasets loaded from it.
+"""The Hugging Face hub: whether it can be reached, and datasets loaded from it; and whether another
+download host (download.pytorch.org, for torchvision's weights) can be.
 
 Without a network the hub clients retry for 20-30 s before they fail. owai asks once per process
 (offline mode, or one TCP connection within HUB_PROBE_TIMEOUT seconds), and where the hub cannot be
 reached it reads only the local caches: a cached copy still loads, and a missing one is one error
-line at once, naming why the hub was not asked.
+line at once, naming why the hub was not asked. `host_unreachable(url)` asks the same of any host
+(no offline variable: the Hugging Face ones are about the hub alone).
 """
 
 from __future__ import annotations
@@ -38,29 +40,53 @@ def offline_mode() -> str:
 def hub_unreachable() -> str:
     """Why the hub cannot be asked ("" when it can): offline mode, or no TCP connection in time. Behind
     an HTTP(S) proxy the hub clients go through the proxy, so no direct connection is tried."""
-    from urllib.parse import urlparse
-    from urllib.request import getproxies, proxy_bypass
-
     variable = offline_mode()
     if variable:
         return f"Hugging Face offline mode is set ({variable})"
-    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    target = _direct(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    return "" if target is None else _probe(*target)
+
+
+def host_unreachable(url: str) -> str:
+    """Why the host of `url` cannot be reached ("" when it can): no TCP connection within
+    HUB_PROBE_TIMEOUT seconds, asked once per process and host. Behind an HTTP(S) proxy that carries
+    the URL nothing is tried and "" is returned: the download goes through the proxy."""
+    target = _direct(url)
+    if target is None:
+        return ""
+    reason = _connect(*target)
+    return f"{target[0]} is unreachable ({reason})" if reason else ""
+
+
+def _direct(url: str) -> tuple[str, int] | None:
+    """(host, port) to try a direct connection to for `url`; None when a proxy carries it."""
+    from urllib.parse import urlparse
+    from urllib.request import getproxies, proxy_bypass
+
+    endpoint = urlparse(url)
     host = endpoint.hostname or "huggingface.co"
     proxies = getproxies()
     if (proxies.get(endpoint.scheme or "https") or proxies.get("all")) and not proxy_bypass(host):
-        return ""
-    return _probe(host, endpoint.port or (80 if endpoint.scheme == "http" else 443))
+        return None
+    return host, endpoint.port or (80 if endpoint.scheme == "http" else 443)
 
 
-@functools.lru_cache(maxsize=4)
 def _probe(host: str, port: int) -> str:
-    """One TCP connection attempt per process and endpoint (a sweep validates many points)."""
+    """Why the hub at host:port cannot be reached ("" when it can; `_connect` asks once per process)."""
+    reason = _connect(host, port)
+    return f"the hub ({host}) is unreachable ({reason})" if reason else ""
+
+
+@functools.lru_cache(maxsize=8)
+def _connect(host: str, port: int) -> str:
+    """One TCP connection attempt per process and host (a sweep validates many points): "" when it
+    connects, else why not in one line."""
     import socket
 
     try:
         socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT).close()
     except OSError as exc:
-        return f"the hub ({host}) is unreachable ({one_line(exc, 80)})"
+        return one_line(exc, 80)
     return ""
 
 

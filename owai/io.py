@@ -411,12 +411,19 @@ def _safetensors_problem(path: Path, error: BaseException) -> Exception:
 def check_safetensors(path: str | Path) -> list[str]:
     """The tensor names of a .safetensors file, reading only its header (cheap at any size): a missing,
     truncated or corrupt file is one OwaiError naming it. The check before a run loads weights."""
+    return list(safetensors_shapes(path))
+
+
+def safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in a .safetensors file, from its header alone (no tensor is read; the
+    header's offsets must cover the file, so a truncated one fails): a missing, truncated or corrupt
+    file is one OwaiError naming it."""
     from safetensors import safe_open
 
     path = Path(path)
     try:
         with safe_open(str(path), framework="pt") as f:
-            return list(f.keys())
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, a header that is not JSON: a bad file
         raise _safetensors_problem(path, e) from None
 

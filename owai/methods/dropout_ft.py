@@ -154,7 +154,7 @@ class DropoutFineTuning(Method):
 
     @staticmethod
     def validate(cfg: Config) -> None:
-        from owai.models.vision import BACKBONES, native_image_size
+        from owai.models.vision import BACKBONES, native_image_size, weights_image_size
 
         d, m, p, t = cfg.data, cfg.model, cfg.pretrain, cfg.train
         if d.dataset not in DATASETS:
@@ -174,9 +174,13 @@ class DropoutFineTuning(Method):
             _check_test_domain(d.test_domain, d.dataset, [f"rot{a:g}" for a in d.angles])
         if m.backbone not in BACKBONES:
             raise OwaiError(f"unknown backbone {m.backbone!r}; known: {', '.join(sorted(BACKBONES))}")
-        native = native_image_size(m.backbone)  # a ViT's position embeddings: one size (as rich-features checks)
+        # a ViT's position embeddings: one size, its weights' (torchvision's SWAG E2E ViTs: 384 / 512 px; a
+        # file's grid); the pretrain stage builds the initial weights at the architecture's own
+        weights = "" if p.steps else m.weights
+        native = weights_image_size(m.backbone, weights)
         if native and native != d.image_size:
-            raise OwaiError(f"{m.backbone} is built for {native} px images: set data.image_size={native}")
+            took = f" with weights {weights}" if native != native_image_size(m.backbone) else ""
+            raise OwaiError(f"{m.backbone}{took} is built for {native} px images: set data.image_size={native}")
         if p.steps < 0:
             raise OwaiError(f"pretrain.steps must be >= 0, got {p.steps}")
         if p.steps and d.dataset != "rotated-mnist":
@@ -208,7 +212,7 @@ class DropoutFineTuning(Method):
         # that differ between domains, unreadable images or a corrupt weights file fail here
         if d.dataset != "rotated-mnist":
             _check_test_domain(d.test_domain, d.dataset, image_dataset(cfg).domains)
-        if not p.steps:
+        if not p.steps:  # named weights: cached, or downloadable when the run starts (else DataMissing)
             from owai.models.vision import check_weights
 
             check_weights(m.backbone, m.weights)
@@ -321,6 +325,7 @@ def build_model(cfg: Config, num_classes: int, weights: Path | dict[str, torch.T
         FineTuneClassifier,
         build_backbone,
         load_torchvision_weights,
+        size_kwargs,
     )
     from owai.runtime import derive_seed
 
@@ -329,12 +334,13 @@ def build_model(cfg: Config, num_classes: int, weights: Path | dict[str, torch.T
     torch.manual_seed(derive_seed(cfg.seed, "init", m.backbone))
     if isinstance(weights, dict):  # the pretrain stage's backbone, with its own (pool-class) head
         head = next(v.shape[0] for k, v in weights.items() if k in ("fc.weight", "classifier.weight", "heads.head.weight"))
-        backbone = build_backbone(m.backbone, num_classes=head)
+        backbone = build_backbone(m.backbone, num_classes=head, **size_kwargs(m.backbone, cfg.data.image_size))
         backbone.load_state_dict(weights)
     else:
-        backbone = build_backbone(m.backbone, num_classes=1000)
-        if weights is not None:
-            load_torchvision_weights(backbone, weights)
+        # a ViT at data.image_size, which validation made its weights' (SWAG E2E: 384 / 512)
+        backbone = build_backbone(m.backbone, num_classes=1000, **size_kwargs(m.backbone, cfg.data.image_size))
+        if weights is not None:  # the features: the head is replaced below (a 21k-class or absent one loads)
+            load_torchvision_weights(backbone, weights, features_only=True)
     model = FineTuneClassifier(backbone, num_classes, m.dropout, m.freeze_bn)
     torch.set_rng_state(rng)
     model = model.to(device)

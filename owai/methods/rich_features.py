@@ -358,8 +358,10 @@ def check_settings(cfg: Config) -> None:
             raise OwaiError(f"data.base / data.target {name!r}: choose one of {', '.join(DATASETS)}")
     if m.backbone not in BACKBONES:
         raise OwaiError(f"unknown backbone {m.backbone!r}; known: {', '.join(sorted(BACKBONES))}")
-    native = native_image_size(m.backbone)  # (probe.weights name their own models)
-    if native and native != d.image_size and not (q.weights and cfg.stage != "pretrain"):
+    # probe.weights name their own models, which take data.image_size (a ViT file's grid is resized to it);
+    # distill's student is still a model.backbone that owai builds
+    native = native_image_size(m.backbone)
+    if native and native != d.image_size and not (q.weights and cfg.stage != "pretrain" and "distill" not in cfg.stage):
         raise OwaiError(f"{m.backbone} is built for {native} px images: set data.image_size={native}")
     if isinstance(m.joint, bool) or m.joint < 1:
         raise OwaiError(f"model.joint must be >= 1 (backbones trained as one network), got {m.joint}")
@@ -1029,26 +1031,50 @@ class Network:
     external: bool = False  # a checkpoint file from elsewhere (probe.weights): features only, no head
 
 
-def external_features(backbone: str, path: Path) -> dict[str, torch.Tensor]:
+def external_features(backbone: str, path: Path, image_size: int | None = None) -> dict[str, torch.Tensor]:
     """The feature weights of `backbone` in checkpoint file `path` (.pth read with weights_only, or
-    .safetensors): a `module.` prefix (DataParallel) is removed, older key spellings renamed, and keys outside the backbone's features
-    (its own head, SSL projection heads, prototypes) are dropped; every feature key must be there with
-    its shape. One-line OwaiError otherwise."""
-    from owai.models.rich import strip_head
-    from owai.models.vision import _read_state_dict, _rename_legacy, build_backbone
+    .safetensors), checked as `check_external_features` checks them: keys under owai's names
+    (`vision.checkpoint_keys`), those outside the backbone's features (its own head, SSL projection
+    heads, prototypes) dropped. A ViT's position grid of another size is resized once to `image_size`
+    (`vision.resize_position_grid`, as a Hugging Face ViT's and as RRL's Figure 2.4 do)."""
+    from owai.models.vision import (POSITION_KEY, _read_state_dict, checkpoint_keys, feature_shapes, position_grid,
+                                    resize_position_grid)
 
-    own = strip_head(build_backbone(backbone, num_classes=1)).state_dict()
-    raw = _read_state_dict(path)
-    # older official files' spellings too (DenseNet's norm.1, ViT's mlp.linear_1), as the named weights
-    state = {_rename_legacy(k.removeprefix("module.")): v for k, v in raw.items()}
-    missing = [k for k in own if k not in state and not k.endswith("num_batches_tracked")]
+    own = feature_shapes(backbone, image_size or 0)
+    state = checkpoint_keys(_read_state_dict(path))
+    _check_external(backbone, own, {k: tuple(v.shape) for k, v in state.items()}, path)
+    if POSITION_KEY in own and tuple(state[POSITION_KEY].shape) != own[POSITION_KEY]:  # (1, 1 + g*g, D) -> (1, 1 + G*G, D)
+        state[POSITION_KEY] = resize_position_grid(state[POSITION_KEY], 1, position_grid(own))
+    # only BatchNorm counters can be absent here (files older than the counter): 0, as a fresh one
+    return {k: state[k] if k in state else torch.zeros((), dtype=torch.long) for k in own}
+
+
+def check_external_features(backbone: str, path: Path, image_size: int | None = None) -> None:
+    """Before a run: checkpoint file `path` holds `backbone`'s feature weights, read from its header
+    alone (`vision.weight_shapes`: a .safetensors header, a memory-mapped .pth). Every feature key is
+    there with its shape (owai's, torchvision's or timm's names; a DataParallel `module.` prefix; the
+    older official spellings), the BatchNorm counters excepted; a ViT's position grid may be of any
+    square size (resized to `image_size` when loaded); a timm ViT's image statistics are in the
+    config.json beside it (`vision.timm_statistics`). One-line OwaiError otherwise."""
+    from owai.models.vision import checkpoint_keys, feature_shapes, timm_statistics, weight_shapes
+
+    _check_external(backbone, feature_shapes(backbone, image_size or 0), checkpoint_keys(weight_shapes(path)), path)
+    timm_statistics(path)  # a timm ViT's image statistics are found beside it
+
+
+def _check_external(backbone: str, own: dict[str, tuple[int, ...]], got: dict[str, tuple[int, ...]], path: Path) -> None:
+    """Raise unless checkpoint shapes `got` (owai's key names) hold every feature key of `own` with
+    its shape; BatchNorm counters may be absent (older files), a ViT's grid of another square size
+    is resized when loaded."""
+    from owai.models.vision import POSITION_KEY, position_grid
+
+    missing = [k for k in own if k not in got and not k.endswith("num_batches_tracked")]
     if missing:
         raise OwaiError(f"{path} is not a {backbone}: missing {len(missing)} feature keys ({', '.join(missing[:3])} ...)")
-    bad = [k for k in own if k in state and state[k].shape != own[k].shape]
+    resizable = POSITION_KEY in own and position_grid(got) and got[POSITION_KEY][2] == own[POSITION_KEY][2]
+    bad = [k for k in own if k in got and tuple(got[k]) != own[k] and not (k == POSITION_KEY and resizable)]
     if bad:
-        raise OwaiError(f"{path} is not a {backbone}: {bad[0]} has shape {tuple(state[bad[0]].shape)}, "
-                        f"expected {tuple(own[bad[0]].shape)}")
-    return {k: state.get(k, own[k]) for k in own}
+        raise OwaiError(f"{path} is not a {backbone}: {bad[0]} has shape {tuple(got[bad[0]])}, expected {own[bad[0]]}")
 
 
 def _pretrain_runs(path: Path) -> list[Path]:
@@ -1110,8 +1136,8 @@ def find_networks(cfg: Config) -> list[Network]:
                 check_hf_source(backbone, d.image_size)
             elif not path.is_file():
                 raise OwaiError(f"probe.weights: checkpoint file not found: {path}")
-            else:
-                external_features(backbone, path)  # readable, and the backbone's keys and shapes
+            else:  # readable, and the backbone's keys and shapes, from the file's header
+                check_external_features(backbone, path, d.image_size)
             nets.append(Network(i, str(path or backbone), backbone, 0, None, path, 1, external=True))
     elif q.networks:
         paths = [p for text in q.networks for p in _pretrain_runs(Path(text).expanduser())]
@@ -1205,9 +1231,10 @@ def _feature_dim(backbone: str) -> int:
 
 def load_network(net: Network, style: str = "domainbed", image_size: int | None = None) -> torch.nn.Module:
     """The network's backbone (torchvision keys, its base-class head) with its pretrained weights.
-    `style`: how the images it will read are normalised (a Hugging Face model undoes it and applies its
-    checkpoint's own preprocessing; owai's networks read the images as they come); `image_size`: their
-    size (a Hugging Face model with a position grid is rebuilt for it, `HFImageBackbone`)."""
+    `style`: how the images it will read are normalised (a Hugging Face model, or a timm ViT file, undoes
+    it and applies its checkpoint's own preprocessing; owai's and torchvision's networks read the images
+    as they come); `image_size`: their size (a Hugging Face model with a position grid is rebuilt for it,
+    `HFImageBackbone`; a ViT file's grid is resized to it, `external_features`)."""
     from owai.checkpoint import load_checkpoint
     from owai.io import read_safetensors
 
@@ -1218,11 +1245,15 @@ def load_network(net: Network, style: str = "domainbed", image_size: int | None 
         mean, std = normalisation(style)
         return HFImageBackbone(net.backbone[3:], image_size=image_size, input_mean=mean, input_std=std)
     if net.external:  # features only, under a placeholder 1-class head (every stage strips or replaces it)
+        from owai.data.images import normalisation
         from owai.models.rich import strip_head
-        from owai.models.vision import build_backbone
+        from owai.models.vision import build_backbone, size_kwargs, timm_statistics
 
-        model = strip_head(build_backbone(net.backbone, num_classes=1))
-        model.load_state_dict(external_features(net.backbone, net.weights))
+        model = strip_head(build_backbone(net.backbone, num_classes=1, **size_kwargs(net.backbone, image_size)))
+        model.load_state_dict(external_features(net.backbone, net.weights, image_size))
+        own = timm_statistics(net.weights)  # a timm ViT (0.5 / 0.5): fed its own statistics, as an hf: model is
+        if own is not None:
+            model.renormalise(*normalisation(style), *own)
         return model
     if net.checkpoint is not None:
         _, state = load_checkpoint(net.checkpoint)

@@ -42,12 +42,11 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor, nn
 
-from owai.errors import OwaiError, one_line
+from owai.errors import DataMissing, OwaiError, one_line
 from owai.hub import hub_unreachable
+from owai.models.vision import IMAGENET_MEAN, IMAGENET_STD, resize_position_grid
 
 PREFIX = "hf:"
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 # model_type -> where the features are: "pooled" = pooler_output flattened, "cls" = last_hidden_state[:, 0].
 # The width is config.hidden_sizes[-1] for the convolutional ones, config.hidden_size otherwise.
@@ -115,6 +114,7 @@ def _load_config(source: str) -> tuple[Any, Path | None]:
             json.loads((local / "config.json").read_text())
         except (OSError, UnicodeDecodeError, ValueError) as e:
             raise OwaiError(f"hf:{source}: config.json is not valid JSON ({one_line(e)})") from None
+    problem = ""
     try:
         with _quiet(True):
             if local is not None:
@@ -125,13 +125,14 @@ def _load_config(source: str) -> tuple[Any, Path | None]:
                 except OSError:
                     problem = hub_unreachable()
                     if problem:
-                        raise OSError(f"not in the local Hugging Face cache, and {problem}") from None
+                        raise OSError(f"not in the local Hugging Face cache ({_hub_cache()}), and {problem}") from None
                     config = AutoConfig.from_pretrained(source)
     except Exception as e:  # noqa: BLE001 - OSError, ValueError (unknown model type, remote code), hub errors
         if local is not None:
             raise OwaiError(f"hf:{source}: cannot read the checkpoint's config ({one_line(e)})") from None
-        raise OwaiError(f"hf:{source}: checkpoint not found locally or on the Hugging Face hub ({one_line(e)}); "
-                        f"pass a local directory holding its config.json and weights") from None
+        error = DataMissing if problem else OwaiError  # not on this machine, or not on the hub either
+        raise error(f"hf:{source}: checkpoint not found locally or on the Hugging Face hub ({one_line(e)}); "
+                    f"pass a local directory holding its config.json and weights") from None
     model_type = getattr(config, "model_type", "")
     if model_type not in SUPPORTED:
         raise OwaiError(f"hf:{source}: model type {model_type!r} is not a supported image backbone "
@@ -160,20 +161,63 @@ def hf_feature_dim(text: str) -> int:
 
 def check_hf_source(text: str, image_size: int | None = None) -> None:
     """Cheap validation before a run starts: the config of `text` (with or without `hf:`) reads and is a
-    supported image model whose patches tile `image_size` (when given); for a local directory a weights
-    file exists and a .safetensors header parses."""
+    supported image model whose patches tile `image_size` (when given), and its weights are there and
+    readable (`_check_weights`)."""
     source = hf_source(text)
     config, local = _load_config(source)
     _check_patches(config, source, image_size)
-    if local is None:
-        return
-    present = [local / f for f in WEIGHT_FILES if (local / f).is_file()]
-    if not present:
-        raise OwaiError(f"hf:{source}: no weights file ({' or '.join(WEIGHT_FILES[::2])}) in the directory")
-    if present[0].name == "model.safetensors":
-        from owai.io import check_safetensors
+    _check_weights(source, local)
 
-        check_safetensors(present[0])
+
+def _hub_cache() -> str:
+    """The Hugging Face hub cache transformers reads and downloads into ($HF_HUB_CACHE, else $HF_HOME/hub)."""
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def _check_weights(source: str, local: Path | None) -> None:
+    """The checkpoint's weights before a run: the first of WEIGHT_FILES that a local directory holds, or
+    that the Hugging Face cache holds for a hub id, readable from its header alone (a .safetensors
+    header, a memory-mapped .bin: `vision.weight_shapes`), and every shard a sharded index names. For a
+    hub id, weights (or shards) not in the cache pass where the hub can be reached (`from_pretrained`
+    downloads them when the run starts) and are one DataMissing line where it cannot (offline mode,
+    or no connection: `hub.hub_unreachable`), naming the cache looked in."""
+    from owai.models.vision import weight_shapes
+
+    def find(name: str) -> Path | None:
+        if local is not None:
+            return local / name if (local / name).is_file() else None
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(source, name)
+        return Path(found) if isinstance(found, str) and Path(found).is_file() else None
+
+    def absent(what: str, verb: str = "is") -> None:
+        if local is not None:
+            raise OwaiError(f"hf:{source}: {what} {verb} not in the directory")
+        problem = hub_unreachable()
+        if problem:
+            raise DataMissing(f"hf:{source}: {what} {verb} not in the local Hugging Face cache ({_hub_cache()}) and "
+                              f"{problem}; download it there on a machine with a network (`hf download {source}`), "
+                              "or pass a local directory holding config.json and the weights")
+
+    present = next(((name, path) for name in WEIGHT_FILES if (path := find(name)) is not None), None)
+    if present is None:
+        absent(f"its weights file ({' or '.join(WEIGHT_FILES[::2])})")
+        return  # the run downloads it
+    name, path = present
+    files = [path]
+    if name.endswith(".index.json"):
+        try:
+            shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise OwaiError(f"hf:{source}: {name} is not a weights index ({one_line(e)})") from None
+        files = [found for shard in shards if (found := find(shard)) is not None]
+        if len(files) < len(shards):
+            absent(f"{len(shards) - len(files)} of {len(shards)} weight shards named in {name}", "are")
+    for file in files:
+        weight_shapes(file)
 
 
 def _normalisation(config_dir: Path | None, source: str) -> tuple[list[float], list[float], float]:
@@ -227,22 +271,6 @@ def _check_patches(config: Any, source: str, image_size: int | None) -> None:
 
 
 POSITIONS = "embeddings.position_embeddings"  # (1, prefix tokens + g x g, D): ViT, DeiT, ViT-MSN
-
-
-def resize_position_grid(positions: Tensor, prefix: int, size: int) -> Tensor:
-    """(1, prefix + g*g, D) position embeddings -> (1, prefix + size*size, D): the class (and
-    distillation) tokens' rows kept, the g x g grid zoomed linearly to size x size. This is
-    `scipy.ndimage.zoom(grid, (size/g, size/g, 1), order=1)` (the original ViT code's resize, which
-    RRL's Figure 2.4 uses): bilinear with the corners aligned."""
-    tokens = positions.shape[1] - prefix
-    g = math.isqrt(tokens)
-    if positions.dim() != 3 or positions.shape[0] != 1 or g * g != tokens:
-        raise OwaiError(f"position embeddings of shape {tuple(positions.shape)} hold no square grid after "
-                        f"{prefix} prefix token(s)")
-    grid = positions[:, prefix:].reshape(1, g, g, -1).permute(0, 3, 1, 2).double()  # (1, D, g, g)
-    zoomed = torch.nn.functional.interpolate(grid, size=(size, size), mode="bilinear", align_corners=True)
-    zoomed = zoomed.permute(0, 2, 3, 1).reshape(1, size * size, -1).to(positions.dtype)
-    return torch.cat([positions[:, :prefix], zoomed], dim=1)
 
 
 def _at_resolution(model: nn.Module, model_class: Any, kwargs: dict[str, Any], image_size: int) -> nn.Module:

@@ -20,22 +20,30 @@ keys and shapes are exactly torchvision's: the official checkpoint files load wi
                 - encoder.ln - heads.head on the class token
 
 `features(model, x)` is the penultimate representation (pooled / class token), `feature_dim(model)`
-its width. `load_torchvision_weights` also renames the two legacy key spellings found in the older
-official files (DenseNet `norm.1` -> `norm1`, ViT `mlp.linear_1` -> `mlp.0`).
+its width. Weights files are read under torchvision's names (`checkpoint_keys`): the two legacy
+spellings of the older official files (DenseNet `norm.1` -> `norm1`, ViT `mlp.linear_1` -> `mlp.0`) and
+timm's ViT names (`blocks.i.attn.qkv` -> `encoder.layers.encoder_layer_i.self_attention.in_proj_weight`,
+...; timm's ResNets and DenseNets already use torchvision's) are renamed. Named weights (`WEIGHTS`) are
+found in owai's or torch.hub's cache, or downloaded; `check_weights` checks any of them before a run
+from file headers alone, and says where a missing one was looked for.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import json
+import math
 import re
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 from torch import Tensor, nn
 
-from owai.errors import OwaiError, one_line
+from owai.errors import DataMissing, OwaiError, one_line
 
 # ---------------------------------------------------------------------------------------------- ResNet
 
@@ -373,12 +381,30 @@ class VisionTransformer(nn.Module):
         nn.init.zeros_(self.conv_proj.bias)
         nn.init.zeros_(self.heads.head.weight)
         nn.init.zeros_(self.heads.head.bias)
+        # None, or (1, 3, 1, 1) per-channel maps to the weights' own input statistics (`renormalise`)
+        self.register_buffer("input_scale", None, persistent=False)
+        self.register_buffer("input_shift", None, persistent=False)
+
+    def renormalise(self, input_mean: tuple[float, ...], input_std: tuple[float, ...],
+                    mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+        """Images arrive normalised with (input_mean, input_std) and the weights were trained on images
+        normalised with (mean, std) (timm's ImageNet-21k ViTs: 0.5 / 0.5): map them, x * scale + shift
+        per channel before the patches, an exact affine map (as `hf_vision.HFImageBackbone`'s). Equal
+        statistics map nothing. Not in the state dict: the loader sets it from the weights' own."""
+        scale = [si / sw for si, sw in zip(input_std, std)]
+        shift = [(mi - mw) / sw for mi, mw, sw in zip(input_mean, mean, std)]
+        same = all(abs(a - 1) < 1e-9 for a in scale) and all(abs(b) < 1e-9 for b in shift)
+        device = self.class_token.device
+        self.input_scale = None if same else torch.tensor(scale, device=device).view(1, 3, 1, 1)
+        self.input_shift = None if same else torch.tensor(shift, device=device).view(1, 3, 1, 1)
 
     def forward_features(self, x: Tensor) -> Tensor:
         """(B, 3, S, S) -> (B, hidden_dim): the class token after the encoder's final LayerNorm."""
         b, _, h, w = x.shape
         if h != self.image_size or w != self.image_size:
             raise OwaiError(f"ViT built for {self.image_size}x{self.image_size} images, got {h}x{w}")
+        if self.input_scale is not None:
+            x = x * self.input_scale + self.input_shift
         x = self.conv_proj(x).flatten(2).transpose(1, 2)  # (B, N-1, D)
         x = torch.cat([self.class_token.expand(b, -1, -1), x], dim=1)  # (B, N, D)
         return self.encoder(x)[:, 0]
@@ -425,6 +451,9 @@ BACKBONES: dict[str, Callable[..., nn.Module]] = {
     "vit_mini_4": vit_mini_4,
 }
 
+IMAGENET_MEAN = (0.485, 0.456, 0.406)  # the statistics torchvision's weights, and owai's images, are normalised with
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
 _TV = "https://download.pytorch.org/models/"
 WEIGHTS: dict[str, dict[str, str]] = {  # torchvision's official checkpoints (ImageNet-1k heads)
     "resnet18": {"IMAGENET1K_V1": _TV + "resnet18-f37072fd.pth"},
@@ -450,6 +479,14 @@ WEIGHTS: dict[str, dict[str, str]] = {  # torchvision's official checkpoints (Im
 }
 
 
+# The image size a named weight was trained at where it is not its architecture's default: torchvision's
+# SWAG end-to-end ViTs (their own transforms crop 384 and 512 px; the SWAG_LINEAR ones crop 224, as V1).
+WEIGHTS_IMAGE_SIZE: dict[tuple[str, str], int] = {
+    ("vit_b_16", "IMAGENET1K_SWAG_E2E_V1"): 384,
+    ("vit_l_16", "IMAGENET1K_SWAG_E2E_V1"): 512,
+}
+
+
 def build_backbone(name: str, num_classes: int = 1000, **kwargs: object) -> nn.Module:
     """Construct backbone `name` (randomly initialised) with a `num_classes`-way head."""
     if name not in BACKBONES:
@@ -457,12 +494,20 @@ def build_backbone(name: str, num_classes: int = 1000, **kwargs: object) -> nn.M
     return BACKBONES[name](num_classes=num_classes, **kwargs)
 
 
+def size_kwargs(name: str, image_size: int | None) -> dict[str, int]:
+    """`build_backbone`'s `image_size` argument for a backbone that takes one (a ViT: its position
+    grid), given a size; {} otherwise (convolutional networks take any size)."""
+    if not image_size or name not in BACKBONES or "image_size" not in inspect.signature(BACKBONES[name]).parameters:
+        return {}
+    return {"image_size": int(image_size)}
+
+
 @functools.lru_cache(maxsize=None)
-def meta_backbone(name: str) -> nn.Module:
-    """Backbone `name` built once per name on the meta device (shapes and attributes, no memory); shared
-    between its callers, so never modified."""
+def meta_backbone(name: str, image_size: int = 0) -> nn.Module:
+    """Backbone `name` built once per name (and image size, for a ViT; 0: its default) on the meta device
+    (shapes and attributes, no memory); shared between its callers, so never modified."""
     with torch.device("meta"):
-        return build_backbone(name, num_classes=1)
+        return build_backbone(name, num_classes=1, **size_kwargs(name, image_size))
 
 
 def native_image_size(name: str) -> int:
@@ -486,6 +531,21 @@ def features(model: nn.Module, x: Tensor) -> Tensor:
     return _check(model).forward_features(x)
 
 
+def _head_prefix(model: nn.Module) -> str:
+    """Where the classification head's keys are: `fc.` (ResNet), `classifier.` (DenseNet), `heads.` (ViT)."""
+    model = _check(model)
+    return "fc." if isinstance(model, ResNet) else "classifier." if isinstance(model, DenseNet) else "heads."
+
+
+def feature_shapes(name: str, image_size: int = 0) -> dict[str, tuple[int, ...]]:
+    """The shapes of backbone `name`'s weights without its head (a ViT's at `image_size`; 0: its default)."""
+    model = meta_backbone(name, image_size)
+    head = _head_prefix(model)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.startswith(head)}
+
+
+# ------------------------------------------------------------------------------- weights files and names
+
 _LEGACY_DENSENET = re.compile(
     r"^(.*denselayer\d+\.(?:norm|relu|conv))\.((?:[12])\.(?:weight|bias|running_mean|running_var))$"
 )
@@ -503,8 +563,80 @@ def _rename_legacy(key: str) -> str:
     return key
 
 
-def _read_state_dict(path: Path) -> dict[str, Tensor]:
-    """Tensors of a local .safetensors or .pth (torch.load, weights_only) file; OwaiError if unreadable."""
+# timm's VisionTransformer key names -> torchvision's (owai's), for the plain pre-LN ViT with a class
+# token that the ImageNet-21k checkpoints of Figure 2.4 are (timm's `*.orig_in21k` and `*.augreg_in21k`,
+# converted by timm from google-research/vision_transformer). timm's fused `attn.qkv` stacks q, k, v in
+# that order along its output rows, as nn.MultiheadAttention's `in_proj_weight` does, so it is taken as
+# it is; its `pos_embed` is (1, 1 + grid^2, D) with the class token first, as `encoder.pos_embedding`.
+_LAYER = r"encoder.layers.encoder_layer_\1."
+_TIMM_VIT: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(a), b) for a, b in (
+    (r"^cls_token$", "class_token"),
+    (r"^pos_embed$", "encoder.pos_embedding"),
+    (r"^patch_embed\.proj\.(weight|bias)$", r"conv_proj.\1"),
+    (r"^blocks\.(\d+)\.norm1\.(weight|bias)$", _LAYER + r"ln_1.\2"),
+    (r"^blocks\.(\d+)\.attn\.qkv\.weight$", _LAYER + "self_attention.in_proj_weight"),
+    (r"^blocks\.(\d+)\.attn\.qkv\.bias$", _LAYER + "self_attention.in_proj_bias"),
+    (r"^blocks\.(\d+)\.attn\.proj\.(weight|bias)$", _LAYER + r"self_attention.out_proj.\2"),
+    (r"^blocks\.(\d+)\.norm2\.(weight|bias)$", _LAYER + r"ln_2.\2"),
+    (r"^blocks\.(\d+)\.mlp\.fc1\.(weight|bias)$", _LAYER + r"mlp.0.\2"),
+    (r"^blocks\.(\d+)\.mlp\.fc2\.(weight|bias)$", _LAYER + r"mlp.3.\2"),
+    (r"^norm\.(weight|bias)$", r"encoder.ln.\1"),
+    (r"^head\.(weight|bias)$", r"heads.head.\1"),
+))
+_TIMM_MARK = "patch_embed.proj.weight"  # a timm ViT state dict (torchvision's is conv_proj.weight)
+
+V = TypeVar("V")
+
+
+def _timm_name(key: str) -> str:
+    """torchvision's name of timm ViT key `key`; a key of a variant owai's ViT does not have (layer
+    scale `ls1.gamma`, `fc_norm`, register tokens, ...) is kept, so the layout check names it."""
+    for pattern, name in _TIMM_VIT:
+        if pattern.match(key):
+            return pattern.sub(name, key)
+    return key
+
+
+def checkpoint_keys(state: Mapping[str, V]) -> dict[str, V]:
+    """`state` under owai's (torchvision's) key names: a DataParallel `module.` prefix removed, a timm
+    ViT's names mapped (`_TIMM_VIT`; its `pre_logits` layer, which the ImageNet-21k ViTs' features do not
+    pass through and timm's own loader drops, left out), and the older official spellings renamed
+    (`_rename_legacy`). The values (tensors or shapes) are kept."""
+    plain = {k.removeprefix("module."): v for k, v in state.items()}
+    if _TIMM_MARK in plain:
+        plain = {_timm_name(k): v for k, v in plain.items() if not k.startswith("pre_logits.")}
+    return {_rename_legacy(k): v for k, v in plain.items()}
+
+
+def timm_statistics(path: str | Path) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """None for a weights file under torchvision's (or owai's) names, whose images are taken as they
+    come; for a timm ViT, the (mean, std) its images were normalised with, which the file does not hold:
+    the `config.json` timm publishes beside it on the hub (`pretrained_cfg.mean` / `.std`, or the older
+    flat file's; the ImageNet-21k ViTs: 0.5 / 0.5). A timm file without one is an OwaiError: feeding it
+    ImageNet-normalised images would shift every feature silently."""
+    path = Path(path).expanduser()
+    if _TIMM_MARK not in {k.removeprefix("module.") for k in weight_shapes(path)}:
+        return None
+    config = path.parent / "config.json"
+    need = (f"{path} holds timm's ViT names: owai reads the image statistics from the config.json timm publishes "
+            f"beside it (`hf download timm/MODEL config.json model.safetensors`)")
+    try:
+        raw = json.loads(config.read_text())
+    except FileNotFoundError:
+        raise OwaiError(f"{need}; there is none ({config})") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise OwaiError(f"{need}; {config} is not valid JSON ({one_line(e)})") from None
+    cfg = raw.get("pretrained_cfg", raw) if isinstance(raw, dict) else {}
+    stats = [cfg.get(key) if isinstance(cfg, dict) else None for key in ("mean", "std")]
+    if not all(isinstance(v, list) and len(v) == 3 and all(isinstance(c, (int, float)) and not isinstance(c, bool)
+                                                         and math.isfinite(c) for c in v) for v in stats) or min(stats[1]) <= 0:
+        raise OwaiError(f"{need}; {config} gives no mean and positive std of 3 numbers each")
+    return tuple(map(float, stats[0])), tuple(map(float, stats[1]))
+
+
+def _read_state_dict(path: Path, mmap: bool = False) -> dict[str, Tensor]:
+    """Tensors of a local .safetensors or .pth (torch.load, weights_only) file; OwaiError if unreadable.
+    `mmap`: a .pth's tensors are mapped, not read (a file in torch's old, non-zip format is read)."""
     if not path.is_file():
         raise OwaiError(f"weights file not found: {path}")
     try:
@@ -513,7 +645,12 @@ def _read_state_dict(path: Path) -> dict[str, Tensor]:
 
             state = read_safetensors(path)
         else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            except RuntimeError as e:
+                if not mmap or "mmap can only be used" not in str(e):
+                    raise
+                state = torch.load(path, map_location="cpu", weights_only=True)
     except OwaiError:
         raise
     except Exception as e:  # noqa: BLE001 - any decoding failure is a corrupt file to the user
@@ -537,43 +674,164 @@ def _load_problem(e: Exception) -> str:
     return f"{type(e).__name__}: {first[:200]} (corrupt, truncated or not a weights file?)"
 
 
-def check_weights(backbone: str, weights: str) -> None:
-    """Fail before a run starts on a weights file that cannot load into `backbone` (unreadable,
-    corrupt, or of another architecture); weights names and "" are checked when resolved. The
-    backbone is built on the meta device (no memory); each (file, size, mtime) is read once."""
-    if not weights or weights in WEIGHTS.get(backbone, {}):
-        return
+def weight_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in weights file `path`, keys as stored, without reading the tensors: a
+    .safetensors file's header, a .pth memory-mapped (only its pickle is parsed). Cheap at any size, so
+    every check before a run uses it; each (file, size, mtime) is read once per process. OwaiError
+    for a missing, unreadable or corrupt file, as the loaders say it."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise OwaiError(f"weights file not found: {path}")
+    stat = path.stat()
+    return dict(_shapes(str(path.absolute()), stat.st_size, stat.st_mtime_ns))  # not resolved: a cache's link keeps its suffix
+
+
+@functools.lru_cache(maxsize=32)
+def _shapes(path: str, size: int, mtime_ns: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    if path.endswith(".safetensors"):
+        from owai.io import safetensors_shapes
+
+        return tuple(safetensors_shapes(path).items())
+    return tuple((k, tuple(v.shape)) for k, v in _read_state_dict(Path(path), mmap=True).items())
+
+
+POSITION_KEY = "encoder.pos_embedding"  # a ViT's position embeddings: (1, 1 + grid^2, D), the class token first
+
+
+def position_grid(shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """The side g of the square grid of position embeddings in a ViT checkpoint's shapes (owai's key
+    names; POSITION_KEY); 0 when it has none."""
+    pos = shapes.get(POSITION_KEY)
+    if pos is None or len(pos) != 3 or pos[1] < 2:
+        return 0
+    g = math.isqrt(pos[1] - 1)
+    return g if g * g == pos[1] - 1 else 0
+
+
+def resize_position_grid(positions: Tensor, prefix: int, size: int) -> Tensor:
+    """(1, prefix + g*g, D) position embeddings -> (1, prefix + size*size, D): the class (and
+    distillation) tokens' rows kept, the g x g grid zoomed linearly to size x size. This is
+    `scipy.ndimage.zoom(grid, (size/g, size/g, 1), order=1)` (the original ViT code's resize, which
+    RRL's Figure 2.4 uses): bilinear with the corners aligned."""
+    tokens = positions.shape[1] - prefix
+    g = math.isqrt(tokens)
+    if positions.dim() != 3 or positions.shape[0] != 1 or g * g != tokens:
+        raise OwaiError(f"position embeddings of shape {tuple(positions.shape)} hold no square grid after "
+                        f"{prefix} prefix token(s)")
+    grid = positions[:, prefix:].reshape(1, g, g, -1).permute(0, 3, 1, 2).double()  # (1, D, g, g)
+    zoomed = torch.nn.functional.interpolate(grid, size=(size, size), mode="bilinear", align_corners=True)
+    zoomed = zoomed.permute(0, 2, 3, 1).reshape(1, size * size, -1).to(positions.dtype)
+    return torch.cat([positions[:, :prefix], zoomed], dim=1)
+
+
+def weights_image_size(backbone: str, weights: str) -> int:
+    """The one image size `backbone` takes with `weights` ("" = random initialisation), 0 when any size
+    goes (convolutional networks). For a ViT: a named weight's training size (`WEIGHTS_IMAGE_SIZE`,
+    else the architecture's), a file's from its position grid (grid x patch, read from the header); the
+    architecture's own without weights, or where the file is missing or holds no square grid (the
+    weights check then says what is wrong)."""
+    native = native_image_size(backbone)
+    if not native or not weights:
+        return native
+    if weights in WEIGHTS.get(backbone, {}):
+        return WEIGHTS_IMAGE_SIZE.get((backbone, weights), native)
     path = Path(weights).expanduser()
     if not path.is_file():
-        resolve_weights(backbone, weights)  # raises the no-such-file error
-    stat = path.stat()
-    _check_weights_file(backbone, str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+        return native
+    grid = position_grid(checkpoint_keys(weight_shapes(path)))
+    return grid * meta_backbone(backbone).patch_size if grid else native
 
 
-@functools.lru_cache(maxsize=8)
-def _check_weights_file(backbone: str, path: str, size: int, mtime_ns: int) -> None:
-    with torch.device("meta"):
-        model = build_backbone(backbone, num_classes=1000)
-    _match_state(model, _read_state_dict(Path(path)), Path(path))
+def weights_locations(backbone: str, weights: str) -> list[Path]:
+    """Where named weights `weights` of `backbone` (a `WEIGHTS` name) are looked for, in order: owai's
+    cache (`<cache>/weights/`, where owai downloads them) and torch.hub's (`$TORCH_HOME/hub/checkpoints/`,
+    where torchvision downloads the very same files, under the same names)."""
+    import torch.hub
+
+    from owai.io import cache_root
+
+    name = WEIGHTS[backbone][weights].rsplit("/", 1)[-1]
+    places = [cache_root() / "weights" / name, Path(torch.hub.get_dir()).expanduser() / "checkpoints" / name]
+    return places[:1] if places[0] == places[1] else places
 
 
-def load_torchvision_weights(model: nn.Module, path: str | Path) -> None:
-    """Load a torchvision checkpoint (.pth or .safetensors) into `model`, strictly (keys and shapes)."""
+def check_weights(backbone: str, weights: str) -> int:
+    """Fail before a run starts on `weights` (see `resolve_weights`) that cannot load into `backbone`'s
+    features (the caller replaces its head), and return the image size they take (`weights_image_size`).
+
+    A named weight is looked for where `resolve_weights` looks (`weights_locations`); found, it is
+    checked as a file; not found, the run downloads it, unless download.pytorch.org cannot be reached
+    (`hub.host_unreachable`: no connection within seconds; behind a proxy the download is left to
+    try): then one DataMissing line naming the weight, the places looked at and what to put where. A
+    file must exist, be readable and hold the backbone's feature keys with their shapes (at the image
+    size its position grid gives a ViT); only its header is read (`weight_shapes`)."""
+    size = weights_image_size(backbone, weights)
+    if not weights:
+        return size
+    known = WEIGHTS.get(backbone, {})
+    if weights in known:
+        path = _named_file(backbone, weights)
+        if path is None:
+            from owai.hub import host_unreachable
+
+            why = host_unreachable(known[weights])
+            if why:
+                places = weights_locations(backbone, weights)
+                raise DataMissing(f"weights {weights} of {backbone} are not on this machine (looked for {places[0].name} "
+                                  f"in {' and '.join(str(p.parent) for p in places)}) and cannot be downloaded: {why}; "
+                                  f"download {known[weights]} into {places[0].parent}")
+            return size  # downloaded when the run starts
+    else:
+        path = Path(weights).expanduser()
+        if not path.is_file():
+            resolve_weights(backbone, weights)  # raises the no-such-file error
+    _check_layout(meta_backbone(backbone, size), checkpoint_keys(weight_shapes(path)), path, features_only=True)
+    timm_statistics(path)  # a timm ViT's image statistics are found
+    return size
+
+
+def load_torchvision_weights(model: nn.Module, path: str | Path, features_only: bool = False,
+                             input_stats: tuple[tuple[float, ...], tuple[float, ...]] = (IMAGENET_MEAN, IMAGENET_STD)) -> None:
+    """Load a torchvision (or timm ViT) checkpoint (.pth or .safetensors) into `model`, strictly (keys
+    and shapes); with `features_only` the file's head is ignored and the model keeps its own (a caller
+    that replaces the head: a 21k-class or missing head then loads). A timm ViT is fed its own image
+    statistics (`timm_statistics`, `VisionTransformer.renormalise`) from the `input_stats` (mean, std)
+    its images will be normalised with."""
     path = Path(path)
-    state = _match_state(model, _read_state_dict(path), path)
+    state = _match_state(model, _read_state_dict(path), path, features_only)
     model.load_state_dict(state, strict=True)
+    own = timm_statistics(path)
+    if own is not None and isinstance(model, VisionTransformer):
+        model.renormalise(*input_stats, *own)
 
 
-def _match_state(model: nn.Module, raw: dict[str, Tensor], path: Path) -> dict[str, Tensor]:
-    """`raw` with legacy keys renamed, checked to hold exactly `model`'s keys and shapes."""
-    state = {_rename_legacy(k): v for k, v in raw.items()}
-    own = model.state_dict()
-    for k in own:  # checkpoints older than BatchNorm's counter (e.g. densenet121-a639ec97) lack it
-        prefix = k[: -len("num_batches_tracked")]
-        if k.endswith(".num_batches_tracked") and k not in state and prefix + "running_mean" in state:
-            state[k] = torch.zeros((), dtype=torch.long)
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
+def _match_state(model: nn.Module, raw: dict[str, Tensor], path: Path, features_only: bool = False) -> dict[str, Tensor]:
+    """`raw` under owai's key names (`checkpoint_keys`), checked to hold exactly `model`'s keys and
+    shapes (`_check_layout`); with `features_only` the head's tensors are the model's own."""
+    state = checkpoint_keys(raw)
+    if features_only:
+        head = _head_prefix(model)
+        state = {k: v for k, v in state.items() if not k.startswith(head)}
+        state.update({k: v for k, v in model.state_dict().items() if k.startswith(head)})
+    for k in _check_layout(model, {k: tuple(v.shape) for k, v in state.items()}, path):
+        state[k] = torch.zeros((), dtype=torch.long)
+    return state
+
+
+def _check_layout(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], path: Path,
+                  features_only: bool = False) -> list[str]:
+    """Raise unless `shapes` (a checkpoint's, under owai's key names) hold exactly `model`'s keys with
+    their shapes (without the head's, on both sides, with `features_only`); return the BatchNorm
+    counters the checkpoint lacks, which load as 0 (files older than the counter, e.g. densenet121-a639ec97)."""
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if features_only:
+        head = _head_prefix(model)
+        own = {k: v for k, v in own.items() if not k.startswith(head)}
+        shapes = {k: v for k, v in shapes.items() if not k.startswith(head)}
+    counters = [k for k in own if k.endswith(".num_batches_tracked") and k not in shapes
+                and k[: -len("num_batches_tracked")] + "running_mean" in shapes]
+    missing = [k for k in own if k not in shapes and k not in counters]
+    unexpected = [k for k in shapes if k not in own]
     if missing or unexpected:
         parts = []
         if missing:
@@ -582,26 +840,31 @@ def _match_state(model: nn.Module, raw: dict[str, Tensor], path: Path) -> dict[s
             parts.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected[:5])}"
                          f"{' ...' if len(unexpected) > 5 else ''}")
         raise OwaiError(f"{path} does not match {type(model).__name__}: {'; '.join(parts)}")
-    bad = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items() if state[k].shape != v.shape]
+    bad = [f"{k} {tuple(shapes[k])} vs {v}" for k, v in own.items() if k in shapes and tuple(shapes[k]) != v]
     if bad:
         raise OwaiError(f"{path}: shape mismatch for {len(bad)} tensors, e.g. {'; '.join(bad[:3])}")
-    return state
+    return counters
+
+
+def _named_file(backbone: str, weights: str) -> Path | None:
+    """The first of `weights_locations` that holds the named weights' file, None when none does."""
+    return next((p for p in weights_locations(backbone, weights) if p.is_file()), None)
 
 
 def resolve_weights(backbone: str, weights: str) -> Path | None:
     """The local file for `weights`: "" = none (random initialisation); a torchvision weights name
-    of `backbone` (e.g. IMAGENET1K_V2, the thesis's "ResNet #2") = `<cache>/weights/<file>`,
-    downloaded from the official URL the first time; anything else = a path to a .pth/.safetensors file."""
-    from owai.io import cache_root
-
+    of `backbone` (e.g. IMAGENET1K_V2, the thesis's "ResNet #2") = its file in owai's or torch.hub's
+    cache (`weights_locations`), else downloaded from the official URL into owai's; anything else = a
+    path to a .pth/.safetensors file (torchvision's keys, or timm's for a ViT)."""
     if not weights:
         return None
     known = WEIGHTS.get(backbone, {})
     if weights in known:
-        url = known[weights]
-        path = cache_root() / "weights" / url.rsplit("/", 1)[-1]
-        if not path.is_file():
-            _download(url, path)
+        found = _named_file(backbone, weights)
+        if found is not None:
+            return found
+        path = weights_locations(backbone, weights)[0]
+        _download(known[weights], path)
         return path
     path = Path(weights).expanduser()
     if not path.is_file():
