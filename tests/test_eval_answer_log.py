@@ -80,6 +80,49 @@ def test_generate_all_asks_again_only_what_a_kill_left_in_the_uninterrupted_batc
     assert other.batches == whole.batches
 
 
+def test_under_torchrun_each_rank_answers_its_share_of_the_batches(tmp_path, monkeypatch) -> None:
+    """Two ranks (threads standing for them): the batches one process makes go to the ranks in turn,
+    every rank returns every answer, rank 0's log says what a kill left and is the only one written."""
+    import threading
+
+    from owai import distributed
+    from owai.evals.causal_lm import generate_all
+
+    local, barrier, box = threading.local(), threading.Barrier(2, timeout=60), {}
+
+    def exchange(obj):  # all_gather_object: every rank's object, in rank order
+        box[local.rank] = obj
+        barrier.wait()
+        out = [box[0], box[1]]
+        barrier.wait()
+        return out
+
+    monkeypatch.setattr(distributed, "world", lambda: distributed.World(local.rank, 2, local.rank))
+    monkeypatch.setattr(distributed, "gather_objects", exchange)
+    monkeypatch.setattr(distributed, "broadcast_object", lambda obj: exchange(obj)[0])
+    prompts = [f"p{'x' * i}" for i in range(9)]
+    path = tmp_path / "answers.jsonl"
+    with monkeypatch.context() as one:  # a killed one-process run answered the first batch
+        one.setattr(distributed, "world", lambda: distributed.World())
+        with pytest.raises(Killed):
+            generate_all(Echo(2, kill_at=1), prompts, answers=AnswerLog(path))
+    models, got, done = {0: Echo(2), 1: Echo(2)}, {}, {0: [], 1: []}
+
+    def rank(r: int) -> None:
+        local.rank = r
+        got[r] = generate_all(models[r], prompts, progress=done[r].append, answers=AnswerLog(path) if r == 0 else None)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    want = [f"{len(p)}:None" for p in prompts]
+    assert got == {0: want, 1: want} and done[0] == done[1] == [2, 2, 2, 2, 1]
+    assert models[0].batches == [prompts[2:4], prompts[6:8]] and models[1].batches == [prompts[4:6], prompts[8:]]
+    assert len(AnswerLog(path)) == 9 and sorted(p.name for p in tmp_path.iterdir()) == ["answers.jsonl"]
+
+
 def test_a_batch_reaches_the_log_whole_however_long_it_took(tmp_path, monkeypatch) -> None:
     """A batch slower than FLUSH_SECONDS (RULER at 128k tokens) is still written in one piece: a kill
     after a write never leaves part of a batch, which would shift every later batch of the resume."""
@@ -182,23 +225,39 @@ def _killed_then_resumed(args: list[str], recipe: str, out: Path, capsys, monkey
     return json.loads((run_dir / "results.json").read_text()), len(asked) - before
 
 
-def _uninterrupted(args: list[str], recipe: str, out: Path, capsys) -> tuple[dict, int]:
-    """Run `owai ARGS`; its results and the number of answers it logged."""
+def _logged(path: Path) -> tuple[int, int]:
+    """(the model's answers, the finished cells) in an answer log: a continuation is a string, a
+    finished cell (a RULER task at one length, an in-context prompt set) a dict."""
+    values = list(AnswerLog(path)._answers.values())
+    return sum(isinstance(v, str) for v in values), sum(isinstance(v, dict) for v in values)
+
+
+def _uninterrupted(args: list[str], recipe: str, out: Path, capsys) -> tuple[dict, int, int]:
+    """Run `owai ARGS`; its results, the number of answers it logged and of cells it finished."""
     rc, _, err = cli_in_process([*args, "-o", str(out)], capsys)
     assert rc == 0, err
     run_dir = _run_dir(out, recipe)
-    return json.loads((run_dir / "results.json").read_text()), len(AnswerLog(run_dir / "answers.jsonl"))
+    return json.loads((run_dir / "results.json").read_text()), *_logged(run_dir / "answers.jsonl")
 
 
 def test_eval_ruler_killed_in_a_cell_resumes_there_to_the_uninterrupted_results(tiny_lm, shared_data, tmp_path, capsys,
                                                                                monkeypatch) -> None:
+    from owai.evals import ruler
+
     args = ["eval", "ruler", "-q", "--model", str(tiny_lm), "--tasks", "niah_single_1,niah_multikey_2",
             "--ctx", "1024,1536", "--n", "3", "--set", "tokenizer=", "--set", "batch_size=2"]
-    whole, answered = _uninterrupted(args, "table4.4-ruler", tmp_path / "whole", capsys)
-    assert answered == 12  # 2 tasks x 2 lengths x 3 prompts, each logged once
+    whole, answered, cells = _uninterrupted(args, "table4.4-ruler", tmp_path / "whole", capsys)
+    assert (answered, cells) == (12, 4)  # 2 tasks x 2 lengths x 3 prompts, each logged once; each cell once
+    real, built = ruler.Task.build, []
+    monkeypatch.setattr(ruler.Task, "build", lambda self, n, length, *a, **k: built.append((self.name, length))
+                        or real(self, n, length, *a, **k))
     resumed, asked = _killed_then_resumed(args, "table4.4-ruler", tmp_path / "killed", capsys, monkeypatch, kill_at=5)
-    # the first task's 4 batches (2 per length) and the second's first were logged: 3 batches are left
+    # the first task's 4 batches (2 per length) and the second's first were logged: 3 batches are left,
+    # and the first task's two finished cells are read back, not built again (the checks before each
+    # run build the 1024-token cells of both: short lengths are tried for room)
     assert asked == 3
+    assert built[-2:] == [("niah_multikey_2", 1024), ("niah_multikey_2", 1536)]
+    assert built.count(("niah_single_1", 1536)) == 1
     assert resumed["rows"] == whole["rows"]
     assert resumed["details"]["results"] == whole["details"]["results"]
 
@@ -207,10 +266,17 @@ def test_eval_icl_killed_between_strategies_resumes_there_to_the_uninterrupted_r
                                                                                       monkeypatch) -> None:
     args = ["eval", "icl", "-q", "--model", str(tiny_lm), "--task", "synthetic", "--shots", "1", "--n", "4",
             "--set", "synthetic_classes=4", "--set", "max_new_tokens=3", "--labels", "semantic", "--set", "batch_size=3"]
-    whole, answered = _uninterrupted(args, "fig4.6-icl", tmp_path / "whole", capsys)
+    from owai.evals.causal_lm import CausalLM
+
+    whole, answered, cells = _uninterrupted(args, "fig4.6-icl", tmp_path / "whole", capsys)
+    assert cells == 4  # one per prompt strategy
+    real, counted = CausalLM.count_tokens_many, []
+    monkeypatch.setattr(CausalLM, "count_tokens_many", lambda self, texts: counted.append(len(texts)) or real(self, texts))
     resumed, asked = _killed_then_resumed(args, "fig4.6-icl", tmp_path / "killed", capsys, monkeypatch, kill_at=3)
     per_strategy = 2  # 4 queries in batches of 3
     assert answered % 4 == 0 and asked == answered // 4 * per_strategy - 3
+    # killed in the second strategy: the resume counts the prompts of the last three, the first read back
+    assert counted == [4] * (2 + 3)
     assert resumed["rows"] == whole["rows"]
     assert resumed["details"]["semantic"]["results"] == whole["details"]["semantic"]["results"]
 
@@ -414,7 +480,7 @@ def test_mosaic_eval_killed_in_its_losses_resumes_there_to_the_uninterrupted_res
         return real(*a, **kw)
 
     monkeypatch.setattr(lme, "token_losses", counted)
-    whole, _ = _uninterrupted(args, "mosaic-eval", tmp_path / "whole", capsys)
+    whole, *_ = _uninterrupted(args, "mosaic-eval", tmp_path / "whole", capsys)
     total = len(calls)
     assert total == 3 + 3 + 3 + 3  # validation, training, per-position loss at 32 and at 64 tokens
 
@@ -475,7 +541,7 @@ def test_mosaic_train_killed_in_its_final_evaluation_resumes_there(tmp_path, cap
 
     monkeypatch.setattr(language_model, "evaluate_model", evaluate_model)
     monkeypatch.setattr(lme, "token_losses", token_losses)
-    whole, _ = _uninterrupted(args, "fig3.8-depth", tmp_path / "whole", capsys)
+    whole, *_ = _uninterrupted(args, "fig3.8-depth", tmp_path / "whole", capsys)
     total = len(calls)
     assert calls.count("mm") == calls.count("gpt") > 4
     calls.clear()

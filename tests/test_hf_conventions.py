@@ -96,10 +96,28 @@ def test_input_embeddings_are_refused_alone_or_beside_ids(arch):
             model(**kwargs)
 
 
-@pytest.mark.parametrize("arch", ["mm", "lstm"])
+@pytest.mark.parametrize("arch", ["lstm"])
 def test_logits_to_keep_where_every_position_is_computed_is_refused(arch):
     with pytest.raises(OwaiError, match="logits_to_keep not supported"):
         tiny(arch)(input_ids=torch.randint(1, 97, (1, 5)), logits_to_keep=1)
+
+
+@pytest.mark.parametrize("arch", ["gpt", "mm", "mmv2"])
+def test_generate_computes_only_the_last_positions_logits_of_a_prompt(arch):
+    """generate asks for the last position's logits alone (`logits_to_keep=1`) of a model whose forward
+    takes it: v1 computed the whole prompt's (T, V) float32 logits, 26 GB for a 128k-token prompt with a
+    50k vocabulary, to read one row."""
+    model = tiny(arch)
+    x = torch.randint(1, 97, (2, 9))
+    with torch.no_grad():
+        full = model(input_ids=x).logits
+        kept = model(input_ids=x, logits_to_keep=3).logits
+    assert kept.shape == (2, 3, 97) and torch.allclose(kept, full[:, -3:], atol=1e-6)
+    widths = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, i, o: widths.append(o.shape[1]))
+    model.generate(x, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    hook.remove()
+    assert widths and max(widths) == 1
 
 
 def test_v2_with_a_bag_of_k_head_refuses_a_resized_vocabulary():
@@ -147,3 +165,24 @@ def test_packed_documents_are_refused_for_models_that_would_read_across_them(arc
                                    "--out", str(tmp_path / "runs")], capsys)
     assert code == 2 and "would read across documents" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("position", ["learned", "rope"])
+def test_gpt_builds_no_mask_for_a_prompt_without_padding(position):
+    """generate passes a mask of ones with one prompt: GPT built a (B, 1, T, T) mask from it (16 GiB at
+    128k tokens) and left SDPA's causal kernels for its masked ones. A mask without padding is no mask,
+    and the continuations are the same."""
+    model = tiny("gpt", position=position)
+    ones = torch.ones(2, 9, dtype=torch.long)
+    assert model._attention_mask(2, 9, 0, ones, "cpu") == (None, True)
+    assert model._attention_mask(2, 1, 8, ones, "cpu") == (None, False)
+    padded = ones.clone()
+    padded[1, :2] = 0
+    mask, causal = model._attention_mask(2, 9, 0, padded, "cpu")
+    assert mask.shape == (2, 1, 9, 9) and not causal
+    with pytest.raises(OwaiError, match="attention_mask must be 2-D"):
+        model._attention_mask(2, 9, 0, torch.ones(2, 8), "cpu")
+    x = torch.randint(1, 97, (1, 9))
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=x, attention_mask=torch.ones_like(x)).logits, model(input_ids=x).logits,
+                              atol=1e-6)

@@ -627,3 +627,26 @@ def test_sentences_by_punkt_and_wonderwords_lists() -> None:
     assert len(nouns) > 6000 and len(R.word_list()) == len(set(R.word_list())) > 8000
     with pytest.raises(OwaiError):
         R.wonderwords_list("adverb")
+
+
+@pytest.mark.parametrize("rule", R.RULES)
+def test_prompts_counted_a_batch_at_a_time_are_the_one_at_a_time_prompts(gpt2, essays, monkeypatch, rule) -> None:
+    """With a tokenizer that counts a batch in parallel, the search's probes and the samples are built
+    ahead and counted as one batch (`R.SPECULATE`): the draws, sizes, counts and prompts must be those
+    of one prompt at a time, samples that shrink included (qa_2, niah_multikey_2 and cwe shrink some at
+    4k: the path where the rest of a block built ahead is thrown away)."""
+    tasks = [R.qa_task("qa_2", R.synthetic_hotpotqa(), rule=rule)] + [
+        R.synthetic_task(name, essays, rule=rule) for name in ("niah_multikey_2", "vt", "cwe", "fwe")]
+    shrunk = 0
+    for task in tasks:
+        built = {}
+        for width in (1, 3):
+            monkeypatch.setattr(R, "SPECULATE", width)
+            built[width] = task.build(8, 4096, gpt2, seed=42)
+        one, batched = built[1], built[3]
+        assert batched.size == one.size, task.name
+        assert [(s.prompt, s.outputs, s.size, s.tokens, s.fits) for s in batched.samples] == \
+               [(s.prompt, s.outputs, s.size, s.tokens, s.fits) for s in one.samples], task.name
+        shrunk += sum(s.size < one.size for s in one.samples)
+    assert shrunk  # the throw-away path ran
+    assert gpt2.count_many(["The grass is green.", "", "a b"]) == [gpt2.count(t) for t in ("The grass is green.", "", "a b")]

@@ -77,8 +77,6 @@ def rank(monkeypatch: pytest.MonkeyPatch) -> None:
     (["bonsai", "-p", "tiny"], SWEEP_REFUSED),
     (["moons", "linear"], "`owai moons linear` " + NOT_DATA_PARALLEL),
     (["recipes", "run", "three-moons"], NOT_DATA_PARALLEL),
-    (["eval", "ruler", "--model", "reference:oracle"], "`owai eval ruler` " + NOT_DATA_PARALLEL),
-    (["eval", "icl", "--model", "reference:knn"], "`owai eval icl` " + NOT_DATA_PARALLEL),
     (["data", "stats"], "`owai data stats` " + NOT_DATA_PARALLEL),
 ])
 def test_every_other_command_refuses_torchrun_before_any_directory(rank: None, args: list[str], message: str,
@@ -132,3 +130,55 @@ def test_python_m_owai_cli_runs_the_command():
     """`torchrun -m owai.cli ...` (like `python -m owai.cli`) ran nothing and exited 0: the module had no main guard."""
     proc = subprocess.run([sys.executable, "-m", "owai.cli", "moons", "--bogus"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("error: No such option: --bogus"), proc.stderr
+
+
+@pytest.mark.slow  # two torchrun jobs (a minute); `pytest -m slow`
+def test_ruler_and_icl_share_their_prompts_out_over_the_ranks_to_one_process_results(
+        shared_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+    """`owai eval ruler|icl` under torchrun: the batches go to the ranks in turn, rank 0 logs every
+    answer in the one answers.jsonl and writes the one run directory, and the results are one
+    process's. A run killed in one process resumes on two ranks to the same results."""
+    import json
+
+    from owai.evals import ruler
+    from owai.evals.answers import AnswerLog
+
+    commands = {
+        "table4.4-ruler": ["eval", "ruler", "-q", "--model", "reference:oracle", "--tasks", "niah_single_1,vt",
+                           "--ctx", "1024", "--samples", "5"],
+        "fig4.6-icl": ["eval", "icl", "-q", "--model", "reference:knn", "--task", "synthetic", "--shots", "1,2",
+                       "--queries", "3", "--labels", "semantic", "--set", "synthetic_classes=4"],
+    }
+    for recipe, args in commands.items():
+        code, _, err = cli_in_process([*args, "-o", str(tmp_path / "one")], capsys)
+        assert code == 0, err
+        (one,) = (tmp_path / "one" / recipe).iterdir()
+        code, stderr = owai_torchrun(tmp_path, args)
+        assert code == 0, stderr[-3000:]
+        (two,) = (tmp_path / "runs" / recipe).iterdir()
+        for name in ("results.json",):
+            a, b = (json.loads((d / name).read_text()) for d in (one, two))
+            assert a["rows"] == b["rows"] and a["details"] == b["details"], recipe
+        assert sorted(p.name for p in two.glob("answers*")) == ["answers.jsonl"]
+        assert dict(AnswerLog(one / "answers.jsonl")._answers) == dict(AnswerLog(two / "answers.jsonl")._answers)
+
+    # killed at its 7th answer in one process, resumed on two ranks
+    real, calls = ruler.OracleReader.generate, []
+
+    def generate(self, prompt, max_new_tokens=32):
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        calls.append(prompt)
+        return real(self, prompt, max_new_tokens)
+
+    monkeypatch.setattr(ruler.OracleReader, "generate", generate)
+    code, _, err = cli_in_process([*commands["table4.4-ruler"], "-o", str(tmp_path / "killed")], capsys)
+    assert code == 130, err
+    (killed,) = (tmp_path / "killed" / "table4.4-ruler").iterdir()
+    assert len(AnswerLog(killed / "answers.jsonl")) == 6 + 1  # and the first task's finished cell
+    proc = torchrun(2, ["-m", "owai", "eval", "ruler", "-q", "--resume", str(killed)], cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (one,) = (tmp_path / "one" / "table4.4-ruler").iterdir()
+    a, b = (json.loads((d / "results.json").read_text()) for d in (one, killed))
+    assert a["rows"] == b["rows"] and a["details"] == b["details"]
+    assert len(AnswerLog(killed / "answers.jsonl")) == 10 + 2 and not list(killed.glob("answers.rank*"))

@@ -17,7 +17,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from owai.errors import OwaiError
 from owai.runs import ANSWERS
@@ -43,6 +43,17 @@ def occurrence_keys(parts: Iterable[tuple[Any, ...]]) -> list[str]:
         keys.append(answer_key(base, seen.get(base, 0)))
         seen[base] = seen.get(base, 0) + 1
     return keys
+
+
+def rank0_value(answers: AnswerLog | None, key: str, valid: Callable[[Any], bool]) -> Any:
+    """What rank 0's log holds under `key` (None when nothing, or nothing `valid`), on every rank:
+    RULER and the in-context suites keep one log, rank 0's (None on the other ranks), and every
+    rank must decide alike whether a part of the evaluation is done. In one process: the log's."""
+    value = answers.get(key) if answers is not None else None
+    value = value if value is not None and valid(value) else None
+    from owai import distributed
+
+    return distributed.broadcast_object(value) if distributed.world().world_size > 1 else value
 
 
 def run_log(run_dir: Path) -> AnswerLog:

@@ -33,6 +33,7 @@ without one refuse it in one line.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -61,9 +62,16 @@ class CausalLM:
         self.ablated: set[str] = set()
         self.batch_size = 1  # prompts per generate call (generate_many)
         self.pads = getattr(self.model.config, "model_type", "") not in NO_PADDING
+        # whether the forward computes the last positions' logits alone when asked (as generate asks it)
+        self.keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
     def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer.encode(text))
+        return self.tokenizer.count(text)
+
+    def count_tokens_many(self, texts: list[str]) -> list[int]:
+        """`count_tokens` of each text; a batch at once (in parallel) where the tokenizer can."""
+        many = getattr(self.tokenizer, "count_many", None)
+        return list(many(texts)) if many is not None else [self.tokenizer.count(t) for t in texts]
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """The ids a prompt is generated from, as RULER's and LongICLBench's official code makes them
@@ -138,7 +146,10 @@ class CausalLM:
         n = min(len(continuation), len(ids) - 1)
         with torch.no_grad():
             x = torch.tensor([ids[:-1]], device=self.device)
-            logits = self.model(input_ids=x).logits[0, -n:].float()  # (n, V)
+            # the continuation's logits alone where the model can: the whole (T, V) logits of a long
+            # context are T / n times larger (a 32k-token context, 128k vocabulary: 8.6 GB in bfloat16)
+            keep = {"logits_to_keep": n} if self.keeps_logits else {}
+            logits = self.model(input_ids=x, **keep).logits[0, -n:].float()  # (n, V)
         target = torch.tensor(continuation[-n:], device=logits.device)
         logp = torch.log_softmax(logits, dim=-1).gather(1, target[:, None])
         return float(logp.sum()), bool((logits.argmax(-1) == target).all())
@@ -169,34 +180,52 @@ def generate_all(model: Any, prompts: list[str], progress: Callable[[int], Any] 
     update), `progress(k)` after every k prompts answered: the prompts go to the model `batch_size`
     at a time, the batches `generate_many` makes itself, so the answers are the same. With `answers`
     (the run's `AnswerLog`), a prompt answered before a kill is not asked again, and each batch's
-    answers are logged once it is answered; the prompts left make the batches they made before."""
+    answers are logged once it is answered; the prompts left make the batches they made before.
+
+    Under torchrun (more than one rank, `owai.distributed`) every rank holds the whole model and the
+    same prompts, and the batches (the ones one process makes) go to the ranks in turn: in each round
+    rank r answers the round's batch r, then every rank has every answer of the round, so each rank
+    returns them all. `answers` is rank 0's log (None on the other ranks): rank 0 says which prompts
+    were answered before a kill and logs each round's batches, so the log is one process's, and a run
+    killed on W ranks resumes on any number."""
+    from owai import distributed
+
     prompts = list(prompts)
     many = getattr(model, "generate_many", None)
+    ranks = distributed.world()
 
     def answer(batch: list[str]) -> list[str]:
-        return many(batch, **kwargs) if many is not None else [model.generate(p, **kwargs) for p in batch]
+        texts = list(many(batch, **kwargs) if many is not None else [model.generate(p, **kwargs) for p in batch])
+        if len(texts) != len(batch):
+            raise OwaiError(f"{type(model).__name__} answered {len(texts)} of {len(batch)} prompts")
+        return texts
 
-    if progress is None and answers is None:
+    if progress is None and answers is None and ranks.world_size == 1:
         return answer(prompts)
     out: list[Any] = [None] * len(prompts)
     keys = occurrence_keys(("generate", p, kwargs) for p in prompts) if answers is not None else []
-    for i, key in enumerate(keys):
-        out[i] = answers.get(key, str)
+    logged = {i: text for i, text in enumerate(answers.get(key, str) for key in keys) if text is not None}
+    if ranks.world_size > 1:
+        logged = distributed.broadcast_object(logged)  # rank 0's log, on every rank
+    for i, text in logged.items():
+        out[i] = text
     todo = [i for i in range(len(prompts)) if out[i] is None]
     if progress is not None and len(todo) < len(prompts):
         progress(len(prompts) - len(todo))  # answered before a kill
     step = max(1, int(getattr(model, "batch_size", 1) or 1))
-    for start in range(0, len(todo), step):
-        batch = todo[start:start + step]
-        texts = list(answer([prompts[i] for i in batch]))
-        if len(texts) != len(batch):
-            raise OwaiError(f"{type(model).__name__} answered {len(texts)} of {len(batch)} prompts")
-        for i, text in zip(batch, texts):
-            out[i] = text
-        if answers is not None:
-            answers.add_batch({keys[i]: out[i] for i in batch})
-        if progress is not None:
-            progress(len(batch))
+    batches = [todo[start:start + step] for start in range(0, len(todo), step)]
+    for first in range(0, len(batches), ranks.world_size):
+        round_ = batches[first:first + ranks.world_size]
+        mine = round_[ranks.rank] if ranks.rank < len(round_) else []
+        texts = answer([prompts[i] for i in mine]) if mine else []
+        answered = distributed.gather_objects(texts) if ranks.world_size > 1 else [texts]
+        for batch, texts in zip(round_, answered):
+            for i, text in zip(batch, texts):
+                out[i] = text
+            if answers is not None:
+                answers.add_batch({keys[i]: out[i] for i in batch})
+            if progress is not None:
+                progress(len(batch))
     return out
 
 

@@ -81,15 +81,32 @@ def eldan_li_prompts() -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
+LOSS_CHUNK = 1 << 27  # logits (rows x vocabulary) whose float32 log-softmax is taken at once: 512 MB
+
+
 def token_losses(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, eot: int | None = None) -> torch.Tensor:
-    """Per-token cross-entropy (B, T) of predicting y from x, in float32 (documents split at `eot`)."""
+    """Per-token cross-entropy (B, T) of predicting y from x, in float32 (documents split at `eot`).
+
+    The float32 log-softmax is taken a slice of positions at a time (at most LOSS_CHUNK logits): a
+    long window's (B, T, V) logits stay in the model's dtype, where a float32 copy of them all and
+    its log-softmax would take 8 bytes per logit more (a 128k-token window with a 50k vocabulary:
+    51 GB beside bfloat16 logits of 13 GB). Each row's loss is the same number either way."""
     if eot is None:
         logits = model(input_ids=x).logits  # (B, T, V)
     else:
         from owai.data.packing import document_positions
 
         logits = model(input_ids=x, position_ids=document_positions(x, eot)).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y)
+    B, T, V = logits.shape
+    rows = max(1, LOSS_CHUNK // max(1, B * V))
+    if rows >= T:
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y)
+    out = torch.empty(B, T, dtype=torch.float32, device=logits.device)
+    for start in range(0, T, rows):
+        part = logits[:, start:start + rows]
+        out[:, start:start + rows] = F.cross_entropy(part.float().flatten(0, 1), y[:, start:start + rows].flatten(),
+                                                     reduction="none").view(B, -1)
+    return out
 
 
 @torch.no_grad()

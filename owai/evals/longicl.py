@@ -771,7 +771,8 @@ def score_prompts(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Examp
                   progress: Callable[[int], Any] | None = None, answers: AnswerLog | None = None) -> dict[str, Any]:
     """One strategy, one shot count: render, check the token budget, generate, parse, score.
     `progress(k)` (a progress bar's update) after every k queries answered or overflowed; `answers`:
-    the run's log of continuations (`generate_all`)."""
+    the run's log of continuations (`generate_all`) and of each scored prompt set, which a resumed
+    run reads back instead of rendering and counting its prompts again."""
     count: Callable[[str], int] | None = getattr(model, "count_tokens", None)
     if max_tokens is not None and count is None:
         raise OwaiError("longicl: max_tokens needs a model with count_tokens(prompt)")
@@ -781,14 +782,26 @@ def score_prompts(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Examp
     correct = scored = overflow = 0
     longest: int | None = None
     examples = []
+    from owai.evals.answers import answer_key, rank0_value
     from owai.evals.causal_lm import generate_all
 
+    # a prompt set scored before a kill is read back whole: its prompts are not counted again
+    key = answer_key("longicl-cell", prompt_hash(context), [prompt_hash(render_query(data, q, options)) for q in queries],
+                     dataclasses.asdict(options), max_tokens, n_examples, data.task)
+    done = rank0_value(answers, key, lambda v: isinstance(v, dict) and v.get("n_scored", -1) + v.get("n_overflow", -1)
+                       == len(queries))
+    if done is not None:
+        if progress is not None:
+            progress(len(queries))
+        return done
+    prompts = [context + render_query(data, q, options) for q in queries]
+    counts = _token_counts(model, prompts) if count is not None else [None] * len(prompts)
     pending: list[tuple[dict[str, Any], str, str]] = []  # (record, prompt, gold) of the queries shown
-    for i, q in enumerate(queries):
-        prompt, gold = context + render_query(data, q, options), _shown(q, space)
+    for i, (q, prompt, n_tokens) in enumerate(zip(queries, prompts, counts)):
+        gold = _shown(q, space)
         record: dict[str, Any] = {"query": i, "prompt_sha256": prompt_hash(prompt), "gold": gold}
-        if count is not None:
-            n_tokens = int(count(prompt))
+        if n_tokens is not None:
+            n_tokens = int(n_tokens)
             longest = n_tokens if longest is None else max(longest, n_tokens)
             record["prompt_tokens"] = n_tokens
             if max_tokens is not None and n_tokens > max_tokens:
@@ -815,7 +828,7 @@ def score_prompts(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Examp
         correct += ok
         if len(examples) < n_examples:
             examples.append(record | {"continuation": out[:200], "prediction": pred, "correct": ok})
-    return {
+    result = {
         "accuracy": correct / scored if scored else None,
         "n_correct": correct,
         "n_scored": scored,
@@ -823,6 +836,26 @@ def score_prompts(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Examp
         "max_prompt_tokens": longest,
         "examples": examples,
     }
+    if answers is not None:
+        answers.add_batch({key: result})
+    return result
+
+
+COUNT_BATCH = 64  # prompts counted at once: a batch of 10-shot prompts is ~1.5M tokens of encodings in memory
+
+
+def _token_counts(model: Any, prompts: list[str]) -> list[int]:
+    """`model.count_tokens` of each prompt: `count_tokens_many` a batch at a time where the model has
+    it (a Rust tokenizer counts a batch in parallel), else one by one."""
+    many = getattr(model, "count_tokens_many", None)
+    if many is None:
+        return [model.count_tokens(p) for p in prompts]
+    counts: list[int] = []
+    for start in range(0, len(prompts), COUNT_BATCH):
+        counts += list(many(prompts[start:start + COUNT_BATCH]))
+    if len(counts) != len(prompts):
+        raise OwaiError(f"longicl: the model counted {len(counts)} of {len(prompts)} prompts")
+    return counts
 
 
 def sweep_strategies(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Example]], queries: Sequence[Example],

@@ -13,7 +13,11 @@ fitting and scoring offline.
                 tokenizer, seed) -> Built (the samples: prompt, gold outputs, haystack size, tokens)
     fitting     search_size: the haystack size for a token budget, rule "2024" (step search, the
                 default) or "2025" (binary search); then per sample the size steps down until
-                count(prompt) + tokens_to_generate <= max_seq_length (sec 1.6)
+                count(prompt) + tokens_to_generate <= max_seq_length (sec 1.6). The 2024 search
+                counts a prompt of every step up to the budget (RULER's own cost: quadratic in the
+                length, minutes at 128k); with a tokenizer that counts a batch in parallel
+                (`count_many`) the probes and samples are built ahead and counted a batch at a time
+                (`SPECULATE`, `_Lookahead`, `Task._fit_all`), to the same prompts
     scoring     postprocess, string_match_part (QA: any gold answer contained), string_match_all
                 (synthetic: fraction of gold strings contained), both 100 x mean rounded to 2 (sec 1.7)
     models      OracleReader / NullModel / SlotReader(k): reference readers of the prompt text that
@@ -42,12 +46,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import re
 import string
 import uuid
 from bisect import bisect_right
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -109,7 +114,10 @@ PSEUDO_WORDS = 30_000  # made-up 3-syllable words appended when cwe needs more d
 # ----------------------------------------------------------------------------------------- tokenizers
 
 class Tokenizer(Protocol):
-    """What the builders need from the evaluated model's tokenizer (no special tokens anywhere)."""
+    """What the builders need from the evaluated model's tokenizer (no special tokens anywhere).
+    A tokenizer may also have `count_many(texts) -> list[int]`, the counts of a batch computed in
+    parallel (Hugging Face's Rust tokenizers): the builders then count prompts a batch at a time
+    (`SPECULATE`), to the same prompts."""
 
     def count(self, text: str) -> int: ...
 
@@ -119,13 +127,16 @@ class Tokenizer(Protocol):
 
 
 class HFTokenizer:
-    """A transformers tokenizer or a `tokenizers` tokenizer as a `Tokenizer` (no special tokens)."""
+    """A transformers tokenizer or a `tokenizers` tokenizer as a `Tokenizer` (no special tokens);
+    with `count_many` where the tokenizer is a fast (Rust) one, which counts a batch in parallel."""
 
     def __init__(self, tokenizer: Any, name: str | None = None) -> None:
         self._tokenizer = tokenizer
         self.name = name or str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
         if not self.encode("The grass is green."):  # transformers 5 silently builds an empty GPT-2 from vocab_file=
             raise OwaiError(f"tokenizer {self.name!r} turns text into no tokens (an empty vocabulary?)")
+        if hasattr(tokenizer, "encode_batch") or getattr(tokenizer, "is_fast", False):
+            self.count_many = self._count_many
 
     def encode(self, text: str) -> list[int]:
         encoded = self._tokenizer.encode(text, add_special_tokens=False)
@@ -134,8 +145,109 @@ class HFTokenizer:
     def count(self, text: str) -> int:
         return len(self.encode(text))
 
+    def _count_many(self, texts: list[str]) -> list[int]:
+        if hasattr(self._tokenizer, "encode_batch"):  # a `tokenizers.Tokenizer`
+            return [len(e) for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+        return [len(ids) for ids in self._tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids))
+
+
+# Prompts built ahead and counted as one batch (`count_many`): None = one per core the process may
+# use (under torchrun, its share of the machine's), at most 16; 1 = one at a time. A build's prompts
+# are the same at any value.
+SPECULATE: int | None = None
+
+
+def _width(tokenizer: Any) -> int:
+    """How many prompts to build ahead for `tokenizer`: 1 when it cannot count a batch in parallel."""
+    if not hasattr(tokenizer, "count_many"):
+        return 1
+    if SPECULATE is not None:
+        return max(1, SPECULATE)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    try:  # under torchrun every rank builds the same prompts: the machine's ranks share its cores
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, min(16, cores // local))
+
+
+def count_many(tokenizer: Any, texts: list[str]) -> list[int]:
+    """The token counts of `texts`: one parallel batch where the tokenizer has `count_many`."""
+    many = getattr(tokenizer, "count_many", None)
+    counts = list(many(texts)) if many is not None else [tokenizer.count(t) for t in texts]
+    if len(counts) != len(texts):
+        raise OwaiError(f"the tokenizer counted {len(counts)} of {len(texts)} texts")
+    return counts
+
+
+class _Lookahead:
+    """`measure(size)` for RULER's 2024 step search, which asks for size, size + step, ... in turn:
+    on a size it has not built, it builds the probes of the next `width` sizes (not past `cap`, the
+    search's last) one after the other, as the search would, keeping the generators' state after
+    each, and counts them as one batch; a size it built is answered from that batch. `finish()` puts
+    the generators back to their state after the last probe the search asked for, so the draws that
+    follow are the one-at-a-time search's. Each probe is made from the state the search would make it
+    from, so the sizes and counts are the one-at-a-time search's, whatever `width`."""
+
+    def __init__(self, text: Callable[[int], str], snapshot: Callable[[], Any], restore: Callable[[Any], None],
+                 tokenizer: Any, width: int, step: int, cap: int | None, extra: int) -> None:
+        self.text, self.snapshot, self.restore, self.tokenizer = text, snapshot, restore, tokenizer
+        self.width, self.step, self.cap, self.extra = width, step, cap, extra
+        self.ahead: deque[tuple[int, int, Any]] = deque()  # (size, count, generators' state after its probe)
+        self.after: Any = None  # the state after the last probe the search asked for
+
+    def __call__(self, size: int) -> int:
+        if self.ahead and self.ahead[0][0] == size:
+            _, count, self.after = self.ahead.popleft()
+            return count
+        self.finish()  # the search asked for another size: back to where it left off, then build ahead from there
+        sizes = [size] + [s for s in range(size + self.step, size + self.width * self.step, self.step)
+                          if self.cap is None or s <= self.cap]
+        texts, states = [], []
+        for s in sizes:
+            texts.append(self.text(s))
+            states.append(self.snapshot())
+        counts = count_many(self.tokenizer, texts)
+        self.ahead = deque((s, c + self.extra, state) for s, c, state in zip(sizes, counts, states))
+        return self(size)
+
+    def finish(self) -> None:
+        """Undo the draws of the probes built ahead that the search did not ask for."""
+        if self.ahead:
+            self.restore(self.after)
+            self.ahead.clear()
+
+
+class _Recorder:
+    """A tokenizer stand-in that records the texts it is asked to count and answers 0 (so a fit
+    takes its first try): what a batch of samples will need counted, if each fits at once."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def count(self, text: str) -> int:
+        self.texts.append(text)
+        return 0
+
+
+class _Counted:
+    """A tokenizer whose counts come from `known` (a batch counted at once) where it has the text,
+    else from `tokenizer`; `missed` says whether any did not."""
+
+    def __init__(self, tokenizer: Any, known: dict[str, int]) -> None:
+        self.tokenizer, self.known, self.missed = tokenizer, known, False
+
+    def count(self, text: str) -> int:
+        if text in self.known:
+            return self.known[text]
+        self.missed = True
+        return self.tokenizer.count(text)
 
 
 def gpt2_tokenizer(directory: str | Path) -> Any:
@@ -532,20 +644,59 @@ class Task:
         """Search the haystack size on sample 0, then fit each sample: `rng` plays RULER's global RNG."""
         state = self._prepare(rng, seed, budget, tokenizer)
         size = self._search(state, rng, budget, tokenizer)
-        samples = [self._fit(state, rng, index, size, budget, tokenizer) for index in range(self.available(n))]
+        samples = self._fit_all(state, rng, size, budget, tokenizer, self.available(n))
         return Built(self.name, budget, size, self._step(budget), samples)
 
-    def _search(self, state: Any, rng: random.Random, budget: int, tokenizer: Tokenizer) -> int:
-        """The haystack size (sec 1.6): 2024 counts the probe text (prompt + answers), 2025 the prompt."""
-        extra = self._extra_tokens(state)
+    def _snapshot(self, state: Any, rng: random.Random) -> Any:
+        """The state of every generator a build draws from (restored by `_restore`)."""
+        return rng.getstate()
 
-        def measure(size: int) -> int:
+    def _restore(self, state: Any, rng: random.Random, snapshot: Any) -> None:
+        rng.setstate(snapshot)
+
+    def _search(self, state: Any, rng: random.Random, budget: int, tokenizer: Tokenizer) -> int:
+        """The haystack size (sec 1.6): 2024 counts the probe text (prompt + answers), 2025 the prompt.
+        The 2024 search's probes are built ahead and counted a batch at a time (`_Lookahead`)."""
+
+        def text(size: int) -> str:
             prompt, outputs, _ = self._make(state, rng, 0, max(size, self._minimum(state, 0)))
-            return tokenizer.count(self._probe(prompt, outputs) if self.rule == "2024" else prompt) + extra
+            return self._probe(prompt, outputs) if self.rule == "2024" else prompt
 
         upper = self._upper(state, rng, budget, tokenizer) if self.rule == "2025" else None
-        return search_size(measure, budget, self._step(budget), self.rule, self._cap(state),
-                           self.tokens_to_generate, upper)
+        step, cap = self._step(budget), self._cap(state)
+        measure = _Lookahead(text, lambda: self._snapshot(state, rng), lambda saved: self._restore(state, rng, saved),
+                             tokenizer, _width(tokenizer) if self.rule == "2024" else 1, step, cap,
+                             self._extra_tokens(state))
+        size = search_size(measure, budget, step, self.rule, cap, self.tokens_to_generate, upper)
+        measure.finish()
+        return size
+
+    def _fit_all(self, state: Any, rng: random.Random, size: int, budget: int, tokenizer: Tokenizer,
+                 count: int) -> list[Sample]:
+        """`_fit` of samples 0..count-1 in turn, as RULER makes them. Where the tokenizer counts a batch
+        in parallel, a block of samples is first made as if each fitted at once (`_Recorder`), their
+        texts counted as one batch, and the block made again from the same generator state with those
+        counts (`_Counted`): a sample that must shrink is counted again one try at a time, and the
+        block ends with it, its draws having moved the generators. Either way the samples are the
+        one-at-a-time build's."""
+        width = _width(tokenizer)
+        if width <= 1:
+            return [self._fit(state, rng, index, size, budget, tokenizer) for index in range(count)]
+        samples: list[Sample] = []
+        while len(samples) < count:
+            block = range(len(samples), min(len(samples) + width, count))
+            before = self._snapshot(state, rng)
+            recorder = _Recorder()
+            for index in block:
+                self._fit(state, rng, index, size, budget, recorder)  # type: ignore[arg-type]
+            known = dict(zip(recorder.texts, count_many(tokenizer, recorder.texts)))
+            self._restore(state, rng, before)
+            for index in block:
+                counted = _Counted(tokenizer, known)
+                samples.append(self._fit(state, rng, index, size, budget, counted))  # type: ignore[arg-type]
+                if counted.missed:  # it shrank: the block's later samples were made from other draws
+                    break
+        return samples
 
     def _fit(self, state: Any, rng: random.Random, index: int, size: int, budget: int,
              tokenizer: Tokenizer) -> Sample:
@@ -791,6 +942,7 @@ class NiahTask(Task):
         self.name, self.haystack, self.type_k, self.type_v, self.rule = name, haystack, type_k, type_v, rule
         self.num_k, self.num_v, self.num_q = num_k, num_v, num_q
         self.essay_words = re.sub(r"\s+", " ", essay).split(" ") if haystack == "essay" and essay else []
+        self._split: dict[int, list[str]] = {}  # size -> the sentences of the essay's first `size` words
 
     def describe(self) -> dict[str, Any]:
         described = {**super().describe(), "haystack": self.haystack, "type_k": self.type_k, "type_v": self.type_v,
@@ -829,6 +981,16 @@ class NiahTask(Task):
             words = words * -(-size // len(words))
         return " ".join(words[:size])
 
+    def _sentences(self, size: int) -> list[str]:
+        """The sentences of `_essay(size)`, split once per size: every sample of a build has the same
+        haystack size (bar the few that shrink), and splitting 100k words by Punkt takes a tenth of a
+        second or more, as long as counting their tokens."""
+        if size not in self._split:
+            if len(self._split) >= 4:
+                del self._split[next(iter(self._split))]
+            self._split[size] = split_sentences(self._essay(size).strip())
+        return self._split[size]
+
     def _make(self, seed: int, rng: random.Random, index: int, size: int) -> tuple[str, tuple[str, ...], dict]:
         keys, values, needles = [], [], []
         for _ in range(self.num_k):
@@ -837,7 +999,7 @@ class NiahTask(Task):
             needles += [NEEDLE.format(type_needle_v=self.type_v, key=keys[-1], value=v) for v in values[-1]]
         random.Random(seed).shuffle(needles)
         if self.haystack == "essay":
-            sentences = split_sentences(self._essay(size).strip())
+            sentences = self._sentences(size)
             cuts = [int(len(sentences) * (d / 100)) for d in rng.sample(DEPTHS, len(needles))]
             bounds = [0, *sorted(cuts), len(sentences)]
             parts = []
@@ -980,6 +1142,13 @@ class VariableTracking(Task):
     def _minimum(self, state: Any, index: int) -> int:
         return 1
 
+    def _snapshot(self, state: dict, rng: random.Random) -> Any:
+        return rng.getstate(), state["np"].get_state()
+
+    def _restore(self, state: dict, rng: random.Random, snapshot: Any) -> None:
+        rng.setstate(snapshot[0])
+        state["np"].set_state(snapshot[1])
+
 
 class _Example(Task):
     """vt's in-context example: the same instance builder (3-letter names) at 500 tokens, step 5;
@@ -998,6 +1167,12 @@ class _Example(Task):
 
     def _minimum(self, state: Any, index: int) -> int:
         return 1
+
+    def _snapshot(self, state: Any, rng: random.Random) -> Any:
+        return self.task._snapshot(self.state, rng)  # the example draws from vt's generators
+
+    def _restore(self, state: Any, rng: random.Random, snapshot: Any) -> None:
+        self.task._restore(self.state, rng, snapshot)
 
 
 class CommonWords(Task):
@@ -1377,7 +1552,8 @@ def evaluate(model: Model, tasks: Sequence[Task], lengths: Sequence[str | int], 
     n samples, 2 decimals; None when every sample overflowed), n, nulls (empty predictions among the
     answered), overflow, the searched haystack size, mean prompt tokens. With both qa_1 and qa_2,
     `qa_mean` per length is their unweighted mean (the thesis's number, sec 1.1). With `answers` (the
-    run's log), a resumed run asks the model only for the prompts a kill left unanswered."""
+    run's log), a resumed run asks the model only for the prompts a kill left unanswered, and reads a
+    (task, length) cell finished before the kill back whole, without building its prompts."""
     if tokenizer is None:
         raise OwaiError("ruler: a tokenizer is needed (prompts are fitted to token budgets)")
     names = [t.name for t in tasks]
@@ -1414,10 +1590,22 @@ def _evaluate_task(model: Model, task: Task, budgets: dict[str, int], n: int, se
                    bar: console.Bar, answer_log: AnswerLog | None = None) -> None:
     """`evaluate`'s cells of one task, one per length, into `results` and `records`; `bar` advances per
     sample (answered or overflowed)."""
+    from owai.evals.answers import answer_key, rank0_value
+
     metric = SAMPLE_METRICS[task.metric]
     results[task.name], records[task.name] = {}, {}
     for label, budget in budgets.items():
         bar.update(0, status=f"{task.name} {label}")
+        # a cell finished before a kill is read back whole: its prompts are not built again (minutes
+        # at 64k-128k tokens, beside an idle accelerator)
+        key = answer_key("ruler-cell", task.name, task.describe(), label, budget, n, seed, max_tokens,
+                         getattr(tokenizer, "name", type(tokenizer).__name__), getattr(model, "name", type(model).__name__))
+        done = rank0_value(answer_log, key, lambda v: isinstance(v, dict) and isinstance(v.get("cell"), dict)
+                           and isinstance(v.get("rows"), list) and len(v["rows"]) == v["cell"].get("n"))
+        if done is not None:
+            results[task.name][label], records[task.name][label] = done["cell"], done["rows"]
+            bar.update(len(done["rows"]))
+            continue
         built = task.build(n, budget, tokenizer, seed)
         scores, rows, nulls, overflow = [], [], 0, 0
         shown = [s for s in built.samples
@@ -1448,3 +1636,5 @@ def _evaluate_task(model: Model, task: Task, budgets: dict[str, int], n: int, se
             "n": count, "nulls": nulls, "overflow": overflow, "max_seq_length": budget,
             "size": built.size, "mean_tokens": round(sum(s.tokens for s in built.samples) / count, 1)}
         records[task.name][label] = rows
+        if answer_log is not None:
+            answer_log.add_batch({key: {"cell": results[task.name][label], "rows": rows}})

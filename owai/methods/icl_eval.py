@@ -64,6 +64,9 @@ class Config(BaseConfig):
 class InContextClassification(Method):
     Config = Config
     cli = "owai eval icl"
+    # under torchrun each rank holds the whole model and answers its share of each prompt set's
+    # batches (`causal_lm.generate_all`); rank 0 logs the answers and writes the results
+    data_parallel = True
 
     @staticmethod
     def validate(cfg: Config) -> None:
@@ -124,7 +127,7 @@ class InContextClassification(Method):
         max_tokens = cfg.max_tokens or getattr(model, "max_tokens", None)
         budget = max_tokens - cfg.max_new_tokens if max_tokens else None
         strategies = [s for s in longicl.STRATEGIES if s.name in cfg.strategies]
-        answers = run_log(run.path)  # what a resumed run does not ask again
+        answers = run_log(run.path) if run.writes else None  # what a resumed run does not ask again (rank 0's)
         measured: dict[str, Any] = {}
         details: dict[str, Any] = {"task": data.name, "model": cfg.model, "max_tokens": max_tokens}
         curves: dict[str, list[float | None]] = {}
@@ -174,6 +177,8 @@ class _Generator:
         self.batch_size = getattr(model, "batch_size", 1)  # generate_all's progress steps: the model's batches
         if hasattr(model, "count_tokens"):
             self.count_tokens = model.count_tokens
+        if hasattr(model, "count_tokens_many"):
+            self.count_tokens_many = model.count_tokens_many
 
     def generate(self, prompt: str) -> str:
         if hasattr(self.model, "tokenizer"):

@@ -61,6 +61,9 @@ class Config(BaseConfig):
 class Ruler(Method):
     Config = Config
     cli = "owai eval ruler"
+    # under torchrun each rank holds the whole model and answers its share of each cell's batches
+    # (`causal_lm.generate_all`); rank 0 logs the answers and writes the results
+    data_parallel = True
 
     @staticmethod
     def unused_settings(cfg: Config) -> dict[str, str]:
@@ -175,7 +178,7 @@ class Ruler(Method):
             for name in cfg.ablate:
                 stack.enter_context(model.ablate(name))
             result = ruler.evaluate(model, tasks, cfg.ctx, cfg.n, cfg.seed, tokenizer, max_tokens,
-                                    answers=run_log(run.path))
+                                    answers=run_log(run.path) if run.writes else None)  # rank 0's log
         measured: dict[str, Any] = {}
         for task, by_length in result["results"].items():
             for length, cell in by_length.items():
@@ -237,9 +240,11 @@ class _OwaiTokenizer:
 
     def __init__(self, tok: Any) -> None:
         self.tok = tok
+        if hasattr(tok, "count_many"):  # counts a batch in parallel: the builders count ahead (ruler.SPECULATE)
+            self.count_many = tok.count_many
 
     def count(self, text: str) -> int:
-        return len(self.tok.encode(text))
+        return self.tok.count(text)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text)

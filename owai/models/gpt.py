@@ -328,6 +328,14 @@ class GPTForCausalLM(PreTrainedModel, GenerationMixin):
         so no row is fully masked.
         """
         alibi = self.config.position == "alibi"
+        if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape != (B, past + T)):
+            raise OwaiError(
+                f"attention_mask must be 2-D (batch, {past + T}) of 1/0, got shape {tuple(attention_mask.shape)}"
+            )
+        if attention_mask is not None and not torch.compiler.is_compiling() and bool(attention_mask.all()):
+            # no padding (what `generate` passes for one prompt): a mask of ones would cost a (B, 1, T, T)
+            # tensor and SDPA's masked kernels, 16 GiB at 128k tokens, where `is_causal` needs none
+            attention_mask = None
         if attention_mask is None and not alibi:
             if past == 0:
                 return None, True
@@ -341,10 +349,6 @@ class GPTForCausalLM(PreTrainedModel, GenerationMixin):
         else:
             mask = (k_pos[None, :] <= q_pos[:, None])[None, None]  # (1, 1, T, Tk)
         if attention_mask is not None:
-            if attention_mask.dim() != 2 or attention_mask.shape != (B, past + T):
-                raise OwaiError(
-                    f"attention_mask must be 2-D (batch, {past + T}) of 1/0, got shape {tuple(attention_mask.shape)}"
-                )
             keep = attention_mask.bool()[:, None, None, :] | (k_pos[None, :] == q_pos[:, None])  # (B, 1, T, Tk)
             mask = mask.masked_fill(~keep, float("-inf")) if alibi else mask & keep
         return mask, False

@@ -48,7 +48,7 @@ from transformers import initialization as hf_init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from owai.errors import OwaiError
-from owai.models.hf_cache import (CACHE_FIELD, UNREAD_OUTPUTS, StateCache, causal_lm_loss, forward_cache, own_generation_cache,
+from owai.models.hf_cache import (CACHE_FIELD, StateCache, causal_lm_loss, forward_cache, own_generation_cache,
                                    refuse_unread_inputs, with_cache)
 
 # ---------------------------------------------------------------------------------------------
@@ -615,13 +615,17 @@ class MemoryMosaicsForCausalLM(PreTrainedModel, GenerationMixin):
         attention_mask: torch.Tensor | None = None,
         return_dict: bool | None = True,
         past_key_values: MemoryMosaicsCache | None = None,
+        logits_to_keep: int = 0,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast | tuple:
-        """input_ids (B, T) -> logits (B, T, V) for every position; loss if labels (shifted inside,
-        ignore_index -100). With a cache (`cache`, or its older name `past_key_values`), or
-        use_cache=True, the input continues the cached sequence and the cache is updated in place
-        and returned."""
-        refuse_unread_inputs("memory mosaics", input_ids, kwargs, UNREAD_OUTPUTS + ("logits_to_keep",))
+        """input_ids (B, T) -> logits (B, T, V) for every position (the last `logits_to_keep` only, if
+        given: what `generate` asks of a prompt, whose float32 (T, V) logits a long prompt would
+        otherwise fill memory with); loss if labels (shifted inside, ignore_index -100). With a cache
+        (`cache`, or its older name `past_key_values`), or use_cache=True, the input continues the
+        cached sequence and the cache is updated in place and returned."""
+        refuse_unread_inputs("memory mosaics", input_ids, kwargs)
+        if logits_to_keep and labels is not None:
+            raise OwaiError("memory mosaics: labels need every position's logits; drop logits_to_keep")
         if attention_mask is not None and not torch.compiler.is_compiling() and not bool(attention_mask.all()):
             raise OwaiError("memory mosaics: padded attention_mask is not supported, use batches of equal length")
         cache = forward_cache(cache, past_key_values, use_cache, MemoryMosaicsCache, MemoryMosaicsCache, "memory mosaics")
@@ -636,7 +640,8 @@ class MemoryMosaicsForCausalLM(PreTrainedModel, GenerationMixin):
         x = self.model.wte(input_ids)  # (B, T, C); no position embedding
         for i, block in enumerate(self.model.h):
             x, _ = block(x, cache.layers[i] if cache is not None else None, past)
-        logits = self._logits(self.model.ln_f(x))  # (B, T, V)
+        x = self.model.ln_f(x)
+        logits = self._logits(x[:, -logits_to_keep:] if logits_to_keep else x)  # (B, T, V)
         if cache is not None:
             cache.seen_tokens = past + input_ids.shape[1]
 
