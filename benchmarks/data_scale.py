@@ -1,6 +1,6 @@
 """Benchmark: the data pipeline at the paper's scale, on generated data (CPU only; docs/results.md).
 
-    python benchmarks/data_scale.py [--only tar,windows,paths,samplers,camelyon] [--scale 1.0] [--dir DIR]
+    python benchmarks/data_scale.py [--only tar,windows,paths,samplers,camelyon,prefetch] [--scale 1.0] [--dir DIR]
 
 Prints, per check, the measured figures and what they mean at the paper's size:
   tar       reading a .tar.gz of documents stored out of name order (sotu.tar.gz is), 1,000 and 4,000
@@ -11,6 +11,15 @@ Prints, per check, the measured figures and what they mean at the paper's size:
             of Path, a list of str, and owai's `Strings`
   samplers  ms per step of Camelyon17's StandardSampler at 302k / 1.28M examples
   camelyon  peak RSS and time of reading a 455,954-row metadata.csv (+ empty patch files)
+  prefetch  the time a training step waits for its packed-stream batch (owai.data.packing) with the
+            stream read in the loop (`data.prefetch=0`) and through the prefetch thread (the default
+            depth), for a step that waits as on a GPU (the main thread idle, GIL released), one that
+            spends a quarter of it in Python (holding the GIL, as kernel launches do), and one that
+            computes on this CPU (torch matrix products, a fixed amount of work), the data's share
+            set to 10 % of the step as measured for `paper-small`; and whether the batches are identical.
+            GPT-2's tokenizer from $OWAI_DATA/tokenizers/gpt2 (else `bytes`), 1024-token rows, 4 per
+            rank, 8 ranks' worth tokenized (every rank tokenizes the global batch); 3 rounds, the depths
+            alternating, medians
 --scale multiplies the generated sizes (0.1 for a quick look). Generated files stay under --dir
 (default: a temporary directory, removed at the end).
 """
@@ -23,15 +32,17 @@ import os
 import random
 import resource
 import shutil
+import statistics
 import sys
 import tarfile
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from _args import ArgumentParser, fail
 
-CHECKS = ("tar", "windows", "paths", "samplers", "camelyon")
+CHECKS = ("tar", "windows", "paths", "samplers", "camelyon", "prefetch")
 
 
 def rss_mb() -> float:
@@ -184,6 +195,111 @@ def check_camelyon(work: Path, scale: float) -> None:
           f"peak RSS {rss_mb():.0f} MB (before {before:.0f} MB)")
 
 
+def _prefetch_corpus(work: Path, scale: float) -> Path:
+    """A jsonl corpus of generated English-like documents of 200-1,500 words (about 15 MB at scale 1)."""
+    import json
+
+    path = work / f"prefetch-docs-{scale:g}.jsonl"
+    if not path.is_file():
+        words = ("the of and to in a is that for it as was with be by on not he this are or his from at which "
+                 "but have an they you were her she there one all we their been has when who will more no if out "
+                 "so said what up its about into than them can only other new some could time these two may then "
+                 "first any like now my such make over our even most me state after also made many did must before "
+                 "back see through way where get much go well your know should down work year because come people").split()
+        rng = random.Random(0)
+        with open(path, "w") as f:
+            for _ in range(max(50, int(3000 * scale))):
+                text = " ".join(rng.choice(words) for _ in range(rng.randint(200, 1500)))
+                f.write(json.dumps({"text": text[0].upper() + text[1:] + "."}) + "\n")
+    return path
+
+
+def _products(n: int) -> None:
+    """CPU work of a fixed size: torch matrix products on all of torch's threads (a CPU training step)."""
+    import torch
+
+    a = torch.ones(384, 384)
+    for _ in range(n):
+        a = torch.mm(a, a).clamp_(max=1.0)
+
+
+def _python(n: int) -> None:
+    """Python work of a fixed size, holding the GIL (a training step's Python: module calls, kernel launches)."""
+    total = 0
+    for i in range(n * 1000):
+        total += i
+
+
+def _sized(work: Any, seconds: float) -> int:
+    """The size n for which `work(n)` takes about `seconds` here (the median of five timings)."""
+    n = 8
+    work(n)  # a warm-up (thread pools start, caches fill)
+    typical = statistics.median(_timed(work, n) for _ in range(5))
+    return max(1, round(n * seconds / typical))
+
+
+def _timed(work: Any, n: int) -> float:
+    t0 = time.perf_counter()
+    work(n)
+    return time.perf_counter() - t0
+
+
+def check_prefetch(work: Path, scale: float) -> None:
+    import hashlib
+
+    from owai.data.packing import PREFETCH_DEPTH, PackedStream, Prefetcher
+    from owai.data.text import load_tokenizer
+    from owai.errors import OwaiError
+
+    corpus = _prefetch_corpus(work, scale)
+    try:
+        tokenizer = load_tokenizer("tokenizers/gpt2")
+    except OwaiError:
+        tokenizer = load_tokenizer("bytes")
+    T, B, W = 1024, 4, 8
+    steps = max(8, int(15 * scale))
+
+    def stream() -> PackedStream:
+        return PackedStream(corpus, tokenizer, T, rank=0, world_size=W)
+
+    alone = stream()
+    alone.next_batch(B)
+    data_s = _timed(lambda n: [alone.next_batch(B) for _ in range(n)], 10) / 10  # a mean: documents come 64 at a time
+    model_s = 9 * data_s  # the data is 10 % of a step read in the loop (paper-small: ~0.35 s of ~3.7 s)
+    launch = _sized(_python, model_s / 4)
+    products = _sized(_products, model_s)
+    print(f"prefetch: tokenizer {tokenizer.name}, {B * W} rows x {T} tokens tokenized a step: "
+          f"{data_s * 1e3:.0f} ms alone ({B * W * T / data_s / 1e6:.2f}M tokens/s); model step {model_s * 1e3:.0f} ms")
+    steps_of = {
+        "GPU (CPU idle)": lambda: time.sleep(model_s),
+        "GPU (1/4 of it Python)": lambda: (_python(launch), time.sleep(model_s * 3 / 4)),
+        "CPU (torch on every core)": lambda: _products(products),
+    }
+    for kind, compute in steps_of.items():
+        digests: dict[int, set[str]] = {0: set(), PREFETCH_DEPTH: set()}
+        figures: dict[int, list[tuple[float, float]]] = {0: [], PREFETCH_DEPTH: []}
+        for _ in range(3):  # rounds, the two depths alternating (paired: the machine's load drifts)
+            for depth in (0, PREFETCH_DEPTH):
+                digest = hashlib.sha256()
+                with Prefetcher(stream(), B, depth) as batches:
+                    batches.next_batch()  # the first batch (the thread's start) is not counted
+                    compute()
+                    batches.wait_s, t0 = 0.0, time.perf_counter()
+                    for _ in range(steps):
+                        digest.update(batches.next_batch()["input_ids"].numpy().tobytes())
+                        compute()
+                    figures[depth].append((batches.wait_s / steps, (time.perf_counter() - t0) / steps))
+                digests[depth].add(digest.hexdigest())
+        for depth, rows in figures.items():
+            wait_s = statistics.median(w for w, _ in rows)
+            step_s = statistics.median(s for _, s in rows)
+            print(f"prefetch: {kind} step, depth {depth}: waits {wait_s * 1e3:.1f} ms a step for data "
+                  f"({wait_s / step_s:.1%} of the step), {step_s * 1e3:.0f} ms a step (medians of 3 rounds of {steps} steps; "
+                  f"steps {', '.join(f'{s * 1e3:.0f}' for _, s in rows)} ms)")
+        same = len(digests[0]) == 1 and digests[0] == digests[PREFETCH_DEPTH]
+        print(f"prefetch: {kind}: batches identical with and without the thread: {same}")
+
+
 def main() -> int:
     parser = ArgumentParser(prog="data_scale.py", description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(CHECKS), help="comma-separated checks")
@@ -208,6 +324,8 @@ def main() -> int:
                 check_paths(args.scale)
             elif check == "samplers":
                 check_samplers()
+            elif check == "prefetch":
+                check_prefetch(work, args.scale)
             else:
                 check_camelyon(work, args.scale)
     finally:

@@ -205,24 +205,98 @@ def test_table_4_2_flops_per_token():
     assert torch.get_default_device().type == "cpu"
 
 
-@pytest.mark.slow  # ~25 s; tests/test_packing.py checks the stream's resume state and next batches
+@pytest.mark.slow  # ~40 s; tests/test_packing.py checks the stream's resume state and next batches
 def test_a_streamed_corpus_trains_and_resumes_where_it_stopped(tmp_path: Path, text_file: Path):
     """data.stream: batches from the packed stream (owai.data.packing), its position saved with each
-    checkpoint, so a killed run resumes on the same next rows; validation tokens kept in the run."""
+    checkpoint, so a killed run resumes on the same next rows; validation tokens kept in the run. The
+    same through the prefetch thread (data.prefetch=2; `auto` is none on a CPU): the same losses to the
+    last bit, and a resume from the checkpoint its thread had read past gives them again. Each log line
+    has the loop's wait for data beside it (data_wait_s)."""
     common = [s for s in TINY_V2 if not s.startswith(("archs", "eval.lengths", "eval.without"))] + [
         "archs=[mmv2]", "data.stream=true", "data.stream_val_tokens=600", "eval.lengths=[]", "train.steps=6", "train.checkpoint_every=3",
         "train.log_every=1", "train.eval_every=6"]
-    proc = run_owai("mosaic-train", "-r", "table4.2-pretrain", "-q", "-o", str(tmp_path / "runs"), "--dataset", str(text_file),
-                    *as_sets(common))
-    assert proc.returncode == 0, proc.stderr
-    run = only_run(tmp_path / "runs")
-    assert (run / "val_tokens.bin").stat().st_size > 0
-    before = losses(run, "mmv2")
-    assert len(before) == 6
-    as_if_killed(run, run / "checkpoints" / "mmv2" / "step-000006", run / "models")
-    again = run_owai("mosaic-train", "-q", "--resume", str(run))
-    assert again.returncode == 0, again.stderr
-    assert losses(run, "mmv2") == before
+    before = None
+    for prefetch in ("auto", "2"):
+        out = tmp_path / f"runs-{prefetch}"
+        proc = run_owai("mosaic-train", "-r", "table4.2-pretrain", "-q", "-o", str(out), "--dataset", str(text_file),
+                        *as_sets(common + [f"data.prefetch={prefetch}"]))
+        assert proc.returncode == 0, proc.stderr
+        run = only_run(out)
+        assert (run / "val_tokens.bin").stat().st_size > 0
+        before = before or losses(run, "mmv2")
+        assert len(before) == 6 and losses(run, "mmv2") == before
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert sorted(r["step"] for r in rows if r.get("data_wait_s", -1) >= 0) == list(range(1, 7))  # the loop's data stall
+        as_if_killed(run, run / "checkpoints" / "mmv2" / "step-000006", run / "models")
+        again = run_owai("mosaic-train", "-q", "--resume", str(run))
+        assert again.returncode == 0, again.stderr
+        assert losses(run, "mmv2") == before
+
+
+STREAMED = ["archs=[transformer]", "model.size=''", "data.tokenizer=bytes", "data.block_size=32", "data.documents=true",
+            "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.ffn_hidden=64", "train.steps=4", "train.batch_size=4",
+            "train.warmup=1", "train.eval_every=4", "train.eval_batches=1", "train.checkpoint_every=2", "eval.posloss_windows=2",
+            "eval.val_batches=1", "eval.lengths=[]", "eval.attention_multiples=[]", "eval.continuations=false",
+            "data.stream=true", "data.stream_val_tokens=100"]
+
+
+def _streamed_corpus(folder: Path, broken_at: int | None = None) -> Path:
+    """train.jsonl (a line that is not JSON at record `broken_at`) and val.jsonl, in `folder`."""
+    folder.mkdir()
+    rng = random.Random(1)
+    lines = [json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 60)))}) for _ in range(100)]
+    (folder / "val.jsonl").write_text("\n".join(lines[:10]) + "\n")
+    if broken_at is not None:
+        lines.insert(broken_at, '{"text": "cut off')
+    (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def test_a_corrupt_file_met_by_the_prefetch_thread_is_the_same_error_line(tmp_path: Path, capsys):
+    """A corrupt training file read by the prefetch thread stops the run with the one `error:` line and
+    exit code the stream read in the loop gives (not a hang, not a traceback of the thread)."""
+    corpus = _streamed_corpus(tmp_path / "corpus", broken_at=30)
+    said = []
+    for prefetch in ("0", "2"):
+        code, _, err = cli_in_process(["mosaic-train", "-r", "table4.2-pretrain", "-q", "-o", str(tmp_path / prefetch),
+                                       "--dataset", str(corpus), *as_sets(STREAMED + [f"data.prefetch={prefetch}"])], capsys)
+        said.append((code, err.strip().splitlines()))
+    assert said[0] == said[1], said
+    code, lines = said[1]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "train.jsonl:31: not a JSON line" in lines[0], said
+
+
+def test_sigterm_while_the_loop_waits_for_the_prefetch_thread_stops_the_run_as_interrupted(tmp_path: Path, capsys, monkeypatch):
+    """SIGTERM (torchrun, SLURM) arriving while the training loop waits for a batch of the prefetch
+    thread stops the run at once, marked interrupted with exit 143, as anywhere else in a run; the
+    thread, inside its batch, is left to end (a daemon: nothing waits on it past PREFETCH_CLOSE_S)."""
+    import os
+    import signal
+    import threading
+
+    from owai.data import packing
+    from owai.data.text import ByteTokenizer
+
+    corpus = _streamed_corpus(tmp_path / "corpus")
+    release = threading.Event()
+    encode_batch = ByteTokenizer.encode_batch
+
+    def slow_in_the_thread(self, texts):
+        if threading.current_thread() is not threading.main_thread():
+            os.kill(os.getpid(), signal.SIGTERM)
+            release.wait(30)
+        return encode_batch(self, texts)
+
+    monkeypatch.setattr(ByteTokenizer, "encode_batch", slow_in_the_thread)
+    monkeypatch.setattr(packing, "PREFETCH_CLOSE_S", 0.2)
+    try:
+        code, _, err = cli_in_process(["mosaic-train", "-r", "table4.2-pretrain", "-q", "-o", str(tmp_path / "out"),
+                                       "--dataset", str(corpus), *as_sets(STREAMED + ["data.prefetch=2"])], capsys)
+    finally:
+        release.set()
+    assert code == 143 and err.strip().splitlines()[-1] == "error: stopped by SIGTERM", err
+    (status,) = (tmp_path / "out").glob("*/*/status.json")
+    assert json.loads(status.read_text())["status"] == "interrupted"
 
 
 @pytest.mark.parametrize("arch", ["mmv2", "transformer", "lstm"])

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import SHARED_DATA  # $OWAI_DATA, else the shared/data beside the checkout
 
-from owai.data.packing import NO_TOKEN, PackedStream, default_special_ids, document_positions
+from owai.data.packing import NO_TOKEN, PackedStream, Prefetcher, default_special_ids, document_positions
 from owai.data.text import HubSource, LocalSource, Tokenizer, load_tokenizer, open_source
 from owai.errors import OwaiError
 
@@ -120,6 +120,16 @@ def one_line_error(excinfo: pytest.ExceptionInfo) -> str:
 
 def json_round_trip(state: dict) -> dict:
     return json.loads(json.dumps(state))
+
+
+def read_ahead(prefetcher: Prefetcher, rows: int) -> None:
+    """Wait (at most 10 s) until the prefetch thread has taken the stream past global row `rows`."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while prefetcher.stream.rows_emitted <= rows:
+        assert time.monotonic() < deadline, "the prefetch thread did not read ahead"
+        time.sleep(0.01)
 
 
 # --- document_positions ----------------------------------------------------------------------------
@@ -338,6 +348,133 @@ def test_resume_opens_the_source_at_its_saved_position(tmp_path: Path, kind: str
     again = PackedStream(source, "bytes", T)
     again.load_state_dict(old)
     assert_same(batches(again, 5, B), full[saved:saved + 5])
+    # the same kill and resume through the prefetch thread (the training loop's reader): the state it
+    # saves is the one after the last batch it handed out, though its thread had read further
+    with Prefetcher(PackedStream(source, "bytes", T), B, 3) as ahead:
+        assert_same(batches(ahead, saved, B), full[:saved])
+        read_ahead(ahead, saved * B)
+        assert json_round_trip(ahead.state_dict()) == state
+    with Prefetcher(PackedStream(source, "bytes", T), B, 3) as resumed_ahead:
+        resumed_ahead.load_state_dict(json_round_trip(ahead.state_dict()))
+        assert_same(batches(resumed_ahead, total - saved, B), full[saved:])
+
+
+@pytest.mark.parametrize("shuffle", [0, 5])
+def test_prefetched_batches_and_states_are_the_streams_own(tmp_path: Path, gpt2: Tokenizer, shuffle: int) -> None:
+    """The prefetch thread's batches are those of the stream read in the loop, bit for bit (rank 1 of 2,
+    over several epochs), and its state after each batch is the stream's after that batch, while its
+    thread has already read further (a checkpoint must hold the position of what the model consumed)."""
+    source = write_jsonl(tmp_path / "docs.jsonl", word_docs(40, seed=3, blank_every=9))
+
+    def stream() -> PackedStream:
+        return PackedStream(source, gpt2, 24, rank=1, world_size=2, shuffle_buffer=shuffle, seed=2)
+
+    direct = stream()
+    expect = [(direct.next_batch(3), direct.state_dict()) for _ in range(25)]
+    assert direct.epoch >= 2
+    for depth in (0, 1, 4):
+        with Prefetcher(stream(), 3, depth) as ahead:
+            for i, (batch, state) in enumerate(expect):
+                assert_same([ahead.next_batch(3)], [batch])
+                if depth and i in (0, 11, 24):
+                    read_ahead(ahead, state["rows"])
+                    assert ahead.state_dict() == state
+            assert ahead.state_dict() == direct.state_dict()
+    # closed, then read again: it goes on from the last batch handed out, not from where its thread was
+    ahead = Prefetcher(stream(), 3, 4)
+    first = batches(ahead, 5, 3)
+    read_ahead(ahead, expect[4][1]["rows"])
+    ahead.close()
+    assert_same(first + batches(ahead, 5, 3), [b for b, _ in expect[:10]])
+    ahead.close()
+
+
+def _broken_corpus(tmp_path: Path) -> Path:
+    """145 good documents (past the first 64 encoded together), then a line that is not JSON, then more."""
+    lines = [json.dumps({"text": d}) for d in word_docs(160, seed=4)]
+    lines.insert(145, '{"text": "cut off')
+    path = tmp_path / "broken.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_an_error_in_the_prefetch_thread_is_raised_by_the_caller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A corrupt file met by the thread is the same one-line OwaiError the stream read in the loop
+    raises, after the same batches; it is raised again by every later call (not a hang, not a batch
+    from a stream stopped inside one). Any other exception keeps its traceback through the thread."""
+    import traceback
+
+    source = _broken_corpus(tmp_path)
+    direct, before = PackedStream(source, "bytes", 16), []
+    with pytest.raises(OwaiError) as expected:
+        while True:
+            before.append(direct.next_batch(2))
+    assert "not a JSON line" in one_line_error(expected) and len(before) > 5
+    for depth in (0, 3):
+        ahead, got = Prefetcher(PackedStream(source, "bytes", 16), 2, depth), []
+        with pytest.raises(OwaiError) as raised:
+            while True:
+                got.append(ahead.next_batch())
+        assert str(raised.value) == str(expected.value)
+        assert_same(got, before)
+        with pytest.raises(OwaiError) as again:
+            ahead.next_batch()
+        assert again.value is raised.value
+        ahead.close()
+    stream = PackedStream(write_jsonl(tmp_path / "ok.jsonl", word_docs(200, seed=5)), "bytes", 16)
+    calls = []
+
+    def encode_batch(texts: list[str]) -> list[list[int]]:
+        calls.append(len(texts))
+        if len(calls) == 2:
+            raise RuntimeError("the tokenizer broke")
+        return [list(t.encode()) for t in texts]
+
+    monkeypatch.setattr(stream.tokenizer, "encode_batch", encode_batch)
+    with Prefetcher(stream, 2, 2) as ahead, pytest.raises(RuntimeError, match="the tokenizer broke") as broke:
+        while True:
+            ahead.next_batch()
+    frames = "".join(traceback.format_exception(broke.value))
+    assert "_produce" in frames and "encode_batch" in frames  # where the thread raised it
+
+
+def test_the_prefetch_thread_never_holds_up_the_end_or_a_signal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() ends a thread blocked on its full queue at once; a caller waiting for a slow thread is
+    stopped by SIGTERM (`Terminated`, as the CLI turns it into an interrupted run) or Ctrl-C at once,
+    and the thread then ends with the batch it was making."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from owai.data import packing
+    from owai.errors import Terminated, stop_on_termination
+
+    source = write_jsonl(tmp_path / "docs.jsonl", word_docs(100, seed=7))
+    ahead = Prefetcher(PackedStream(source, "bytes", 16), 2, 2)
+    ahead.next_batch()
+    read_ahead(ahead, 2 * 2)  # two more made: the queue is full, the thread waits for room
+    thread, start = ahead._thread, time.monotonic()
+    ahead.close()
+    assert thread is not None and not thread.is_alive() and time.monotonic() - start < 2
+    release = threading.Event()
+    slow = PackedStream(source, "bytes", 16)
+    real = slow.next_batch
+    monkeypatch.setattr(slow, "next_batch", lambda b: release.wait(60) and real(b))  # a batch that never comes
+    monkeypatch.setattr(packing, "PREFETCH_CLOSE_S", 0.2)
+    ahead = Prefetcher(slow, 2, 2)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+    start = time.monotonic()
+    with stop_on_termination(), pytest.raises(Terminated):
+        timer.start()
+        ahead.next_batch()
+    assert time.monotonic() - start < 5
+    thread = ahead._thread
+    ahead.close()  # the thread is inside its batch: close gives up after PREFETCH_CLOSE_S; the daemon ends with it
+    assert thread is not None and thread.daemon and thread.is_alive() and time.monotonic() - start < 5
+    release.set()
+    thread.join(5)
+    assert not thread.is_alive()
 
 
 def test_state_of_another_stream_is_refused(tmp_path: Path) -> None:

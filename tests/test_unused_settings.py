@@ -19,6 +19,7 @@ from owai.errors import OwaiError
     (["mosaic-train", "--size", "tiny", "--arch", "transformer", "--set", "model.short_window=8", "--dry-run"],
      "model.short_window is unused here: a setting of mmv2; this run trains transformer"),
     (["mosaic-train", "--arch", "mm", "--set", "model.n_kv_head=2"], "model.n_kv_head is unused here: a setting of transformer; this run trains mm"),
+    (["mosaic-train", "--set", "data.prefetch=2"], "data.prefetch is unused here: a setting of data.stream; this run reads token windows"),
     (["bonsai", "-p", "tiny", "--method", "vrex", "--init", "rand", "--set", "penalty.anneal_iters=50"],
      "penalty.anneal_iters is unused here: a setting of the ERM phase of --init erm; --init rand has none"),
     (["bonsai", "-p", "tiny", "--method", "irm", "--init", "erm", "--set", "bonsai.rounds=3"],

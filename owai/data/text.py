@@ -221,9 +221,13 @@ class HubSource(TextSource):
         data, hold_out = self._pick(split)
         records = 0
         if position is not None:
-            import copy
+            import pickle
 
-            data = copy.deepcopy(data)  # the split itself still starts at its first record (the next epoch)
+            # a copy, so that the split itself still starts at its first record (the next epoch); pickled, as
+            # a DataLoader worker receives it: `copy.deepcopy` of a streamed split fails outside the main thread
+            # (the prefetch thread of owai.data.packing), since huggingface_hub keeps one HfFileSystem per
+            # thread and adding this thread's to its instance cache changes the dict deepcopy walks
+            data = pickle.loads(pickle.dumps(data))
             try:
                 data.load_state_dict(position["hub"])
                 records = int(position["records"])
@@ -945,6 +949,14 @@ class HFTokenizer(Tokenizer):
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+    def count(self, text: str) -> int:
+        return len(self.backend.encode(text, add_special_tokens=False))  # no list of ids made
+
+    def count_many(self, texts: list[str]) -> list[int]:
+        """`count` of each text, the batch encoded in parallel (Rust threads): what RULER's builders
+        and the in-context prompts' budget checks use to count long prompts a batch at a time."""
+        return [len(e) for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
 
     def encode_as_transformers(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._parsing_backend.encode(text, add_special_tokens=add_special_tokens).ids

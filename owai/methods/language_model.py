@@ -130,6 +130,9 @@ class DataConfig:
     stream: bool = False  # read the source as a stream (hub ids: no download first), packed by owai.data.packing
     shuffle_buffer: int = 0  # stream: documents in the seeded shuffle pool (0 = the source's order)
     stream_val_tokens: int = 1000000  # stream: tokens of the validation split kept for the evaluations
+    # stream: micro-batches a thread prepares ahead while the model computes (owai.data.packing.Prefetcher);
+    # 0 = none; auto: 4 on a GPU, none on a CPU (there the thread would take the cores of torch's own threads)
+    prefetch: int | Literal["auto"] = "auto"
 
 
 @dataclass
@@ -209,7 +212,8 @@ class LanguageModelPretraining(Method):
 
     @staticmethod
     def unused_settings(cfg: Config) -> dict[str, str]:
-        """The model fields that no architecture of `archs` reads (`MODEL_FIELD_READERS`)."""
+        """The model fields that no architecture of `archs` reads (`MODEL_FIELD_READERS`), and the stream's
+        settings without data.stream."""
         if not cfg.archs or len(set(cfg.archs)) != len(cfg.archs):
             return {}  # `check_settings` refuses the architectures themselves
         families = {parse_arch(label)[0] for label in cfg.archs}
@@ -217,6 +221,9 @@ class LanguageModelPretraining(Method):
                   for key, readers in MODEL_FIELD_READERS.items() if not families & set(readers)}
         if "gpt" in families and not any(parse_arch(a) == ("gpt", {}) for a in cfg.archs):
             unused["model.position"] = f"the position encoding of a plain gpt; archs {', '.join(cfg.archs)} name their own"
+        if not cfg.data.stream:
+            unused |= dict.fromkeys(("data.prefetch", "data.shuffle_buffer", "data.stream_val_tokens"),
+                                    "a setting of data.stream; this run reads token windows (data.stream=false)")
         return unused | data_root_unused(cfg.data, cfg.eval, cfg.data.tokenizer)
 
     def run(self, cfg: Config, run: Run) -> Outcome:
@@ -312,6 +319,8 @@ def check_settings(cfg: Config) -> None:
         raise OwaiError("train.warmup must be >= 0 and train.betas a pair")
     if t.tokens < 0:
         raise OwaiError(f"train.tokens must be >= 0, got {t.tokens}")
+    if cfg.data.prefetch != "auto":
+        check_count("data.prefetch", cfg.data.prefetch, 0, 1024)  # batches held in memory: a few MB each at 4096 tokens
     from owai.runtime import planned_device
 
     precision_for(t.precision, planned_device(cfg.runtime.device))  # the run's own machine checks the device
@@ -581,6 +590,18 @@ def _stream_data(data: DataConfig, run: Run | None, seed: int) -> LMData:
     return LMData(tokenizer, stream, windows, windows)
 
 
+def prefetch_depth(data: DataConfig, device: torch.device) -> int:
+    """data.prefetch as a number of micro-batches: `auto` is PREFETCH_DEPTH where the model computes on an
+    accelerator, and none on a CPU, where the thread's tokenizing takes the cores torch's threads use: on 2
+    cores the wait it saved went into slower products, no gain, and up to twice as slow a step on a busy
+    machine (benchmarks/data_scale.py --only prefetch; docs/decisions.md)."""
+    from owai.data.packing import PREFETCH_DEPTH
+
+    if data.prefetch != "auto":
+        return int(data.prefetch)
+    return 0 if device.type == "cpu" else PREFETCH_DEPTH
+
+
 def global_batch(windows: Any, cfg: Config, step: int, micro: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's slice of the global micro-batch `micro` of update `step`.
 
@@ -794,12 +815,16 @@ def train_model(cfg: Config, run: Run, arch: str, parallel: Any, data: LMData, d
 
     m, v2 = cfg.model, parse_arch(arch)[0] == "mmv2"
     eot = data.tokenizer.eot_id if cfg.data.documents else None
-    stream = data.train("train") if cfg.data.stream else None  # its position is a checkpoint companion
+    stream = None  # data.stream: its position (after the last batch the model read) is a checkpoint companion
+    if cfg.data.stream:  # batches made ahead by a thread while the model computes (owai.data.packing, "Prefetch")
+        from owai.data.packing import Prefetcher
+
+        stream = Prefetcher(data.train("train"), t.batch_size, prefetch_depth(cfg.data, device))
 
     def loss_at(step: int, micro: int) -> torch.Tensor:
         if stream is not None:  # the next packed rows (the loop asks in order; resume restores the position)
             batch = stream.next_batch(t.batch_size)
-            x, y = batch["input_ids"].to(device), batch["labels"].to(device)
+            x, y = batch["input_ids"].to(device, non_blocking=True), batch["labels"].to(device, non_blocking=True)
         elif batches is not None:
             x, y = (t.to(device, non_blocking=True) for t in batches(step, micro))
         else:
@@ -808,7 +833,8 @@ def train_model(cfg: Config, run: Run, arch: str, parallel: Any, data: LMData, d
         if eot is not None:  # document-wise masking: positions restart at every document start
             from owai.data.packing import document_positions
 
-            inputs["position_ids"] = batch["position_ids"].to(device) if stream is not None else document_positions(x, eot)
+            inputs["position_ids"] = (batch["position_ids"].to(device, non_blocking=True) if stream is not None
+                                      else document_positions(x, eot))
         if v2:  # one long-term delay per update, the same on every rank and on resume
             lo, hi = m.long_delay_train
             inputs["long_delay"] = int(torch.randint(lo, hi + 1, (1,), generator=generator(cfg.seed, "delay", step)).item())
@@ -825,8 +851,14 @@ def train_model(cfg: Config, run: Run, arch: str, parallel: Any, data: LMData, d
     train_probe = [] if stream is not None else eval_batches(data.train, t.eval_batches, t.batch_size, cfg.seed, "train-eval")
 
     steps = total_steps(cfg)
+    waited = {"s": 0.0, "updates": 0}  # the stream's wait at the last log line, and updates since
 
     def after_step(done: int) -> None:
+        if stream is not None:  # the loop's data stall: seconds an update waited for its batches (on a GPU, the GPU idle)
+            waited["updates"] += 1
+            if done % min(t.log_every, steps) == 0 or done == steps:
+                run.log(arch, done, data_wait_s=(stream.wait_s - waited["s"]) / waited["updates"])
+                waited.update(s=stream.wait_s, updates=0)
         if done % t.eval_every == 0 or done == steps:
             logged = {"val_loss": mean_loss(parallel.module, val, device, eot)}
             if train_probe:  # the reference's "train" estimate: eval mode, no dropout (the Fig 3.8 curve)
@@ -846,9 +878,12 @@ def train_model(cfg: Config, run: Run, arch: str, parallel: Any, data: LMData, d
         flops_per_token=3 * forward_flops_per_token(model, cfg.data.block_size) if parse_arch(arch)[0] in SIZED else 0.0,
     )
     lr_at = warmup_cosine_schedule(t.lr, t.warmup, t.decay_steps or steps, t.min_lr)
-    summary = train_loop(run, arch, model, optimizer, loss_at, loop, lr_at=lr_at, after_step=after_step, parallel=parallel,
-                         companion=stream)
-    return summary
+    try:
+        return train_loop(run, arch, model, optimizer, loss_at, loop, lr_at=lr_at, after_step=after_step, parallel=parallel,
+                          companion=stream)
+    finally:
+        if stream is not None:  # also on an error or Ctrl-C / SIGTERM: the thread stops with the stage
+            stream.close()
 
 
 def save_model(run: Run, arch: str, parallel: Any, data: LMData, max_shard_size: str = "5GB") -> Path:
