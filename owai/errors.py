@@ -12,6 +12,7 @@ import re
 import signal
 import threading
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 
 def did_you_mean(word: str, known: Iterable[str]) -> str:
@@ -85,10 +86,12 @@ def stop_on_termination() -> Iterator[Termination]:
             record.signum = signum
         raise Terminated(signum)
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)
-                if signal.getsignal(sig) is not signal.SIG_IGN}
+    previous: dict[int, Any] = {}
     _OPEN.append(seen)
-    try:
+    try:  # installed inside the try: a signal between the two installations finds the first restored
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                previous[sig] = signal.signal(sig, stop)
         yield seen
     finally:
         _OPEN.remove(seen)
@@ -112,9 +115,11 @@ def termination_deferred() -> Iterator[None]:
     def hold(signum: int, frame: object) -> None:
         held.append(signum)
 
-    previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGTERM, signal.SIGHUP)
-                if signal.getsignal(sig) is not signal.SIG_IGN}
-    try:
+    previous: dict[int, Any] = {}
+    try:  # installed inside the try: a signal between two installations still finds the first restored
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                previous[sig] = signal.signal(sig, hold)
         yield
     finally:
         for sig, handler in previous.items():

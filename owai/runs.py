@@ -47,9 +47,12 @@ HISTORY = "config_history.jsonl"
 ANSWERS = "answers.jsonl"  # an evaluation's answers so far (owai.evals.answers): what its resume does not ask again
 RANK_ERRORS = "error.rank*.json"  # error.rankR.json: what stopped torchrun's rank R > 0 (Run.record_rank_error)
 OUT = Path("runs")  # the results root when --out is not given: OUT/<recipe>/...
-# status.json's error when rank 0 of a torchrun job lost its peers and no rank recorded an error of its own
-NO_RANK_ERROR = ("another rank stopped without recording an error (a rank killed by a signal, e.g. SIGKILL from "
-                 "the out-of-memory killer, or a native crash, records none: torchrun's report names its rank and signal)")
+# status.json's error when rank 0 of a torchrun job lost its peers and no rank recorded an error of its own:
+# a rank killed or crashed, or ranks waiting on each other until the collectives' timeout (a hang, which
+# `distributed.lost_peer` also is: then no rank stopped, and rank0_error holds the timeout)
+NO_RANK_ERROR = ("another rank stopped or hung without recording an error (one killed by a signal, e.g. SIGKILL from "
+                 "the out-of-memory killer, or a native crash: torchrun's report names its rank and signal; a hang: "
+                 "rank0_error names the timeout)")
 SWEEP = "sweep.json"  # a sweep directory's plan (owai.sweep); a run directory has none
 # What a run directory holds (see above): a resume writes them again, so one that is there as
 # something else (a folder where a file belongs, a broken symlink) is refused before it writes.

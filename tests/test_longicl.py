@@ -402,6 +402,23 @@ def test_overflow_reported_not_scored(synth8):
     assert "count_tokens" in _one_line(err)
 
 
+def test_a_logged_prompt_set_with_counts_that_do_not_add_up_is_scored_again(synth8, tmp_path):
+    """A finished prompt set is read back from the answer log only when its counts are whole numbers
+    adding up to the queries; any other value (a log of another format) is scored again. The check runs
+    on rank 0 alone while the other ranks wait for its verdict: it raised a TypeError there."""
+    from owai.evals.answers import AnswerLog
+
+    path = tmp_path / "answers.jsonl"
+    args = (InContextKNN(), synth8, [1])
+    whole = evaluate(*args, n_queries=6, strategies=STRATEGIES[:1], answers=AnswerLog(path))
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    cells = [v for row in rows for v in row["answers"].values() if isinstance(v, dict)]
+    assert len(cells) == 1 and cells[0]["n_scored"] == 6
+    cells[0]["n_scored"] = None
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert evaluate(*args, n_queries=6, strategies=STRATEGIES[:1], answers=AnswerLog(path)) == whole
+
+
 # ------------------------------------------------------------------------------ tacred and loader errors
 
 

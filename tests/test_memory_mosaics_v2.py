@@ -328,6 +328,7 @@ def test_a_static_decoders_warm_up_leaves_no_trace(monkeypatch):
     assert torch.allclose(on, off, atol=1e-12)
 
 
+@pytest.mark.slow  # ~37 s of TorchInductor; benchmarks/lent_torch.sh runs it before every GPU call
 def test_a_compiled_static_step_equals_the_cached_steps_and_compiles_once():
     """Where the scan is compiled (scan_impl compiled; auto on CUDA) each block of a StaticDecoder's
     step runs as a compiled graph (`static_block`, what a CUDA graph then captures): its steps equal

@@ -318,6 +318,25 @@ def test_rich_features_reads_a_timm_vit_file_at_another_image_size_with_its_grid
         check_external_features("vit_mini_4", wide, 48)
 
 
+def test_a_dropout_ft_model_rebuilt_for_a_trained_state_reads_images_as_its_timm_weights_did(tmp_path):
+    """The study's ensembles and weight averages build the model without its weights file and load each
+    run's trained state: a timm ViT's map to its own image statistics (0.5 / 0.5) is no tensor of that
+    state, and without it every rebuilt model read the images ImageNet-normalised (other predictions)."""
+    from owai.experiment import resolve
+    from owai.methods.dropout_ft import build_model
+    from owai.recipes import load
+
+    path = _timm_repo(tmp_path / "augreg", _timm_state())
+    sets = ["model.backbone=vit_mini_4", f"model.weights={path}", "pretrain.steps=0", "data.image_size=32"]
+    cfg, _ = resolve(load("table2.8-dropout"), "tiny", sets)
+    trained = build_model(cfg, 4, path, torch.device("cpu")).eval()
+    rebuilt = build_model(cfg, 4, None, torch.device("cpu")).eval()
+    rebuilt.load_state_dict(trained.state_dict())
+    x = _imagenet(_pixels(32))
+    with torch.no_grad():
+        assert torch.equal(rebuilt(x), trained(x))
+
+
 # -- Hugging Face hub ids ------------------------------------------------------------------------------
 
 

@@ -78,6 +78,19 @@ def test_a_lost_peer_that_recorded_nothing_is_not_taken_for_the_cause(tmp_path: 
     assert run.failure() == "stopped by SIGTERM"
 
 
+def test_ranks_that_waited_on_each_other_until_the_timeout_are_not_said_to_have_stopped(tmp_path: Path):
+    """A hang (ranks in different collectives, each waiting until the timeout) reaches rank 0 as a lost
+    peer with no rank file, as a killed rank does: status.json says a rank may have hung, not only that
+    one was killed, and keeps the timeout under rank0_error."""
+    timeout = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+               "1800000ms for recv operation to complete")
+    run = Run(tmp_path)
+    assert run.record_failure(RuntimeError(timeout), rank=0, world_size=2) == NO_RANK_ERROR
+    status = run.status_info()
+    assert "hung" in status["error"] and status["rank0_error"] == f"RuntimeError: {timeout}"
+    assert run.failure() == NO_RANK_ERROR  # whole: one line under the report's limit
+
+
 def test_rank_0s_own_error_is_its_own(tmp_path: Path):
     """Rank 0's own error (every rank's non-finite loss, a checkpoint it cannot write) stays the cause,
     with its rank, even beside another rank's file; one process records no rank."""
@@ -102,6 +115,28 @@ def test_a_stop_signal_waits_until_the_status_is_written():
                 done.append("written")
     assert done == ["written"] and seen.signum == signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_stop_while_the_deferral_is_set_up_leaves_no_signal_held(monkeypatch: pytest.MonkeyPatch):
+    """A SIGHUP whose handler raises (a `Terminated`) after SIGTERM's deferral is installed but before
+    SIGHUP's: SIGTERM's own handler is put back, not left holding every later SIGTERM."""
+    import owai.errors
+
+    before = signal.getsignal(signal.SIGTERM)
+    install = signal.signal
+
+    def interrupted(sig, handler):
+        if sig == signal.SIGHUP:
+            raise Terminated(signal.SIGHUP)
+        return install(sig, handler)
+
+    monkeypatch.setattr(owai.errors.signal, "signal", interrupted)
+    for block in (termination_deferred, stop_on_termination):
+        with pytest.raises(Terminated):
+            with block():
+                pass
+        assert signal.getsignal(signal.SIGTERM) is before, block.__name__
+    monkeypatch.undo()
 
 
 @pytest.fixture

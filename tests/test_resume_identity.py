@@ -113,6 +113,17 @@ def test_config_hash_allows_the_documented_resume_overrides():
                     "config_hash": base["config_hash"]}
 
 
+def test_a_language_models_prefetch_depth_may_change_on_a_resume():
+    """data.prefetch changes when a batch is read, not which: a run started on a GPU (auto: the
+    thread) resumes with it off (or the reverse) under the same identity; data.block_size does not."""
+    recipe = load("table4.2-pretrain")
+    params = resolve(recipe, "cpu", ["data.prefetch=0"])[1]["params"]
+    assert run_identity(recipe, params) == run_identity(recipe, resolve(recipe, "cpu", ["data.prefetch=4"])[1]["params"])
+    assert "data.prefetch" in recipe.method_class().resume_overrides
+    other = resolve(recipe, "cpu", ["data.prefetch=0", "data.block_size=64"])[1]["params"]
+    assert run_identity(recipe, params) != run_identity(recipe, other)
+
+
 def test_state_json_step_beyond_the_schedule_is_refused(tmp_path: Path):
     run = Run(tmp_path)
     train_stage(run, "s", 3, steps=2)

@@ -18,9 +18,8 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from owai.errors import OwaiError
+from owai.models.vision import IMAGENET_MEAN, IMAGENET_STD  # one definition: the weights that read these images share it
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)  # TH A.1 and A.3.3 (the CIFAR trainings)
 CIFAR_STD = (0.2023, 0.1994, 0.2010)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")

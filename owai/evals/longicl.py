@@ -788,8 +788,9 @@ def score_prompts(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Examp
     # a prompt set scored before a kill is read back whole: its prompts are not counted again
     key = answer_key("longicl-cell", prompt_hash(context), [prompt_hash(render_query(data, q, options)) for q in queries],
                      dataclasses.asdict(options), max_tokens, n_examples, data.task)
-    done = rank0_value(answers, key, lambda v: isinstance(v, dict) and v.get("n_scored", -1) + v.get("n_overflow", -1)
-                       == len(queries))
+    # (a check that cannot raise: it runs on rank 0 alone, while the other ranks wait for its answer)
+    done = rank0_value(answers, key, lambda v: isinstance(v, dict) and type(v.get("n_scored")) is int
+                       and type(v.get("n_overflow")) is int and v["n_scored"] + v["n_overflow"] == len(queries))
     if done is not None:
         if progress is not None:
             progress(len(queries))

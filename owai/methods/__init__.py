@@ -50,8 +50,9 @@ class Method:
 
     Config: ClassVar[type]
     cli: ClassVar[str]  # the CLI command that runs it, e.g. "owai moons three-moons"
-    # Optimisation settings (dotted params paths) that `--resume RUN --set KEY=VALUE` may change,
-    # e.g. a lower train.lr after the run failed on NaN; they stay out of the checkpoints' config hash.
+    # Settings (dotted params paths) that `--resume RUN --set KEY=VALUE` may change: optimisation
+    # settings, e.g. a lower train.lr after the run failed on NaN, and settings that change no number
+    # (data.prefetch); they stay out of the checkpoints' config hash.
     resume_overrides: ClassVar[tuple[str, ...]] = ()
     # Whether it runs data-parallel under torchrun (each rank its share of the batches, rank 0
     # writes): the language models. Any other method is refused under torchrun, where every rank

@@ -322,8 +322,10 @@ def build_model(cfg: Config, num_classes: int, weights: Path | dict[str, torch.T
     """Backbone (+ its initial weights) -> FineTuneClassifier; the head's init is keyed by the seed,
     so the runs of one seed share their initialisation (what multi-run weight averaging assumes)."""
     from owai.models.vision import (
+        WEIGHTS,
         FineTuneClassifier,
         build_backbone,
+        feed_own_statistics,
         load_torchvision_weights,
         size_kwargs,
     )
@@ -341,6 +343,11 @@ def build_model(cfg: Config, num_classes: int, weights: Path | dict[str, torch.T
         backbone = build_backbone(m.backbone, num_classes=1000, **size_kwargs(m.backbone, cfg.data.image_size))
         if weights is not None:  # the features: the head is replaced below (a 21k-class or absent one loads)
             load_torchvision_weights(backbone, weights, features_only=True)
+        elif (m.weights and not cfg.pretrain.steps and m.weights not in WEIGHTS.get(m.backbone, {})
+              and Path(m.weights).expanduser().is_file()):
+            # a trained state loads over this model (the study's ensembles and weight averages): a timm ViT's
+            # map to its own image statistics is no tensor of that state, so it is set from the file here
+            feed_own_statistics(backbone, m.weights)
     model = FineTuneClassifier(backbone, num_classes, m.dropout, m.freeze_bn)
     torch.set_rng_state(rng)
     model = model.to(device)

@@ -203,7 +203,9 @@ def data_root_unused(data: DataConfig, evaluation: EvalConfig, tokenizer: str | 
 class LanguageModelPretraining(Method):
     Config = Config
     cli = "owai mosaic-train"
-    resume_overrides = ("train.lr", "train.min_lr", "train.grad_clip", "train.weight_decay")
+    # data.prefetch changes no batch (only when the next one is read): a GPU run resumed on a CPU, or the
+    # reverse, may set it
+    resume_overrides = ("train.lr", "train.min_lr", "train.grad_clip", "train.weight_decay", "data.prefetch")
     data_parallel = True
 
     @staticmethod

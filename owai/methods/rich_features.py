@@ -1247,13 +1247,11 @@ def load_network(net: Network, style: str = "domainbed", image_size: int | None 
     if net.external:  # features only, under a placeholder 1-class head (every stage strips or replaces it)
         from owai.data.images import normalisation
         from owai.models.rich import strip_head
-        from owai.models.vision import build_backbone, size_kwargs, timm_statistics
+        from owai.models.vision import build_backbone, feed_own_statistics, size_kwargs
 
         model = strip_head(build_backbone(net.backbone, num_classes=1, **size_kwargs(net.backbone, image_size)))
         model.load_state_dict(external_features(net.backbone, net.weights, image_size))
-        own = timm_statistics(net.weights)  # a timm ViT (0.5 / 0.5): fed its own statistics, as an hf: model is
-        if own is not None:
-            model.renormalise(*normalisation(style), *own)
+        feed_own_statistics(model, net.weights, normalisation(style))  # a timm ViT (0.5 / 0.5), as an hf: model is
         return model
     if net.checkpoint is not None:
         _, state = load_checkpoint(net.checkpoint)

@@ -800,6 +800,15 @@ def load_torchvision_weights(model: nn.Module, path: str | Path, features_only: 
     path = Path(path)
     state = _match_state(model, _read_state_dict(path), path, features_only)
     model.load_state_dict(state, strict=True)
+    feed_own_statistics(model, path, input_stats)
+
+
+def feed_own_statistics(model: nn.Module, path: str | Path,
+                        input_stats: tuple[tuple[float, ...], tuple[float, ...]] = (IMAGENET_MEAN, IMAGENET_STD)) -> None:
+    """Map the images `model` reads (normalised with `input_stats`) to the statistics of the weights file
+    `path` where it is a timm ViT's (`timm_statistics`, `VisionTransformer.renormalise`); nothing for any
+    other file. The map is no tensor of the state dict: a model built without the file and given a
+    trained state (dropout-ft's ensembles and weight averages) needs it set again from the file."""
     own = timm_statistics(path)
     if own is not None and isinstance(model, VisionTransformer):
         model.renormalise(*input_stats, *own)
