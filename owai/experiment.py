@@ -18,7 +18,7 @@ from typing import Any
 from owai import console, distributed, trackers
 from owai.checkpoint import CorruptCheckpoint, NonFiniteError, latest_checkpoint, list_checkpoints, load_checkpoint, recorded_identity
 from owai.config import apply_overrides, build, override_leaves, parse_override, to_dict
-from owai.errors import CannotRunHere, OwaiError, PeerFailed
+from owai.errors import CannotRunHere, OwaiError, PeerFailed, Terminated
 from owai.recipes import Recipe, load, recorded_name, thesis_for
 from owai.runs import OUT, Run, config_hash, ensure_writable, environment, is_sweep_dir
 
@@ -351,8 +351,10 @@ def _run_method(recipe: Recipe, cfg: Any, resolved: dict[str, Any], run: Run) ->
         raise NonFiniteError(f"{e}; {resume_hint(run)}", e.stage, e.step, e.checkpoint) from None
     except BaseException as e:  # Ctrl-C, a stop signal, a SLURM job's timeout (submitit exits it to requeue it): interrupted
         cause = run.record_failure(e, world.rank, world.world_size)  # status.json (rank 0) or error.rankR.json (another rank)
-        if cause is not None:  # rank 0 lost its peers: say why (another rank's error), not gloo's closed connection
-            raise PeerFailed(f"{cause}; rank 0 lost contact with it") from None
+        if cause is not None:  # rank 0 lost its peers or was stopped after one failed: say why (another rank's
+            # error), not gloo's closed connection or torchrun's SIGTERM
+            how = f"was stopped by {e.args[0]}" if isinstance(e, Terminated) else "lost contact with it"
+            raise PeerFailed(f"{cause}; rank 0 {how}") from None
         raise
     finally:
         if run.tracker is not None:

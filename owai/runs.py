@@ -396,7 +396,9 @@ class Run:
         no rank explained, says so (`NO_RANK_ERROR`), never the symptom as the cause. The write is not
         cut by a stop signal (`termination_deferred`: torchrun sends SIGTERM while rank 0 is writing);
         one that fails is left: the first error is the one to say. Returns, for rank 0 of a torchrun
-        job that lost its peers, what it recorded as the cause (for its own error line), else None."""
+        job that lost its peers, or that a stop signal ended after another rank recorded its error
+        (NCCL: torchrun's SIGTERM while rank 0 waits in a collective), what it recorded as the cause
+        (for its own error line), else None."""
         from owai import distributed
 
         stopped = isinstance(error, (KeyboardInterrupt, SystemExit))
@@ -421,7 +423,7 @@ class Run:
                 self.set_status("failed", error=NO_RANK_ERROR, rank0_error=own, **extra)
             else:
                 self.set_status("failed", error=own, **({"rank": 0} if world_size > 1 else {}), **extra)
-        return cause if peer else None
+        return cause if peer or (isinstance(error, Terminated) and cause is not None) else None
 
     def record_rank_error(self, rank: int, error: BaseException) -> None:
         """Rank `rank` > 0 of a torchrun job records the error that stopped it, itself, in its own
