@@ -234,6 +234,19 @@ def no_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.fixture
+def behind_a_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node that reaches the internet only through HTTPS_PROXY (nothing bypassed): a direct TCP
+    connection (`owai.hub._connect`, behind the hub's and the download hosts' probes) fails the test."""
+    def connect(host: str, port: int) -> str:
+        raise AssertionError("no direct connection behind a proxy")
+
+    monkeypatch.setattr("owai.hub._connect", connect)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+
+
+@pytest.fixture
 def shared_data(monkeypatch: pytest.MonkeyPatch) -> Path:
     """$OWAI_DATA pointed at ../shared/data (skips where it is absent)."""
     if not (SHARED_DATA / "mnist").is_dir():

@@ -94,19 +94,11 @@ def test_offline_mode_is_read_at_call_time(monkeypatch):
     assert hub.hub_unreachable() == "Hugging Face offline mode is set (HF_DATASETS_OFFLINE)"
 
 
-def test_behind_a_proxy_the_clients_are_left_to_ask(monkeypatch):
+def test_behind_a_proxy_the_clients_are_left_to_ask(monkeypatch, behind_a_proxy):
     """A node that reaches the hub only through HTTPS_PROXY: no direct connection is tried."""
     for name in hub.OFFLINE_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
-
-    def probe(host, port):
-        raise AssertionError("no direct connection behind a proxy")
-
-    monkeypatch.setattr(hub, "_probe", probe)
-    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
-    monkeypatch.delenv("NO_PROXY", raising=False)
-    monkeypatch.delenv("no_proxy", raising=False)
     assert hub.hub_unreachable() == ""
     monkeypatch.setenv("NO_PROXY", "huggingface.co")  # the hub bypasses the proxy: probed directly
     monkeypatch.setattr(hub, "_probe", lambda host, port: f"{host}:{port}")
