@@ -71,6 +71,11 @@ def launch_rank() -> int:
     return int(os.environ.get("RANK", "0")) if launched_by_torchrun() else 0
 
 
+def launch_world_size() -> int:
+    """The number of ranks torchrun started (WORLD_SIZE; 1 outside torchrun), known before `init`."""
+    return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+
+
 def init() -> World:
     """Join the torchrun job if there is one (idempotent); returns this process's World.
 
@@ -111,6 +116,18 @@ def gather_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def gather_tensors(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's `tensor` concatenated along its first dimension in rank order, on every rank (a
+    0-d tensor counts as one element: W ranks' scalars make a tensor of W); the tensor itself, as
+    one element at least, in one process. What lm-evaluation-harness's `LM.all_gather` returns."""
+    one = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
+    if not (dist.is_available() and dist.is_initialized()):
+        return one
+    parts = [torch.empty_like(one) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, one)
+    return torch.cat(parts)
 
 
 def sum_across_ranks(values: list[float], device: torch.device) -> list[float]:

@@ -40,7 +40,6 @@ def owai_torchrun(tmp_path: Path, args: list[str]) -> tuple[int, str]:
     (["moons", *as_sets(TINY_MOONS)], NOT_DATA_PARALLEL),  # it used to run on both ranks, every rank repeating it
     (["sweep", "three-moons", "--seeds", "1,2", *as_sets(TINY_MOONS)], SWEEP_REFUSED),  # two sweep directories
     (["rich-features", "--stage", "probe", "-p", "tiny", "--seeds", "0,1"], SWEEP_REFUSED),  # both ranks wrote one feature store
-    (["eval", "harness", "--model", "reference:oracle", "--tasks", "owai_mc_smoke"], NOT_DATA_PARALLEL),  # rank 1: "no results"
 ])
 def test_a_command_that_is_not_data_parallel_is_refused_once(args: list[str], message: str, tmp_path: Path):
     code, stderr = owai_torchrun(tmp_path, args)

@@ -231,7 +231,7 @@ def refuse_one_process_method(recipe: str | None, resume: Path | None) -> None:
         return  # execute says what is missing
     if not rec.method_class().data_parallel:
         refuse_torchrun(f"`{rec.method_class().cli}` runs in one process, not under torchrun, where every rank would "
-                        "repeat it; torchrun runs mosaic-train, mosaic-eval, eval posloss, eval ruler and eval icl data-parallel")
+                        "repeat it; torchrun runs mosaic-train, mosaic-eval, eval posloss, eval ruler, eval icl and eval harness data-parallel")
 
 
 def run_recipe(

@@ -29,6 +29,13 @@ models are scored once, not tuned. `OracleLM` (`reference:oracle`) reads the gol
 request's document from its task, so it must score 1.0 on any task whose target is a choice or a
 string: it validates the pipeline offline (the recipe's cpu preset, with the smoke tasks below).
 
+Under torchrun (`DataParallelLM`): every rank holds the whole model and lm-eval's evaluator shards the
+work through the LM's `rank`, `world_size`, `all_gather`, `gather_object` and `barrier` (lm-eval
+0.4.13; owai implements them on its own process group, gloo or NCCL, without accelerate): each rank
+answers the requests of its share of every task's documents (built whole, as one process builds
+them, then shared out: `_share_documents`), rank 0 gathers the per-document metrics and logs every
+rank's answers in the one answer log, and every rank returns rank 0's results (`evaluate`).
+
 Task names (spec sec 5.2): `THESIS_TASKS` maps the thesis's 19 columns, in Table 4.1's order, to harness
 tasks; `PERSISTENT` (the first 13, Table 4.2) and `NEW` (the last 6, Table 4.3). `race_middle` is not
 built into the harness: owai ships its YAML in `TASKS_DIR`, with two offline smoke tasks
@@ -614,6 +621,189 @@ def _record(answers: AnswerLog, kind: str, key: str, value: Any) -> None:
         answers.add(key, list(value) if isinstance(value, tuple) else value)
 
 
+# ---------------------------------------------------------------- data parallelism under torchrun
+
+MAX_ROUND = 4096  # requests a rank answers in one round under torchrun, at most
+
+
+def check_data_parallel() -> None:
+    """Under torchrun, before the run: the installed harness distributes requests through the LM's own
+    `rank`, `world_size`, `all_gather`, `gather_object` and `barrier` (lm-eval 0.4.13, the release
+    owai pins), which `DataParallelLM` implements on owai's process group. Earlier releases call
+    accelerate's `lm.accelerator` from their evaluator instead: refused, one line."""
+    if not callable(getattr(LM, "gather_object", None)):
+        version = getattr(require_harness(), "__version__", "this release")
+        raise OwaiError(f"lm-evaluation-harness {version} runs data-parallel only through accelerate's Accelerator; "
+                        "`owai eval harness` runs under torchrun with the release owai pins: pip install 'owai[eval]'")
+
+
+def next_round(size: int, slowest: float) -> int:
+    """The number of requests each rank answers in the next round under torchrun, from this round's
+    `size` and the seconds its slowest rank took: doubled while a round is short, halved when it is
+    long, so that the answers reach rank 0's log about every FLUSH_SECONDS as in one process. Every
+    rank computes it from the same gathered figures, so the ranks agree on every round."""
+    from owai.evals.answers import FLUSH_SECONDS
+
+    if slowest < FLUSH_SECONDS / 2:
+        return min(MAX_ROUND, size * 2)
+    if slowest > FLUSH_SECONDS * 2:
+        return max(1, size // 2)
+    return size
+
+
+class DataParallelLM(LM):
+    """Any harness LM (`OwaiLM`, `OracleLM`, the harness's HFLM) as one rank of a torchrun job, every
+    rank holding the whole model: lm-eval gives this rank its share of each task's documents (`rank`,
+    `world_size`; see `evaluate`), pads the ranks' request counts to the largest, and gathers the
+    per-document metrics on rank 0 through the collectives below (owai's process group: gloo on the
+    CPU, NCCL on CUDA; no accelerate). The inner LM answers alone (an HFLM that took accelerate's
+    ranks is set back to rank 0 of 1: its rolling log-likelihoods would otherwise synchronise inside).
+
+    Answers and resume: `answers` is rank 0's log (None on the other ranks). For each request method
+    every rank sends its requests' keys (`answer_key`, as `log_answers` keys them in one process) to
+    rank 0, which says which the log holds; each rank then answers the rest in rounds (`next_round`
+    requests, at most), and after each round every answer of the round is gathered and rank 0 logs
+    them as one line. So the job keeps one answers.jsonl, keyed by question, not by rank: a run killed
+    on W ranks (or in one process) resumes on any number, asking only what the log lacks."""
+
+    def __init__(self, inner: Any, answers: AnswerLog | None = None) -> None:
+        super().__init__()
+        from owai import distributed
+
+        check_data_parallel()
+        ranks = distributed.world()
+        self.inner, self.answers = inner, answers
+        self._rank, self._world_size = ranks.rank, ranks.world_size
+        if getattr(inner, "world_size", 1) != 1:
+            inner._rank, inner._world_size = 0, 1
+
+    def __getattr__(self, name: str) -> Any:
+        """What the wrapper does not define, the inner LM's (as lm-eval's own CachingLM forwards):
+        simple_evaluate reads `tokenizer`, `get_model_info`, `batch_sizes` and `MULTIMODAL` off the
+        LM it was given, so the results hold the same tokenizer information as in one process."""
+        if name == "inner":  # not set yet (during __init__): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @property
+    def device(self) -> Any:
+        """Where lm-eval puts the request counts it gathers: the CPU (gloo's), on every machine."""
+        import torch
+
+        return torch.device("cpu")
+
+    def all_gather(self, tensor: Any) -> Any:
+        from owai import distributed
+
+        return distributed.gather_tensors(tensor)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        from owai import distributed
+
+        every = distributed.gather_objects(obj)
+        return every if self.rank == dst else None
+
+    def barrier(self) -> None:
+        from owai import distributed
+
+        distributed.barrier()
+
+    def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        return self._answer("loglikelihood", requests)
+
+    def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
+        return self._answer("loglikelihood_rolling", requests)
+
+    def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+        return self._answer("generate_until", requests)
+
+    def _looked_up(self, kind: str, keys: list[str]) -> dict[int, Any]:
+        """Rank 0: the answers its log holds for `keys` (one rank's requests), by position."""
+        if self.answers is None:
+            return {}
+        logged = {i: _logged(self.answers, kind, key) for i, key in enumerate(keys)}
+        return {i: value for i, value in logged.items() if value is not None}
+
+    def _answer(self, kind: str, requests: list) -> list:
+        """This rank's answers to `requests` (its share, of request type `kind`): those rank 0's log
+        holds from it, the rest from the inner LM in rounds, each round's answers logged by rank 0."""
+        import time
+
+        from owai import console, distributed
+
+        keys = [answer_key(kind, *request.args) for request in requests]
+        asked = distributed.gather_objects((kind, keys))
+        reply: tuple[list[dict[int, Any]] | None, str | None] | None = None
+        if self.rank == 0:
+            kinds = sorted({k for k, _ in asked})
+            if len(kinds) > 1:
+                reply = (None, f"the torchrun ranks asked different harness requests at once ({', '.join(kinds)}): "
+                               "a task gave some rank no document")
+            else:
+                reply = ([self._looked_up(kind, theirs) for _, theirs in asked], None)
+        found, error = distributed.broadcast_object(reply)
+        if error is not None:
+            raise OwaiError(error)
+        out = [found[self.rank].get(i) for i in range(len(requests))]
+        todo = [i for i, value in enumerate(out) if value is None]
+        method = getattr(self.inner, kind)
+        left = sum(len(theirs) for _, theirs in asked) - sum(len(f) for f in found)  # every rank's, for the bar
+        size, done = 1, 0
+        with console.Bar(f"harness {kind}", left) as bar:
+            while True:
+                chunk = todo[done:done + size]
+                start = time.monotonic()
+                computed = list(method([requests[i] for i in chunk], disable_tqdm=True)) if chunk else []
+                if len(computed) != len(chunk):
+                    raise OwaiError(f"the harness model answered {len(computed)} of {len(chunk)} {kind} requests")
+                done += len(chunk)
+                for i, value in zip(chunk, computed):
+                    out[i] = value
+                answered = {keys[i]: list(value) if isinstance(value, tuple) else value for i, value in zip(chunk, computed)}
+                rounds = distributed.gather_objects((answered, len(chunk), time.monotonic() - start, len(todo) - done))
+                if self.answers is not None:
+                    self.answers.add_batch({key: value for theirs, *_ in rounds for key, value in theirs.items()})
+                bar.update(sum(n for _, n, _, _ in rounds))
+                if all(remaining == 0 for *_, remaining in rounds):
+                    return out
+                size = next_round(size, max(seconds for _, _, seconds, _ in rounds))
+
+
+def _share_documents(manager: Any, limit: int, ranks: Any) -> Any:
+    """`manager.load` for rank `ranks.rank` of a torchrun job: each task loaded must have a document for
+    every rank (else one line: a rank with none would fail inside lm-eval), and builds its requests as
+    one process does, every document in order, keeping this rank's share (document i on rank i mod W,
+    the share lm-eval's `doc_iterator` gives it when it reads the results). lm-eval's own sharded
+    build draws each rank's few-shot examples from the task's seeded sampler afresh ("TODO: need to
+    offset doc_id by rank" in its api/task.py), so with shots a rank's prompts were not one process's;
+    built whole, they are, and so are the answers and the numbers."""
+    load = manager.load
+
+    def share(task: Any) -> None:
+        build = task.build_all_requests
+
+        def build_share(*args: Any, rank: int = 0, world_size: int = 1, **kwargs: Any) -> None:
+            build(*args, rank=0, world_size=1, **kwargs)
+            task._instances = [i for i in task._instances if i.doc_id % world_size == rank]
+
+        task.build_all_requests = build_share
+
+    def load_shared(*args: Any, **kwargs: Any) -> Any:
+        loaded = load(*args, **kwargs)
+        for name, task in loaded["tasks"].items():
+            documents = len(task.eval_docs)
+            n = min(documents, limit) if limit else documents
+            if n < ranks.world_size:
+                raise OwaiError(f"harness task {name} has {n} document{'s' if n != 1 else ''}"
+                                f"{' (--limit)' if limit and limit < documents else ''}, fewer than the "
+                                f"{ranks.world_size} ranks of this torchrun job: run it "
+                                f"{f'on at most {n} ranks' if n > 1 else 'in one process'}")
+            share(task)
+        return loaded
+
+    return load_shared
+
+
 def evaluate(model: Any, tasks: list[str], num_fewshot: int | None = None, limit: int = 0,
              include_path: list[str] | None = None, manager: Any = None, seed: int = 1234,
              confirm_run_unsafe_code: bool = False) -> dict[str, Any]:
@@ -621,7 +811,14 @@ def evaluate(model: Any, tasks: list[str], num_fewshot: int | None = None, limit
     harness's results dict, JSON-able (samples dropped). `confirm_run_unsafe_code` (the user's opt-in)
     lets the tasks lm-eval marks unsafe_code run the model's code: it is passed on, with
     HF_ALLOW_CODE_EVAL=1 (evaluate's code_eval asks for it) while the harness runs; without it the
-    harness refuses them."""
+    harness refuses them.
+
+    Under torchrun (more than one rank) every rank calls it with the whole model: `model` runs as a
+    `DataParallelLM` (wrapped here unless it is one), each rank answers the requests of its share of
+    every task's documents (`_share_documents`), rank 0 gathers the metrics, and every rank returns
+    rank 0's results. The metrics are one process's, gathered in rank order rather than document
+    order: a mean of 0/1 scores (acc, exact_match: every main metric of the 19) is the same number,
+    a mean of other floats may differ in its last bits."""
     import contextlib
     import os
     from unittest import mock
@@ -629,8 +826,14 @@ def evaluate(model: Any, tasks: list[str], num_fewshot: int | None = None, limit
     import lm_eval.evaluator
     from lm_eval import simple_evaluate
 
+    from owai import distributed
+
     manager = manager or task_manager(include_path)
+    ranks = distributed.world()
     with contextlib.ExitStack() as stack:
+        if ranks.world_size > 1:
+            model = model if isinstance(model, DataParallelLM) else DataParallelLM(model)
+            stack.enter_context(mock.patch.object(manager, "load", _share_documents(manager, limit, ranks)))
         if hasattr(lm_eval.evaluator, "get_git_commit_hash"):
             stack.enter_context(mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", _quiet_git_hash))
         if confirm_run_unsafe_code:
@@ -639,10 +842,12 @@ def evaluate(model: Any, tasks: list[str], num_fewshot: int | None = None, limit
                                  task_manager=manager, log_samples=False, bootstrap_iters=0,
                                  confirm_run_unsafe_code=bool(confirm_run_unsafe_code), random_seed=seed,
                                  numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
-    if result is None:
-        raise OwaiError("the harness returned no results")
-    result = {k: v for k, v in dict(result).items() if k not in ("samples", "config")}
-    return json.loads(json.dumps(result, default=str, allow_nan=True))
+    if ranks.rank == 0:
+        if result is None:
+            raise OwaiError("the harness returned no results")
+        result = {k: v for k, v in dict(result).items() if k not in ("samples", "config")}
+        result = json.loads(json.dumps(result, default=str, allow_nan=True))
+    return distributed.broadcast_object(result) if ranks.world_size > 1 else result
 
 
 def _quiet_git_hash() -> str | None:

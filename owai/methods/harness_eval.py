@@ -21,6 +21,11 @@ dict (per-task metrics with their filters, configs, shots, versions).
                 through a group or tag); without it they are refused before the run; with it the
                 run has HF_ALLOW_CODE_EVAL=1 (`--confirm-run-unsafe-code`)
 
+Under torchrun (`torchrun --nproc_per_node W -m owai eval harness ...`) every rank loads the whole model
+and answers the requests of its share of every task's documents (`owai.evals.harness.DataParallelLM`);
+rank 0 logs every answer in the one answers.jsonl (a kill on W ranks resumes on any number) and writes
+the run directory; the numbers are one process's. Each task needs a document per rank (`limit` >= W).
+
 The 19 benchmarks read hub datasets (online only). Needs the `eval` extra: pip install 'owai[eval]'.
 """
 
@@ -114,6 +119,9 @@ def check_hflm(target: str, tokenizer: str = "") -> None:
 class Harness(Method):
     Config = Config
     cli = "owai eval harness"
+    # under torchrun each rank holds the whole model and answers the requests of its share of every
+    # task's documents (`harness.DataParallelLM`); rank 0 logs every answer and writes the results
+    data_parallel = True
 
     @staticmethod
     def unused_settings(cfg: Config) -> dict[str, str]:
@@ -147,7 +155,15 @@ class Harness(Method):
         from owai.evals.harness import require_harness
 
         require_harness()
+        from owai import distributed
         from owai.evals import harness
+
+        if distributed.launched_by_torchrun():
+            harness.check_data_parallel()
+            ranks = distributed.launch_world_size()
+            if 0 < cfg.limit < ranks:  # each rank needs a document of every task (else: one line at the task's load)
+                raise OwaiError(f"limit {cfg.limit}: fewer documents per task than the {ranks} ranks of this torchrun "
+                                f"job; give at least {ranks}, or run on fewer ranks")
         from owai.hub import hub_unreachable
 
         folders = [str(Path(p).expanduser()) for p in cfg.include_path]
@@ -179,7 +195,7 @@ class Harness(Method):
         check_ablation(cfg.model, cfg.ablate)
 
     def run(self, cfg: Config, run: Run) -> Outcome:
-        from owai import console
+        from owai import console, distributed
         from owai.evals import harness
         from owai.evals.answers import run_log
         from owai.evals.causal_lm import open_model
@@ -209,7 +225,10 @@ class Harness(Method):
                     stack.enter_context(lm.ablate(name))
                 model = harness.OwaiLM(lm, max_gen_toks=cfg.max_gen_toks)
                 max_length = model.max_length
-            harness.log_answers(model, run_log(run.path))  # what a resume does not ask again
+            if distributed.world().world_size > 1:  # one log, rank 0's, which every rank's answers reach
+                model = harness.DataParallelLM(model, run_log(run.path) if run.writes else None)
+            else:
+                harness.log_answers(model, run_log(run.path))  # what a resume does not ask again
             if cfg.confirm_run_unsafe_code:
                 console.info("confirm_run_unsafe_code: tasks lm-eval marks unsafe_code run the model's code unsandboxed")
             result = harness.evaluate(model, list(cfg.tasks), cfg.num_fewshot, cfg.limit, manager=manager,
