@@ -29,7 +29,8 @@ Checks (issue #35):
              checkpoints; the run is then cut back to its first checkpoint as a kill would leave it,
              resumed, and must end at the first run's loss
   e2e        `owai mosaic-train -r table4.2-pretrain -p cpu` shortened, on CUDA, then
-             `owai eval ruler` and `owai eval icl` on the models it saved
+             `owai eval ruler` and `owai eval icl` on the models it saved (icl with and without the
+             prefix cache: both command times and how many logged answers agree)
   pytest     the tests marked `gpu` (python -m pytest -m gpu)
 """
 
@@ -266,6 +267,8 @@ def check_fsdp(work: Path) -> None:
 
 
 def check_e2e(work: Path) -> None:
+    from owai.evals.answers import AnswerLog
+
     data = os.environ.get("OWAI_DATA")
     needs = ("text/sotu.tar.gz", "text/paul_graham_essays", "icl/banking77")
     if not data or not all((Path(data) / n).exists() for n in needs):
@@ -298,10 +301,25 @@ def check_e2e(work: Path) -> None:
                          "--n", "4", "--allow-overflow", "--json", "-o", str(out / "ruler"), timeout=300)
             verdict("PASS" if ruler.returncode == 0 else "FAIL", f"e2e:ruler:{arch}",
                     "scored on CUDA" if ruler.returncode == 0 else tail(ruler))
-        icl = owai("eval", "icl", "-q", "--model", str(model), "--task", "banking77", "--shots", "1", "--n", "8",
-                   "--data", str(Path(data) / "icl" / "banking77"), "--allow-overflow", "--json", "-o", str(out / "icl"), timeout=300)
-        verdict("PASS" if icl.returncode == 0 else "FAIL", f"e2e:icl:{arch}",
-                "scored on CUDA" if icl.returncode == 0 else tail(icl))
+        icl_args = ("eval", "icl", "-q", "--model", str(model), "--task", "banking77", "--shots", "1", "--n", "8",
+                    "--data", str(Path(data) / "icl" / "banking77"), "--allow-overflow", "--json")
+        seconds, answers = {}, {}
+        for flag in ("--prefix-cache", "--no-prefix-cache"):  # the shared demonstrations' cache, then whole prefills
+            folder, began = out / f"icl-{arch}{flag}", time.perf_counter()
+            icl = owai(*icl_args, flag, "-o", str(folder), timeout=300)
+            seconds[flag] = time.perf_counter() - began
+            if icl.returncode != 0:
+                break
+            answers[flag] = dict(AnswerLog(only_run(folder) / "answers.jsonl")._answers)
+        if icl.returncode != 0:
+            verdict("FAIL", f"e2e:icl:{arch}", f"{flag}: {tail(icl)}")
+            continue
+        cached, whole = answers["--prefix-cache"], answers["--no-prefix-cache"]
+        same = sum(cached.get(k) == v for k, v in whole.items())
+        # bf16: a prefix and a suffix prefill round apart from one prefill, so a rare answer may differ
+        verdict("PASS", f"e2e:icl:{arch}", f"scored on CUDA; prefix cache {seconds['--prefix-cache']:.1f} s, "
+                f"whole prefills {seconds['--no-prefix-cache']:.1f} s (command times), {same}/{len(whole)} log entries equal",
+                same=same, entries=len(whole))
 
 
 def check_pytest() -> None:

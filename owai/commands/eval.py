@@ -159,7 +159,7 @@ def harness(
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="table4.1-harness or a harness recipe file.")] = HARNESS_RECIPE,
     opts: EvalRunOptions = EvalRunOptions(),
 ) -> None:
-    """lm-evaluation-harness (Tables 4.1-4.3): the thesis's 19 benchmarks, each task's main metric (0-1), persistent / new-knowledge averages."""
+    """lm-evaluation-harness (Tables 4.1-4.3): the thesis's 19 benchmarks, each task's main metric (0-1), persistent / new-knowledge averages. Under torchrun (torchrun --nproc_per_node W -m owai eval harness ...) every rank loads the whole model and answers a share of every task's documents; rank 0 writes the one run directory, with one process's numbers."""
     extra = option_sets(opts.sets, {"model": model, "tokenizer": tokenizer, "limit": limit, "num_fewshot": num_fewshot,
                                     "confirm_run_unsafe_code": True if confirm_run_unsafe_code else None},
                         {"tasks": (tasks, "--tasks"), "ablate": (ablate, "--ablate")})
@@ -236,6 +236,7 @@ def icl(
     data: Annotated[Optional[str], typer.Option("--data", help="The task's folder or a root holding icl/<task>; hf = the hub ids.")] = None,
     tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", help="Override the model's tokenizer (hub id or tokenizer.json).")] = None,
     allow_overflow: Annotated[bool, typer.Option("--allow-overflow", help="Count prompts longer than the model takes as overflows instead of refusing to start.")] = False,
+    prefix_cache: Annotated[Optional[bool], typer.Option("--prefix-cache/--no-prefix-cache", help="Prefill each prompt set's shared demonstrations once and continue every query from a copy of their cache (default; the same answers), or prefill every prompt whole.")] = None,
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="fig4.6-icl or an ICL recipe file.")] = ICL_RECIPE,
     opts: EvalRunOptions = EvalRunOptions(),
 ) -> None:
@@ -245,7 +246,8 @@ def icl(
     if labels is not None and labels != "both" and "both" in csv_values(labels, "--labels"):
         raise OwaiError(f"--labels {labels!r}: both means semantic and anonymous; give it alone")
     extra = option_sets(opts.sets, {"model": model, "task": task, "shots": shot_list, "n_queries": n, "data": data,
-                                    "tokenizer": tokenizer, "allow_overflow": True if allow_overflow else None},
+                                    "tokenizer": tokenizer, "allow_overflow": True if allow_overflow else None,
+                                    "prefix_cache": prefix_cache},
                         {"labels": ("semantic,anonymous" if labels == "both" else labels, "--labels")})
     run_evaluation(opts, recipe, ICL_RECIPE, extra, "icl")
 

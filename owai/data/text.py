@@ -912,6 +912,17 @@ class Tokenizer:
         return f"{type(self).__name__}({self.name!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
 
 
+def count_each(tokenizer: Any, texts: list[str]) -> list[int]:
+    """The token counts of `texts` by any tokenizer with `count(text)`: one parallel batch where it also
+    has `count_many(texts)` (a Rust tokenizer's), else one by one. The one adapter RULER's builders
+    and the evaluated models' prompt budgets count through."""
+    many = getattr(tokenizer, "count_many", None)
+    counts = list(many(texts)) if many is not None else [tokenizer.count(t) for t in texts]
+    if len(counts) != len(texts):
+        raise OwaiError(f"the tokenizer counted {len(counts)} of {len(texts)} texts")
+    return counts
+
+
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as ids 0..255 and eot 256 (vocab 257): no training, no download."""
 

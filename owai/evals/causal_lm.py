@@ -24,6 +24,11 @@ padding as something apart (Hugging Face models, owai's GPT and Memory Mosaics v
 is a document no real token reads; the LSTM runs each row over its own tokens); Memory Mosaics v1
 runs one prompt at a time.
 `generate_all(model, prompts)` is how the suites call any model (reference models included).
+`with model.shared_prefix(prompts):` (a prompt set whose prompts share their demonstrations, the
+in-context suites') prefills the prompts' common token prefix once and generates each prompt from a
+copy of that prefix's cache, batched as above (one prompt at a time for Memory Mosaics and for
+models with windowed attention, `windowed_attention`): the same continuations as a whole prefill
+each (`SharedPrefix`).
 Prompts over `max_tokens` (minus the generation budget) are the suites' overflow, never truncated
 here. On CUDA the model runs in bfloat16 (`precision="auto"`). `ablate("long_term_memory")` switches
 a Memory Mosaics v2 model's long-term memory off for the rows of Tables 4.2, 4.3 and C.1; models
@@ -33,6 +38,7 @@ without one refuse it in one line.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -45,6 +51,26 @@ from owai.evals.answers import AnswerLog, occurrence_keys
 REFERENCE = "reference:"
 ABLATIONS = ("long_term_memory",)
 NO_PADDING = ("owai_memory_mosaics",)  # model types that cannot read left-padded batches
+# model types whose padding cannot sit between a shared prefix and a prompt's own tokens: v1 reads no
+# padding, v2 reads padding as a document of its own (a row's document cannot resume after it); with
+# a shared prefix they generate one prompt at a time
+NO_PADDING_AFTER_PREFIX = ("owai_memory_mosaics", "owai_memory_mosaics_v2")
+
+
+def windowed_attention(config: Any) -> bool:
+    """Whether a transformers config has layers that do not attend to the whole past: sliding-window
+    (Mistral-7B-v0.1, Phi-3, Gemma 2/3, Qwen2 with use_sliding_window), chunked (Llama 4) or linear
+    layers (`layer_types` other than full_attention). Their windows count cache indices, not
+    positions, so padding between a shared prefix and a row's own tokens would move a row's window
+    by its padding (measured: a batched Mistral or Qwen2 with sliding windows then answers otherwise
+    than whole prefills); such models continue a prefix one prompt at a time (exact)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types:
+        return any(kind != "full_attention" for kind in layer_types)
+    if getattr(text, "attention_chunk_size", None):
+        return True
+    return bool(getattr(text, "sliding_window", None)) and getattr(text, "use_sliding_window", True) is not False
 
 
 class CausalLM:
@@ -63,15 +89,25 @@ class CausalLM:
         self.batch_size = 1  # prompts per generate call (generate_many)
         self.pads = getattr(self.model.config, "model_type", "") not in NO_PADDING
         # whether the forward computes the last positions' logits alone when asked (as generate asks it)
-        self.keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        parameters = inspect.signature(self.model.forward).parameters
+        self.keeps_logits = "logits_to_keep" in parameters
+        # padding between a shared prefix and a prompt's own tokens: positions come from the mask
+        # (generate passes position_ids), the model type reads such padding as nothing, and every
+        # layer attends to the whole past (a window would move by the padding: `windowed_attention`)
+        self.pads_after_prefix = (self.pads and "position_ids" in parameters
+                                  and getattr(self.model.config, "model_type", "") not in NO_PADDING_AFTER_PREFIX
+                                  and not windowed_attention(self.model.config))
+        self.shared: SharedPrefix | None = None  # the prompt set of the `shared_prefix` block running
+        self.no_prefix_reuse: str | None = None  # why this model's prefix caches cannot be reused (said once)
 
     def count_tokens(self, text: str) -> int:
         return self.tokenizer.count(text)
 
     def count_tokens_many(self, texts: list[str]) -> list[int]:
         """`count_tokens` of each text; a batch at once (in parallel) where the tokenizer can."""
-        many = getattr(self.tokenizer, "count_many", None)
-        return list(many(texts)) if many is not None else [self.tokenizer.count(t) for t in texts]
+        from owai.data.text import count_each
+
+        return count_each(self.tokenizer, texts)
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """The ids a prompt is generated from, as RULER's and LongICLBench's official code makes them
@@ -83,35 +119,105 @@ class CausalLM:
     def generate(self, prompt: str, max_new_tokens: int = 32, stop: tuple[str, ...] = ()) -> str:
         """The greedy continuation of `prompt` (at most max_new_tokens tokens), cut before the first
         stop string; the end-of-text token ends it."""
-        ids = self.prompt_ids(prompt)
+        ids = self.shared.ids(prompt) if self.shared is not None else self.prompt_ids(prompt)
         if not ids:
             raise OwaiError(f"{self.label}: the prompt encodes to no tokens")
-        x = torch.tensor([ids], device=self.device)
-        eot = getattr(self.tokenizer, "eot_id", None)
-        out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                                  do_sample=False, eos_token_id=eot, pad_token_id=eot if eot is not None else 0)
-        return self.continuation_text([int(t) for t in out[0, x.shape[1]:].tolist()], stop)
+        return self.continuation_text(self._continue([ids], max_new_tokens)[0], stop)
 
     @torch.no_grad()
     def generate_many(self, prompts: list[str], max_new_tokens: int = 32, stop: tuple[str, ...] = ()) -> list[str]:
         """`generate` of each prompt, `batch_size` at a time (left-padded) where the model allows;
-        the same continuations as one at a time (greedy), in order."""
-        if self.batch_size <= 1 or not self.pads:
+        the same continuations as one at a time (greedy), in order. Inside a `shared_prefix` block
+        the rows of a call are prefix, padding, own tokens, where the model reads padding there."""
+        step = self.batch_size if self.pads else 1
+        if step > 1 and not self.pads_after_prefix and self.shared is not None and self._prefix() is not None:
+            step = 1
+        if step <= 1:
             return [self.generate(p, max_new_tokens, stop) for p in prompts]
-        eot = getattr(self.tokenizer, "eot_id", None)
-        pad = eot if eot is not None else 0
         out: list[str] = []
-        for start in range(0, len(prompts), self.batch_size):
-            encoded = [self.prompt_ids(p) for p in prompts[start:start + self.batch_size]]
+        for start in range(0, len(prompts), step):
+            batch = prompts[start:start + step]
+            encoded = [self.shared.ids(p) for p in batch] if self.shared is not None else [self.prompt_ids(p) for p in batch]
             if not all(encoded):
                 raise OwaiError(f"{self.label}: a prompt encodes to no tokens")
-            width = max(len(ids) for ids in encoded)
-            x = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded], device=self.device)
-            mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=self.device)
-            y = self.model.generate(input_ids=x, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                                    eos_token_id=eot, pad_token_id=pad)
-            out += [self.continuation_text([int(t) for t in row[width:].tolist()], stop) for row in y]
+            out += [self.continuation_text(new, stop) for new in self._continue(encoded, max_new_tokens)]
         return out
+
+    def _continue(self, encoded: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """The greedy new tokens of each row of `encoded` (token ids), from one `model.generate` call:
+        the rows left-padded with the end-of-text id under an attention mask; or, when every row
+        starts with the shared prefix (`SharedPrefix.reusable`), each row the prefix, its padding,
+        its own tokens, generated from a copy of the prefix's cache (repeated along the batch), so
+        the prefix is not computed again and the prompts' positions are those of a whole prefill."""
+        eot = getattr(self.tokenizer, "eot_id", None)
+        pad = eot if eot is not None else 0
+        width = max(len(ids) for ids in encoded)
+        prefix = self._prefix()
+        cached: dict[str, Any] = {}
+        if prefix is not None and prefix.reusable(encoded):
+            n = prefix.length
+            rows = [ids[:n] + [pad] * (width - len(ids)) + ids[n:] for ids in encoded]
+            mask = [[1] * n + [0] * (width - len(ids)) + [1] * (len(ids) - n) for ids in encoded]
+            from owai.models.hf_cache import cache_kwargs
+
+            # decoding from the cache whatever the model's generation config says: with use_cache
+            # false (a config's) generate would read the whole rows again on top of the prefix's
+            # cache (wrong answers), and a cache_implementation ("static", a hub model's
+            # generation_config.json) cannot be combined with a passed cache (a ValueError)
+            cached = {**cache_kwargs(copy_cache(prefix.cache, len(encoded))), "use_cache": True,
+                      "cache_implementation": None}
+        else:
+            rows = [[pad] * (width - len(ids)) + ids for ids in encoded]
+            mask = [[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded]
+        x = torch.tensor(rows, device=self.device)
+        y = self.model.generate(input_ids=x, attention_mask=torch.tensor(mask, device=self.device),
+                                max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eot, pad_token_id=pad,
+                                **cached)
+        return [[int(t) for t in row[width:].tolist()] for row in y]
+
+    @contextlib.contextmanager
+    def shared_prefix(self, prompts: list[str]) -> Iterator[None]:
+        """While the block runs, `generate` / `generate_many` continue prompts from a copy of the cache
+        of `prompts`' common token prefix (`SharedPrefix`), prefilled once, at the block's first
+        generation (a resumed prompt set with every answer logged prefills nothing); left, the cache
+        is freed. A model whose cache cannot be continued exactly (a recurrent state: the LSTM)
+        prefills every prompt whole, said once in the log."""
+        if self.shared is not None:
+            raise OwaiError(f"{self.label}: a shared_prefix block is already running")
+        self.shared = SharedPrefix(self.prompt_ids, prompts)
+        try:
+            yield
+        finally:
+            self.shared = None
+
+    def _prefix(self) -> SharedPrefix | None:
+        """The running block's prefix, prefilled at its first call; None outside a block or where the
+        prefix is not reused (under two prompts, no common token, a cache that cannot be copied)."""
+        shared = self.shared
+        if shared is None or shared.off or self.no_prefix_reuse is not None:
+            return None
+        if shared.cache is None:
+            shared.locate()
+            if shared.length < 1 or len(shared.known) < 2:
+                shared.off = True
+                return None
+            with torch.no_grad():
+                x = torch.tensor([shared.reference[:shared.length]], device=self.device)
+                keep = {"logits_to_keep": 1} if self.keeps_logits else {}  # a 20k-token prefix's logits: 5 GB at 128k vocabulary
+                from owai.models.hf_cache import output_cache
+
+                cache = output_cache(self.model(input_ids=x, use_cache=True, **keep))
+            reason = cache_not_reusable(cache)
+            if reason is not None:
+                from owai import console
+
+                self.no_prefix_reuse = reason
+                console.info(f"prefix cache: {self.label} ({getattr(self.model.config, 'model_type', '?')}) {reason}: "
+                             "every prompt is prefilled whole")
+                shared.off = True
+                return None
+            shared.cache = cache
+        return shared
 
     def continuation_text(self, new: list[int], stop: tuple[str, ...]) -> str:
         """Generated tokens -> text, cut at the end-of-text token and before the earliest stop string
@@ -171,6 +277,86 @@ class CausalLM:
         finally:
             setattr(config, name, before)
             self.ablated.discard(name)
+
+
+class SharedPrefix:
+    """The prompts of one `CausalLM.shared_prefix` block, their common token prefix and its cache.
+
+    The prefix is token-level: the longest common prefix of the prompts' ids (`prompt_ids`, a BOS
+    included), cut so that every prompt keeps at least one token of its own (its first logits come
+    from its own prefill). BPE can merge the demonstrations' last characters with a query's first, so
+    the prefix may end before the shared text does. Each prompt is encoded once (`locate`), kept as
+    the reference's first `n` ids and its own tail, and `ids(prompt)` rebuilds it; `generate` never
+    reads `cache` itself but a copy (`copy_cache`), since generation writes into the cache it is
+    given: the prefix stays the one the prefill made, for every query and prompt set."""
+
+    def __init__(self, encode: Callable[[str], list[int]], prompts: list[str]) -> None:
+        self.encode, self.prompts = encode, list(prompts)
+        self.reference: list[int] = []  # the first prompt's ids
+        self.known: dict[str, tuple[int, list[int]]] = {}  # prompt -> (n, tail): reference[:n] + tail
+        self.length = 0  # tokens of the shared prefix (0: none)
+        self.cache: Any = None  # the prefix's cache once prefilled
+        self.off = False  # no reuse in this block (too few prompts, no common token, a cache not reusable)
+
+    def locate(self) -> None:
+        """Encode the block's prompts once and find their common prefix (numpy compares the ids)."""
+        import numpy as np
+
+        common = None
+        ref = np.zeros(0, dtype=np.int64)
+        for prompt in self.prompts:
+            if prompt in self.known:
+                continue
+            ids = self.encode(prompt)
+            if common is None:
+                self.reference, ref, common = list(ids), np.asarray(ids, dtype=np.int64), len(ids)
+                self.known[prompt] = (len(ids), [])
+                continue
+            m = min(len(ids), len(ref))
+            differ = np.flatnonzero(np.asarray(ids[:m], dtype=np.int64) != ref[:m])
+            n = int(differ[0]) if differ.size else m
+            self.known[prompt] = (n, list(ids[n:]))
+            common = min(common, n)
+        if common is None:
+            return
+        shortest = min(n + len(tail) for n, tail in self.known.values())
+        self.length = max(0, min(common, shortest - 1))
+
+    def ids(self, prompt: str) -> list[int]:
+        """The prompt's ids: rebuilt from `locate`'s record, else encoded."""
+        found = self.known.get(prompt)
+        if found is None:
+            return self.encode(prompt)
+        n, tail = found
+        return self.reference[:n] + tail
+
+    def reusable(self, encoded: list[list[int]]) -> bool:
+        """Whether every row starts with the prefix and has a token after it."""
+        n = self.length
+        head = self.reference[:n]
+        return self.cache is not None and all(len(ids) > n and ids[:n] == head for ids in encoded)
+
+
+def cache_not_reusable(cache: Any) -> str | None:
+    """Why a prefix's cache cannot continue other prompts exactly, or None where it can: a model that
+    returns no cache, or a cache of recurrent states alone (transformers' `generate` continues those
+    from the new tokens only, not a prompt's whole ids, so the prefix would be read twice)."""
+    if cache is None:
+        return "returns no cache from its forward"
+    linear = getattr(cache, "is_linear", None)
+    if linear is not None and len(linear) and all(linear):
+        return "keeps a recurrent state as its cache"
+    return None
+
+
+def copy_cache(cache: Any, rows: int) -> Any:
+    """A copy of a prefix's cache for one `generate` call of `rows` prompts, repeated along the batch
+    (the cache's own `batch_repeat_interleave`): `generate` writes each new token into the cache it is
+    given, so a cache handed over twice would let one prompt read another's tokens."""
+    out = copy.deepcopy(cache)
+    if rows > 1:
+        out.batch_repeat_interleave(rows)
+    return out
 
 
 def generate_all(model: Any, prompts: list[str], progress: Callable[[int], Any] | None = None,

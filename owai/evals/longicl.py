@@ -29,6 +29,7 @@ Accuracies are fractions in [0, 1].
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import hashlib
@@ -810,7 +811,12 @@ def score_prompts(model: ICLModel, data: ICLData, shots: Sequence[Sequence[Examp
                 record["overflow"] = True
         pending.append((record, prompt, gold))
     shown = [(r, p, g) for r, p, g in pending if not r.get("overflow")]
-    continuations = iter(generate_all(model, [p for _, p, _ in shown], progress=progress, answers=answers))  # batched where the model can
+    asked = [p for _, p, _ in shown]
+    # the prompts share their demonstrations: a model that can (`CausalLM.shared_prefix`) prefills
+    # their common token prefix once and continues each prompt from a copy of its cache
+    shared = getattr(model, "shared_prefix", None)
+    with shared(asked) if shared is not None and len(asked) > 1 else contextlib.nullcontext():
+        continuations = iter(generate_all(model, asked, progress=progress, answers=answers))  # batched where the model can
     if progress is not None and overflow:
         progress(overflow)
     for record, prompt, gold in pending:

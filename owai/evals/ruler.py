@@ -62,6 +62,7 @@ from typing import Any, Protocol
 from owai import console
 from owai.config import MAX_CONTEXT
 from owai.errors import DataMissing, OwaiError, one_line
+from owai.data.text import count_each
 from owai.evals.answers import AnswerLog
 
 # ------------------------------------------------------------------------------------------ constants
@@ -177,15 +178,6 @@ def _width(tokenizer: Any) -> int:
     return max(1, min(16, cores // local))
 
 
-def count_many(tokenizer: Any, texts: list[str]) -> list[int]:
-    """The token counts of `texts`: one parallel batch where the tokenizer has `count_many`."""
-    many = getattr(tokenizer, "count_many", None)
-    counts = list(many(texts)) if many is not None else [tokenizer.count(t) for t in texts]
-    if len(counts) != len(texts):
-        raise OwaiError(f"the tokenizer counted {len(counts)} of {len(texts)} texts")
-    return counts
-
-
 class _Lookahead:
     """`measure(size)` for RULER's 2024 step search, which asks for size, size + step, ... in turn:
     on a size it has not built, it builds the probes of the next `width` sizes (not past `cap`, the
@@ -213,7 +205,7 @@ class _Lookahead:
         for s in sizes:
             texts.append(self.text(s))
             states.append(self.snapshot())
-        counts = count_many(self.tokenizer, texts)
+        counts = count_each(self.tokenizer, texts)
         self.ahead = deque((s, c + self.extra, state) for s, c, state in zip(sizes, counts, states))
         return self(size)
 
@@ -689,7 +681,7 @@ class Task:
             recorder = _Recorder()
             for index in block:
                 self._fit(state, rng, index, size, budget, recorder)  # type: ignore[arg-type]
-            known = dict(zip(recorder.texts, count_many(tokenizer, recorder.texts)))
+            known = dict(zip(recorder.texts, count_each(tokenizer, recorder.texts)))
             self._restore(state, rng, before)
             for index in block:
                 counted = _Counted(tokenizer, known)

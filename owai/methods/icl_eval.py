@@ -56,6 +56,9 @@ class Config(BaseConfig):
     synthetic_classes: int = 8
     precision: EvalPrecision = "auto"  # bfloat16 on CUDA
     batch_size: int = 1  # prompts per generate call (left-padded; models that cannot pad run one at a time)
+    # prefill each prompt set's shared demonstrations once and continue every query from a copy of
+    # their cache (CausalLM.shared_prefix; the same answers); false: every prompt prefilled whole
+    prefix_cache: bool = True
     # the thesis row this model stands for, to set its numbers beside the measured ones (recipe
     # fig4.6-icl: Table 4.6 gives mmv2-large's); "" = none
     row: str = ""
@@ -123,7 +126,7 @@ class InContextClassification(Method):
         model = open_model(cfg.model, cfg.tokenizer, run.device, cfg.precision, reference_data=_reference)
         if hasattr(model, "batch_size"):
             model.batch_size = cfg.batch_size
-        generator = _Generator(model, cfg.max_new_tokens)
+        generator = _Generator(model, cfg.max_new_tokens, cfg.prefix_cache)
         max_tokens = cfg.max_tokens or getattr(model, "max_tokens", None)
         budget = max_tokens - cfg.max_new_tokens if max_tokens else None
         strategies = [s for s in longicl.STRATEGIES if s.name in cfg.strategies]
@@ -170,10 +173,13 @@ def longest_prompt(cfg: Config, data: Any, tokenizer: Any) -> int:
 
 
 class _Generator:
-    """A suite model with this run's generation budget (longicl calls generate(prompt))."""
+    """A suite model with this run's generation budget (longicl calls generate(prompt)); with
+    `prefix_cache`, the model's `shared_prefix` where it has one (longicl.score_prompts enters it)."""
 
-    def __init__(self, model: Any, max_new_tokens: int) -> None:
+    def __init__(self, model: Any, max_new_tokens: int, prefix_cache: bool = True) -> None:
         self.model, self.max_new_tokens = model, max_new_tokens
+        if prefix_cache and hasattr(model, "shared_prefix"):
+            self.shared_prefix = model.shared_prefix
         self.batch_size = getattr(model, "batch_size", 1)  # generate_all's progress steps: the model's batches
         if hasattr(model, "count_tokens"):
             self.count_tokens = model.count_tokens
