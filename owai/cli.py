@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.markup import escape
@@ -77,6 +77,27 @@ def _root(
     check_cache_root()  # every command: a cache that cannot hold anything is one line, before any run directory
 
 
+def recipe_command(r: Any) -> list[str]:
+    """The words of the command that runs recipe `r` (`owai recipes list` prints it; `owai recipes run`
+    runs it): the method's command with `--recipe ID` where the command takes one (its positional
+    alias dropped), `--study` for a recipe with a sweep where the command has one, and a placeholder
+    for an input the user must give (mosaic-eval's MODELS...)."""
+    group = typer.main.get_command(app)
+    words = r.method_class().cli.split()[1:]
+    cmd, depth = group, 0
+    while depth < len(words) and hasattr(cmd, "commands") and words[depth] in cmd.commands:
+        cmd, depth = cmd.commands[words[depth]], depth + 1
+    options = {o for p in getattr(cmd, "params", []) for o in getattr(p, "opts", [])}
+    rest = words[depth:]
+    if "--recipe" in options and "--recipe" not in rest:
+        rest = (rest[1:] if rest and not rest[0].startswith("-") else rest) + ["--recipe", r.id]
+    if "--study" in options and r.sweep is not None and "--study" not in rest:
+        rest.append("--study")
+    inputs = [p for p in getattr(cmd, "params", []) if p.param_type_name == "argument" and p.nargs == -1]
+    rest += [f"{(p.metavar or p.name.upper())}..." for p in inputs]  # what the user must give (mosaic-eval's models)
+    return ["owai", *words[:depth], *rest]
+
+
 @recipes_app.command("list")
 def recipes_list(
     runs: Annotated[Optional[Path], typer.Option("--runs", help="Also show the claims' verdict of each recipe's newest run or sweep under this directory (e.g. runs/).")] = None,
@@ -93,30 +114,12 @@ def recipes_list(
     if runs is not None and not runs.is_dir():
         raise OwaiError(f"--runs {runs}: no such directory")
     loaded = [recipes.load(name) for name in recipes.available()]
-    group = typer.main.get_command(app)
-
-    def command(r: recipes.Recipe) -> str:
-        """The method's command with `--recipe ID` where the command takes one (its positional alias
-        dropped), and `--study` for a recipe with a sweep where the command has one: copy and run."""
-        words = r.method_class().cli.split()[1:]
-        cmd, depth = group, 0
-        while depth < len(words) and hasattr(cmd, "commands") and words[depth] in cmd.commands:
-            cmd, depth = cmd.commands[words[depth]], depth + 1
-        options = {o for p in getattr(cmd, "params", []) for o in getattr(p, "opts", [])}
-        rest = words[depth:]
-        if "--recipe" in options and "--recipe" not in rest:
-            rest = (rest[1:] if rest and not rest[0].startswith("-") else rest) + ["--recipe", r.id]
-        if "--study" in options and r.sweep is not None and "--study" not in rest:
-            rest.append("--study")
-        inputs = [p for p in getattr(cmd, "params", []) if p.param_type_name == "argument" and p.nargs == -1]
-        rest += [f"{(p.metavar or p.name.upper())}..." for p in inputs]  # what the user must give (mosaic-eval's models)
-        return " ".join(["owai", *words[:depth], *rest])
 
     last = latest_verdicts(runs) if runs is not None else {}
     rows = []
     for r in loaded:
         row = {"id": r.id, "reproduces": r.references, "presets": list(r.presets), "default": r.default_preset,
-               "implemented": r.implemented, "command": command(r) if r.implemented else "", "claims": len(r.claims)}
+               "implemented": r.implemented, "command": " ".join(recipe_command(r)) if r.implemented else "", "claims": len(r.claims)}
         if runs is not None:
             row["last_run"] = last.get(r.id)
         rows.append(row)
@@ -175,13 +178,54 @@ def recipes_show(
 def recipes_run(
     recipe: Annotated[Optional[str], typer.Argument(help="Recipe id or path to a recipe YAML file.", show_default=False)] = None,
     recipe_option: RecipeOption = None,
+    single: Annotated[bool, typer.Option("--single", help="One run of the recipe's parameters at the preset (a study's base point, a chain's first step), not its table.")] = False,
     opts: RunOptions = RunOptions(),
 ) -> None:
-    """Run any recipe (the same path as its method's subcommand)."""
+    """Run any recipe as the command `owai recipes list` prints for it (its method's subcommand with
+    --recipe: a study recipe's study, a rich-features recipe's chain), with these options; --single
+    (and --resume RUN_DIR) one run."""
     recipe = one_recipe(recipe, recipe_option)
     if recipe is None and opts.resume is None:
         raise OwaiError("name a RECIPE to run (or --resume RUN_DIR)")
+    if recipe is not None and opts.resume is None and not single:
+        argv = delegated_run(recipe, opts)
+        if argv is not None:
+            code = run_subcommand(argv)
+            if code:
+                raise typer.Exit(code)
+            return
     opts.run(recipe, opts.sets)
+
+
+def run_subcommand(argv: list[str]) -> int | None:
+    """`owai ARGV` inside this command (its exit code): the same parser, and errors reach `main`'s one
+    error path."""
+    return app(args=argv, prog_name="owai", standalone_mode=False)
+
+
+def delegated_run(recipe: str, opts: RunOptions) -> list[str] | None:
+    """The arguments of the subcommand that runs `recipe` as `owai recipes list` prints it, with the
+    options of `owai recipes run` given on (the recipe as the user named it: an id or a file; --tracker
+    as its --set), or None where `recipes run` itself is that command (a method without a subcommand of
+    its own) or the command needs inputs `recipes run` does not take (mosaic-eval's models).
+    Without it, `recipes run` of a study or chain recipe made one run of the recipe's parameters: one
+    point of fig2.11-scratch's grid, one network of tableA.2-resnet152's chain, no claim judged."""
+    from owai import recipes
+    from owai.commands._common import set_str
+
+    words = recipe_command(recipes.load(recipe))[1:]
+    if words[:2] == ["recipes", "run"] or any(w.endswith("...") for w in words):
+        return None
+    at = words.index("--recipe") + 1 if "--recipe" in words else None
+    if at is not None:
+        words[at] = recipe
+    sets = [*(opts.sets or []), *([set_str("runtime.tracker", opts.tracker)] if opts.tracker is not None else [])]
+    words += ["--preset", opts.preset] if opts.preset is not None else []
+    words += [w for s in sets for w in ("--set", s)]
+    words += ["--out", str(opts.out)] if opts.out is not None else []
+    words += ["--quiet"] if opts.quiet else []
+    words += ["--json"] if opts.as_json else []
+    return words
 
 
 @app.command("report")

@@ -89,8 +89,16 @@ def refuse_unused(recipe: Recipe, cfgs: list[Any], overrides: list[str], sweep: 
 
 
 def command_line(recipe: Recipe, preset: str, overrides: list[str]) -> str:
-    cli = recipe.method_class().cli
-    return " ".join([cli, f"--preset {preset}", *(f"--set {o}" for o in overrides)])
+    """The command that repeats the run, as results.json and `owai report` print it: the method's
+    command with `--recipe ID` unless the command already names the recipe (mosaic-eval, twobits),
+    since most commands serve several recipes and without it would run their default one; for a
+    method whose command runs a whole study or chain (`Method.one_run_command` false: one of its
+    points or steps is this run), `owai recipes run ID --single`."""
+    method = recipe.method_class()
+    words = method.cli.split() if method.one_run_command else ["owai", "recipes", "run", recipe.id, "--single"]
+    named = recipe.id in words
+    return " ".join([*words, *([] if named else ["--recipe", recipe.id]), f"--preset {preset}",
+                     *(f"--set {o}" for o in overrides)])
 
 
 def run_identity(recipe: Recipe, params: dict[str, Any]) -> dict[str, Any]:

@@ -103,7 +103,7 @@ def test_end_to_end_results_hold_the_test_environments(erm_run):
     details = saved["details"]
     assert details["data"]["train_sizes"] == [4000, 4000] and details["data"]["test_sizes"] == [2000] * 3
     assert [c["step"] for c in details["curve"]] == [1, 5, 9, 12]  # after update 1 + 4 i (the reference's step 4 i), and the last
-    assert saved["command"].startswith("owai bonsai --preset tiny")
+    assert saved["command"].startswith("owai bonsai --recipe table2.4-coloredmnist --preset tiny")
 
 
 def test_erm_learns_the_colour(erm_run):

@@ -264,7 +264,7 @@ def test_resumed_run_equals_uninterrupted(tmp_path: Path, monkeypatch: pytest.Mo
     root = make_tree(tmp_path / "tree", per_class=6, size=16)
     monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
     sets = as_sets([*TINY, f"data.root={root}", "model.dropout=0.9"])
-    code, _, err = cli_in_process(["recipes", "run", "table2.8-dropout", *sets, "-o", str(tmp_path / "a"), "-q"], capsys)
+    code, _, err = cli_in_process(["recipes", "run", "table2.8-dropout", "--single", *sets, "-o", str(tmp_path / "a"), "-q"], capsys)
     assert code == 0, err
     whole = json.loads(next((tmp_path / "a").rglob("results.json")).read_text())["rows"]
 
@@ -281,7 +281,7 @@ def test_resumed_run_equals_uninterrupted(tmp_path: Path, monkeypatch: pytest.Mo
     with pytest.raises((KeyboardInterrupt, SystemExit)):
         from owai.cli import main
 
-        main(["recipes", "run", "table2.8-dropout", *sets, "-o", str(tmp_path / "b"), "-q"])
+        main(["recipes", "run", "table2.8-dropout", "--single", *sets, "-o", str(tmp_path / "b"), "-q"])
     monkeypatch.setattr(dft, "_update_average", original)
     run_dir = next((tmp_path / "b" / "table2.8-dropout").iterdir())
     code, _, err = cli_in_process(["recipes", "run", "table2.8-dropout", "--resume", str(run_dir), "-q"], capsys)

@@ -58,6 +58,10 @@ class Method:
     # writes): the language models. Any other method is refused under torchrun, where every rank
     # would repeat the whole run beside the others (`owai.commands._common.refuse_one_process_method`).
     data_parallel: ClassVar[bool] = False
+    # Whether `cli --recipe ID --preset P --set ...` makes exactly one run; False where the subcommand
+    # runs the recipe's study, sweep or chain (dropout-ft, rich-features, eval regbench): a run's
+    # recorded command is then `owai recipes run ID --single ...` (`experiment.command_line`)
+    one_run_command: ClassVar[bool] = True
 
     @classmethod
     def lr_override(cls, stage: str) -> str | None:

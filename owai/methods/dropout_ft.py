@@ -131,6 +131,7 @@ class Config(BaseConfig):
 class DropoutFineTuning(Method):
     Config = Config
     cli = "owai dropout-ft"
+    one_run_command = False  # its subcommand runs the recipe's study, sweep or chain
     resume_overrides = ("train.lr", "train.weight_decay")
 
     @staticmethod

@@ -168,6 +168,7 @@ def zoo_settings(cfg: Config) -> dict[str, Any]:
 class RegBench(Method):
     Config = Config
     cli = "owai eval regbench"
+    one_run_command = False  # its subcommand runs the recipe's study, sweep or chain
     resume_overrides = ("train.lr", "train.grad_clip", "train.weight_decay")
 
     @staticmethod

@@ -323,6 +323,7 @@ def stages_of(stage: str) -> list[str]:
 class RichFeatures(Method):
     Config = Config
     cli = "owai rich-features"
+    one_run_command = False  # its subcommand runs the recipe's study, sweep or chain
     resume_overrides = ("pretrain.lr", "probe.lr", "finetune.lr", "distill.lr")
 
     @classmethod
