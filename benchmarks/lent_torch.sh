@@ -52,4 +52,4 @@ if [ "${1:-}" = "--all" ]; then
 fi
 exec "$py" -m pytest -q -p no:cacheprovider -m "not gpu" tests/test_memory_mosaics.py tests/test_mm_speed.py \
     tests/test_memory_mosaics_v2.py tests/test_key_scan_triton.py tests/test_llama.py tests/test_generate_cache.py \
-    tests/test_triton_lowering.py
+    tests/test_triton_lowering.py tests/test_icl_prefix_cache.py
