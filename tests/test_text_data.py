@@ -540,3 +540,20 @@ def test_which_specs_the_data_root_rule_can_reach(spec: str, looked_up: bool) ->
     from owai.data.text import looks_under_data_root
 
     assert looks_under_data_root(spec) is looked_up
+
+
+def test_the_token_cache_is_keyed_by_the_tokenizer_content_not_its_name(tmp_path: Path) -> None:
+    """A saved model's tokenizer.json (named by its path) reuses the tokens cached under the name its
+    training run gave the same tokenizer (mosaic-eval tokenized the corpus again for every saved
+    model); another eot id is another cache."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.models import WordLevel
+
+    backend = Backend(WordLevel({"a": 0, "b": 1, text.EOT_TEXT: 2, "[UNK]": 3}, unk_token="[UNK]"))
+    trained = text.HFTokenizer("bpe-2048", backend, 2)
+    saved = text.HFTokenizer(str(tmp_path / "runs" / "x" / "models" / "gpt" / "tokenizer.json"), backend, 2)
+    other_eot = text.HFTokenizer("bpe-2048", backend, 1)
+    src = open_source("stories")
+    folder = {name: tokens._cache_dir(src, tok, tmp_path)[0] for name, tok in
+              (("trained", trained), ("saved", saved), ("other", other_eot))}
+    assert folder["trained"] == folder["saved"] != folder["other"]

@@ -4,7 +4,7 @@
 the eot id after every document (as tiktoken `encode_ordinary` + EOT in the reference), and writes
 one flat memory-mappable file per split:
 
-    <cache>/tokens/<source>-<source fingerprint>/<tokenizer>-<tokenizer fingerprint>/
+    <cache>/tokens/<source>-<source fingerprint>/tokenizer-<tokenizer fingerprint>-eot<eot id>/
         train.bin  val.bin   raw ids, uint16 when vocab_size <= 65535, else uint32
         meta.json            tokenizer, vocab_size, eot_id, dtype, n_tokens, n_documents, ...
 
@@ -115,10 +115,14 @@ def prepare_tokens(source: str | os.PathLike[str] | TextSource, tokenizer: str |
 
 def _cache_dir(src: TextSource, tok: Tokenizer, cache_dir: str | Path | None) -> tuple[Path, dict[str, Any]]:
     """Where the tokens of `src` by `tok` are cached, and the meta.json values a complete cache has."""
+    # the tokens depend on the tokenizer's mapping (its fingerprint, a hash of its content) and the eot
+    # id written after each document, not on its name: a saved model's tokenizer.json (named by its
+    # path) reuses the tokens its training run cached under `bpe-2048` (mosaic-eval re-tokenized the
+    # corpus for every saved model before)
     final = (cache_root(cache_dir) / "tokens" / f"{slug(src.name)}-{src.fingerprint}"
-             / f"{slug(tok.name)}-{tok.fingerprint}")
+             / f"tokenizer-{tok.fingerprint}-eot{int(tok.eot_id)}")
     return final, {"format_version": FORMAT_VERSION, "source_fingerprint": src.fingerprint,
-                   "tokenizer_fingerprint": tok.fingerprint}
+                   "tokenizer_fingerprint": tok.fingerprint, "eot_id": int(tok.eot_id)}
 
 
 def tokens_cached(src: TextSource, tokenizer: Tokenizer, cache_dir: str | Path | None = None) -> bool:
