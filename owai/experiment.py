@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import math
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -89,16 +90,23 @@ def refuse_unused(recipe: Recipe, cfgs: list[Any], overrides: list[str], sweep: 
 
 
 def command_line(recipe: Recipe, preset: str, overrides: list[str]) -> str:
-    """The command that repeats the run, as results.json and `owai report` print it: the method's
-    command with `--recipe ID` unless the command already names the recipe (mosaic-eval, twobits),
-    since most commands serve several recipes and without it would run their default one; for a
-    method whose command runs a whole study or chain (`Method.one_run_command` false: one of its
-    points or steps is this run), `owai recipes run ID --single`."""
+    """The command that repeats the run, as results.json and `owai report` print it (shell-quoted: an
+    override such as `models=["/a b"]` reaches the parser as recorded): the method's command with
+    `--recipe ID` unless the command already names the recipe (twobits, three-moons, the recall
+    recipe), since most commands serve several recipes and without it would run their default one.
+    `owai recipes run RECIPE --single` (the generic one run) where the method's command cannot make
+    this run from its recipe, preset and overrides (`Method.one_run_command` false: the command runs
+    a whole study or chain, or takes its inputs otherwise) or the recipe is a file (RECIPE its path,
+    as `_recipe_argument` names it: `--recipe ID` would not load it, and a command that names its
+    own recipe would refuse a second one)."""
     method = recipe.method_class()
-    words = method.cli.split() if method.one_run_command else ["owai", "recipes", "run", recipe.id, "--single"]
-    named = recipe.id in words
-    return " ".join([*words, *([] if named else ["--recipe", recipe.id]), f"--preset {preset}",
-                     *(f"--set {o}" for o in overrides)])
+    name = _recipe_argument(recipe)
+    if method.one_run_command and name == recipe.id:
+        words = method.cli.split()
+        words += [] if recipe.id in words else ["--recipe", recipe.id]
+    else:
+        words = ["owai", "recipes", "run", name, "--single"]
+    return shlex.join([*words, "--preset", preset, *(w for o in overrides for w in ("--set", o))])
 
 
 def run_identity(recipe: Recipe, params: dict[str, Any]) -> dict[str, Any]:

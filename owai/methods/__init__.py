@@ -59,8 +59,9 @@ class Method:
     # would repeat the whole run beside the others (`owai.commands._common.refuse_one_process_method`).
     data_parallel: ClassVar[bool] = False
     # Whether `cli --recipe ID --preset P --set ...` makes exactly one run; False where the subcommand
-    # runs the recipe's study, sweep or chain (dropout-ft, rich-features, eval regbench): a run's
-    # recorded command is then `owai recipes run ID --single ...` (`experiment.command_line`)
+    # runs the recipe's study, sweep or chain (dropout-ft, rich-features, eval regbench) or cannot
+    # run from those alone (mosaic-eval: its MODEL_DIR arguments): a run's recorded command is then
+    # `owai recipes run ID --single ...` (`experiment.command_line`)
     one_run_command: ClassVar[bool] = True
 
     @classmethod

@@ -1151,6 +1151,9 @@ class LanguageModelEvaluation(Method):
     Config = EvalOnlyConfig
     cli = "owai mosaic-eval"
     data_parallel = True
+    # its command takes the models as MODEL_DIR arguments and refuses a run without them, so a run's
+    # `--set models=[...]` is repeated by `owai recipes run mosaic-eval --single` (`experiment.command_line`)
+    one_run_command = False
 
     @staticmethod
     def unused_settings(cfg: EvalOnlyConfig) -> dict[str, str]:
