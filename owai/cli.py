@@ -211,7 +211,6 @@ def delegated_run(recipe: str, opts: RunOptions) -> list[str] | None:
     Without it, `recipes run` of a study or chain recipe made one run of the recipe's parameters: one
     point of fig2.11-scratch's grid, one network of tableA.2-resnet152's chain, no claim judged."""
     from owai import recipes
-    from owai.commands._common import set_str
 
     words = recipe_command(recipes.load(recipe))[1:]
     if words[:2] == ["recipes", "run"] or any(w.endswith("...") for w in words):
@@ -219,7 +218,7 @@ def delegated_run(recipe: str, opts: RunOptions) -> list[str] | None:
     at = words.index("--recipe") + 1 if "--recipe" in words else None
     if at is not None:
         words[at] = recipe
-    sets = [*(opts.sets or []), *([set_str("runtime.tracker", opts.tracker)] if opts.tracker is not None else [])]
+    sets = opts.with_tracker(opts.sets) or []
     words += ["--preset", opts.preset] if opts.preset is not None else []
     words += [w for s in sets for w in ("--set", s)]
     words += ["--out", str(opts.out)] if opts.out is not None else []

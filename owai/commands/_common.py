@@ -277,9 +277,14 @@ class RunOptions(OptionGroup):
             preset: str | None = None) -> None:
         """`run_recipe` with these options, the given `--set` overrides (and --tracker's) and (when
         given) preset."""
-        if self.tracker is not None:
-            sets = [*(sets or []), set_str("runtime.tracker", self.tracker)]
-        run_recipe(recipe, preset or self.preset, sets, self.out, self.resume, self.quiet, self.as_json, methods)
+        run_recipe(recipe, preset or self.preset, self.with_tracker(sets), self.out, self.resume, self.quiet,
+                   self.as_json, methods)
+
+    def with_tracker(self, sets: list[str] | None) -> list[str] | None:
+        """`sets` with --tracker's `runtime.tracker` override after them (when given)."""
+        if self.tracker is None:
+            return sets
+        return [*(sets or []), set_str("runtime.tracker", self.tracker)]
 
 
 @dataclasses.dataclass(frozen=True)
