@@ -104,8 +104,8 @@ def recipes_list(
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
-    """List recipes: id, thesis reference, presets, the command that runs it (or "not implemented")
-    and, with --runs DIR, the verdict of its claims on its newest run under DIR."""
+    """List recipes: id, thesis reference, presets, the command that runs it (or "not implemented"),
+    the number of its claims and, with --runs DIR, their verdict on its newest run under DIR."""
     from owai import recipes
     from owai.claims import summary_counts
     from owai.report import latest_verdicts

@@ -226,6 +226,17 @@ def test_the_fast_yaml_parser_reads_every_recipe_as_the_python_parser_does():
     assert load_yaml("lr: 1e-3") == {"lr": 0.001} and yaml.load("lr: 1e-3", Loader=PythonLoader) == {"lr": 0.001}  # noqa: S506
 
 
+def test_every_recipe_title_reads_as_its_line_writes_it():
+    """A plain YAML scalar ends at " #": table2.12-resnet-weights' unquoted title "... weaker (ResNet
+    #1) and a richer (ResNet #2) ..." was read (recipes show, results.json, reports) as "... weaker
+    (ResNet". Each recipe's title is the whole text of its `title:` line."""
+    for path in sorted(Path(recipes.recipe_dir()).glob("*.yaml")):
+        text = path.read_text()
+        written = next(line for line in text.splitlines() if line.startswith("title:"))[len("title:"):].strip()
+        title = load_yaml(text)["title"]
+        assert written in (title, f'"{title}"', f"'{title}'"), f"{path.name}: {written!r} is read as {title!r}"
+
+
 def test_listing_and_validating_every_recipe_imports_no_model():
     """`owai recipes list` validates every recipe against its method's Config; the methods name the
     zoo's architectures through owai.models.zoo, so this never imports transformers (1.7 s)."""

@@ -27,7 +27,7 @@ Preset = Annotated[Optional[str], typer.Option("--preset", "-p", help="Scale pre
 Sets = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a parameter: --set KEY.PATH=VALUE, e.g. --set seed=1 (repeatable; `owai recipes show RECIPE` lists the keys).")]
 EvalSets = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override an evaluation setting: --set runtime.device=cpu (repeatable; `owai recipes show RECIPE` lists them).")]
 Out = Annotated[Optional[Path], typer.Option("--out", "-o", help="Root for results (default: runs): OUT/<recipe>/<time>-<hash>/ for a run, OUT/<recipe>/sweep-<time>-<hash>/ for a sweep or study.", show_default=False)]
-Resume = Annotated[Optional[Path], typer.Option("--resume", help="Continue a killed or failed run from its last checkpoint; --set may then change only the optimisation settings the method lets a resume change (learning rates, weight decay, clipping where it has them: `owai report RUN_DIR` names the one to lower; none for the runs without training).")]
+Resume = Annotated[Optional[Path], typer.Option("--resume", help="Continue a killed or failed run from its last checkpoint; --set may then change only the settings the method lets a resume change: optimisation settings (learning rates, weight decay, clipping where it has them: `owai report RUN_DIR` names the one to lower; none for the runs without training) and the language models' data.prefetch, which changes no batch.")]
 EvalResume = Annotated[Optional[Path], typer.Option("--resume", help="Finish a killed or failed evaluation RUN_DIR with its recorded settings (ruler, icl and harness ask the model only for what it had not answered, posloss and mosaic-eval compute only the batches not yet logged: the results of an uninterrupted run; a complete run is reported as it is). Takes no other settings.", show_default=False)]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or info; errors still print.")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (nothing else).")]
@@ -393,7 +393,7 @@ def run_study(plan: Any, runs_on: tuple[str, int, Any], write_study: Callable[[A
 # --- language-model evaluations (owai mosaic-eval, owai eval posloss) ------------------------------
 
 EVAL_RECIPE = "mosaic-eval"
-Dataset = Annotated[Optional[str], typer.Option("--dataset", "-d", help="owai-stories (embedded), a Hugging Face dataset id, or a local txt/jsonl/parquet/7z file or directory.")]
+Dataset = Annotated[Optional[str], typer.Option("--dataset", "-d", help="owai-stories (embedded), a catalogue corpus (babistories, tinystories, wikipedia, text/sotu.tar.gz: `owai data list`), a Hugging Face dataset id, or a local txt/json/jsonl/parquet/7z/tar file or directory.")]
 Context = Annotated[Optional[int], typer.Option("--context", min=2, max=MAX_CONTEXT, help="Context length in tokens (data.block_size).")]
 Models = Annotated[Optional[list[Path]], typer.Argument(
     help="Model directories (save_pretrained) or mosaic-train run directories (none with --resume).", show_default=False)]

@@ -26,7 +26,7 @@ from rich.markup import escape
 from owai import console
 from owai.commands._common import DataRoot, Json, Quiet, RunOptions, csv_values, data_root_sets, options, set_str, study_recipe
 
-data_app = typer.Typer(help="Datasets and tokenizers: list where they are found, fetch them (verified), verify local copies.",
+data_app = typer.Typer(help="Datasets and tokenizers: list where they are found, fetch them (verified), verify local copies; stats: a corpus's Table B.1 statistics and Figure 4.4's lengths.",
                        no_args_is_help=True)
 
 Name = Annotated[str, typer.Argument(help="Dataset name (see `owai data list`).", show_default=False)]

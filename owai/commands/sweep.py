@@ -28,7 +28,7 @@ def sweep(
     grid: Annotated[Optional[list[str]], typer.Option(
         "--grid", "-g", help="Sweep a parameter: --grid train.lr=1e-2,3e-3 (repeatable; replaces that key's values in every "
         "sub-grid of the recipe's grid that has it, else adds the key to every sub-grid).")] = None,
-    seeds: Annotated[Optional[str], typer.Option("--seeds", help="Comma-separated seeds, e.g. 0,1,2 (default: the preset's, else the recipe's sweep seeds).")] = None,
+    seeds: Annotated[Optional[str], typer.Option("--seeds", help="Comma-separated seeds, e.g. 0,1,2 (default: the preset's, else the recipe's sweep seeds, else the run's seed).")] = None,
     launch: Launch = Launch(),
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Root for sweep directories (default: runs): OUT/<recipe>/sweep-<time>-<hash>/.", show_default=False)] = None,
     resume: Annotated[Optional[Path], typer.Option("--resume", help="Continue a sweep directory: run only its unfinished points.")] = None,
