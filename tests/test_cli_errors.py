@@ -120,6 +120,19 @@ def test_unknown_option_is_a_usage_error_not_a_traceback():
     assert "No such option" in proc.stderr
 
 
+def test_rich_features_resume_of_another_commands_run_names_that_command(tmp_path, capsys):
+    """`rich-features --resume RUN` of another method's run said `stage '': choose pretrain, ...` (it read
+    the run's missing stage); it names the command that resumes the run, as every other command does."""
+    run = tmp_path / "moons-run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"recipe": "three-moons", "method": "three_moons", "preset": "cpu",
+                                                     "overrides": [], "params": {}}))
+    for stage in ([], ["--stage", "probe"]):
+        code, _, err = cli_in_process(["rich-features", "--resume", str(run), *stage], capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "is a run of `owai moons three-moons` (recipe three-moons), not of this command" in err, err
+
+
 def test_study_commands_check_their_recipe_and_resume_alone(tmp_path, capsys):
     """dropout-ft and eval regbench: a recipe of another method, --resume with plan options,
     --resume of another method's sweep, and executor options that do not go together are each a
@@ -331,6 +344,7 @@ def test_a_run_stopped_by_sigterm_is_marked_interrupted(signum, tmp_path, monkey
     import signal
 
     sig = signal.Signals[signum]
+    ignored = signal.signal(sig, signal.SIG_DFL)  # under nohup SIGHUP is ignored, and an ignored signal stays so
     before = signal.getsignal(sig)
 
     def stopped(self, cfg, run):
@@ -338,12 +352,16 @@ def test_a_run_stopped_by_sigterm_is_marked_interrupted(signum, tmp_path, monkey
         raise AssertionError("the signal did not stop the run")
 
     monkeypatch.setattr("owai.methods.three_moons.ThreeMoons.run", stopped)
-    code, stdout, err = cli_in_process(["moons", "--out", str(tmp_path), *[a for s in TINY_MOONS for a in ("--set", s)]],
-                                       capsys)
+    try:
+        code, stdout, err = cli_in_process(["moons", "--out", str(tmp_path), *[a for s in TINY_MOONS for a in ("--set", s)]],
+                                           capsys)
+        after = signal.getsignal(sig)
+    finally:
+        signal.signal(sig, ignored)
     assert code == 128 + sig and err.strip().splitlines()[-1] == f"error: stopped by {signum}" and not stdout, err
     (status,) = tmp_path.glob("*/*/status.json")
     assert json.loads(status.read_text())["status"] == "interrupted"
-    assert signal.getsignal(sig) is before
+    assert after is before
 
 
 def test_a_signal_inside_a_nested_stop_block_still_names_the_signal(tmp_path, monkeypatch, capsys):

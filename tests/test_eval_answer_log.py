@@ -123,6 +123,60 @@ def test_under_torchrun_each_rank_answers_its_share_of_the_batches(tmp_path, mon
     assert len(AnswerLog(path)) == 9 and sorted(p.name for p in tmp_path.iterdir()) == ["answers.jsonl"]
 
 
+def test_under_torchrun_a_rank_without_log_or_progress_answers_its_share(tmp_path, monkeypatch) -> None:
+    """Rank 0 holds the log and the progress bar, rank 1 neither (as under torchrun): rank 1 still takes
+    its turn in the rounds rather than answering every prompt alone (and leaving rank 0 waiting)."""
+    import threading
+
+    from owai import distributed
+    from owai.evals.causal_lm import generate_all
+
+    local, barrier, box = threading.local(), threading.Barrier(2, timeout=10), {}
+
+    def exchange(obj):
+        box[local.rank] = obj
+        barrier.wait()
+        out = [box[0], box[1]]
+        barrier.wait()
+        return out
+
+    monkeypatch.setattr(distributed, "world", lambda: distributed.World(local.rank, 2, local.rank))
+    monkeypatch.setattr(distributed, "gather_objects", exchange)
+    monkeypatch.setattr(distributed, "broadcast_object", lambda obj: exchange(obj)[0])
+    prompts = [f"p{'x' * i}" for i in range(5)]
+    models, got, done = {0: Echo(2), 1: Echo(2)}, {}, []
+
+    def rank(r: int) -> None:
+        local.rank = r
+        try:
+            got[r] = generate_all(models[r], prompts, **({"progress": done.append, "answers": AnswerLog(tmp_path / "a.jsonl")}
+                                                         if r == 0 else {}))
+        except Exception as exc:  # noqa: BLE001 - the assertion reads it
+            got[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    want = [f"{len(p)}:None" for p in prompts]
+    assert got == {0: want, 1: want} and done == [2, 2, 1]
+    assert models[0].batches == [prompts[:2], prompts[4:]] and models[1].batches == [prompts[2:4]]
+
+
+def test_a_model_that_answers_fewer_prompts_than_asked_is_one_line() -> None:
+    """Else the suites, which zip prompts with answers, would score the rest against nothing."""
+    from owai.errors import OwaiError
+    from owai.evals.causal_lm import generate_all
+
+    class Short(Echo):
+        def generate_many(self, prompts: list[str], **kwargs: Any) -> list[str]:
+            return super().generate_many(prompts, **kwargs)[:-1]
+
+    with pytest.raises(OwaiError, match="^Short answered 1 of 2 prompts$"):
+        generate_all(Short(2), ["a", "b"])
+
+
 def test_a_batch_reaches_the_log_whole_however_long_it_took(tmp_path, monkeypatch) -> None:
     """A batch slower than FLUSH_SECONDS (RULER at 128k tokens) is still written in one piece: a kill
     after a write never leaves part of a batch, which would shift every later batch of the resume."""
@@ -179,16 +233,18 @@ def test_an_answer_damaged_into_another_json_value_is_asked_again(tmp_path) -> N
         def generate_until(self, requests, disable_tqdm=False):
             raise NotImplementedError
 
-    pairs = [("a", " b"), ("c", " d"), ("e", " f"), ("g", " h")]
-    damaged = [7, ["x", True], [-1.0, "yes"], [-3.5, False]]  # the last one is whole
+    pairs = [("a", " b"), ("c", " d"), ("e", " f"), ("i", " j"), ("g", " h")]
+    damaged = [7, ["x", True], [-1.0, "yes"], [True, True], [-3.5, False]]  # the last one is whole; a bool is no score
     path = tmp_path / "harness.jsonl"
     logged = {answer_key("loglikelihood", *pair): value for pair, value in zip(pairs, damaged)}
-    path.write_text(json.dumps({"answers": {**logged, answer_key("loglikelihood_rolling", "text"): "oops"}}) + "\n")
+    rolled = {answer_key("loglikelihood_rolling", "text"): "oops", answer_key("loglikelihood_rolling", "flag"): True}
+    path.write_text(json.dumps({"answers": {**logged, **rolled}}) + "\n")
     lm = harness.log_answers(Scores(), AnswerLog(path))
     got = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)])
-    assert got == [(-1.0, True)] * 3 + [(-3.5, False)]
-    assert lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("text",), 0)]) == [-2.0]
-    assert Scores.asked == [*pairs[:3], ("text",)]
+    assert got == [(-1.0, True)] * 4 + [(-3.5, False)]
+    rolling = [Instance("loglikelihood_rolling", {}, (text,), i) for i, text in enumerate(("text", "flag"))]
+    assert lm.loglikelihood_rolling(rolling) == [-2.0, -2.0]
+    assert Scores.asked == [*pairs[:4], ("text",), ("flag",)]
 
 
 def _run_dir(out: Path, recipe: str) -> Path:
@@ -344,6 +400,10 @@ def test_a_harness_model_killed_in_a_call_keeps_the_answers_it_gave(tmp_path, mo
             raise NotImplementedError
 
     requests = [Instance("generate_until", {}, ("x" * n, {"until": ["\n"]}), n) for n in range(1, 7)]
+    # Ctrl-C inside the call, FLUSH_SECONDS not yet past: what the hook logged is flushed on the way out
+    with pytest.raises(Killed):
+        harness.log_answers(Lengths(kill_at=4), answer_log.AnswerLog(tmp_path / "ctrl-c.jsonl")).generate_until(requests)
+    assert len(answer_log.AnswerLog(tmp_path / "ctrl-c.jsonl")) == 4
     killed = harness.log_answers(Lengths(kill_at=4), answer_log.AnswerLog(tmp_path / "answers.jsonl"))
     monkeypatch.setattr(answer_log, "FLUSH_SECONDS", 0.0)  # every hook call reaches the disk
     with pytest.raises(Killed):

@@ -179,6 +179,61 @@ def test_round_sizes_follow_the_slowest_rank() -> None:
     assert harness.next_round(4, 3 * FLUSH_SECONDS) == 2 and harness.next_round(1, 3 * FLUSH_SECONDS) == 1
 
 
+def test_ranks_left_with_different_numbers_of_requests_meet_until_every_rank_is_done(tmp_path, monkeypatch) -> None:
+    """A run killed after 2 answers, resumed on two ranks: rank 0 has 4 requests left, rank 1 three. The
+    rank done first keeps joining the rounds' gathers until the other is done too (else that one waits
+    in its gather for ever)."""
+    from owai.evals import harness
+    from owai.evals.answers import AnswerLog
+
+    requests = generations(9)
+    path = tmp_path / "answers.jsonl"
+    with pytest.raises(Killed):
+        harness.log_answers(lengths_lm(kill_at=2), AnswerLog(path)).generate_until(requests)
+    models = {r: lengths_lm() for r in range(2)}
+    got = ThreadRanks(monkeypatch, 2).run(
+        lambda r: harness.DataParallelLM(models[r], AnswerLog(path) if r == 0 else None).generate_until(requests[r::2]))
+    want = [str(k) for k in range(1, 10)]
+    assert got == {0: want[0::2], 1: want[1::2]}
+    assert (len(models[0].asked), len(models[1].asked)) == (4, 3) and len(AnswerLog(path)) == 9
+
+
+def test_a_job_without_an_answer_log_answers_each_ranks_share(monkeypatch) -> None:
+    """`evaluate` wraps a model that is not one yet as DataParallelLM(model), with no log on rank 0."""
+    from owai.evals import harness
+
+    models = {r: lengths_lm() for r in range(2)}
+    got = ThreadRanks(monkeypatch, 2).run(lambda r: harness.DataParallelLM(models[r]).generate_until(generations(5)[r::2]))
+    assert got == {0: ["1", "3", "5"], 1: ["2", "4"]}
+
+
+def test_a_slow_rank_keeps_every_ranks_rounds_short(monkeypatch) -> None:
+    """Round sizes follow the slowest rank (every rank computes them from the same gathered times): a
+    rank over 2 FLUSH_SECONDS per round keeps both ranks' rounds at one request, however quick the other."""
+    import time
+
+    from owai.evals import answers, harness
+
+    monkeypatch.setattr(answers, "FLUSH_SECONDS", 0.1)
+    models = {r: lengths_lm() for r in range(2)}
+    quick = models[1].generate_until
+    models[1].generate_until = lambda requests, disable_tqdm=False: time.sleep(0.25) or quick(requests)
+    got = ThreadRanks(monkeypatch, 2).run(lambda r: harness.DataParallelLM(models[r]).generate_until(generations(6)[r::2]))
+    assert got == {0: ["1", "3", "5"], 1: ["2", "4", "6"]}
+    assert models[0].calls == models[1].calls == 3
+
+
+def test_an_inner_lm_that_answers_fewer_requests_is_one_line(monkeypatch) -> None:
+    from owai.errors import OwaiError
+    from owai.evals import harness
+
+    inner = lengths_lm()
+    whole = inner.generate_until
+    inner.generate_until = lambda requests, disable_tqdm=False: whole(requests)[:-1]
+    got = ThreadRanks(monkeypatch, 1).run(lambda r: harness.DataParallelLM(inner).generate_until(generations(3)))
+    assert isinstance(got[0], OwaiError) and str(got[0]) == "the harness model answered 0 of 1 generate_until requests"
+
+
 def test_ranks_asking_different_request_types_at_once_stop_with_one_line(monkeypatch) -> None:
     from owai.errors import OwaiError
     from owai.evals import harness
@@ -205,12 +260,15 @@ def test_the_lms_collectives_are_owais(monkeypatch) -> None:
     assert distributed.gather_tensors(torch.tensor(7)).tolist() == [7]  # one process: itself, as one element
 
     def work(r: int) -> Any:
-        lm = harness.DataParallelLM(lengths_lm())
+        inner = lengths_lm()
+        inner._rank, inner._world_size = r, 2  # an HFLM that took accelerate's ranks: set back to answer alone
+        lm = harness.DataParallelLM(inner)
         lm.barrier()
-        return (lm.rank, lm.world_size, lm.all_gather(torch.tensor(10 + r)).tolist(), lm.gather_object({"rank": r}))
+        return (lm.rank, lm.world_size, lm.all_gather(torch.tensor(10 + r)).tolist(), lm.gather_object({"rank": r}),
+                (inner.rank, inner.world_size))
 
     got = ThreadRanks(monkeypatch, 2).run(work)
-    assert got == {0: (0, 2, [10, 11], [{"rank": 0}, {"rank": 1}]), 1: (1, 2, [10, 11], None)}
+    assert got == {0: (0, 2, [10, 11], [{"rank": 0}, {"rank": 1}], (0, 1)), 1: (1, 2, [10, 11], None, (0, 1))}
 
 
 def test_the_results_read_the_models_information_through_the_wrapper() -> None:
@@ -281,6 +339,8 @@ def test_a_task_with_fewer_documents_than_ranks_is_one_line(monkeypatch) -> None
     load = harness._share_documents(harness.builtin_tasks(), 2, World(0, 3, 0))
     with pytest.raises(OwaiError, match=r"owai_mc_smoke has 2 documents \(--limit\), fewer than the 3 ranks"):
         load(["owai_mc_smoke"])
+    load = harness._share_documents(harness.builtin_tasks(), 3, World(0, 3, 0))  # one document per rank will do
+    assert list(load(["owai_mc_smoke"])["tasks"]) == ["owai_mc_smoke"]
 
 
 # ---------------------------------------------------------------- torchrun, 2 gloo ranks

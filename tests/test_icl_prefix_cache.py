@@ -10,7 +10,8 @@ from collections.abc import Iterable
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (JambaConfig, JambaForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM)
 
 from owai.data.text import ByteTokenizer
 from owai.evals import causal_lm
@@ -72,6 +73,9 @@ def tiny(family: str) -> torch.nn.Module:
         model = LlamaForCausalLM(LlamaConfig(**sizes))
     elif family == "mistral":  # Mistral-7B-v0.1's sliding-window attention, a window of 16 under the prompts' ~70 tokens
         model = MistralForCausalLM(MistralConfig(sliding_window=16, **sizes))
+    elif family == "jamba":  # a hybrid: a Mamba layer (a recurrent state in the cache) and an attention layer
+        model = JambaForCausalLM(JambaConfig(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=100, num_experts=1,
+                                             mamba_d_state=4, **sizes))
     else:
         model = build_lm(family, vocab_size=VOCAB, **TINY[family])
     with torch.no_grad():
@@ -162,7 +166,7 @@ def test_a_sliding_window_model_continues_the_prefix_one_prompt_at_a_time(copies
 
 
 def test_windowed_attention_is_read_from_the_config() -> None:
-    from transformers import Gemma2Config, Qwen2Config
+    from transformers import Gemma2Config, Gemma3Config, PretrainedConfig, Qwen2Config
 
     assert causal_lm.windowed_attention(MistralConfig(sliding_window=4096))  # Mistral-7B-v0.1
     assert not causal_lm.windowed_attention(MistralConfig(sliding_window=None))  # v0.2 on
@@ -170,6 +174,11 @@ def test_windowed_attention_is_read_from_the_config() -> None:
     assert causal_lm.windowed_attention(Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0))
     assert causal_lm.windowed_attention(Gemma2Config())  # every other layer
     assert not causal_lm.windowed_attention(LlamaConfig())
+    assert causal_lm.windowed_attention(Gemma3Config())  # composite: the layer types are its text_config's
+    # a config that lists no layer_types (a saved config of an older release): its chunk or window fields
+    assert causal_lm.windowed_attention(PretrainedConfig(attention_chunk_size=8192))
+    assert causal_lm.windowed_attention(PretrainedConfig(sliding_window=16))
+    assert not causal_lm.windowed_attention(PretrainedConfig(sliding_window=16, use_sliding_window=False))
     assert not lm("mistral").pads_after_prefix and lm("llama").pads_after_prefix
 
 
@@ -266,6 +275,9 @@ def test_a_set_whose_prompts_share_no_token_is_prefilled_whole() -> None:
         answers = generate_all(model, asked, max_new_tokens=4)
         assert model.shared.length == 0 and model.shared.cache is None
     assert answers == generate_all(model, asked, max_new_tokens=4)
+    with model.shared_prefix(asked[:1]):  # one prompt: no other to share a prefix with, nothing prefilled apart
+        assert generate_all(model, asked[:1], max_new_tokens=4) == answers[:1]
+        assert model.shared.cache is None
 
 
 def test_eval_icl_answers_the_same_with_no_prefix_cache(tmp_path, capsys, copies) -> None:
@@ -318,6 +330,76 @@ def test_a_prompt_set_killed_midway_resumes_from_the_prefix_cache(tmp_path, copi
         resumed = generate_all(model, asked, answers=AnswerLog(tmp_path / "answers.jsonl"), max_new_tokens=6)
     assert resumed == plain
     assert copies == [2, 2, 1]  # 2 batches before the kill; the last prompt after it
+
+
+def test_prompts_outside_the_set_are_prefilled_whole_inside_the_block(copies) -> None:
+    """`generate` inside a block with a prompt that is not one of its set: one whose ids are the prefix
+    alone (no token of its own) or that does not start with it is prefilled whole, as is a batch holding
+    one; one that starts with the prefix and goes on continues from its cache."""
+    model = lm("gpt", batch_size=2)
+    asked = prompts()
+    shared = causal_lm.SharedPrefix(model.prompt_ids, asked)
+    shared.locate()
+    outside = [CONTEXT[:-1], OTHER + "b four five six seven\nlabel:", CONTEXT + "q ten\nlabel:"]
+    assert model.prompt_ids(outside[0]) == shared.reference[:shared.length]  # the prefix, and nothing after it
+    assert len(model.prompt_ids(outside[1])) > shared.length  # longer than the prefix, not starting with it
+    plain = generate_all(lm("gpt"), outside + asked[:1], max_new_tokens=6)
+    with model.shared_prefix(asked):
+        assert [model.generate(p, max_new_tokens=6) for p in outside] == plain[:3]
+        assert model.generate_many([asked[0], outside[1]], max_new_tokens=6) == [plain[3], plain[1]]
+    assert copies == [1]  # the third prompt alone
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_the_prefix_prefill_computes_its_last_logits_alone(family) -> None:
+    """A 20k-token prefix's logits at a 128k-token vocabulary are 5 GB: the prefill asks the model for
+    the last position's only (`logits_to_keep`), where its forward takes that argument."""
+    model = lm(family)
+    shared = causal_lm.SharedPrefix(model.prompt_ids, prompts())
+    shared.locate()
+    seen: list[tuple[int, int]] = []
+    model.model.register_forward_hook(
+        lambda module, args, kwargs, out: seen.append((kwargs["input_ids"].shape[1], out.logits.shape[1])), with_kwargs=True)
+    shared_answers(model, prompts())
+    assert seen[0] == (shared.length, 1)  # the first forward is the prefix's prefill
+
+
+def test_a_model_whose_prefix_is_not_reused_batches_its_prompts_in_the_block(monkeypatch) -> None:
+    """The LSTM (a recurrent cache: prefilled whole) keeps its batches inside a block: one prompt at a
+    time is for models that continue a shared prefix and cannot pad after it."""
+    plain = generate_all(lm("lstm"), prompts(), max_new_tokens=6)
+    rows: list[int] = []
+    real = CausalLM._continue
+
+    def counted(self, encoded, max_new_tokens):
+        rows.append(len(encoded))
+        return real(self, encoded, max_new_tokens)
+
+    monkeypatch.setattr(CausalLM, "_continue", counted)
+    assert shared_answers(lm("lstm", batch_size=3), prompts()) == plain
+    assert rows == [3, 2]
+
+
+def test_a_hybrid_cache_continues_the_prefix(copies) -> None:
+    """Jamba's cache holds a Mamba layer's recurrent state beside an attention layer's keys and values:
+    it is reused (a cache of recurrent states alone is not), one prompt at a time (a layer that is not
+    full attention), to the answers of whole prefills."""
+    plain = generate_all(lm("jamba"), prompts(), max_new_tokens=6)
+    assert len(set(plain)) > 1
+    model = lm("jamba", batch_size=3)
+    assert shared_answers(model, prompts()) == plain
+    assert copies == [1] * len(QUERIES) and model.no_prefix_reuse is None
+
+
+def test_a_model_that_returns_no_cache_is_prefilled_whole_and_said_once(monkeypatch, capsys, copies) -> None:
+    from owai.models import hf_cache
+
+    model = lm("gpt")
+    plain = {c: generate_all(model, prompts(c), max_new_tokens=6) for c in (CONTEXT, OTHER)}
+    monkeypatch.setattr(hf_cache, "output_cache", lambda out: None)  # what the prefill's output holds
+    assert {c: shared_answers(model, prompts(c)) for c in (CONTEXT, OTHER)} == plain
+    said = [line for line in capsys.readouterr().err.splitlines() if "prefix cache" in line]
+    assert copies == [] and len(said) == 1 and "returns no cache" in said[0]
 
 
 @pytest.mark.slow  # a torchrun job of two ranks (about a minute); `pytest -m slow`

@@ -387,6 +387,15 @@ def test_prefetched_batches_and_states_are_the_streams_own(tmp_path: Path, gpt2:
     ahead.close()
     assert_same(first + batches(ahead, 5, 3), [b for b, _ in expect[:10]])
     ahead.close()
+    # a state loaded while the thread reads ahead: the batches it prepared are dropped, it goes on from the state
+    ahead = Prefetcher(stream(), 3, 4)
+    batches(ahead, 2, 3)
+    state = ahead.state_dict()
+    batches(ahead, 3, 3)
+    read_ahead(ahead, expect[4][1]["rows"])
+    ahead.load_state_dict(state)
+    assert_same(batches(ahead, 3, 3), [b for b, _ in expect[2:5]])
+    ahead.close()
 
 
 def _broken_corpus(tmp_path: Path) -> Path:
@@ -415,11 +424,15 @@ def test_an_error_in_the_prefetch_thread_is_raised_by_the_caller(tmp_path: Path,
         with pytest.raises(OwaiError) as raised:
             while True:
                 got.append(ahead.next_batch())
+                if len(got) == 2:
+                    state = ahead.state_dict()
         assert str(raised.value) == str(expected.value)
         assert_same(got, before)
         with pytest.raises(OwaiError) as again:
             ahead.next_batch()
         assert again.value is raised.value
+        ahead.load_state_dict(state)  # a state loaded after the error: read again from there
+        assert_same([ahead.next_batch()], before[2:3])
         ahead.close()
     stream = PackedStream(write_jsonl(tmp_path / "ok.jsonl", word_docs(200, seed=5)), "bytes", 16)
     calls = []
@@ -454,6 +467,8 @@ def test_the_prefetch_thread_never_holds_up_the_end_or_a_signal(tmp_path: Path, 
     ahead = Prefetcher(PackedStream(source, "bytes", 16), 2, 2)
     ahead.next_batch()
     read_ahead(ahead, 2 * 2)  # two more made: the queue is full, the thread waits for room
+    time.sleep(0.3)
+    assert ahead.stream.rows_emitted <= (1 + 2 + 1) * 2  # the batch handed out, 2 queued, 1 waiting for room: no more
     thread, start = ahead._thread, time.monotonic()
     ahead.close()
     assert thread is not None and not thread.is_alive() and time.monotonic() - start < 2
@@ -472,9 +487,27 @@ def test_the_prefetch_thread_never_holds_up_the_end_or_a_signal(tmp_path: Path, 
     thread = ahead._thread
     ahead.close()  # the thread is inside its batch: close gives up after PREFETCH_CLOSE_S; the daemon ends with it
     assert thread is not None and thread.daemon and thread.is_alive() and time.monotonic() - start < 5
+    with pytest.raises(OwaiError, match="did not stop"):  # a second thread would read the stream beside it
+        ahead.next_batch()
     release.set()
     thread.join(5)
     assert not thread.is_alive()
+
+
+def test_the_wait_for_batches_is_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`wait_s` adds up the seconds `next_batch` waited for its batch (the training loop's data_wait_s):
+    three batches of a stream that takes 0.1 s each, asked back to back, wait 0.3 s with a thread or not."""
+    import time
+
+    source = write_jsonl(tmp_path / "docs.jsonl", word_docs(30, seed=8))
+    for depth in (0, 2):
+        stream = PackedStream(source, "bytes", 16)
+        real = stream.next_batch
+        monkeypatch.setattr(stream, "next_batch", lambda b, real=real: time.sleep(0.1) or real(b))
+        with Prefetcher(stream, 2, depth) as ahead:
+            assert ahead.wait_s == 0.0
+            batches(ahead, 3, 2)
+            assert ahead.wait_s >= 0.25, (depth, ahead.wait_s)
 
 
 def test_state_of_another_stream_is_refused(tmp_path: Path) -> None:

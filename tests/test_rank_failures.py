@@ -105,6 +105,41 @@ def test_rank_0s_own_error_is_its_own(tmp_path: Path):
     assert "rank" not in alone.status_info() and alone.failure() == "ValueError: one"
 
 
+def test_a_ctrl_c_on_rank_0_stays_an_interruption_beside_another_ranks_error(tmp_path: Path):
+    """Ctrl-C is the user's stop, not a symptom of rank 1's failure: no cause line for rank 0 to raise in
+    its place (a stop signal's is tested above), while status.json still names rank 1's error."""
+    other_rank(tmp_path).record_failure(ValueError("bad batch"), rank=1, world_size=2)
+    run = Run(tmp_path)
+    assert run.record_failure(KeyboardInterrupt(), rank=0, world_size=2) is None
+    assert run.failure() == "rank 1: ValueError: bad batch"
+
+
+def test_the_earliest_rank_error_is_the_cause_and_damaged_files_are_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Several ranks recorded errors: the earliest by its clock is the cause, whatever the ranks' order;
+    files without a rank and error, or not JSON, are left out; rank 0 looks each rank's file up by name,
+    since a network filesystem's listing can lag behind a file another host has just written."""
+    for rank, error, when in ((1, "second", 200.0), (2, "first", 100.0)):
+        other_rank(tmp_path).record_failure(ValueError(error), rank=rank, world_size=5)
+        path = tmp_path / f"error.rank{rank}.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "timestamp": when}))
+    (tmp_path / "error.rank3.json").write_text(json.dumps({"error": "no rank"}))
+    (tmp_path / "error.rank4.json").write_text('{"rank": 4, "error"')
+    run = Run(tmp_path)
+    assert [r["rank"] for r in run.rank_errors(5)] == [2, 1]
+    assert run.failure() == "rank 2: ValueError: first"
+    monkeypatch.setattr(Path, "glob", lambda self, pattern: iter(()))  # the listing has none of them yet
+    assert run.record_failure(RuntimeError(GLOO_CLOSED), rank=0, world_size=5) == "rank 2 failed: ValueError: first"
+
+
+def test_a_rank_error_written_after_rank_0_lost_it_is_the_cause(tmp_path: Path):
+    """Rank 0 lost its peer before rank 1's file was there (status: NO_RANK_ERROR): `owai report` names
+    rank 1's error once it is."""
+    run = Run(tmp_path)
+    assert run.record_failure(RuntimeError(GLOO_RESET), rank=0, world_size=2) == NO_RANK_ERROR
+    other_rank(tmp_path).record_failure(ValueError("late"), rank=1, world_size=2)
+    assert run.failure() == "rank 1: ValueError: late"
+
+
 def test_a_stop_signal_waits_until_the_status_is_written():
     """torchrun's SIGTERM while rank 0 writes why the run failed: the write ends, then the stop."""
     before = signal.getsignal(signal.SIGTERM)
@@ -131,13 +166,18 @@ def test_a_stop_while_the_deferral_is_set_up_leaves_no_signal_held(monkeypatch: 
             raise Terminated(signal.SIGHUP)
         return install(sig, handler)
 
-    monkeypatch.setattr(owai.errors.signal, "signal", interrupted)
-    for block in (termination_deferred, stop_on_termination):
-        with pytest.raises(Terminated):
-            with block():
-                pass
-        assert signal.getsignal(signal.SIGTERM) is before, block.__name__
-    monkeypatch.undo()
+    # under nohup SIGHUP is ignored, and the blocks leave an ignored signal alone (no handler installed)
+    hangup = install(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        monkeypatch.setattr(owai.errors.signal, "signal", interrupted)
+        for block in (termination_deferred, stop_on_termination):
+            with pytest.raises(Terminated):
+                with block():
+                    pass
+            assert signal.getsignal(signal.SIGTERM) is before, block.__name__
+        monkeypatch.undo()
+    finally:
+        install(signal.SIGHUP, hangup)
 
 
 @pytest.fixture
