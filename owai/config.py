@@ -220,17 +220,23 @@ def _number_fields(obj: Any, prefix: str, kinds: tuple[type, ...] = (int,)) -> l
 
 
 # Optimisation settings by role, by field name, in every method's config (as the size fields above):
-# a learning rate is > 0 (its schedule's end points >= 0), a regulariser's strength or a count of
-# threads or worker processes >= 0, a dropout or momentum in [0, 1), a fraction in [0, 1]; no float
-# setting is NaN or infinite. A method's own `validate` adds what is specific to it (min_lr <= lr, a
-# fraction that must be above 0, ...).
+# a learning rate is > 0 (its schedule's end points >= 0), a regulariser's strength >= 0, a count of
+# threads or worker processes in [0, MAX_WORKERS], a seed a 64-bit integer, a dropout or momentum in
+# [0, 1), a fraction in [0, 1]; no float setting is NaN or infinite. A method's own `validate` adds
+# what is specific to it (min_lr <= lr, a fraction that must be above 0, ...).
 SCHEDULE_END_FIELDS = ("min_lr", "warmup_lr", "lr_end")
-NON_NEGATIVE_FIELDS = ("weight_decay", "l2", "grad_clip", "clip", "threads", "workers")  # counts: 0 = the default
+NON_NEGATIVE_FIELDS = ("weight_decay", "l2", "grad_clip", "clip")
+COUNT_FIELDS = ("threads", "workers")  # threads, loader or tokeniser processes: 0 = the default, at most MAX_WORKERS
 UNIT_INTERVAL_FIELDS = ("dropout", "momentum")
+SEED_RANGE = (-(2**63), 2**63 - 1)  # a 64-bit integer: torch.manual_seed overflows beyond it, inside the run
 
 
 def _setting_range(name: str) -> tuple[str, typing.Callable[[float], bool]] | None:
     """(what the value must be, test) for field `name`, or None where its role sets no range."""
+    if name == "seed" or name.endswith("_seed"):
+        return "a 64-bit integer (-2**63 to 2**63 - 1)", lambda v: SEED_RANGE[0] <= v <= SEED_RANGE[1]
+    if name in COUNT_FIELDS:  # torch.set_num_threads(100000) crashes the process; as many loaders would swamp it
+        return f"between 0 and {MAX_WORKERS:,}", lambda v: 0 <= v <= MAX_WORKERS
     if name in SCHEDULE_END_FIELDS:
         return ">= 0", lambda v: v >= 0
     if name == "lr" or name.endswith("_lr"):

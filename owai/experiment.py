@@ -284,6 +284,16 @@ def _prepare(
     return run
 
 
+def recorded_recipe(run: Run, resolved: dict[str, Any], methods: tuple[str, ...] | None = None) -> Recipe:
+    """The recipe of run directory `run` (`resolved`: its config.yaml). With `methods` (those of the
+    command resuming it), it must be a recipe of one of them, else one line naming the command that does."""
+    recipe = load(recorded_name(resolved["recipe"], resolved.get("recipe_source")))
+    if methods is not None and recipe.method not in methods:
+        raise OwaiError(f"{run.path} is a run of `{recipe.method_class().cli}` (recipe {recipe.id}), not of this "
+                        f"command; resume it with `owai recipes run {_recipe_argument(recipe)} --resume {run.path}`")
+    return recipe
+
+
 def _prepare_resume(
     resume: Path, recipe_name: str | None, preset: str | None, overrides: list[str], methods: tuple[str, ...] | None
 ) -> Run:
@@ -295,12 +305,9 @@ def _prepare_resume(
     run = Run.open(resume)
     resolved = run.read_config()
     trackers.require(resolved.get("params", {}).get("runtime", {}).get("tracker", "none"))
-    recipe = load(recorded_name(resolved["recipe"], resolved.get("recipe_source")))
     if methods is None and recipe_name is not None:
         methods = (load(recipe_name).method,)
-    if methods is not None and recipe.method not in methods:
-        raise OwaiError(f"{run.path} is a run of `{recipe.method_class().cli}` (recipe {recipe.id}), not of this "
-                        f"command; resume it with `owai recipes run {_recipe_argument(recipe)} --resume {run.path}`")
+    recipe = recorded_recipe(run, resolved, methods)
     if run.results() is not None:  # written atomically, as a run's last step: the run is complete
         if overrides:
             raise OwaiError(f"{run.path} is already complete; --set with --resume changes only an unfinished run")

@@ -36,11 +36,14 @@ CASES = [
     (["moons", "--set", "model.heads=[1,1]"], "model.heads must be a non-empty subset"),
     (["moons", "--set", "train.lr=-1"], "params.train.lr must be > 0, got -1.0"),
     (["moons", "--set", "train.steps=0"], "train.steps must be >= 1"),
-    (["moons", "--set", "runtime.threads=-2"], "params.runtime.threads must be >= 0, got -2"),
+    (["moons", "--set", "runtime.threads=-2"], "params.runtime.threads must be between 0 and 1,024, got -2"),
     (["moons", "--set", "train=3"], "params.train: expected a mapping"),
     (["moons", "--set", "=3"], "empty key"),
     (["moons", "linear", "--set", "foo=1"], "unknown key 'foo'"),
     (["moons", "--resume", "/nonexistent"], "does not exist"),
+    (["moons", "--preset", ""], "a blank preset name"),  # ran the default preset
+    (["moons", "--set", "seed=99999999999999999999999"], "params.seed must be a 64-bit integer"),  # torch overflowed in the run
+    (["moons", "--set", "runtime.threads=100000"], "params.runtime.threads must be between 0 and 1,024, got 100000"),  # SIGSEGV
     # mosaic-train / mosaic-eval (sec 3.5, ch. 4)
     (["mosaic-train", "--size", "huge"], "--size must be one of tiny, small, large"),
     (["mosaic-train", "--arch", "foo"], "unknown architecture 'foo'"),
@@ -53,6 +56,11 @@ CASES = [
     (["mosaic-train", "--size", "tiny", "--set", "data.stream=true", "--set", "data.prefetch=soon"],
      "params.data.prefetch: expected int | 'auto', got str 'soon'"),
     (["mosaic-train", "--size", "tiny", "--set", "train.precision=fp8"], "params.train.precision: expected one of"),
+    (["mosaic-train", "--size", "tiny", "--set", "data.stream=true", "--set", "data.shuffle_buffer=-1"],
+     "data.shuffle_buffer must be >= 0 (0: the source's order), got -1"),  # refused inside the run
+    (["mosaic-train", "--size", "tiny", "--set", "data.stream=true", "--set", "data.stream_val_tokens=0"],
+     "data.stream_val_tokens must be >= 1, got 0"),  # read as one window
+    (["mosaic-train", "--size", "tiny", "--tokenizer", "bpe--5"], "not a Hugging Face hub id"),  # the hub client's HFValidationError
     (["mosaic-train", "--size", "tiny", "--set", "runtime.device=tpu"], "params.runtime.device: expected one of"),
     (["mosaic-train", "--size", "tiny", "--set", "train.batch_size=100000000"], "lower train.batch_size"),
     (["mosaic-train", "--size", "tiny", "--set", "data.source=/nonexistent"], "dataset path not found"),

@@ -99,7 +99,7 @@ def test_runtime_device_dtype_and_seeds():
     if not torch.cuda.is_available():
         with pytest.raises(OwaiError, match="no CUDA device"):
             runtime.select_device("cuda")
-    with pytest.raises(OwaiError, match=r"^params\.runtime\.threads must be >= 0, got -1$"):  # refused when built
+    with pytest.raises(OwaiError, match=r"^params\.runtime\.threads must be between 0 and 1,024, got -1$"):  # refused when built
         build(BaseConfig, {"runtime": {"threads": -1}})
 
 

@@ -133,6 +133,18 @@ def test_rich_features_resume_of_another_commands_run_names_that_command(tmp_pat
         assert "is a run of `owai moons three-moons` (recipe three-moons), not of this command" in err, err
 
 
+def test_a_run_resume_of_a_sweep_directory_says_it_is_a_sweep(tmp_path, capsys):
+    """`--resume SWEEP_DIR` where a run is resumed said "config.yaml is missing (a sweep directory whose
+    sweep.json is a file?)"; it names the sweep and the command that continues it."""
+    from owai import sweep as sweeps
+
+    sweep_dir = sweeps.create("three-moons", None, [], [], [0], tmp_path / "sweeps").path
+    for args in (["recipes", "run"], ["moons"], ["eval", "icl"]):
+        code, _, err = cli_in_process([*args, "--resume", str(sweep_dir)], capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"a sweep directory, not a run directory; continue it with `owai sweep --resume {sweep_dir}`" in err, err
+
+
 def test_study_commands_check_their_recipe_and_resume_alone(tmp_path, capsys):
     """dropout-ft and eval regbench: a recipe of another method, --resume with plan options,
     --resume of another method's sweep, and executor options that do not go together are each a

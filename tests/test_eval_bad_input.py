@@ -110,6 +110,19 @@ def test_harness_include_path_task_with_local_files_runs_offline(offline, tmp_pa
     assert {r["metric"]: r["measured"] for r in results["rows"]}["owai_local_json.acc"] == 1.0
 
 
+def test_harness_more_shots_than_a_tasks_pool_is_one_line(offline, tmp_path, capsys) -> None:
+    """A task's few-shot pool is known once its documents load, inside the run: lm-eval's sampler then
+    raised `ValueError: Sample larger than population` (an internal error); it is one `error:` line,
+    exit 2, and the run is marked failed with it."""
+    pytest.importorskip("lm_eval")
+    code, _, err = cli_in_process(["eval", "harness", "-q", "--model", "reference:oracle", "--tasks", "owai_mc_smoke",
+                                   "--num-fewshot", "1000", "-o", str(tmp_path / "runs")], capsys)
+    assert code == 2 and "internal error" not in err, err
+    assert err.strip().splitlines()[-1].startswith("error: --num-fewshot 1000: more examples than the few-shot pool"), err
+    (status,) = (tmp_path / "runs").glob("*/*/status.json")
+    assert json.loads(status.read_text())["status"] == "failed"
+
+
 # ---------------------------------------------------------------- 4. RULER lengths no prompt fits
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -181,3 +194,23 @@ def test_a_mirror_that_is_no_url_is_refused_before_any_folder(tmp_path, capsys) 
                                   capsys)
     assert code == 2 and "--mirror 'notaurl': not a URL" in err, err
     assert not (tmp_path / "D").exists()
+
+
+# ---------------------------------------------------------------- 7. blank options and settings an evaluation never reads
+# (the forty-fourth session's fuzzing: each of these ran, as if the option had not been given, or failed inside its run)
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["eval", "icl", "--model", "reference:knn", "--data", ""], "--data is empty"),  # ran on the recipe's data
+    (["eval", "ruler", "--model", "reference:oracle", "--haystack-dir", " "], "--haystack-dir is empty"),
+    (["mosaic-eval", "{model}", "--dataset", ""], "--dataset is empty"),  # evaluated the training corpus
+    (["eval", "posloss", "{model}", "--config-name", "20220301.simple"], "eval.config_name is unused here"),  # dropped
+    (["mosaic-eval", "{model}", "--set", "data.stream=true"], "data.stream is unused here"),  # failed in the run
+    (["eval", "posloss", "{model}", "--set", "data.prefetch=-1"], "data.prefetch is unused here"),  # ran
+])
+def test_blank_options_and_unread_settings_are_refused(args, message, tmp_path, monkeypatch, capsys) -> None:
+    model = tmp_path / "model"
+    model.mkdir()  # refused before the model is read
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli_in_process([a.replace("{model}", str(model)) for a in args] + ["-o", str(tmp_path / "runs")], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+    assert _no_run(tmp_path / "runs")

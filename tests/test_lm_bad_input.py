@@ -131,6 +131,21 @@ def test_local_dataset_still_runs_offline(offline, tmp_path, capsys):
     assert code == 0, err
 
 
+@pytest.mark.parametrize("args, match", [
+    (["data", "stats", "owai-stories", "--tokenizer", ""], "data.tokenizer is empty"),  # made a run directory, then failed
+    (["data", "stats", "", "--tokenizer", "bytes"], "data.source is empty"),  # read the current directory
+    (["data", "stats", "owai-stories", "--tokenizer", "bytes", "--truncate", "4,,8"], "--truncate '4,,8': an empty value between commas"),
+    (["data", "stats", "owai-stories", "--tokenizer", "tokdir"], "cannot fetch tokenizer 'tokdir' from local directory"),  # in the run
+])
+def test_data_stats_refuses_blank_names_lost_values_and_tokenizer_folders_holding_none(args, match, tmp_path, capsys, monkeypatch):
+    """Found by the forty-fourth session's fuzzing: each of these ran, or failed inside a run directory."""
+    monkeypatch.chdir(tmp_path)  # "" named the current directory: nothing there to read
+    (tmp_path / "tokdir").mkdir()  # a folder that holds no tokenizer
+    out = tmp_path / "runs"
+    code, _, err = cli_in_process([*args, "-o", str(out)], capsys)
+    assert_refused(code, err, out, match)
+
+
 # -- 2. model.init_from, every architecture -------------------------------------------------------
 
 

@@ -375,7 +375,7 @@ def _rate_settings() -> list[tuple[str, str, str, float, bool]]:
         for path, name, value in _number_fields(method_class(method).Config(), "", (int, float)):
             rule = _setting_range(name)
             if rule is not None:
-                bad = 1.0 if rule[0] == "in [0, 1)" else -1 if isinstance(value, int) else -0.5
+                bad = 1.0 if rule[0] == "in [0, 1)" else 2**63 if "64-bit" in rule[0] else -1 if isinstance(value, int) else -0.5
                 found.append((method, path, rule[0], bad, isinstance(value, float)))
     return found
 

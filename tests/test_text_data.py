@@ -330,7 +330,8 @@ def test_a_missing_data_root_tokenizer_says_how_to_fetch_it(tmp_path: Path, monk
         assert "Hugging Face" not in message
     (data / "tokenizers" / "gpt2").mkdir(parents=True)
     assert resolve_tokenizer("tokenizers/gpt2") == str(data / "tokenizers" / "gpt2")
-    check_tokenizer("tokenizers/gpt2")
+    with pytest.raises(OwaiError, match="cannot fetch tokenizer"):  # found, and read: an empty folder holds none
+        check_tokenizer("tokenizers/gpt2")
 
 
 # --- token shards ------------------------------------------------------------------------------

@@ -23,7 +23,15 @@ import typer
 from owai import console
 from owai.config import MAX_CONTEXT, MAX_WORKERS
 
-Preset = Annotated[Optional[str], typer.Option("--preset", "-p", help="Scale preset of the recipe: cpu (the default), paper (the thesis's settings), and where a recipe has them tiny (a run scale: the data that ships with owai only; not mosaic-train's --size tiny, a model size) and paper variants (paper-cosine, paper-imagenet, ...: `owai recipes show RECIPE` lists them).")]
+
+def _preset_named(value: str | None) -> str | None:
+    """--preset as given; a blank name is refused: it read as no --preset and ran the recipe's default preset."""
+    if value is not None and not value.strip():
+        raise typer.BadParameter("a blank preset name; omit --preset for the recipe's default (`owai recipes show RECIPE` lists its presets)")
+    return value
+
+
+Preset = Annotated[Optional[str], typer.Option("--preset", "-p", callback=_preset_named, help="Scale preset of the recipe: cpu (the default), paper (the thesis's settings), and where a recipe has them tiny (a run scale: the data that ships with owai only; not mosaic-train's --size tiny, a model size) and paper variants (paper-cosine, paper-imagenet, ...: `owai recipes show RECIPE` lists them).")]
 Sets = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a parameter: --set KEY.PATH=VALUE, e.g. --set seed=1 (repeatable; `owai recipes show RECIPE` lists the keys).")]
 EvalSets = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override an evaluation setting: --set runtime.device=cpu (repeatable; `owai recipes show RECIPE` lists them).")]
 Out = Annotated[Optional[Path], typer.Option("--out", "-o", help="Root for results (default: runs): OUT/<recipe>/<time>-<hash>/ for a run, OUT/<recipe>/sweep-<time>-<hash>/ for a sweep or study.", show_default=False)]
@@ -193,11 +201,16 @@ def refuse_out_with_resume(out: Path | None) -> None:
 
 
 def resumable_dir(path: Path, kind: str) -> None:
-    """--resume PATH naming a file: said as such (the run or sweep loader would call it missing)."""
+    """--resume PATH naming a file: said as such (the run or sweep loader would call it missing); a run's
+    --resume naming a sweep directory: said as such (the run loader guessed at a damaged sweep)."""
     from owai.errors import OwaiError
+    from owai.runs import is_sweep_dir
 
     if Path(path).expanduser().is_file():
         raise OwaiError(f"--resume {path}: a file, not a {kind} directory")
+    if kind == "run" and is_sweep_dir(Path(path).expanduser()):
+        raise OwaiError(f"--resume {path}: a sweep directory, not a run directory; continue it with `owai sweep --resume "
+                        f"{path}`, or a study's with its command's --resume")
 
 
 def refuse_torchrun(message: str) -> None:
@@ -299,6 +312,15 @@ class EvalRunOptions(RunOptions):
 RecipeOption = Annotated[Optional[str], typer.Option("--recipe", "-r", help="Recipe id or path to a recipe YAML file (the same as RECIPE).")]
 
 
+def refuse_blank(flag: str, value: str | None) -> None:
+    """A string option given as "" (or blanks): refused, where a config reads "" as its default (the
+    recipe's data, the model's own tokenizer, the training corpus) and would run as if it were not given."""
+    from owai.errors import OwaiError
+
+    if value is not None and not value.strip():
+        raise OwaiError(f"{flag} is empty: give a value, or leave the option out")
+
+
 def one_recipe(positional: str | None, option: str | None) -> str | None:
     """The recipe named by the RECIPE argument or by --recipe (the one spelling every command has)."""
     from owai.errors import OwaiError
@@ -309,10 +331,14 @@ def one_recipe(positional: str | None, option: str | None) -> str | None:
 
 
 def csv_values(text: str, option: str) -> list[str]:
-    """The distinct values of a comma-separated option; none or a repeat is a user error."""
+    """The distinct values of a comma-separated option; none, a repeat or an empty value between commas
+    (`4,,8`: a value lost in typing, as --seeds and --grid say) is a user error. A trailing comma is allowed."""
     from owai.errors import OwaiError
 
-    items = [t.strip() for t in text.split(",") if t.strip()]
+    parts = [t.strip() for t in text.strip().strip(",").split(",")]
+    items = [t for t in parts if t]
+    if items and len(items) != len(parts):
+        raise OwaiError(f"{option} {text!r}: an empty value between commas")
     if not items or len(set(items)) != len(items):
         raise OwaiError(f"{option} {text!r}: give distinct comma-separated values")
     return items
@@ -415,6 +441,8 @@ def run_eval(models: list[Path] | None, dataset: str | None, config_name: str | 
         return
     if not models:
         raise OwaiError("give the model directories to evaluate (MODEL_DIR...), or --resume RUN_DIR")
+    refuse_blank("--dataset", dataset)  # "" was dropped: the models' training corpus was evaluated
+    refuse_blank("--config-name", config_name)
     opts.run(EVAL_RECIPE, eval_overrides(models, dataset, config_name, context, posloss_only) + data_root_sets(data_root)
             + list(opts.sets or []))
 

@@ -30,7 +30,8 @@ import typer
 
 from owai import console
 from owai.commands._common import (ConfigName, Context, DataRoot, Dataset, EvalRunOptions, Json, Launch, Models, Out, Preset,
-                                  Quiet, Sets, csv_values, open_study, options, run_eval, run_study, set_str, study_recipe)
+                                  Quiet, Sets, csv_values, open_study, options, refuse_blank, run_eval, run_study, set_str,
+                                  study_recipe)
 from owai.config import MAX_DOCUMENTS, MAX_EXAMPLES, MAX_SAMPLES, MAX_SHOTS
 from owai.errors import OwaiError
 
@@ -187,7 +188,11 @@ def resume_alone(recipe: str, default: str, preset: str | None, sets: list[str] 
 def option_sets(sets: list[str] | None, values: dict[str, Any], lists: dict[str, tuple[str | None, str]]) -> list[str]:
     """`--set` overrides for the options given: KEY=VALUE for `values` (a str quoted: a path or id stays the
     string given; a number or bool as it is), KEY=["a", "b"] for each comma-separated option in `lists`
-    (quoted: "4k" and "2048" are both strings), after the user's."""
+    (quoted: "4k" and "2048" are both strings), after the user's. A blank string is refused: the config reads
+    "" as its default (the recipe's data, the model's own tokenizer), which the option was given to replace."""
+    for key, value in values.items():
+        if isinstance(value, str):
+            refuse_blank(f"--{key.replace('_', '-')}", value)
     extra = list(sets or [])
     extra += [set_str(key, value) if isinstance(value, str) else f"{key}={json.dumps(value)}"
               for key, value in values.items() if value is not None]

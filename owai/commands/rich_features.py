@@ -157,11 +157,15 @@ def _chain(recipe: str, stage: str | None, preset: str | None, extra: list[str],
 
 
 def _recorded_stage(resume: Path) -> str:
-    """The --stage of the evaluation run RUN_DIR (its config.yaml's)."""
+    """The --stage of the evaluation run RUN_DIR (its config.yaml's); RUN_DIR must be a rich-features run."""
+    from owai.experiment import recorded_recipe
     from owai.runs import Run
 
     resumable_dir(resume, "run")
-    return str(Run.open(resume).read_config().get("params", {}).get("stage", ""))
+    run = Run.open(resume)
+    resolved = run.read_config()
+    recorded_recipe(run, resolved, (METHOD,))  # another command's run: said so, not as its missing stage
+    return str(resolved.get("params", {}).get("stage", ""))
 
 
 def _check_resumed_stage(resume: Path, stage: str) -> None:

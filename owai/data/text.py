@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from owai.data import registry, stories
-from owai.errors import DataMissing, OwaiError, not_utf8, one_line
+from owai.errors import DataMissing, OwaiError, first_line, not_utf8, one_line
 from owai.hub import hub_unreachable
 from owai.io import (atomic_write_json, atomic_write_text, build_lock, cache_root, cannot_write, folder_to_build,  # cache_root: tokens.py
                      remove_dead_builds)  # uses it from here
@@ -485,10 +485,29 @@ def _hub_source(spec: str, text_field: str, config_name: str | None, revision: s
 
 
 def _looks_like_hub_id(source: str) -> bool:
-    """`name`, `owner/name` or either with `:config`, and no file suffix or path prefix."""
+    """`name`, `owner/name` or either with `:config`, and no file suffix or path prefix: an id the hub
+    itself accepts (`_hub_id_problem`)."""
     if source.startswith((".", "/", "~")) or _suffix(Path(source.partition(":")[0])):
         return False
-    return re.fullmatch(r"[\w.-]+(/[\w.-]+)?(:[\w.+-]+)?", source) is not None
+    return (re.fullmatch(r"[\w.-]+(/[\w.-]+)?(:[\w.+-]+)?", source) is not None
+            and _hub_id_problem(source.partition(":")[0]) is None)
+
+
+def _hub_id_problem(hub_id: str) -> str | None:
+    """Why `hub_id` is not a Hugging Face repository id, by the hub client's own rules (1-96 letters,
+    digits, '-', '_', '.'; no '--' or '..'; at most one '/'), or None: such a name (bpe--5, a..b) is
+    refused in one line instead of reaching the client, which raises its own validation error."""
+    if not hub_id:
+        return "an empty id"
+    try:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+    except ImportError:  # no hub client: nothing reads the hub either
+        return None
+    try:
+        validate_repo_id(hub_id)
+    except HFValidationError as exc:
+        return first_line(str(exc))
+    return None
 
 
 # --- local files -----------------------------------------------------------------------------
@@ -1104,6 +1123,15 @@ def looks_under_data_root(spec: str) -> bool:
     return not registry.generated(spec) and not (spec.startswith(("hf:", "owai-stories", "~")) or Path(spec).is_absolute())
 
 
+def check_named(source: str, tokenizer: str) -> None:
+    """A run's corpus (data.source) and tokenizer (data.tokenizer) must be named: a blank name would
+    be read as the current directory (its text files as the corpus, a run directory for nothing)."""
+    if not str(source).strip():
+        raise OwaiError("data.source is empty: give a corpus (owai-stories, a hub id or a path)")
+    if not str(tokenizer).strip():
+        raise OwaiError("data.tokenizer is empty: give bytes, bpe-N, gpt2 or a tokenizer directory")
+
+
 def resolve_tokenizer(name: str, data_root: str | Path | None = None) -> str:
     """A tokenizer name after the data-root rule: a relative path that does not exist here but does
     under the data root (`data_root`, $OWAI_DATA, the cache), e.g. `tokenizers/gpt2`, becomes that path."""
@@ -1128,10 +1156,8 @@ def check_tokenizer(name: str, data_root: str | Path | None = None) -> None:
             raise OwaiError(f"tokenizer bpe-{vocab}: vocabulary size must be between {BPE_MIN_VOCAB} and {BPE_MAX_VOCAB}")
         return
     path = Path(name).expanduser()
-    if path.is_file() or (path.is_dir() and _bpe_files(path) is not None):
-        load_tokenizer(name)  # local files: read them now (a cut vocab.bpe, an encoder.json that is not JSON)
-        return
-    if path.exists():
+    if path.exists():  # local files: read them now (a cut vocab.bpe, an encoder.json that is not JSON, a
+        load_tokenizer(name)  # folder holding no tokenizer), not in the run directory
         return
     missing = registry.missing_relative(name, data_root)  # a data-root folder (tokenizers/gpt2), not a hub id
     if missing:

@@ -838,10 +838,18 @@ def evaluate(model: Any, tasks: list[str], num_fewshot: int | None = None, limit
             stack.enter_context(mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", _quiet_git_hash))
         if confirm_run_unsafe_code:
             stack.enter_context(mock.patch.dict(os.environ, {"HF_ALLOW_CODE_EVAL": "1"}))
-        result = simple_evaluate(model=model, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit or None,
-                                 task_manager=manager, log_samples=False, bootstrap_iters=0,
-                                 confirm_run_unsafe_code=bool(confirm_run_unsafe_code), random_seed=seed,
-                                 numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+        try:
+            result = simple_evaluate(model=model, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit or None,
+                                     task_manager=manager, log_samples=False, bootstrap_iters=0,
+                                     confirm_run_unsafe_code=bool(confirm_run_unsafe_code), random_seed=seed,
+                                     numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+        except ValueError as exc:
+            # lm-eval's few-shot sampler draws `random.sample(pool, n)`: a pool is known only once its task's
+            # documents are loaded, so a --num-fewshot above it surfaces here, not at validation
+            if num_fewshot and "Sample larger than population" in str(exc):
+                raise OwaiError(f"--num-fewshot {num_fewshot}: more examples than the few-shot pool of a task among "
+                                f"{', '.join(tasks)} holds; give fewer shots (or none, for each task's default)") from exc
+            raise
     if ranks.rank == 0:
         if result is None:
             raise OwaiError("the harness returned no results")

@@ -96,8 +96,9 @@ class CorpusStatistics(Method):
 
 def check(cfg: CorpusStatsConfig) -> None:
     """Settings a run cannot start with, and the tokenizer and corpus it reads, before any run directory."""
-    from owai.data.text import HubSource, LocalSource, check_tokenizer, open_source
+    from owai.data.text import HubSource, LocalSource, check_named, check_tokenizer, open_source
 
+    check_named(cfg.data.source, cfg.data.tokenizer)
     if not cfg.splits or len(set(cfg.splits)) != len(cfg.splits) or any(s not in SPLIT_NAMES for s in cfg.splits):
         raise OwaiError(f"splits must be distinct names among {', '.join(SPLIT_NAMES)}, got {cfg.splits}")
     if not cfg.truncate or any(t < 1 for t in cfg.truncate) or len(set(cfg.truncate)) != len(cfg.truncate):

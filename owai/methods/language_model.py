@@ -200,6 +200,17 @@ def data_root_unused(data: DataConfig, evaluation: EvalConfig, tokenizer: str | 
     return {"data.root": f"no input of this run is looked up under a data root (--data-root): {', '.join(named)}"}
 
 
+STREAM_SETTINGS = ("data.prefetch", "data.shuffle_buffer", "data.stream_val_tokens")  # read with data.stream only
+
+
+def evaluation_corpus_unused(evaluation: EvalConfig) -> dict[str, str]:
+    """{"eval.config_name": why} when no evaluation corpus (eval.source, --dataset) is named: the
+    configuration is that corpus's, and was dropped without one."""
+    if evaluation.source:
+        return {}
+    return {"eval.config_name": "the hub configuration of eval.source (--dataset), and no evaluation corpus is named"}
+
+
 class LanguageModelPretraining(Method):
     Config = Config
     cli = "owai mosaic-train"
@@ -224,9 +235,8 @@ class LanguageModelPretraining(Method):
         if "gpt" in families and not any(parse_arch(a) == ("gpt", {}) for a in cfg.archs):
             unused["model.position"] = f"the position encoding of a plain gpt; archs {', '.join(cfg.archs)} name their own"
         if not cfg.data.stream:
-            unused |= dict.fromkeys(("data.prefetch", "data.shuffle_buffer", "data.stream_val_tokens"),
-                                    "a setting of data.stream; this run reads token windows (data.stream=false)")
-        return unused | data_root_unused(cfg.data, cfg.eval, cfg.data.tokenizer)
+            unused |= dict.fromkeys(STREAM_SETTINGS, "a setting of data.stream; this run reads token windows (data.stream=false)")
+        return unused | evaluation_corpus_unused(cfg.eval) | data_root_unused(cfg.data, cfg.eval, cfg.data.tokenizer)
 
     def run(self, cfg: Config, run: Run) -> Outcome:
         check_memory(cfg)  # on the ranks the run actually has
@@ -323,6 +333,10 @@ def check_settings(cfg: Config) -> None:
         raise OwaiError(f"train.tokens must be >= 0, got {t.tokens}")
     if cfg.data.prefetch != "auto":
         check_count("data.prefetch", cfg.data.prefetch, 0, 1024)  # batches held in memory: a few MB each at 4096 tokens
+    if cfg.data.shuffle_buffer < 0:  # the packed stream refused it only inside the run
+        raise OwaiError(f"data.shuffle_buffer must be >= 0 (0: the source's order), got {cfg.data.shuffle_buffer}")
+    if cfg.data.stream_val_tokens < 1:  # a validation split of no tokens was read as one window
+        raise OwaiError(f"data.stream_val_tokens must be >= 1, got {cfg.data.stream_val_tokens}")
     from owai.runtime import planned_device
 
     precision_for(t.precision, planned_device(cfg.runtime.device))  # the run's own machine checks the device
@@ -1159,8 +1173,12 @@ class LanguageModelEvaluation(Method):
     def unused_settings(cfg: EvalOnlyConfig) -> dict[str, str]:
         # data.tokenizer is read for a model folder that records no tokenizer of its own (`tokenizer_for`);
         # nothing is drawn: the evaluation windows are those of mosaic-train's final evaluation (key 0)
-        return {"seed": "an evaluation draws nothing: its windows are the same for every model and seed, "
-                        "as in mosaic-train's final evaluation"} | data_root_unused(cfg.data, cfg.eval, cfg.data.tokenizer)
+        # data.stream is mosaic-train's training stream: an evaluation of it failed inside its run directory
+        stream = dict.fromkeys(("data.stream", *STREAM_SETTINGS), "a setting of mosaic-train's streamed training data; "
+                               "an evaluation reads the validation windows of the corpus")
+        return ({"seed": "an evaluation draws nothing: its windows are the same for every model and seed, "
+                         "as in mosaic-train's final evaluation"} | stream | evaluation_corpus_unused(cfg.eval)
+                | data_root_unused(cfg.data, cfg.eval, cfg.data.tokenizer))
 
     @staticmethod
     def validate(cfg: EvalOnlyConfig) -> None:
@@ -1230,11 +1248,10 @@ def _validate_common(cfg: Any) -> None:
 
 
 def _check_common_settings(cfg: Any) -> None:
+    from owai.data.text import check_named
+
     check_count("data.block_size", cfg.data.block_size, 2, MAX_CONTEXT)
-    if not str(cfg.data.source).strip():  # "" would be read as the current directory
-        raise OwaiError("data.source is empty: give a corpus (owai-stories, a hub id or a path)")
-    if not str(cfg.data.tokenizer).strip():
-        raise OwaiError("data.tokenizer is empty: give bytes, bpe-N, gpt2 or a tokenizer directory")
+    check_named(cfg.data.source, cfg.data.tokenizer)
     ev = cfg.eval
     for name in ("posloss_windows", "val_batches", "attention_sequences", "batch_size", "max_new_tokens"):
         if getattr(ev, name) < 1:

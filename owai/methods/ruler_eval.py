@@ -83,8 +83,8 @@ class Ruler(Method):
                 unused[key] = f"the {name} dev file of task {task}; {tasks}"
         if not any(t in ruler.QA_TASKS for t in cfg.tasks):
             unused["template"] = f"the QA prompt of tasks qa_1 / qa_2; {tasks}"
-        if not any(t in ruler.SYNTHETIC_TASKS for t in cfg.tasks):
-            unused["haystack_dir"] = f"the essay haystack (--haystack-dir) of the synthetic tasks (niah_*, vt, cwe, fwe); {tasks}"
+        if not essay_tasks(cfg.tasks):  # niah_single_1, niah_multikey_2/3, vt, cwe, fwe read no essay
+            unused["haystack_dir"] = f"the essay haystack (--haystack-dir) of tasks {', '.join(essay_tasks())}; {tasks}"
         return unused
 
     @staticmethod
@@ -119,10 +119,9 @@ class Ruler(Method):
             reference_tokenizer(cfg.reference_tokenizer)  # loads, or one line
         check_ablation(cfg.model, cfg.ablate)  # the model's own settings before the data it is fed
         essays = None
-        if any(t in ruler.SYNTHETIC_TASKS for t in cfg.tasks):
+        if essay_tasks(cfg.tasks):
             essays = haystack_folder(cfg.haystack_dir)
-            if any(ruler.NIAH_VARIANTS.get(t, {}).get("haystack") == "essay" for t in cfg.tasks):
-                ruler.read_essays(essays)
+            ruler.read_essays(essays)
         offline, pools = "", {}
         for task, kind, source in (("qa_1", "squad", cfg.squad), ("qa_2", "hotpotqa", cfg.hotpotqa)):
             if task in cfg.tasks and not _remote(source):
@@ -155,7 +154,7 @@ class Ruler(Method):
         for task, kind, source in (("qa_1", "squad", cfg.squad), ("qa_2", "hotpotqa", cfg.hotpotqa)):
             if task in cfg.tasks:
                 pools[task] = ruler.load_qa(kind, source if _remote(source) or source == "synthetic" else qa_source(source))
-        essays = haystack_folder(cfg.haystack_dir) if any(t in ruler.SYNTHETIC_TASKS for t in cfg.tasks) else None
+        essays = haystack_folder(cfg.haystack_dir) if essay_tasks(cfg.tasks) else None
         tasks = [ruler.qa_task(t, pools[t], cfg.template, cfg.rule) if t in pools
                  else ruler.synthetic_task(t, essays, cfg.rule) for t in cfg.tasks]
 
@@ -255,6 +254,15 @@ class _OwaiTokenizer:
 
 def _remote(source: str) -> bool:
     return source == "hf" or source.startswith("hf:")
+
+
+def essay_tasks(tasks: list[str] | None = None) -> list[str]:
+    """The tasks among `tasks` (default: all) that hide their needles in the essay haystack (--haystack-dir):
+    RULER's essay NIAH variants. The others read no essay, and their runs need no haystack folder."""
+    from owai.evals import ruler
+
+    essay = [t for t, variant in ruler.NIAH_VARIANTS.items() if variant["haystack"] == "essay"]
+    return essay if tasks is None else [t for t in tasks if t in essay]
 
 
 def haystack_folder(text: str) -> Path:
