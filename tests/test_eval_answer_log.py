@@ -80,15 +80,15 @@ def test_generate_all_asks_again_only_what_a_kill_left_in_the_uninterrupted_batc
     assert other.batches == whole.batches
 
 
-def test_under_torchrun_each_rank_answers_its_share_of_the_batches(tmp_path, monkeypatch) -> None:
-    """Two ranks (threads standing for them): the batches one process makes go to the ranks in turn,
-    every rank returns every answer, rank 0's log says what a kill left and is the only one written."""
+
+def _thread_ranks(monkeypatch, timeout: float) -> Any:
+    """Two threads as two torchrun ranks: `distributed.world()` is the calling thread's rank (set
+    `local.rank` in each thread), and the object collectives exchange through a barrier."""
     import threading
 
     from owai import distributed
-    from owai.evals.causal_lm import generate_all
 
-    local, barrier, box = threading.local(), threading.Barrier(2, timeout=60), {}
+    local, barrier, box = threading.local(), threading.Barrier(2, timeout=timeout), {}
 
     def exchange(obj):  # all_gather_object: every rank's object, in rank order
         box[local.rank] = obj
@@ -100,6 +100,27 @@ def test_under_torchrun_each_rank_answers_its_share_of_the_batches(tmp_path, mon
     monkeypatch.setattr(distributed, "world", lambda: distributed.World(local.rank, 2, local.rank))
     monkeypatch.setattr(distributed, "gather_objects", exchange)
     monkeypatch.setattr(distributed, "broadcast_object", lambda obj: exchange(obj)[0])
+    return local
+
+
+def _in_two_threads(rank: Any) -> None:
+    """rank(0) and rank(1) at once, each in its thread; returns when both are done."""
+    import threading
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def test_under_torchrun_each_rank_answers_its_share_of_the_batches(tmp_path, monkeypatch) -> None:
+    """Two ranks (threads standing for them): the batches one process makes go to the ranks in turn,
+    every rank returns every answer, rank 0's log says what a kill left and is the only one written."""
+    from owai import distributed
+    from owai.evals.causal_lm import generate_all
+
+    local = _thread_ranks(monkeypatch, timeout=60)
     prompts = [f"p{'x' * i}" for i in range(9)]
     path = tmp_path / "answers.jsonl"
     with monkeypatch.context() as one:  # a killed one-process run answered the first batch
@@ -112,11 +133,7 @@ def test_under_torchrun_each_rank_answers_its_share_of_the_batches(tmp_path, mon
         local.rank = r
         got[r] = generate_all(models[r], prompts, progress=done[r].append, answers=AnswerLog(path) if r == 0 else None)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _in_two_threads(rank)
     want = [f"{len(p)}:None" for p in prompts]
     assert got == {0: want, 1: want} and done[0] == done[1] == [2, 2, 2, 2, 1]
     assert models[0].batches == [prompts[2:4], prompts[6:8]] and models[1].batches == [prompts[4:6], prompts[8:]]
@@ -126,23 +143,9 @@ def test_under_torchrun_each_rank_answers_its_share_of_the_batches(tmp_path, mon
 def test_under_torchrun_a_rank_without_log_or_progress_answers_its_share(tmp_path, monkeypatch) -> None:
     """Rank 0 holds the log and the progress bar, rank 1 neither (as under torchrun): rank 1 still takes
     its turn in the rounds rather than answering every prompt alone (and leaving rank 0 waiting)."""
-    import threading
-
-    from owai import distributed
     from owai.evals.causal_lm import generate_all
 
-    local, barrier, box = threading.local(), threading.Barrier(2, timeout=10), {}
-
-    def exchange(obj):
-        box[local.rank] = obj
-        barrier.wait()
-        out = [box[0], box[1]]
-        barrier.wait()
-        return out
-
-    monkeypatch.setattr(distributed, "world", lambda: distributed.World(local.rank, 2, local.rank))
-    monkeypatch.setattr(distributed, "gather_objects", exchange)
-    monkeypatch.setattr(distributed, "broadcast_object", lambda obj: exchange(obj)[0])
+    local = _thread_ranks(monkeypatch, timeout=10)
     prompts = [f"p{'x' * i}" for i in range(5)]
     models, got, done = {0: Echo(2), 1: Echo(2)}, {}, []
 
@@ -154,11 +157,7 @@ def test_under_torchrun_a_rank_without_log_or_progress_answers_its_share(tmp_pat
         except Exception as exc:  # noqa: BLE001 - the assertion reads it
             got[r] = exc
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _in_two_threads(rank)
     want = [f"{len(p)}:None" for p in prompts]
     assert got == {0: want, 1: want} and done == [2, 2, 1]
     assert models[0].batches == [prompts[:2], prompts[4:]] and models[1].batches == [prompts[2:4]]
