@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from owai.data import registry, stories
-from owai.errors import DataMissing, OwaiError, first_line, not_utf8, one_line
+from owai.errors import DataMissing, OwaiError, not_utf8, one_line
 from owai.hub import hub_unreachable
 from owai.io import (atomic_write_json, atomic_write_text, build_lock, cache_root, cannot_write, folder_to_build,  # cache_root: tokens.py
                      remove_dead_builds)  # uses it from here
@@ -486,28 +486,26 @@ def _hub_source(spec: str, text_field: str, config_name: str | None, revision: s
 
 def _looks_like_hub_id(source: str) -> bool:
     """`name`, `owner/name` or either with `:config`, and no file suffix or path prefix: an id the hub
-    itself accepts (`_hub_id_problem`)."""
+    itself accepts (`_hub_accepts`)."""
     if source.startswith((".", "/", "~")) or _suffix(Path(source.partition(":")[0])):
         return False
     return (re.fullmatch(r"[\w.-]+(/[\w.-]+)?(:[\w.+-]+)?", source) is not None
-            and _hub_id_problem(source.partition(":")[0]) is None)
+            and _hub_accepts(source.partition(":")[0]))
 
 
-def _hub_id_problem(hub_id: str) -> str | None:
-    """Why `hub_id` is not a Hugging Face repository id, by the hub client's own rules (1-96 letters,
-    digits, '-', '_', '.'; no '--' or '..'; at most one '/'), or None: such a name (bpe--5, a..b) is
+def _hub_accepts(hub_id: str) -> bool:
+    """Whether `hub_id` is a Hugging Face repository id by the hub client's own rules (1-96 letters,
+    digits, '-', '_', '.'; no '--' or '..'; at most one '/'): a name it rejects (bpe--5, a..b) is
     refused in one line instead of reaching the client, which raises its own validation error."""
-    if not hub_id:
-        return "an empty id"
     try:
         from huggingface_hub.utils import HFValidationError, validate_repo_id
     except ImportError:  # no hub client: nothing reads the hub either
-        return None
+        return True
     try:
         validate_repo_id(hub_id)
-    except HFValidationError as exc:
-        return first_line(str(exc))
-    return None
+    except HFValidationError:
+        return False
+    return True
 
 
 # --- local files -----------------------------------------------------------------------------
