@@ -213,7 +213,7 @@ def ruler(
     n: Annotated[Optional[int], typer.Option("--n", "--samples", min=1, max=MAX_SAMPLES, help="Samples per task and length (RULER: 500); under torchrun write --samples (torchrun reads --n as its own option).")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="The haystacks' seed (RULER: 42).")] = None,
     tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", help="Override the model's tokenizer (reference models fit prompts with reference_tokenizer, GPT-2's by default).")] = None,
-    haystack_dir: Annotated[Optional[str], typer.Option("--haystack-dir", help="The essay haystack: a folder of .txt essays.")] = None,
+    haystack_dir: Annotated[Optional[str], typer.Option("--haystack-dir", help="The essay haystack: a folder of .txt essays (read by niah_single_2/3, niah_multikey_1, niah_multivalue and niah_multiquery; refused as unused when no such task runs).")] = None,
     ablate: Annotated[Optional[str], typer.Option("--ablate", help="Switch a part off at inference: long_term_memory (Table C.1).")] = None,
     allow_overflow: Annotated[bool, typer.Option("--allow-overflow", help="Count prompts longer than the model takes as overflows (the thesis's x) instead of refusing to start.")] = False,
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="table4.4-ruler or a RULER recipe file.")] = RULER_RECIPE,
