@@ -84,6 +84,12 @@ def test_mosaic_train_trains_both_and_writes_everything(trained: Path):
         speed = [r for r in metrics if r["stage"] == arch and "tokens_per_s" in r]
         assert speed and all(r["tokens_per_s"] > 0 and r["peak_mem_gb"] > 0 for r in speed)
         assert len(results["details"][f"{arch}.posloss"]) == 32
+    # Figs B.5 / B.6 in numbers, read off the same profiles the figures draw (block 32: 1x and 3x)
+    details = results["details"]
+    for arch in ("mm", "gpt"):
+        assert rows[f"{arch}.attention_first_1x"]["measured"] == pytest.approx(details[f"{arch}.attention_32"]["mean_over_heads"][0][0] * 32)
+    assert rows["mm.attention_beyond_3x"]["measured"] == pytest.approx(sum(details["mm.attention_96"]["mean_over_heads"][0][:64]))
+    assert "gpt.attention_beyond_3x" not in rows  # learned positions stop at block_size
     lambdas = results["details"]["mm.leaky_lambda"]  # Fig B.7: one coefficient per layer and head
     assert len(lambdas) == 1 and len(lambdas[0]) == 2 and all(0 < v < 1 for v in lambdas[0])
     assert rows["val_loss_gpt_minus_mm"]["measured"] == pytest.approx(rows["gpt.val_loss"]["measured"] - rows["mm.val_loss"]["measured"])
@@ -204,6 +210,23 @@ def test_every_lm_recipe_runs_its_cpu_preset_shrunk(recipe: str, tmp_path: Path)
     if recipe == "figB.5-attention":
         figures = {p.name for p in (run / "figures").iterdir()}
         assert {"attention_gpt-rope_96.png", "attention_gpt-alibi_96.png", "attention_mm_96.png"} <= figures
+
+
+def test_attention_summary_tells_a_sink_from_a_flat_pattern_and_a_fading_one():
+    """The two numbers Figs B.5 / B.6's claims read: position 0's weight against uniform, and the mass
+    beyond the training context (here 4 of a 12-token window, so 8 positions lie beyond it)."""
+    from owai.evals.lm import attention_summary
+
+    flat = torch.full((1, 2, 12), 1 / 12)
+    assert attention_summary(flat, 4) == pytest.approx({"first": 1.0, "beyond": 8 / 12})
+    sink = torch.zeros(1, 2, 12)
+    sink[..., 0], sink[..., -1] = 0.5, 0.5
+    assert attention_summary(sink, 12) == pytest.approx({"first": 6.0})  # no window past the context: no `beyond`
+    fading = torch.tensor([2.0 ** -(11 - j) for j in range(12)]).expand(1, 2, 12) / sum(2.0 ** -i for i in range(12))
+    summary = attention_summary(fading, 4)
+    assert summary["beyond"] < 0.1 < 8 / 12 and summary["first"] < 0.01  # ALiBi's way: the far tokens fade
+    two_layers = torch.stack([flat[0], sink[0]])  # layers and heads are averaged, as the dotted line
+    assert attention_summary(two_layers, 12)["first"] == pytest.approx(3.5)
 
 
 def test_unique_labels_name_models_of_several_runs():

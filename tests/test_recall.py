@@ -245,7 +245,7 @@ def test_tiny_pipeline_trains_both_models_and_measures_every_point(tiny_run):
     claims = {c["id"]: c for c in results["claims"]}
     # every claim's metrics measured (the tiny run's lengths are 1x / 4x / 8x too); a claim is n/a only
     # for its premise (4 steps learn nothing) or its presets, never for a missing number
-    assert len(claims) == 10
+    assert len(claims) == 12
     for c in claims.values():
         assert c["verdict"] in ("holds", "misses") or c["detail"].startswith(("premise fails", "judged at preset")), c
     evals = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]

@@ -325,14 +325,21 @@ def test_table_b2s_claims_judge_the_best_settings_cell_of_the_search():
 
     from owai.claims import judge_all, summary_records
 
-    groups = []
-    for lr, dropout, wd in itertools.product([5e-3, 1e-3], [0.05, 0.0], [0.1, 0.01]):
-        best = (lr, dropout, wd) == (5e-3, 0.05, 0.1)
-        groups.append({"grid": {"train.lr": lr, "model.dropout": dropout, "train.weight_decay": wd},
-                       "metrics": [{"metric": "gpt.val_loss", "mean": 1.50 if best else 1.2},
-                                   {"metric": "gpt.train_loss", "mean": 1.34 if best else 1.9}]})
-    verdicts = judge_all(recipes.load("tableB.2-gpt-search").claims, summary_records({"groups": groups}), "paper")
-    assert [(v["id"], v["verdict"]) for v in verdicts] == [("best-gpt-loss", "holds"), ("train-below-val", "holds")]
+    def verdicts(val: dict[tuple[float, float, float], float]) -> list[tuple[str, str]]:
+        groups = []
+        for cell in itertools.product([5e-3, 1e-3], [0.05, 0.0], [0.1, 0.01]):
+            best = cell == (5e-3, 0.05, 0.1)
+            groups.append({"grid": dict(zip(("train.lr", "model.dropout", "train.weight_decay"), cell)),
+                           "metrics": [{"metric": "gpt.val_loss", "mean": val.get(cell, 1.50 if best else 1.55)},
+                                       {"metric": "gpt.train_loss", "mean": 1.34 if best else 1.9}]})
+        judged = judge_all(recipes.load("tableB.2-gpt-search").claims, summary_records({"groups": groups}), "paper")
+        return [(v["id"], v["verdict"]) for v in judged]
+
+    assert verdicts({}) == [("best-gpt-loss", "holds"), ("best-setting-lowest", "holds"), ("train-below-val", "holds")]
+    # the kept setting is judged against Table B.2's rows of the grid: a lower cell the table has not
+    # (lr 1e-3 without dropout) leaves it the best of the table's; a lower table row does not
+    assert ("best-setting-lowest", "holds") in verdicts({(1e-3, 0.0, 0.1): 1.2})
+    assert ("best-setting-lowest", "misses") in verdicts({(5e-3, 0.0, 0.1): 1.45})
 
 
 def test_build_reads_a_grid_or_a_list_of_grids():

@@ -15,6 +15,7 @@ from owai.methods.three_moons import (
     evaluate,
     headline,
     identity_check,
+    period_drops,
     permutation_score,
     transition_points,
 )
@@ -126,11 +127,38 @@ def test_metrics_follow_their_definitions(metric):
     np.testing.assert_allclose(curves["val"][metric], torch.stack(want).numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_period_drops_count_the_periods_with_a_drop_and_the_drops_before_the_lcm():
+    """Figs 3.5 / 3.6 as the thesis reads them: the 3-head net drops at each moon's period, the 1-head
+    net not before the lcm. The cpu run's exact transitions (docs/results.md) give 3 and 0; a drop
+    far from every period, or a 1-head drop half-way to the lcm, is counted against them."""
+    val, lcm = [44.4, 88.9, 133.3], 266.7
+    assert period_drops([43.0, 85.0, 130.0], val, lcm) == {"periods_with_drop": 3, "drops_before_lcm": 3}
+    assert period_drops([43.0, 110.0, 130.0], val, lcm)["periods_with_drop"] == 2  # 88.9 has none within 10 %
+    assert period_drops([262.0], val, lcm) == {"periods_with_drop": 0, "drops_before_lcm": 0}
+    assert period_drops([130.0, 262.0], val, lcm)["drops_before_lcm"] == 1
+
+
+def test_the_recipes_period_claims_judge_the_counts():
+    from owai import recipes
+    from owai.claims import judge_all
+
+    by_id = {c["id"]: c for c in recipes.load("three-moons").claims}
+    claims = [by_id["three-heads-drop-at-each-period-val"], by_id["one-head-no-drop-before-lcm-val"]]
+    record = {**headline(3, {"panels": {"val": {"periods_steps": [44.4, 88.9, 133.3], "lcm_steps": 266.7,
+                                                  "exact": {"accurate_from": 175.0, "transitions": [{"tau": 43.0}, {"tau": 85.0}, {"tau": 130.0}]}}},
+                             "matrices": {"score": 1.0, "consistent": True}}, "exact"),
+              **headline(1, {"panels": {"val": {"periods_steps": [44.4, 88.9, 133.3], "lcm_steps": 266.7,
+                                                  "exact": {"accurate_from": 265.0, "transitions": [{"tau": 130.0}, {"tau": 262.0}]}}},
+                             "matrices": {"score": 0.5, "consistent": False}}, "exact")}
+    verdicts = {v["id"]: v["verdict"] for v in judge_all(claims, [record], "cpu")}
+    assert verdicts == {"three-heads-drop-at-each-period-val": "holds", "one-head-no-drop-before-lcm-val": "misses"}
+
+
 def test_headline_gives_the_published_procedures_accurate_from_beside_the_exact_one():
     """The figures' own measurement (the `reference` metric) is reported beside the headline metric,
     so the recipe can judge a claim on each; a run with only one metric reports only that one."""
     def info(exact: float, published: float) -> dict:
-        return {"lcm_steps": 266.7, "exact": {"accurate_from": exact, "transitions": []},
+        return {"periods_steps": [44.4, 88.9, 133.3], "lcm_steps": 266.7, "exact": {"accurate_from": exact, "transitions": []},
                 "reference": {"accurate_from": published, "transitions": []}}
 
     var = {"panels": {"val": info(175.0, 133.0)}, "matrices": {"score": 1.0, "consistent": True}}

@@ -182,6 +182,20 @@ def attention_profile(model: torch.nn.Module, windows: Iterable[torch.Tensor], d
     return total / n, n
 
 
+def attention_summary(profile: torch.Tensor, block: int) -> dict[str, float]:
+    """Figs B.5 / B.6 in two numbers, from a last-token profile (n_layer, H, T) averaged over layers
+    and heads (the figures' dotted line): `first`, the weight on position 0 against the uniform 1/T
+    (an attention sink is far above 1), and, for a window longer than the training context `block`,
+    `beyond`, the mass on the T - block positions further back than any distance seen in training
+    (a flat pattern keeps about (T - block) / T of it, one whose far weights vanish almost none)."""
+    mean = profile.double().mean(dim=(0, 1))
+    length = mean.shape[0]
+    out = {"first": float(mean[0]) * length}
+    if length > block:
+        out["beyond"] = float(mean[: length - block].sum())
+    return out
+
+
 @torch.no_grad()
 def continuations(
     model: torch.nn.Module, tokenizer: Any, prompts: list[str], device: torch.device, max_new_tokens: int = 48,

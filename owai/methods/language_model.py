@@ -1019,6 +1019,8 @@ def evaluate_model(ev: EvalConfig, run: Run, label: str, model: torch.nn.Module,
             profile, n_seq = lme.attention_profile(model, lme.only_inputs(_counted(windows, bar)), device)
             profiles[length] = profile
             details[f"attention_{length}"] = {"sequences": n_seq, "mean_over_heads": profile.mean(1).tolist()}
+            for key, value in lme.attention_summary(profile, block).items():  # by multiple of the context
+                measured[f"attention_{key}_{length // block}x"] = value
         lambdas = model.leaky_lambdas().tolist() if hasattr(model, "leaky_lambdas") else None
         if lambdas is not None:
             details["leaky_lambda"] = lambdas  # Fig B.7: per layer and head

@@ -320,6 +320,21 @@ def summarise(model: MoonMemory, curves: dict[str, Any], panels: dict[str, tuple
     return summary
 
 
+PERIOD_TOLERANCE = 0.1  # a transition within 10 % of a moon's period is that period's drop
+
+
+def period_drops(transitions: list[float], periods_steps: list[float], lcm_steps: float) -> dict[str, int]:
+    """How the measured transitions sit against the moon periods, as Figs 3.5 / 3.6 describe them:
+    `periods_with_drop`, the periods with a transition within PERIOD_TOLERANCE of them (the 3-head
+    net "drops after seeing exactly p1, p2 and p3 observations"), and `drops_before_lcm`, the
+    transitions before (1 - PERIOD_TOLERANCE) x lcm (none for the 1-head net, which repeats the last
+    observation until the lcm)."""
+    return {
+        "periods_with_drop": sum(any(abs(t - p) <= PERIOD_TOLERANCE * p for t in transitions) for p in periods_steps),
+        "drops_before_lcm": sum(t < (1 - PERIOD_TOLERANCE) * lcm_steps for t in transitions),
+    }
+
+
 def headline(heads: int, var: dict[str, Any], metric: str) -> dict[str, Any]:
     """The numbers set beside the thesis in results.json (names match the recipe's thesis keys)."""
     out: dict[str, Any] = {}
@@ -327,6 +342,8 @@ def headline(heads: int, var: dict[str, Any], metric: str) -> dict[str, Any]:
         m = info[metric]
         out[f"heads{heads}.{panel}.accurate_from"] = round(m["accurate_from"], 1)
         out[f"heads{heads}.{panel}.transitions"] = [round(p["tau"], 1) for p in m["transitions"]]
+        drops = period_drops([p["tau"] for p in m["transitions"]], info["periods_steps"], info["lcm_steps"])
+        out.update({f"heads{heads}.{panel}.{k}": v for k, v in drops.items()})
         out[f"heads{heads}.{panel}.accurate_from_over_lcm"] = round(m["accurate_from"] / info["lcm_steps"], 3)
         if metric != "reference" and "reference" in info:  # the published procedure, as Figs 3.5-3.6 plot it
             out[f"heads{heads}.{panel}.accurate_from_published"] = round(info["reference"]["accurate_from"], 1)
