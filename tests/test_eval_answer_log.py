@@ -81,6 +81,25 @@ def test_generate_all_asks_again_only_what_a_kill_left_in_the_uninterrupted_batc
 
 
 
+def test_batches_are_made_longest_first_and_answered_in_the_prompts_order(tmp_path) -> None:
+    """Prompts of similar lengths share a batch (less padding; equal-length rows for the models that
+    read none), longest first as lm-evaluation-harness makes them; one prompt at a time keeps the
+    prompts' order. The answers come back in the prompts' order either way."""
+    from owai.evals.causal_lm import generate_all
+
+    prompts = ["bb", "dddd", "a", "cc", "eeeee", "ff"]
+    want = [f"{len(p)}:None" for p in prompts]
+    model = Echo(2)
+    assert generate_all(model, prompts, answers=AnswerLog(tmp_path / "a.jsonl")) == want
+    assert model.batches == [["eeeee", "dddd"], ["bb", "cc"], ["ff", "a"]]  # ties in the prompts' order
+    model = Echo(2)  # no log, no progress: one generate_many call, which makes the batches itself
+    assert generate_all(model, prompts) == want and model.batches == [["eeeee", "dddd", "bb", "cc", "ff", "a"]]
+    alone = Echo(1)
+    assert generate_all(alone, prompts) == want and alone.batches == [prompts]  # one call: generate_many's own order
+    alone = Echo(1)
+    assert generate_all(alone, prompts, progress=lambda k: None) == want and alone.batches == [[p] for p in prompts]
+
+
 def _thread_ranks(monkeypatch, timeout: float) -> Any:
     """Two threads as two torchrun ranks: `distributed.world()` is the calling thread's rank (set
     `local.rank` in each thread), and the object collectives exchange through a barrier."""
@@ -121,7 +140,7 @@ def test_under_torchrun_each_rank_answers_its_share_of_the_batches(tmp_path, mon
     from owai.evals.causal_lm import generate_all
 
     local = _thread_ranks(monkeypatch, timeout=60)
-    prompts = [f"p{'x' * i}" for i in range(9)]
+    prompts = [f"p{'x' * i}" for i in reversed(range(9))]  # longest first: the order batches are made in
     path = tmp_path / "answers.jsonl"
     with monkeypatch.context() as one:  # a killed one-process run answered the first batch
         one.setattr(distributed, "world", lambda: distributed.World())
@@ -146,7 +165,7 @@ def test_under_torchrun_a_rank_without_log_or_progress_answers_its_share(tmp_pat
     from owai.evals.causal_lm import generate_all
 
     local = _thread_ranks(monkeypatch, timeout=10)
-    prompts = [f"p{'x' * i}" for i in range(5)]
+    prompts = [f"p{'x' * i}" for i in reversed(range(5))]  # longest first: the order batches are made in
     models, got, done = {0: Echo(2), 1: Echo(2)}, {}, []
 
     def rank(r: int) -> None:

@@ -148,21 +148,48 @@ def test_batched_generation_from_the_prefix_cache_answers_the_same(family, copie
     model = lm(family, batch_size=3)  # 5 queries: a batch of 3 and one of 2, rows of different lengths
     assert shared_answers(model, prompts()) == plain
     # padding between the prefix and a prompt's tokens where the family reads it as nothing; Memory
-    # Mosaics (v1: no padding, v2: padding is a document) continue one prompt at a time
-    assert copies == ([1] * 5 if family in ("mm", "mmv2") else [3, 2])
+    # Mosaics (v1: no padding, v2: padding is a document) batch rows of one length: longest first, the
+    # batches are (q..., zz..., b four) of three lengths, then (bb, c) of one (bb's "ab" merges into one token)
+    assert copies == ([1, 1, 1, 2] if family in ("mm", "mmv2") else [3, 2])
     assert shared_answers(model, prompts(OTHER)) == generate_all(lm(family), prompts(OTHER), max_new_tokens=6)
 
 
-def test_a_sliding_window_model_continues_the_prefix_one_prompt_at_a_time(copies) -> None:
+@pytest.mark.parametrize("family", ["mm", "mmv2"])
+def test_memory_mosaics_batch_rows_of_one_length_with_and_without_the_prefix_cache(family, copies, monkeypatch) -> None:
+    """Rows of one length need no padding, which Memory Mosaics cannot read (v1 none at all, v2 none
+    after a prefix): they share a `generate` call, from a copy of the prefix's cache or whole, and
+    answer what one prompt at a time answers; a row of another length goes alone."""
+    same = ["d four\nlabel:", "zz fiv\nlabel:", "q sevn\nlabel:"]  # one length in tokens after the context
+    asked = [CONTEXT + q for q in same] + [CONTEXT + "c\nlabel:"]
+    plain = generate_all(lm(family), asked, max_new_tokens=6)
+    assert len(set(plain)) > 1
+    model = lm(family, batch_size=4)
+    calls: list[int] = []
+    real = model.model.generate
+
+    def counted(**kwargs):
+        calls.append(len(kwargs["input_ids"]))
+        return real(**kwargs)
+
+    monkeypatch.setattr(model.model, "generate", counted)
+    assert generate_all(model, asked, max_new_tokens=6) == plain
+    whole = [3, 1] if family == "mm" else [4]  # whole prefills: v1 reads no padding, v2 reads left padding
+    assert calls == whole and not copies
+    assert shared_answers(model, asked) == plain
+    assert calls == whole + [3, 1] and copies == [3, 1]
+
+
+def test_a_sliding_window_model_continues_the_prefix_in_rows_of_one_length(copies) -> None:
     """A window counts cache indices, not positions: padding between the prefix and a row's own tokens
     would move the row's window by its padding (a batched Mistral then answered otherwise than whole
-    prefills). From the prefix's cache such a model continues one prompt at a time: the same answers."""
+    prefills). From the prefix's cache such a model batches only rows of one length, which need no
+    padding: the same answers."""
     plain = generate_all(lm("mistral"), prompts(), max_new_tokens=6)
     assert len(set(plain)) > 1
     model = lm("mistral", batch_size=3)
     assert generate_all(model, prompts(), max_new_tokens=6) == plain  # left padding moves a row's window with it
     assert shared_answers(model, prompts()) == plain
-    assert copies == [1] * len(QUERIES)
+    assert copies == [1, 1, 1, 2]  # as Memory Mosaics in the batched test above
 
 
 def test_windowed_attention_is_read_from_the_config() -> None:
@@ -382,8 +409,8 @@ def test_a_model_whose_prefix_is_not_reused_batches_its_prompts_in_the_block(mon
 
 def test_a_hybrid_cache_continues_the_prefix(copies) -> None:
     """Jamba's cache holds a Mamba layer's recurrent state beside an attention layer's keys and values:
-    it is reused (a cache of recurrent states alone is not), one prompt at a time (a layer that is not
-    full attention), to the answers of whole prefills."""
+    it is reused (a cache of recurrent states alone is not), one prompt at a time (its linear layer
+    cannot be repeated along a batch, `repeats_along_batch`), to the answers of whole prefills."""
     plain = generate_all(lm("jamba"), prompts(), max_new_tokens=6)
     assert len(set(plain)) > 1
     model = lm("jamba", batch_size=3)

@@ -22,13 +22,14 @@ and the log-likelihood suites also `loglikelihood(context, continuation) -> (flo
 `generate_many(prompts)` runs `batch_size` prompts at once, left-padded, for models that read
 padding as something apart (Hugging Face models, owai's GPT and Memory Mosaics v2: the padding
 is a document no real token reads; the LSTM runs each row over its own tokens); Memory Mosaics v1
-runs one prompt at a time.
-`generate_all(model, prompts)` is how the suites call any model (reference models included).
+batches only rows of one length, which need no padding.
+`generate_all(model, prompts)` is how the suites call any model (reference models included); with
+`batch_size` above 1 it makes the batches in order of length, longest first.
 `with model.shared_prefix(prompts):` (a prompt set whose prompts share their demonstrations, the
 in-context suites') prefills the prompts' common token prefix once and generates each prompt from a
-copy of that prefix's cache, batched as above (one prompt at a time for Memory Mosaics and for
-models with windowed attention, `windowed_attention`): the same continuations as a whole prefill
-each (`SharedPrefix`).
+copy of that prefix's cache, batched as above (rows of one length together for Memory Mosaics and
+for models with windowed attention, `windowed_attention`, which cannot read padding after the prefix):
+the same continuations as a whole prefill each (`SharedPrefix`).
 Prompts over `max_tokens` (minus the generation budget) are the suites' overflow, never truncated
 here. On CUDA the model runs in bfloat16 (`precision="auto"`). `ablate("long_term_memory")` switches
 a Memory Mosaics v2 model's long-term memory off for the rows of Tables 4.2, 4.3 and C.1; models
@@ -41,7 +42,7 @@ import contextlib
 import copy
 import inspect
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -53,7 +54,7 @@ ABLATIONS = ("long_term_memory",)
 NO_PADDING = ("owai_memory_mosaics",)  # model types that cannot read left-padded batches
 # model types whose padding cannot sit between a shared prefix and a prompt's own tokens: v1 reads no
 # padding, v2 reads padding as a document of its own (a row's document cannot resume after it); with
-# a shared prefix they generate one prompt at a time
+# a shared prefix they batch only rows of one length (`CausalLM._same_length_groups`)
 NO_PADDING_AFTER_PREFIX = ("owai_memory_mosaics", "owai_memory_mosaics_v2")
 
 
@@ -63,7 +64,7 @@ def windowed_attention(config: Any) -> bool:
     layers (`layer_types` other than full_attention). Their windows count cache indices, not
     positions, so padding between a shared prefix and a row's own tokens would move a row's window
     by its padding (measured: a batched Mistral or Qwen2 with sliding windows then answers otherwise
-    than whole prefills); such models continue a prefix one prompt at a time (exact)."""
+    than whole prefills); such models continue a prefix in batches of rows of one length (exact)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layer_types = getattr(text, "layer_types", None)
     if layer_types:
@@ -119,29 +120,51 @@ class CausalLM:
     def generate(self, prompt: str, max_new_tokens: int = 32, stop: tuple[str, ...] = ()) -> str:
         """The greedy continuation of `prompt` (at most max_new_tokens tokens), cut before the first
         stop string; the end-of-text token ends it."""
-        ids = self.shared.ids(prompt) if self.shared is not None else self.prompt_ids(prompt)
+        ids = self._ids(prompt)
         if not ids:
             raise OwaiError(f"{self.label}: the prompt encodes to no tokens")
         return self.continuation_text(self._continue([ids], max_new_tokens)[0], stop)
 
+    def _ids(self, prompt: str) -> list[int]:
+        """The prompt's ids; inside a `shared_prefix` block, as the block encoded them (once)."""
+        return self.shared.ids(prompt) if self.shared is not None else self.prompt_ids(prompt)
+
     @torch.no_grad()
     def generate_many(self, prompts: list[str], max_new_tokens: int = 32, stop: tuple[str, ...] = ()) -> list[str]:
-        """`generate` of each prompt, `batch_size` at a time (left-padded) where the model allows;
-        the same continuations as one at a time (greedy), in order. Inside a `shared_prefix` block
-        the rows of a call are prefix, padding, own tokens, where the model reads padding there."""
-        step = self.batch_size if self.pads else 1
-        if step > 1 and not self.pads_after_prefix and self.shared is not None and self._prefix() is not None:
-            step = 1
-        if step <= 1:
-            return [self.generate(p, max_new_tokens, stop) for p in prompts]
+        """`generate` of each prompt, `batch_size` at a time, in order: the same continuations as one at
+        a time (greedy). A batch's rows are left-padded, or, inside a `shared_prefix` block, prefix,
+        padding, own tokens; where the model cannot read that padding (`_same_length_groups`), only
+        rows of one length share a `generate` call, which needs no padding."""
         out: list[str] = []
+        step = max(1, int(self.batch_size))
         for start in range(0, len(prompts), step):
-            batch = prompts[start:start + step]
-            encoded = [self.shared.ids(p) for p in batch] if self.shared is not None else [self.prompt_ids(p) for p in batch]
+            encoded = [self._ids(p) for p in prompts[start:start + step]]
             if not all(encoded):
                 raise OwaiError(f"{self.label}: a prompt encodes to no tokens")
-            out += [self.continuation_text(new, stop) for new in self._continue(encoded, max_new_tokens)]
+            texts: list[str] = [""] * len(encoded)
+            for rows in self._same_length_groups(encoded):
+                for i, new in zip(rows, self._continue([encoded[i] for i in rows], max_new_tokens)):
+                    texts[i] = self.continuation_text(new, stop)
+            out += texts
         return out
+
+    def _same_length_groups(self, encoded: list[list[int]]) -> list[list[int]]:
+        """The batch's rows (indices) in the groups that share one `generate` call: all of them where the
+        model reads the padding their lengths need (left padding: `pads`; padding after a shared
+        prefix: `pads_after_prefix`), else the rows of each length (first-seen order), which need none:
+        Memory Mosaics v1 reads no padding, v2 reads padding after a prefix as a document of its own,
+        and a sliding window would move by it (measured exact: equal-length rows from the prefix cache
+        answer what one prompt at a time answers, v1 and v2 alike)."""
+        prefix = self._prefix() if self.shared is not None else None
+        cached = prefix is not None and prefix.reusable(encoded)
+        if cached and not repeats_along_batch(prefix.cache):  # one copy per prompt (a hybrid model's linear layers)
+            return [[i] for i in range(len(encoded))]
+        if len({len(ids) for ids in encoded}) == 1 or (self.pads_after_prefix if cached else self.pads):
+            return [list(range(len(encoded)))]
+        groups: dict[int, list[int]] = {}
+        for i, ids in enumerate(encoded):
+            groups.setdefault(len(ids), []).append(i)
+        return list(groups.values())
 
     def _continue(self, encoded: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """The greedy new tokens of each row of `encoded` (token ids), from one `model.generate` call:
@@ -349,6 +372,17 @@ def cache_not_reusable(cache: Any) -> str | None:
     return None
 
 
+def repeats_along_batch(cache: Any) -> bool:
+    """Whether `copy_cache` can repeat the cache for several prompts: a transformers cache where every
+    layer has `batch_repeat_interleave` (5.24's linear-attention layers, in a hybrid model's cache
+    beside its attention layers, have none), or a cache of owai's own that has it."""
+    from transformers.cache_utils import Cache
+
+    if isinstance(cache, Cache):  # it repeats layer by layer
+        return all(hasattr(layer, "batch_repeat_interleave") for layer in cache.layers)
+    return hasattr(cache, "batch_repeat_interleave")  # owai's Memory Mosaics caches
+
+
 def copy_cache(cache: Any, rows: int) -> Any:
     """A copy of a prefix's cache for one `generate` call of `rows` prompts, repeated along the batch
     (the cache's own `batch_repeat_interleave`): `generate` writes each new token into the cache it is
@@ -364,9 +398,11 @@ def generate_all(model: Any, prompts: list[str], progress: Callable[[int], Any] 
     """The continuations of `prompts` from any suite model: batched through `generate_many` where the
     model has it, else one `generate(prompt, **kwargs)` each. With `progress` (a progress bar's
     update), `progress(k)` after every k prompts answered: the prompts go to the model `batch_size`
-    at a time, the batches `generate_many` makes itself, so the answers are the same. With `answers`
-    (the run's `AnswerLog`), a prompt answered before a kill is not asked again, and each batch's
-    answers are logged once it is answered; the prompts left make the batches they made before.
+    at a time, the batches `generate_many` makes itself, so the answers are the same. Batches of more
+    than one prompt are made in order of length, longest first (`batch_order`); the answers come back
+    in the prompts' order. With `answers` (the run's `AnswerLog`), a prompt answered before a kill is
+    not asked again, and each batch's answers are logged once it is answered; the prompts left make
+    the batches they made before.
 
     Under torchrun (more than one rank, `owai.distributed`) every rank holds the whole model and the
     same prompts, and the batches (the ones one process makes) go to the ranks in turn: in each round
@@ -386,8 +422,20 @@ def generate_all(model: Any, prompts: list[str], progress: Callable[[int], Any] 
             raise OwaiError(f"{type(model).__name__} answered {len(texts)} of {len(batch)} prompts")
         return texts
 
+    step = max(1, int(getattr(model, "batch_size", 1) or 1))
+
+    def batch_order(todo: list[int]) -> list[int]:
+        """Batches of similar lengths (less padding, and equal-length rows for the models that read
+        none), longest first as lm-evaluation-harness orders them (a batch too large fails at once);
+        by the prompts alone, so the prompts left after a kill make the batches they made before."""
+        return sorted(todo, key=lambda i: -len(prompts[i])) if step > 1 else todo
+
     if progress is None and answers is None and ranks.world_size == 1:
-        return answer(prompts)
+        order = batch_order(list(range(len(prompts))))
+        in_order = [""] * len(prompts)
+        for i, text in zip(order, answer([prompts[i] for i in order])):
+            in_order[i] = text
+        return in_order
     out: list[Any] = [None] * len(prompts)
     keys = occurrence_keys(("generate", p, kwargs) for p in prompts) if answers is not None else []
     logged = {i: text for i, text in enumerate(answers.get(key, str) for key in keys) if text is not None}
@@ -398,7 +446,7 @@ def generate_all(model: Any, prompts: list[str], progress: Callable[[int], Any] 
     todo = [i for i in range(len(prompts)) if out[i] is None]
     if progress is not None and len(todo) < len(prompts):
         progress(len(prompts) - len(todo))  # answered before a kill
-    step = max(1, int(getattr(model, "batch_size", 1) or 1))
+    todo = batch_order(todo)
     batches = [todo[start:start + step] for start in range(0, len(todo), step)]
     for first in range(0, len(batches), ranks.world_size):
         round_ = batches[first:first + ranks.world_size]
@@ -428,7 +476,7 @@ def open_model(spec: str, tokenizer: str = "", device: torch.device | None = Non
     return _from_hub(spec, tokenizer, device, precision)
 
 
-def check_model_choice(spec: str, references: str, ablate: list[str] = ()) -> bool:
+def check_model_choice(spec: str, references: str, ablate: Sequence[str] = ()) -> bool:
     """The checks every suite makes on its `model` and `ablate` settings before a run: a model is
     given (`references` names the suite's reference models for the message), the ablations are known,
     and a reference model is not asked to ablate anything. Returns whether `spec` is a reference."""

@@ -55,7 +55,7 @@ class Config(BaseConfig):
     tacred_format: str = "thesis"  # thesis (App. C.2.3) or longiclbench
     synthetic_classes: int = 8
     precision: EvalPrecision = "auto"  # bfloat16 on CUDA
-    batch_size: int = 1  # prompts per generate call (left-padded; models that cannot pad run one at a time)
+    batch_size: int = 1  # prompts per generate call (left-padded; models that cannot pad batch rows of one length)
     # prefill each prompt set's shared demonstrations once and continue every query from a copy of
     # their cache (CausalLM.shared_prefix; the same answers); false: every prompt prefilled whole
     prefix_cache: bool = True

@@ -51,7 +51,7 @@ class Config(BaseConfig):
     allow_overflow: bool = False
     ablate: list[str] = field(default_factory=list)  # e.g. [long_term_memory] (Table C.1), at inference only
     precision: EvalPrecision = "auto"  # bfloat16 on CUDA
-    batch_size: int = 1  # prompts per generate call (left-padded; models that cannot pad run one at a time)
+    batch_size: int = 1  # prompts per generate call (left-padded; models that cannot pad batch rows of one length)
     # the thesis row this model stands for, to set its numbers beside the measured ones (recipe
     # table4.4-ruler): transformer-small, mmv2-small, transformer-large, mmv2-large (trained at 4k,
     # Table 4.4), the same with -32k (fine-tuned at 32k, Table 4.5), mmv2-large-32k-no-ltm (Table C.1)
