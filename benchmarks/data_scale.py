@@ -134,16 +134,19 @@ def check_paths(scale: float) -> None:
         table = make()
 
         class Reads(Dataset):
+            def __init__(self, table) -> None:
+                self.table = table
+
             def __len__(self) -> int:
                 return 32
 
             def __getitem__(self, step: int) -> torch.Tensor:
                 picks = np.random.default_rng(step).integers(0, n, n // 32)
-                total = sum(len(str(table[int(i)])) for i in picks)
+                total = sum(len(str(self.table[int(i)])) for i in picks)
                 return torch.tensor([total, os.getpid()])
 
         pids = set()
-        loader = DataLoader(Reads(), batch_size=None, num_workers=2, persistent_workers=True,
+        loader = DataLoader(Reads(table), batch_size=None, num_workers=2, persistent_workers=True,
                             multiprocessing_context="fork")
         for _ in range(2):
             pids.update(int(b[1]) for b in loader)

@@ -42,7 +42,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from owai.data.images import Strings, eval_transform, loader, stack, step_loader
+from owai.data.images import Strings, eval_transform, loader, stack
 from owai.data.registry import Dataset as CatalogueEntry
 from owai.data.registry import register, require
 from owai.errors import OwaiError, not_utf8, one_line
@@ -343,22 +343,6 @@ class ImageBatches(Dataset):
     def __getitem__(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         positions = self.sampler.positions(int(step))  # type: ignore[attr-defined]
         return self.data.batch(self.examples[positions]), positions, torch.zeros(0)
-
-
-class StepStream:
-    """The batches of consecutive steps through a DataLoader (own generator, so starting it does not
-    consume torch's global RNG); restarted when a step is not the next one."""
-
-    def __init__(self, batches: ImageBatches, workers: int) -> None:
-        self.batches, self.workers = batches, workers
-        self.next_step, self.iterator = -1, None
-
-    def at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if step != self.next_step or self.iterator is None:
-            self.iterator = iter(step_loader(self.batches, step, self.workers))  # type: ignore[arg-type]
-        x, positions, _ = next(self.iterator)
-        self.next_step = step + 1
-        return x, positions
 
 
 class _Items(Dataset):

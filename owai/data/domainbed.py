@@ -45,7 +45,7 @@ from torch.utils.data import Dataset
 
 from owai.data import registry
 from owai.data.images import (
-    BICUBIC, BILINEAR, Strings, check_style, eval_transform, image_files, loader, stack, step_loader, to_tensor, visible_dirs,
+    BICUBIC, BILINEAR, Strings, check_style, eval_transform, image_files, loader, stack, to_tensor, visible_dirs,
 )
 from owai.errors import DataMissing, OwaiError
 from owai.runtime import generator
@@ -547,26 +547,6 @@ class StepBatches(Dataset):
             ys.append(self.data.labels(domain)[chosen])
         d = torch.arange(len(self.domains)).repeat_interleave(self.batch_per_domain)
         return stack([x for view in xs for x in view]), torch.cat(ys), d
-
-
-class StepStream:
-    """Training batches by step, on `device`, through worker processes: `at(step)` returns update
-    `step`'s (x, y). The loader restarts whenever a step is not the next one (a resume), so the
-    batches are a function of the step alone, as StepBatches'."""
-
-    def __init__(self, batches: StepBatches, workers: int, device: torch.device, channels_last: bool = False) -> None:
-        self.batches, self.workers, self.device, self.channels_last = batches, workers, device, channels_last
-        self.next_step, self.iterator = -1, None
-
-    def at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if step != self.next_step or self.iterator is None:
-            self.iterator = iter(step_loader(self.batches, step, self.workers, self.device.type == "cuda"))
-        x, y, _ = next(self.iterator)
-        self.next_step = step + 1
-        x = x.to(self.device, non_blocking=True)
-        if self.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        return x, y.to(self.device, non_blocking=True)
 
 
 class _EvalItems(Dataset):

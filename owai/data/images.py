@@ -216,3 +216,29 @@ def step_loader(batches: Dataset, start: int, workers: int = 0,
     if not 0 <= start <= len(batches):  # type: ignore[arg-type]
         raise OwaiError(f"start step {start} outside 0..{len(batches)}")  # type: ignore[arg-type]
     return iter(loader(batches, workers, pin_memory, batch_size=None, sampler=range(start, len(batches))))  # type: ignore[arg-type]
+
+
+class StepStream:
+    """Training batches by step through worker processes (`step_loader`): `at(step)` returns update
+    `step`'s first two items ((x, y), or Camelyon17's (x, positions)). The loader restarts whenever a
+    step is not the next one (a resume), so the batches are a function of the step alone, and it has
+    its own generator, so starting it does not consume torch's global RNG. With `device`, the items
+    come on it (pinned and copied without blocking on CUDA; x channels-last where asked)."""
+
+    def __init__(self, batches: Dataset, workers: int, device: torch.device | None = None,
+                 channels_last: bool = False) -> None:
+        self.batches, self.workers, self.device, self.channels_last = batches, workers, device, channels_last
+        self.next_step, self.iterator = -1, None
+
+    def at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if step != self.next_step or self.iterator is None:
+            pin = self.device is not None and self.device.type == "cuda"
+            self.iterator = iter(step_loader(self.batches, step, self.workers, pin))
+        x, y, _ = next(self.iterator)
+        self.next_step = step + 1
+        if self.device is None:
+            return x, y
+        x = x.to(self.device, non_blocking=True)
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x, y.to(self.device, non_blocking=True)

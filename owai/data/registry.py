@@ -46,6 +46,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from owai.errors import DataMissing, OwaiError, one_line
 from owai.io import cache_root, cannot_write, download, file_digest, folder_to_build, remove_dead_builds
@@ -538,7 +539,7 @@ def _fetch_hub(ds: Dataset, tmp: Path, info: Callable[[str], None]) -> None:
 # -- list -----------------------------------------------------------------------------------------
 
 
-def status(root: str | Path | None = None) -> list[dict[str, str]]:
+def status(root: str | Path | None = None) -> list[dict[str, Any]]:
     """One row per dataset: name, where it is (or was looked for), found or not, size, how to get it."""
     rows = []
     for ds in catalogue().values():

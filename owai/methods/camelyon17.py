@@ -489,7 +489,8 @@ def discovery_round(ctx: Context, k: int, earlier: list[RoundResult], checkpoint
     """Round k (0: ERM, >= 1: GroupDRO over the earlier rounds' groups), from the cache when present.
     `checkpoints` names the run's stage directory (default `round<k>`; Cat_n's network i: `erm<i>`);
     the batches stay keyed by `round<k>`, so the cached network is the same whichever run trains it."""
-    from owai.data.camelyon17 import ImageBatches, StandardSampler, StepStream, UniformGroupSampler
+    from owai.data.camelyon17 import ImageBatches, StandardSampler, UniformGroupSampler
+    from owai.data.images import StepStream
     from owai.methods.invariance import make_penalty
 
     path = cache_dir(ctx) / f"round{k}.safetensors"
@@ -617,7 +618,8 @@ class Synthesis:
 def synthesis(ctx: Context, rounds: list[RoundResult], distill: bool = False) -> Synthesis:
     """mtERM over the K rounds' pseudo-labels (cached by the discovery and synthesis settings);
     `distill`: over the K ERM networks of Distill_K instead, with bonsai.distill_groups."""
-    from owai.data.camelyon17 import GroupSampler, ImageBatches, StepStream
+    from owai.data.camelyon17 import GroupSampler, ImageBatches
+    from owai.data.images import StepStream
     from owai.methods.invariance import EnvBatch, make_penalty
 
     cfg, data, b = ctx.cfg, ctx.data, ctx.cfg.bonsai
@@ -795,7 +797,8 @@ def cached_features(ctx: Context, net: nn.Module, key: str) -> dict[str, torch.T
 def downstream(ctx: Context, start: Start, details: dict[str, Any]) -> tuple[list[dict[str, float]], nn.Module]:
     """Train the downstream point (stage `downstream`); returns its per-epoch curves and the network
     (for a cached frozen featurizer: the untouched featurizer with the trained head)."""
-    from owai.data.camelyon17 import GroupSampler, ImageBatches, StepStream
+    from owai.data.camelyon17 import GroupSampler, ImageBatches
+    from owai.data.images import StepStream
     from owai.methods.invariance import EnvBatch
 
     cfg, data, t = ctx.cfg, ctx.data, ctx.cfg.train

@@ -408,7 +408,8 @@ def pretrained_backbone(cfg: Config, run: Run, pool: Any, device: torch.device) 
 
 def _pretrain(cfg: Config, run: Run, pool: Any, device: torch.device) -> dict[str, torch.Tensor]:
     """`pretrained_backbone`'s training: its final weights, on the CPU."""
-    from owai.data.domainbed import StepBatches, StepStream
+    from owai.data.domainbed import StepBatches
+    from owai.data.images import StepStream
     from owai.models.vision import build_backbone
     from owai.runtime import derive_seed
     from owai.train import LoopConfig, train_loop
@@ -526,7 +527,8 @@ def lr_schedule(t: TrainConfig) -> Callable[[int], float]:
 def train(cfg: Config, run: Run, model: torch.nn.Module, data: Any, sets: list[EvalSet], device: torch.device) -> Tracks:
     """Fine-tune through the shared loop, evaluating the three tracks; resumable (the tracks are the
     loop's companion state, saved in every checkpoint)."""
-    from owai.data.domainbed import StepBatches, StepStream
+    from owai.data.domainbed import StepBatches
+    from owai.data.images import StepStream
     from owai.train import LoopConfig, train_loop
 
     t, d = cfg.train, cfg.data
@@ -744,7 +746,7 @@ def study_rows(sweep: Any, summary: dict[str, Any], device: torch.device | None 
             row["selected"][domain] = " ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in (group["grid"] or {}).items()
                                                if k in HP_KEYS)
     if device is not None:
-        pooled: dict[str, dict[str, list[dict[str, float]]]] = {}
+        pooled: dict[str, dict[str, Any]] = {}  # {"key": the group, "track", "acc": one result per seed}
         for key, result in multi_run(sweep, summary, per, device).items():
             pairs = json.loads(key)
             group_key = {k: v for k, v in pairs if k != "seed"}
