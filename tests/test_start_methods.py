@@ -45,7 +45,7 @@ def test_every_image_loader_reaches_a_worker_by_pickle(tmp_path, monkeypatch):
 
     def capture(dataset, **kwargs):  # noqa: ANN001, ANN003, ANN202 - the loader a worker would serve
         made.append(DataLoader(dataset, **kwargs))
-        return DataLoader(dataset, **{**kwargs, "num_workers": 0, "prefetch_factor": None})
+        return DataLoader(dataset, **{**kwargs, "num_workers": 0, "prefetch_factor": None, "persistent_workers": False})
 
     monkeypatch.setattr(images, "DataLoader", capture)
     tensors = _tensor_domains()
@@ -71,10 +71,49 @@ def test_every_image_loader_reaches_a_worker_by_pickle(tmp_path, monkeypatch):
         dl = made[-1]
         assert dl.num_workers == 2
         dataset, collate, init = pickle.loads(pickle.dumps((dl.dataset, dl.collate_fn, dl.worker_init_fn)))
-        again = DataLoader(dataset, batch_size=dl.batch_size, sampler=list(dl.sampler), collate_fn=collate,
-                           worker_init_fn=init)
+        if isinstance(dl.batch_sampler, images._PassBatches):  # an evaluation pass's batches (EvalPasses)
+            again = DataLoader(dataset, batch_sampler=list(dl.batch_sampler), collate_fn=collate, worker_init_fn=init)
+        else:
+            again = DataLoader(dataset, batch_size=dl.batch_size, sampler=list(dl.sampler), collate_fn=collate,
+                               worker_init_fn=init)
         assert _same(list(again), batches), type(dl.dataset).__name__
     assert len(made) == len(runs)
+
+
+class _WhoReads(torch.utils.data.Dataset):
+    """Example i as (i, the pid of the process that read it)."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        import os
+
+        return i, os.getpid()
+
+
+def _by_reader(items: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    return [i for i, _ in items], [pid for _, pid in items]
+
+
+def test_evaluation_passes_start_their_workers_once():
+    """A run's evaluation passes (27 in a Camelyon17 run) go through one set of workers, started at
+    the first pass: a worker start is seconds under spawn (macOS). Each pass gives its indices'
+    batches in order, as without workers; a pass cut short does not disturb the next."""
+    import os
+
+    passes = images.EvalPasses(_WhoReads(), 3, 2, _by_reader)
+    readers: set[int] = set()
+    for indices in (torch.arange(10), torch.tensor([39, 5, 7, 1, 20]), torch.arange(30, 40)):
+        batches = list(passes(indices))
+        assert [i for ids, _ in batches for i in ids] == indices.tolist() and [len(ids) for ids, _ in batches][0] == 3
+        readers.update(pid for _, pids in batches for pid in pids)
+    cut = passes(torch.arange(20))
+    next(cut)  # a pass left after its first batch
+    assert [i for ids, _ in passes(torch.tensor([3, 2, 1])) for i in ids] == [3, 2, 1]
+    assert len(readers) == 2 and os.getpid() not in readers  # the same two workers for every pass
+    inline = images.EvalPasses(_WhoReads(), 4, 0, _by_reader)
+    assert {pid for _, pids in inline(torch.arange(8)) for pid in pids} == {os.getpid()}
 
 
 @pytest.mark.parametrize("method", ["forkserver", "spawn", "fork"])
@@ -114,7 +153,11 @@ def main():
     ev0 = list(domainbed.eval_batches(data, 1, torch.arange(12), 8, 5, 0))
     ev2 = list(domainbed.eval_batches(data, 1, torch.arange(12), 8, 5, 2))
     same = same and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(ev0, ev2))
-    print("RESULT", same, all(preloaded), any(preloaded))
+    from owai.data.images import EvalPasses
+    from probe_items import Who
+    passes = EvalPasses(Who(), 2, 2, list)
+    readers = [{pid for batch in passes(torch.arange(4)) for pid in batch} for _ in range(3)]
+    print("RESULT", same, all(preloaded), any(preloaded), readers[0] == readers[1] == readers[2] and len(readers[0]) == 2)
 
 if __name__ == "__main__":
     main()
@@ -131,6 +174,14 @@ class Items(Dataset):
 
     def __getitem__(self, i):
         return IMPORTED_IN != os.getpid()  # True: a fork server imported this module, not the worker
+
+
+class Who(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return os.getpid()
 """
 
 
@@ -138,8 +189,8 @@ class Items(Dataset):
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_loader_workers_under_spawn_and_forkserver(method, tmp_path):
     """For real, in a process of that start method: two workers give the step and evaluation batches
-    of no workers, and under forkserver the workers find the dataset's module imported by the server
-    (a spawned worker imports it itself)."""
+    of no workers, under forkserver the workers find the dataset's module imported by the server
+    (a spawned worker imports it itself), and evaluation passes reuse their workers."""
     (tmp_path / "script.py").write_text(textwrap.dedent(_SCRIPT))
     (tmp_path / "probe_items.py").write_text(textwrap.dedent(_ITEMS))
     done = subprocess.run([sys.executable, str(tmp_path / "script.py"), method], capture_output=True, text=True,
@@ -147,4 +198,5 @@ def test_loader_workers_under_spawn_and_forkserver(method, tmp_path):
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
     result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT")).split()
     assert result[1] == "True"  # same batches
-    assert result[2:] == (["True", "True"] if method == "forkserver" else ["False", "False"])
+    assert result[2:4] == (["True", "True"] if method == "forkserver" else ["False", "False"])
+    assert result[4] == "True"  # three evaluation passes through the same two workers (EvalPasses)

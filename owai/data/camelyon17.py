@@ -42,7 +42,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from owai.data.images import Strings, eval_transform, loader, stack
+from owai.data.images import EvalPasses, Strings, eval_transform, stack
 from owai.data.registry import Dataset as CatalogueEntry
 from owai.data.registry import register, require
 from owai.errors import OwaiError, not_utf8, one_line
@@ -345,24 +345,28 @@ class ImageBatches(Dataset):
         return self.data.batch(self.examples[positions]), positions, torch.zeros(0)
 
 
-class _Items(Dataset):
-    def __init__(self, data: Camelyon17, indices: torch.Tensor) -> None:
-        self.data, self.indices = data, indices
+class _Examples(Dataset):
+    """Example i of the release, any split (the evaluation passes pick the indices)."""
+
+    def __init__(self, data: Camelyon17) -> None:
+        self.data = data
 
     def __len__(self) -> int:
-        return int(self.indices.numel())
+        return len(self.data)
 
-    def __getitem__(self, k: int) -> torch.Tensor:
-        return self.data.tensor(int(self.indices[k]))
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.data.tensor(int(index))
 
 
-def _collate(items: list[torch.Tensor]) -> torch.Tensor:
-    return stack(items)
+def eval_passes(data: Camelyon17, batch_size: int, workers: int = 0) -> EvalPasses:
+    """The run's evaluation passes: `passes(indices)` gives x batches (float32 (<=batch_size, 3, S, S))
+    of `indices`, in order, every pass through the same `workers` processes."""
+    return EvalPasses(_Examples(data), batch_size, workers, stack)
 
 
 def eval_batches(data: Camelyon17, indices: torch.Tensor, batch_size: int, workers: int = 0) -> Iterator[torch.Tensor]:
-    """x batches (float32 (<=batch_size, 3, S, S)) of `indices`, in order."""
-    return iter(loader(_Items(data, indices), workers, False, batch_size=batch_size, shuffle=False, collate_fn=_collate))
+    """x batches (float32 (<=batch_size, 3, S, S)) of `indices`, in order: one pass."""
+    return eval_passes(data, batch_size, workers)(indices)
 
 
 # ------------------------------------------------------------------------------------------- metrics

@@ -8,14 +8,14 @@ DataLoaders that leave torch's global random stream alone.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from owai.errors import OwaiError
 from owai.models.vision import IMAGENET_MEAN, IMAGENET_STD  # one definition: the weights that read these images share it
@@ -179,17 +179,53 @@ def eval_transform(image: Image.Image, size: int, style: str = "domainbed") -> t
     return to_tensor(center_crop(image, size), style)
 
 
-def loader(dataset: Dataset, workers: int, pin_memory: bool, **kwargs: Any) -> DataLoader:
+def loader(dataset: Dataset, workers: int, pin_memory: bool, persistent: bool = False, **kwargs: Any) -> DataLoader:
     """A DataLoader with its own generator: every iterator a DataLoader starts draws a worker base
     seed from its generator, which by default is torch's global one, so starting loaders (for an
     evaluation, or on resume) would shift the training's dropout masks. The batches themselves are
-    keyed by step and do not use this seed."""
+    keyed by step and do not use this seed. `persistent`: the workers outlive each pass (`iter`) and
+    serve the next, for a loader iterated many times (`EvalPasses`)."""
     if workers < 0:
         raise OwaiError(f"data loader workers must be >= 0, got {workers}")
     if workers:
         _preload_fork_server(dataset, kwargs.get("multiprocessing_context"))
-    return DataLoader(dataset, num_workers=workers, pin_memory=pin_memory, persistent_workers=False,
+    return DataLoader(dataset, num_workers=workers, pin_memory=pin_memory, persistent_workers=persistent and workers > 0,
                       prefetch_factor=4 if workers else None, generator=torch.Generator().manual_seed(0), **kwargs)
+
+
+class _PassBatches(Sampler):
+    """The current pass's batches of example indices (an `EvalPasses` sets them before each pass)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class EvalPasses:
+    """Evaluation passes over any examples of one dataset, through one set of worker processes that
+    is started at the first pass and serves every later one (`persistent`). A run evaluates many times
+    (a Camelyon17 run: 27 passes), and a loader per pass starts its workers each time: under `spawn`
+    (macOS's default) each worker is a fresh interpreter that imports torch, seconds a start. Without
+    workers each pass reads in this process. `examples[i]` is example i; `collate` stacks a batch.
+    One pass at a time: a new pass ends the one before."""
+
+    def __init__(self, examples: Dataset, batch_size: int, workers: int, collate: Callable[[list[Any]], Any],
+                 pin_memory: bool = False) -> None:
+        if batch_size < 1:
+            raise OwaiError(f"evaluation batch size must be >= 1, got {batch_size}")
+        self.batch_size, self.batches = batch_size, _PassBatches()
+        self.loader = loader(examples, workers, pin_memory, persistent=True, batch_sampler=self.batches, collate_fn=collate)
+
+    def __call__(self, indices: torch.Tensor) -> Iterator[Any]:
+        """The batches of `indices`' examples, in order."""
+        ids = [int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()]
+        self.batches.batches = [ids[k:k + self.batch_size] for k in range(0, len(ids), self.batch_size)]
+        return iter(self.loader)
 
 
 def _preload_fork_server(dataset: Dataset, context: Any = None) -> None:

@@ -246,13 +246,13 @@ class Camelyon17Bonsai(Method):
             raise OwaiError("penalty: need weight >= 0, anneal_iters >= 0, clove_width > 0")
 
     def run(self, cfg: Config, run: Run) -> Outcome:
-        from owai.data.camelyon17 import Camelyon17, find_root
+        from owai.data.camelyon17 import Camelyon17, eval_passes, find_root
 
         d = cfg.data
         data = Camelyon17(find_root(d.root), d.fraction, d.fraction_seed, d.image_size, d.cache_images)
         sizes = {s: int(data.split(s).numel()) for s in ("train", *EVAL_SPLITS)}
         console.info(f"Camelyon17 {data.dir}: " + ", ".join(f"{k} {v}" for k, v in sizes.items()))
-        ctx = Context(cfg, run, data, run.device)
+        ctx = Context(cfg, run, data, run.device, eval_passes(data, d.eval_batch_size, d.workers))
         measured: dict[str, Any] = {}
         details: dict[str, Any] = {"split_sizes": sizes, "caches": {}, "rounds": {}}
         needed = cfg.rounds if cfg.init in ("none", "bonsai", "bonsai-cf") else 1
@@ -288,6 +288,7 @@ class Context:
     run: Run
     data: Any  # owai.data.camelyon17.Camelyon17
     device: torch.device
+    passes: Any  # owai.data.images.EvalPasses: every evaluation pass of the run through one set of workers
 
     @property
     def seed(self) -> int:
@@ -317,13 +318,12 @@ def head_of(net: nn.Module) -> nn.Linear:
 @torch.no_grad()
 def forward_split(ctx: Context, net: nn.Module, split: str, what: Literal["logits", "features"] = "logits") -> torch.Tensor:
     """Logits (n, C) or features (n, d) of `net` in eval mode on every example of `split` (float32, CPU)."""
-    from owai.data.camelyon17 import eval_batches
     from owai.models.vision import features
 
     was_training = net.training
     net.eval()
     out = []
-    for x in eval_batches(ctx.data, ctx.data.split(split), ctx.cfg.data.eval_batch_size, ctx.cfg.data.workers):
+    for x in ctx.passes(ctx.data.split(split)):
         x = x.to(ctx.device)
         out.append((net(x) if what == "logits" else features(net, x)).float().cpu())
     net.train(was_training)
@@ -566,7 +566,7 @@ def network_context(ctx: Context, i: int) -> Context:
     import dataclasses
 
     return ctx if i == 0 else Context(dataclasses.replace(ctx.cfg, seed=network_seed(ctx.seed, i)), ctx.run, ctx.data,
-                                      ctx.device)
+                                      ctx.device, ctx.passes)
 
 
 def erm_networks(ctx: Context, round0: RoundResult, details: dict[str, Any],
