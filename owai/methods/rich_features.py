@@ -896,7 +896,8 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
     """Stage `pretrain`: one network on the base classes (or its cache entry), then its base test accuracy
     (supervised), or SimSiam on the base images (pretrain.objective=simsiam: no labels, no head; the
     measure is its final loss, `pretrain.ssl_loss`, and its transfer probe)."""
-    from owai.data.domainbed import StepBatches, StepStream
+    from owai.data.domainbed import StepBatches
+    from owai.data.images import StepStream
     from owai.io import build_lock, read_cache_entry, write_cache_entry
     from owai.train import LoopConfig, train_loop
 
@@ -1586,7 +1587,8 @@ def fit_probes_on_crops(cfg: Config, run: Run, stage: str, frozen: Any, specs: d
     head its blocks. Each head has its own parameters, and SGD's update of a parameter reads only its
     own gradient and momentum, so training them together on the sum of their losses is training each
     alone on the same batches. Heads and schedule are fit_probe's; the logged loss is the heads' sum."""
-    from owai.data.domainbed import StepBatches, StepStream
+    from owai.data.domainbed import StepBatches
+    from owai.data.images import StepStream
     from owai.runtime import derive_seed
     from owai.train import LoopConfig, train_loop
 
@@ -1846,7 +1848,8 @@ def finetune_model(cfg: Config, run: Run, stage: str, backbones: list[torch.nn.M
     """Normal fine-tuning (§6.3) of the concatenation of `backbones` (one: ordinary fine-tuning) under a
     new Linear head on the target's training images, as train_loop stage `stage`. Returns
     Sequential(ConcatFeatures, Linear) in eval mode."""
-    from owai.data.domainbed import StepBatches, StepStream
+    from owai.data.domainbed import StepBatches
+    from owai.data.images import StepStream
     from owai.models.rich import ConcatFeatures
     from owai.runtime import derive_seed
     from owai.train import LoopConfig, train_loop
@@ -1935,7 +1938,8 @@ def run_distill(cfg: Config, run: Run, nets: list[Network], measured: dict[str, 
     its heads' logits (`distill{n}.base_acc`, beside the teachers' ensemble `teachers.base_acc`). With
     distill.target=features (self-supervised networks, TH A.3.3) head i regresses network i's features
     (1 - cos) and there is no base accuracy. Returns the student's backbone (features, no heads), frozen."""
-    from owai.data.domainbed import StepBatches, StepStream
+    from owai.data.domainbed import StepBatches
+    from owai.data.images import StepStream
     from owai.models.rich import MultiHeadStudent, distill_loss, feature_distill_loss, strip_head
     from owai.runtime import derive_seed
     from owai.train import LoopConfig, train_loop
