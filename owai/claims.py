@@ -30,6 +30,14 @@ dotted keys); a study is one record per row of its <study>.json (nested fields f
 keys; a row with `metric` and `mean` also holds its mean under that metric name), and a sweep
 without a study one record per grid cell (the selected cells when it selects). A missing metric
 makes the verdict "n/a" (not measured), never "holds". Nothing is evaluated as code.
+
+A claim that compares models trained and evaluated in separate runs (chapter 4: Memory Mosaics v2
+against the transformer, with against without long-term memory, ...) says `across: runs`. It is
+judged only by `owai report RUN_DIR RUN_DIR ...` (`judge_across`), on the records of all the runs
+given, each metric picked from the run that names its row (`{metric: qa.32k.score, where: {row:
+mmv2-large-32k}}`: every reference of such a claim must say `where`); `presets` keeps the runs at
+those presets. A single run's or a sweep's verdicts (`judge_all`) leave cross-run claims out: on one
+run they could only be n/a.
 """
 
 from __future__ import annotations
@@ -56,7 +64,8 @@ AGGREGATES: dict[str, Callable[[list[float]], float]] = {"min": min, "max": max,
                                                          "max_drop": max_drop}
 LEAST_MEMBERS = {"max_drop": 2}  # measured members an aggregate needs (others: one)
 OPS: dict[str, Callable[[float, float], bool]] = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
-COMMON_KEYS = ("id", "text", "kind", "presets", "given")
+COMMON_KEYS = ("id", "text", "kind", "presets", "given", "across")
+ACROSS_RUNS = "runs"  # `across: runs`: a claim judged on the records of several runs (`judge_across`)
 
 Record = dict[str, Any]
 
@@ -186,6 +195,7 @@ class Kind:
     name: ClassVar[str]
     required: ClassVar[tuple[str, ...]]
     optional: ClassVar[dict[str, Any]] = {}
+    refs: ClassVar[tuple[str, ...]]  # the keys that hold numbers or metric references (a list: `metrics`)
 
     @classmethod
     def check(cls, spec: dict[str, Any], where: str) -> None:
@@ -210,6 +220,7 @@ class Compare(Kind):
     """left OP right (+ offset), e.g. ERM's worst-test accuracy < the oracle's - 0.2."""
 
     name, required, optional = "compare", ("left", "op", "right"), {"offset": 0.0}
+    refs = ("left", "right")
 
     @classmethod
     def check(cls, spec: dict[str, Any], where: str) -> None:
@@ -230,6 +241,7 @@ class Close(Kind):
     """|metric - target| <= tol (absolute) or <= rel * |target|, e.g. within 0.05 of the thesis's 0.709."""
 
     name, required, optional = "close", ("metric", "target"), {"tol": None, "rel": None}
+    refs = ("metric", "target")
 
     @classmethod
     def check(cls, spec: dict[str, Any], where: str) -> None:
@@ -251,6 +263,7 @@ class Order(Kind):
     """metrics in increasing or decreasing order, e.g. Bonsai-cf > Bonsai > random init."""
 
     name, required, optional = "order", ("metrics", "order"), {"strict": True}
+    refs = ("metrics",)
 
     @classmethod
     def check(cls, spec: dict[str, Any], where: str) -> None:
@@ -276,6 +289,7 @@ class Direction(Kind):
     """A change between two settings: `to` - `from` > min_change (up) or < -min_change (down)."""
 
     name, required, optional = "direction", ("from", "to", "direction"), {"min_change": 0.0}
+    refs = ("from", "to")
 
     @classmethod
     def check(cls, spec: dict[str, Any], where: str) -> None:
@@ -343,6 +357,41 @@ def check_claim(spec: dict[str, Any], where: str, presets: list[str]) -> None:
             raise OwaiError(f"{where}: given must be a mapping {{left, op, right[, offset]}} (a compare)")
         Compare.check(given, f"{where}: given")
     kind.check(spec, where)
+    if "across" in spec:
+        check_across(spec, kind, where)
+
+
+def _metric_refs(value: Any) -> list[Any]:
+    """The metric references in a claim's value: a number has none, an aggregate (or `order`'s
+    list) those of its members."""
+    if isinstance(value, (int, float)):
+        return []
+    if isinstance(value, list):
+        return [r for m in value for r in _metric_refs(m)]
+    if isinstance(value, dict) and len(value) == 1 and next(iter(value)) in AGGREGATES:
+        return _metric_refs(next(iter(value.values())))
+    return [value]
+
+
+def check_across(spec: dict[str, Any], kind: type[Kind], where: str) -> None:
+    """`across: runs`, and every metric of the claim (and of its premise) picked from one run with
+    `{metric, where}`: several runs' records each hold every metric of their recipe, so a bare name
+    would match them all (ambiguous, n/a) instead of the run the claim means."""
+    if spec["across"] != ACROSS_RUNS:
+        raise OwaiError(f"{where}: across must be {ACROSS_RUNS!r} (a claim judged on several runs' records), "
+                        f"got {spec['across']!r}")
+    parts = [(spec, kind)] + ([(spec["given"], Compare)] if "given" in spec else [])
+    for part, part_kind in parts:
+        for key in part_kind.refs:
+            for ref in _metric_refs(part[key]):
+                if not (isinstance(ref, dict) and "metric" in ref and ref.get("where")):
+                    raise OwaiError(f"{where}: a cross-run claim picks each metric's run: write {label(ref)} as "
+                                    f"{{metric: NAME, where: {{row: ...}}}}")
+
+
+def is_across(spec: dict[str, Any]) -> bool:
+    """Whether a claim is judged across runs (`across: runs`) rather than on one run or sweep."""
+    return spec.get("across") == ACROSS_RUNS
 
 
 # --- evaluation ---------------------------------------------------------------------------------
@@ -366,7 +415,27 @@ def judge(spec: dict[str, Any], records: list[Record], preset: str | None = None
 
 
 def judge_all(claims: list[dict[str, Any]], records: list[Record], preset: str | None = None) -> list[dict[str, Any]]:
-    return [judge(spec, records, preset).to_json() for spec in claims]
+    """The claims of one run or one sweep judged on its records; cross-run claims are left out
+    (`judge_across` judges them on several runs)."""
+    return [judge(spec, records, preset).to_json() for spec in claims if not is_across(spec)]
+
+
+def judge_across(claims: list[dict[str, Any]], runs: list[tuple[list[Record], str | None]]) -> list[dict[str, Any]]:
+    """The cross-run claims (`across: runs`) judged on the records of several runs, each given with
+    its preset: a claim with `presets` sees only the runs at those presets (n/a when none is), and
+    picks each metric from the run its `where` names (n/a when no run does, "ambiguous" when two do)."""
+    out = []
+    for spec in claims:
+        if not is_across(spec):
+            continue
+        own = spec.get("presets")
+        records = [r for of_run, preset in runs if not own or preset in own for r in of_run]
+        if own and not records:
+            out.append(Verdict(id=spec["id"], text=spec["text"], kind=spec["kind"], verdict=NA, numbers={},
+                               detail=f"judged on runs at preset {', '.join(own)} only").to_json())
+            continue
+        out.append(judge(spec, records).to_json())
+    return out
 
 
 def flatten(value: Any, prefix: str = "") -> Record:

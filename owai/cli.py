@@ -229,24 +229,41 @@ def delegated_run(recipe: str, opts: RunOptions) -> list[str] | None:
 
 @app.command("report")
 def report(
-    run_dir: Annotated[Path, typer.Argument(help="A run directory (or a sweep directory).")],
+    run_dir: Annotated[list[Path], typer.Argument(
+        help="A run directory (or a sweep directory); or several runs of one recipe (e.g. one per model "
+             "that names its thesis row), each reported, then the recipe's claims across the runs.")],
     markdown: Annotated[bool, typer.Option("--markdown", help="Print a Markdown table instead.")] = False,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
     """Print a run's measured numbers beside the thesis's (a sweep's: mean ± std over seeds), then
-    the recipe's claims judged on them: holds, misses or n/a (not measured), with the numbers."""
-    from owai import sweep
-    from owai.claims import summary_counts
-    from owai.data.text import read_utf8
-    from owai.report import claims_markdown, claims_table, run_claims, study_table_file, sweep_document
-    from owai.report import markdown as to_markdown
-    from owai.report import table
-    from owai.runs import Run
+    the recipe's claims judged on them: holds, misses or n/a (not measured), with the numbers.
+
+    Several run directories of one recipe (chapter 4's models are evaluated one per run): each run
+    as above, then "claims across the runs", the thesis's comparisons between models (v2 against the
+    transformer, with against without long-term memory, ...) judged on the runs that name their rows
+    (--set row=...). --json prints one document: recipe, runs (each run's own document) and
+    claims_across."""
+    from owai.report import runs_document
 
     if markdown and as_json:
         raise OwaiError("--markdown and --json are two output formats: give one of them")
     console.configure(quiet, as_json)
+    if len(run_dir) > 1:  # several runs of one recipe (the argument keeps its name: `Missing argument 'run_dir'`)
+        _report_runs(runs_document(run_dir), run_dir, markdown, as_json)
+        return
+    _report_one(run_dir[0], markdown, as_json)
+
+
+def _report_one(run_dir: Path, markdown: bool, as_json: bool) -> None:
+    """`owai report` of one run or one sweep directory."""
+    from owai import sweep
+    from owai.claims import summary_counts
+    from owai.data.text import read_utf8
+    from owai.report import claims_markdown, claims_table, run_claims, run_results, study_table_file, sweep_document
+    from owai.report import markdown as to_markdown
+    from owai.report import table
+
     if sweep.is_sweep_dir(run_dir):
         document = sweep_document(run_dir, sweep.summarise(sweep.open_sweep(run_dir)))
         verdicts, source, study = document["claims"], document["claims_source"], study_table_file(run_dir)
@@ -262,15 +279,7 @@ def report(
             if verdicts:
                 console.stdout.print(claims_table(verdicts, f"thesis claims on {source}: {summary_counts(verdicts)}"))
         return
-    run = Run.open(run_dir, check_layout=False)  # report reads config.yaml and results.json only
-    results = run.results()
-    if results is None:  # what stopped it, too: under torchrun the rank whose error stopped the job
-        from owai.experiment import resume_hint
-
-        cause = run.failure()
-        raise OwaiError(f"{run_dir} has no results.json yet (status: {run.status()}{f'; {cause}' if cause else ''}); {resume_hint(run)}")
-    if "recipe" not in results:  # the tables and the claims are the recipe's
-        raise OwaiError(f"{Path(run_dir) / 'results.json'} is corrupt: it names no recipe; remove it and resume the run to write it again")
+    results = run_results(run_dir)
     verdicts = run_claims(run_dir, results)
     if as_json:
         console.emit_json({**results, "claims": verdicts})
@@ -280,6 +289,35 @@ def report(
         console.stdout.print(table(results))
         if verdicts:
             console.stdout.print(claims_table(verdicts, f"thesis claims: {summary_counts(verdicts)}"))
+
+
+def _report_runs(document: dict[str, Any], run_dirs: list[Path], markdown: bool, as_json: bool) -> None:
+    """`owai report` of several runs: each run's table and claims as a single run's report prints
+    them, one after the other, then the recipe's claims across the runs."""
+    from owai.claims import summary_counts
+    from owai.report import claims_markdown, claims_table
+    from owai.report import markdown as to_markdown
+    from owai.report import table
+
+    across = document["claims_across"]
+    title = f"claims across the {len(run_dirs)} runs: {summary_counts(across)}"
+    if as_json:
+        console.emit_json(document)
+        return
+    if markdown:
+        parts = [to_markdown(run) + (claims_markdown(run["claims"]) if run["claims"] else "") for run in document["runs"]]
+        end = claims_markdown(across) if across else "\nThe recipe states no claim across runs.\n"
+        sys.stdout.write("\n".join(parts) + f"\n### {title}\n" + end)
+        return
+    for i, (run_dir, run) in enumerate(zip(run_dirs, document["runs"]), 1):
+        console.stdout.print(f"run {i} of {len(run_dirs)}: {run_dir}", markup=False)
+        console.stdout.print(table(run))
+        if run["claims"]:
+            console.stdout.print(claims_table(run["claims"], f"thesis claims: {summary_counts(run['claims'])}"))
+    if across:
+        console.stdout.print(claims_table(across, title))
+    else:
+        console.stdout.print(f"{document['recipe']} states no claim across runs", markup=False)
 
 
 def _register_commands() -> None:

@@ -1,5 +1,7 @@
 """Measured-vs-thesis tables for a run's results.json (Rich and Markdown), and the recipe's claims
-judged on a run or a sweep/study directory (holds / misses / n/a, with the numbers behind them)."""
+judged on a run or a sweep/study directory (holds / misses / n/a, with the numbers behind them), or
+on several runs of one recipe: each run's own claims, then the recipe's cross-run claims
+(`across: runs`, owai/claims.py) judged on all of them (`runs_document`)."""
 
 from __future__ import annotations
 
@@ -46,22 +48,83 @@ def markdown(results: dict[str, Any]) -> str:
 
 # --- claims (owai/claims.py) -------------------------------------------------------------------
 
-def run_claims(run_dir: Path, results: dict[str, Any]) -> list[dict[str, Any]]:
-    """The recipe's claims judged on a single run, now (so runs written before a claim existed, or
-    before claims were recorded, are judged too); the run's recorded verdicts if its recipe is gone."""
-    from owai.claims import judge_all, run_records
+def run_results(run_dir: Path) -> dict[str, Any]:
+    """A finished run's results.json, or an OwaiError that says what is wrong: not a run directory,
+    no results.json yet (with what stopped the run and how to resume it), or one that names no recipe."""
     from owai.errors import OwaiError
-    from owai.recipes import recipe_claims
+    from owai.experiment import resume_hint
+    from owai.runs import Run
+
+    run = Run.open(run_dir, check_layout=False)  # report reads config.yaml and results.json only
+    results = run.results()
+    if results is None:  # what stopped it, too: under torchrun the rank whose error stopped the job
+        cause = run.failure()
+        raise OwaiError(f"{run_dir} has no results.json yet (status: {run.status()}{f'; {cause}' if cause else ''}); {resume_hint(run)}")
+    if "recipe" not in results:  # the tables and the claims are the recipe's
+        raise OwaiError(f"{Path(run_dir) / 'results.json'} is corrupt: it names no recipe; remove it and resume the run to write it again")
+    return results
+
+
+def _run_config(run_dir: Path) -> dict[str, Any]:
+    """The run's config.yaml (its params and recipe_source), or empty params where it is unreadable."""
+    from owai.errors import OwaiError
     from owai.runs import Run
 
     try:
-        config = Run(run_dir).read_config()
+        return Run(run_dir).read_config()
     except OwaiError:
-        config = {"params": {}, "recipe_source": None}
+        return {"params": {}, "recipe_source": None}
+
+
+def run_claims(run_dir: Path, results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The recipe's claims judged on a single run, now (so runs written before a claim existed, or
+    before claims were recorded, are judged too); the run's recorded verdicts if its recipe is gone.
+    Cross-run claims are left out (`runs_document` judges them)."""
+    from owai.claims import judge_all, run_records
+    from owai.recipes import recipe_claims
+
+    config = _run_config(run_dir)
     claims = recipe_claims(results["recipe"], config.get("recipe_source"))
     if not claims:
         return list(results.get("claims") or [])
     return judge_all(claims, run_records(results, config.get("params")), results.get("preset"))
+
+
+def runs_document(run_dirs: list[Path]) -> dict[str, Any]:
+    """Several finished runs of one recipe as one JSON document, what `owai report RUN_DIR RUN_DIR ...
+    --json` prints: `recipe`, `runs` (each run's own document, as `owai report RUN_DIR --json` prints
+    it: its results and its claims) and `claims_across` (the recipe's cross-run claims judged on the
+    records of all the runs, `owai.claims.judge_across`). Refused, as an OwaiError before anything
+    is printed: a sweep directory among them, a run without results.json, a directory given twice,
+    runs of different recipes."""
+    from owai.claims import judge_across, run_records
+    from owai.errors import OwaiError
+    from owai.recipes import recipe_claims
+    from owai.runs import is_sweep_dir
+
+    opened: list[tuple[Path, dict[str, Any]]] = []
+    for run_dir in run_dirs:
+        if is_sweep_dir(run_dir):
+            raise OwaiError(f"{run_dir} is a sweep directory: report it alone (owai report {run_dir}); "
+                            "a report of several directories takes runs")
+        opened.append((Path(run_dir), run_results(run_dir)))
+    seen: dict[Path, Path] = {}
+    for run_dir, _ in opened:
+        same = seen.setdefault(run_dir.resolve(), run_dir)
+        if same is not run_dir:
+            raise OwaiError(f"{run_dir} is given twice" + (f" (also as {same})" if str(same) != str(run_dir) else ""))
+    first_dir, first = opened[0]
+    for run_dir, results in opened[1:]:
+        if results["recipe"] != first["recipe"]:
+            raise OwaiError(f"{run_dir} is a run of {results['recipe']}, {first_dir} of {first['recipe']}: "
+                            "a report across runs compares runs of one recipe")
+    runs, judged = [], []
+    for run_dir, results in opened:
+        config = _run_config(run_dir)
+        runs.append({**results, "claims": run_claims(run_dir, results)})
+        judged.append((run_records(results, config.get("params")), results.get("preset")))
+    claims = recipe_claims(first["recipe"], _run_config(first_dir).get("recipe_source"))
+    return {"recipe": first["recipe"], "runs": runs, "claims_across": judge_across(claims, judged)}
 
 
 def sweep_claims(sweep_dir: Path, summary: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:

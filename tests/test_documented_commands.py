@@ -622,7 +622,7 @@ def test_most_commands_are_taken_through() -> None:
     ("owai data verify --data-root DIR", "Missing argument 'name'"),
     ("owai report", "Missing argument 'run_dir'"),  # a command line, not a span that names the command
     ("owai report --markdown", "Missing"),
-    ("owai report RUN_DIR extra words", "unexpected extra argument"),
+    ("owai data verify NAME extra words", "unexpected extra argument"),  # `owai report` takes several run dirs
     ("OWAI_DATA=~/data owai moons --nope   # a comment", "No such option: --nope"),
     ("torchrun --nproc_per_node 8 -m owai mosaic-train --sizes large", "No such option: --sizes"),
     ("owai report RUN_DIR --json | jq . && owai moons --bad", "No such option: --bad"),
