@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -42,17 +44,58 @@ def generator(*parts: object, device: str | torch.device = "cpu") -> torch.Gener
 
 
 def setup(runtime: Runtime, seed: int) -> tuple[torch.device, torch.dtype]:
-    """Apply a Runtime config (runtime.threads >= 0: config.check_ranges): threads, determinism,
-    seed. Returns (device, dtype)."""
+    """Apply a Runtime config (runtime.threads >= 0: config.check_ranges): threads, determinism
+    (on or off, whatever the process had), seed. Returns (device, dtype). The settings stay for the
+    rest of the process; a run applies them for its own duration only (`applied`)."""
     if runtime.threads:
         torch.set_num_threads(runtime.threads)
+    _deterministic(runtime.deterministic, warn_only=True)
     if runtime.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.benchmark = False
     torch.set_flush_denormal(runtime.flush_denormal)
     seed_everything(seed)
     return select_device(runtime.device), DTYPES[runtime.dtype]
+
+
+@contextlib.contextmanager
+def applied(runtime: Runtime, seed: int) -> Iterator[tuple[torch.device, torch.dtype]]:
+    """`setup` for the block (a run), then the process's own settings back: its thread count,
+    deterministic mode, cuDNN autotuning, subnormal flushing and CUBLAS_WORKSPACE_CONFIG. Runs share a
+    process (an in-process sweep's points, a recipe's chained stages, a notebook, the tests): a run
+    left deterministic mode on for a later one whose config turns it off, or for the caller's own
+    code, and its thread count for a later run of `runtime.threads: 0`. The global random
+    generators stay as the run seeded them (`seed_everything`, as any seeded script leaves them)."""
+    saved = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(), torch.backends.cudnn.benchmark,
+             flushes_denormals(), os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    try:
+        yield setup(runtime, seed)
+    finally:
+        threads, deterministic, warn_only, benchmark, flush, workspace = saved
+        torch.set_num_threads(threads)
+        _deterministic(deterministic, warn_only=warn_only)
+        torch.backends.cudnn.benchmark = benchmark
+        torch.set_flush_denormal(flush)
+        if workspace is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
+
+
+def _deterministic(mode: bool, warn_only: bool) -> None:
+    """torch.use_deterministic_algorithms(mode, warn_only), called only where it changes something: it
+    imports torch's compiler for its own setting (900 modules, 1-5 s the first time), which a run
+    without deterministic mode did not pay."""
+    if torch.are_deterministic_algorithms_enabled() != mode or (
+            mode and torch.is_deterministic_algorithms_warn_only_enabled() != warn_only):
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+
+
+def flushes_denormals() -> bool:
+    """Whether this thread flushes subnormal floats to zero (torch.set_flush_denormal, which has no
+    getter): 1e-39, a float32 subnormal, multiplied by one reads as zero only then."""
+    return torch.tensor([1e-39], dtype=torch.float32).mul(1.0).item() == 0.0
 
 
 def select_device(name: str) -> torch.device:

@@ -90,8 +90,8 @@ def test_runtime_device_dtype_and_seeds():
     assert runtime.derive_seed(1, "train", 5) != runtime.derive_seed(1, "train", 6)
     a = torch.rand(3, generator=runtime.generator(7, "x"))
     assert torch.equal(a, torch.rand(3, generator=runtime.generator(7, "x")))
-    device, dtype = runtime.setup(Runtime(device="cpu", dtype="bfloat16"), seed=3)
-    assert device.type == "cpu" and dtype is torch.bfloat16
+    with runtime.applied(Runtime(device="cpu", dtype="bfloat16"), seed=3) as (device, dtype):  # the test process's own settings after
+        assert device.type == "cpu" and dtype is torch.bfloat16
     with runtime.autocast(device, dtype):
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype is torch.bfloat16
     with runtime.autocast(device, torch.float32):

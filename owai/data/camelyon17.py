@@ -42,7 +42,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from owai.data.images import EvalPasses, Strings, eval_transform, stack
+from owai.data.images import EvalPasses, Strings, ending_workers, eval_transform, stack
 from owai.data.registry import Dataset as CatalogueEntry
 from owai.data.registry import register, require
 from owai.errors import OwaiError, not_utf8, one_line
@@ -365,8 +365,8 @@ def eval_passes(data: Camelyon17, batch_size: int, workers: int = 0) -> EvalPass
 
 
 def eval_batches(data: Camelyon17, indices: torch.Tensor, batch_size: int, workers: int = 0) -> Iterator[torch.Tensor]:
-    """x batches (float32 (<=batch_size, 3, S, S)) of `indices`, in order: one pass."""
-    return eval_passes(data, batch_size, workers)(indices)
+    """x batches (float32 (<=batch_size, 3, S, S)) of `indices`, in order: one pass, its workers ended after it."""
+    return ending_workers(eval_passes(data, batch_size, workers)(indices))
 
 
 # ------------------------------------------------------------------------------------------- metrics

@@ -45,7 +45,8 @@ from torch.utils.data import Dataset
 
 from owai.data import registry
 from owai.data.images import (
-    BICUBIC, BILINEAR, Strings, check_style, eval_transform, image_files, loader, stack, to_tensor, visible_dirs,
+    BICUBIC, BILINEAR, Strings, check_style, ending_workers, eval_transform, image_files, loader, stack, to_tensor,
+    visible_dirs,
 )
 from owai.errors import DataMissing, OwaiError
 from owai.runtime import generator
@@ -571,12 +572,13 @@ def _collate_eval(items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, 
 def eval_batches(data: MultiDomainDataset, domain: int, indices: torch.Tensor, size: int, batch_size: int = 256,
                  workers: int = 0, pin_memory: bool = False,
                  style: str = "domainbed") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(x, y) batches of the examples `indices` of `domain`, in order, eval transform of `style`."""
+    """(x, y) batches of the examples `indices` of `domain`, in order, eval transform of `style`; the
+    loader's workers end with the pass, a failed one included (`ending_workers`)."""
     if batch_size < 1:
         raise OwaiError(f"eval batch_size must be >= 1, got {batch_size}")
     items = _EvalItems(data, domain, indices, size, style)
-    return iter(loader(items, workers, pin_memory, batch_size=batch_size, shuffle=False,
-                        collate_fn=_collate_eval))
+    return ending_workers(iter(loader(items, workers, pin_memory, batch_size=batch_size, shuffle=False,
+                                      collate_fn=_collate_eval)))
 
 
 class CachedEval:

@@ -219,13 +219,56 @@ class EvalPasses:
         if batch_size < 1:
             raise OwaiError(f"evaluation batch size must be >= 1, got {batch_size}")
         self.batch_size, self.batches = batch_size, _PassBatches()
-        self.loader = loader(examples, workers, pin_memory, persistent=True, batch_sampler=self.batches, collate_fn=collate)
+        self._made = (examples, workers, pin_memory, collate)
+        self.loader = self._new_loader()
+        self._iterator: Iterator[Any] | None = None  # the loader's, the same one every pass while its workers live
+
+    def _new_loader(self) -> DataLoader:
+        examples, workers, pin_memory, collate = self._made
+        return loader(examples, workers, pin_memory, persistent=True, batch_sampler=self.batches, collate_fn=collate)
 
     def __call__(self, indices: torch.Tensor) -> Iterator[Any]:
         """The batches of `indices`' examples, in order."""
         ids = [int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()]
         self.batches.batches = [ids[k:k + self.batch_size] for k in range(0, len(ids), self.batch_size)]
-        return iter(self.loader)
+        self._iterator = iter(self.loader)
+        return self._iterator
+
+    def close(self) -> None:
+        """End the workers now (`end_workers`), not when this object is garbage-collected; a later pass
+        starts new ones. `with EvalPasses(...) as passes:` closes it when the block ends, however it ends."""
+        if self._iterator is not None:
+            end_workers(self._iterator)
+            self._iterator = None
+            self.loader = self._new_loader()  # the old one would hand out its persistent iterator, now ended
+
+    def __enter__(self) -> EvalPasses:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def ending_workers(iterator: Iterator[Any]) -> Iterator[Any]:
+    """One pass of a loader's `iterator`, its workers ended (`end_workers`) when the pass is done, is
+    left (the generator closed) or fails: bad data met by a worker raises through the iterator, and the
+    exception's traceback then holds the iterator, so its workers would live as long as the caller
+    keeps the exception; a one-pass loader with persistent workers would keep them after the pass."""
+    try:
+        yield from iterator
+    finally:
+        end_workers(iterator)
+
+
+def end_workers(iterator: Iterator[Any] | None) -> None:
+    """Stop a DataLoader iterator's worker processes now, as its own `__del__` does when it is
+    garbage-collected. A run that fails keeps its streams referenced by its frames, which the
+    exception's traceback holds for as long as the caller keeps the exception (a notebook's last
+    traceback, pytest's report of a failed test): their workers, a process each with its pipes and
+    shared memory, lived that long too. Nothing for an iterator without workers, or None."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)  # torch's multi-process iterator's; idempotent
+    if shutdown is not None:
+        shutdown()
 
 
 def _preload_fork_server(dataset: Dataset, context: Any = None) -> None:
@@ -265,6 +308,18 @@ class StepStream:
                  channels_last: bool = False) -> None:
         self.batches, self.workers, self.device, self.channels_last = batches, workers, device, channels_last
         self.next_step, self.iterator = -1, None
+
+    def close(self) -> None:
+        """End the loader's workers now (`end_workers`); a later `at` starts the loader again. `with
+        StepStream(...) as stream:` closes it when the block ends, a failure included."""
+        iterator, self.iterator, self.next_step = self.iterator, None, -1
+        end_workers(iterator)
+
+    def __enter__(self) -> StepStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         if step != self.next_step or self.iterator is None:

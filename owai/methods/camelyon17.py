@@ -52,6 +52,7 @@ ERM network on average). The study (`write_study`) selects penalty weight and an
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import statistics
@@ -252,7 +253,12 @@ class Camelyon17Bonsai(Method):
         data = Camelyon17(find_root(d.root), d.fraction, d.fraction_seed, d.image_size, d.cache_images)
         sizes = {s: int(data.split(s).numel()) for s in ("train", *EVAL_SPLITS)}
         console.info(f"Camelyon17 {data.dir}: " + ", ".join(f"{k} {v}" for k, v in sizes.items()))
-        ctx = Context(cfg, run, data, run.device, eval_passes(data, d.eval_batch_size, d.workers))
+        with eval_passes(data, d.eval_batch_size, d.workers) as passes:  # its workers end with the run, failed or not
+            return self._pipeline(Context(cfg, run, data, run.device, passes), sizes)
+
+    def _pipeline(self, ctx: Context, sizes: dict[str, int]) -> Outcome:
+        """The discovery rounds, then the initialisation and downstream method `ctx.cfg` asks for."""
+        cfg = ctx.cfg
         measured: dict[str, Any] = {}
         details: dict[str, Any] = {"split_sizes": sizes, "caches": {}, "rounds": {}}
         needed = cfg.rounds if cfg.init in ("none", "bonsai", "bonsai-cf") else 1
@@ -532,8 +538,9 @@ def discovery_round(ctx: Context, k: int, earlier: list[RoundResult], checkpoint
         def evaluate() -> dict[str, float]:
             return split_metrics(ctx, {s: forward_split(ctx, net, s) for s in EVAL_SPLITS})
 
-        result = train_stage(ctx, checkpoints or stage, net, optimizer, loss_at, t.epochs, spe, evaluate, "id_val.acc",
-                             penalty=penalty)
+        with stream:  # its workers end with the stage, failed or not
+            result = train_stage(ctx, checkpoints or stage, net, optimizer, loss_at, t.epochs, spe, evaluate, "id_val.acc",
+                                 penalty=penalty)
         net.load_state_dict(result.best_state)
         preds = {s: forward_split(ctx, net, s).argmax(1) for s in ("train", *EVAL_SPLITS)}
         save_entry(path, {**_prefixed(result.best_state, "state."), **_prefixed(preds, "pred.")},
@@ -662,7 +669,8 @@ def synthesis(ctx: Context, rounds: list[RoundResult], distill: bool = False) ->
         def evaluate() -> dict[str, float]:
             return {"id_val.pseudo_acc": pseudo_accuracy("id_val")}
 
-        result = train_stage(ctx, "synthesis", net, optimizer, loss_at, b.synthesis_epochs, spe, evaluate, "id_val.pseudo_acc")
+        with stream:  # its workers end with the stage, failed or not
+            result = train_stage(ctx, "synthesis", net, optimizer, loss_at, b.synthesis_epochs, spe, evaluate, "id_val.pseudo_acc")
         net.load_state_dict(result.best_state)
         accs = {"train": pseudo_accuracy("train"), "id_val": result.curves[result.epoch - 1]["id_val.pseudo_acc"]}
         save_entry(path, _prefixed(result.best_state, "state."),
@@ -817,6 +825,7 @@ def downstream(ctx: Context, start: Start, details: dict[str, Any]) -> tuple[lis
     labels = data.labels[train_idx]
     penalty = make_downstream_penalty(cfg)
     cached = start.frozen and cfg.downstream.frozen_bn == "eval"
+    stream: StepStream | None = None  # cached features are read without one
     details["downstream_setup"] = {"weight_decay": wd, "frozen": start.frozen, "cached_features": cached,
                                    "penalty": cfg.method}
     if cached:
@@ -863,8 +872,9 @@ def downstream(ctx: Context, start: Start, details: dict[str, Any]) -> tuple[lis
         envs = [EnvBatch(logits[(g == h).to(logits.device)], y[(g == h).to(y.device)]) for h in g.unique_consecutive().tolist()]
         return penalty.objective(envs, step).loss
 
-    result = train_stage(ctx, "downstream", trained, optimizer, loss_at, t.epochs, spe, evaluate, "id_val.acc",
-                         reset_optimizer_at=penalty.reset_optimizer_at, penalty=penalty)
+    with stream if stream is not None else contextlib.nullcontext():  # its workers end with the stage, failed or not
+        result = train_stage(ctx, "downstream", trained, optimizer, loss_at, t.epochs, spe, evaluate, "id_val.acc",
+                             reset_optimizer_at=penalty.reset_optimizer_at, penalty=penalty)
     return result.curves, net
 
 

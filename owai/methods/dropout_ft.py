@@ -430,7 +430,8 @@ def _pretrain(cfg: Config, run: Run, pool: Any, device: torch.device) -> dict[st
     decay_at = (2 * p.steps) // 3
     loop = LoopConfig(steps=p.steps, checkpoint_every=max(1, min(cfg.train.checkpoint_every, p.steps)),
                       log_every=max(1, min(cfg.train.log_every, p.steps)), precision=_precision(cfg, device))
-    train_loop(run, "pretrain", net, optimizer, loss_at, loop, lr_at=lambda s: p.lr * (0.1 if s >= decay_at else 1.0))
+    with stream:  # its workers end with the stage, failed or not
+        train_loop(run, "pretrain", net, optimizer, loss_at, loop, lr_at=lambda s: p.lr * (0.1 if s >= decay_at else 1.0))
     return {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
 
 
@@ -583,7 +584,8 @@ def train(cfg: Config, run: Run, model: torch.nn.Module, data: Any, sets: list[E
 
     loop = LoopConfig(steps=t.steps, checkpoint_every=min(t.checkpoint_every, t.steps), log_every=min(t.log_every, t.steps),
                       precision=precision)
-    train_loop(run, "train", model, optimizer, loss_at, loop, lr_at=lr_schedule(t), after_step=after_step, companion=tracks)
+    with stream:  # its workers end with the stage, failed or not
+        train_loop(run, "train", model, optimizer, loss_at, loop, lr_at=lr_schedule(t), after_step=after_step, companion=tracks)
     return tracks
 
 

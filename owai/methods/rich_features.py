@@ -949,7 +949,8 @@ def run_pretrain(cfg: Config, run: Run) -> Outcome:
                 if done in snaps:
                     write_cache_entry(snaps[done], net.state_dict())
 
-            summary = train_loop(run, "pretrain", net, optimizer, loss_at, loop, lr_at=lr_at, after_step=snapshot)
+            with stream:  # its workers end with the stage, failed or not
+                summary = train_loop(run, "pretrain", net, optimizer, loss_at, loop, lr_at=lr_at, after_step=snapshot)
             kept = net.backbone if ssl else net  # SimSiam: the backbone's features only (no projector, no head)
             state = {k: v.detach().cpu().contiguous() for k, v in kept.state_dict().items()}
             write_cache_entry(path, state)
@@ -1612,7 +1613,8 @@ def fit_probes_on_crops(cfg: Config, run: Run, stage: str, frozen: Any, specs: d
 
     lr_at_epoch = probe_lr(q)
     loop = LoopConfig(steps=steps, checkpoint_every=min(q.checkpoint_every, steps), log_every=min(q.log_every, steps))
-    train_loop(run, stage, heads, optimizer, loss_at, loop, lr_at=lambda s: lr_at_epoch(s / per_epoch))
+    with stream:  # its workers end with the stage, failed or not
+        train_loop(run, stage, heads, optimizer, loss_at, loop, lr_at=lambda s: lr_at_epoch(s / per_epoch))
     return {name: head.eval() for name, head in heads.items()}
 
 
@@ -1888,7 +1890,8 @@ def finetune_model(cfg: Config, run: Run, stage: str, backbones: list[torch.nn.M
 
     loop = LoopConfig(steps=steps, checkpoint_every=min(f.checkpoint_every, steps), log_every=min(f.log_every, steps),
                       precision=_precision(cfg, device), accumulate=f.accumulate)
-    train_loop(run, stage, model, optimizer, loss_at, loop, lr_at=schedule)
+    with stream:  # its workers end with the stage, failed or not
+        train_loop(run, stage, model, optimizer, loss_at, loop, lr_at=schedule)
     return model.eval()
 
 
@@ -1987,7 +1990,8 @@ def run_distill(cfg: Config, run: Run, nets: list[Network], measured: dict[str, 
 
     loop = LoopConfig(steps=steps, checkpoint_every=min(s.checkpoint_every, steps), log_every=min(s.log_every, steps),
                       precision=_precision(cfg, device), accumulate=s.accumulate)
-    summary = train_loop(run, "distill", student, optimizer, loss_at, loop, lr_at=lr_at)
+    with stream:  # its workers end with the stage, failed or not
+        summary = train_loop(run, "distill", student, optimizer, loss_at, loop, lr_at=lr_at)
     student.eval()
     details["distill"] = {"steps": steps, "base_train": len(base_train), "base_test": len(base_test),
                           "target": s.target, "final_loss": summary["final_loss"]}
