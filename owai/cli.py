@@ -25,7 +25,7 @@ from owai import __version__, console
 from owai.commands._common import Json, Preset, Quiet, RecipeOption, RunOptions, Sets, one_recipe, options
 from owai.errors import OwaiError, PeerFailed, Termination, one_line, stop_on_termination, termination_deferred, user_message
 
-try:  # Typer >= 0.22 parses with its own copy of Click
+try:  # Typer >= 0.26 parses with its own copy of Click (pyproject asks >= 0.27)
     from typer._click import exceptions as click
 except ImportError:  # pragma: no cover - an older Typer on the real Click
     from click import exceptions as click  # type: ignore[no-redef]

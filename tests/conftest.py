@@ -181,7 +181,7 @@ def parse_owai(words: list[str]) -> tuple[object, dict]:
     required option or argument or a bad value raises the CLI's UsageError. A bare group (`owai eval`)
     is not an error: running it prints its help.
 
-    A group is told by its subcommands (`resolve_command`), not by class: Typer >= 0.22 parses with its
+    A group is told by its subcommands (`resolve_command`), not by class: Typer >= 0.26 parses with its
     own copy of Click, whose groups are no `click.Group` (an isinstance test never descends)."""
     cmd = owai_command()
     if not words:
