@@ -76,14 +76,15 @@ def _run_config(run_dir: Path) -> dict[str, Any]:
         return {"params": {}, "recipe_source": None}
 
 
-def run_claims(run_dir: Path, results: dict[str, Any]) -> list[dict[str, Any]]:
+def run_claims(run_dir: Path, results: dict[str, Any], config: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The recipe's claims judged on a single run, now (so runs written before a claim existed, or
     before claims were recorded, are judged too); the run's recorded verdicts if its recipe is gone.
-    Cross-run claims are left out (`runs_document` judges them)."""
+    `config`: the run's config.yaml where the caller has read it already. Cross-run claims are left
+    out (`runs_document` judges them)."""
     from owai.claims import judge_all, run_records
     from owai.recipes import recipe_claims
 
-    config = _run_config(run_dir)
+    config = _run_config(run_dir) if config is None else config
     claims = recipe_claims(results["recipe"], config.get("recipe_source"))
     if not claims:
         return list(results.get("claims") or [])
@@ -118,12 +119,12 @@ def runs_document(run_dirs: list[Path]) -> dict[str, Any]:
         if results["recipe"] != first["recipe"]:
             raise OwaiError(f"{run_dir} is a run of {results['recipe']}, {first_dir} of {first['recipe']}: "
                             "a report across runs compares runs of one recipe")
-    runs, judged = [], []
+    runs, judged, configs = [], [], []
     for run_dir, results in opened:
-        config = _run_config(run_dir)
-        runs.append({**results, "claims": run_claims(run_dir, results)})
-        judged.append((run_records(results, config.get("params")), results.get("preset")))
-    claims = recipe_claims(first["recipe"], _run_config(first_dir).get("recipe_source"))
+        configs.append(_run_config(run_dir))
+        runs.append({**results, "claims": run_claims(run_dir, results, configs[-1])})
+        judged.append((run_records(results, configs[-1].get("params")), results.get("preset")))
+    claims = recipe_claims(first["recipe"], configs[0].get("recipe_source"))
     return {"recipe": first["recipe"], "runs": runs, "claims_across": judge_across(claims, judged)}
 
 
