@@ -60,6 +60,7 @@ DEVICE = "cuda"  # --device cpu: a smoke run of the script itself on a machine w
 DEADLINE = float("inf")  # time.monotonic() after which no check starts (--budget)
 MIN_CHECK_S = 20.0  # a check that would have less than this is not started
 RECORD: dict = {}  # --json-out: the file and its header; rewritten after every verdict
+CHILD_TMP: Path | None = None  # the commands' $TMPDIR (torchrun's torchelastic_* folders), removed with the run's
 
 
 def verdict(status: str, name: str, detail: str, **figures) -> None:
@@ -206,6 +207,8 @@ def corpus(path: Path, docs: int = 400, seed: int = 0) -> Path:
 
 def owai(*args: str, torchrun: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    if CHILD_TMP is not None:
+        env["TMPDIR"] = str(CHILD_TMP)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"] if torchrun else [sys.executable]
     return subprocess.run([*launcher, "-m", "owai", *args], capture_output=True, text=True, env=env,
                           timeout=within_budget(timeout), cwd=ROOT)
@@ -358,7 +361,7 @@ def main() -> int:
     import torch
     import transformers
 
-    global DEVICE, DEADLINE
+    global DEVICE, DEADLINE, CHILD_TMP
     DEVICE = args.device
     started = time.monotonic()
     if args.budget is not None:
@@ -371,6 +374,8 @@ def main() -> int:
           f"transformers {transformers.__version__} | python {sys.version.split()[0]}", flush=True)
     with tempfile.TemporaryDirectory(prefix="owai-gpu-check-") as tmp:
         work = Path(tmp)
+        CHILD_TMP = work / "tmp"
+        CHILD_TMP.mkdir()
         plan = ([(f"arch:{a}", check_arch, (a,)) for a in archs if "arch" in only]
                 + [(f"speed:{a}", check_speed, (a,)) for a in archs if "speed" in only]
                 + [("fsdp", check_fsdp, (work,))] * ("fsdp" in only)

@@ -353,7 +353,21 @@ def main(argv: Optional[list[str]] = None) -> None:
     `error:` line on stderr and exit code 2, never a traceback or the CLI library's usage box; --help,
     --version and a bare command group print help (exit 0); Ctrl-C exits 130, SIGTERM 143 and SIGHUP
     129 (a run stops as on Ctrl-C: status.json `interrupted`, resumable). A torchrun job's
-    ranks leave their process group after a successful command (`owai.distributed.shutdown`)."""
+    ranks leave their process group after a successful command (`owai.distributed.shutdown`). Called
+    in-process with `argv` (tests, notebooks), it puts back the caller's output mode afterwards: a
+    command's --quiet or --json does not outlive it."""
+    if argv is None:
+        _main(None)
+        return
+    mode = (console.state.quiet, console.state.json)
+    try:
+        _main(argv)
+    finally:
+        console.configure(*mode)
+
+
+def _main(argv: Optional[list[str]]) -> None:
+    """`main`'s body: the command, its error path and its exit code."""
     termination = Termination()
     try:
         with stop_on_termination() as termination:  # SIGTERM / SIGHUP: a run stops as on Ctrl-C, marked interrupted

@@ -215,7 +215,7 @@ def test_an_interrupted_command_exits_130(monkeypatch, capsys) -> None:
 
     real, calls = data.console.configure, []
 
-    def interrupted(*args, **kwargs):  # Ctrl-C inside the command; cli_in_process's own reset runs normally
+    def interrupted(*args, **kwargs):  # Ctrl-C inside the command; main's restore of the mode runs normally
         calls.append(args)
         if len(calls) == 1:
             raise KeyboardInterrupt
@@ -230,12 +230,12 @@ def test_an_internal_error_is_one_line_through_the_console_script(monkeypatch, c
     """The last line of defence: an unexpected exception is one `internal error:` line, exit 1, no
     traceback (each `except` of `main` must resolve under the installed Typer for that)."""
     import owai.cli
-    import owai.commands.data as data
+    import owai.data.registry as registry
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(data.console, "configure", broken)
+    monkeypatch.setattr(registry, "status", broken)  # what `owai data list` reads
     monkeypatch.delenv("OWAI_DEBUG", raising=False)
     with pytest.raises(SystemExit) as exit_:
         owai.cli.main(["data", "list"])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import as_if_killed, cli_in_process, run_owai, save_tiny_gpt2
+from conftest import as_if_killed, as_sets, cli_in_process, run_owai, save_tiny_gpt2
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -71,6 +71,26 @@ def test_quiet_silences_the_libraries_and_the_next_mode_restores_them(capsys) ->
     console.info("an info line")
     out, err = capsys.readouterr()
     assert out == "" and err.count("an info line") == 1  # info goes to stderr, and not under --quiet
+
+
+def test_an_in_process_command_gives_back_the_callers_output_mode(tiny_moons, tmp_path, capsys) -> None:
+    """`owai.cli.main([... "--quiet"])` from a notebook or a test left the process quiet (and its
+    libraries silenced) for whatever it ran next; main now puts back the mode it was called in."""
+    import tqdm
+
+    from owai import console
+    from owai.cli import main
+
+    for args in (["moons", *as_sets(tiny_moons), "--quiet", "-o", str(tmp_path / "ok")],
+                 ["moons", "--quiet", "--json", "--set", "no.such.key=1", "-o", str(tmp_path / "bad")]):
+        try:
+            main(args)
+        except SystemExit:
+            pass
+        assert not console.state.quiet and not console.state.json, args
+        assert not tqdm.tqdm(range(3), disable=False).disable
+        assert logging.getLogger("some.library").isEnabledFor(logging.WARNING)
+    capsys.readouterr()
 
 
 def test_mosaic_train_evaluation_shows_progress_on_stderr_and_no_deprecation(tmp_path, monkeypatch) -> None:
