@@ -245,3 +245,73 @@ def test_report_of_several_runs_refuses_bad_input_in_one_line(four_runs, tmp_pat
         assert code == 2 and out == "", (out, err)
         assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
     assert _listing(tmp_path) == before  # nothing written
+
+
+def test_each_runs_own_claims_are_printed_in_the_text_and_markdown_forms(four_runs, capsys):
+    """The text and Markdown forms of a report of several runs print each run as `owai report RUN_DIR`
+    prints it: its table, then its own (single-run) claims, before the claims across the runs. The
+    --json form is checked against the single-run documents above; these two forms had no check of
+    the runs' own claims, so dropping them went unnoticed."""
+    own = ["oracle-reads-every-needle", "qa-falls-with-context"]
+    code, out, err = cli_in_process(["report", *map(str, four_runs)], capsys)
+    assert code == 0, err
+    sections = [out.index(f"run {i} of 4") for i in range(1, 5)] + [out.index("claims across the 4 runs")]
+    for start, end in zip(sections, sections[1:]):
+        assert out[start:end].count("thesis claims: ") == 1, out[start:end]
+    code, out, err = cli_in_process(["report", *map(str, four_runs), "--markdown"], capsys)
+    assert code == 0, err
+    runs_part = out[:out.index("### claims across the 4 runs")]
+    for claim_id in own:
+        assert runs_part.count(f"({claim_id})") == 4, runs_part
+
+
+def test_a_multi_run_report_reads_each_runs_config_once(four_runs, monkeypatch):
+    """`runs_document` reads each run's config.yaml once and hands it to `run_claims` (commit 0992c9a):
+    a config read twice could be read as two different files if a run rewrites it between the reads
+    (its own claims judged on one, the claims across runs on the other)."""
+    from owai import report
+    from owai.runs import Run
+
+    reads: list[str] = []
+    real = Run.read_config
+
+    def counted(self):  # noqa: ANN001, ANN202
+        reads.append(str(self.path))
+        return real(self)
+
+    monkeypatch.setattr(Run, "read_config", counted)
+    document = report.runs_document(four_runs)
+    assert len(document["runs"]) == 4
+    assert sorted(reads) == sorted(str(p) for p in four_runs)
+
+
+def test_a_results_json_that_names_no_recipe_is_refused_in_one_line(four_runs, capsys):
+    """A results.json that is an owai results file but names no recipe (`report.run_results`): the
+    tables and the claims are the recipe's, so one run, or one of several, is refused in one line
+    that says how to write it again, never reported with no claims."""
+    (four_runs[1] / "results.json").write_text(json.dumps({"rows": []}))
+    for runs in ([four_runs[1]], four_runs):
+        for form in ([], ["--json"], ["--markdown"]):
+            code, out, err = cli_in_process(["report", *map(str, runs), *form], capsys)
+            assert code == 2 and out == "", (out, err)
+            assert err.startswith("error: ") and err.count("\n") == 1, err
+            assert "results.json is corrupt: it names no recipe; remove it and resume the run" in err, err
+
+
+def test_a_recipe_without_cross_run_claims_says_so_in_markdown(tmp_path, capsys):
+    """The Markdown form says so too, under the claims-across heading, rather than ending on an empty
+    section."""
+    runs = [ruler_run(tmp_path, n, "", {}, "cpu", recipe="three-moons") for n in ("a", "b")]
+    code, out, err = cli_in_process(["report", *map(str, runs), "--markdown"], capsys)
+    assert code == 0, err
+    assert "### claims across the 2 runs: " in out
+    assert out.rstrip().endswith("The recipe states no claim across runs.")
+
+
+def test_a_claim_without_presets_is_judged_on_every_run():
+    """`presets` narrows the runs a cross-run claim reads; without it every run counts, whatever its
+    preset, and no run at all is "not measured", never a preset restriction the claim does not make."""
+    (v,) = C.judge_across([claim()], [([{"m": 2.0, "row": "a"}], "cpu"), ([{"m": 1.0, "row": "b"}], "paper")])
+    assert v["verdict"] == C.HOLDS and v["detail"] == "2 > 1", v
+    (v,) = C.judge_across([claim()], [])
+    assert v["verdict"] == C.NA and "not measured" in v["detail"] and "preset" not in v["detail"], v

@@ -818,3 +818,43 @@ def test_two_processes_that_need_the_same_network_train_it_once(tmp_path):
     cached = sorted(json.loads(results.read_text())["details"]["cached"]
                     for i in range(2) for results in (tmp_path / f"runs{i}").rglob("points/*/results.json"))
     assert cached == [False, True]
+
+
+@pytest.mark.parametrize("stage, sets", [
+    ("distill", []),
+    ("finetune", []),
+    ("probe", ["probe.augment=true", "probe.catsub=false", "probe.sizes=[1]"]),  # the probes on crops
+])
+def test_a_killed_training_stage_kept_by_its_caller_leaves_no_workers(cache, tmp_path, monkeypatch, capsys, stage, sets) -> None:
+    """Each evaluation stage that trains on batches by step (distill, the fine-tuning, the probes on
+    augmented crops), killed at its second update with two loader workers and its exception kept (a
+    notebook's last one): its step stream ends its workers with the stage (`with stream:`), not when
+    the exception is dropped."""
+    import multiprocessing
+
+    from owai.data import images
+    from owai.experiment import execute
+
+    def workers() -> set[int]:
+        return {p.pid for p in multiprocessing.active_children()}
+
+    real, calls, alive = images.StepStream.at, [], []
+    before = workers()
+
+    def killed(self, step):  # noqa: ANN001, ANN202
+        calls.append(step)
+        if len(calls) == 2:
+            alive.append(len(workers() - before))  # the stream's two workers, running when it is killed
+            raise KeyboardInterrupt
+        return real(self, step)
+
+    monkeypatch.setattr(images.StepStream, "at", killed)
+    kept = []
+    try:  # the run itself, not `owai.cli.main`, which turns the interrupt into an exit and drops its traceback
+        execute(FEWSHOT, "cpu", [*TINY, *sets, "probe.seeds=[0, 1]", f"stage={stage}", "data.workers=2"],
+                out=tmp_path / "out")
+    except KeyboardInterrupt as e:
+        kept.append(e)
+    capsys.readouterr()
+    assert len(kept) == 1 and len(calls) == 2 and alive == [2], (kept, calls, alive)
+    assert workers() - before == set()

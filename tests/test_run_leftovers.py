@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import os
 import weakref
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from conftest import TINY_MOONS
 from owai import runtime
 from owai.config import Runtime
 from owai.data import domainbed, images
+from owai.errors import OwaiError
 from owai.methods import Outcome
 from owai.methods.three_moons import ThreeMoons
 
@@ -73,7 +75,8 @@ def test_streams_and_evaluation_passes_end_their_workers_with_their_block_though
                 images.EvalPasses(_Pid(bad=9 if fails_in == "passes" else -1), 4, 2, list) as passes:
             stream.at(0)
             list(passes(torch.arange(6)))
-            assert len(_workers() - before) == 4
+            ended = _workers() - before  # the block's workers, which must not serve a read after it
+            assert len(ended) == 4
             if fails_in == "caller":
                 raise KeyboardInterrupt  # the kill, from inside the run
             stream.at(1)
@@ -84,8 +87,10 @@ def test_streams_and_evaluation_passes_end_their_workers_with_their_block_though
     assert len(kept) == 1 and "cannot be read" in str(kept[0]) or fails_in == "caller"
     assert _workers() - before == set()
     if fails_in == "caller":
-        x, _ = stream.at(1)
-        assert int(x) not in before and {pid for batch in passes(torch.arange(8)) for pid in batch} - before
+        x, _ = stream.at(1)  # the next step after the kill: read by a new worker, not the ended iterator's
+        assert int(x) not in before | ended
+        readers = {pid for batch in passes(torch.arange(8)) for pid in batch}
+        assert readers and not readers & (before | ended)
         stream.close()
         passes.close()
         assert _workers() - before == set()
@@ -161,6 +166,65 @@ def test_runtime_settings_are_the_runs_alone():
         torch.set_flush_denormal(saved[2])
 
 
+def test_runtime_gives_back_cudnn_autotuning_and_the_cublas_workspace(monkeypatch):
+    """`runtime.applied` also puts back cuDNN autotuning and CUBLAS_WORKSPACE_CONFIG, which a
+    deterministic run turns off and sets: a caller that autotunes its own convolutions, or never set
+    the workspace, gets its own back (both are plain settings, checked here without a GPU)."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    saved = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(), runtime.flushes_denormals())
+    try:
+        with runtime.applied(Runtime(deterministic=True), seed=0):
+            assert torch.backends.cudnn.benchmark is False
+            assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert torch.backends.cudnn.benchmark is True
+        assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the caller's own: kept, and kept after
+        with runtime.applied(Runtime(deterministic=True), seed=0):
+            assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        torch.set_num_threads(saved[0])
+        torch.use_deterministic_algorithms(saved[1], warn_only=saved[2])
+        torch.set_flush_denormal(saved[3])
+
+
+def test_a_deterministic_run_warns_where_its_caller_is_strict():
+    """A run's deterministic mode only warns on an operation without a deterministic kernel
+    (warn_only), as `setup` always set it, even when the caller's own mode is the strict one: the run
+    does not fail on such an operation because of the caller's setting, and the caller is strict again
+    after it. (`_deterministic` skips the call only when neither the mode nor warn_only changes.)"""
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True)  # strict: warn_only off
+    try:
+        with runtime.applied(Runtime(deterministic=True), seed=0):
+            assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+
+
+def test_a_step_stream_reads_consecutive_steps_through_the_same_workers():
+    """`StepStream.at` restarts its loader only when a step is not the next one (a resume): consecutive
+    steps are read on by the workers already started (a start is seconds under spawn), a jump starts
+    new ones, and the batches are the steps' either way."""
+    before = _workers()
+    with images.StepStream(_PidSteps(bad=-1), 2) as stream:
+        read = [stream.at(s) for s in range(4)]
+        assert [int(y) for _, y in read] == [0, 1, 2, 3]
+        first = {int(x) for x, _ in read}
+        assert len(first) == 2 and not first & before  # two workers, for the four steps
+        x, y = stream.at(1)  # a resume at an earlier step
+        assert int(y) == 1 and int(x) not in first | before
+    assert _workers() - before == set()
+
+
+def test_evaluation_passes_refuse_a_batch_size_below_one():
+    with pytest.raises(OwaiError, match="evaluation batch size must be >= 1, got 0"):
+        images.EvalPasses(_Pid(), 0, 0, list)
+
+
 def _sets(settings: list[str]) -> list[str]:
     return [*TINY_MOONS, *settings]
 
@@ -226,7 +290,6 @@ def test_a_runs_reference_cycles_are_freed_when_it_returns_on_a_gpu(tmp_path: Pa
             gc.enable()
 
 
-@pytest.mark.slow  # ~20 s: two Camelyon17 runs of the miniature through two loader workers
 @pytest.mark.parametrize("killed_in", ["training", "evaluation"])
 def test_a_failed_camelyon17_run_kept_by_its_caller_leaves_no_workers(killed_in, tmp_path: Path, monkeypatch):
     """A Camelyon17 run killed in a stage's training (its step stream's workers) or in an evaluation
@@ -261,4 +324,115 @@ def test_a_failed_camelyon17_run_kept_by_its_caller_leaves_no_workers(killed_in,
     except KeyboardInterrupt as e:
         kept.append(e)
     assert len(kept) == 1 and len(calls) == at
+    assert _workers() - before == set()
+
+
+@pytest.mark.parametrize("stage", ["train", "pretrain"])
+def test_a_failed_dropout_ft_run_kept_by_its_caller_leaves_no_workers(stage, tmp_path: Path, monkeypatch):
+    """A dropout fine-tuning run (two loader workers) killed in its fine-tuning stage (a DomainBed-style
+    tree) or in its pre-training stage (the tiny preset's rotated MNIST, packaged file), its exception
+    kept as a notebook keeps its last one: the stage's step stream ends its workers with the stage
+    (`with stream:` in dropout_ft.train and dropout_ft._pretrain), not when the exception is dropped."""
+    from domainbed_tree import make_tree
+    from test_dropout_ft import TINY
+
+    from owai.experiment import execute
+
+    monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
+    real, calls, alive = images.StepStream.at, [], []
+    before = _workers()
+
+    def killed(self, step):  # noqa: ANN001, ANN202 - the kill, at the stage's third update
+        calls.append(step)
+        if len(calls) == 3:
+            alive.append(len(_workers() - before))  # the stream's two workers, running when it is killed
+            raise KeyboardInterrupt
+        return real(self, step)
+
+    monkeypatch.setattr(images.StepStream, "at", killed)
+    if stage == "train":
+        root = make_tree(tmp_path / "tree", per_class=6, size=16)
+        preset, sets = None, [s for s in TINY if not s.startswith("data.workers")] + [f"data.root={root}", "data.workers=2"]
+    else:
+        preset, sets = "tiny", ["data.per_domain=16", "data.pool=32", "data.image_size=16", "data.workers=2",
+                                "data.eval_batch_size=16", "pretrain.steps=4", "pretrain.batch_size=8", "train.steps=2"]
+    kept = []
+    try:
+        execute("table2.8-dropout", preset, sets, out=tmp_path / "runs")
+    except KeyboardInterrupt as e:
+        kept.append(e)
+    assert len(kept) == 1 and len(calls) == 3 and alive == [2]
+    assert _workers() - before == set()
+
+
+def test_a_failed_rich_features_pretraining_kept_by_its_caller_leaves_no_workers(tmp_path: Path, monkeypatch):
+    """The rich-features pre-training stage (the packaged MNIST file's miniature, two loader workers)
+    killed in its training, its exception kept: the stage's step stream ends its workers with the
+    stage (`with stream:` in rich_features.run_pretrain), not when the exception is dropped."""
+    from test_rich_features_method import RECIPE, TINY
+
+    from owai.experiment import execute
+
+    monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
+    real, calls, alive = images.StepStream.at, [], []
+    before = _workers()
+
+    def killed(self, step):  # noqa: ANN001, ANN202 - the kill, at the stage's second update
+        calls.append(step)
+        if len(calls) == 2:
+            alive.append(len(_workers() - before))  # the stream's two workers, running when it is killed
+            raise KeyboardInterrupt
+        return real(self, step)
+
+    monkeypatch.setattr(images.StepStream, "at", killed)
+    kept = []
+    try:
+        execute(RECIPE, "tiny", [*TINY, "stage=pretrain", "data.workers=2"], out=tmp_path / "runs")
+    except KeyboardInterrupt as e:
+        kept.append(e)
+    assert len(kept) == 1 and len(calls) == 2 and alive == [2]
+    assert _workers() - before == set()
+
+
+@pytest.mark.parametrize("stage, settings", [("synthesis", ["init=bonsai", "rounds=2"]), ("downstream", ["init=erm"])])
+def test_a_camelyon17_run_killed_in_a_later_stage_leaves_no_workers(stage, settings, tmp_path: Path, monkeypatch):
+    """As the test above, for the stages after the discovery rounds: Bonsai's synthesis and the
+    downstream training (from round 0's network, `init: erm`), each killed at its own second update
+    with two loader workers, its exception kept: each stage's step stream ends its workers with it."""
+    from camelyon_tree import make_camelyon
+    from test_camelyon17 import tiny
+
+    from owai.experiment import execute
+    from owai.methods import camelyon17 as method
+
+    monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
+    current: list[str] = []
+    real_stage = method.train_stage
+
+    def staged(ctx, name, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - which stage is training
+        current.append(name)
+        return real_stage(ctx, name, *args, **kwargs)
+
+    real_at, calls, alive = images.StepStream.at, [], []
+    before = _workers()
+
+    def killed(self, step):  # noqa: ANN001, ANN202
+        if current and current[-1] == stage:
+            calls.append(step)
+            if len(calls) == 2:
+                alive.append(len(_workers() - before))  # this stage's workers (and the run's evaluation workers)
+                raise KeyboardInterrupt
+        return real_at(self, step)
+
+    monkeypatch.setattr(method, "train_stage", staged)
+    monkeypatch.setattr(images.StepStream, "at", killed)
+    sets = [s for s in tiny(make_camelyon(tmp_path / "data"))
+            if not s.startswith(("data.workers", *(("bonsai.synthesis",) if stage == "downstream" else ())))]
+    kept = []
+    try:
+        execute("table2.6-camelyon17", None, [*sets, "data.workers=2", "train.epochs=1", *settings],
+                out=tmp_path / "runs")
+    except KeyboardInterrupt as e:
+        kept.append(e)
+    assert len(kept) == 1 and len(calls) == 2 and alive and alive[0] >= 2, (kept, calls, alive, current)
     assert _workers() - before == set()

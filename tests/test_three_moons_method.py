@@ -138,6 +138,19 @@ def test_period_drops_count_the_periods_with_a_drop_and_the_drops_before_the_lcm
     assert period_drops([130.0, 262.0], val, lcm)["drops_before_lcm"] == 1
 
 
+
+def test_period_drops_bounds_and_counting():
+    """The edges of the recipe's readings, as its claims state them: a transition exactly 10 % from a
+    period is "within 10 %" of it (inclusive), a transition exactly at 0.9 x lcm is not "before" it
+    (strict), and `periods_with_drop` counts periods, not transitions: two drops around one period
+    are one period with a drop (three drops around p1 must not pass for a drop at each of p1, p2, p3)."""
+    periods, lcm = [50.0, 100.0, 150.0], 200.0
+    assert period_drops([110.0], periods, lcm)["periods_with_drop"] == 1  # |110 - 100| = 10 % of 100
+    assert period_drops([110.5], periods, lcm)["periods_with_drop"] == 0
+    assert period_drops([180.0], periods, lcm)["drops_before_lcm"] == 0  # 0.9 x 200 is not before it
+    assert period_drops([179.5], periods, lcm)["drops_before_lcm"] == 1
+    assert period_drops([46.0, 50.0, 54.0], periods, lcm)["periods_with_drop"] == 1
+
 def test_the_recipes_period_claims_judge_the_counts():
     from owai import recipes
     from owai.claims import judge_all
