@@ -1369,14 +1369,21 @@ def match_all(prediction: str, references: Sequence[str]) -> float:
     return sum(r.lower() in low for r in references) / len(references) if references else 0.0
 
 
+def task_score(scores: Sequence[float]) -> float:
+    """A task's score from its samples' scores: 100 x their mean, rounded to 2 decimals, in RULER's
+    order (the mean, then x 100: 100 x sum / n rounds otherwise for some sample counts, e.g. 23 of 160
+    gives 14.37 there and 14.38 here)."""
+    return round(sum(scores) / len(scores) * 100, 2)
+
+
 def string_match_part(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> float:
-    """QA task score: 100 x mean of match_part, rounded to 2 decimals."""
-    return round(100 * sum(map(match_part, predictions, references)) / len(predictions), 2) if predictions else 0.0
+    """QA task score: `task_score` of match_part (0 without predictions)."""
+    return task_score(list(map(match_part, predictions, references))) if predictions else 0.0
 
 
 def string_match_all(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> float:
-    """Synthetic task score: 100 x mean of match_all, rounded to 2 decimals."""
-    return round(100 * sum(map(match_all, predictions, references)) / len(predictions), 2) if predictions else 0.0
+    """Synthetic task score: `task_score` of match_all (0 without predictions)."""
+    return task_score(list(map(match_all, predictions, references))) if predictions else 0.0
 
 
 SAMPLE_METRICS: dict[str, Callable[[str, Sequence[str]], float]] = {
@@ -1624,7 +1631,7 @@ def _evaluate_task(model: Model, task: Task, budgets: dict[str, int], n: int, se
                          **({"gold_slots": sample.info["gold_slots"]} if "gold_slots" in sample.info else {})})
         count = len(scores)
         results[task.name][label] = {
-            "score": None if overflow == count else round(100 * sum(scores) / count, 2),
+            "score": None if overflow == count else task_score(scores),
             "n": count, "nulls": nulls, "overflow": overflow, "max_seq_length": budget,
             "size": built.size, "mean_tokens": round(sum(s.tokens for s in built.samples) / count, 1)}
         records[task.name][label] = rows
