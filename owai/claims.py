@@ -304,7 +304,7 @@ class Direction(Kind):
         start, end, least = get(spec["from"]), get(spec["to"]), float(spec.get("min_change", 0.0))
         change = end - start
         holds = change > least if spec["direction"] == "up" else change < -least
-        bound = f"> {least:g}" if spec["direction"] == "up" else f"< {-least:g}"
+        bound = f"> {least:g}" if spec["direction"] == "up" else f"< {0.0 - least:g}"  # 0.0 - 0.0: "< 0", not "< -0"
         return holds, f"{end:.4g} - {start:.4g} = {change:+.4g} {bound}"
 
 

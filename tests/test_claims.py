@@ -47,6 +47,13 @@ def test_each_kind_holds_and_misses(spec, record, expected):
     assert set(v.numbers) >= {k for k in record if k in json.dumps(spec)}
 
 
+def test_a_downward_claim_without_min_change_says_below_0():
+    """The verdict's text names the bound as written: "< 0", not "< -0" (-0.0 printed)."""
+    spec = {"kind": "direction", "from": "a", "to": "b", "direction": "down"}
+    holds, text = C.KINDS["direction"].test(spec, {"a": 0.5, "b": 0.6}.__getitem__)
+    assert not holds and text.endswith("= +0.1 < 0"), text
+
+
 def test_a_missing_metric_is_not_measured_never_holds():
     v = verdict({"kind": "compare", "left": "a", "op": "<", "right": "b"}, {"a": 1.0})
     assert v.verdict == C.NA and "b not measured" in v.detail
