@@ -263,6 +263,29 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def save_char_llama(path: Path) -> Path:
+    """A random Llama (max_position_embeddings 64) with a character tokenizer whose BOS `<s>` (1) and
+    EOS `</s>` (2) differ and that adds the BOS as Llama's tokenizers do, saved with save_pretrained:
+    the harness adapter's stand-in for a hub Llama."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {chr(i): i - 29 for i in range(32, 127)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                            pad_token="</s>").save_pretrained(path)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=2, initializer_range=0.2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
 def save_tiny_gpt2(path: Path, *, vocab: int = 257, positions: int = 1024, n_embd: int = 32, n_layer: int = 2) -> Path:
     """A random GPT-2 over owai's byte tokenizer (vocab 257, end-of-text 256) saved with save_pretrained,
     recording its tokenizer (owai_tokenizer.json) as mosaic-train's model directories do: the chapter-4

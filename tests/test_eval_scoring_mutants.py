@@ -311,25 +311,11 @@ def test_answer_keys_are_canonical_json_and_a_damaged_value_is_asked_again(tmp_p
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    """A random Llama (64 positions) with a character tokenizer (BOS <s> = 1, EOS </s> = 2)."""
+    """conftest's random Llama with a character tokenizer (BOS <s> = 1, EOS </s> = 2)."""
     pytest.importorskip("lm_eval")
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from conftest import save_char_llama
 
-    path = tmp_path_factory.mktemp("llama")
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {chr(i): i - 29 for i in range(32, 127)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                           special_tokens=[("<s>", 1)])
-    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                            pad_token="</s>").save_pretrained(path)
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=2, initializer_range=0.2)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return save_char_llama(tmp_path_factory.mktemp("llama"))
 
 
 @pytest.mark.usefixtures("one_thread")

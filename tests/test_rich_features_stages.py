@@ -830,31 +830,14 @@ def test_a_killed_training_stage_kept_by_its_caller_leaves_no_workers(cache, tmp
     augmented crops), killed at its second update with two loader workers and its exception kept (a
     notebook's last one): its step stream ends its workers with the stage (`with stream:`), not when
     the exception is dropped."""
-    import multiprocessing
+    from test_run_leftovers import _workers, interrupt_kept, kill_step_streams_at
 
-    from owai.data import images
     from owai.experiment import execute
 
-    def workers() -> set[int]:
-        return {p.pid for p in multiprocessing.active_children()}
-
-    real, calls, alive = images.StepStream.at, [], []
-    before = workers()
-
-    def killed(self, step):  # noqa: ANN001, ANN202
-        calls.append(step)
-        if len(calls) == 2:
-            alive.append(len(workers() - before))  # the stream's two workers, running when it is killed
-            raise KeyboardInterrupt
-        return real(self, step)
-
-    monkeypatch.setattr(images.StepStream, "at", killed)
-    kept = []
-    try:  # the run itself, not `owai.cli.main`, which turns the interrupt into an exit and drops its traceback
-        execute(FEWSHOT, "cpu", [*TINY, *sets, "probe.seeds=[0, 1]", f"stage={stage}", "data.workers=2"],
-                out=tmp_path / "out")
-    except KeyboardInterrupt as e:
-        kept.append(e)
+    calls, alive, before = kill_step_streams_at(monkeypatch, 2)
+    # the run itself, not `owai.cli.main`, which turns the interrupt into an exit and drops its traceback
+    kept = interrupt_kept(lambda: execute(FEWSHOT, "cpu", [*TINY, *sets, "probe.seeds=[0, 1]", f"stage={stage}",
+                                                           "data.workers=2"], out=tmp_path / "out"))
     capsys.readouterr()
     assert len(kept) == 1 and len(calls) == 2 and alive == [2], (kept, calls, alive)
-    assert workers() - before == set()
+    assert _workers() - before == set()

@@ -62,6 +62,34 @@ def _workers() -> set[int]:
     return {p.pid for p in multiprocessing.active_children()}
 
 
+def kill_step_streams_at(monkeypatch, update: int) -> tuple[list[int], list[int], set[int]]:
+    """Every `StepStream.at` read counted, the `update`-th raising KeyboardInterrupt (a Ctrl-C in a
+    stage's training): (the steps read, the new workers alive at the kill, the workers before)."""
+    real, calls, alive = images.StepStream.at, [], []
+    before = _workers()
+
+    def killed(self, step):  # noqa: ANN001, ANN202
+        calls.append(step)
+        if len(calls) == update:
+            alive.append(len(_workers() - before))  # the stream's workers, running when it is killed
+            raise KeyboardInterrupt
+        return real(self, step)
+
+    monkeypatch.setattr(images.StepStream, "at", killed)
+    return calls, alive, before
+
+
+def interrupt_kept(run) -> list[KeyboardInterrupt]:  # noqa: ANN001
+    """`run()`'s KeyboardInterrupt, kept as a notebook keeps its last exception (with its traceback,
+    which holds the frames, and so the loaders, of the run)."""
+    kept = []
+    try:
+        run()
+    except KeyboardInterrupt as e:
+        kept.append(e)
+    return kept
+
+
 @pytest.mark.parametrize("fails_in", ["passes", "stream", "caller"])
 def test_streams_and_evaluation_passes_end_their_workers_with_their_block_though_still_referenced(fails_in):
     """A failed run's exception, kept by the caller (pytest's report, a notebook's last traceback),
@@ -339,28 +367,14 @@ def test_a_failed_dropout_ft_run_kept_by_its_caller_leaves_no_workers(stage, tmp
     from owai.experiment import execute
 
     monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
-    real, calls, alive = images.StepStream.at, [], []
-    before = _workers()
-
-    def killed(self, step):  # noqa: ANN001, ANN202 - the kill, at the stage's third update
-        calls.append(step)
-        if len(calls) == 3:
-            alive.append(len(_workers() - before))  # the stream's two workers, running when it is killed
-            raise KeyboardInterrupt
-        return real(self, step)
-
-    monkeypatch.setattr(images.StepStream, "at", killed)
+    calls, alive, before = kill_step_streams_at(monkeypatch, 3)  # at the stage's third update
     if stage == "train":
         root = make_tree(tmp_path / "tree", per_class=6, size=16)
         preset, sets = None, [s for s in TINY if not s.startswith("data.workers")] + [f"data.root={root}", "data.workers=2"]
     else:
         preset, sets = "tiny", ["data.per_domain=16", "data.pool=32", "data.image_size=16", "data.workers=2",
                                 "data.eval_batch_size=16", "pretrain.steps=4", "pretrain.batch_size=8", "train.steps=2"]
-    kept = []
-    try:
-        execute("table2.8-dropout", preset, sets, out=tmp_path / "runs")
-    except KeyboardInterrupt as e:
-        kept.append(e)
+    kept = interrupt_kept(lambda: execute("table2.8-dropout", preset, sets, out=tmp_path / "runs"))
     assert len(kept) == 1 and len(calls) == 3 and alive == [2]
     assert _workers() - before == set()
 
@@ -374,22 +388,8 @@ def test_a_failed_rich_features_pretraining_kept_by_its_caller_leaves_no_workers
     from owai.experiment import execute
 
     monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
-    real, calls, alive = images.StepStream.at, [], []
-    before = _workers()
-
-    def killed(self, step):  # noqa: ANN001, ANN202 - the kill, at the stage's second update
-        calls.append(step)
-        if len(calls) == 2:
-            alive.append(len(_workers() - before))  # the stream's two workers, running when it is killed
-            raise KeyboardInterrupt
-        return real(self, step)
-
-    monkeypatch.setattr(images.StepStream, "at", killed)
-    kept = []
-    try:
-        execute(RECIPE, "tiny", [*TINY, "stage=pretrain", "data.workers=2"], out=tmp_path / "runs")
-    except KeyboardInterrupt as e:
-        kept.append(e)
+    calls, alive, before = kill_step_streams_at(monkeypatch, 2)  # at the stage's second update
+    kept = interrupt_kept(lambda: execute(RECIPE, "tiny", [*TINY, "stage=pretrain", "data.workers=2"], out=tmp_path / "runs"))
     assert len(kept) == 1 and len(calls) == 2 and alive == [2]
     assert _workers() - before == set()
 
