@@ -21,6 +21,7 @@ from owai.data.packing import PackedStream, default_special_ids
 from owai.data.text import ByteTokenizer, Tokenizer, load_tokenizer, open_source
 from owai.data.tokens import encode_documents, prepare_tokens
 from owai.errors import OwaiError
+from test_packing import write_jsonl  # the corpus files the packing tests write
 
 WORDS = ("the", "cat", "sat", "on", "a", "mat", "dog", "ran", "far", "away", "big", "red")
 
@@ -50,11 +51,6 @@ def word_tokenizer_dir(root: Path, specials: list[str], template: list[str], eos
         config["bos_token"] = bos
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
-
-
-def write_jsonl(path: Path, docs: list[str]) -> Path:
-    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    return path
 
 
 def test_a_bos_equal_to_the_eos_is_dropped(tmp_path: Path) -> None:
