@@ -281,8 +281,18 @@ def save_char_llama(path: Path) -> Path:
     config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, bos_token_id=1,
                          eos_token_id=2, pad_token_id=2, initializer_range=0.2)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
+    model = LlamaForCausalLM(config)
+    # The draw is the test's own, as in save_tiny_gpt2: normal(0, initializer_range) for the matrices,
+    # RMSNorm weights at 1 (Llama has no biases), from one generator, so the model is the same under
+    # every transformers release pyproject allows.
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():  # the architecture's order
+            if param.dim() > 1:
+                param.normal_(0.0, config.initializer_range, generator=generator)
+            else:
+                param.fill_(1.0)
+    model.save_pretrained(path)
     return path
 
 

@@ -120,3 +120,46 @@ def test_generate_logs_and_warns_nothing_deprecated(arch):
         hf_logger.removeHandler(handler)
     said = handler.messages + [str(w.message) for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))]
     assert not [m for m in said if "deprecat" in m.lower()], said
+
+
+@pytest.mark.parametrize("kind", ["v1", "v2"])
+def test_a_cache_repeated_along_the_batch_frees_each_layers_old_tensors_first(kind):
+    """`copy_cache` repeats a prefix's copy B times for a batch of prompts: the cache's `_apply` replaces
+    its tensors a layer at a time, so when a layer's new tensors are made every earlier layer's old ones
+    are gone, and the peak is B copies plus one layer, not B + 1 copies (a long prefix's copy is
+    gigabytes)."""
+    import weakref
+
+    from owai.models.memory_mosaics import MemoryMosaicsCache
+    from owai.models.memory_mosaics_v2 import MemoryMosaicsV2Cache
+
+    cache = MemoryMosaicsCache() if kind == "v1" else MemoryMosaicsV2Cache()
+    n_layers = 4
+    if kind == "v1":
+        cache.layers = [{"keys": torch.randn(1, 2, 8, 4), "values": torch.randn(1, 2, 8, 4)} for _ in range(n_layers)]
+    else:
+        cache.layers = [{"short": {"k": torch.randn(1, 2, 8, 4), "n": torch.tensor(3)},
+                         "long": {"k": torch.randn(1, 2, 8, 4)}} for _ in range(n_layers)]
+        cache.doc_start = torch.zeros(1, dtype=torch.long)
+
+    def batched(layer) -> list:
+        return [t for t in (layer.values() if isinstance(layer, dict) else [layer])
+                for t in (batched(t) if isinstance(t, dict) else [t] if t.dim() else [])]
+
+    old = [[weakref.ref(t) for t in batched(layer)] for layer in cache.layers]
+    seen: list[int] = []
+
+    def repeat(t: torch.Tensor) -> torch.Tensor:
+        layer = next((i for i, refs in enumerate(old) if any(r() is t for r in refs)), None)
+        if layer is None:  # v2's document starts, after the layers
+            return t.repeat_interleave(3, dim=0)
+        alive = [i for i, refs in enumerate(old[:layer]) if any(r() is not None for r in refs)]
+        assert alive == [], f"layer {layer}'s copy made while layers {alive}'s old tensors are alive"
+        seen.append(layer)
+        return t.repeat_interleave(3, dim=0)
+
+    cache._apply(repeat)
+    assert sorted(set(seen)) == list(range(n_layers))
+    assert all(t.shape[0] == 3 for layer in cache.layers for t in batched(layer))
+    if kind == "v2":
+        assert cache.doc_start.shape == (3,) and cache.layers[0]["short"]["n"].dim() == 0

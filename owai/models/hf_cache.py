@@ -124,7 +124,11 @@ class StateCache:
         return len(self.layers)
 
     def _apply(self, fn) -> None:
-        self.layers = [{name: fn(t) for name, t in layer.items()} for layer in self.layers]
+        """Replace every tensor t by fn(t), one layer at a time: each layer's old tensors are freed as
+        soon as its new ones exist, so repeating a cache B times along the batch peaks at B copies
+        plus one layer, not B + 1 copies (`copy_cache` for a batch of prompts)."""
+        for i, layer in enumerate(self.layers):
+            self.layers[i] = {name: fn(t) for name, t in layer.items()}
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: keep batch rows beam_idx."""

@@ -1079,7 +1079,8 @@ class MemoryMosaicsV2Cache(MemoryMosaicsCache):
                 return type(obj)(walk(v) for v in obj)
             return obj
 
-        self.layers = walk(self.layers)
+        for i, layer in enumerate(self.layers):  # a layer at a time, as StateCache._apply
+            self.layers[i] = walk(layer)
         if self.doc_start is not None:
             self.doc_start = fn(self.doc_start)
 
