@@ -211,6 +211,41 @@ def test_distillation_accumulates_micro_batches(cache, tmp_path, monkeypatch, ca
     assert not (tmp_path / "bad").exists()
 
 
+def test_the_students_base_accuracy_reads_the_mean_of_its_heads(cache, tmp_path, monkeypatch, capsys) -> None:
+    """Table A.3's Distill_n base accuracy is the student's prediction by the MEAN of its n heads' logits
+    (head i fits teacher i), beside the teachers' ensemble by the mean of theirs, not one head's. The
+    model each `predict` call scores is read on a batch of the base test images."""
+    import owai.models.rich as rich
+    from owai.methods import rich_features as rf
+
+    students, scored = [], []
+
+    class Recorded(rich.MultiHeadStudent):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            students.append(self)
+
+    real_predict = rf.predict
+
+    def spy(cfg, model, data, device):
+        out = real_predict(cfg, model, data, device)
+        x, _ = next(iter(rf._batches(cfg, data)))
+        with torch.no_grad():
+            scored.append((x, model(x)))
+        return out
+
+    monkeypatch.setattr(rich, "MultiHeadStudent", Recorded)
+    monkeypatch.setattr(rf, "predict", spy)
+    code, _, err = _cli(["--stage", "distill", "--seeds", "0,1", *as_sets(TINY), "-o", str(tmp_path)], capsys)
+    assert code == 0, err
+    (student,), (x, by_student) = students, scored[0]
+    assert len(scored) == 2  # the student, then the teachers' ensemble
+    with torch.no_grad():
+        heads = student(x)
+    assert len(heads) == 2 and not torch.allclose(heads[0], heads[1])
+    torch.testing.assert_close(by_student, torch.stack(heads).mean(0))
+
+
 def _one_line_error(args: list[str], out: Path, capsys, message: str, recipe: str = FEWSHOT) -> None:
     code, _, err = _cli([*args, "-o", str(out)], capsys, recipe)
     assert code == 2, err
