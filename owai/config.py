@@ -368,5 +368,19 @@ def apply_overrides(cls: type, data: dict[str, Any], overrides: list[str]) -> di
         for part in parts[:-1]:
             node[part] = dict(node.get(part) or {})
             node = node[part]
-        node[parts[-1]] = value
+        # a mapping given for a section sets the keys it names, as `--set section.key=...` each would
+        # (override_leaves reads it so); a mapping-valued setting (dict[str, ...]) is replaced whole
+        node[parts[-1]] = _into_section(schema, node.get(parts[-1]), value)
+    return out
+
+
+def _into_section(schema: Any, current: Any, value: Any) -> Any:
+    """`value` written over `current` at a key of type `schema`: into a section (a dataclass) key by
+    key, recursively through its sections; anything else replaces."""
+    if not (dataclasses.is_dataclass(schema) and isinstance(value, dict) and value):
+        return value
+    hints = typing.get_type_hints(schema)
+    out = dict(current) if isinstance(current, dict) else {}
+    for key, item in value.items():
+        out[key] = _into_section(hints.get(key), out.get(key), item)
     return out
