@@ -13,6 +13,9 @@ import math
 import pytest
 import torch
 
+from test_memory_mosaics_v2 import TINY as V2_TINY  # the v2 suite's tiny model, its scalars and gates random
+from test_memory_mosaics_v2 import tiny_model as _v2
+
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one intra-op thread (conftest)
 
 
@@ -26,26 +29,6 @@ def _v1(**overrides):
                     hd_dropout=0.0)
     torch.manual_seed(0)
     return MemoryMosaicsForCausalLM(MemoryMosaicsConfig(**{**settings, **overrides})).double().eval()
-
-
-V2_TINY = dict(vocab_size=50, n_layer=2, n_embd=16, n_head=2, ffn_hidden=24, short_window=5, long_delay_eval=3,
-               scan_chunk=4, query_block=3, norm_eps=0.0)
-
-
-def _v2(seed: int = 0, **overrides):
-    """A tiny v2 model in float64 with random (not initial) per-head scalars and strong gates, as
-    tests/test_memory_mosaics_v2.py builds it, so that every path matters."""
-    from owai.models.memory_mosaics_v2 import MemoryMosaicsV2Config, MemoryMosaicsV2ForCausalLM
-
-    torch.manual_seed(seed)
-    model = MemoryMosaicsV2ForCausalLM(MemoryMosaicsV2Config(**{**V2_TINY, **overrides}))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1 and "norm" not in name:
-                p.add_(0.3 * torch.randn_like(p))
-            if "gate_proj" in name or "decay_proj" in name:
-                p.mul_(8.0)
-    return model.double().eval()
 
 
 def _ids(B: int, T: int, V: int, seed: int = 0) -> torch.Tensor:
