@@ -171,7 +171,8 @@ class Camelyon17:
         for name, mask in masks.items():
             idx = mask.nonzero().reshape(-1)
             if fraction < 1:
-                keep = max(1, int(fraction * idx.numel())) if idx.numel() else 0
+                # WILDS's count, int(np.round(n * frac)) (round half to even, as Python's round), at least 1
+                keep = max(1, round(idx.numel() * fraction)) if idx.numel() else 0
                 idx = idx[torch.randperm(idx.numel(), generator=generator(fraction_seed, "camelyon17-frac", name))[:keep]]
                 idx = idx.sort().values
             if idx.numel() == 0:
