@@ -1208,7 +1208,9 @@ class LanguageModelEvaluation(Method):
             data = prepare_data(data_cfg, cfg.eval)
             model = load_pretrained(path).to(run.device)
             check_vocab(model, data.tokenizer.vocab_size)
-            ev = evaluate_model(cfg.eval, run, label, model, data, run.device)
+            # with data.documents the windows are read documents apart, as mosaic-train trained and evaluated
+            ev = evaluate_model(cfg.eval, run, label, model, data, run.device,
+                                data.tokenizer.eot_id if cfg.data.documents else None)
             measured.update({f"{label}.{k}": v for k, v in ev.measured.items()})
             details.update({f"{label}.{k}": v for k, v in ev.details.items()})
             posloss[label] = ev.details.get("posloss")
