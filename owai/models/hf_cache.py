@@ -125,8 +125,8 @@ class StateCache:
 
     def _apply(self, fn) -> None:
         """Replace every tensor t by fn(t), one layer at a time: each layer's old tensors are freed as
-        soon as its new ones exist, so repeating a cache B times along the batch peaks at B copies
-        plus one layer, not B + 1 copies (`copy_cache` for a batch of prompts)."""
+        soon as its new ones exist, so a beam step's reordering (or a batch selection or repeat)
+        holds the new cache plus one old layer, not a whole second copy."""
         for i, layer in enumerate(self.layers):
             self.layers[i] = {name: fn(t) for name, t in layer.items()}
 
