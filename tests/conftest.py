@@ -15,7 +15,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 
@@ -263,11 +263,27 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def draw_weights(model: Any, std: float, vector_value: Callable[[str], float]) -> None:
+    """A suite model's weights drawn by the test itself, from one seeded generator in the
+    architecture's parameter order: normal(0, std) for every matrix (embeddings, projections), each
+    vector (norm weights, biases) filled with `vector_value(name)`. transformers' own initialisation
+    changed between releases (5.4-5.14 drew a GPT-2 whose greedy bytes are not UTF-8), and a suite's
+    model must be the same under every release pyproject allows."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, std, generator=generator)
+            else:
+                param.fill_(vector_value(name))
+
+
 def save_char_llama(path: Path) -> Path:
     """A random Llama (max_position_embeddings 64) with a character tokenizer whose BOS `<s>` (1) and
     EOS `</s>` (2) differ and that adds the BOS as Llama's tokenizers do, saved with save_pretrained:
     the harness adapter's stand-in for a hub Llama."""
-    import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -282,16 +298,7 @@ def save_char_llama(path: Path) -> Path:
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, bos_token_id=1,
                          eos_token_id=2, pad_token_id=2, initializer_range=0.2)
     model = LlamaForCausalLM(config)
-    # The draw is the test's own, as in save_tiny_gpt2: normal(0, initializer_range) for the matrices,
-    # RMSNorm weights at 1 (Llama has no biases), from one generator, so the model is the same under
-    # every transformers release pyproject allows.
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():  # the architecture's order
-            if param.dim() > 1:
-                param.normal_(0.0, config.initializer_range, generator=generator)
-            else:
-                param.fill_(1.0)
+    draw_weights(model, config.initializer_range, lambda name: 1.0)  # RMSNorm weights at 1 (Llama has no biases)
     model.save_pretrained(path)
     return path
 
@@ -302,22 +309,13 @@ def save_tiny_gpt2(path: Path, *, vocab: int = 257, positions: int = 1024, n_emb
     suites' stand-in for a trained causal LM."""
     import json
 
-    import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=n_embd, n_layer=n_layer, n_head=2,
                         bos_token_id=256, eos_token_id=256)
     model = GPT2LMHeadModel(config)
-    # The draw is the test's own, GPT-2's scheme from one generator: transformers' initialisation
-    # changed between releases (5.4-5.14 drew a model whose greedy bytes are not UTF-8), and a suite's
-    # model must be the same under every release pyproject allows.
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():  # the architecture's order
-            if param.dim() > 1:  # embeddings and projections
-                param.normal_(0.0, 0.02, generator=generator)
-            else:  # LayerNorms start at the identity, biases at 0
-                param.fill_(1.0 if name.split(".")[-2].startswith("ln") and name.endswith("weight") else 0.0)
+    # GPT-2's scheme: LayerNorms start at the identity, biases at 0
+    draw_weights(model, 0.02, lambda name: 1.0 if name.split(".")[-2].startswith("ln") and name.endswith("weight") else 0.0)
     model.save_pretrained(path)
     (path / "owai_tokenizer.json").write_text(json.dumps({"name": "bytes"}))
     return path

@@ -18,6 +18,7 @@ import torch
 from camelyon_tree import make_camelyon
 from domainbed_tree import make_tree
 from PIL import Image
+from test_recall import filler, toy_encode  # the recall suite's word-level tokenizer and filler tokens
 
 from owai.data import colored_mnist as cm
 from owai.data import mnist as mn
@@ -367,26 +368,16 @@ def test_regbench_draws_train_then_test_then_val(monkeypatch: pytest.MonkeyPatch
 
 # --------------------------------------------------------------------------------------- recall episodes
 
-def _toy_encode(text: str) -> list[int]:
-    """A word-level stand-in tokenizer (one id per word, digits one id each)."""
-    ids: dict[str, int] = _toy_encode.__dict__.setdefault("ids", {})
-    out = []
-    for word in text.replace(".", " .").replace(":", " :").split():
-        out += [5000 + int(d) for d in word] if word.isdigit() else [ids.setdefault(word, len(ids) + 1)]
-    return out
-
-
 def test_training_mixture_covers_every_shot_count_fact_count_and_label_kind() -> None:
     """recall.training_episode: shots uniform in 1..max_shots, labels semantic or anonymous (each half
     the time), facts 1..max_facts. Mutants: shots never max_shots; labels always semantic."""
-    pieces = Pieces(_toy_encode)
-    filler = np.arange(10_000, 12_000, dtype=np.int64)
+    pieces, tokens = Pieces(toy_encode), filler(2000)
     semantic = {pieces.word(w) for w in SEMANTIC_LABELS}
     anonymous = {pieces.word(f"class_{j}") for j in range(2)}
     rng = np.random.default_rng(0)
     shots, kinds, facts = set(), set(), set()
     for _ in range(120):
-        ep = training_episode(rng, pieces, filler, 400, 0.5, max_facts=3, max_shots=3, classes=2, items_per_class=4)
+        ep = training_episode(rng, pieces, tokens, 400, 0.5, max_facts=3, max_shots=3, classes=2, items_per_class=4)
         answers = {q.answer for q in ep.queries}
         if ep.queries[0].group in ("seen", "unseen"):
             shots.add(len(ep.spans) // 2)  # one span per demonstration, shots per class
@@ -401,11 +392,10 @@ def test_recall_facts_stay_inside_a_narrow_bucket() -> None:
     answer. With window 100 and training length 102 only 100 and 101 qualify. Mutant: the range's
     upper end one past (distance 99, a `near` fact asked for as `mid`; wide buckets almost never
     drew it)."""
-    pieces = Pieces(_toy_encode)
-    filler = np.arange(10_000, 11_000, dtype=np.int64)
+    pieces, tokens = Pieces(toy_encode), filler(1000)
     distances = set()
     for seed in range(40):
-        ep = recall_episode(np.random.default_rng(seed), pieces, filler, 300, ["mid"], window=100, train_length=102)
+        ep = recall_episode(np.random.default_rng(seed), pieces, tokens, 300, ["mid"], window=100, train_length=102)
         (q,) = ep.queries
         assert q.group == "mid" and q.distance in (100, 101), q.distance
         distances.add(q.distance)
@@ -415,7 +405,7 @@ def test_recall_facts_stay_inside_a_narrow_bucket() -> None:
 def test_fact_values_cover_every_two_digit_number() -> None:
     """recall.Pieces: a value has `value_digits` digits, n_values = 9 x 10^(d-1) of them (chance recall
     1 / n_values): 10..99 at two digits. Mutant: 99 never drawn."""
-    pieces = Pieces(_toy_encode, value_digits=2)
+    pieces = Pieces(toy_encode, value_digits=2)
     rng = np.random.default_rng(0)
     values = {int(pieces.value(rng)) for _ in range(3000)}
     assert values == set(range(10, 100)) and pieces.n_values == 90
