@@ -149,6 +149,15 @@ def model_dirs(path: Path) -> list[tuple[str, Path]]:
     return [(p.name, p) for p in found]
 
 
+def saving_run(directory: Path) -> "Run | None":
+    """The run that saved model directory `directory` (a run's models/<arch>/, beside its config.yaml),
+    or None for a saved model of another origin (a copied folder, a save_pretrained directory)."""
+    run_dir = directory.parent.parent
+    if directory.parent.name == "models" and (run_dir / CONFIG).is_file():
+        return Run(run_dir)
+    return None
+
+
 def config_hash(resolved: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:8]
 

@@ -340,3 +340,24 @@ def test_context_extension_starts_from_the_saved_model(trained: Path, tmp_path: 
     wider = lm_config("mmv2", **{k: saved[k] for k in ("vocab_size", "n_layer", "n_head", "ffn_hidden")}, n_embd=48)
     with pytest.raises(OwaiError, match="does not fit this model: n_embd is 32 there, 48 here"):
         _check_init_from(trained / "models" / "mmv2", "mmv2", wider)
+
+
+def test_mosaic_eval_reads_documents_apart_as_the_run_trained(trained: Path, tmp_path: Path, text_file: Path):
+    """`owai mosaic-eval RUN` of models trained with document-wise masks (data.documents=true) gives
+    the run's own final validation losses without the setting repeated (it is read from the run's
+    config.yaml); `--set data.documents=false` reads the same windows across documents, another loss."""
+    sets = as_sets([s for s in TINY_V2 if s.startswith(("data.", "eval.")) and not s.startswith("data.documents")])
+    original = {r["metric"]: r["measured"] for r in json.loads((trained / "results.json").read_text())["rows"]}
+    for extra, same in (([], True), (["--set", "data.documents=false"], False)):
+        out = tmp_path / str(same)
+        proc = run_owai("mosaic-eval", str(trained), "--posloss-only", "-q", "--json", "-o", str(out),
+                        "--set", f"data.source={text_file}", *sets, *extra)
+        assert proc.returncode == 0, proc.stderr
+        got = json.loads(proc.stdout)
+        evaluated = {r["metric"]: r["measured"] for r in got["rows"]}
+        for arch in ("mmv2", "transformer"):
+            assert got["details"][f"{arch}.documents"] is same
+            if same:
+                assert evaluated[f"{arch}.val_loss"] == pytest.approx(original[f"{arch}.val_loss"], rel=1e-5)
+            else:
+                assert evaluated[f"{arch}.val_loss"] != pytest.approx(original[f"{arch}.val_loss"], rel=1e-5)

@@ -5,6 +5,7 @@ process, no data downloads."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -467,30 +468,78 @@ def test_mosaic_train_evaluates_with_documents_apart_exactly_when_it_trained_so(
         assert got == [want]
 
 
-def test_mosaic_eval_evaluates_with_documents_apart_exactly_when_asked(monkeypatch, tmp_path):
-    """mosaic-eval with data.documents=true (its recipe's setting: Table 4.2's models were trained with
-    document-wise masks) reads each window documents apart, as mosaic-train's own final evaluation
-    does: evaluate_model gets the tokenizer's eot; without documents, none. Before, mosaic-eval never
-    passed it, so a saved model's losses read across documents and differed from its training run's."""
+def _saved_model(root: Path, model_type: str, documents: object = None) -> Path:
+    """A saved model's folder: a run's models/<arch>/ beside its config.yaml recording
+    `data.documents` when `documents` is given (True / False / "absent"), else a bare folder."""
+    import yaml
+
+    folder = root / "models" / "m" if documents is not None else root
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+    if documents is not None:
+        data = {} if documents == "absent" else {"documents": documents}
+        (root / "config.yaml").write_text(yaml.safe_dump({"recipe": "table4.2-pretrain", "params": {"data": data}}))
+    return folder
+
+
+@pytest.mark.parametrize("asked, trained, want", [
+    (True, None, 7), (False, None, None),  # data.documents given: every model so
+    (None, True, 7), (None, False, None), (None, "absent", None),  # not given: as its run trained it
+    (None, None, None),  # not given, a folder no owai run saved: read whole, as before
+    (False, True, None),  # given false: a documents-trained model read across documents on purpose
+])
+def test_mosaic_eval_reads_documents_apart_as_asked_or_as_the_model_was_trained(monkeypatch, tmp_path, asked, trained, want):
+    """mosaic-eval reads each window documents apart (evaluate_model gets the tokenizer's eot) when
+    data.documents says so, and when it is not given, exactly when the mosaic-train run that saved the
+    model trained with document-wise masks (its config.yaml's data.documents): Table 4.2's models, so
+    evaluated, give mosaic-train's own final losses without the user repeating the setting. Before, the
+    setting was dropped (the eot never passed), then had to be repeated by hand."""
     from owai.methods import Outcome
     from owai.methods import language_model as lm
 
     got = []
     data = lm.LMData(SimpleNamespace(eot_id=7, name="t", vocab_size=64), SimpleNamespace(n_tokens=1), SimpleNamespace(n_tokens=1), None)
     monkeypatch.setattr(lm, "prepare_data", lambda *a, **k: data)
-    monkeypatch.setattr(lm, "model_dirs", lambda root: [("mmv2", root)])
+    folder = _saved_model(tmp_path / "run", "owai_memory_mosaics_v2", trained)
+    monkeypatch.setattr(lm, "model_dirs", lambda root: [("mmv2", folder)])
     monkeypatch.setattr("owai.data.text.tokenizer_for", lambda path, default: default)
     monkeypatch.setattr("owai.models.lm.load_pretrained", lambda path: torch.nn.Linear(1, 1))
     monkeypatch.setattr("owai.models.lm.check_vocab", lambda model, vocab: None)
     monkeypatch.setattr(lm, "evaluate_model", lambda ev, run, arch, model, data, device, eot=None: got.append(eot) or Outcome({}, {}))
     monkeypatch.setattr(lm, "plot_posloss", lambda *a, **k: None)
-    run = SimpleNamespace(device=CPU, path=tmp_path)
-    for documents, want in ((True, 7), (False, None)):
-        got.clear()
-        cfg = lm.EvalOnlyConfig(models=[str(tmp_path)])
-        cfg.data.documents = documents
-        lm.LanguageModelEvaluation().run(cfg, run)
-        assert got == [want]
+    cfg = lm.EvalOnlyConfig(models=[str(folder)])
+    cfg.data.documents = asked
+    outcome = lm.LanguageModelEvaluation().run(cfg, SimpleNamespace(device=CPU, path=tmp_path))
+    assert got == [want]
+    assert outcome.details["mmv2.documents"] is (want is not None)
+
+
+def test_documents_apart_are_refused_for_a_model_without_document_masks(tmp_path):
+    """Only the document-masked architectures (v2, the Llama transformer) read restarting positions as
+    document boundaries: a GPT or a v1 Mosaic given data.documents=true would restart its positions
+    but still attend across documents, so it is refused in one line; false, or a run's own setting,
+    is taken. The saved types are those of the zoo's DOCUMENT_MASKED architectures."""
+    from owai.methods import language_model as lm
+    from owai.models.lm import lm_config
+    from owai.models.zoo import DOCUMENT_MASKED, DOCUMENT_MASKED_TYPES
+
+    widths = {"n_layer": 1, "n_embd": 8, "n_head": 2, "ffn_hidden": 16, "vocab_size": 16}
+    types = {lm_config(a, **(widths if a == "transformer" else {})).model_type for a in DOCUMENT_MASKED}
+    assert types == set(DOCUMENT_MASKED_TYPES)
+    gpt = _saved_model(tmp_path / "gpt", "owai_gpt")
+    with pytest.raises(lm.OwaiError, match=r"data.documents=true: .* \(owai_gpt\) has no document-wise masks"):
+        lm.reads_documents(gpt, True)
+    assert lm.reads_documents(gpt, False) is False and lm.reads_documents(gpt, None) is False
+    assert lm.reads_documents(_saved_model(tmp_path / "llama", "llama"), True) is True
+
+
+def test_a_run_whose_data_documents_is_not_a_bool_is_one_line(tmp_path):
+    """A config.yaml edited to say `documents: maybe` is named, not taken as true."""
+    from owai.methods import language_model as lm
+
+    folder = _saved_model(tmp_path / "run", "owai_memory_mosaics_v2", "maybe")
+    with pytest.raises(lm.OwaiError, match=r"config.yaml: data.documents is 'maybe', not true or false"):
+        lm.reads_documents(folder, None)
 
 
 def test_an_evaluation_corpus_is_read_from_its_validation_split(monkeypatch):

@@ -1157,9 +1157,16 @@ def write_continuations(run: Run, label: str, rows: list[dict[str, str]]) -> Non
 
 
 @dataclass
+class EvalDataConfig(DataConfig):
+    # null: each model as its training run read it (the run's data.documents; false for a model no
+    # mosaic-train run saved); true / false: every model so
+    documents: bool | None = None  # type: ignore[assignment]
+
+
+@dataclass
 class EvalOnlyConfig(BaseConfig):
     models: list[str] = field(default_factory=list)  # save_pretrained dirs, or run dirs holding models/<arch>/
-    data: DataConfig = field(default_factory=DataConfig)
+    data: EvalDataConfig = field(default_factory=EvalDataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
@@ -1191,6 +1198,7 @@ class LanguageModelEvaluation(Method):
         for path in cfg.models:
             for _, directory in model_dirs(Path(path)):
                 check_context(directory, cfg.data.block_size)
+                reads_documents(directory, cfg.data.documents)
         _validate_common(cfg)
         for path in cfg.models:
             for _, directory in model_dirs(Path(path)):
@@ -1204,19 +1212,44 @@ class LanguageModelEvaluation(Method):
         details: dict[str, Any] = {}
         posloss: dict[str, Any] = {}
         for label, path in unique_labels([pair for root in cfg.models for pair in model_dirs(Path(root))]):
-            data_cfg = DataConfig(**{**cfg.data.__dict__, "tokenizer": tokenizer_for(path, cfg.data.tokenizer)})
+            documents = reads_documents(path, cfg.data.documents)
+            data_cfg = DataConfig(**{**cfg.data.__dict__, "tokenizer": tokenizer_for(path, cfg.data.tokenizer), "documents": documents})
             data = prepare_data(data_cfg, cfg.eval)
             model = load_pretrained(path).to(run.device)
             check_vocab(model, data.tokenizer.vocab_size)
-            # with data.documents the windows are read documents apart, as mosaic-train trained and evaluated
+            # documents apart (the eot given), as mosaic-train trained and evaluated this model
             ev = evaluate_model(cfg.eval, run, label, model, data, run.device,
-                                data.tokenizer.eot_id if cfg.data.documents else None)
+                                data.tokenizer.eot_id if documents else None)
             measured.update({f"{label}.{k}": v for k, v in ev.measured.items()})
             details.update({f"{label}.{k}": v for k, v in ev.details.items()})
+            details[f"{label}.documents"] = documents
             posloss[label] = ev.details.get("posloss")
         if distributed.is_main():
             plot_posloss(run, posloss, cfg.data.block_size)
         return Outcome(measured, details)
+
+
+def reads_documents(directory: Path, documents: bool | None) -> bool:
+    """Whether the saved model in `directory` is evaluated documents apart: `documents` when given
+    (`data.documents`), else as the mosaic-train run that saved it trained (its config.yaml's
+    data.documents; false for a model no owai run saved). Only an architecture with document-wise
+    masks (zoo.DOCUMENT_MASKED) can read documents apart: another one's restarted positions would
+    still attend across them, so asking that of it is refused."""
+    from owai.models.zoo import DOCUMENT_MASKED_TYPES
+    from owai.runs import read_json_object, saving_run
+
+    if documents is None:
+        run = saving_run(directory)
+        data = run.read_config()["params"].get("data") if run is not None else None
+        documents = data.get("documents", False) if isinstance(data, dict) else False
+        if not isinstance(documents, bool):
+            raise OwaiError(f"{run.path / 'config.yaml' if run else directory}: data.documents is {documents!r}, not true or false")
+        return documents
+    model_type = read_json_object(directory / "config.json").get("model_type")
+    if documents and model_type not in DOCUMENT_MASKED_TYPES:
+        raise OwaiError(f"data.documents=true: the model in {directory} ({model_type}) has no document-wise masks "
+                        f"(only {' and '.join(DOCUMENT_MASKED)} do); evaluate it with data.documents=false")
+    return documents
 
 
 def unique_labels(found: list[tuple[str, Path]]) -> list[tuple[str, Path]]:

@@ -20,3 +20,5 @@ SIZED = ("mmv2", "transformer")
 # the architectures whose forward reads restarting position_ids as document boundaries (packed
 # documents, `data.documents`): the others would attend, or carry their state, across documents
 DOCUMENT_MASKED = ("mmv2", "transformer")
+# the `model_type` their saved models' config.json records (a test checks it against the config classes)
+DOCUMENT_MASKED_TYPES = ("owai_memory_mosaics_v2", "llama")
