@@ -744,3 +744,30 @@ def test_a_recall_episode_of_twice_the_training_length_has_a_far_bucket():
     cfg = _recall_config(queries_per_bucket=1)
     assert eval_buckets(cfg, 16) == ["near", "mid"]
     assert eval_buckets(cfg, 32) == ["near", "mid", "far"]
+
+
+def test_a_learned_position_gpt_continues_the_prompts_last_tokens_leaving_room_for_the_answer():
+    """Tables B.4/B.5's continuations by a GPT with a learned position table of `block_size` rows: as
+    the reference crops its context to block_size, the model sees the prompt's last
+    `block_size - max_new_tokens` tokens, so prompt and answer fit the table; `max_new_tokens` is cut
+    to half the table. (Mutants: the crop to the whole table, which runs past it once the answer grows,
+    or no cap on max_new_tokens; before, only a crash of a real tiny GPT showed the first.)"""
+    from owai.evals.lm import continuations
+
+    seen = []
+
+    class LearnedGPT(torch.nn.Module):
+        config = SimpleNamespace(model_type="owai_gpt", position="learned", block_size=16)
+
+        def generate(self, ids, max_new_tokens, **kwargs):
+            seen.append((ids[0].tolist(), max_new_tokens))
+            return torch.cat([ids, torch.zeros(1, max_new_tokens, dtype=ids.dtype)], 1)
+
+    tokenizer = SimpleNamespace(encode=lambda text: [int(w) for w in text.split()], decode=lambda ids: " ".join(map(str, ids)), eot_id=99)
+    prompt = " ".join(str(i) for i in range(30))
+    rows = continuations(LearnedGPT(), tokenizer, [prompt], CPU, max_new_tokens=4, beams=(1,))
+    assert seen == [(list(range(18, 30)), 4)]  # 16 - 4 = 12 tokens: 18..29
+    assert rows == [{"prompt": prompt, "greedy": "0 0 0 0"}]
+    seen.clear()
+    continuations(LearnedGPT(), tokenizer, [prompt], CPU, max_new_tokens=12, beams=(1,))
+    assert seen == [(list(range(22, 30)), 8)]  # at most half the table for the answer: 8 new, 8 seen
