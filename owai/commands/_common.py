@@ -419,7 +419,13 @@ def run_study(plan: Any, runs_on: tuple[str, int, Any], write_study: Callable[[A
 # --- language-model evaluations (owai mosaic-eval, owai eval posloss) ------------------------------
 
 EVAL_RECIPE = "mosaic-eval"
-Dataset = Annotated[Optional[str], typer.Option("--dataset", "-d", help="owai-stories (embedded), a catalogue corpus (babistories, tinystories, wikipedia, text/sotu.tar.gz: `owai data list`), a Hugging Face dataset id, or a local txt/json/jsonl/parquet/7z/tar file or directory.")]
+CORPORA = ("owai-stories (embedded), a catalogue corpus (babistories, tinystories, wikipedia, text/sotu.tar.gz: `owai data list`), "
+           "a Hugging Face dataset id, or a local txt/json/jsonl/parquet/7z/tar file or directory.")
+Dataset = Annotated[Optional[str], typer.Option("--dataset", "-d", help=CORPORA)]
+# mosaic-eval / eval posloss: the corpus of the per-position loss; the validation loss reads data.source
+EvalDataset = Annotated[Optional[str], typer.Option("--dataset", "-d", help=(
+    "Corpus of the per-position loss (eval.source, Fig 3.9; the validation loss reads data.source: "
+    "--set data.source=...): " + CORPORA))]
 Context = Annotated[Optional[int], typer.Option("--context", min=2, max=MAX_CONTEXT, help="Context length in tokens (data.block_size).")]
 Models = Annotated[Optional[list[Path]], typer.Argument(
     help="Model directories (save_pretrained) or mosaic-train run directories (none with --resume).", show_default=False)]

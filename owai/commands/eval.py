@@ -29,7 +29,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from owai import console
-from owai.commands._common import (ConfigName, Context, DataRoot, Dataset, EvalRunOptions, Json, Launch, Models, Out, Preset,
+from owai.commands._common import (ConfigName, Context, DataRoot, EvalDataset, EvalRunOptions, Json, Launch, Models, Out, Preset,
                                   Quiet, Sets, csv_values, open_study, options, refuse_blank, run_eval, run_study, set_str,
                                   study_recipe)
 from owai.config import MAX_DOCUMENTS, MAX_EXAMPLES, MAX_SAMPLES, MAX_SHOTS
@@ -45,7 +45,7 @@ REGBENCH_RECIPE = "fig3.10-regbench"
 @options
 def posloss(
     models: Models = None,
-    dataset: Dataset = None,
+    dataset: EvalDataset = None,
     config_name: ConfigName = None,
     context: Context = None,
     data_root: DataRoot = None,

@@ -22,7 +22,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from owai.commands._common import (ConfigName, Context, DataRoot, Dataset, EvalRunOptions, Models, RunOptions, data_root_sets,
+from owai.commands._common import (ConfigName, Context, DataRoot, Dataset, EvalDataset, EvalRunOptions, Models, RunOptions, data_root_sets,
                                   options, run_eval, set_str)
 from owai.config import MAX_LAYERS
 from owai.errors import OwaiError
@@ -111,7 +111,7 @@ def print_plan(recipe_name: str, preset: str | None, overrides: list[str], quiet
 @options
 def mosaic_eval(
     models: Models = None,
-    dataset: Dataset = None,
+    dataset: EvalDataset = None,
     config_name: ConfigName = None,
     context: Context = None,
     posloss_only: Annotated[bool, typer.Option("--posloss-only", help="Only the validation and per-position losses (Fig 3.9): no training loss, attention or continuations.")] = False,
