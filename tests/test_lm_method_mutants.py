@@ -514,6 +514,39 @@ def test_mosaic_eval_reads_documents_apart_as_asked_or_as_the_model_was_trained(
     assert outcome.details["mmv2.documents"] is (want is not None)
 
 
+def test_mosaic_eval_says_when_a_run_trained_on_another_corpus_than_it_reads(monkeypatch, tmp_path):
+    """A run's models validated on another corpus than they trained on (mosaic-eval's preset reads
+    data.source, owai-stories on the cpu preset) is said in one line naming both corpora; nothing
+    when they agree or no run saved the model."""
+    import yaml
+
+    from owai.methods import Outcome
+    from owai.methods import language_model as lm
+
+    said = []
+    data = lm.LMData(SimpleNamespace(eot_id=7, name="t", vocab_size=64), SimpleNamespace(n_tokens=1), SimpleNamespace(n_tokens=1), None)
+    monkeypatch.setattr(lm, "prepare_data", lambda *a, **k: data)
+    monkeypatch.setattr("owai.data.text.tokenizer_for", lambda path, default: default)
+    monkeypatch.setattr("owai.models.lm.load_pretrained", lambda path: torch.nn.Linear(1, 1))
+    monkeypatch.setattr("owai.models.lm.check_vocab", lambda model, vocab: None)
+    monkeypatch.setattr(lm, "evaluate_model", lambda *a, **k: Outcome({}, {}))
+    monkeypatch.setattr(lm, "plot_posloss", lambda *a, **k: None)
+    monkeypatch.setattr(lm.console, "info", said.append)
+    run_folder = _saved_model(tmp_path / "run", "owai_memory_mosaics_v2", False)
+    config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    config["params"]["data"]["source"] = "text/sotu.tar.gz"
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(config))
+    bare = _saved_model(tmp_path / "bare", "owai_memory_mosaics_v2")
+    for folder, source, want in ((run_folder, "owai-stories", 1), (run_folder, "text/sotu.tar.gz", 0), (bare, "owai-stories", 0)):
+        said.clear()
+        monkeypatch.setattr(lm, "model_dirs", lambda root, folder=folder: [("mmv2", folder)])
+        cfg = lm.EvalOnlyConfig(models=[str(folder)])
+        cfg.data.source = source
+        lm.LanguageModelEvaluation().run(cfg, SimpleNamespace(device=CPU, path=tmp_path))
+        assert said == ["mmv2 was trained on text/sotu.tar.gz; its validation and training losses here read owai-stories "
+                        "(--set data.source=text/sotu.tar.gz to read its own)"][:want]
+
+
 def test_documents_apart_are_refused_for_a_model_without_document_masks(tmp_path):
     """Only the document-masked architectures (v2, the Llama transformer) read restarting positions as
     document boundaries: a GPT or a v1 Mosaic given data.documents=true would restart its positions

@@ -1213,6 +1213,10 @@ class LanguageModelEvaluation(Method):
         posloss: dict[str, Any] = {}
         for label, path in unique_labels([pair for root in cfg.models for pair in model_dirs(Path(root))]):
             documents = reads_documents(path, cfg.data.documents)
+            trained_on = training_data(path).get("source")
+            if trained_on is not None and trained_on != cfg.data.source and distributed.is_main():
+                console.info(f"{label} was trained on {trained_on}; its validation and training losses here read "
+                             f"{cfg.data.source} (--set data.source={trained_on} to read its own)")
             data_cfg = DataConfig(**{**cfg.data.__dict__, "tokenizer": tokenizer_for(path, cfg.data.tokenizer), "documents": documents})
             data = prepare_data(data_cfg, cfg.eval)
             model = load_pretrained(path).to(run.device)
@@ -1236,20 +1240,28 @@ def reads_documents(directory: Path, documents: bool | None) -> bool:
     masks (zoo.DOCUMENT_MASKED) can read documents apart: another one's restarted positions would
     still attend across them, so asking that of it is refused."""
     from owai.models.zoo import DOCUMENT_MASKED_TYPES
-    from owai.runs import read_json_object, saving_run
+    from owai.runs import read_json_object
 
     if documents is None:
-        run = saving_run(directory)
-        data = run.read_config()["params"].get("data") if run is not None else None
-        documents = data.get("documents", False) if isinstance(data, dict) else False
+        documents = training_data(directory).get("documents", False)
         if not isinstance(documents, bool):
-            raise OwaiError(f"{run.path / 'config.yaml' if run else directory}: data.documents is {documents!r}, not true or false")
+            raise OwaiError(f"{directory.parent.parent / 'config.yaml'}: data.documents is {documents!r}, not true or false")
         return documents
     model_type = read_json_object(directory / "config.json").get("model_type")
     if documents and model_type not in DOCUMENT_MASKED_TYPES:
         raise OwaiError(f"data.documents=true: the model in {directory} ({model_type}) has no document-wise masks "
                         f"(only {' and '.join(DOCUMENT_MASKED)} do); evaluate it with data.documents=false")
     return documents
+
+
+def training_data(directory: Path) -> dict[str, Any]:
+    """The `data` settings of the mosaic-train run that saved model directory `directory` ({} for a
+    model no owai run saved)."""
+    from owai.runs import saving_run
+
+    run = saving_run(directory)
+    data = run.read_config()["params"].get("data") if run is not None else None
+    return data if isinstance(data, dict) else {}
 
 
 def unique_labels(found: list[tuple[str, Path]]) -> list[tuple[str, Path]]:
