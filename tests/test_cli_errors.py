@@ -15,7 +15,7 @@ from owai.errors import OwaiError
 
 
 def assert_one_line_error(proc, *fragments: str) -> None:
-    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert proc.returncode == 2, (proc.returncode, proc.stdout + proc.stderr)  # bad input: exit code 2
     err = proc.stderr.strip()
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
     assert len(err.splitlines()) == 1, err

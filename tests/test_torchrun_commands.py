@@ -112,17 +112,19 @@ def test_the_dry_run_plan_is_printed_by_rank_0_alone(monkeypatch: pytest.MonkeyP
 
 def test_only_another_rank_waits_before_printing_an_error(monkeypatch: pytest.MonkeyPatch,
                                                           capsys: pytest.CaptureFixture[str]):
-    """When rank 0 fails too, torchrun stops the others while they wait: one line for the job."""
+    """When rank 0 fails too, torchrun stops the others while they wait: one line for the job. Each
+    rank on its own: rank 0 prints at once, rank 1 waits OTHER_RANK_ERROR_DELAY_S first (counting the
+    two ranks' waits together could not tell which one waited)."""
     import owai.cli
 
-    waits: list[float] = []
-    monkeypatch.setattr(owai.cli.time, "sleep", waits.append)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    for rank in ("0", "1"):
+    for rank, waits in (("0", 0), ("1", 1)):
+        slept: list[float] = []
+        monkeypatch.setattr(owai.cli.time, "sleep", slept.append)
         monkeypatch.setenv("RANK", rank)
         code, _, err = cli_in_process(["recipes", "show", "fig9.9"], capsys)
-        assert code == 2 and err.startswith("error:")
-    assert waits == [owai.cli.OTHER_RANK_ERROR_DELAY_S]
+        assert code == 2 and err.startswith("error:" if rank == "0" else "error: rank 1: "), err
+        assert slept == [owai.cli.OTHER_RANK_ERROR_DELAY_S] * waits
 
 
 def test_python_m_owai_cli_runs_the_command():
