@@ -965,9 +965,12 @@ class ByteTokenizer(Tokenizer):
 class HFTokenizer(Tokenizer):
     """A `tokenizers.Tokenizer` (GPT-2 from the hub, a local tokenizer, or a trained bpe-N)."""
 
-    def __init__(self, name: str, backend: Any, eot_id: int, bos_id: int | None = None) -> None:
+    def __init__(self, name: str, backend: Any, eot_id: int, bos_id: int | None = None,
+                 model_max_length: int | None = None) -> None:
         self.name, self.backend, self.eot_id = name, backend, int(eot_id)
         self.bos_id = None if bos_id is None else int(bos_id)
+        # transformers' tokenizer_config.json `model_max_length` (None: unset, or no transformers tokenizer)
+        self.model_max_length = model_max_length
         backend.encode_special_tokens = True  # "<|endoftext|>" inside a document is plain text
         self.vocab_size = int(backend.get_vocab_size(with_added_tokens=True))
         self.fingerprint = hashlib.sha256(backend.to_str().encode()).hexdigest()[:16]
@@ -1229,7 +1232,10 @@ def _from_transformers(name: str, path: Path) -> HFTokenizer:
     eot = tok.eos_token_id if tok.eos_token_id is not None else backend.token_to_id(EOT_TEXT)
     if eot is None:
         raise OwaiError(f"tokenizer {name!r} has no end-of-text token to separate documents")
-    return HFTokenizer(name, backend, eot, tok.bos_token_id)
+    length = getattr(tok, "model_max_length", None)
+    # transformers marks an unset length with a huge integer (int(1e30)): no length then
+    known = isinstance(length, int) and not isinstance(length, bool) and 0 < length < int(1e30)
+    return HFTokenizer(name, backend, eot, tok.bos_token_id, int(length) if known else None)
 
 
 def _bpe(vocab: int, root: Path, texts: Iterable[str] | None, fingerprint: str | None) -> HFTokenizer:

@@ -12,8 +12,8 @@ It scores as the harness's HFLM does on the same model and tokenizer: text is en
 encodes it (special-token strings are special tokens, the tokenizer's BOS is added unless the text
 starts with it: `Tokenizer.encode_as_transformers`), the empty-context prefix is the BOS token, else
 the end-of-text token, and the maximum length comes from the config as HFLM reads it
-(`causal_lm.config_max_length`; HFLM's default 2048 when a foreign config has none; owai's own models
-without a position table have no limit).
+(`causal_lm.config_max_length`; for a foreign config that has none, as HFLM, the tokenizer's
+`model_max_length`, else 2048; owai's own models without a position table have no limit).
 
     loglikelihood        context + continuation in one forward; the continuation's positions scored;
                          the sequence left-truncated to the model's length when it has one
@@ -167,7 +167,9 @@ class OwaiLM(TemplateLM):
         self.lm = lm
         self._max_length = int(max_length) if max_length else lm.max_tokens
         if self._max_length is None and not str(getattr(lm.model.config, "model_type", "")).startswith("owai_"):
-            self._max_length = HARNESS_DEFAULT_LENGTH  # a foreign model whose config names no length, as HFLM
+            # a foreign model whose config names no length, as HFLM (lm_eval's resolve_max_length): the
+            # tokenizer's model_max_length when transformers' tokenizer config sets one, else 2048
+            self._max_length = getattr(lm.tokenizer, "model_max_length", None) or HARNESS_DEFAULT_LENGTH
         self.max_gen_toks = int(max_gen_toks)
         if getattr(lm.tokenizer, "eot_id", None) is None:
             raise OwaiError(f"{lm.label}: its tokenizer has no end-of-text token (the harness's prefix token)")
