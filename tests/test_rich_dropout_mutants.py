@@ -68,6 +68,23 @@ def _rich_cfg(tmp_path, monkeypatch, **sections):
 # --- rich features: pre-training (TH A.2.1 / spec §6.1) ------------------------------------------
 
 
+
+def _record_step_batches(monkeypatch, keep) -> list:
+    """Spy on `domainbed.StepBatches`: each stream built appends `keep(args, kwargs)` of its
+    construction to the returned list (the streams themselves are the real ones)."""
+    from owai.data import domainbed
+
+    seen: list = []
+    real = domainbed.StepBatches
+
+    class Recorded(real):
+        def __init__(self, *args, **kwargs):
+            seen.append(keep(args, kwargs))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(domainbed, "StepBatches", Recorded)
+    return seen
+
 def test_pretraining_trains_with_the_pretrain_sections_optimizer_and_epoch_milestones(tmp_path, monkeypatch):
     """PretrainConfig's docstring: SGD with pretrain.lr, momentum and weight decay, lr x gamma at the
     milestones given IN EPOCHS, steps = round(epochs * N / batch). Here N = 20 base images, batch 4:
@@ -111,20 +128,11 @@ def test_each_seeds_network_starts_from_its_own_initialisation_and_batches(tmp_p
     """Cat_n's networks differ only by seed (§2.2): network `seed` is initialised from that seed
     (`build_network`: the same seed gives the same weights, another seed others) and trained on
     batches keyed by it (StepBatches' seed = the run's seed)."""
-    from owai.data import domainbed
     from owai.methods import rich_features as rf
 
     a, b, a2 = (rf.build_network("resnet18", 2, s).state_dict()["conv1.weight"] for s in (0, 1, 0))
     assert torch.equal(a, a2) and not torch.equal(a, b)
-    seen = []
-    real = domainbed.StepBatches
-
-    class Recorded(real):
-        def __init__(self, *args, **kwargs):
-            seen.append(args[6] if len(args) > 6 else kwargs["seed"])
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(domainbed, "StepBatches", Recorded)
+    seen = _record_step_batches(monkeypatch, lambda args, kwargs: args[6] if len(args) > 6 else kwargs["seed"])
     for seed in (3, 4):
         cfg = _rich_cfg(tmp_path / str(seed), monkeypatch, pretrain__epochs=1.0, pretrain__batch_size=4)
         cfg.seed = seed
@@ -203,20 +211,11 @@ def test_fine_tuning_reads_the_finetune_section_and_its_cosine_spans_the_run(tmp
     batch 4, 2 epochs: 10); the batches keyed by (seed, stage) and augmented as data.augment says."""
     import math
 
-    from owai.data import domainbed
     from owai.methods import rich_features as rf
 
     cfg = _rich_cfg(tmp_path, monkeypatch, finetune__epochs=2.0, finetune__batch_size=4, finetune__lr=0.02,
                     finetune__min_lr=0.002, finetune__momentum=0.6, finetune__weight_decay=2e-3)
-    seen = []
-    real = domainbed.StepBatches
-
-    class Recorded(real):
-        def __init__(self, *args, **kwargs):
-            seen.append(args)
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(domainbed, "StepBatches", Recorded)
+    seen = _record_step_batches(monkeypatch, lambda args, kwargs: args)
     calls = _spy_train_loop(monkeypatch)
     with pytest.raises(Stop):
         rf.finetune_model(cfg, _run(tmp_path), "finetune-cat1", [_backbone()], _target_train(cfg))
@@ -391,17 +390,8 @@ def test_the_stand_in_pretraining_reads_the_pretrain_section_and_decays_at_two_t
     by pretrain.seed; "every run of the grid starts from the same network", so neither the
     initialisation nor the batches depend on the run's own seed (nor on the fine-tuning's train.*)."""
     import owai.methods.dropout_ft as dft
-    from owai.data import domainbed
 
-    seen = []
-    real = domainbed.StepBatches
-
-    class Recorded(real):
-        def __init__(self, *args, **kwargs):
-            seen.append(args)
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(domainbed, "StepBatches", Recorded)
+    seen = _record_step_batches(monkeypatch, lambda args, kwargs: args)
     models = []
     for run_seed in (0, 7):
         cfg, _ = _dft_setup(tmp_path / str(run_seed), pretrain__steps=9, pretrain__lr=0.05, pretrain__momentum=0.8,
@@ -427,17 +417,8 @@ def test_fine_tuning_batches_come_from_the_training_domains_in_splits_keyed_by_t
     augmented as data.augment says, keyed by the run's seed; SGD at train.momentum and
     train.weight_decay."""
     import owai.methods.dropout_ft as dft
-    from owai.data import domainbed
 
-    seen = []
-    real = domainbed.StepBatches
-
-    class Recorded(real):
-        def __init__(self, *args, **kwargs):
-            seen.append(args)
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(domainbed, "StepBatches", Recorded)
+    seen = _record_step_batches(monkeypatch, lambda args, kwargs: args)
     cfg, data = _dft_setup(tmp_path, train__momentum=0.7, train__weight_decay=3e-3)
     cfg.seed, cfg.data.augment = 5, False
     model = dft.build_model(cfg, len(data.classes), None, torch.device("cpu"))
@@ -610,21 +591,12 @@ def test_probes_on_crops_read_freshly_augmented_epochs_of_the_training_images(tm
     crops of its training images", each update the next batch of an epoch's permutation (the last
     incomplete batch dropped): the stage's StepBatches augment, sample by epochs, probe.batch_size per
     update, probe.epochs x (N // batch) updates (20 images, batch 6: 3 per epoch, 4 epochs = 12)."""
-    from owai.data import domainbed
     from owai.methods import rich_features as rf
     from owai.models.rich import ConcatFeatures
 
     cfg = _rich_cfg(tmp_path, monkeypatch, probe__epochs=4, probe__batch_size=6, probe__augment=True)
     cfg.data.augment = False  # pre-training's switch: the crops are augmented whatever it says
-    seen = []
-    real = domainbed.StepBatches
-
-    class Recorded(real):
-        def __init__(self, *args, **kwargs):
-            seen.append((args, kwargs))
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(domainbed, "StepBatches", Recorded)
+    seen = _record_step_batches(monkeypatch, lambda args, kwargs: (args, kwargs))
     calls = _spy_train_loop(monkeypatch)
     frozen = ConcatFeatures([_backbone()], frozen=True)
     with pytest.raises(Stop):
