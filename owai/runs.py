@@ -121,7 +121,7 @@ def check_saved_model(directory: Path) -> None:
         if (directory / name).is_file():
             read[name] = read_json_object(directory / name)
     spec = directory / "owai_tokenizer.json"
-    if not os.path.lexists(spec) and directory.parent.name == "models" and (directory.parent.parent / CONFIG).is_file():
+    if not os.path.lexists(spec) and saving_run(directory) is not None:
         # a run's models/<arch>/ always records its tokenizer: without it the default one would be used
         raise OwaiError(f"{spec} is missing: the model saved by run {directory.parent.parent} is damaged (it names the model's tokenizer)")
     named = read.get(spec.name, {}).get("file")
