@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from owai.models.memory_mosaics_v2 import MemoryMosaicsV2Config, MemoryMosaicsV2ForCausalLM, _log_space_scan, _unit, gated_key_scan
+from test_memory_mosaics_v2 import sequential_scan
 
 key_scan_triton = pytest.importorskip("owai.models.key_scan_triton")
 if not key_scan_triton.available():
@@ -98,21 +99,6 @@ def test_the_gradient_is_the_chunked_scans(T, docs, state):
     if docs:  # nothing flows into log lambda where a document starts
         starts = (doc_start - 10) == torch.arange(T)
         assert (got[2].permute(1, 0, 2)[:, starts] == 0).all()
-
-
-def sequential_scan(raw, log_gate, log_decay, state_dir, state_log):
-    """The op's contract written out step by step (float64, autograd; gated_scan's arguments): m_t =
-    max(log g_t, log lambda_t + m_{t-1}), r_t = e^{log g_t - m_t} k~_t + e^{log lambda_t + m_{t-1} - m_t} r_{t-1}."""
-    r, m = state_dir, state_log
-    rows, logs = [], []
-    for t in range(raw.shape[2]):
-        carried = log_decay[:, :, t] + m
-        top = torch.maximum(log_gate[:, :, t], carried)
-        r = torch.exp(log_gate[:, :, t] - top)[..., None] * raw[:, :, t] + torch.exp(carried - top)[..., None] * r
-        m = top
-        rows.append(r)
-        logs.append(m)
-    return torch.stack(rows, 2), torch.stack(logs, 2)
 
 
 def test_the_op_differentiates_its_log_scale_too():

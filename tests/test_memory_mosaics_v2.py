@@ -38,6 +38,21 @@ def rms(x, w, eps):
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
 
 
+def sequential_scan(raw, log_gate, log_decay, state_dir, state_log):
+    """The op's contract written out step by step (float64, autograd; gated_scan's arguments): m_t =
+    max(log g_t, log lambda_t + m_{t-1}), r_t = e^{log g_t - m_t} k~_t + e^{log lambda_t + m_{t-1} - m_t} r_{t-1}."""
+    r, m = state_dir, state_log
+    rows, logs = [], []
+    for t in range(raw.shape[2]):
+        carried = log_decay[:, :, t] + m
+        top = torch.maximum(log_gate[:, :, t], carried)
+        r = torch.exp(log_gate[:, :, t] - top)[..., None] * raw[:, :, t] + torch.exp(carried - top)[..., None] * r
+        m = top
+        rows.append(r)
+        logs.append(m)
+    return torch.stack(rows, 2), torch.stack(logs, 2)
+
+
 def naive_memory(mem, h, docs, lo, hi, cfg):
     """One contextual memory on h (T, d) for one sequence; docs (T,) document index per position."""
     T, d = h.shape

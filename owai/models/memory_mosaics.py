@@ -200,7 +200,8 @@ def _unit_adjoint(norm: torch.Tensor, xg: torch.Tensor, eps: float) -> tuple[tor
     """The gradient of unit(x) = x / (n + eps) for an incoming g is g a - x b, per row, with
     a = 1 / (n + eps) and b = (x . g) / (n (n + eps)^2): (a, b) from n = |x| and x . g (both (..., 1)).
     A zero row (as the backwards' padding adds) passes g / eps on, as autograd's norm does, and 0
-    where g is 0 too, whatever eps. One adjoint for v1's scaled unit and v2's keys and values."""
+    where g is 0 too, whatever eps. One adjoint for v1's scaled unit and v2's values (v2's keys divide by
+    max(|x|, eps): owai.models.memory_mosaics_v2._KeysAndQueries)."""
     d = (norm + eps).clamp_min(1e-30)
     return 1 / d, torch.where(norm > 0, xg / (norm * d * d), 0.0)
 

@@ -105,7 +105,7 @@ class MemoryMosaicsV2Config(PreTrainedConfig):
     beta0_init: float = 1e-3
     alpha_init: float = 0.05
     rms_norm_eps: float = 1e-5
-    norm_eps: float = 1e-6  # added to key and value norms
+    norm_eps: float = 1e-6  # added to value norms; keys divide by max(|kbar|, eps)
     initializer_range: float = 0.02
     scan_chunk: int = 16
     query_block: int = 256
@@ -425,7 +425,7 @@ def decode_step(key: torch.Tensor, gate: torch.Tensor, decay: torch.Tensor, valu
     top = torch.maximum(own, carried)
     row = torch.exp(own - top)[..., None] * raw_k + torch.exp(carried - top)[..., None] * scan_dir  # (B, H, hs)
     norm = torch.linalg.vector_norm(row, dim=-1).clamp_min(1e-30)
-    key = _unit(row, norm_eps)
+    key = row / norm.clamp_min(max(norm_eps, 1e-30))[..., None]  # as _KeysAndQueries: a function of kbar, whatever the row's scale
     raw_v = _wide(value.view(B, H, hs))
     finished = _unit(torch.lerp(raw_v, v_pending, value_mix.float()[None, :, None].to(raw_v.dtype)), norm_eps)
     beta1, alpha, beta0 = bandwidth_parameters(beta1_log, alpha_raw, beta0_raw)
@@ -487,8 +487,11 @@ def memory_inputs(key: torch.Tensor, gate: torch.Tensor, decay: torch.Tensor, va
 
 
 class _KeysAndQueries(torch.autograd.Function):
-    """queries = beta keys and keys = x / (|x| + eps), in `dtype`: x (B, H, T, hs) the key scan's rows
+    """queries = beta keys and keys = x / max(|x|, eps), in `dtype`: x (B, H, T, hs) the key scan's rows
     (bf16 where its matmul ran in bf16), beta (B|1, H, T) the bandwidth (on the query side only).
+    The rows are kbar times a factor that depends on the chunk and the path (`gated_key_scan`), so
+    eps only guards a vanishing row: added to |x| it would be eps times that factor, and the keys
+    would change with the chunk (docs/decisions.md, forty-ninth session).
 
     Its backward written out: autograd's own sums the two incoming gradients into one float32 tensor
     as wide as the rows, then reads it twice more. This one reads the bf16 gradients and rows twice,
@@ -497,7 +500,8 @@ class _KeysAndQueries(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, beta: torch.Tensor, eps: float, dtype: torch.dtype,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        keys = _unit(_wide(x), eps)
+        wide = _wide(x)
+        keys = wide / torch.linalg.vector_norm(wide, dim=-1, keepdim=True).clamp_min(max(eps, 1e-30))
         ctx.save_for_backward(x, beta)
         ctx.eps = eps
         return _as(keys * beta[..., None].to(keys.dtype), dtype), _as(keys, dtype)
@@ -511,7 +515,8 @@ class _KeysAndQueries(torch.autograd.Function):
         norm = torch.linalg.vector_norm(wide, dim=-1, keepdim=True)
         xq = (wide * dq).sum(dim=-1, keepdim=True)
         xg = (wide * dk).sum(dim=-1, keepdim=True) + b * xq  # x . (dk + beta dq), without storing that sum
-        a, c = _unit_adjoint(norm, xg, ctx.eps)
+        d = norm.clamp_min(max(ctx.eps, 1e-30))  # x / max(|x|, eps): g / |x| - x (x . g) / |x|^3 above eps, g / eps below
+        a, c = 1 / d, torch.where(norm >= d, xg / (norm * d * d), 0.0)
         d_beta = (xq * a).squeeze(-1)  # d queries . keys
         if d_beta.shape[0] != beta.shape[0]:  # beta broadcast over the batch
             d_beta = d_beta.sum(dim=0, keepdim=True)
