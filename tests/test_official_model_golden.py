@@ -7,18 +7,23 @@ tests/test_official_code.py's parity tests:
   and LSTM (seq_icl's `lm_simple`, `lm_simple_noffn`): logits and every gradient, in float64;
 - whole training runs: RFC's ColoredMNIST trainers, PI.py and Bonsai against `owai bonsai`, the
   Library's and nanoMosaics' training loops against `owai mosaic-train`, the Three Moons code's MLX
-  loop against `owai moons`: the weights each run ends at.
+  loop against `owai moons`: the weights each run ends at;
+- RFC's Camelyon17 objectives (ERM, IRM, VREX, GroupDRO of the discovery rounds, WILDS's loss) against
+  owai's: each step's loss and its gradient on the logits.
 
 Recorded on 2026-12-01 from the OFFICIAL code's output, not owai's: facebookresearch/MemoryMosaics at
 1fff63b, TjuJianyu/RFC at de4a5a4 and berlino/seq_icl at 9b9223d, each built, loaded and run exactly as
-tests/test_official_code.py does (its tests run with `_agree` and `_assert_same_weights` replaced by
-recorders of the reference's side; those tests passed as they recorded). What is kept:
+tests/test_official_code.py does (its tests run with `_agree`, `_assert_same_weights`, `pytest.approx`
+and `torch.testing.assert_close` wrapped by recorders of the reference's side; those tests passed as
+they recorded). What is kept:
 - `GOLDEN[case]["logits"]`: the reference's logits flattened, times 8 random directions (float64
   N(0, 1), generator seed 0, one column per direction); `loss`: its cross-entropy on the test's
   targets; `params`: for each reference parameter, its name, size, values and gradient of that loss
   each dotted with one random direction (N(0, 1), seed = the size), and the gradient's largest magnitude;
 - `TRAINED[label]`: for each weight of the reference run's final model (under owai's names), its size,
-  its values dotted with that direction, and its largest magnitude.
+  its values dotted with that direction, and its largest magnitude;
+- `CAMELYON[case]`: each step's loss, its gradient on the logits dotted with that direction and the
+  gradient's largest magnitude (and GroupDRO's group weights, whole).
 owai's parameters are matched to the reference's by their values, as test_official_code's
 `_same_gradients` matches them (the converter only reshapes). The bounds are that file's element-wise
 ones (logits 1e-10, a sharp head's past the clamp 1e-6 / 1e-8; gradients 1e-9 of their scale;
@@ -693,6 +698,42 @@ TRAINED = {
     },
 }
 
+# the test's case -> per step: (the loss, its gradient on the logits . direction, largest |gradient|);
+# GroupDRO's also the weights q of the groups in training
+CAMELYON = {
+    'erm-0.5': [
+        (0.954772663252309, -0.106581732560996, 0.0293869454129726),
+        (0.954772663252309, -0.106581732560996, 0.0293869454129726),
+    ],
+    'erm-100.0': [
+        (0.954772663252309, -0.106581732560996, 0.0293869454129726),
+        (0.954772663252309, -0.106581732560996, 0.0293869454129726),
+    ],
+    'irm-0.5': [
+        (0.954772663252309, -0.106581732560996, 0.0293869454129726),
+        (1.03810259137166, -0.133651723795106, 0.0469641765231294),
+    ],
+    'irm-100.0': [
+        (0.954772663252309, -0.106581732560996, 0.0293869454129726),
+        (0.176207582871225, -0.0552057997938302, 0.0362919524889897),
+    ],
+    'vrex-0.5': [
+        (0.954772663252309, -0.106581732560996, 0.0293869454129726),
+        (0.959532771716457, -0.114872340875192, 0.0317889830750374),
+    ],
+    'vrex-100.0': [
+        (0.954772663252309, -0.106581732560996, 0.0293869454129726),
+        (0.0190679435608184, -0.0176470339540019, 0.00594156559280566),
+    ],
+    'groupdro': [
+        (1.83018287521013, -0.100589287209746, 0.0416563160036037, (0.334115821430915, 0.333117760238588, 0.332766418330498)),
+        (1.49885778292521, 0.121497967757238, 0.0211066204251044, (0.334344050419217, 0.337817171665704, 0.327838777915078)),
+        (1.33874356450459, 0.149563006628752, 0.033863917786047, (0.334642283742785, 0.339766273100318, 0.325591443156897)),
+        (1.61350598372643, -0.145851093935594, 0.0265840956956199, (0.333993271612177, 0.345597144046775, 0.320409584341048)),
+        (2.25765843105336, 0.195350780369501, 0.0337270953355237, (0.337291043794556, 0.344303181193174, 0.318405775012269)),
+    ],
+}
+
 
 def _probes(t: torch.Tensor) -> torch.Tensor:
     flat = t.detach().double().flatten()
@@ -878,3 +919,62 @@ def test_owai_moons_trains_to_the_three_moons_codes_weights(heads, tmp_path, mon
                 "train.checkpoint_every=1000", "train.log_every=1000"]
     run, _ = execute("three-moons", "cpu", settings, out=tmp_path / "runs")
     _same_trained_weights(f"Three Moons training heads={heads}", _stage(run, f"heads{heads}-r0"), bound=1e-5)
+
+
+# ------------------------------------------------------------------ Camelyon17's objectives
+
+
+def _same_step(label: str, loss: torch.Tensor, grad: torch.Tensor, want: tuple) -> None:
+    """A step's loss (test_official_code's rel 1e-12) and its gradient on the logits (rtol 1e-10, atol
+    1e-14 element-wise, carried through the projection) against RFC's recorded ones."""
+    ref_loss, ref_proj, ref_scale = want[:3]
+    assert loss.item() == pytest.approx(ref_loss, rel=1e-12, abs=1e-15), label
+    tol = (1e-10 * ref_scale + 1e-14) * 6 * math.sqrt(grad.numel())
+    assert abs(float(grad.double().flatten() @ _direction(grad.numel())) - ref_proj) <= tol, label
+    assert abs(float(grad.abs().max()) - ref_scale) <= 1e-10 * ref_scale + 1e-14, label
+
+
+@pytest.mark.parametrize("weight", [0.5, 100.0])
+@pytest.mark.parametrize("method", ["erm", "irm", "vrex"])
+def test_owai_camelyon17_objectives_give_rfcs_losses_and_gradients(method, weight):
+    """owai's Camelyon17 downstream objective (`make_downstream_penalty`) on the parity test's batch
+    (2 hospitals x 16 patches, 2 logits, split by hospital), before the anneal step and after it:
+    the loss and gradient of RFC's ERM / IRM / VREX `objective` (src/algorithms, WILDS's loss)."""
+    from owai.methods.camelyon17 import Config as CamelyonConfig
+    from owai.methods.camelyon17 import PenaltyConfig, make_downstream_penalty
+    from owai.methods.invariance import EnvBatch
+
+    anneal = 2
+    penalty = make_downstream_penalty(CamelyonConfig(method=method, penalty=PenaltyConfig(weight=weight,
+                                                                                          anneal_iters=anneal)))
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(32, 2, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 2, (32,), generator=gen)
+    g = torch.tensor([3] * 16 + [0] * 16)  # the group loader's order: one hospital's 16, then the other's
+    for step, want in zip((0, anneal), CAMELYON[f"{method}-{weight}"]):
+        ours_in = logits.clone().requires_grad_()
+        envs = [EnvBatch(ours_in[g == h], y[g == h]) for h in g.unique_consecutive().tolist()]
+        loss = penalty.objective(envs, step).loss
+        loss.backward()
+        _same_step(f"{method} weight {weight} step {step}", loss, ours_in.grad, want)
+
+
+def test_owai_group_dro_rounds_give_rfcs_losses_gradients_and_weights():
+    """A discovery round's GroupDRO (`group_dro_loss`) over the parity test's 5 steps of random batches
+    (4 groups, one never in training; odd steps miss group 2): RFC's groupDRO.py loss and gradient at
+    every step, and its group weights of the groups in training."""
+    from owai.methods.camelyon17 import group_dro_loss
+    from owai.methods.invariance import make_penalty
+
+    eta, in_train = 0.01, torch.tensor([True, True, True, False])
+    penalty = make_penalty("groupdro", eta=eta)
+    gen = torch.Generator().manual_seed(11)
+    for step, want in enumerate(CAMELYON["groupdro"]):
+        logits = torch.randn(32, 2, generator=gen, dtype=torch.float64) * 3
+        y = torch.randint(0, 2, (32,), generator=gen)
+        g = torch.randint(0, 3 if step % 2 == 0 else 2, (32,), generator=gen)
+        ours_in = logits.clone().requires_grad_()
+        loss = group_dro_loss(penalty, ours_in, y, g, torch.nonzero(in_train).reshape(-1))
+        loss.backward()
+        _same_step(f"GroupDRO step {step}", loss, ours_in.grad, want)
+        torch.testing.assert_close(penalty.q, torch.tensor(want[3], dtype=penalty.q.dtype), rtol=1e-12, atol=0)
