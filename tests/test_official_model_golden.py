@@ -4,7 +4,8 @@ tests/test_official_code.py's parity tests:
 
 - models: Memory Mosaics v1 (the Library's `StackAssoMem`, nanoMosaics' `MemoryMosaic`), the GPT
   baselines (the Library's baseline GPT, nanoMosaics' gpt_model.py) and the RegBench transformer
-  and LSTM (seq_icl's `lm_simple`, `lm_simple_noffn`): logits and every gradient, in float64;
+  and LSTM (seq_icl's `lm_simple`, `lm_simple_noffn`): logits and every gradient, in float64; the
+  Library's eft model (its CUDA kernel as the formula) and ICLL's RegBench plug-in: logits;
 - whole training runs: RFC's ColoredMNIST trainers, PI.py and Bonsai against `owai bonsai`, the
   Library's and nanoMosaics' training loops against `owai mosaic-train`, the Three Moons code's MLX
   loop against `owai moons`: the weights each run ends at;
@@ -26,7 +27,7 @@ they recorded). What is kept:
   gradient's largest magnitude (and GroupDRO's group weights, whole).
 owai's parameters are matched to the reference's by their values, as test_official_code's
 `_same_gradients` matches them (the converter only reshapes). The bounds are that file's element-wise
-ones (logits 1e-10, a sharp head's past the clamp 1e-6 / 1e-8; gradients 1e-9 of their scale;
+ones (logits 1e-10, a sharp head's past the clamp 1e-6 / 1e-8, the plug-in's 1e-7; gradients 1e-9 of their scale;
 trained weights 1e-9, the language-model loops 1e-10, Three Moons 1e-5) carried through the
 projection (times 6 sqrt(size)). Where the clones are present, test_official_code.py compares element
 by element; a case here that stops matching means owai changed, and that file says where.
@@ -458,6 +459,22 @@ GOLDEN = {
             ('mixer.1.lstm.bias_hh_l0', 128, 0.855865181363139, 0.023397914321471, 0.00768975913047726),
         ],
     },
+    'eft bias=False pre_ln=True attn_only=False': {
+        'logits': [58.0960364970807, -57.3712835907475, -31.1418198274219, 58.3263438840242,
+                   -38.302111532137, -29.1986755739427, 0.103969831480378, -17.5056482265668],
+    },
+    'eft bias=True pre_ln=False attn_only=False': {
+        'logits': [5.92183394241404, -2.28364382461349, -55.2668955277105, 45.9936125426705,
+                   47.7745354879753, 19.6124642330247, -0.208518249636424, -35.000223740648],
+    },
+    'eft bias=True pre_ln=True attn_only=True': {
+        'logits': [-47.4525730502826, -0.861054361470564, -92.2951650257749, 23.3834887875349,
+                   -0.768531189134857, 38.3005976640016, 7.7005996991571, 0.290022103717693],
+    },
+    'regbench mm plug-in': {
+        'logits': [-43.9931701761306, -3.22580452180392, -4.47979862252266, 4.23627586665347,
+                   -3.07188957888611, 10.1220528691831, 19.0491422875454, 2.23661412933378],
+    },
 }
 
 # the run's label (test_official_code's) -> {weight's owai name: (size, values . direction, largest |value|)}
@@ -754,6 +771,27 @@ def _nano(bias: bool, sharp: bool):
     return _owai_model(sd, "nano"), IDS, TARGETS, 1e-8 if sharp else None
 
 
+def _eft(bias: bool, pre_ln: bool, attn_only: bool):
+    """The Library's eft model through the converter's eft path: logits only (test_official_code's
+    parity test replaces its CUDA kernel by the formula, whose backward is not the kernel's)."""
+    sd = random_official_state_dict("library", variant="eft", V=V, C=C, H=H, L=LAYERS, P=P, bias=bias,
+                                    attn_only=attn_only, sharp=False)
+    return _owai_model(sd, "library", norm_eps=0.0, pre_ln=pre_ln), IDS, TARGETS, 1e-10
+
+
+def _regbench_mm():
+    """`owai eval regbench`'s default `mm` holding one random Library state dict, sized as ICLL's
+    mm.yaml (n_embd 128, 8 heads, 2 layers, pmem 448): the plug-in's logits at the data's longest
+    input, to its test's 1e-7 (owai's unit norms add 1e-10 where the Library's add nothing)."""
+    cfg = RegBenchConfig()
+    sd = random_official_state_dict("library", V=cfg.data.vocab_size, C=128, H=8, L=2, P=448, bias=False, sharp=False)
+    model = build_regbench_model(cfg, torch.device("cpu"))
+    model.load_state_dict(convert_official_state_dict(sd, "library", leaky_chunk=16)[1], strict=True)
+    ids = torch.randint(0, cfg.data.vocab_size, (2, regbench_max_input_length(cfg.data)),
+                        generator=torch.Generator().manual_seed(0))
+    return model.double().eval(), ids, None, 1e-7
+
+
 def _gpt(source: str, bias: bool):
     chosen = {} if source == "Library" else {"activation": "gelu"}  # the Library's baseline is owai's default
     model = GPTForCausalLM(GPTConfig(vocab_size=V, n_layer=LAYERS, n_embd=C, n_head=H, block_size=T, dropout=0.0,
@@ -784,6 +822,9 @@ CASES = {
     **{f"gpt {a[0]} bias={a[1]}": (lambda a=a: _gpt(*a)) for a in [("Library", False), ("Library", True), ("nanoMosaics", False)]},
     "seq_icl transformer": lambda: _regbench("transformer"),
     "seq_icl lstm": lambda: _regbench("lstm"),
+    **{f"eft bias={a[0]} pre_ln={a[1]} attn_only={a[2]}": (lambda a=a: _eft(*a))
+       for a in [(False, True, False), (True, False, False), (True, True, True)]},
+    "regbench mm plug-in": _regbench_mm,
 }
 
 
@@ -794,15 +835,16 @@ def test_every_recorded_case_is_built():
 @pytest.mark.parametrize("case", list(CASES))
 def test_owai_model_gives_the_official_logits_and_gradients(case):
     """owai's model on the parity test's weights and inputs: the official model's logits (8 random
-    projections of all of them) and, but for a sharp head past the clamp, its loss and every
-    parameter's gradient (a random projection each, owai's parameter found by its values)."""
-    model, ids, targets, sharp_bound = CASES[case]()
+    projections of all of them) and, where the parity test compares them (not for a sharp head past
+    the clamp, eft or the RegBench plug-in), its loss and every parameter's gradient (a random
+    projection each, owai's parameter found by its values)."""
+    model, ids, targets, logits_only = CASES[case]()  # logits_only: that test's bound on logits alone
     want = GOLDEN[case]
     logits = model(ids).logits
-    bound = (sharp_bound or 1e-10) * 6 * math.sqrt(logits.numel())
+    bound = (logits_only or 1e-10) * 6 * math.sqrt(logits.numel())
     gap = (_probes(logits) - torch.tensor(want["logits"], dtype=torch.float64)).abs().max().item()
     assert gap <= bound, f"{case}: logits' projections differ by {gap:.3e} (bound {bound:.1e})"
-    if sharp_bound is not None:
+    if logits_only is not None:
         return
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
     assert abs(loss.item() - want["loss"]) <= 1e-9, (loss.item(), want["loss"])
