@@ -425,7 +425,7 @@ def decode_step(key: torch.Tensor, gate: torch.Tensor, decay: torch.Tensor, valu
     top = torch.maximum(own, carried)
     row = torch.exp(own - top)[..., None] * raw_k + torch.exp(carried - top)[..., None] * scan_dir  # (B, H, hs)
     norm = torch.linalg.vector_norm(row, dim=-1).clamp_min(1e-30)
-    key = row / norm.clamp_min(max(norm_eps, 1e-30))[..., None]  # as _KeysAndQueries: a function of kbar, whatever the row's scale
+    key = _key_unit(row, norm_eps)
     raw_v = _wide(value.view(B, H, hs))
     finished = _unit(torch.lerp(raw_v, v_pending, value_mix.float()[None, :, None].to(raw_v.dtype)), norm_eps)
     beta1, alpha, beta0 = bandwidth_parameters(beta1_log, alpha_raw, beta0_raw)
@@ -486,12 +486,18 @@ def memory_inputs(key: torch.Tensor, gate: torch.Tensor, decay: torch.Tensor, va
     return queries, keys, finished, scan_state, _wide(raw_v[:, :, -1])
 
 
+def _key_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Norm(kbar) from a key scan row x = kbar times any positive factor: x / max(|x|, eps) over the
+    last dim. The factor depends on the chunk and the path (`gated_key_scan`), so eps only guards a
+    vanishing row: added to |x| it would act as eps times that factor, and the keys would change with
+    the chunk and the cache (docs/decisions.md, forty-ninth session)."""
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(max(eps, 1e-30))
+
+
 class _KeysAndQueries(torch.autograd.Function):
-    """queries = beta keys and keys = x / max(|x|, eps), in `dtype`: x (B, H, T, hs) the key scan's rows
-    (bf16 where its matmul ran in bf16), beta (B|1, H, T) the bandwidth (on the query side only).
-    The rows are kbar times a factor that depends on the chunk and the path (`gated_key_scan`), so
-    eps only guards a vanishing row: added to |x| it would be eps times that factor, and the keys
-    would change with the chunk (docs/decisions.md, forty-ninth session).
+    """queries = beta keys and keys = x / max(|x|, eps) (`_key_unit`), in `dtype`: x (B, H, T, hs) the
+    key scan's rows (bf16 where its matmul ran in bf16), beta (B|1, H, T) the bandwidth (on the query
+    side only).
 
     Its backward written out: autograd's own sums the two incoming gradients into one float32 tensor
     as wide as the rows, then reads it twice more. This one reads the bf16 gradients and rows twice,
@@ -500,8 +506,7 @@ class _KeysAndQueries(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, beta: torch.Tensor, eps: float, dtype: torch.dtype,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        wide = _wide(x)
-        keys = wide / torch.linalg.vector_norm(wide, dim=-1, keepdim=True).clamp_min(max(eps, 1e-30))
+        keys = _key_unit(_wide(x), eps)
         ctx.save_for_backward(x, beta)
         ctx.eps = eps
         return _as(keys * beta[..., None].to(keys.dtype), dtype), _as(keys, dtype)
@@ -515,7 +520,7 @@ class _KeysAndQueries(torch.autograd.Function):
         norm = torch.linalg.vector_norm(wide, dim=-1, keepdim=True)
         xq = (wide * dq).sum(dim=-1, keepdim=True)
         xg = (wide * dk).sum(dim=-1, keepdim=True) + b * xq  # x . (dk + beta dq), without storing that sum
-        d = norm.clamp_min(max(ctx.eps, 1e-30))  # x / max(|x|, eps): g / |x| - x (x . g) / |x|^3 above eps, g / eps below
+        d = norm.clamp_min(max(ctx.eps, 1e-30))  # g / |x| - x (x . g) / |x|^3 above eps, g / eps below
         a, c = 1 / d, torch.where(norm >= d, xg / (norm * d * d), 0.0)
         d_beta = (xq * a).squeeze(-1)  # d queries . keys
         if d_beta.shape[0] != beta.shape[0]:  # beta broadcast over the batch
