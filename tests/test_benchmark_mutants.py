@@ -489,6 +489,15 @@ def test_paired_ratio_is_after_over_before_of_untimed_warm_steps(monkeypatch, ca
         return timed[name].pop(0)
 
     monkeypatch.setattr(mmv2, "train_step_seconds", fake_step)
+    # the extracted revision registers its own classes for owai's model types with transformers' Auto
+    # classes (as its import does in the script's own process): they go into copies of the registries,
+    # which the monkeypatch drops afterwards, so later tests load owai's classes, not owai_before's
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    monkeypatch.setattr(CONFIG_MAPPING, "_extra_content", dict(CONFIG_MAPPING._extra_content))
+    monkeypatch.setattr(AutoModelForCausalLM._model_mapping, "_extra_content",
+                        dict(AutoModelForCausalLM._model_mapping._extra_content))
     monkeypatch.setattr(sys, "argv", ["mmv2_paired.py", "--before", "HEAD", "--batch", "2", "--context", "16",
                                       "--rounds", "3"])
     path, modules = list(sys.path), set(sys.modules)
