@@ -10,7 +10,9 @@ tests/test_official_code.py's parity tests:
   Library's and nanoMosaics' training loops against `owai mosaic-train`, the Three Moons code's MLX
   loop against `owai moons`: the weights each run ends at;
 - RFC's Camelyon17 objectives (ERM, IRM, VREX, GroupDRO of the discovery rounds, WILDS's loss) against
-  owai's: each step's loss and its gradient on the logits.
+  owai's: each step's loss and its gradient on the logits;
+- seq_icl's RegBench scores (its dfa accuracy, model-to-automaton distance, 3-gram distance) against
+  owai's metrics on one batch.
 
 Recorded on 2026-12-01 from the OFFICIAL code's output, not owai's: facebookresearch/MemoryMosaics at
 1fff63b, TjuJianyu/RFC at de4a5a4 and berlino/seq_icl at 9b9223d, each built, loaded and run exactly as
@@ -1020,3 +1022,36 @@ def test_owai_group_dro_rounds_give_rfcs_losses_gradients_and_weights():
         loss.backward()
         _same_step(f"GroupDRO step {step}", loss, ours_in.grad, want)
         torch.testing.assert_close(penalty.q, torch.tensor(want[3], dtype=penalty.q.dtype), rtol=1e-12, atol=0)
+
+
+# ------------------------------------------------------------------ RegBench's scores
+
+# sharp -> seq_icl's dfa_accuracy, model_dfa_diff and the in-context 3-gram's L1 to the automaton
+# (`_get_dfa_accuracy`, `_writes_to_file`), on test_official_code's batch and logits
+REGBENCH_SCORES = {
+    False: (0.0953805250913925, 1.80041380336579, 0.519247722735297),
+    True: (0.932203389830508, 0.929979781580563, 0.519247722735297),
+}
+
+
+@pytest.mark.parametrize("sharp", [False, True])
+def test_owai_regbench_metrics_give_seq_icls_scores(sharp):
+    """owai's RegBench metrics on one batch of 8 test automata (make_regbench(20, 16, seed 8)) with
+    random logits (`sharp`: +3 on the legal symbols): seq_icl's accuracy (abs 1e-12), total variation
+    ("tvd", rel 1e-9) and its 3-gram's L1 (rel 1e-9), as test_official_code's parity test bounds them.
+    The 3-gram's accuracy is left out: seq_icl breaks its ties in hash-seed order."""
+    from owai.data.regbench import make_regbench
+    from owai.evals.regbench import exact_distributions, ngram_backoff_probs, regbench_metrics
+
+    data = make_regbench(num_examples=20, num_test_examples=16, seed=8)
+    inputs, _, pfas = data.test.batch(range(8))
+    true = exact_distributions(inputs, pfas)
+    logits = torch.randn(*true.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    if sharp:
+        logits += 3.0 * torch.from_numpy(true > 0)
+    accuracy, tvd, ngram_tvd = REGBENCH_SCORES[sharp]
+    mine = regbench_metrics(logits, inputs, pfas, from_logits=True)
+    ngram = regbench_metrics(ngram_backoff_probs(inputs, data.config.vocab_size, data.config.sep_id), inputs, pfas)
+    assert mine["accuracy"] == pytest.approx(accuracy, abs=1e-12)
+    assert mine["tvd"] == pytest.approx(tvd, rel=1e-9)
+    assert ngram["tvd"] == pytest.approx(ngram_tvd, rel=1e-9)
