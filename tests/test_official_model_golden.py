@@ -8,7 +8,7 @@ tests/test_official_code.py's parity tests:
   Library's eft model (its CUDA kernel as the formula) and ICLL's RegBench plug-in: logits;
 - whole training runs: RFC's ColoredMNIST trainers, PI.py and Bonsai against `owai bonsai`, the
   Library's and nanoMosaics' training loops against `owai mosaic-train`, the Three Moons code's MLX
-  loop against `owai moons`: the weights each run ends at;
+  loop against `owai moons`: the weights each run ends at (and the Three Moons error curves);
 - RFC's Camelyon17 objectives (ERM, IRM, VREX, GroupDRO of the discovery rounds, WILDS's loss) against
   owai's: each step's loss and its gradient on the logits;
 - seq_icl's RegBench scores (its dfa accuracy, model-to-automaton distance, 3-gram distance) against
@@ -717,6 +717,34 @@ TRAINED = {
     },
 }
 
+# heads -> the Three Moons code's error curves on owai's trained weights (its `generate` and
+# `generate_nocache`, as the parity test computes them): the contexts tau, then per panel
+# (reference: the cached generation's error, exact: the uncached one's) one value per tau
+MOON_CURVES = {
+    1: {
+        'tau': [1, 98, 195, 292, 389, 486, 583, 680],
+        ('train', 'reference'): [0.63558615206896, 0.614845521865656, 0.720418415270408, 0.737254403051039,
+                                 0.630884422578278, 0.315147710433576, 0.336110477596253, 0.366534222653629],
+        ('train', 'exact'): [0.63558615206896, 2.19877151523711, 1.8902029984537, 2.15713459803068,
+                             2.47392666832772, 1.83920532330724, 1.26887233808505, 1.84255003735091],
+        ('val', 'reference'): [0.638540984963377, 0.590450537262613, 0.685773488864273, 0.479756284309706,
+                               0.211124962255099, 0.481585703595081, 0.510809519406584, 0.438304184722861],
+        ('val', 'exact'): [0.638540984963377, 1.69012470566127, 1.93796691518281, 1.11262115185943,
+                           1.04387609825192, 0.520028894211182, 1.99864046437676, 0.449268397109331],
+    },
+    3: {
+        'tau': [1, 98, 195, 292, 389, 486, 583, 680],
+        ('train', 'reference'): [0.63558615206896, 0.782839385409124, 0.708814093932587, 0.535081953819927,
+                                 0.613985637632774, 0.683287540552676, 0.560744234284572, 0.609785550764632],
+        ('train', 'exact'): [0.63558615206896, 0.750587739785648, 0.746371646533861, 0.490094036815963,
+                             0.577736935516195, 0.686153296028537, 0.538359537870853, 0.592191009964525],
+        ('val', 'reference'): [0.638540984963377, 0.58398478758821, 0.738178211570583, 0.703432351318636,
+                               0.754753284605499, 0.548826981962393, 0.886063044089291, 0.705290955886708],
+        ('val', 'exact'): [0.638540984963377, 0.738816314839029, 0.618697125574762, 0.679522023641352,
+                           0.709468357718221, 0.550338928367163, 0.867951088415987, 0.715117606431839],
+    },
+}
+
 # the test's case -> per step: (the loss, its gradient on the logits . direction, largest |gradient|);
 # GroupDRO's also the weights q of the groups in training
 CAMELYON = {
@@ -955,14 +983,21 @@ def test_owai_mosaic_train_trains_to_the_reference_loops_weights(source, tmp_pat
 def test_owai_moons_trains_to_the_three_moons_codes_weights(heads, tmp_path, monkeypatch, default_float64):
     """`owai moons`'s whole run (cpu preset, 30 steps of batch 4, its batches in float64) at the
     weights the Three Moons code's MLX loop reaches from the same start (MLX's float64 as far as
-    it goes: test_official_code's bound, 1e-5)."""
+    it goes: test_official_code's bound, 1e-5), and its two error curves at the values the code's
+    `generate` / `generate_nocache` give on those weights."""
     sample = owai_moons.sample_sequences
     monkeypatch.setattr(owai_moons, "sample_sequences", lambda *a, **k: sample(*a, **k).double())
     settings = [f"model.heads=[{heads}]", f"train.steps={MOON_STEPS}", f"train.batch_size={MOON_BATCH}",
                 "train.selection_sequences=3", "eval.n_sequences=2", "eval.chunk=2", "eval.tau_stride=97",
                 "train.checkpoint_every=1000", "train.log_every=1000"]
-    run, _ = execute("three-moons", "cpu", settings, out=tmp_path / "runs")
+    run, results = execute("three-moons", "cpu", settings, out=tmp_path / "runs")
     _same_trained_weights(f"Three Moons training heads={heads}", _stage(run, f"heads{heads}-r0"), bound=1e-5)
+    curves, want = results["details"]["variants"][f"heads{heads}"]["curves"], MOON_CURVES[heads]
+    for panel in ("train", "val"):  # the parity test's bound, 1e-5 (MLX's float64 exp)
+        for kind in ("reference", "exact"):
+            got = dict(zip(curves["tau"], curves[panel][kind]))
+            for tau, value in zip(want["tau"], want[(panel, kind)]):
+                assert abs(got[tau] - value) <= 1e-5, (heads, panel, kind, tau, got[tau], value)
 
 
 # ------------------------------------------------------------------ Camelyon17's objectives
