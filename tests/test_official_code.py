@@ -383,6 +383,37 @@ def test_library_stories_dataset_equals_owai_token_windows(tmp_path):
 
 
 LM_STEPS = 20
+LM_C, LM_H, LM_P, LM_T = 32, 2, 24, 32  # one-layer Memory Mosaics: width, heads, persistent memory, context
+
+
+def official_lm_builder(source: str, build: Callable, official: dict[str, torch.Tensor],
+                        inits: list[dict[str, torch.Tensor]]) -> Callable:
+    """A stand-in for owai's `build_lm` that builds owai's model (with `source`'s matching config
+    overrides) holding one random official state dict, which it puts in `official`, and its initial
+    weights, which it appends to `inits`."""
+    matching = LM_REFERENCES[source][4]
+
+    def from_official(arch: str, **kwargs):
+        model = build(arch, **kwargs, **matching)
+        official.update(random_official_state_dict(source, V=kwargs["vocab_size"], C=LM_C, H=LM_H, L=1, P=LM_P,
+                                                   sharp=False))
+        model.load_state_dict(convert_official_state_dict(official, source, leaky_chunk=16)[1], strict=True)
+        inits.append({k: v.clone() for k, v in model.state_dict().items()})
+        return model
+
+    return from_official
+
+
+def lm_settings(source: str) -> list[str]:
+    """`owai mosaic-train`'s settings of the training-loop parity run against `source`'s loop
+    (tests/test_official_model_golden.py runs owai's side with the same)."""
+    _, _, model_settings, accumulate, _, clip = LM_REFERENCES[source]
+    return ["archs=[mm]", "data.source=owai-stories:1500", "data.tokenizer=bpe-512", f"data.block_size={LM_T}",
+            "model.n_layer=1", f"model.n_embd={LM_C}", f"model.n_head={LM_H}", f"model.pmem_size={LM_P}",
+            "model.dropout=0.0", *model_settings, f"train.steps={LM_STEPS}", "train.batch_size=8",
+            f"train.accumulate={accumulate}", "train.lr=5e-3", "train.warmup=5", "train.min_lr=1e-4",
+            f"train.grad_clip={clip}", "train.eval_every=1000", "train.eval_batches=1", "train.checkpoint_every=1000",
+            "eval.posloss_windows=8", "eval.val_batches=1", "eval.attention_sequences=2", "eval.continuations=false"]
 
 
 def float32_cross_entropy(logits: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -416,35 +447,22 @@ def test_reference_training_loop_equals_owai_mosaic_train(source, tmp_path, monk
     import owai.methods.language_model as owai_lm
     import owai.models.lm as owai_models
 
-    folder, module, model_settings, accumulate, matching, clip = LM_REFERENCES[source]
+    folder, module, _, accumulate, _, clip = LM_REFERENCES[source]
     folder = clone("MemoryMosaics") / folder
-    C, H, P, T_LM = 32, 2, 24, 32
+    C, H, P, T_LM = LM_C, LM_H, LM_P, LM_T
     batches: list[tuple[torch.Tensor, torch.Tensor]] = []
     official: dict[str, torch.Tensor] = {}
     inits: list[dict[str, torch.Tensor]] = []
-    draw, build = owai_lm.global_batch, owai_models.build_lm
+    draw = owai_lm.global_batch
 
     def recorded(*args, **kwargs):
         batches.append(draw(*args, **kwargs))
         return batches[-1]
 
-    def from_official(arch: str, **kwargs):  # owai's model, holding the random official weights
-        model = build(arch, **kwargs, **matching)
-        official.update(random_official_state_dict(source, V=kwargs["vocab_size"], C=C, H=H, L=1, P=P, sharp=False))
-        _, weights = convert_official_state_dict(official, source, leaky_chunk=16)
-        model.load_state_dict(weights, strict=True)
-        inits.append({k: v.clone() for k, v in model.state_dict().items()})
-        return model
-
     monkeypatch.setattr(owai_lm, "global_batch", recorded)
-    monkeypatch.setattr(owai_models, "build_lm", from_official)
+    monkeypatch.setattr(owai_models, "build_lm", official_lm_builder(source, owai_models.build_lm, official, inits))
     monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
-    settings = ["archs=[mm]", "data.source=owai-stories:1500", "data.tokenizer=bpe-512", f"data.block_size={T_LM}",
-                "model.n_layer=1", f"model.n_embd={C}", f"model.n_head={H}", f"model.pmem_size={P}", "model.dropout=0.0",
-                *model_settings, f"train.steps={LM_STEPS}", "train.batch_size=8", f"train.accumulate={accumulate}",
-                "train.lr=5e-3", "train.warmup=5", "train.min_lr=1e-4", f"train.grad_clip={clip}",
-                "train.eval_every=1000", "train.eval_batches=1", "train.checkpoint_every=1000", "eval.posloss_windows=8",
-                "eval.val_batches=1", "eval.attention_sequences=2", "eval.continuations=false"]
+    settings = lm_settings(source)
     run, _ = execute("fig3.8-depth", "cpu", settings, out=tmp_path / "runs")
     cfg, _ = resolve(load("fig3.8-depth"), "cpu", settings)
     _, state = load_checkpoint(latest_checkpoint(run.path / "checkpoints" / "mm"))
@@ -699,6 +717,26 @@ STEPS, ANNEAL = 30, 10  # 10 steps at the anneal weight, then 20 with the penalt
 # 1,000 training images (500 per environment, of the tiny preset's 8,000) keep the float64 full-batch runs
 # short; tests/test_official_model_golden.py runs owai's side of these tests with the same settings
 RFC_SETTINGS = ["data.train_size=1000", "train.eval_every=1000", "train.checkpoint_every=1000", "train.log_every=1000"]
+
+
+def trainer_settings(method: str) -> list[str]:
+    """`owai bonsai`'s settings of the parity run against RFC's trainer for `method`."""
+    return [f"method={method}", "init=erm", f"penalty.anneal_iters={ANNEAL}", f"train.steps={STEPS}", *RFC_SETTINGS,
+            *TRAINERS[method][2]]
+
+
+PI_STEPS1 = 10  # PI's stage-1 steps per environment
+PI_SETTINGS = ["dataset=coloredmnist", f"train.steps={STEPS}", f"penalty.options={{steps1: {PI_STEPS1}}}", *RFC_SETTINGS]
+BONSAI_STEPS = (10, 10, 10)  # ERM, RERM and synthesis steps of the Bonsai parity runs
+
+
+def bonsai_settings(init: str) -> list[str]:
+    """`owai bonsai --init bonsai[-cf] --method vrex`'s settings of the parity run against RFC's Bonsai."""
+    erm, rerm, synthesis = BONSAI_STEPS
+    return ["method=vrex", f"init={init}", f"train.steps={STEPS}", "bonsai.stopping=fixed", f"bonsai.erm_steps={erm}",
+            f"bonsai.rerm_steps={rerm}", f"bonsai.synthesis_steps={synthesis}", *RFC_SETTINGS]
+
+
 # every compared tensor moves at least this far (1e-4 to 1e-3 on 1,000 images), far above the 1e-9 bound
 MOVED = 5e-5
 RFC_STUBS = ("torchvision", "torchvision.datasets", "torchvision.datasets.folder", "torchvision.transforms",
@@ -778,9 +816,8 @@ def _rfc_envs(environments, two_logits: bool = False) -> list[dict]:
 @pytest.mark.parametrize("method", list(TRAINERS))
 def test_rfc_trainer_equals_owai_bonsai(method, tmp_path, monkeypatch, float64, cuda_on_cpu):
     rfc_code = clone("RFC") / "coloredmnist"
-    trainer_name, kwargs, extra = TRAINERS[method]
-    settings = [f"method={method}", "init=erm", f"penalty.anneal_iters={ANNEAL}", f"train.steps={STEPS}",
-                *RFC_SETTINGS, *extra]
+    trainer_name, kwargs, _ = TRAINERS[method]
+    settings = trainer_settings(method)
     monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
     run, results = execute(RECIPE, "tiny", settings, out=tmp_path / "runs")
     cfg, _ = resolve(load(RECIPE), "tiny", settings)
@@ -857,9 +894,7 @@ def test_rfc_pi_equals_owai_pi(tmp_path, monkeypatch, float64, cuda_on_cpu):
     initial weights and hold-outs: 10 stage-1 steps per environment, then 30 RERM steps. The weights of
     both stage models and of the final model (the groups alone could hide a stage-1 difference)."""
     rfc_code = clone("RFC") / "coloredmnist"
-    steps1 = 10
-    settings = ["dataset=coloredmnist", f"train.steps={STEPS}", f"penalty.options={{steps1: {steps1}}}",
-                *RFC_SETTINGS]
+    steps1, settings = PI_STEPS1, PI_SETTINGS
     monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
     run, results = execute("table2.5-pi", "tiny", settings, out=tmp_path / "runs")
     cfg, _ = resolve(load("table2.5-pi"), "tiny", settings)
@@ -939,11 +974,9 @@ def test_rfc_bonsai_equals_owai_bonsai(init, tmp_path, monkeypatch, float64, cud
     trains the head on cached features): the same initial weights and resampling draws; 10 steps per
     Bonsai phase, 30 vREx steps. Each phase's weights and the downstream model's."""
     rfc_code = clone("RFC") / "coloredmnist"
-    steps = (10, 10, 10)
+    steps = BONSAI_STEPS
     frozen = init == "bonsai-cf"
-    settings = ["method=vrex", f"init={init}", f"train.steps={STEPS}", "bonsai.stopping=fixed",
-                f"bonsai.erm_steps={steps[0]}", f"bonsai.rerm_steps={steps[1]}", f"bonsai.synthesis_steps={steps[2]}",
-                *RFC_SETTINGS]
+    settings = bonsai_settings(init)
     monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
     run, results = execute(RECIPE, "tiny", settings, out=tmp_path / "runs")
     cfg, _ = resolve(load(RECIPE), "tiny", settings)
@@ -993,6 +1026,28 @@ def wilds(*modules: str) -> list[types.ModuleType]:
     return [pytest.importorskip(f"wilds.{m}", reason=reason) for m in modules]
 
 
+CAMELYON_ANNEAL = 2  # the objectives' anneal step: compared before it (weight 0) and at it
+
+
+def camelyon_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The objectives' batch: 2 logits for 2 hospitals x 16 patches in the group loader's order (one
+    hospital's 16, then the other's), their labels and hospitals."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(32, 2, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 2, (32,), generator=gen)
+    return logits, y, torch.tensor([3] * 16 + [0] * 16)
+
+
+def group_dro_batches() -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The GroupDRO round's 5 steps of random batches: logits, labels and groups of 4 (group 3 never
+    in training; odd steps miss group 2)."""
+    gen = torch.Generator().manual_seed(11)
+    for step in range(5):
+        logits = torch.randn(32, 2, generator=gen, dtype=torch.float64) * 3
+        y = torch.randint(0, 2, (32,), generator=gen)
+        yield logits, y, torch.randint(0, 3 if step % 2 == 0 else 2, (32,), generator=gen)
+
+
 # owai's Camelyon17 downstream method -> RFC's algorithm class (src/algorithms/<name>.py)
 RFC_CAMELYON = {"erm": "ERM", "irm": "IRM", "vrex": "VREX"}
 
@@ -1019,13 +1074,10 @@ def test_rfc_camelyon17_objectives_equal_owai(method, weight):
     reference_definitions(src / "losses.py", ("initialize_loss",), ns)
     reference_definitions(src / "algorithms" / f"{cls}.py",
                           (f"{cls}.objective", *(("IRM.irm_penalty",) if method == "irm" else ())), ns)
-    anneal = 2
+    anneal = CAMELYON_ANNEAL
     penalty = make_downstream_penalty(CamelyonConfig(method=method, penalty=PenaltyConfig(weight=weight,
                                                                                           anneal_iters=anneal)))
-    gen = torch.Generator().manual_seed(7)
-    logits = torch.randn(32, 2, generator=gen, dtype=torch.float64)
-    y = torch.randint(0, 2, (32,), generator=gen)
-    g = torch.tensor([3] * 16 + [0] * 16)  # the group loader's order: one hospital's 16, then the other's
+    logits, y, g = camelyon_batch()
     for step in (0, anneal):
         reference = SimpleNamespace(loss=ns["initialize_loss"]("cross_entropy", None), is_training=True,
                                     use_unlabeled_y=False, update_count=step, irm_lambda=weight,
@@ -1073,11 +1125,7 @@ def test_rfc_camelyon17_group_dro_equals_owai_rounds(monkeypatch):
     reference = SimpleNamespace(loss=ns["initialize_loss"]("cross_entropy", None), group_weights=weights,
                                 grouper=SimpleNamespace(n_groups=n_groups))
     penalty = make_penalty("groupdro", eta=eta)
-    gen = torch.Generator().manual_seed(11)
-    for step in range(5):
-        logits = torch.randn(32, 2, generator=gen, dtype=torch.float64) * 3
-        y = torch.randint(0, 2, (32,), generator=gen)
-        g = torch.randint(0, 3 if step % 2 == 0 else 2, (32,), generator=gen)  # odd steps: group 2 absent
+    for step, (logits, y, g) in enumerate(group_dro_batches()):
         theirs_in, ours_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
         results = {"y_pred": theirs_in, "y_true": y, "g": g}
         group_losses, _, _ = reference.loss.compute_group_wise(theirs_in, y, g, n_groups, return_dict=False)
@@ -1130,6 +1178,13 @@ def test_rfc_coloredmnist_equals_owai_rng_rfc(name, shared_data, cuda_on_cpu):
 # ------------------------------------------------------------------ Three Moons (MLX)
 
 MOON_STEPS, MOON_BATCH = 30, 4
+
+
+def moon_settings(heads: int) -> list[str]:
+    """`owai moons`'s settings of the training-and-curves parity run with `heads` heads."""
+    return [f"model.heads=[{heads}]", f"train.steps={MOON_STEPS}", f"train.batch_size={MOON_BATCH}",
+            "train.selection_sequences=3", "eval.n_sequences=2", "eval.chunk=2", "eval.tau_stride=97",
+            "train.checkpoint_every=1000", "train.log_every=1000"]
 # the reference's ContextMemory settings (ThreeMoons/train_planets-{1head,3heads}.py, which differ only
 # in n_head and h_dim)
 MOON_REFERENCE = dict(input_dim=6, bias=False, block_size=800, v_shift=1, v_ban=0, complex=True, norm_keys=False,
@@ -1261,9 +1316,7 @@ def test_reference_training_and_metrics_equal_owai_moons(heads, tmp_path, monkey
 
     monkeypatch.setattr(owai_moons, "sample_sequences", recorded)
     monkeypatch.setattr(owai_moons, "MoonMemory", Recorded)
-    settings = [f"model.heads=[{heads}]", f"train.steps={MOON_STEPS}", f"train.batch_size={MOON_BATCH}",
-                "train.selection_sequences=3", "eval.n_sequences=2", "eval.chunk=2", "eval.tau_stride=97",
-                "train.checkpoint_every=1000", "train.log_every=1000"]
+    settings = moon_settings(heads)
     run, results = execute("three-moons", "cpu", settings, out=tmp_path / "runs")
     cfg, _ = resolve(load("three-moons"), "cpu", settings)
     _, state = load_checkpoint(latest_checkpoint(run.path / "checkpoints" / f"heads{heads}-r0"))
@@ -1348,6 +1401,19 @@ def seq_icl_scoring() -> dict:
     return reference_definitions(root / "eval.py", methods, ns)
 
 
+def regbench_scoring_batch(sharp: bool) -> tuple:
+    """The scoring parity test's batch: 8 of make_regbench(20, 16, seed 8)'s test automata (89 n-gram
+    rows that sum to < 1), their inputs, labels and automata, and random logits (`sharp`: +3 on the
+    legal symbols, so the accuracy is neither near 0 nor near 1)."""
+    data = make_regbench(num_examples=20, num_test_examples=16, seed=8)
+    inputs, labels, pfas = data.test.batch(range(8))
+    true = exact_distributions(inputs, pfas)
+    logits = torch.randn(*true.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    if sharp:
+        logits += 3.0 * torch.from_numpy(true > 0)
+    return data, inputs, labels, pfas, logits
+
+
 @pytest.mark.parametrize("sharp", [False, True])
 def test_seq_icl_scores_equal_owai_regbench_metrics(sharp, tmp_path, monkeypatch):
     """One batch of owai's RegBench test automata, scored by seq_icl's own code and by owai: the model's
@@ -1355,18 +1421,13 @@ def test_seq_icl_scores_equal_owai_regbench_metrics(sharp, tmp_path, monkeypatch
     automaton and its accuracy. `sharp` puts most of each row's mass on legal symbols, so the accuracy is
     neither near 0 nor near 1."""
     ref = seq_icl_scoring()
-    data = make_regbench(num_examples=20, num_test_examples=16, seed=8)  # 89 n-gram rows that sum to < 1
-    inputs, labels, pfas = data.test.batch(range(8))
+    data, inputs, labels, pfas, logits = regbench_scoring_batch(sharp)
     cfg = data.config
     vocab = ref["Vocab"](cfg.vocab_size - 2, special_vocabs={"seperator": "|", "noop": "."})
     assert vocab.vocab == list(cfg.symbols)  # the same ids: "." 0, letters 1-18, "|" 19
     dfas = [ref["DFA"](pfa.num_states, tuple(vocab.non_special_vocab),
                        tuple({vocab.get_vocab(sym): nxt for sym, nxt in row} for row in pfa.transitions),
                        np.random.default_rng(0)) for pfa in pfas]
-    true = exact_distributions(inputs, pfas)
-    logits = torch.randn(*true.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    if sharp:
-        logits += 3.0 * torch.from_numpy(true > 0)
     module = SimpleNamespace(task=SimpleNamespace(dataset=SimpleNamespace(vocab=vocab)), current_epoch=0)
     y = torch.from_numpy(labels)
     batch = (torch.from_numpy(inputs), y)

@@ -52,8 +52,9 @@ from owai.methods.regbench import max_input_length as regbench_max_input_length
 from owai.models.gpt import GPTConfig, GPTForCausalLM
 from owai.models.memory_mosaics_convert import convert_official_state_dict
 from naive_memory_mosaics import random_official_state_dict
-from test_official_code import (ANNEAL, C, H, IDS, LAYERS, LM_REFERENCES, LM_STEPS, MOON_BATCH, MOON_STEPS, P, RECIPE, RFC_SETTINGS,
-                                STEPS, T, TARGETS, TRAINERS, V, _owai_model, _randomised)
+from test_official_code import (C, CAMELYON_ANNEAL, H, IDS, LAYERS, P, PI_SETTINGS, RECIPE, T, TARGETS, TRAINERS, V, _owai_model,
+                                _randomised, bonsai_settings, camelyon_batch, group_dro_batches, lm_settings, moon_settings,
+                                official_lm_builder, regbench_scoring_batch, trainer_settings)
 
 N_PROBES = 8
 
@@ -918,23 +919,19 @@ def _stage(run, stage: str) -> dict[str, torch.Tensor]:
 def test_owai_bonsai_trains_to_rfcs_weights(method, tmp_path, monkeypatch, float64):
     """`owai bonsai --method M` (table2.4's tiny preset on 1,000 images, ERM init, 10 annealed steps then
     20 with the penalty) ends at the weights RFC's trainer reaches from the same start on the same environments."""
-    trainer_name, _, extra = TRAINERS[method]
-    settings = [f"method={method}", "init=erm", f"penalty.anneal_iters={ANNEAL}", f"train.steps={STEPS}", *RFC_SETTINGS,
-                *extra]
     monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
-    run, _ = execute(RECIPE, "tiny", settings, out=tmp_path / "runs")
+    run, _ = execute(RECIPE, "tiny", trainer_settings(method), out=tmp_path / "runs")
     trained = _stage(run, "train")
     if method == "lff":  # the run trains a biased copy beside the model: keep the model ("debiased")
         trained = {k.removeprefix("debiased."): v for k, v in trained.items() if k.startswith("debiased.")}
-    _same_trained_weights(f"RFC {trainer_name} / owai {method}", trained)
+    _same_trained_weights(f"RFC {TRAINERS[method][0]} / owai {method}", trained)
 
 
 def test_owai_pi_trains_to_rfcs_weights(tmp_path, monkeypatch, float64):
     """`owai bonsai --method pi` (table2.5-pi, tiny): both stage-1 models and the final RERM model at
     the weights of RFC's PI.py from the same starts and hold-outs."""
-    settings = ["dataset=coloredmnist", f"train.steps={STEPS}", "penalty.options={steps1: 10}", *RFC_SETTINGS]
     monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
-    run, _ = execute("table2.5-pi", "tiny", settings, out=tmp_path / "runs")
+    run, _ = execute("table2.5-pi", "tiny", PI_SETTINGS, out=tmp_path / "runs")
     for stage in ("pi.env1", "pi.env2", "train"):
         _same_trained_weights(f"RFC PI.py / owai pi, {stage}", _stage(run, stage))
 
@@ -943,10 +940,8 @@ def test_owai_pi_trains_to_rfcs_weights(tmp_path, monkeypatch, float64):
 def test_owai_bonsai_init_trains_to_rfcs_weights(init, tmp_path, monkeypatch, float64):
     """`owai bonsai --init bonsai[-cf] --method vrex` (tiny, 10 steps a Bonsai phase, 30 vREx steps):
     each phase and the downstream model at the weights of RFC's Bonsai scripts and vrex_train."""
-    settings = ["method=vrex", f"init={init}", f"train.steps={STEPS}", "bonsai.stopping=fixed", "bonsai.erm_steps=10",
-                "bonsai.rerm_steps=10", "bonsai.synthesis_steps=10", *RFC_SETTINGS]
     monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
-    run, _ = execute(RECIPE, "tiny", settings, out=tmp_path / "runs")
+    run, _ = execute(RECIPE, "tiny", bonsai_settings(init), out=tmp_path / "runs")
     for stage in ("bonsai.round0", "bonsai.round1", "bonsai.synthesis", "train"):
         _same_trained_weights(f"RFC Bonsai / owai {init}, {stage}", _stage(run, stage))
 
@@ -957,25 +952,9 @@ def test_owai_mosaic_train_trains_to_the_reference_loops_weights(source, tmp_pat
     in float64: the weights the Library's / nanoMosaics' training loop reaches on the same batches."""
     import owai.models.lm as owai_models
 
-    _, _, model_settings, accumulate, matching, clip = LM_REFERENCES[source]
-    C_LM, H_LM, P_LM, T_LM = 32, 2, 24, 32
-    build = owai_models.build_lm
-
-    def from_official(arch: str, **kwargs):  # owai's model, holding the random official weights
-        model = build(arch, **kwargs, **matching)
-        official = random_official_state_dict(source, V=kwargs["vocab_size"], C=C_LM, H=H_LM, L=1, P=P_LM, sharp=False)
-        model.load_state_dict(convert_official_state_dict(official, source, leaky_chunk=16)[1], strict=True)
-        return model
-
-    monkeypatch.setattr(owai_models, "build_lm", from_official)
+    monkeypatch.setattr(owai_models, "build_lm", official_lm_builder(source, owai_models.build_lm, {}, []))
     monkeypatch.setenv("OWAI_CACHE", str(tmp_path / "cache"))
-    settings = ["archs=[mm]", "data.source=owai-stories:1500", "data.tokenizer=bpe-512", f"data.block_size={T_LM}",
-                "model.n_layer=1", f"model.n_embd={C_LM}", f"model.n_head={H_LM}", f"model.pmem_size={P_LM}",
-                "model.dropout=0.0", *model_settings, f"train.steps={LM_STEPS}", "train.batch_size=8",
-                f"train.accumulate={accumulate}", "train.lr=5e-3", "train.warmup=5", "train.min_lr=1e-4",
-                f"train.grad_clip={clip}", "train.eval_every=1000", "train.eval_batches=1", "train.checkpoint_every=1000",
-                "eval.posloss_windows=8", "eval.val_batches=1", "eval.attention_sequences=2", "eval.continuations=false"]
-    run, _ = execute("fig3.8-depth", "cpu", settings, out=tmp_path / "runs")
+    run, _ = execute("fig3.8-depth", "cpu", lm_settings(source), out=tmp_path / "runs")
     _same_trained_weights(f"{source} training loop vs owai mosaic-train", _stage(run, "mm"), bound=1e-10)
 
 
@@ -987,10 +966,7 @@ def test_owai_moons_trains_to_the_three_moons_codes_weights(heads, tmp_path, mon
     `generate` / `generate_nocache` give on those weights."""
     sample = owai_moons.sample_sequences
     monkeypatch.setattr(owai_moons, "sample_sequences", lambda *a, **k: sample(*a, **k).double())
-    settings = [f"model.heads=[{heads}]", f"train.steps={MOON_STEPS}", f"train.batch_size={MOON_BATCH}",
-                "train.selection_sequences=3", "eval.n_sequences=2", "eval.chunk=2", "eval.tau_stride=97",
-                "train.checkpoint_every=1000", "train.log_every=1000"]
-    run, results = execute("three-moons", "cpu", settings, out=tmp_path / "runs")
+    run, results = execute("three-moons", "cpu", moon_settings(heads), out=tmp_path / "runs")
     _same_trained_weights(f"Three Moons training heads={heads}", _stage(run, f"heads{heads}-r0"), bound=1e-5)
     curves, want = results["details"]["variants"][f"heads{heads}"]["curves"], MOON_CURVES[heads]
     for panel in ("train", "val"):  # the parity test's bound, 1e-5 (MLX's float64 exp)
@@ -1023,14 +999,10 @@ def test_owai_camelyon17_objectives_give_rfcs_losses_and_gradients(method, weigh
     from owai.methods.camelyon17 import PenaltyConfig, make_downstream_penalty
     from owai.methods.invariance import EnvBatch
 
-    anneal = 2
     penalty = make_downstream_penalty(CamelyonConfig(method=method, penalty=PenaltyConfig(weight=weight,
-                                                                                          anneal_iters=anneal)))
-    gen = torch.Generator().manual_seed(7)
-    logits = torch.randn(32, 2, generator=gen, dtype=torch.float64)
-    y = torch.randint(0, 2, (32,), generator=gen)
-    g = torch.tensor([3] * 16 + [0] * 16)  # the group loader's order: one hospital's 16, then the other's
-    for step, want in zip((0, anneal), CAMELYON[f"{method}-{weight}"]):
+                                                                                          anneal_iters=CAMELYON_ANNEAL)))
+    logits, y, g = camelyon_batch()
+    for step, want in zip((0, CAMELYON_ANNEAL), CAMELYON[f"{method}-{weight}"]):
         ours_in = logits.clone().requires_grad_()
         envs = [EnvBatch(ours_in[g == h], y[g == h]) for h in g.unique_consecutive().tolist()]
         loss = penalty.objective(envs, step).loss
@@ -1047,11 +1019,7 @@ def test_owai_group_dro_rounds_give_rfcs_losses_gradients_and_weights():
 
     eta, in_train = 0.01, torch.tensor([True, True, True, False])
     penalty = make_penalty("groupdro", eta=eta)
-    gen = torch.Generator().manual_seed(11)
-    for step, want in enumerate(CAMELYON["groupdro"]):
-        logits = torch.randn(32, 2, generator=gen, dtype=torch.float64) * 3
-        y = torch.randint(0, 2, (32,), generator=gen)
-        g = torch.randint(0, 3 if step % 2 == 0 else 2, (32,), generator=gen)
+    for step, ((logits, y, g), want) in enumerate(zip(group_dro_batches(), CAMELYON["groupdro"], strict=True)):
         ours_in = logits.clone().requires_grad_()
         loss = group_dro_loss(penalty, ours_in, y, g, torch.nonzero(in_train).reshape(-1))
         loss.backward()
@@ -1075,15 +1043,9 @@ def test_owai_regbench_metrics_give_seq_icls_scores(sharp):
     random logits (`sharp`: +3 on the legal symbols): seq_icl's accuracy (abs 1e-12), total variation
     ("tvd", rel 1e-9) and its 3-gram's L1 (rel 1e-9), as test_official_code's parity test bounds them.
     The 3-gram's accuracy is left out: seq_icl breaks its ties in hash-seed order."""
-    from owai.data.regbench import make_regbench
-    from owai.evals.regbench import exact_distributions, ngram_backoff_probs, regbench_metrics
+    from owai.evals.regbench import ngram_backoff_probs, regbench_metrics
 
-    data = make_regbench(num_examples=20, num_test_examples=16, seed=8)
-    inputs, _, pfas = data.test.batch(range(8))
-    true = exact_distributions(inputs, pfas)
-    logits = torch.randn(*true.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    if sharp:
-        logits += 3.0 * torch.from_numpy(true > 0)
+    data, inputs, _, pfas, logits = regbench_scoring_batch(sharp)
     accuracy, tvd, ngram_tvd = REGBENCH_SCORES[sharp]
     mine = regbench_metrics(logits, inputs, pfas, from_logits=True)
     ngram = regbench_metrics(ngram_backoff_probs(inputs, data.config.vocab_size, data.config.sep_id), inputs, pfas)
