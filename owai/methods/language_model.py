@@ -1193,13 +1193,13 @@ class LanguageModelEvaluation(Method):
     def validate(cfg: EvalOnlyConfig) -> None:
         if not cfg.models:
             raise DataMissing("no model given: pass model directories (save_pretrained dirs or mosaic-train run dirs)")
-        from owai.models.lm import check_saved_weights
-
         for path in cfg.models:
             for _, directory in model_dirs(Path(path)):
                 check_context(directory, cfg.data.block_size)
                 reads_documents(directory, cfg.data.documents)
         _validate_common(cfg)
+        from owai.models.lm import check_saved_weights  # transformers' import (seconds) after the quick checks
+
         for path in cfg.models:
             for _, directory in model_dirs(Path(path)):
                 check_saved_weights(directory)  # no weights, or a truncated or corrupt file: one line naming it
