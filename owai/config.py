@@ -12,7 +12,9 @@ probability outside its range (`check_ranges`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import math
 import re
 import types
@@ -135,9 +137,18 @@ def coerce(tp: Any, value: Any, path: str) -> Any:
     raise TypeError(f"unsupported config type {tp!r} at {path}")
 
 
+@functools.cache
+def type_hints(cls: type) -> dict[str, Any]:
+    """typing.get_type_hints of a config dataclass, once per class (read-only: callers never change it).
+    Each call evaluates the class's string annotations anew, and a sweep's design resolves its recipe
+    once per point, each resolve reading the hints of every section again (a study of 100 points took
+    seconds in them)."""
+    return typing.get_type_hints(cls)
+
+
 def build(cls: type, data: dict[str, Any], path: str = "params") -> Any:
     """Instantiate dataclass `cls` from `data`, rejecting unknown keys and wrong types."""
-    hints = typing.get_type_hints(cls)
+    hints = type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = [k for k in data if k not in names]
     if unknown:
@@ -321,6 +332,16 @@ def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
 
 
+@functools.lru_cache(maxsize=4096)
+def _override_value(raw: str) -> Any:
+    """A `--set` value as `load_yaml` reads it (the raw text where it is no YAML), parsed once per
+    text: a sweep's design applies the same overrides to every point."""
+    try:
+        return load_yaml(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        return raw
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Parse `a.b.c=value`; the value is read as YAML (so 1e-3 is a float, [1,2] a list)."""
     if "=" not in text:
@@ -329,11 +350,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     parts = key.strip().split(".")
     if not key.strip() or any(not p for p in parts):
         raise OwaiError(f"--set {text!r}: empty key in path")
-    try:
-        value = load_yaml(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return parts, value
+    return parts, copy.deepcopy(_override_value(raw))  # a copy: the caller's config may change a list it holds
 
 
 def override_leaves(text: str) -> list[tuple[str, Any]]:
@@ -363,7 +380,7 @@ def apply_overrides(cls: type, data: dict[str, Any], overrides: list[str]) -> di
                 where = ".".join(parts[:i]) or "params"
                 raise OwaiError(f"--set {text!r}: unknown key {part!r} in {where}{did_you_mean(part, names)} "
                                 f"(known: {', '.join(names)})")
-            schema = typing.get_type_hints(schema)[part]
+            schema = type_hints(schema)[part]
         node = out
         for part in parts[:-1]:
             node[part] = dict(node.get(part) or {})
@@ -379,7 +396,7 @@ def _into_section(schema: Any, current: Any, value: Any) -> Any:
     key, recursively through its sections; anything else replaces."""
     if not (dataclasses.is_dataclass(schema) and isinstance(value, dict) and value):
         return value
-    hints = typing.get_type_hints(schema)
+    hints = type_hints(schema)
     out = dict(current) if isinstance(current, dict) else {}
     for key, item in value.items():
         out[key] = _into_section(hints.get(key), out.get(key), item)

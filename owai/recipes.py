@@ -9,7 +9,9 @@ grids and seeds, and a selection of the best grid cell per group). Recipes ship 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import re
 from importlib import resources
 from pathlib import Path
@@ -204,6 +206,14 @@ def recipe_claims(recipe_id: str, source: str | None = None) -> list[dict[str, A
 
 
 def parse(text: str, source: str) -> Recipe:
+    """The recipe that YAML `text` (from file `source`) holds, checked; a copy of the one parsed before
+    from the same text. Reading and checking a recipe takes ~50 ms (its presets built against the
+    method's schema), and a study or a chain of stages loads its recipe many times in one process."""
+    return copy.deepcopy(_parsed(text, source))
+
+
+@functools.lru_cache(maxsize=128)
+def _parsed(text: str, source: str) -> Recipe:
     try:
         data = load_yaml(text)
     except yaml.YAMLError as e:

@@ -97,17 +97,19 @@ def test_both_models_train_and_are_evaluated_past_their_length(trained: Path):
     assert (trained / "figures" / "extrapolation.png").is_file()
 
 
-def test_the_long_term_delay_is_drawn_per_step_and_replayed_on_resume(trained: Path, tmp_path: Path):
+# The tests below run owai in this process (`cli_in_process`: an `owai` subprocess costs seconds of
+# imports); the `trained` fixture runs the console script itself.
+def test_the_long_term_delay_is_drawn_per_step_and_replayed_on_resume(trained: Path, tmp_path: Path, capsys):
     run = tmp_path / "run"
     shutil.copytree(trained, run)
     before = losses(trained, "mmv2")
     as_if_killed(run, run / "checkpoints" / "mmv2" / "step-000008", run / "checkpoints" / "transformer", run / "models")
-    proc = run_owai("mosaic-train", "-q", "--resume", str(run))
-    assert proc.returncode == 0, proc.stderr
+    code, _, err = cli_in_process(["mosaic-train", "-q", "--resume", str(run)], capsys)
+    assert code == 0, err
     assert losses(run, "mmv2") == before
 
 
-def test_a_corrupt_checkpoint_is_refused_in_one_line(trained: Path, tmp_path: Path):
+def test_a_corrupt_checkpoint_is_refused_in_one_line(trained: Path, tmp_path: Path, capsys):
     run = tmp_path / "run"
     shutil.copytree(trained, run)
     as_if_killed(run)
@@ -115,9 +117,9 @@ def test_a_corrupt_checkpoint_is_refused_in_one_line(trained: Path, tmp_path: Pa
     data = bytearray(tensors.read_bytes())
     data[len(data) // 2] ^= 0xFF
     tensors.write_bytes(bytes(data))
-    proc = run_owai("mosaic-train", "-q", "--resume", str(run))
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().count("\n") == 0 and "step-000008" in proc.stderr, proc.stderr
+    code, _, err = cli_in_process(["mosaic-train", "-q", "--resume", str(run)], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().count("\n") == 0 and "step-000008" in err, err
 
 
 @pytest.mark.slow  # a full end-to-end path (tens of seconds); `pytest -m slow`
@@ -317,7 +319,7 @@ def test_the_evaluation_interface_batches_left_padded_prompts(arch: str):
     assert lm.pads and generate_all(lm, prompts, max_new_tokens=6) == alone
 
 
-def test_context_extension_starts_from_the_saved_model(trained: Path, tmp_path: Path, text_file: Path):
+def test_context_extension_starts_from_the_saved_model(trained: Path, tmp_path: Path, text_file: Path, capsys):
     """model.init_from: the extend-32k stage's mechanism, here 32 -> 64 tokens with a zero learning rate:
     the saved model equals the one it started from."""
     from safetensors.torch import load_file
@@ -325,8 +327,9 @@ def test_context_extension_starts_from_the_saved_model(trained: Path, tmp_path: 
     extend = [s for s in TINY_V2 if not s.startswith(("archs", "data.block_size", "train.steps", "eval.lengths"))] + [
         "archs=[mmv2]", "data.block_size=64", "train.steps=1", "train.lr=1e-30", "train.min_lr=1e-30", "train.warmup=0",
         "eval.lengths=[]", f"model.init_from={trained / 'models' / 'mmv2'}"]
-    proc = run_owai("mosaic-train", "-r", "table4.2-pretrain", "-q", "-o", str(tmp_path), "--dataset", str(text_file), *as_sets(extend))
-    assert proc.returncode == 0, proc.stderr
+    code, _, err = cli_in_process(["mosaic-train", "-r", "table4.2-pretrain", "-q", "-o", str(tmp_path), "--dataset",
+                                   str(text_file), *as_sets(extend)], capsys)
+    assert code == 0, err
     before = load_file(trained / "models" / "mmv2" / "model.safetensors")
     after = load_file(only_run(tmp_path) / "models" / "mmv2" / "model.safetensors")
     assert before.keys() == after.keys() and all(torch.allclose(before[k], after[k]) for k in before)
@@ -342,7 +345,7 @@ def test_context_extension_starts_from_the_saved_model(trained: Path, tmp_path: 
         _check_init_from(trained / "models" / "mmv2", "mmv2", wider)
 
 
-def test_mosaic_eval_reads_documents_apart_as_the_run_trained(trained: Path, tmp_path: Path, text_file: Path):
+def test_mosaic_eval_reads_documents_apart_as_the_run_trained(trained: Path, tmp_path: Path, text_file: Path, capsys):
     """`owai mosaic-eval RUN` of models trained with document-wise masks (data.documents=true) gives
     the run's own final validation losses without the setting repeated (it is read from the run's
     config.yaml); `--set data.documents=false` reads the same windows across documents, another loss."""
@@ -350,10 +353,10 @@ def test_mosaic_eval_reads_documents_apart_as_the_run_trained(trained: Path, tmp
     original = {r["metric"]: r["measured"] for r in json.loads((trained / "results.json").read_text())["rows"]}
     for extra, same in (([], True), (["--set", "data.documents=false"], False)):
         out = tmp_path / str(same)
-        proc = run_owai("mosaic-eval", str(trained), "--posloss-only", "-q", "--json", "-o", str(out),
-                        "--set", f"data.source={text_file}", *sets, *extra)
-        assert proc.returncode == 0, proc.stderr
-        got = json.loads(proc.stdout)
+        code, stdout, err = cli_in_process(["mosaic-eval", str(trained), "--posloss-only", "-q", "--json", "-o", str(out),
+                                            "--set", f"data.source={text_file}", *sets, *extra], capsys)
+        assert code == 0, err
+        got = json.loads(stdout)
         evaluated = {r["metric"]: r["measured"] for r in got["rows"]}
         for arch in ("mmv2", "transformer"):
             assert got["details"][f"{arch}.documents"] is same

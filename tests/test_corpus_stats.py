@@ -12,7 +12,7 @@ import pytest
 from owai.errors import OwaiError
 from owai.methods.corpus_stats import histogram, split_statistics
 
-from conftest import run_owai
+from conftest import cli_in_process, run_owai
 
 TRAIN = ["Once upon a time, Mia found a red ball.", "Tom said \"hi\" to the cat.\nThe cat ran away.", "é" * 700]
 VAL = ["A dog sat.", "The sun was warm and the grass was green."]
@@ -91,7 +91,7 @@ def test_bad_settings_fail_before_a_run_directory(tmp_path, sets, match):
     assert not any(tmp_path.iterdir())
 
 
-def test_cli_data_stats_runs_and_refuses_bad_input(tmp_path):
+def test_cli_data_stats_runs_and_refuses_bad_input(tmp_path, capsys):
     babistories(tmp_path / "data")
     proc = run_owai("data", "stats", "babistories", "--tokenizer", "bytes", "--truncate", "64,1024", "--data-root",
                     str(tmp_path / "data"), "--out", str(tmp_path / "runs"), "--json")
@@ -103,8 +103,9 @@ def test_cli_data_stats_runs_and_refuses_bad_input(tmp_path):
     assert "train.over_64" in rows and "train.over_1024" in rows
     for args, match in ((["--truncate", "4k"], "--truncate '4k'"), (["--recipe", "figA.2-twobits"], "not corpus_stats"),
                         (["/no/such/corpus"], "not found")):
-        bad = run_owai("data", "stats", *args, "--tokenizer", "bytes", "--out", str(tmp_path / "bad"))
-        assert bad.returncode == 2 and "Traceback" not in bad.stderr and match in bad.stderr, bad.stderr
+        # in process (an `owai` subprocess costs seconds of imports; the run above is the console script)
+        code, _, err = cli_in_process(["data", "stats", *args, "--tokenizer", "bytes", "--out", str(tmp_path / "bad")], capsys)
+        assert code == 2 and "Traceback" not in err and match in err and err.strip().count("\n") == 0, err
         assert not (tmp_path / "bad").exists()
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import as_if_killed, as_sets, run_owai, torchrun
+from conftest import as_if_killed, as_sets, cli_in_process, run_owai, torchrun
 
 TINY_LM = [
     "data.source=owai-stories:1500",
@@ -99,10 +99,11 @@ def test_mosaic_train_trains_both_and_writes_everything(trained: Path):
     assert not list(trained.rglob("*.tmp"))
 
 
-def test_mosaic_eval_reads_the_saved_models_back(trained: Path, tmp_path: Path):
-    proc = run_owai("mosaic-eval", str(trained), "-q", "--json", "-o", str(tmp_path), *as_sets([s for s in TINY_LM if s.startswith(("data.", "eval."))]))
-    assert proc.returncode == 0, proc.stderr
-    evaluated = {r["metric"]: r["measured"] for r in json.loads(proc.stdout)["rows"]}
+def test_mosaic_eval_reads_the_saved_models_back(trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    code, out, err = cli_in_process(["mosaic-eval", str(trained), "-q", "--json", "-o", str(tmp_path),
+                                     *as_sets([s for s in TINY_LM if s.startswith(("data.", "eval."))])], capsys)
+    assert code == 0, err
+    evaluated = {r["metric"]: r["measured"] for r in json.loads(out)["rows"]}
     original = {r["metric"]: r["measured"] for r in json.loads((trained / "results.json").read_text())["rows"]}
     for arch in ("mm", "gpt"):  # same weights, same tokenizer, same evaluation windows
         assert evaluated[f"{arch}.val_loss"] == pytest.approx(original[f"{arch}.val_loss"], rel=1e-5)
@@ -110,14 +111,14 @@ def test_mosaic_eval_reads_the_saved_models_back(trained: Path, tmp_path: Path):
         assert evaluated[f"{arch}.train_loss"] == pytest.approx(original[f"{arch}.train_loss"], rel=1e-5)
 
 
-def test_resume_replays_the_killed_steps_exactly(trained: Path, tmp_path: Path):
+def test_resume_replays_the_killed_steps_exactly(trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     """Drop the last checkpoint and everything after it (as a kill would), resume, compare."""
     run = tmp_path / "run"
     shutil.copytree(trained, run)
     before = losses(trained, "gpt")
     as_if_killed(run, run / "checkpoints" / "gpt" / "step-000030", run / "models")
-    proc = run_owai("mosaic-train", "-q", "--resume", str(run))
-    assert proc.returncode == 0, proc.stderr
+    code, _, err = cli_in_process(["mosaic-train", "-q", "--resume", str(run)], capsys)
+    assert code == 0, err
     assert losses(run, "gpt") == before
 
 
@@ -166,43 +167,48 @@ def test_torchrun_two_gloo_processes_match_one(strategy: str, tmp_path: Path):
         (["--set", "model.n_embd=30", "--set", "model.n_head=4"], "multiple of n_head"),
     ],
 )
-def test_bad_input_is_one_line(extra: list[str], message: str, tmp_path: Path):
+# In this process (`cli_in_process`: owai's `main`, its one error path): an `owai` subprocess pays
+# seconds of imports each; tests/test_cli_errors.py checks the same error path through the entry point.
+def test_bad_input_is_one_line(extra: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     tiny = [s for s in TINY_LM if not (extra[0] == "--dataset" and s.startswith("data.source="))]
-    proc = run_owai("mosaic-train", "-o", str(tmp_path), *as_sets(tiny), *extra)
-    assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr and proc.stderr.strip().count("\n") == 0, proc.stderr
-    assert "Traceback" not in proc.stderr
+    code, _, err = cli_in_process(["mosaic-train", "-o", str(tmp_path), *as_sets(tiny), *extra], capsys)
+    assert code == 2, err
+    assert message in err and err.strip().count("\n") == 0, err
+    assert "Traceback" not in err
+    assert not any(tmp_path.iterdir())  # rejected before any run directory exists
 
 
-def test_eval_context_longer_than_learned_positions_is_one_line(trained: Path, tmp_path: Path):
-    proc = run_owai("mosaic-eval", str(trained), "--context", "64", "-o", str(tmp_path))
-    assert proc.returncode == 2 and "learned position table" in proc.stderr, proc.stderr
-    assert proc.stderr.strip().count("\n") == 0
+def test_eval_context_longer_than_learned_positions_is_one_line(trained: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]):
+    code, _, err = cli_in_process(["mosaic-eval", str(trained), "--context", "64", "-o", str(tmp_path)], capsys)
+    assert code == 2 and "learned position table" in err, err
+    assert err.strip().count("\n") == 0
     assert not any(tmp_path.iterdir())  # rejected before any run directory exists
 
 
 def test_eval_missing_model_is_one_line(tmp_path: Path):
     proc = run_owai("mosaic-eval", str(tmp_path / "nothing"), "-o", str(tmp_path))
     assert proc.returncode == 2 and "model path not found" in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0
 
 
-def test_eval_posloss_subcommand(trained: Path, tmp_path: Path):
-    proc = run_owai("eval", "posloss", str(trained), "-q", "--json", "-o", str(tmp_path),
-                    *as_sets([s for s in TINY_LM if s.startswith(("data.", "eval."))]))
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout)
+def test_eval_posloss_subcommand(trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    code, out, err = cli_in_process(["eval", "posloss", str(trained), "-q", "--json", "-o", str(tmp_path),
+                                     *as_sets([s for s in TINY_LM if s.startswith(("data.", "eval."))])], capsys)
+    assert code == 0, err
+    result = json.loads(out)
     assert len(result["details"]["gpt.posloss"]) == 32 and "gpt.continuations" not in result["details"]
     assert not list(Path(result["run_dir"]).glob("continuations_*.md"))
 
 
 @pytest.mark.parametrize("recipe", ["tableB.2-gpt-search", "fig3.9-posloss", pytest.param("figB.5-attention", marks=pytest.mark.slow),
                                     pytest.param("tableB.4-continuations", marks=pytest.mark.slow)])
-def test_every_lm_recipe_runs_its_cpu_preset_shrunk(recipe: str, tmp_path: Path):
+def test_every_lm_recipe_runs_its_cpu_preset_shrunk(recipe: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     """Each recipe's own cpu preset, shrunk by TINY_LM: RoPE/ALiBi GPTs included (Fig B.6)."""
     tiny = [s for s in TINY_LM if not s.startswith(("eval.attention", "eval.max_new"))] + ["train.steps=6", "train.eval_every=3", "train.checkpoint_every=3"]
-    proc = run_owai("mosaic-train", "--recipe", recipe, "-q", "--json", "-o", str(tmp_path), *as_sets(tiny))
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout)
+    code, out, err = cli_in_process(["mosaic-train", "--recipe", recipe, "-q", "--json", "-o", str(tmp_path), *as_sets(tiny)], capsys)
+    assert code == 0, err
+    result = json.loads(out)
     run = Path(result["run_dir"])
     losses = [row for row in result["rows"] if row["metric"].endswith("val_loss")]
     assert losses, [row["metric"] for row in result["rows"]]

@@ -252,7 +252,7 @@ def test_tiny_pipeline_trains_both_models_and_measures_every_point(tiny_run):
     assert {r["stage"] for r in evals} >= {"mmv2-eval", "transformer-eval"}
 
 
-def test_a_resume_after_the_evaluations_logs_each_models_scores_once(tiny_run, tmp_path):
+def test_a_resume_after_the_evaluations_logs_each_models_scores_once(tiny_run, tmp_path, capsys):
     """Killed after both models' evaluations were logged (before results.json): the resume evaluates
     them again and replaces their rows, to the same numbers; each row used to be there twice."""
     import shutil
@@ -260,8 +260,9 @@ def test_a_resume_after_the_evaluations_logs_each_models_scores_once(tiny_run, t
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run)
     as_if_killed(run)
-    proc = run_owai("recipes", "run", str(RECIPE), "--resume", str(run), "-q")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, _, err = cli_in_process(["recipes", "run", str(RECIPE), "--resume", str(run), "-q"], capsys)  # in process: seconds of imports saved
+    assert code == 0, err[-3000:]
+
     def evaluation_rows(path: Path) -> list[dict]:
         rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
         return [r for r in rows if r["stage"].endswith("-eval")]
@@ -272,12 +273,12 @@ def test_a_resume_after_the_evaluations_logs_each_models_scores_once(tiny_run, t
     assert after == before
 
 
-def test_owai_report_prints_the_verdicts(tiny_run):
-    proc = run_owai("report", str(tiny_run))
-    assert proc.returncode == 0, proc.stderr
+def test_owai_report_prints_the_verdicts(tiny_run, capsys):
+    code, out, err = cli_in_process(["report", str(tiny_run)], capsys)
+    assert code == 0, err
     for claim in ("v2-recall-holds-8x", "no-ltm-far-to-chance", "v2-icl-rises-8x-anonymous", "transformer-icl-flat-8x"):
-        assert claim in proc.stdout
-    assert "holds" in proc.stdout or "misses" in proc.stdout
+        assert claim in out
+    assert "holds" in out or "misses" in out
 
 
 def test_episodes_that_cannot_fit_are_refused_before_a_run_directory(tmp_path, capsys):

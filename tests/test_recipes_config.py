@@ -454,3 +454,33 @@ def test_figure_2_4s_paper_fine_tuning_passes_fit_one_gpu() -> None:
     activations under bf16; the paper preset reads the batch in micro-batches of at most 64."""
     finetune = resolve(recipes.load("fig2.4-vit"), "paper", [], missing_ok=True)[0].finetune
     assert finetune.batch_size == 512 and finetune.batch_size // finetune.accumulate <= 64
+
+
+def test_a_recipe_loaded_again_is_a_copy_that_earlier_changes_do_not_reach(tmp_path: Path) -> None:
+    """`recipes.parse` keeps each text's checked recipe (a study loads its recipe once per point): each
+    load returns its own copy, so a caller that changes one (a preset merged in, a claim dropped) does
+    not change the next; a file edited in between is read anew."""
+    first = recipes.load("table2.2-cat-probe")
+    first.params["data"]["base"] = "changed"
+    first.presets.clear()
+    first.claims.clear()
+    again = recipes.load("table2.2-cat-probe")
+    assert again is not first and again.params["data"]["base"] != "changed"
+    assert again.presets and again.claims
+    path = tmp_path / "mine.yaml"
+    text = recipes.available()["three-moons"].read_text()
+    path.write_text(text)
+    assert recipes.load(str(path)).default_preset == "cpu"
+    path.write_text(text.replace("default_preset: cpu", "default_preset: paper"))
+    assert recipes.load(str(path)).default_preset == "paper"
+
+
+def test_an_override_value_read_again_is_a_new_object() -> None:
+    """`--set` values are parsed once per text; a list or mapping a config then holds is its own."""
+    _, first = parse_override("model.heads=[1, 2, 3]")
+    first.append(4)
+    assert parse_override("model.heads=[1, 2, 3]")[1] == [1, 2, 3]
+    _, mapping = parse_override("penalty={weight: 3}")
+    mapping["weight"] = 5
+    assert parse_override("penalty={weight: 3}")[1] == {"weight": 3}
+    assert parse_override("x=[unclosed")[1] == "[unclosed"  # not YAML: the text itself, as before

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_MOONS, run_owai
+from conftest import TINY_MOONS, cli_in_process, run_owai
 
 SETS = sum((["--set", s] for s in TINY_MOONS), [])
 
 
-def test_moons_run_directory_layout_and_report(tmp_path):
+def test_moons_run_directory_layout_and_report(tmp_path, capsys):
     out = tmp_path / "runs"
     proc = run_owai("moons", *SETS, "--json", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
@@ -37,16 +37,17 @@ def test_moons_run_directory_layout_and_report(tmp_path):
     steps = [m["step"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
     assert steps == sorted(steps) and steps[-1] == 6
 
-    md = run_owai("report", str(run_dir), "--markdown")
-    assert md.returncode == 0 and "| heads3.val.accurate_from |" in md.stdout and "133.3" in md.stdout
-    table = run_owai("report", str(run_dir))
-    assert table.returncode == 0 and "heads3.disentanglement" in table.stdout
+    # in process from here (an `owai` subprocess costs seconds of imports; the run above is the console script)
+    code, md, _ = cli_in_process(["report", str(run_dir), "--markdown"], capsys)
+    assert code == 0 and "| heads3.val.accurate_from |" in md and "133.3" in md
+    code, table, _ = cli_in_process(["report", str(run_dir)], capsys)
+    assert code == 0 and "heads3.disentanglement" in table
 
 
-def test_runs_never_overwrite(tmp_path):
+def test_runs_never_overwrite(tmp_path, capsys):
     out = tmp_path / "runs"
     for _ in range(2):
-        assert run_owai("moons", *SETS, "--quiet", "--out", str(out)).returncode == 0
+        assert cli_in_process(["moons", *SETS, "--quiet", "--out", str(out)], capsys)[0] == 0
     assert len(list((out / "three-moons").iterdir())) == 2
 
 

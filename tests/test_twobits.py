@@ -28,7 +28,7 @@ from owai.methods.twobits import (
     radius_below,
     representation,
 )
-from conftest import cli_in_process, run_owai
+from conftest import cli_in_process
 
 ENVS = [list(e) for e in TRAINING_ENVIRONMENTS]
 POINTS = [(0.0, 0.0), (0.3, -0.7), (1.2, 0.5), (-0.9, 1.1), (0.9459, 0.3846)]
@@ -302,9 +302,10 @@ def test_cli_bonsai_recipe_runs_twobits(tmp_path: Path, capsys):
     code, out, _ = cli_in_process(["bonsai", "--help"], capsys)
     if code != 0 or "--recipe" not in out:
         pytest.skip("owai bonsai has no --recipe option yet")
-    proc = run_owai("bonsai", "--recipe", "figA.2-twobits", "--out", str(tmp_path), "-q")
-    assert proc.returncode == 0, proc.stderr
+    code, _, err = cli_in_process(["bonsai", "--recipe", "figA.2-twobits", "--out", str(tmp_path), "-q"], capsys)
+    assert code == 0, err
     pngs = list(tmp_path.glob("figA.2-twobits/*/figures/figA.2-twobits.png"))
     assert len(pngs) == 1
-    bad = run_owai("bonsai", "--recipe", "figA.2-twobits", "--out", str(tmp_path), "--set", "environments=[[0.1,2.0],[0.1,0.3]]")
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "beta = 2.0" in bad.stderr
+    code, _, err = cli_in_process(["bonsai", "--recipe", "figA.2-twobits", "--out", str(tmp_path), "--set",
+                                   "environments=[[0.1,2.0],[0.1,0.3]]"], capsys)
+    assert code == 2 and "Traceback" not in err and "beta = 2.0" in err, err
