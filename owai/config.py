@@ -137,13 +137,18 @@ def coerce(tp: Any, value: Any, path: str) -> Any:
     raise TypeError(f"unsupported config type {tp!r} at {path}")
 
 
-@functools.cache
-def type_hints(cls: type) -> dict[str, Any]:
+_TYPE_HINTS: dict[Any, dict[str, Any]] = {}
+
+
+def type_hints(cls: Any) -> dict[str, Any]:
     """typing.get_type_hints of a config dataclass, once per class (read-only: callers never change it).
     Each call evaluates the class's string annotations anew, and a sweep's design resolves its recipe
     once per point, each resolve reading the hints of every section again (a study of 100 points took
     seconds in them)."""
-    return typing.get_type_hints(cls)
+    hints = _TYPE_HINTS.get(cls)
+    if hints is None:
+        hints = _TYPE_HINTS[cls] = typing.get_type_hints(cls)
+    return hints
 
 
 def build(cls: type, data: dict[str, Any], path: str = "params") -> Any:
