@@ -157,6 +157,8 @@ def test_torchrun_two_gloo_processes_match_one(strategy: str, tmp_path: Path):
     assert sorted(p.name for p in (two / "checkpoints" / "gpt").iterdir()) == ["step-000006", "step-000012"]
 
 
+# In this process (`cli_in_process`: owai's `main`, its one error path): an `owai` subprocess pays
+# seconds of imports each; tests/test_cli_errors.py checks the same error path through the entry point.
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -167,8 +169,6 @@ def test_torchrun_two_gloo_processes_match_one(strategy: str, tmp_path: Path):
         (["--set", "model.n_embd=30", "--set", "model.n_head=4"], "multiple of n_head"),
     ],
 )
-# In this process (`cli_in_process`: owai's `main`, its one error path): an `owai` subprocess pays
-# seconds of imports each; tests/test_cli_errors.py checks the same error path through the entry point.
 def test_bad_input_is_one_line(extra: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     tiny = [s for s in TINY_LM if not (extra[0] == "--dataset" and s.startswith("data.source="))]
     code, _, err = cli_in_process(["mosaic-train", "-o", str(tmp_path), *as_sets(tiny), *extra], capsys)

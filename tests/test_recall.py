@@ -260,7 +260,8 @@ def test_a_resume_after_the_evaluations_logs_each_models_scores_once(tiny_run, t
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run)
     as_if_killed(run)
-    code, _, err = cli_in_process(["recipes", "run", str(RECIPE), "--resume", str(run), "-q"], capsys)  # in process: seconds of imports saved
+    # in this process (an `owai` subprocess costs seconds of imports; the fixture's run is the console script)
+    code, _, err = cli_in_process(["recipes", "run", str(RECIPE), "--resume", str(run), "-q"], capsys)
     assert code == 0, err[-3000:]
 
     def evaluation_rows(path: Path) -> list[dict]:
