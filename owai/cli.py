@@ -14,7 +14,6 @@ import pkgutil
 import signal
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -24,7 +23,9 @@ from rich.table import Table
 
 from owai import __version__, console
 from owai.commands._common import Json, Preset, Quiet, RecipeOption, RunOptions, Sets, one_recipe, options
-from owai.errors import OwaiError, PeerFailed, Termination, one_line, stop_on_termination, termination_deferred, user_message
+from owai.errors import (
+    OwaiError, PeerFailed, Termination, one_line, release_frames, stop_on_termination, termination_deferred, user_message,
+)
 
 try:  # Typer >= 0.26 parses with its own copy of Click (pyproject asks >= 0.27)
     from typer._click import exceptions as click
@@ -496,7 +497,7 @@ def _exit(code: int) -> None:
     gloo's destructors about one time in two ("terminate called without an active exception",
     SIGABRT instead of the exit code): it flushes its output and ends at once, as torchrun then
     ends the other ranks."""
-    _release_failed_frames()
+    release_frames(sys.exc_info()[1])  # an in-process caller gets what the command held back now
     # torch.distributed is looked up, never imported: a Ctrl-C can stop torch's own import half-way,
     # and importing it again then fails inside torch ("duplicate registrations for aten...")
     dist = sys.modules.get("torch.distributed")
@@ -509,22 +510,6 @@ def _exit(code: int) -> None:
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
-
-
-def _release_failed_frames() -> None:
-    """Drop the locals of the frames the error being handled came through (and of the errors it
-    chains), as `traceback.clear_frames` does: what the failed command held (its model and optimizer,
-    a data loader's worker processes) is released now, not whenever the garbage collector reaches the
-    error's reference cycle. A process that exits loses nothing by it. `main` called in-process (a
-    notebook, a test, a sweep's point) gets its memory back at once, and its loader workers end as
-    after a loop. (torch's shutdown of workers whose iterator the collector reclaims waited out a 5-s
-    join per worker: their index queue went in the same cycle, and with the queue held elsewhere the
-    shutdown was immediate.)"""
-    error, seen = sys.exc_info()[1], set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        traceback.clear_frames(error.__traceback__)  # frames still executing (this one's callers) are left as they are
-        error = error.__cause__ or error.__context__
 
 
 if __name__ == "__main__":  # `python -m owai.cli ...` (e.g. `torchrun -m owai.cli ...`) is `python -m owai ...`

@@ -11,6 +11,7 @@ import difflib
 import re
 import signal
 import threading
+import traceback
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -169,6 +170,23 @@ def one_line(exc: BaseException, limit: int | None = 240, typed: bool = False) -
     else:
         text = f"{type(exc).__name__}: {line}" if line else type(exc).__name__
     return first_line(text, limit)
+
+
+def release_frames(error: BaseException | None) -> None:
+    """Drop the locals of the frames `error` (and each error it chains) came through, as
+    `traceback.clear_frames` does, once the error has been said. An exception re-raised from a
+    DataLoader worker is in a reference cycle with its traceback (torch's `reraise` frame holds it),
+    so without this what the failed run held (its model and optimizer, GPU memory, loader workers)
+    stays until the garbage collector reaches the cycle: in a process that goes on (a notebook
+    calling `main`, a sweep worker's next point) that is memory the next run needs, and torch's
+    shutdown of workers whose iterator the collector reclaims waited out a 5-s join per worker
+    (their index queue went in the same cycle; with the queue held elsewhere the shutdown was
+    immediate). Frames still executing (the caller's) are left as they are."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
 
 
 def first_line(text: str, limit: int | None = 240) -> str:

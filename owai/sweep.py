@@ -42,7 +42,7 @@ import yaml
 
 from owai import console
 from owai.config import build, coerce, load_yaml, override_leaves, parse_override
-from owai.errors import CannotRunHere, OwaiError, Terminated, one_line, stop_on_termination
+from owai.errors import CannotRunHere, OwaiError, Terminated, one_line, release_frames, stop_on_termination
 from owai.io import atomic_write_json, build_lock, is_write_temporary, remove_write_temporaries
 from owai.recipes import Grid, Recipe, Selection, check_path, load, recipe_claims, recorded_name, sub_grids
 from owai.runs import CONFIG, OUT, RESULTS, SWEEP, Run, config_hash, ensure_writable, is_sweep_dir, new_unique_dir, timestamp
@@ -443,6 +443,7 @@ def run_point(task: dict[str, Any]) -> dict[str, Any]:
             outcome["status"] = "complete"
         except Exception as e:  # noqa: BLE001 - a failed point is recorded; the sweep goes on
             outcome["error"] = one_line(e, None)
+            release_frames(e)  # the failed run's model and loader workers go now, before the worker's next point
         finally:
             console.configure(*saved)
     outcome["seconds"] = round(time.time() - started, 2)

@@ -357,6 +357,35 @@ def test_a_command_whose_data_loader_worker_fails_says_the_workers_message(monke
     assert not workers, f"the failed command's loader workers outlived it: {workers}"
 
 
+def test_release_frames_drops_what_the_chained_errors_frames_held():
+    """An error raised `from` another (owai's line for a worker's exception, say) is raised above the
+    frames that held the run: those are on the cause's traceback, which must be cleared too."""
+    import weakref
+
+    from owai.errors import release_frames
+
+    class Held:
+        pass
+
+    refs = []
+
+    def run():
+        model = Held()
+        refs.append(weakref.ref(model))
+        raise ValueError("worker failed")
+
+    try:
+        try:
+            run()
+        except ValueError as cause:
+            raise OwaiError("cannot read the data") from cause
+    except OwaiError as e:
+        error = e  # kept, as a caller in a notebook keeps it
+    assert refs[0]() is not None
+    release_frames(error)
+    assert refs[0]() is None and str(error) == "cannot read the data"
+
+
 @pytest.mark.parametrize("signum", ["SIGTERM", "SIGHUP"])
 def test_a_run_stopped_by_sigterm_is_marked_interrupted(signum, tmp_path, monkeypatch, capsys):
     """SIGTERM (torchrun stopping its ranks, SLURM's cancel or time limit, `kill`) and SIGHUP (a closed

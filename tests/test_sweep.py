@@ -136,6 +136,43 @@ def test_a_point_whose_folder_is_a_file_fails_with_one_line(tmp_path: Path) -> N
     assert (tmp_path / "p0").read_text() == "not a run"
 
 
+class _Undecodable:
+    """A map-style dataset whose every item fails as a corrupt image does, in the loader's worker."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        raise OwaiError(f"cannot decode image {i}.png: broken data stream")
+
+
+def test_a_point_failed_in_a_loader_worker_leaves_no_worker_to_the_next_point(tmp_path: Path, monkeypatch) -> None:
+    """A worker runs its points one after another in one process. An error re-raised from a loader
+    worker is in a reference cycle with the frames it came through, so the failed run's model and
+    loader workers stayed until a garbage collection (where torch's shutdown waited 5 s per worker);
+    the point's error path releases them."""
+    import gc
+    import multiprocessing
+
+    import torch
+
+    def execute(*_args, **_kwargs):  # the point's run, reading its data through a worker that fails
+        model = torch.nn.Linear(4, 4)  # noqa: F841 - what the failed run's frame holds
+        next(iter(torch.utils.data.DataLoader(_Undecodable(), num_workers=2, collate_fn=lambda batch: batch)))
+
+    monkeypatch.setattr("owai.experiment.execute", execute)
+    before = set(multiprocessing.active_children())
+    gc.disable()  # released by the point's error path, not by a collection
+    try:
+        outcome = sweeps.run_point({"id": "p0", "dir": str(tmp_path / "p0"), "recipe": "three-moons", "preset": "cpu",
+                                    "overrides": []})
+        left = set(multiprocessing.active_children()) - before
+    finally:
+        gc.enable()
+    assert outcome["status"] == "failed" and outcome["error"].startswith("cannot decode image"), outcome
+    assert not left, f"the failed point's loader workers outlived it: {left}"
+
+
 def test_report_renders_a_sweep(grid_sweep: Path, capsys) -> None:
     code, out, _ = cli(["report", str(grid_sweep)], capsys)
     assert code == 0 and "train.lr=0.01" in out and "±" in out and "heads3.disentanglement" in out
