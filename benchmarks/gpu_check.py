@@ -395,6 +395,9 @@ def main() -> int:
             except Exception as e:  # one check's failure is its verdict; the others still run
                 verdict("FAIL", name, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
                 traceback.print_exc(limit=4)
+                from owai.errors import release_frames
+
+                release_frames(e)  # what the failed check held (its model, GPU memory) goes before the next check
     failed = sum(v["status"] == "FAIL" for v in VERDICTS)
     print(f"# {len(VERDICTS)} checks, {failed} failed, {time.monotonic() - started:.0f} s", flush=True)
     return 1 if failed else 0
