@@ -201,6 +201,21 @@ def parse_owai(words: list[str]) -> tuple[object, dict]:
     return cmd, ctx.params
 
 
+class Undecodable(torch.utils.data.Dataset):
+    """A dataset whose items fail in a loader's worker: item 1 as a corrupt image does (owai's own
+    error, naming the file), item 0 with a plain ValueError."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int):
+        from owai.errors import OwaiError
+
+        if i == 1:
+            raise OwaiError("cannot decode image sketch/dog/dog_0.png: broken data stream\n  see docs: here")
+        raise ValueError("bad value")
+
+
 def cli_in_process(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     """Run `owai ARGS` in this process: (exit code, stdout, stderr). `main` puts back the output mode
     after it (a command's --quiet would otherwise silence the libraries for the rest of the process)."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import TINY_MOONS, cli_in_process, run_owai
+from conftest import TINY_MOONS, Undecodable, cli_in_process, run_owai
 from owai import recipes
 from owai.errors import OwaiError
 
@@ -311,16 +311,6 @@ def test_study_tables_print_their_preset_in_brackets(capsys):
     assert "[paper]" in capsys.readouterr().out
 
 
-class _Undecodable(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return 2
-
-    def __getitem__(self, i: int):
-        if i == 1:
-            raise OwaiError("cannot decode image sketch/dog/dog_0.png: broken data stream\n  see docs: here")
-        raise ValueError("bad value")
-
-
 @pytest.mark.parametrize("index, expected", [
     (1, "cannot decode image sketch/dog/dog_0.png: broken data stream"),
     (0, "ValueError: bad value"),
@@ -330,7 +320,7 @@ def test_an_error_in_a_data_loader_worker_keeps_its_own_message(index, expected)
     the traceback below; the one-line error kept that first line and lost the file's name."""
     from owai.errors import one_line
 
-    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(_Undecodable(), [index]), num_workers=1,
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(Undecodable(), [index]), num_workers=1,
                                          collate_fn=lambda batch: batch)
     with pytest.raises(Exception) as caught:
         next(iter(loader))
@@ -342,7 +332,7 @@ def test_a_command_whose_data_loader_worker_fails_says_the_workers_message(monke
     """The command line printed torch's wrapper ("Caught OwaiError in DataLoader worker process 0.")
     and the worker's whole traceback, where the file it could not read is the message."""
     def status(*_args, **_kwargs):  # `owai data list` reading its data through a worker that fails
-        return next(iter(torch.utils.data.DataLoader(torch.utils.data.Subset(_Undecodable(), [1]), num_workers=1,
+        return next(iter(torch.utils.data.DataLoader(torch.utils.data.Subset(Undecodable(), [1]), num_workers=1,
                                                      collate_fn=lambda batch: batch)))
 
     monkeypatch.setattr("owai.data.registry.status", status)

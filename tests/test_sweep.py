@@ -15,7 +15,7 @@ from owai import sweep as sweeps
 from owai.cli import main
 from owai.errors import OwaiError
 from owai.runs import Run
-from conftest import as_sets
+from conftest import Undecodable, as_sets
 from conftest import cli_in_process as cli
 
 TINY = [
@@ -136,16 +136,6 @@ def test_a_point_whose_folder_is_a_file_fails_with_one_line(tmp_path: Path) -> N
     assert (tmp_path / "p0").read_text() == "not a run"
 
 
-class _Undecodable:
-    """A map-style dataset whose every item fails as a corrupt image does, in the loader's worker."""
-
-    def __len__(self) -> int:
-        return 4
-
-    def __getitem__(self, i: int):
-        raise OwaiError(f"cannot decode image {i}.png: broken data stream")
-
-
 def test_a_point_failed_in_a_loader_worker_leaves_no_worker_to_the_next_point(tmp_path: Path, monkeypatch) -> None:
     """A worker runs its points one after another in one process. An error re-raised from a loader
     worker is in a reference cycle with the frames it came through, so the failed run's model and
@@ -158,7 +148,8 @@ def test_a_point_failed_in_a_loader_worker_leaves_no_worker_to_the_next_point(tm
 
     def execute(*_args, **_kwargs):  # the point's run, reading its data through a worker that fails
         model = torch.nn.Linear(4, 4)  # noqa: F841 - what the failed run's frame holds
-        next(iter(torch.utils.data.DataLoader(_Undecodable(), num_workers=2, collate_fn=lambda batch: batch)))
+        next(iter(torch.utils.data.DataLoader(torch.utils.data.Subset(Undecodable(), [1, 1]), num_workers=2,
+                                              collate_fn=lambda batch: batch)))
 
     monkeypatch.setattr("owai.experiment.execute", execute)
     before = set(multiprocessing.active_children())
