@@ -516,6 +516,7 @@ def test_paired_ratio_is_after_over_before_of_untimed_warm_steps(monkeypatch, ca
 
 
 @pytest.mark.parametrize("arch", ["gpt", "lstm"])
+@pytest.mark.filterwarnings("ignore:CUDA is not available:UserWarning")  # the fake cuda device's autocast, on the CPU
 def test_speed_check_counts_timed_steps_alone_and_its_mfu_is_three_forward_flops(arch, verdicts, monkeypatch):
     """gpu_check's speed check (docstring): tokens/s of bf16 training steps at batch 8 x context 2048,
     and MFU = tokens/s x 3 x owai.plan.forward_flops_per_token / the GPU's bf16 peak (for the LSTM,

@@ -75,6 +75,7 @@ def test_each_shot_count_reports_its_own_best_accuracy(tmp_path):
     assert len(set(accs)) > 1  # the check above can tell the shot counts apart
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # the empty figure's legend() warned: "No artists with labels"
 def test_the_prompt_budget_leaves_room_for_the_generated_tokens(tmp_path, monkeypatch):
     """A prompt must leave `max_new_tokens` of the model's context for the answer: a prompt of more
     than max_tokens - max_new_tokens tokens is an overflow, never scored. Here every prompt counts

@@ -259,5 +259,9 @@ def plot_curves(run: Run, task: str, model: str, shots: list[int], curves: dict[
     ax.set_xlabel("shots (one demonstration per class each)")
     ax.set_ylabel("accuracy (%)")
     ax.set_title(f"{task}: {Path(model).name or model}")
-    ax.legend()
+    if ax.lines:
+        ax.legend()
+    else:  # no prompt fitted the context at any shot count (details' n_overflow): say so, not an empty plot
+        ax.text(0.5, 0.5, "no prompt scored: each overflowed\nthe model's context (see n_overflow)",
+                ha="center", va="center", transform=ax.transAxes)
     run.save_figure(fig, f"icl_{task}")
