@@ -3,7 +3,7 @@
     runs/<recipe>/<YYYYmmdd-HHMMSS>-<confighash>/
         config.yaml       resolved config (recipe, preset, overrides, params), never rewritten
         config_history.jsonl  one line per resume that changed settings (--set): time, overrides
-        env.json          owai version/commit, torch, device, seed, ranks, host, start time, resumes
+        env.json          owai version/commit, torch, device, seed, ranks, host and its CPU, start time, resumes
         status.json       running | complete | failed | interrupted (+ error; `nonfinite` when NaN/inf
                           stopped it; under torchrun the `rank` whose error stopped the job)
         error.rankR.json  under torchrun, the error that stopped rank R > 0, written by that rank
@@ -174,6 +174,20 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The processor's name (Linux's /proc/cpuinfo, else what `platform` says), None when unknown.
+
+    Recorded because float32 training on the CPU ends at different weights on different processors:
+    the same code and settings gave a stand-in's accuracy 81.5 on one host and 84.0 on another
+    (docs/results.md, Table 2.10)."""
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    return platform.processor() or None
+
+
 def environment(device: str, dtype: str, seed: int) -> dict[str, Any]:
     import numpy
     import torch
@@ -195,6 +209,10 @@ def environment(device: str, dtype: str, seed: int) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "host": socket.gethostname(),
         "platform": platform.platform(),
+        # which vectorised kernels torch's CPU operators run (AVX512, AVX2, ...; ATEN_CPU_CAPABILITY
+        # lowers it): with cpu, what a CPU run's numbers depend on beyond the code and the settings
+        "cpu": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "argv": sys.argv,
         "started": dt.datetime.now().isoformat(timespec="seconds"),
         "resumed": [],
@@ -377,7 +395,8 @@ class Run:
             return
         old = self.env()
         if old:  # a resume: keep the original facts, record this start
-            old.setdefault("resumed", []).append({k: facts[k] for k in ("started", "host", "device", "world_size", "argv")})
+            old.setdefault("resumed", []).append({k: facts[k] for k in ("started", "host", "cpu", "cpu_capability", "device",
+                                                                        "world_size", "argv")})
             facts = old
         atomic_write_json(self.path / ENV, facts)
 

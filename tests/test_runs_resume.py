@@ -11,8 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import TINY_MOONS, cli_in_process, run_owai
+from owai import runs
 
 SETS = sum((["--set", s] for s in TINY_MOONS), [])
 
@@ -30,6 +32,9 @@ def test_moons_run_directory_layout_and_report(tmp_path, capsys):
         assert (run_dir / "figures" / f"{fig}.png").stat().st_size > 1000
     env = json.loads((run_dir / "env.json").read_text())
     assert env["seed"] == 100 and env["device"] == "cpu" and env["torch"].startswith("2.")
+    # the processor and torch's kernels for it, on which a CPU run's float32 numbers depend
+    assert env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert env["cpu"] == runs.cpu_model()
     assert json.loads((run_dir / "status.json").read_text())["status"] == "complete"
     rows = {r["metric"]: r for r in results["rows"]}
     assert rows["heads3.val.accurate_from"]["thesis"] == 133.3
@@ -119,7 +124,19 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     reference_log = [json.loads(line) for line in (full_dir / "metrics.jsonl").read_text().splitlines()]
     assert _close(logged, reference_log)  # metrics past the checkpoint were trimmed, then re-logged
     env = json.loads((run_dir / "env.json").read_text())
-    assert len(env["resumed"]) == 1
+    assert len(env["resumed"]) == 1 and env["resumed"][0]["cpu_capability"] == env["cpu_capability"]
 
     again = run_owai("moons", "--resume", str(run_dir))
     assert again.returncode == 0 and "already complete" in again.stderr  # an info line: stderr
+
+
+def test_cpu_model_reads_the_processors_name(tmp_path, monkeypatch):
+    """env.json's cpu: the "model name" line of /proc/cpuinfo, else platform.processor(), else None."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9654 96-Core Processor\nflags\t: fpu\n")
+    assert runs.cpu_model(info) == "AMD EPYC 9654 96-Core Processor"
+    info.write_text("processor\t: 0\nCPU part\t: 0xd0c\n")  # an Arm kernel's: no model name
+    monkeypatch.setattr(runs.platform, "processor", lambda: "aarch64")
+    assert runs.cpu_model(info) == "aarch64" == runs.cpu_model(tmp_path / "absent")
+    monkeypatch.setattr(runs.platform, "processor", lambda: "")
+    assert runs.cpu_model(info) is None
