@@ -177,9 +177,9 @@ def git_commit() -> str | None:
 def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
     """The processor's name (Linux's /proc/cpuinfo, else what `platform` says), None when unknown.
 
-    Recorded because float32 training on the CPU ends at different weights on different processors:
-    the same code and settings gave a stand-in's accuracy 81.5 on one host and 84.0 on another
-    (docs/results.md, Table 2.10)."""
+    Recorded because float32 training on the CPU ends at different weights on different processors'
+    kernels: one processor gave a stand-in's accuracy 81.5 with its AVX-512 kernels and 79.75 with
+    AVX2 ones, the same code and settings (docs/results.md, Table 2.10)."""
     with contextlib.suppress(OSError, UnicodeDecodeError):
         for line in cpuinfo.read_text().splitlines():
             key, _, value = line.partition(":")
