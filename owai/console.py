@@ -98,8 +98,10 @@ def fit_table(table: Table, whole: Sequence[int] = ()) -> Table:
 
 
 class _State:
-    quiet: bool = False
-    json: bool = False
+    def __init__(self) -> None:
+        self.quiet = False
+        self.json = False
+        self.said: set[str] = set()  # the `info(..., once=True)` lines this command has printed
 
 
 state = _State()
@@ -110,6 +112,7 @@ def configure(quiet: bool = False, as_json: bool = False) -> None:
     restores the mode after). Quiet also silences the libraries (`silence_libraries`)."""
     state.quiet = quiet
     state.json = as_json
+    state.said = set()
     silence_libraries(quiet)
     _fit_width(stdout)
     _fit_width(stderr)
@@ -200,10 +203,14 @@ def text_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]]
     return table
 
 
-def info(message: str) -> None:
-    """A human-readable status line on stderr (stdout carries only the result); nothing under --quiet."""
-    if state.quiet:
+def info(message: str, once: bool = False) -> None:
+    """A human-readable status line on stderr (stdout carries only the result); nothing under --quiet.
+    `once`: not again in this command (a sweep checks every point's config, and a note about the
+    config would otherwise repeat a line per point)."""
+    if state.quiet or (once and message in state.said):
         return
+    if once:
+        state.said.add(message)
     stderr.print(message, markup=False)  # paths and names may hold '[...]'
 
 

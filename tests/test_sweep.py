@@ -186,6 +186,18 @@ def test_bad_grid_fails_before_anything_is_created(tmp_path: Path, capsys) -> No
         sweeps.parse_grid(["train.lr=1,2", "train.lr=3"])
 
 
+def test_a_note_on_the_config_is_said_once_per_command_not_once_per_point(capsys) -> None:
+    """fig3.8-depth's cpu preset reads the learned-position GPT's attention at 3 x block_size, which its
+    config check notes it skips; a sweep checks the base config and then every point's."""
+    from owai import console
+
+    for _ in range(2):  # and again in the next command
+        console.configure()
+        points = sweeps.plan("fig3.8-depth", "cpu", grid_overrides=["model.n_layer=1,2"], seeds=[1])
+        err = capsys.readouterr().err
+        assert len(points) == 2 and err.count("cannot run beyond block_size") == 1, err
+
+
 def test_plan_parses_grid_and_seeds() -> None:
     assert sweeps.parse_grid(["model.heads=[1],[3]", "train.lr=1e-3,1e-2"]) == {
         "model.heads": [[1], [3]], "train.lr": [0.001, 0.01]}

@@ -361,7 +361,8 @@ def check_inputs(cfg: Config) -> None:
         too_long = [k for k in cfg.eval.attention_multiples if k > 1]
         if too_long:
             console.info(
-                f"note: the learned-position GPT cannot run beyond block_size; its attention at {too_long} x block_size is skipped"
+                f"note: the learned-position GPT cannot run beyond block_size; its attention at {too_long} x block_size is skipped",
+                once=True,
             )
 
 
