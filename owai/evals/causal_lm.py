@@ -610,7 +610,7 @@ def _from_hub(name: str, tokenizer: str, device: torch.device | None, precision:
     try:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, use_kernels=False)  # owai.models.lm.load_pretrained says why
     except Exception as exc:  # noqa: BLE001 - hub, cache and format errors: one line
         raise OwaiError(f"cannot load the model {name!r} ({one_line(exc)})") from None
     return CausalLM(model, tok, name, device, precision)

@@ -340,7 +340,7 @@ class HFImageBackbone(nn.Module):
             with _quiet(local is not None):
                 model, info = AutoModel.from_pretrained(
                     where, config=config, local_files_only=local is not None or bool(hub_unreachable()), dtype=torch.float32,
-                    output_loading_info=True, **kwargs)
+                    output_loading_info=True, use_kernels=False, **kwargs)  # owai.models.lm.load_pretrained says why
         except Exception as e:  # noqa: BLE001 - OSError, safetensors/pickle errors, hub errors: one line
             from owai.models.vision import _load_problem  # never passes on torch's advice to unpickle unsafely
 

@@ -170,12 +170,18 @@ def check_saved_weights(directory) -> None:
 
 def load_pretrained(path) -> PreTrainedModel:
     """A saved model directory (save_pretrained) back as its owai class, through the Auto classes;
-    its weights are checked first (`check_saved_weights`), so a bad file is one line naming it."""
+    its weights are checked first (`check_saved_weights`), so a bad file is one line naming it.
+
+    Every owai load of a transformers model passes `use_kernels=False`: transformers 5.25 turned
+    hub kernels on by default in `from_pretrained`, which on CUDA swaps layers (the Llama
+    baseline's RMSNorm and rotary embedding) for kernels downloaded from the hub at load time.
+    A model then evaluates with the code it trained with, and nothing but weights is fetched
+    (docs/decisions.md, "transformers 5.25's hub kernels")."""
     from transformers import AutoModelForCausalLM
 
     check_saved_weights(path)
     try:
-        return AutoModelForCausalLM.from_pretrained(str(path))
+        return AutoModelForCausalLM.from_pretrained(str(path), use_kernels=False)
     except (OSError, ValueError, KeyError, RuntimeError) as err:  # RuntimeError: weights that do not fit config.json
         raise OwaiError(f"cannot load the model in {path}: {one_line(err)}") from None
 
