@@ -36,6 +36,29 @@ def manager():
     return harness.task_manager()
 
 
+def test_runs_without_task_folders_share_one_index_of_the_tasks(manager, tmp_path, monkeypatch) -> None:
+    """Indexing lm-eval's ~15k tasks takes seconds: every run without task folders reuses the index that
+    validation built, and each `load` from it still builds new task objects; a run with folders, whose
+    files may change, indexes them anew each time."""
+    import lm_eval.tasks
+
+    from owai.evals import harness
+
+    assert harness.task_manager() is manager and harness.task_manager([]) is manager and harness.builtin_tasks() is manager
+    first, second = (manager.load(["owai_mc_smoke"])["tasks"]["owai_mc_smoke"] for _ in range(2))
+    assert first is not second
+    made = []
+
+    class Manager:  # what task_manager builds with folders, recorded instead of indexed
+        def __init__(self, include_path: list[str]) -> None:
+            made.append(include_path)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Manager)
+    folder = str(tmp_path)
+    assert harness.task_manager([folder]) is not harness.task_manager([folder])
+    assert made == [[str(harness.TASKS_DIR), folder]] * 2
+
+
 @pytest.fixture(scope="module")
 def owai_lm(tiny_dir):
     from owai.evals import harness

@@ -604,6 +604,8 @@ def test_null_model_and_word_lists(gpt2) -> None:
     assert len(words) == len(set(words)) > 600 and words == sorted(words)
     extra = R.pseudo_words(500)
     assert len(set(extra)) == 500 and not set(extra) & set(words) and extra == R.pseudo_words(500)
+    extra.reverse()  # cwe shuffles its copy in place: the next caller's words are in the fixed order
+    assert R.pseudo_words(500) == extra[::-1] and R.pseudo_words(500) is not R.pseudo_words(500)
 
 
 def test_pair_list_equals_the_sorted_pairs() -> None:

@@ -328,10 +328,18 @@ def _track(requests: list, description: str, disable: bool) -> Any:
 
 def task_manager(include_path: list[str] | None = None) -> Any:
     """The harness's TaskManager over its own tasks, owai's (TASKS_DIR) and `include_path` folders
-    (which `check_task_files` and `task_index` must have passed: the manager loads their YAMLs)."""
+    (which `check_task_files` and `task_index` must have passed: the manager loads their YAMLs).
+
+    Without folders it is `builtin_tasks()`, the one indexed once per process: indexing lm-eval's
+    ~15k task entries takes seconds (8-9 s on a laptop core), and a run that checked its tasks
+    against that index would otherwise index them all again. A manager builds its tasks anew from
+    their YAMLs at each `load`, so one serves every run. With folders, whose files may change
+    between runs, a new manager each time."""
+    if not include_path:
+        return builtin_tasks()
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=[str(TASKS_DIR), *(include_path or [])])
+    return TaskManager(include_path=[str(TASKS_DIR), *include_path])
 
 
 # ---------------------------------------------------------------- include_path task files: data, never code
@@ -438,7 +446,9 @@ def check_task_files(folders: list[str]) -> None:
 @functools.lru_cache(maxsize=1)
 def builtin_tasks() -> Any:
     """The TaskManager of lm-eval's tasks and owai's (indexed once per process: seconds)."""
-    return task_manager()
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=[str(TASKS_DIR)])
 
 
 def task_index(include_path: list[str] | None = None) -> dict[str, Any]:

@@ -893,6 +893,13 @@ def adjective_noun_pairs() -> _PairList:
 def pseudo_words(count: int) -> list[str]:
     """`count` distinct made-up consonant-vowel words of 3 syllables in a fixed order (none of them a
     built-in word): cwe's extension when the built-in list is too short (RULER uses 'randle')."""
+    return list(_pseudo_words(count))
+
+
+@lru_cache(maxsize=8)
+def _pseudo_words(count: int) -> tuple[str, ...]:
+    """`pseudo_words`, drawn once per count and process (a tenth of a second: cwe draws 30,000 at
+    every length it builds)."""
     syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
     known = set(word_list())
     order = random.Random(0).sample(range(len(syllables) ** 3), min(count + len(known), len(syllables) ** 3))
@@ -903,7 +910,7 @@ def pseudo_words(count: int) -> list[str]:
             out.append(word)
             if len(out) == count:
                 break
-    return out
+    return tuple(out)
 
 
 def _numbered(words: Sequence[str]) -> str:
