@@ -331,7 +331,7 @@ def task_manager(include_path: list[str] | None = None) -> Any:
     (which `check_task_files` and `task_index` must have passed: the manager loads their YAMLs).
 
     Without folders it is `builtin_tasks()`, the one indexed once per process: indexing lm-eval's
-    ~15k task entries takes seconds (8-9 s on a laptop core), and a run that checked its tasks
+    ~15k task entries takes seconds (8-9 s on a 2-core test host), and a run that checked its tasks
     against that index would otherwise index them all again. A manager builds its tasks anew from
     their YAMLs at each `load`, so one serves every run. With folders, whose files may change
     between runs, a new manager each time."""
