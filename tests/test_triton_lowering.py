@@ -96,6 +96,10 @@ def test_the_capture_runs_nothing_and_gives_the_shapes():
     assert x.grad.shape == x.shape and torch.equal(x.grad, torch.zeros_like(x))
 
 
+# slow (8-16 s each, cold, on the 2-core machine; docs/decisions.md, fifty-seventh session): what a GPU's
+# kernels would store and launch is a speed property, which `bash benchmarks/mmv2_gpu.sh` measures on the
+# GPU (its bytes and launches steps) and `python benchmarks/mmv2_bytes.py ... --device triton` prints here
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["short", "long"])
 def test_compiled_memory_inputs_store_no_float32_rows_on_a_gpu(kind, monkeypatch):
     """On a GPU a float32 tensor as wide as a memory's rows, stored by one kernel for another to read,
@@ -130,6 +134,8 @@ def test_compiled_memory_inputs_store_no_float32_rows_on_a_gpu(kind, monkeypatch
     assert forward < 15 and backward < 22, (forward, backward)
 
 
+# slow: a speed property, as the store test above
+@pytest.mark.slow
 def test_a_static_decoding_block_launches_what_the_transformers_layer_does_plus_its_second_read(monkeypatch):
     """A StaticDecoder's compiled block (`static_block`, what its CUDA graph replays per block and
     token), lowered for Triton: the two memories' masks over their slots are computed once per step
@@ -161,6 +167,8 @@ def test_a_static_decoding_block_launches_what_the_transformers_layer_does_plus_
     assert len(launches) == 3 and sum(len(step) for step in launches[:-1]) <= 4, launches
 
 
+# slow: a speed property, as the store test above
+@pytest.mark.slow
 def test_a_compiled_blocks_reads_reach_o_proj_without_a_copy(monkeypatch):
     """flex_attention's output takes the layout of its queries. Compiled, for a flex read,
     `memory_inputs` stores them as (B, T, H, hs), so each memory's read is already o_proj's (B T, d)
